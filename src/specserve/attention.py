@@ -1,0 +1,144 @@
+"""Attention over a paged KV cache: one implementation for prefill, chunks, decode and verify.
+
+Each scheduled request brings n_i >= 1 new query tokens at positions
+[c_i, c_i + n_i), where c_i tokens already have KV in the request's blocks. The new tokens'
+K/V are written into their slots first; then every query attends to the request's KV at
+positions <= its own. That single rule covers a whole prompt (c_i = 0), a prompt chunk, one
+decode token (n_i = 1) and a K+1-token speculative verify.
+
+Requests are padded into a [B, Q, ...] batch (Q = longest query run) and their KV gathered
+through the block table into [B, L, ...] (L = longest context), so one fused SDPA call per
+layer serves the whole batch whatever its mix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step tensors shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot (block_id * block_size + offset) to write
+    query_index: torch.Tensor  # [num_tokens] row of each token in the padded [B * Q] query batch
+    block_tables: torch.Tensor  # [B, max_blocks] block ids, padded with 0
+    attn_mask: torch.Tensor  # [B, 1, Q, L] True where a query may attend
+    num_seqs: int
+    max_query_len: int
+    max_kv_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the step."""
+        return int(self.slot_mapping.shape[0])
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    start_positions: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    extra_mask: torch.Tensor | None = None,
+) -> AttentionMetadata:
+    """Build the step's metadata from per-request query lengths, starts and block tables.
+
+    extra_mask ([B, Q, Q] bool), when given, is AND-ed into the mask among the new tokens of
+    each request: tree verification uses it so a draft only sees its own ancestors.
+    """
+    num_seqs = len(query_lens)
+    max_q = max(query_lens)
+    kv_lens = [s + q for s, q in zip(start_positions, query_lens)]
+    max_kv = max(kv_lens)
+    max_blocks = -(-max_kv // block_size)
+
+    slots: list[int] = []
+    qidx: list[int] = []
+    for b, (q, s, table) in enumerate(zip(query_lens, start_positions, block_tables)):
+        for j in range(q):
+            pos = s + j
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            qidx.append(b * max_q + j)
+    padded_tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables]
+
+    q_len_t = torch.tensor(query_lens, dtype=torch.long)
+    start_t = torch.tensor(start_positions, dtype=torch.long)
+    # Absolute position of each padded query row; padding rows get position -1.
+    j = torch.arange(max_q, dtype=torch.long)
+    q_pos = start_t[:, None] + j[None, :]  # [B, Q]
+    valid_q = j[None, :] < q_len_t[:, None]  # [B, Q]
+    k_pos = torch.arange(max_kv, dtype=torch.long)  # [L]
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L] causal over absolute positions
+    if extra_mask is not None:
+        # Only the block of new tokens [start, start + q) is affected by the extra mask.
+        em = torch.ones(num_seqs, max_q, max_kv, dtype=torch.bool)
+        for b in range(num_seqs):
+            s, q = start_positions[b], query_lens[b]
+            em[b, :q, s : s + q] = extra_mask[b, :q, :q].cpu()
+        mask &= em
+    # Padding query rows attend to key 0 only, so softmax never sees an all-masked row.
+    mask[~valid_q] = False
+    mask[..., 0] |= ~valid_q
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_index=torch.tensor(qidx, dtype=torch.long, device=device),
+        block_tables=torch.tensor(padded_tables, dtype=torch.long, device=device),
+        attn_mask=mask.unsqueeze(1).to(device),
+        num_seqs=num_seqs,
+        max_query_len=max_q,
+        max_kv_len=max_kv,
+    )
+
+
+def write_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens]
+) -> None:
+    """Store the new tokens' keys and values into their cache slots."""
+    n_kv, d = k_cache.shape[-2:]
+    k_cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Attend each new token to its request's cached KV (new tokens already written)."""
+    num_tokens, num_heads, head_dim = q.shape
+    n_kv = k_cache.shape[2]
+    B, Q, L = meta.num_seqs, meta.max_query_len, meta.max_kv_len
+    if Q == 1 and num_tokens == B:
+        qp = q.view(B, 1, num_heads, head_dim)
+    else:
+        qp = q.new_zeros(B * Q, num_heads, head_dim)
+        qp.index_copy_(0, meta.query_index, q)
+        qp = qp.view(B, Q, num_heads, head_dim)
+    # Gather each request's pages into a contiguous [B, L, n_kv, d] context.
+    k = k_cache[meta.block_tables].flatten(1, 2)[:, :L]
+    v = v_cache[meta.block_tables].flatten(1, 2)[:, :L]
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    group = num_heads // n_kv
+    if group > 1:
+        # Grouped-query attention: each KV head serves `group` consecutive query heads.
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=meta.attn_mask, scale=scale,
+    )  # [B, H, Q, d]
+    out = out.transpose(1, 2).reshape(B * Q, num_heads, head_dim)
+    if Q == 1 and num_tokens == B:
+        return out
+    return out.index_select(0, meta.query_index)

@@ -1,0 +1,110 @@
+"""Frozen engine configuration, validated on construction with messages a user can act on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from specserve.errors import ConfigError
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Turn a user-facing dtype name into a torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ConfigError(
+            f"Unknown dtype {name!r}; use one of: float32, bfloat16, float16."
+        ) from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to run and how to hold it in memory."""
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None  # None: the model's own context length, capped at 8192
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"Unknown device {self.device!r}; use 'cpu' or 'cuda'.")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(
+                f"device={self.device!r} was requested but CUDA is not available here; use --device cpu."
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+
+    @cached_property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of weights and activations."""
+        return parse_dtype(self.dtype)
+
+    @cached_property
+    def torch_device(self) -> torch.device:
+        """The torch device everything runs on."""
+        return torch.device(self.device)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size, memory budget and prefix caching."""
+
+    block_size: int = 16
+    kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None  # tests: an exact block count instead of a budget
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}.")
+        if self.kv_cache_gib <= 0:
+            raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ConfigError("num_gpu_blocks_override must be >= 1 when given.")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 64  # requests running at once
+    enable_chunked_prefill: bool = True
+    max_waiting: int | None = None  # bounded waiting queue (None: unbounded)
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be >= 1.")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be >= 1.")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ConfigError("max_waiting must be >= 0 when given.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs, composed from the per-concern configs."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_threads: int | None = None  # torch intra-op threads on CPU (None: leave torch's default)
+    log_stats: bool = False

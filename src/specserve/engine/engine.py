@@ -1,0 +1,291 @@
+"""The engine loop: schedule -> run the model -> update requests -> detokenize and stop.
+
+One `step()` is three calls (scheduler.schedule, runner.execute, scheduler.update_from_output)
+plus output processing (incremental detokenization, stop strings, metrics).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.engine.runner import ModelRunner
+from specserve.engine.scheduler import Scheduler
+from specserve.errors import InvalidRequestError, PromptTooLongError
+from specserve.kv_cache.manager import KVCacheManager
+from specserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from specserve.request import Request, RequestStatus
+from specserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# When the model declares a longer context than this, default to it (KV memory stays modest).
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+@dataclass
+class _OutputState:
+    """Engine-side text state of one request."""
+
+    prompt: str | None
+    detok: IncrementalDetokenizer | None
+    stop: list[str]
+    text: str = ""
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    index: int = 0
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model; not thread-safe (drive it from one loop)."""
+
+    def __init__(self, config: EngineConfig, checkpoint: object | None = None) -> None:
+        from specserve.models.loader import LoadedCheckpoint, load_model_files
+        from specserve.models.bundled import resolve_model
+
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if checkpoint is None:
+            path = resolve_model(config.model.model)
+            checkpoint = load_model_files(path)
+        assert isinstance(checkpoint, LoadedCheckpoint)
+        self.arch = checkpoint.arch
+        self.tokenizer: Tokenizer | None = checkpoint.tokenizer
+        self.model_name = config.model.model
+        self.max_model_len = self._resolve_max_model_len(config)
+        self.runner = ModelRunner(
+            checkpoint.arch, checkpoint.weights, config.model, config.cache, self.max_model_len
+        )
+        del checkpoint  # the runner holds converted copies; let the float32 originals go
+        self.kv_manager = KVCacheManager(
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        sched = config.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
+            raise InvalidRequestError(
+                f"Without chunked prefill max_num_batched_tokens ({sched.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}); enable chunked prefill or raise the budget."
+            )
+        self.scheduler = Scheduler(sched, self.kv_manager, self.max_model_len)
+        self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer is not None else frozenset()
+        self._states: dict[str, _OutputState] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    def _resolve_max_model_len(self, config: EngineConfig) -> int:
+        native = self.arch.max_position_embeddings
+        want = config.model.max_model_len
+        if want is None:
+            return min(native, DEFAULT_MAX_MODEL_LEN_CAP)
+        if want > native:
+            raise InvalidRequestError(
+                f"max_model_len={want} exceeds the model's context length {native}; "
+                f"use --max-model-len {native} or less."
+            )
+        return want
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        index: int = 0,
+    ) -> str:
+        """Validate and queue one request; raises InvalidRequestError without side effects."""
+        params = params or SamplingParams()
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._states:
+            raise InvalidRequestError(f"request id {rid!r} is already in use; pick a unique id.")
+        prompt_text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none, use stop_token_ids.")
+        req = Request(
+            rid, token_ids, params, eos_token_ids=self.eos_token_ids,
+            priority=priority, arrival_time=arrival_time,
+        )
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+        self._states[rid] = _OutputState(prompt_text, detok, list(params.stop or []), index=index)
+        self.scheduler.add_request(req)
+        self.num_prompt_tokens += len(token_ids)
+        return rid
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "This model has no tokenizer; pass the prompt as a list of token ids."
+                )
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("prompt token ids must be integers.")
+        return None, ids
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("The prompt is empty; send at least one token.")
+        vocab = self.arch.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}); check the tokenizer."
+            )
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"The prompt has {n} tokens but max_model_len is {self.max_model_len} and at least one "
+                "token must be generated; shorten the prompt or raise --max-model-len."
+            )
+        if n + 1 > self.kv_manager.capacity_tokens:
+            raise PromptTooLongError(
+                f"The prompt has {n} tokens but the whole KV cache holds only "
+                f"{self.kv_manager.capacity_tokens}; shorten the prompt or raise --kv-cache-gib."
+            )
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort requests now; their KV blocks are freed before this returns."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.take_finished()
+        return [self._make_output(req, []) for req in done]
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is queued or running."""
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Queued plus running requests."""
+        return self.scheduler.num_waiting + self.scheduler.num_running
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return outputs of requests that progressed or finished."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        try:
+            sampled = self.runner.execute(sched_out)
+        except Exception as exc:  # a model failure must not take every other request down
+            logger.exception("model step failed; failing the %d scheduled requests", len(sched_out.scheduled))
+            ids = [sr.request_id for sr in sched_out.scheduled]
+            failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+            self.scheduler.take_finished()
+            outs = []
+            for req in failed:
+                req.error = f"{type(exc).__name__}: {exc}"
+                outs.append(self._make_output(req, []))
+            return outs
+        self.num_steps += 1
+        results = self.scheduler.update_from_output(sched_out, sampled)
+        outputs = []
+        for req, new_tokens in results:
+            self.num_generated_tokens += len(new_tokens)
+            outputs.append(self._make_output(req, new_tokens))
+        self.scheduler.take_finished()
+        return outputs
+
+    def _make_output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        state = self._states[req.request_id]
+        if state.detok is not None and new_tokens:
+            state.detok.append(new_tokens)
+            old_len = len(state.text)
+            state.text = state.detok.text
+            if state.stop and not req.is_finished:
+                self._check_stop_strings(req, state, old_len)
+            elif state.stop:
+                self._check_stop_strings(req, state, old_len, already_finished=True)
+        finished = req.is_finished
+        holdback = 0
+        if not finished and state.stop:
+            # Hold back text that could still turn out to be the start of a stop string, so the
+            # streamed text always equals the final text.
+            holdback = max(len(s) for s in state.stop) - 1
+        emit_upto = max(state.num_emitted_chars, len(state.text) - holdback)
+        delta_text = state.text[state.num_emitted_chars : emit_upto]
+        state.num_emitted_chars = emit_upto
+        all_out = req.output_token_ids
+        delta_ids = all_out[state.num_emitted_tokens :]
+        state.num_emitted_tokens = len(all_out)
+        completion = CompletionOutput(
+            index=state.index,
+            text=state.text,
+            token_ids=all_out,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=list(req.output_logprobs) if req.sampling_params.logprobs else None,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+        )
+        if finished:
+            del self._states[req.request_id]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=RequestMetrics.from_request(req),
+            error=req.error,
+        )
+
+    def _check_stop_strings(
+        self, req: Request, state: _OutputState, old_len: int, already_finished: bool = False
+    ) -> None:
+        longest = max(len(s) for s in state.stop)
+        start = max(0, old_len - longest + 1)
+        best: tuple[int, str] | None = None
+        for s in state.stop:
+            idx = state.text.find(s, start)
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return
+        idx, s = best
+        cut = idx + len(s) if req.sampling_params.include_stop_str_in_output else idx
+        state.text = state.text[:cut]
+        req.stop_reason = s
+        if not already_finished:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        else:
+            req.status = RequestStatus.FINISHED_STOPPED
+
+    # ------------------------------------------------------------------ introspection
+    def check_integrity(self) -> bool:
+        """KV bookkeeping holds: every block is free, cached, or held by a live request."""
+        live = [r.request_id for r in self.scheduler.running]
+        return self.kv_manager.check_integrity(live)
+
+    def stats(self) -> dict[str, float]:
+        """Counters for metrics endpoints and benchmarks."""
+        usage = self.kv_manager.usage()
+        return {
+            "num_steps": self.num_steps,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_total": usage.num_blocks,
+            "kv_blocks_free": usage.num_free_blocks,
+            "kv_blocks_used": usage.num_used_blocks,
+            "prefix_cache_hit_rate": usage.prefix_hit_rate,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
+            "time": time.time(),
+        }

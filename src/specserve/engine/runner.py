@@ -1,0 +1,171 @@
+"""Model runner: turns a SchedulerOutput into tensors, runs one forward pass, samples.
+
+Owns the model weights and the paged KV cache tensors of one model. All tensor work of a
+step happens here; the scheduler only ever sees ids and counts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import torch
+
+from specserve.attention import AttentionMetadata, build_attention_metadata
+from specserve.config import CacheConfig, ModelConfig
+from specserve.engine.scheduler import SampledTokens, SchedulerOutput
+from specserve.errors import ConfigError
+from specserve.models.arch import ArchConfig
+from specserve.models.llama import KVCache, RotaryEmbedding
+from specserve.models.registry import build_model
+from specserve.sampling.sampler import Sampler, SamplingMetadata
+
+# Extra rotary positions beyond max_model_len so look-ahead (draft) slots always have a table row.
+ROPE_SLACK = 64
+
+
+class StepInputs(NamedTuple):
+    """Flattened tensors of one step."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    logits_index: torch.Tensor  # [num_logit_rows] rows of the hidden states that need logits
+    row_spans: list[tuple[int, int]]  # per scheduled request: its rows in logits_index
+
+
+def num_kv_blocks(arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+    """Blocks that fit in the KV memory budget."""
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_block = cache.block_size * arch.kv_bytes_per_token(elem)
+    return int(cache.kv_cache_gib * (1 << 30)) // per_block
+
+
+class ModelRunner:
+    """One model on one device with its KV cache."""
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        weights: dict[str, torch.Tensor],
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+    ) -> None:
+        self.arch = arch
+        self.device = model_config.torch_device
+        self.dtype = model_config.torch_dtype
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        self.model = self._build(arch, weights, max_model_len + ROPE_SLACK)
+        self.num_blocks = num_kv_blocks(arch, cache_config, self.dtype)
+        if self.num_blocks < 1:
+            raise ConfigError(
+                f"kv_cache_gib={cache_config.kv_cache_gib} holds no KV block for this model "
+                f"({arch.kv_bytes_per_token(self.dtype.itemsize) * self.block_size} bytes per block); "
+                "raise --kv-cache-gib."
+            )
+        shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        # Zero-filled: masked-out slots are still multiplied by a zero weight, so they must be finite.
+        self.kv_caches: list[KVCache] = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(arch.num_layers)
+        ]
+        self.sampler = Sampler(self.device, model_config.seed)
+        self.keep_logits = False  # tests: keep the last step's logits in self.last_logits
+        self.last_logits: torch.Tensor | None = None
+        self.num_steps = 0
+        self.forward_time_s = 0.0
+
+    def _build(self, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int) -> torch.nn.Module:
+        # Build on the meta device so no time is spent on random initialisation, then adopt
+        # the checkpoint tensors (converted once) as the parameters.
+        with torch.device("meta"):
+            model = build_model(arch, max_positions)
+        converted = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
+        if arch.tie_word_embeddings:
+            converted["lm_head.weight"] = converted["model.embed_tokens.weight"]
+        model.load_weights(converted)
+        model.model.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions).to(self.device)
+        model.eval()
+        return model
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the KV cache tensors."""
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    # ------------------------------------------------------------------ inputs
+    def prepare_inputs(self, out: SchedulerOutput, extra_mask: torch.Tensor | None = None) -> StepInputs:
+        """Flatten scheduled requests into one token batch plus attention metadata."""
+        ids: list[int] = []
+        pos: list[int] = []
+        logit_rows: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for sr in out.scheduled:
+            base = len(ids)
+            n = len(sr.token_ids)
+            ids.extend(sr.token_ids)
+            pos.extend(range(sr.start_pos, sr.start_pos + n))
+            first = len(logit_rows)
+            if sr.sample:
+                # The last non-draft token predicts the next token; each draft token predicts
+                # the one after it (used by verification).
+                k = sr.num_spec_tokens
+                logit_rows.extend(range(base + n - 1 - k, base + n))
+            spans.append((first, len(logit_rows)))
+        meta = build_attention_metadata(
+            [len(sr.token_ids) for sr in out.scheduled],
+            [sr.start_pos for sr in out.scheduled],
+            [sr.block_ids for sr in out.scheduled],
+            self.block_size,
+            self.device,
+            extra_mask,
+        )
+        return StepInputs(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.tensor(pos, dtype=torch.long, device=self.device),
+            meta,
+            torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+            spans,
+        )
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward_logits(self, inputs: StepInputs) -> torch.Tensor:  # [num_logit_rows, vocab]
+        """Run the decoder over the step's tokens; return logits of the rows that need them."""
+        t0 = time.perf_counter()
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_index))
+        self.forward_time_s += time.perf_counter() - t0
+        self.num_steps += 1
+        return logits
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledTokens]:
+        """Run one step without speculation: one sampled token per request that reached its end."""
+        if out.is_empty:
+            return {}
+        inputs = self.prepare_inputs(out)
+        logits = self.forward_logits(inputs)
+        if self.keep_logits:
+            self.last_logits = logits.clone()
+        sampled_reqs = [sr for sr in out.scheduled if sr.sample]
+        if not sampled_reqs:
+            return {}
+        # Without drafts each sampling request owns exactly one logits row, in order.
+        meta = SamplingMetadata.build(
+            [sr.sampling_params for sr in sampled_reqs],
+            [sr.output_index for sr in sampled_reqs],
+            self.device,
+        )
+        tokens, logprobs = self.sampler(logits, meta)
+        tokens_l = tokens.tolist()
+        lp_l = logprobs.tolist() if logprobs is not None else None
+        result = {}
+        for i, sr in enumerate(sampled_reqs):
+            result[sr.request_id] = SampledTokens([tokens_l[i]], [lp_l[i]] if lp_l is not None else None)
+        return result

@@ -1,0 +1,296 @@
+"""Continuous batching over a token budget: one scheduling path for prefill, chunks, decode and verify.
+
+Every request carries ``num_computed_tokens`` (tokens whose KV is in the cache) catching up
+with its token list. A step gives each scheduled request some new tokens: a prompt chunk, the
+one token sampled last step, or that token plus K draft tokens to verify. Plain Python over
+ids and counts; the runner sees only the data-only ``SchedulerOutput``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from specserve.config import SchedulerConfig
+from specserve.kv_cache.manager import KVCacheManager
+from specserve.request import Request, RequestStatus
+from specserve.sampling_params import SamplingParams
+
+
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step."""
+
+    request_id: str
+    token_ids: list[int]  # fed this step: uncomputed tokens, then draft tokens (last num_spec)
+    start_pos: int  # position of token_ids[0] (== num_computed_tokens)
+    block_ids: list[int]  # the request's whole block table
+    num_spec_tokens: int  # draft tokens at the end of token_ids
+    sample: bool  # the step reaches the request's last known token, so it produces output
+    sampling_params: SamplingParams
+    output_index: int  # number of output tokens before this step (keys seeded sampling)
+
+
+class SchedulerOutput(NamedTuple):
+    """Data-only description of one step, consumed by the model runner."""
+
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing was scheduled."""
+        return not self.scheduled
+
+
+class SampledTokens(NamedTuple):
+    """What the runner produced for one request: accepted drafts then one new token."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    num_draft_tokens: int = 0  # drafts that were verified this step
+    num_accepted_tokens: int = 0  # of those, how many were accepted
+
+
+class Scheduler:
+    """FCFS (with priorities) continuous-batching scheduler with preemption by recompute."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        # Requests that finished inside the scheduler since the last call to take_finished().
+        self._finished: list[Request] = []
+
+    # ------------------------------------------------------------------ intake
+    @property
+    def max_tokens_per_request(self) -> int:
+        """Longest sequence a request may reach: the context window or the whole KV pool."""
+        return min(self.max_model_len, self.kv.capacity_tokens)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request (callers check prompt length first)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        keys = [(r.priority, r.times.arrival) for r in self.waiting]
+        idx = bisect.bisect_right(keys, (request.priority, request.times.arrival))
+        self.waiting.insert(idx, request)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued (new or preempted)."""
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks."""
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens: running requests first, then admit waiting ones."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        now = time.perf_counter()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_spec = len(req.spec_token_ids)
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new + num_spec > budget:
+                # Drop drafts that do not fit rather than delay the request.
+                num_spec = max(0, budget - num_new)
+            num_new = min(num_new, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            total = num_new + num_spec
+            while not self.kv.can_allocate(req, total):
+                victim = self._pick_victim(i)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue  # req preempted itself; running[i] is now the next request
+            self.kv.allocate_slots(req, total)
+            if num_spec != len(req.spec_token_ids):
+                req.spec_token_ids = req.spec_token_ids[:num_spec]
+            scheduled.append(self._make_scheduled(req, num_new, num_spec))
+            budget -= total
+            i += 1
+
+        # Admit waiting requests only when nobody had to be preempted this step.
+        while (
+            not preempted and self.waiting and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv.can_allocate(req, num_new, hits):
+                break
+            self.kv.allocate_slots(req, num_new, hits)
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            req.spec_token_ids = []
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            if req.times.first_scheduled is None:
+                req.times.first_scheduled = now
+            self.running.append(req)
+            scheduled.append(self._make_scheduled(req, num_new, 0))
+            budget -= num_new
+
+        used = self.config.max_num_batched_tokens - budget
+        return SchedulerOutput(scheduled, used, preempted)
+
+    def _make_scheduled(self, req: Request, num_new: int, num_spec: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids[start : start + num_new] + req.spec_token_ids[:num_spec]
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=tokens,
+            start_pos=start,
+            block_ids=self.kv.block_ids(req.request_id),
+            num_spec_tokens=num_spec,
+            sample=start + num_new == req.num_tokens,
+            sampling_params=req.sampling_params,
+            output_index=req.num_output_tokens,
+        )
+
+    def _pick_victim(self, first_unscheduled: int) -> Request:
+        """Lowest-priority request not yet scheduled this step (latest arrival breaks ties)."""
+        candidates = self.running[first_unscheduled:]
+        return max(candidates, key=lambda r: (r.priority, r.times.arrival))
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's KV and send it back to the queue to be recomputed."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(req)
+
+    # ------------------------------------------------------------------ results
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, SampledTokens]
+    ) -> list[tuple[Request, list[int]]]:
+        """Advance each scheduled request past its computed and accepted tokens.
+
+        Returns (request, newly accepted token ids) for every request that produced output
+        this step; requests that hit a stop condition are finished and their blocks freed.
+        """
+        now = time.perf_counter()
+        results: list[tuple[Request, list[int]]] = []
+        for sr in output.scheduled:
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            num_fed = len(sr.token_ids)
+            if not sr.sample:
+                req.num_computed_tokens += num_fed
+                self.kv.cache_blocks(req, req.num_computed_tokens)
+                continue
+            out = sampled[sr.request_id]
+            # The fed uncomputed tokens and the accepted drafts now have KV; the final sampled
+            # token (recovered or bonus) does not yet.
+            num_accepted = len(out.token_ids) - 1
+            req.num_computed_tokens += num_fed - sr.num_spec_tokens + num_accepted
+            req.spec_token_ids = []
+            new_tokens = self._append_checking_stops(req, out)
+            if req.times.first_token is None:
+                req.times.first_token = now
+            req.times.last_token = now
+            # Drop KV slots of rejected drafts (and of tokens cut off by a stop condition).
+            self.kv.rollback(req, req.num_computed_tokens)
+            self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+            results.append((req, new_tokens))
+            if req.is_finished:
+                self._finish(req)
+        return results
+
+    def _append_checking_stops(self, req: Request, out: SampledTokens) -> list[int]:
+        params = req.sampling_params
+        accepted: list[int] = []
+        for j, tok in enumerate(out.token_ids):
+            req.append_output_tokens([tok], [out.logprobs[j]] if out.logprobs is not None else None)
+            accepted.append(tok)
+            status = self._token_stop_status(req, tok, params)
+            if status is not None:
+                req.status = status
+                # KV exists only for tokens before the stop; keep the count consistent.
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                break
+        return accepted
+
+    def _token_stop_status(self, req: Request, tok: int, params: SamplingParams) -> RequestStatus | None:
+        if not params.ignore_eos and tok in req.eos_token_ids:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if tok in params.stop_token_ids:
+            req.stop_reason = tok
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_tokens_per_request:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ------------------------------------------------------------------ finishing
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside (abort, stop string, error); frees their blocks at once."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req in self.waiting:
+                self.waiting.remove(req)
+            req.status = status
+            self._finish(req)
+            done.append(req)
+        return done
+
+    def _finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.times.finished = time.perf_counter()
+        self.kv.forget(req)
+        self.requests.pop(req.request_id, None)
+        self._finished.append(req)
+
+    def take_finished(self) -> list[Request]:
+        """Requests finished since the last call (for output processing)."""
+        done, self._finished = self._finished, []
+        return done

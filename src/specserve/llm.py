@@ -1,0 +1,143 @@
+"""Offline batched generation: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from specserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from specserve.engine.engine import LLMEngine
+from specserve.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Load a model once, then generate for lists of prompts with continuous batching."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "bfloat16",
+        kv_cache_gib: float = 1.0,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        enable_chunked_prefill: bool = True,
+        num_threads: int | None = None,
+        seed: int = 0,
+        num_kv_blocks: int | None = None,
+        checkpoint: Any = None,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(
+                block_size=block_size, kv_cache_gib=kv_cache_gib,
+                enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_kv_blocks,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            num_threads=num_threads,
+        )
+        self.engine = LLMEngine(config, checkpoint=checkpoint)
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - Tokenizer | None
+        """The model's tokenizer (None for token-id-only test models)."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        priorities: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (one SamplingParams for all, or one each); outputs in order.
+
+        With params.n > 1 a prompt's output holds n completions in `.outputs`.
+        """
+        plist = self._as_prompt_list(prompts)
+        if params is None:
+            params = SamplingParams()
+        params_list = [params] * len(plist) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(plist):
+            raise ValueError(f"got {len(plist)} prompts but {len(params_list)} SamplingParams")
+        engine = self.engine
+        groups: list[list[str]] = []
+        submitted: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(plist, params_list)):
+                ids = []
+                for j in range(p.n):
+                    sub = p if p.n == 1 else _nth_sample_params(p, j)
+                    rid = engine.add_request(
+                        prompt, sub, priority=priorities[i] if priorities else 0, index=j
+                    )
+                    ids.append(rid)
+                    submitted.append(rid)
+                groups.append(ids)
+        except Exception:
+            engine.abort_request(submitted)
+            raise
+        final: dict[str, RequestOutput] = {}
+        show = use_tqdm if use_tqdm is not None else len(submitted) > 1
+        bar = tqdm(total=len(submitted), desc="generate", unit="req", disable=not show)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([r for r in submitted if r not in final])
+            raise
+        finally:
+            bar.close()
+        results = []
+        for ids in groups:
+            first = final[ids[0]]
+            if len(ids) > 1:
+                first.outputs = [final[r].outputs[0] for r in ids]
+            results.append(first)
+        return results
+
+    @staticmethod
+    def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        seq = list(prompts)
+        if seq and all(isinstance(t, int) for t in seq):
+            return [seq]  # a single prompt given as token ids
+        return seq
+
+    def chat(
+        self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        params: SamplingParams | None = None, **kw: Any,
+    ) -> list[RequestOutput]:
+        """Render conversation(s) with the model's chat template, then generate."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, params, **kw)
+
+
+def _nth_sample_params(p: SamplingParams, j: int) -> SamplingParams:
+    """Params of the j-th of n samples: distinct but reproducible seeds when a seed is set."""
+    from dataclasses import replace
+
+    seed = p.seed
+    if seed is not None and j > 0:
+        seed = hash((seed, j)) & 0x7FFFFFFF
+    return replace(p, n=1, seed=seed)

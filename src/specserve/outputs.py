@@ -1,0 +1,114 @@
+"""What the engine hands back: text, token ids, finish reason and per-request metrics."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from specserve.request import Request
+
+
+@dataclass
+class RequestMetrics:
+    """Latency and token counts of one request (seconds; None where not applicable yet)."""
+
+    ttft_s: float | None = None  # arrival -> first output token
+    tpot_s: float | None = None  # mean time per output token after the first
+    e2e_s: float | None = None  # arrival -> finished
+    queue_s: float | None = None  # arrival -> first scheduled
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. speculation counters
+
+    @classmethod
+    def from_request(cls, req: Request) -> RequestMetrics:
+        """Read the metrics off a request's timestamps and counters."""
+        t = req.times
+        n_gen = req.num_output_tokens
+        ttft = t.first_token - t.arrival if t.first_token is not None else None
+        tpot = None
+        if t.first_token is not None and t.last_token is not None and n_gen > 1:
+            tpot = (t.last_token - t.first_token) / (n_gen - 1)
+        return cls(
+            ttft_s=ttft,
+            tpot_s=tpot,
+            e2e_s=t.finished - t.arrival if t.finished is not None else None,
+            queue_s=t.first_scheduled - t.arrival if t.first_scheduled is not None else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_generated_tokens=n_gen,
+            num_cached_prompt_tokens=max(req.num_cached_tokens, 0),
+            num_preemptions=req.num_preemptions,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat JSON-ready dict (extra counters merged in)."""
+        d = asdict(self)
+        extra = d.pop("extra")
+        d.update(extra)
+        return d
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list[float] | None = None
+    delta_text: str = ""  # new text since the previous output of this request (streaming)
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A prompt and its completions (one per sample when n > 1)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        """Text of the first completion."""
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Token ids of the first completion."""
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Finish reason of the first completion."""
+        return self.outputs[0].finish_reason
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary used by `specserve generate --json`."""
+        d: dict[str, Any] = {
+            "request_id": self.request_id,
+            "prompt": self.prompt,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "metrics": self.metrics.to_dict(),
+        }
+        if len(self.outputs) > 1:
+            d["outputs"] = [
+                {"index": o.index, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+                for o in self.outputs
+            ]
+        return d

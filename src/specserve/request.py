@@ -1,0 +1,128 @@
+"""Per-request state: token ids, how many of them have KV, drafts, timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from specserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life; values above RUNNING mean finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        """True for every terminal status."""
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI-style finish reason, or None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock milestones of one request (time.perf_counter seconds)."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+class Request:
+    """A request's token ids and its progress: tokens [0, num_computed_tokens) have KV in cache.
+
+    The same bookkeeping drives every kind of step: a prompt chunk, a decode token and a
+    speculative verify all schedule ``num_tokens - num_computed_tokens`` (plus drafts) tokens.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_logprobs: list[float] = []
+        self.num_computed_tokens = 0
+        # Tokens of the prompt found in the prefix cache when first admitted.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        # Draft tokens proposed for the coming step; unverified, never cached.
+        self.spec_token_ids: list[int] = []
+        self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.perf_counter())
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Number of prompt tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus accepted output tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Accepted output tokens so far."""
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Accepted output tokens (a copy)."""
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request has reached a terminal status."""
+        return self.status.is_finished
+
+    @property
+    def is_prefill_done(self) -> bool:
+        """True when every known token has KV and the next step will sample."""
+        return self.num_computed_tokens >= self.num_tokens - 1 and self.num_computed_tokens >= self.num_prompt_tokens - 1
+
+    def append_output_tokens(self, token_ids: list[int], logprobs: list[float] | None = None) -> None:
+        """Append accepted tokens (one per step without speculation, up to K+1 with it)."""
+        self.all_token_ids.extend(token_ids)
+        if logprobs is not None:
+            self.output_logprobs.extend(logprobs)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,159 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+The same `logits_to_probs` turns logits into the distribution a request samples from; the
+speculative rejection sampler applies it to both target and draft logits, so the acceptance
+test compares exactly the distributions the user asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.sampling_params import GREEDY_EPS, SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio) to spread (seed, step) pairs
+
+
+def request_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    """A generator keyed by (seed, output position), so a seeded request draws the same noise
+    for its t-th token however it is batched, chunked or preempted."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * _MIX + step * 0x2545F4914F6CDD1D + 1) & ((1 << 63) - 1))
+    return g
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings for one step, as tensors."""
+
+    temperature: torch.Tensor  # [N] float32, 0 for greedy rows
+    top_k: torch.Tensor  # [N] int64, 0 = off
+    top_p: torch.Tensor  # [N] float32, 1 = off
+    greedy: torch.Tensor  # [N] bool
+    seeds: list[int | None]
+    steps: list[int]  # output position each row samples (keys the seeded generators)
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    need_logprobs: bool
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        steps: list[int],
+        device: torch.device,
+    ) -> SamplingMetadata:
+        """Collect per-row settings (one row per token to sample)."""
+        temps = [0.0 if p.is_greedy else float(p.temperature) for p in params]
+        top_k = [p.effective_top_k for p in params]
+        top_p = [float(p.top_p) for p in params]
+        greedy = [p.is_greedy for p in params]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            seeds=[p.seed for p in params],
+            steps=list(steps),
+            all_greedy=all(greedy),
+            any_top_k=any(k > 0 for k, g in zip(top_k, greedy) if not g),
+            any_top_p=any(p < 1.0 for p, g in zip(top_p, greedy) if not g),
+            need_logprobs=any(p.logprobs for p in params),
+        )
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [N, V] float32
+    temperature: torch.Tensor,  # [N]; rows with 0 are treated as 1 (callers argmax them)
+    top_k: torch.Tensor,  # [N] int64, 0 = off
+    top_p: torch.Tensor,  # [N] float32
+    any_top_k: bool = True,
+    any_top_p: bool = True,
+) -> torch.Tensor:  # [N, V] probabilities
+    """Temperature, then top-k, then top-p (nucleus) truncation, then renormalise."""
+    temp = torch.where(temperature < GREEDY_EPS, torch.ones_like(temperature), temperature)
+    logits = logits / temp[:, None]
+    if any_top_k or any_top_p:
+        logits = _truncate(logits, top_k, top_p, any_top_k, any_top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def _truncate(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, any_top_k: bool, any_top_p: bool
+) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if any_top_k:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        ranks = torch.arange(vocab, device=logits.device)
+        remove |= ranks[None, :] >= k[:, None]
+    if any_top_p:
+        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p; the first
+        # token is always kept.
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove |= mass_before >= top_p[:, None]
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def exponential_noise(
+    shape: tuple[int, int], seeds: list[int | None], steps: list[int],
+    device: torch.device, generator: torch.Generator | None,
+) -> torch.Tensor:  # [N, V]
+    """Exp(1) noise; seeded rows draw from their own (seed, step) generator."""
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
+    unseeded = [i for i, s in enumerate(seeds) if s is None]
+    if len(unseeded) == len(seeds):
+        return noise.exponential_(generator=generator)
+    if unseeded:
+        rows = torch.empty((len(unseeded), shape[1]), dtype=torch.float32, device=device)
+        noise[unseeded] = rows.exponential_(generator=generator)
+    for i, s in enumerate(seeds):
+        if s is not None:
+            noise[i].exponential_(generator=request_generator(s, steps[i], device))
+    return noise
+
+
+def sample_from_probs(
+    probs: torch.Tensor,  # [N, V]
+    seeds: list[int | None],
+    steps: list[int],
+    generator: torch.Generator | None,
+) -> torch.Tensor:  # [N] int64
+    """Draw one token per row: argmax(probs / E), E ~ Exp(1), is an exact categorical sample."""
+    noise = exponential_noise(tuple(probs.shape), seeds, steps, probs.device, generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+class Sampler:
+    """Turns the logits of the rows that need a token into token ids (and logprobs)."""
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, meta: SamplingMetadata  # logits: [N, V] float32
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([N] token ids, [N] logprobs or None)
+        """Sample one token per row."""
+        greedy_tokens = logits.argmax(dim=-1)
+        if meta.all_greedy:
+            tokens = greedy_tokens
+        else:
+            probs = logits_to_probs(
+                logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p
+            )
+            sampled = sample_from_probs(probs, meta.seeds, meta.steps, self.generator)
+            tokens = torch.where(meta.greedy, greedy_tokens, sampled)
+        logprobs = None
+        if meta.need_logprobs:
+            # Logprobs of the model's own distribution (before temperature / truncation).
+            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, logprobs
