@@ -19,15 +19,31 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Turn a user-facing dtype name into a torch dtype."""
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); else it is emulated."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """Turn a user-facing dtype name into a torch dtype ('auto': the fastest exact one here)."""
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        # bf16 halves the bytes read per step, but on CPUs without native bf16 arithmetic
+        # every matmul is emulated and runs ~3x slower than float32 (measured on AVX2 EPYC).
+        if device.startswith("cuda") or cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
     try:
         return _DTYPES[name.lower()]
     except KeyError:
         raise ConfigError(
-            f"Unknown dtype {name!r}; use one of: float32, bfloat16, float16."
+            f"Unknown dtype {name!r}; use one of: auto, float32, bfloat16, float16."
         ) from None
 
 
@@ -37,12 +53,12 @@ class ModelConfig:
 
     model: str
     device: str = "cpu"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length, capped at 8192
     seed: int = 0
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        parse_dtype(self.dtype, self.device)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"Unknown device {self.device!r}; use 'cpu' or 'cuda'.")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -55,7 +71,7 @@ class ModelConfig:
     @cached_property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype of weights and activations."""
-        return parse_dtype(self.dtype)
+        return parse_dtype(self.dtype, self.device)
 
     @cached_property
     def torch_device(self) -> torch.device:

@@ -23,7 +23,7 @@ class LLM:
         model: str,
         *,
         device: str = "cpu",
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         kv_cache_gib: float = 1.0,
         max_model_len: int | None = None,
         block_size: int = 16,

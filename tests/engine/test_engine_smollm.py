@@ -1,0 +1,146 @@
+"""End-to-end engine behaviour on the bundled SmolLM2 (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.errors import InvalidRequestError, PromptTooLongError
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "def add(a, b):",
+    "Write a haiku about the sea.\n",
+    "List three prime numbers:",
+    "import numpy as np\n\nx = np.arange(10)\n# compute the mean of x\n",
+    "Once upon a time, in a land far away, there lived a dragon who loved to read books. One day",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n" * 3,
+]
+
+
+def _greedy(n=24):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def test_batched_equals_alone(smollm_llm: LLM):
+    batched = smollm_llm.generate(PROMPTS, _greedy(), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, batched):
+        alone = smollm_llm.generate(prompt, _greedy())[0]
+        assert out.token_ids == alone.token_ids, prompt
+        assert out.text == alone.text
+        assert len(out.token_ids) == 24 and out.finish_reason == "length"
+    assert smollm_llm.engine.check_integrity()
+
+
+def test_chunked_prefill_equals_unchunked(smollm_checkpoint):
+    long_prompt = PROMPTS[-1] * 3
+    whole = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, max_num_batched_tokens=2048,
+                enable_prefix_caching=False)
+    chunked = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, max_num_batched_tokens=32,
+                  enable_prefix_caching=False)
+    a = whole.generate([long_prompt, PROMPTS[2]], _greedy(16))
+    b = chunked.generate([long_prompt, PROMPTS[2]], _greedy(16))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_seeded_sampling_batched_and_alone(smollm_llm: LLM):
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    batched = smollm_llm.generate(PROMPTS[:4], params)
+    for prompt, out in zip(PROMPTS[:4], batched):
+        alone = smollm_llm.generate(prompt, params)[0]
+        assert out.token_ids == alone.token_ids
+    again = smollm_llm.generate(PROMPTS[0], params)[0]
+    assert again.token_ids == batched[0].token_ids
+    other_seed = smollm_llm.generate(PROMPTS[0], SamplingParams(**{**params.__dict__, "seed": 99}))[0]
+    assert other_seed.token_ids != batched[0].token_ids
+
+
+def test_prefix_cache_skips_shared_prefix(smollm_checkpoint):
+    llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, max_num_batched_tokens=1024)
+    tok = llm.tokenizer
+    shared = ("The following is a long technical document about distributed systems. " * 60)
+    assert len(tok.encode(shared)) >= 512
+    p1, p2 = shared + "Question: what is consensus?", shared + "Question: what is a quorum?"
+    first = llm.generate(p1, _greedy(12))[0]
+    second = llm.generate(p2, _greedy(12))[0]
+    n_shared = len(tok.encode(shared))
+    assert first.metrics.num_cached_prompt_tokens == 0
+    assert second.metrics.num_cached_prompt_tokens >= (n_shared // 16 - 1) * 16 >= 512
+    # Same output as a cold engine without prefix caching.
+    cold = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, enable_prefix_caching=False,
+               max_num_batched_tokens=1024)
+    assert cold.generate(p2, _greedy(12))[0].token_ids == second.token_ids
+    assert llm.engine.check_integrity()
+
+
+def test_preemption_with_tiny_kv_budget(smollm_checkpoint, smollm_llm: LLM):
+    # 12 blocks of 16 tokens = 192 slots for 6 requests of ~20 prompt + 40 output tokens.
+    small = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, num_kv_blocks=12,
+                enable_prefix_caching=False)
+    prompts = [p for p in PROMPTS[:6]]
+    outs = small.generate(prompts, _greedy(40))
+    ref = smollm_llm.generate(prompts, _greedy(40))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.check_integrity()
+    assert small.engine.kv_manager.num_free_blocks == small.engine.kv_manager.num_blocks
+
+
+def test_stop_strings_and_stop_tokens(smollm_llm: LLM):
+    base = smollm_llm.generate("def add(a, b):", _greedy(30))[0]
+    assert "\n" in base.text
+    stopped = smollm_llm.generate("def add(a, b):", SamplingParams(max_tokens=30, temperature=0, stop=["\n"]))[0]
+    assert stopped.finish_reason == "stop" and "\n" not in stopped.text
+    assert base.text.startswith(stopped.text)
+    tok_stop = smollm_llm.generate(
+        "def add(a, b):", SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[base.token_ids[2]])
+    )[0]
+    assert tok_stop.token_ids == base.token_ids[:3] and tok_stop.finish_reason == "stop"
+
+
+def test_logprobs_are_returned(smollm_llm: LLM):
+    out = smollm_llm.generate("Hello", SamplingParams(max_tokens=5, temperature=0, logprobs=True))[0]
+    lps = out.outputs[0].logprobs
+    assert lps is not None and len(lps) == len(out.token_ids)
+    assert all(lp <= 0 for lp in lps)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(top_k=-5), dict(stop=[""])],
+)
+def test_invalid_sampling_params(kwargs):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_change_nothing(smollm_checkpoint):
+    llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, max_model_len=64)
+    eng = llm.engine
+    free = eng.kv_manager.num_free_blocks
+    with pytest.raises(PromptTooLongError, match="max_model_len"):
+        eng.add_request("word " * 200)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        eng.add_request([])
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        eng.add_request([1, 2, 10**9])
+    assert not eng.has_unfinished_requests() and eng.kv_manager.num_free_blocks == free
+    # A good request afterwards still works, and aborting mid-way frees its blocks.
+    rid = eng.add_request("Hello there", SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert eng.kv_manager.num_free_blocks < free
+    (out,) = eng.abort_request(rid)
+    assert out.finish_reason == "abort"
+    assert eng.kv_manager.num_free_blocks == free and eng.check_integrity()
+
+
+def test_metrics_fields(smollm_llm: LLM):
+    out = smollm_llm.generate("Hello", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    m = out.metrics
+    assert m.num_generated_tokens == 6 and m.num_prompt_tokens == len(out.prompt_token_ids)
+    assert m.ttft_s is not None and m.ttft_s > 0 and m.tpot_s is not None and m.e2e_s >= m.ttft_s
+    d = out.to_dict()
+    for key in ("ttft_s", "tpot_s", "e2e_s", "num_prompt_tokens", "num_generated_tokens", "num_cached_prompt_tokens"):
+        assert key in d["metrics"]
