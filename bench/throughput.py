@@ -1,0 +1,175 @@
+"""Decode throughput at batch 1, 8 and 32, and batch-1 decode as a fraction of the roofline.
+
+Decode is memory-bound: one step reads every weight once (plus the KV of the context), so the
+best batch-1 rate on a machine is  bandwidth / bytes_read_per_step.  The bandwidth is measured
+in the same run (a full read of a 1 GiB tensor with the same thread count), so the fraction
+compares like with like.
+
+    python bench/throughput.py                       # SmolLM2 and Qwen2.5-Coder-1.5B
+    python bench/throughput.py --models smollm2-135m-instruct --batches 1 8
+
+Writes bench/results/throughput.json and throughput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, machine_info, measure_read_bandwidth, write_json  # noqa: E402
+
+from specserve import LLM, SamplingParams  # noqa: E402
+
+BASE_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain how a hash map works in a few sentences.",
+    "def quicksort(arr):",
+    "The three most important ideas in distributed systems are",
+    "Translate to French: The weather is nice today.",
+    "SELECT name, COUNT(*) FROM orders GROUP BY",
+    "Once upon a time there was a small robot who",
+    "import torch\nimport torch.nn as nn\n\nclass MLP(nn.Module):",
+]
+
+
+def weight_bytes_per_step(llm: LLM) -> int:
+    """Bytes of weights one decode step reads: every matrix once, embeddings only by row."""
+    model = llm.engine.runner.model
+    tied = llm.engine.arch.tie_word_embeddings
+    total = 0
+    for name, p in model.named_parameters():  # shared (tied) tensors are listed once
+        if name == "model.embed_tokens.weight" and not tied:
+            continue  # a lookup reads one row per token, negligible
+        total += p.numel() * p.element_size()
+    return total
+
+
+def measure_decode(llm: LLM, batch: int, gen_tokens: int) -> dict:
+    """Run `batch` requests to completion; time only the steps after every prefill is done."""
+    eng = llm.engine
+    params = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
+    prompts = [BASE_PROMPTS[i % len(BASE_PROMPTS)] + f" (variant {i})" for i in range(batch)]
+    ids = [eng.add_request(p, params) for p in prompts]
+    started: set[str] = set()
+    while len(started) < batch:
+        for out in eng.step():
+            started.add(out.request_id)
+    n_tokens = 0
+    n_steps = 0
+    ctx = 0
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        n_steps += 1
+        for out in outs:
+            n_tokens += len(out.outputs[0].delta_token_ids)
+            ctx = max(ctx, len(out.prompt_token_ids) + len(out.token_ids))
+    elapsed = time.perf_counter() - t0
+    assert not set(ids) & {r.request_id for r in eng.scheduler.running}
+    return {
+        "batch": batch,
+        "decode_tokens": n_tokens,
+        "decode_steps": n_steps,
+        "elapsed_s": elapsed,
+        "tokens_per_s": n_tokens / elapsed,
+        "step_ms": 1e3 * elapsed / max(n_steps, 1),
+        "max_context": ctx,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--gen-tokens", type=int, default=48)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default="throughput")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    bw = measure_read_bandwidth(device=args.device)
+    print(f"measured read bandwidth: {bw / 1e9:.1f} GB/s")
+    results = []
+    for name in args.models:
+        t0 = time.perf_counter()
+        llm = LLM(name, dtype=args.dtype, device=args.device, kv_cache_gib=1.0, max_num_seqs=max(args.batches))
+        load_s = time.perf_counter() - t0
+        arch = llm.engine.arch
+        wbytes = weight_bytes_per_step(llm)
+        kv_tok = arch.kv_bytes_per_token(llm.engine.runner.dtype.itemsize)
+        measure_decode(llm, 1, 4)  # warm-up
+        for b in args.batches:
+            r = measure_decode(llm, b, args.gen_tokens)
+            # Bytes per step: weights once + KV of every sequence's context (mean over the run).
+            mean_ctx = r["max_context"] - args.gen_tokens / 2
+            step_bytes = wbytes + b * mean_ctx * kv_tok
+            r.update(
+                model=name, dtype=str(llm.engine.runner.dtype).replace("torch.", ""),
+                weight_bytes=wbytes, bytes_per_step=step_bytes,
+                achieved_bandwidth_gbs=step_bytes / (r["step_ms"] / 1e3) / 1e9,
+                roofline_tokens_per_s=b * bw / step_bytes,
+            )
+            r["roofline_fraction"] = r["tokens_per_s"] / r["roofline_tokens_per_s"]
+            r["load_s"] = load_s
+            results.append(r)
+            print(
+                f"{name:30} batch {b:3d}: {r['tokens_per_s']:7.1f} tok/s  step {r['step_ms']:7.1f} ms  "
+                f"roofline {r['roofline_tokens_per_s']:7.1f} tok/s  ({100 * r['roofline_fraction']:.0f}%)"
+            )
+        del llm
+    payload = {
+        "benchmark": "decode throughput",
+        "machine": machine_info(),
+        "read_bandwidth_gbs": bw / 1e9,
+        "settings": vars(args),
+        "results": results,
+    }
+    path = write_json(f"{args.out}.json", payload)
+    plot(payload, RESULTS_DIR / f"{args.out}.png")
+    print(f"wrote {path}")
+    return 0
+
+
+def plot(payload: dict, path: Path) -> None:
+    """Bars of tokens/s per batch size per model; batch-1 roofline marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = payload["results"]
+    models = list(dict.fromkeys(r["model"] for r in results))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        rows = [r for r in results if r["model"] == m]
+        xs = [str(r["batch"]) for r in rows]
+        ax.bar(xs, [r["tokens_per_s"] for r in rows], color="#4c72b0", label="measured")
+        ax.scatter(xs, [r["roofline_tokens_per_s"] for r in rows], color="#c44e52", marker="_", s=900,
+                   label="memory roofline", zorder=3)
+        for x, r in zip(xs, rows):
+            ax.annotate(f"{r['tokens_per_s']:.1f}\n({100 * r['roofline_fraction']:.0f}%)", (x, r["tokens_per_s"]),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"{m} ({rows[0]['dtype']})", fontsize=10)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8, loc="upper left")
+    mi = payload["machine"]
+    fig.suptitle(f"specserve decode throughput — {mi['cpu']}, {mi['torch_threads']} threads, "
+                 f"{payload['read_bandwidth_gbs']:.1f} GB/s read, commit {mi['commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
