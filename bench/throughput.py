@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, machine_info, measure_read_bandwidth, write_json  # noqa: E402
+from common import RESULTS_DIR, machine_info, measure_read_bandwidth, write_json
 
-from specserve import LLM, SamplingParams  # noqa: E402
+from specserve import LLM, SamplingParams
 
 BASE_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",

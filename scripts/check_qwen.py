@@ -31,7 +31,7 @@ TASKS = [
 
 
 def extract_code(text: str) -> str:
-    m = re.search(r"```(?:python)?\n(.*?)```", text, re.S)
+    m = re.search(r"```(?:python)?\n(.*?)```", text, re.DOTALL)
     return m.group(1) if m else text
 
 

@@ -54,7 +54,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     rows = bundled.list_bundled()
     print(f"{'name':32} {'installed':10} {'assembled':10} path")
     for st in rows:
-        print(f"{st.name:32} {str(st.installed):10} {str(st.assembled):10} {st.path or '-'}")
+        print(f"{st.name:32} {st.installed!s:10} {st.assembled!s:10} {st.path or '-'}")
     return 0
 
 

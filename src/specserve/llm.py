@@ -51,7 +51,7 @@ class LLM:
         self.engine = LLMEngine(config, checkpoint=checkpoint)
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - Tokenizer | None
+    def tokenizer(self):
         """The model's tokenizer (None for token-id-only test models)."""
         return self.engine.tokenizer
 

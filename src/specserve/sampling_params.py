@@ -67,7 +67,7 @@ class SamplingParams:
     @property
     def effective_top_k(self) -> int:
         """top_k with the 'disabled' spellings normalised to 0."""
-        return self.top_k if self.top_k > 0 else 0
+        return max(0, self.top_k)
 
 
 def _is_number(x: object) -> bool:

@@ -47,8 +47,8 @@ class LLMEngine:
     """Continuous-batching engine over one model; not thread-safe (drive it from one loop)."""
 
     def __init__(self, config: EngineConfig, checkpoint: object | None = None) -> None:
-        from specserve.models.loader import LoadedCheckpoint, load_model_files
         from specserve.models.bundled import resolve_model
+        from specserve.models.loader import LoadedCheckpoint, load_model_files
 
         self.config = config
         if config.num_threads:
@@ -208,11 +208,13 @@ class LLMEngine:
             state.detok.append(new_tokens)
             old_len = len(state.text)
             state.text = state.detok.text
-            if state.stop and not req.is_finished:
-                self._check_stop_strings(req, state, old_len)
-            elif state.stop:
-                self._check_stop_strings(req, state, old_len, already_finished=True)
+            if state.stop:
+                self._check_stop_strings(req, state, old_len, already_finished=req.is_finished)
         finished = req.is_finished
+        # At the end, emit bytes still held back (an incomplete character at the very end).
+        if (finished and state.detok is not None and not isinstance(req.stop_reason, str)
+                and state.detok.flush()):
+            state.text = state.detok.text
         holdback = 0
         if not finished and state.stop:
             # Hold back text that could still turn out to be the start of a stop string, so the

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.errors import CorruptModelError
 from specserve.attention import AttentionMetadata, paged_attention, write_kv
+from specserve.errors import CorruptModelError
 from specserve.models.arch import ArchConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, n_kv, d],) * 2

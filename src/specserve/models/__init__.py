@@ -1,0 +1,1 @@
+"""Model architectures, checkpoint loading, tokenizers and bundled model files."""

@@ -1,0 +1,504 @@
+"""Read a checkpoint (a GGUF file or a HF directory of safetensors) into float32 HF-named tensors.
+
+Whatever the source, the result uses HF's Llama/Qwen2 parameter names and layouts, so the model
+code has a single weight format to understand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import gguf
+import gguf.gguf_reader
+import numpy as np
+import torch
+
+from specserve.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from specserve.models.arch import ArchConfig
+from specserve.models.gguf_quants import _one_thread_per_op, dequantize_many
+from specserve.models.tokenizer import Tokenizer
+
+__all__ = [
+    "LoadedCheckpoint",
+    "arch_from_gguf",
+    "arch_from_hf_config",
+    "expected_shapes",
+    "load_gguf",
+    "load_hf_dir",
+    "load_model_files",
+    "open_gguf",
+]
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# Source architecture names accepted for each of our architecture keys. Mistral checkpoints are
+# plain Llama networks (their sliding window only matters past 4k tokens, and is refused below).
+_ARCH_ALIASES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+_HF_CLASSES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+class LoadedCheckpoint(NamedTuple):
+    """Everything read from a checkpoint: shape, float32 weights by HF name, tokenizer, origin."""
+
+    arch: ArchConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None
+    source: str  # the file or directory the checkpoint was read from
+
+
+# --- entry point ---------------------------------------------------------------------------------
+
+
+def load_model_files(
+    path: str | os.PathLike[str], *, load_tokenizer: bool = True
+) -> LoadedCheckpoint:
+    """Load a GGUF file or a HF model directory (config.json + *.safetensors)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelNotFoundError(
+            f"{p} does not exist; pass the path of a GGUF file, a HF model directory, or a "
+            "bundled model name."
+        )
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return load_hf_dir(p, load_tokenizer=load_tokenizer)
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return load_gguf(ggufs[0], load_tokenizer=load_tokenizer)
+        raise ModelNotFoundError(
+            f"{p} has no config.json and {'several' if ggufs else 'no'} .gguf files; point "
+            "specserve at one GGUF file or at a HF model directory."
+        )
+    return load_gguf(p, load_tokenizer=load_tokenizer)
+
+
+# --- GGUF ---------------------------------------------------------------------------------------
+
+
+class _PlainMemmapNumpy:
+    """Stand-in for the numpy module inside gguf's reader whose memmap returns a plain ndarray.
+
+    GGUFReader slices its memmap once per metadata string; for a 150k-token vocabulary that is
+    millions of memmap-subclass slices whose Python-level ``__array_finalize__`` dominates the
+    load time. A base-class view of the same mapping behaves identically and parses ~2x faster.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
+
+    @staticmethod
+    def memmap(*args: Any, **kwargs: Any) -> np.ndarray:
+        return np.memmap(*args, **kwargs).view(np.ndarray)
+
+
+_READER_PATCH_LOCK = threading.Lock()
+
+
+@contextmanager
+def _plain_memmap() -> Iterator[None]:
+    module = gguf.gguf_reader
+    if getattr(module, "np", None) is not np:  # a gguf release that reads files differently
+        yield
+        return
+    with _READER_PATCH_LOCK:
+        module.np = _PlainMemmapNumpy()  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            module.np = np
+
+
+def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
+    """Parse a GGUF file's header, raising CorruptModelError for anything malformed or truncated."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelNotFoundError(
+            f"Cannot open {p}: {exc}. Check the path and permissions."
+        ) from exc
+    if magic != b"GGUF":
+        raise CorruptModelError(
+            f"{p} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); pass a GGUF model "
+            "file or a HF model directory, and re-download the file if it should be GGUF."
+        )
+    try:
+        with _plain_memmap():
+            reader = gguf.GGUFReader(p)
+    except Exception as exc:  # the reader signals damage with assorted ValueError/IndexError/...
+        raise CorruptModelError(
+            f"{p} could not be parsed as GGUF ({type(exc).__name__}: {exc}); the file is probably "
+            "truncated or damaged, so download or re-convert it."
+        ) from exc
+    file_size = p.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > file_size:
+            raise CorruptModelError(
+                f"{p} is truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} but "
+                f"the file has {file_size}; download or re-convert it."
+            )
+    return reader
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _require_int(reader: gguf.GGUFReader, key: str) -> int:
+    value = _field(reader, key)
+    if isinstance(value, list):
+        raise UnsupportedModelError(
+            f"{key} varies per layer in this GGUF; specserve needs the same value in every layer, "
+            "so use a model with a uniform layer shape."
+        )
+    if value is None:
+        raise CorruptModelError(
+            f"GGUF metadata key {key} is missing; the file is incomplete, so re-convert it with a "
+            "current llama.cpp."
+        )
+    return int(value)
+
+
+def arch_from_gguf(reader: gguf.GGUFReader) -> ArchConfig:
+    """Translate a GGUF's ``general.architecture`` and ``<arch>.*`` metadata into an ArchConfig."""
+    source = str(_field(reader, "general.architecture", ""))
+    key = _ARCH_ALIASES.get(source)
+    if key is None:
+        raise UnsupportedModelError(
+            f"GGUF architecture {source!r} is not supported; specserve runs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} models (including SmolLM2, Llama 2-style, "
+            "Mistral-style and Qwen2/2.5). Use a model of one of those families."
+        )
+    pre = source + "."
+    hidden = _require_int(reader, pre + "embedding_length")
+    n_head = _require_int(reader, pre + "attention.head_count")
+    n_kv = int(_field(reader, pre + "attention.head_count_kv", n_head))
+    head_dim = int(_field(reader, pre + "attention.key_length", hidden // n_head))
+    value_dim = int(_field(reader, pre + "attention.value_length", head_dim))
+    rope_dim = int(_field(reader, pre + "rope.dimension_count", head_dim))
+    if value_dim != head_dim or rope_dim != head_dim:
+        raise UnsupportedModelError(
+            f"This GGUF has key width {head_dim}, value width {value_dim} and rotary width "
+            f"{rope_dim}; specserve needs all three equal. Use a standard Llama/Qwen2 model."
+        )
+    scaling = _field(reader, pre + "rope.scaling.type")
+    names = {t.name for t in reader.tensors}
+    if (scaling not in (None, "none")) or "rope_freqs.weight" in names:
+        raise UnsupportedModelError(
+            "This GGUF uses RoPE frequency scaling (e.g. Llama 3.1-style or YaRN), which "
+            "specserve does not implement; use a model with plain rotary embeddings."
+        )
+    window = _field(reader, pre + "attention.sliding_window")
+    if window:
+        raise UnsupportedModelError(
+            f"This GGUF uses sliding-window attention (window {window}); specserve implements full "
+            "attention only, so use a model without a sliding window."
+        )
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise CorruptModelError(
+            "The GGUF has no token_embd.weight tensor; the file is incomplete, so re-convert it."
+        )
+    vocab = int(embed.shape[-1])  # ggml lists dimensions fastest-first: [hidden, vocab]
+    theta = _field(reader, pre + "rope.freq_base", 10000.0)
+    eps = _field(reader, pre + "attention.layer_norm_rms_epsilon", 1e-5)
+    return ArchConfig(
+        architecture=key,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=_require_int(reader, pre + "feed_forward_length"),
+        num_layers=_require_int(reader, pre + "block_count"),
+        num_heads=n_head,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
+        rope_theta=float(theta),
+        rms_norm_eps=float(eps),
+        max_position_embeddings=int(_field(reader, pre + "context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias=key == "qwen2",
+        name=str(_field(reader, "general.name", "") or ""),
+    )
+
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    m = _GGUF_BLOCK_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _GGUF_BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _unpermute_rope_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of Llama q/k projection rows.
+
+    HF Llama rotates dimension i of a head with dimension i + head_dim/2 ("rotate half").
+    llama.cpp's converter reorders each head's rows so that those two sit side by side, as its
+    interleaved-pair RoPE expects: HF row (half j, index i) is stored at row 2*i + j. Reading the
+    stored rows as (head, i, j) and swapping the last two axes restores (head, j, i) = HF order.
+    """
+    rows = t.shape[0]
+    head_dim = rows // n_heads
+    rest = t.shape[1:]
+    return (
+        t.reshape(n_heads, head_dim // 2, 2, *rest)
+        .transpose(1, 2)
+        .reshape(rows, *rest)
+        .contiguous()
+    )
+
+
+def load_gguf(path: str | os.PathLike[str], *, load_tokenizer: bool = True) -> LoadedCheckpoint:
+    """Load a llama/qwen2 GGUF: dequantised float32 weights under HF names, plus its tokenizer."""
+    p = Path(path)
+    reader = open_gguf(p)
+    arch = arch_from_gguf(reader)
+    tokenizer = Tokenizer.from_gguf(reader, name=arch.name) if load_tokenizer else None
+
+    unknown = [t.name for t in reader.tensors if _hf_name(t.name) is None]
+    if unknown:
+        shown = ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else "")
+        raise UnsupportedModelError(
+            f"{p} holds tensors specserve does not know how to use ({shown}); it is not a plain "
+            f"{arch.architecture} network. Use a standard Llama/Qwen2 GGUF."
+        )
+    names = [_hf_name(t.name) for t in reader.tensors]
+    shapes = [tuple(reversed([int(d) for d in t.shape])) for t in reader.tensors]
+    # Refuse an inconsistent file before spending seconds decoding it.
+    _check_shapes(arch, dict(zip(names, shapes, strict=True)), p)  # type: ignore[arg-type]
+    values = dequantize_many(
+        [(t.data, t.tensor_type, shape) for t, shape in zip(reader.tensors, shapes, strict=True)]
+    )
+    del reader  # the decoded tensors own their memory; release the file mapping
+    weights: dict[str, torch.Tensor] = {}
+    with _one_thread_per_op():  # see there: keeps the copies below fast on a busy machine
+        for name, value in zip(names, values, strict=True):
+            assert name is not None
+            if arch.architecture == "llama" and ".self_attn.q_proj." in name:
+                value = _unpermute_rope_rows(value, arch.num_heads)
+            elif arch.architecture == "llama" and ".self_attn.k_proj." in name:
+                value = _unpermute_rope_rows(value, arch.num_kv_heads)
+            # Qwen2 GGUFs keep HF's row order (llama.cpp runs them with NEOX-style RoPE).
+            weights[name] = value
+    return LoadedCheckpoint(arch, weights, tokenizer, str(p))
+
+
+# --- HF directories -----------------------------------------------------------------------------
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CorruptModelError(
+            f"Cannot read {path / 'config.json'}: {exc}. Re-download or re-save the model."
+        ) from exc
+    if not isinstance(data, dict):
+        raise CorruptModelError(f"{path / 'config.json'} is not a JSON object; re-save the model.")
+    return data
+
+
+def arch_from_hf_config(config: dict[str, Any], name: str = "") -> ArchConfig:
+    """Translate a HF ``config.json`` (Llama/Qwen2/Mistral) into an ArchConfig."""
+    key = None
+    for cls_name in config.get("architectures") or []:
+        key = key or _HF_CLASSES.get(cls_name)
+    key = key or _ARCH_ALIASES.get(str(config.get("model_type", "")))
+    if key is None:
+        found = config.get("architectures") or config.get("model_type")
+        raise UnsupportedModelError(
+            f"HF model type {found!r} is not supported; specserve runs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} models (LlamaForCausalLM, Qwen2ForCausalLM). "
+            "Use a model of one of those families."
+        )
+    try:
+        hidden = int(config["hidden_size"])
+        n_head = int(config["num_attention_heads"])
+        n_kv = int(config.get("num_key_value_heads") or n_head)
+        head_dim = int(config.get("head_dim") or hidden // n_head)
+        rope = config.get("rope_parameters") or {}
+        scaling = config.get("rope_scaling") or {}
+        rope_type = (
+            scaling.get("rope_type") or scaling.get("type") or rope.get("rope_type") or "default"
+        )
+        if rope_type != "default":
+            raise UnsupportedModelError(
+                f"This model uses RoPE scaling type {rope_type!r}, which specserve does not "
+                "implement; use a model with plain rotary embeddings."
+            )
+        if config.get("use_sliding_window") or (
+            key == "llama" and config.get("sliding_window") not in (None, 0)
+        ):
+            raise UnsupportedModelError(
+                "This model uses sliding-window attention; specserve implements full attention "
+                "only, so use a model without a sliding window."
+            )
+        if key == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
+            raise UnsupportedModelError(
+                "This Llama variant has projection biases (attention_bias/mlp_bias), which "
+                "specserve's Llama does not implement; use a model without them."
+            )
+        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+        return ArchConfig(
+            architecture=key,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=n_head,
+            num_kv_heads=n_kv,
+            head_dim=head_dim,
+            rope_theta=float(theta),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=key == "qwen2",
+            name=name or str(config.get("_name_or_path") or ""),
+        )
+    except KeyError as exc:
+        raise CorruptModelError(
+            f"config.json lacks the required field {exc.args[0]!r}; re-save the model with "
+            "save_pretrained."
+        ) from None
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CorruptModelError(
+                f"Cannot read {index}: {exc}. Re-download or re-save the model."
+            ) from exc
+        files = [path / f for f in dict.fromkeys(weight_map.values())]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CorruptModelError(
+                f"{index} lists shards that are missing ({', '.join(absent)}); finish the download "
+                "or re-save the model."
+            )
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(
+            f"{path} has config.json but no *.safetensors weights; download the safetensors files "
+            "(pytorch_model.bin is not supported: convert it with "
+            "save_pretrained(safe_serialization=True))."
+        )
+    return files
+
+
+def load_hf_dir(path: str | os.PathLike[str], *, load_tokenizer: bool = True) -> LoadedCheckpoint:
+    """Load a HF directory: config.json, safetensors shard(s), and tokenizer.json if present."""
+    from safetensors import SafetensorError, safe_open
+
+    p = Path(path)
+    arch = arch_from_hf_config(_read_config(p), name=p.name)
+    weights: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(p):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    name = key if key.startswith(("model.", "lm_head.")) else f"model.{key}"
+                    weights[name] = f.get_tensor(key).to(torch.float32).contiguous()
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CorruptModelError(
+                f"Cannot read {file}: {exc}. The file is damaged; re-download or re-save the model."
+            ) from exc
+    if arch.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    _check_shapes(arch, {n: tuple(t.shape) for n, t in weights.items()}, p)
+    wanted = expected_shapes(arch)
+    for extra in [n for n in weights if n not in wanted]:
+        del weights[extra]  # e.g. rotary inv_freq buffers saved by old transformers versions
+    tokenizer = None
+    if load_tokenizer and (p / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_dir(p)
+    return LoadedCheckpoint(arch, weights, tokenizer, str(p))
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+def expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name an ArchConfig needs, with its HF (out_features, in_features) shape."""
+    h, f = arch.hidden_size, arch.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (arch.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    for i in range(arch.num_layers):
+        pre = f"model.layers.{i}."
+        shapes.update(
+            {
+                pre + "self_attn.q_proj.weight": (arch.q_size, h),
+                pre + "self_attn.k_proj.weight": (arch.kv_size, h),
+                pre + "self_attn.v_proj.weight": (arch.kv_size, h),
+                pre + "self_attn.o_proj.weight": (h, arch.q_size),
+                pre + "mlp.gate_proj.weight": (f, h),
+                pre + "mlp.up_proj.weight": (f, h),
+                pre + "mlp.down_proj.weight": (h, f),
+                pre + "input_layernorm.weight": (h,),
+                pre + "post_attention_layernorm.weight": (h,),
+            }
+        )
+        if arch.attention_bias:
+            shapes[pre + "self_attn.q_proj.bias"] = (arch.q_size,)
+            shapes[pre + "self_attn.k_proj.bias"] = (arch.kv_size,)
+            shapes[pre + "self_attn.v_proj.bias"] = (arch.kv_size,)
+    return shapes
+
+
+def _check_shapes(arch: ArchConfig, shapes: dict[str, tuple[int, ...]], source: Path) -> None:
+    """Refuse checkpoints with missing or mis-shaped tensors (extra tensors are allowed here)."""
+    wanted = expected_shapes(arch)
+    missing = [n for n in wanted if n not in shapes]
+    if missing:
+        shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
+        raise CorruptModelError(
+            f"{source} lacks {len(missing)} tensors the {arch.architecture} model needs ({shown}); "
+            "the checkpoint is incomplete, so re-download or re-convert it."
+        )
+    for name, shape in wanted.items():
+        if tuple(shapes[name]) != shape:
+            raise CorruptModelError(
+                f"{source}: tensor {name} has shape {tuple(shapes[name])}, but the config "
+                f"implies {shape}; the checkpoint and its config disagree, so re-convert it."
+            )

@@ -1,0 +1,376 @@
+"""Checkpoint loading: GGUF and HF directories must yield HF transformers' exact weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from specserve.errors import (
+    CorruptModelError,
+    ModelNotFoundError,
+    ModelPackageMissingError,
+    UnsupportedModelError,
+)
+from specserve.models.arch import ArchConfig
+from specserve.models.bundled import ensure_bundled
+from specserve.models.loader import (
+    LoadedCheckpoint,
+    _plain_memmap,
+    expected_shapes,
+    load_model_files,
+    open_gguf,
+)
+from specserve.models.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+
+def _bundled_or_skip(name: str) -> Path:
+    try:
+        return ensure_bundled(name, progress=False)
+    except ModelPackageMissingError as exc:
+        pytest.skip(f"bundled model {name} is not installed: {exc}")
+
+
+def _hf_rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def _assert_arch_matches_hf(arch: ArchConfig, config) -> None:
+    assert arch.architecture == config.model_type
+    assert arch.vocab_size == config.vocab_size
+    assert arch.hidden_size == config.hidden_size
+    assert arch.intermediate_size == config.intermediate_size
+    assert arch.num_layers == config.num_hidden_layers
+    assert arch.num_heads == config.num_attention_heads
+    assert arch.num_kv_heads == config.num_key_value_heads
+    assert arch.head_dim == (
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+    assert arch.rope_theta == _hf_rope_theta(config)
+    assert arch.rms_norm_eps == config.rms_norm_eps
+    assert arch.max_position_embeddings == config.max_position_embeddings
+    assert arch.tie_word_embeddings == config.tie_word_embeddings
+
+
+def _assert_weights_match(
+    ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], tied: bool
+) -> None:
+    expected = set(reference) - ({"lm_head.weight"} if tied else set())
+    assert set(ours) == expected
+    for name, tensor in ours.items():
+        ref = reference[name]
+        assert tensor.dtype == torch.float32 and tensor.device.type == "cpu", name
+        assert tensor.shape == ref.shape, name
+        assert (tensor - ref.float()).abs().max().item() < 1e-6, name
+
+
+# --- real GGUF files vs HF's GGUF loader ------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
+def gguf_pair(request):
+    """(our checkpoint, HF's model loaded from the same GGUF) — each loaded once per module."""
+    path = _bundled_or_skip(request.param)
+    ours = load_model_files(path)
+    # The plain-memmap patch only speeds up gguf's reader (HF parses the file twice).
+    with _plain_memmap():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    yield ours, hf
+    del ours, hf
+
+
+def test_gguf_weights_equal_hf(gguf_pair):
+    ours, hf = gguf_pair
+    _assert_weights_match(ours.weights, hf.state_dict(), ours.arch.tie_word_embeddings)
+
+
+def test_gguf_arch_equals_hf_config(gguf_pair):
+    ours, hf = gguf_pair
+    _assert_arch_matches_hf(ours.arch, hf.config)
+    assert ours.arch.attention_bias == (ours.arch.architecture == "qwen2")
+    assert ours.arch.name
+    assert isinstance(ours.tokenizer, Tokenizer)
+    assert ours.source.endswith(".gguf")
+
+
+def test_gguf_without_tokenizer():
+    ck = load_model_files(_bundled_or_skip("smollm2-135m-instruct"), load_tokenizer=False)
+    assert isinstance(ck, LoadedCheckpoint) and ck.tokenizer is None
+    assert ck.arch.tie_word_embeddings and "lm_head.weight" not in ck.weights
+
+
+# --- damaged and foreign files ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_path() -> Path:
+    return _bundled_or_skip("smollm2-135m-instruct")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99999, 4096])
+def test_truncated_gguf_is_corrupt(smollm2_path, tmp_path, keep):
+    size = smollm2_path.stat().st_size
+    n = int(size * keep) if keep < 1 else keep
+    cut = tmp_path / "cut.gguf"
+    with smollm2_path.open("rb") as src, cut.open("wb") as dst:
+        dst.write(src.read(n))
+    with pytest.raises(CorruptModelError, match="download or re-convert"):
+        load_model_files(cut)
+
+
+def test_random_bytes_are_corrupt(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(np.random.default_rng(0).bytes(100_000))
+    with pytest.raises(CorruptModelError, match="not a GGUF file"):
+        load_model_files(junk)
+    junk.write_bytes(b"GGUF" + np.random.default_rng(1).bytes(100_000))
+    with pytest.raises(CorruptModelError):
+        load_model_files(junk)
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelNotFoundError):
+        load_model_files(tmp_path / "nope.gguf")
+    with pytest.raises(ModelNotFoundError):
+        load_model_files(tmp_path)  # a directory with neither config.json nor a .gguf
+
+
+# --- synthetic GGUF files ----------------------------------------------------------------------
+
+
+def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """The row reordering llama.cpp's converter applies to Llama q/k (test-side version)."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_tiny_gguf(
+    path: Path, arch: str, hf_weights: dict[str, torch.Tensor], cfg: dict, *, extra=()
+) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    writer.add_block_count(cfg["layers"])
+    writer.add_context_length(256)
+    writer.add_embedding_length(cfg["hidden"])
+    writer.add_feed_forward_length(cfg["ffn"])
+    writer.add_head_count(cfg["heads"])
+    writer.add_head_count_kv(cfg["kv_heads"])
+    writer.add_rope_freq_base(5000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    block = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    for name, tensor in hf_weights.items():
+        if name in names:
+            gname = names[name]
+        else:
+            _, _, layer, *rest = name.split(".")
+            module, kind = ".".join(rest[:-1]), rest[-1]
+            gname = f"blk.{layer}.{block[module]}.{kind}"
+        data = tensor.numpy()
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            data = _llama_cpp_permute(data, cfg["heads"] if "attn_q" in gname else cfg["kv_heads"])
+        writer.add_tensor(gname, np.ascontiguousarray(data))
+    for gname, data in extra:
+        writer.add_tensor(gname, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+TINY = {"layers": 2, "hidden": 64, "ffn": 96, "heads": 4, "kv_heads": 2, "vocab": 300}
+
+
+def _random_weights(arch: ArchConfig, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=gen) for n, s in expected_shapes(arch).items()}
+
+
+def _tiny_arch(key: str, tied: bool) -> ArchConfig:
+    return ArchConfig(
+        architecture=key,
+        vocab_size=TINY["vocab"],
+        hidden_size=TINY["hidden"],
+        intermediate_size=TINY["ffn"],
+        num_layers=TINY["layers"],
+        num_heads=TINY["heads"],
+        num_kv_heads=TINY["kv_heads"],
+        head_dim=TINY["hidden"] // TINY["heads"],
+        rope_theta=5000.0,
+        rms_norm_eps=float(np.float32(1e-6)),  # GGUF stores float32
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        attention_bias=key == "qwen2",
+        name="tiny",
+    )
+
+
+@pytest.mark.parametrize(("key", "tied"), [("llama", True), ("llama", False), ("qwen2", False)])
+def test_synthetic_gguf_round_trip(tmp_path, key, tied):
+    arch = _tiny_arch(key, tied)
+    weights = _random_weights(arch, seed=len(key) + tied)
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path, key, weights, TINY)
+    ck = load_model_files(path, load_tokenizer=False)
+    assert ck.arch == arch
+    assert ck.weights.keys() == weights.keys()
+    for name, tensor in weights.items():
+        # Llama q/k come back in HF order (the permutation was undone); Qwen2 was never permuted.
+        assert torch.equal(ck.weights[name], tensor), name
+
+
+def test_unknown_architecture_is_unsupported(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="'mamba'.*llama, qwen2"):
+        load_model_files(path)
+
+
+def test_unknown_tensor_is_unsupported(tmp_path):
+    arch = _tiny_arch("qwen2", False)
+    path = tmp_path / "extra.gguf"
+    extra = [("blk.0.attn_q_norm.weight", np.ones(16, np.float32))]
+    _write_tiny_gguf(path, "qwen2", _random_weights(arch, 0), TINY, extra=extra)
+    with pytest.raises(UnsupportedModelError, match="attn_q_norm"):
+        load_model_files(path, load_tokenizer=False)
+
+
+def test_missing_tensor_is_corrupt(tmp_path):
+    arch = _tiny_arch("llama", True)
+    weights = _random_weights(arch, 0)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    path = tmp_path / "missing.gguf"
+    _write_tiny_gguf(path, "llama", weights, TINY)
+    with pytest.raises(CorruptModelError, match="up_proj"):
+        load_model_files(path, load_tokenizer=False)
+
+
+def test_misshapen_tensor_is_corrupt(tmp_path):
+    arch = _tiny_arch("llama", True)
+    weights = _random_weights(arch, 0)
+    weights["model.layers.1.self_attn.v_proj.weight"] = torch.randn(30, TINY["hidden"])
+    path = tmp_path / "misshapen.gguf"
+    _write_tiny_gguf(path, "llama", weights, TINY)
+    with pytest.raises(CorruptModelError, match=r"v_proj.weight has shape \(30, 64\)"):
+        load_model_files(path, load_tokenizer=False)
+
+
+# --- HF directories -------------------------------------------------------------------------------
+
+
+def _tiny_hf_model(kind: str, tied: bool):
+    common = {
+        "vocab_size": TINY["vocab"],
+        "hidden_size": TINY["hidden"],
+        "intermediate_size": TINY["ffn"],
+        "num_hidden_layers": TINY["layers"],
+        "num_attention_heads": TINY["heads"],
+        "num_key_value_heads": TINY["kv_heads"],
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": tied,
+    }
+    torch.manual_seed(0)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+
+
+@pytest.mark.parametrize(
+    ("kind", "tied", "shard"),
+    [
+        ("llama", True, False),
+        ("llama", False, True),
+        ("qwen2", False, False),
+        ("qwen2", True, True),
+    ],
+)
+def test_hf_dir_matches_transformers(tmp_path, kind, tied, shard):
+    model = _tiny_hf_model(kind, tied)
+    kwargs = {"max_shard_size": "100KB"} if shard else {}
+    model.save_pretrained(tmp_path, safe_serialization=True, **kwargs)
+    if shard:
+        assert (tmp_path / "model.safetensors.index.json").is_file()
+    ck = load_model_files(tmp_path)
+    _assert_arch_matches_hf(ck.arch, model.config)
+    assert ck.arch.attention_bias == (kind == "qwen2")
+    assert ck.tokenizer is None  # no tokenizer.json was saved
+    _assert_weights_match(ck.weights, model.state_dict(), tied)
+
+
+def test_hf_dir_with_tokenizer(tmp_path):
+    model = _tiny_hf_model("llama", True)
+    model.save_pretrained(tmp_path)
+    tok_src = _bundled_or_skip("smollm2-135m-instruct")
+    tok = Tokenizer.from_gguf(open_gguf(tok_src))
+    tok.backend.save(str(tmp_path / "tokenizer.json"))
+    ck = load_model_files(tmp_path)
+    assert ck.tokenizer is not None and ck.tokenizer.fingerprint() == tok.fingerprint()
+
+
+def test_hf_dir_unsupported_and_broken(tmp_path):
+    model = _tiny_hf_model("llama", True)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({**config, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
+    with pytest.raises(UnsupportedModelError, match="gpt2|GPT2"):
+        load_model_files(tmp_path)
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}
+    (tmp_path / "config.json").write_text(
+        json.dumps({**config, "rope_scaling": rope, "rope_parameters": rope})
+    )
+    with pytest.raises(UnsupportedModelError, match="llama3"):
+        load_model_files(tmp_path)
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptModelError):
+        load_model_files(tmp_path)
+
+    weights.unlink()
+    with pytest.raises(ModelNotFoundError, match="safetensors"):
+        load_model_files(tmp_path)
+
+
+def test_directory_with_single_gguf(tmp_path):
+    arch = _tiny_arch("qwen2", False)
+    _write_tiny_gguf(tmp_path / "only.gguf", "qwen2", _random_weights(arch, 3), TINY)
+    ck = load_model_files(tmp_path, load_tokenizer=False)
+    assert ck.arch == arch and ck.source == str(tmp_path / "only.gguf")
+    _write_tiny_gguf(tmp_path / "second.gguf", "qwen2", _random_weights(arch, 4), TINY)
+    with pytest.raises(ModelNotFoundError, match="several"):
+        load_model_files(tmp_path)
