@@ -102,22 +102,19 @@ def _truncate(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def exponential_noise(
-    shape: tuple[int, int], seeds: list[int | None], steps: list[int],
-    device: torch.device, generator: torch.Generator | None,
-) -> torch.Tensor:  # [N, V]
-    """Exp(1) noise; seeded rows draw from their own (seed, step) generator."""
-    noise = torch.empty(shape, dtype=torch.float32, device=device)
-    unseeded = [i for i, s in enumerate(seeds) if s is None]
-    if len(unseeded) == len(seeds):
-        return noise.exponential_(generator=generator)
-    if unseeded:
-        rows = torch.empty((len(unseeded), shape[1]), dtype=torch.float32, device=device)
-        noise[unseeded] = rows.exponential_(generator=generator)
+def uniforms(
+    seeds: list[int | None], steps: list[int], device: torch.device,
+    generator: torch.Generator | None, stream: int = 0,
+) -> torch.Tensor:  # [N] float64 in (0, 1]
+    """One uniform per row; seeded rows draw from their own (seed + stream, step) generator."""
+    u = torch.rand(len(seeds), dtype=torch.float64, device=device, generator=generator)
+    if all(s is None for s in seeds):
+        return 1.0 - u
     for i, s in enumerate(seeds):
         if s is not None:
-            noise[i].exponential_(generator=request_generator(s, steps[i], device))
-    return noise
+            g = request_generator(s + stream, steps[i], device)
+            u[i] = torch.rand(1, dtype=torch.float64, device=device, generator=g)[0]
+    return 1.0 - u  # (0, 1]: never lands on a zero-probability token at the start of the cdf
 
 
 def sample_from_probs(
@@ -125,10 +122,17 @@ def sample_from_probs(
     seeds: list[int | None],
     steps: list[int],
     generator: torch.Generator | None,
+    stream: int = 0,
 ) -> torch.Tensor:  # [N] int64
-    """Draw one token per row: argmax(probs / E), E ~ Exp(1), is an exact categorical sample."""
-    noise = exponential_noise(tuple(probs.shape), seeds, steps, probs.device, generator)
-    return (probs / noise).argmax(dim=-1)
+    """Inverse-CDF draw, one uniform per row: the first token whose cumulative mass reaches u.
+
+    The cumulative sum is taken in float64 so rounding cannot shift mass between tokens, and
+    a token with zero probability can never be returned (its cdf equals its predecessor's).
+    """
+    cdf = probs.double().cumsum(dim=-1)  # [N, V]
+    u = uniforms(seeds, steps, probs.device, generator, stream)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 class Sampler:
