@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from specserve.errors import SpecServeError
 
@@ -25,6 +26,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--spec-method", choices=["none", "draft", "ngram", "reference"], default=None,
+                   help="proposer (default: draft when --draft-model is given, else none)")
+    s.add_argument("--draft-model", default=None, help="draft model (bundled name, GGUF or HF dir)")
+    s.add_argument("--num-spec-tokens", type=int, default=4, help="maximum draft tokens K per step")
+    s.add_argument("--spec-policy", choices=["adaptive", "always", "off"], default="adaptive",
+                   help="adaptive: cost model decides K per request per step")
+    s.add_argument("--draft-num-layers", type=int, default=None, help="use only the draft's first N layers")
+    s.add_argument("--ngram-min", type=int, default=1)
+    s.add_argument("--ngram-max", type=int, default=4)
+    s.add_argument("--spec-on-batch", type=int, default=8, help="speculate freely at batch <= this")
+    s.add_argument("--spec-off-batch", type=int, default=32, help="never speculate at batch >= this")
     g.add_argument("--seed", type=int, default=None,
                    help="random seed (generate: per-request sampling seed, reproducible output)")
 
@@ -37,6 +50,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=not args.no_chunked_prefill, num_threads=args.threads, seed=args.seed or 0,
+        draft_model=args.draft_model, spec_method=args.spec_method, num_spec_tokens=args.num_spec_tokens,
+        spec_policy=args.spec_policy, draft_num_layers=args.draft_num_layers,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        spec_on_batch=args.spec_on_batch, spec_off_batch=args.spec_off_batch,
     )
 
 
@@ -73,6 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+        reference_text=Path(args.reference_file).read_text(encoding="utf-8") if args.reference_file else None,
     )
     llm = LLM(args.model, **engine_kwargs(args))
     if args.chat:
@@ -122,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--reference-file", help="reference text for --spec-method reference (e.g. the file being edited)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     return parser
 

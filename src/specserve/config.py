@@ -115,6 +115,50 @@ class SchedulerConfig:
             raise ConfigError("max_waiting must be >= 0 when given.")
 
 
+SPEC_METHODS = ("none", "draft", "ngram", "reference")
+SPEC_POLICIES = ("adaptive", "always", "off")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: which proposer, how many tokens, and when to speculate."""
+
+    method: str = "none"  # none | draft | ngram | reference
+    num_spec_tokens: int = 4  # maximum K per request per step
+    policy: str = "adaptive"  # adaptive | always | off
+    draft_model: str | None = None
+    draft_num_layers: int | None = None  # keep only the first N layers of the draft (layer-skip draft)
+    draft_kv_cache_gib: float | None = None  # default: a share of the target's budget
+    ngram_min: int = 1
+    ngram_max: int = 4
+    # Reference thresholds: speculate freely at batch <= on_batch, never at batch >= off_batch,
+    # only priority requests (priority < 0) in between. The cost model decides within them.
+    on_batch: int = 8
+    off_batch: int = 32
+    profile_on_start: bool = True  # time target/draft forwards at start-up to seed the cost model
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"Unknown spec method {self.method!r}; use one of {', '.join(SPEC_METHODS)}.")
+        if self.policy not in SPEC_POLICIES:
+            raise ConfigError(f"Unknown spec policy {self.policy!r}; use one of {', '.join(SPEC_POLICIES)}.")
+        if not 1 <= self.num_spec_tokens <= 32:
+            raise ConfigError(f"num_spec_tokens must be in [1, 32], got {self.num_spec_tokens}.")
+        if self.method == "draft" and not self.draft_model:
+            raise ConfigError("spec method 'draft' needs a draft model; pass --draft-model NAME_OR_PATH.")
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise ConfigError("draft_num_layers must be >= 1 when given.")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}.")
+        if not 0 <= self.on_batch <= self.off_batch:
+            raise ConfigError("need 0 <= on_batch <= off_batch for the speculation thresholds.")
+
+    @property
+    def enabled(self) -> bool:
+        """True when a proposer is configured."""
+        return self.method != "none"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs, composed from the per-concern configs."""
@@ -122,5 +166,6 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
     num_threads: int | None = None  # torch intra-op threads on CPU (None: leave torch's default)
     log_stats: bool = False

@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from specserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specserve.engine.engine import LLMEngine
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
@@ -34,8 +34,22 @@ class LLM:
         num_threads: int | None = None,
         seed: int = 0,
         num_kv_blocks: int | None = None,
+        draft_model: str | None = None,
+        spec_method: str | None = None,
+        num_spec_tokens: int = 4,
+        spec_policy: str = "adaptive",
+        draft_num_layers: int | None = None,
+        draft_kv_cache_gib: float | None = None,
+        ngram_min: int = 1,
+        ngram_max: int = 4,
+        spec_on_batch: int = 8,
+        spec_off_batch: int = 32,
+        profile_spec_costs: bool = True,
         checkpoint: Any = None,
+        draft_checkpoint: Any = None,
     ) -> None:
+        if spec_method is None:
+            spec_method = "draft" if (draft_model or draft_checkpoint is not None) else "none"
         config = EngineConfig(
             model=ModelConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed),
             cache=CacheConfig(
@@ -46,9 +60,16 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
+            spec=SpecConfig(
+                method=spec_method, num_spec_tokens=num_spec_tokens, policy=spec_policy,
+                draft_model=draft_model or ("<checkpoint>" if draft_checkpoint is not None else None),
+                draft_num_layers=draft_num_layers, draft_kv_cache_gib=draft_kv_cache_gib,
+                ngram_min=ngram_min, ngram_max=ngram_max, on_batch=spec_on_batch, off_batch=spec_off_batch,
+                profile_on_start=profile_spec_costs,
+            ),
             num_threads=num_threads,
         )
-        self.engine = LLMEngine(config, checkpoint=checkpoint)
+        self.engine = LLMEngine(config, checkpoint=checkpoint, draft_checkpoint=draft_checkpoint)
 
     @property
     def tokenizer(self):

@@ -40,6 +40,7 @@ class RequestMetrics:
             num_generated_tokens=n_gen,
             num_cached_prompt_tokens=max(req.num_cached_tokens, 0),
             num_preemptions=req.num_preemptions,
+            extra=spec_metrics(req),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -48,6 +49,22 @@ class RequestMetrics:
         extra = d.pop("extra")
         d.update(extra)
         return d
+
+
+def spec_metrics(req: Request) -> dict[str, Any]:
+    """Speculation counters of one request (zeros when it never speculated)."""
+    drafted, accepted = req.drafted_per_position, req.accepted_per_position
+    n_out = req.num_output_tokens
+    return {
+        "num_target_steps": req.num_target_steps,
+        "num_spec_steps": req.num_spec_steps,
+        "num_draft_tokens": req.num_draft_tokens,
+        "num_accepted_tokens": req.num_accepted_tokens,
+        "acceptance_rate": req.num_accepted_tokens / req.num_draft_tokens if req.num_draft_tokens else None,
+        "acceptance_per_position": [a / d if d else None for a, d in zip(accepted, drafted)],
+        "mean_accepted_len": (req.num_accepted_tokens / req.num_spec_steps) if req.num_spec_steps else None,
+        "target_forwards_per_token": req.num_target_steps / n_out if n_out else None,
+    }
 
 
 @dataclass

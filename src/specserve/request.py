@@ -84,6 +84,29 @@ class Request:
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.perf_counter())
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # Speculation counters.
+        self.num_target_steps = 0  # target passes that produced output for this request
+        self.num_spec_steps = 0  # of those, passes that verified at least one draft token
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.drafted_per_position: list[int] = []  # drafts tested at position j
+        self.accepted_per_position: list[int] = []  # of those, accepted
+
+    def record_verify(self, num_draft: int, num_accepted: int) -> None:
+        """Count one target pass that verified num_draft drafts and accepted num_accepted."""
+        self.num_target_steps += 1
+        if num_draft <= 0:
+            return
+        self.num_spec_steps += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        while len(self.drafted_per_position) < num_draft:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for j in range(min(num_draft, num_accepted + 1)):  # positions actually tested
+            self.drafted_per_position[j] += 1
+            if j < num_accepted:
+                self.accepted_per_position[j] += 1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -111,9 +134,9 @@ class Request:
         return self.status.is_finished
 
     @property
-    def is_prefill_done(self) -> bool:
-        """True when every known token has KV and the next step will sample."""
-        return self.num_computed_tokens >= self.num_tokens - 1 and self.num_computed_tokens >= self.num_prompt_tokens - 1
+    def is_decoding(self) -> bool:
+        """True when every token but the last sampled one has KV: the next step decodes."""
+        return self.num_computed_tokens == self.num_tokens - 1 and self.num_output_tokens > 0
 
     def append_output_tokens(self, token_ids: list[int], logprobs: list[float] | None = None) -> None:
         """Append accepted tokens (one per step without speculation, up to K+1 with it)."""

@@ -26,6 +26,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
+    reference_text: str | None = None  # for the `reference` proposer: text the output tracks
+    reference_token_ids: list[int] | None = None  # the same, already tokenized
+    speculative: bool | None = None  # per-request override: False never speculates
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +58,12 @@ class SamplingParams:
         for s in self.stop:  # type: ignore[union-attr]
             if not isinstance(s, str) or not s:
                 raise bad(f"stop strings must be non-empty strings, got {s!r}.")
+        if self.reference_text is not None and not isinstance(self.reference_text, str):
+            raise bad("reference_text must be a string.")
+        if self.reference_token_ids is not None and not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.reference_token_ids
+        ):
+            raise bad("reference_token_ids must be non-negative integers.")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise bad(f"stop_token_ids must be non-negative integers, got {t!r}.")

@@ -16,13 +16,16 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.engine.runner import ModelRunner
-from specserve.engine.scheduler import Scheduler
+from specserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from specserve.errors import InvalidRequestError, PromptTooLongError
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specserve.request import Request, RequestStatus
 from specserve.sampling_params import SamplingParams
+from specserve.spec.factory import ProposerContext, build_proposer
+from specserve.spec.policy import SpecPolicy
+from specserve.spec.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +49,9 @@ class _OutputState:
 class LLMEngine:
     """Continuous-batching engine over one model; not thread-safe (drive it from one loop)."""
 
-    def __init__(self, config: EngineConfig, checkpoint: object | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, checkpoint: object | None = None, draft_checkpoint: object | None = None
+    ) -> None:
         from specserve.models.bundled import resolve_model
         from specserve.models.loader import LoadedCheckpoint, load_model_files
 
@@ -81,6 +86,62 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self._init_speculation(draft_checkpoint)
+
+    # ------------------------------------------------------------------ speculation set-up
+    def _init_speculation(self, draft_checkpoint: object | None) -> None:
+        spec = self.config.spec
+        self.proposer: Proposer | None = build_proposer(ProposerContext(
+            spec=spec, model=self.config.model, cache=self.config.cache, max_model_len=self.max_model_len,
+            tokenizer=self.tokenizer, target_vocab_size=self.arch.vocab_size,
+            target_num_blocks=self.runner.num_blocks, draft_checkpoint=draft_checkpoint,
+        ))
+        self.policy = SpecPolicy(
+            spec,
+            draft_cost_is_per_token=spec.method == "draft",
+            prior_acceptance=0.7 if spec.method == "draft" else 0.5,
+            enabled=self.proposer is not None,
+        )
+        self._draft_probs: dict[str, torch.Tensor | None] = {}
+        self.spec_counters = {"draft_time_s": 0.0, "verify_time_s": 0.0, "decode_time_s": 0.0,
+                              "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self.accepted_per_position = [0] * spec.num_spec_tokens
+        self.drafted_per_position = [0] * spec.num_spec_tokens
+        if self.proposer is not None and spec.policy == "adaptive" and spec.profile_on_start:
+            self.profile_costs()
+
+    def profile_costs(self, max_batch: int | None = None) -> dict[str, dict[int, float]]:
+        """Time target forwards of n tokens and draft passes of b requests to seed the cost model."""
+        kmax = self.config.spec.num_spec_tokens
+        limit = max_batch or min(self.config.spec.off_batch, self.config.scheduler.max_num_seqs)
+        sizes = sorted({1, 2, 4, 8, 16, 32, 64, (kmax + 1), 2 * (kmax + 1), 4 * (kmax + 1), 8 * (kmax + 1)})
+        sizes = [n for n in sizes if n <= max(limit * (kmax + 1), 1) and n <= self.config.scheduler.max_num_batched_tokens]
+        self.runner.time_decode_step(1)  # warm-up
+        for n in sizes:
+            self.policy.target_time.points[n] = self.runner.time_decode_step(n)
+        from specserve.spec.draft_model import DraftModelProposer
+
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.runner.time_decode_step(1)
+            for b in sorted({1, 2, 4, 8, 16, 32}):
+                if b <= limit:
+                    self.policy.draft_time.points[b] = self.proposer.runner.time_decode_step(b)
+        else:
+            self.policy.draft_time.points[1] = 1e-4  # a table lookup: negligible next to a forward
+        return {"target": dict(self.policy.target_time.points), "draft": dict(self.policy.draft_time.points)}
+
+    def set_speculation(self, enabled: bool) -> None:
+        """Turn speculation off or on at run time (takes effect from the next step)."""
+        self.policy.enabled = bool(enabled) and self.proposer is not None
+        if not self.policy.enabled:
+            for req in self.scheduler.running:
+                req.spec_token_ids = []
+            self._draft_probs.clear()
+
+    @property
+    def speculation_enabled(self) -> bool:
+        """Whether the policy may currently speculate."""
+        return self.policy.enabled
 
     def _resolve_max_model_len(self, config: EngineConfig) -> int:
         native = self.arch.max_position_embeddings
@@ -123,6 +184,8 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         self._states[rid] = _OutputState(prompt_text, detok, list(params.stop or []), index=index)
         self.scheduler.add_request(req)
+        if self.proposer is not None:
+            self.proposer.add_request(req)
         self.num_prompt_tokens += len(token_ids)
         return rid
 
@@ -163,7 +226,7 @@ class LLMEngine:
         """Abort requests now; their KV blocks are freed before this returns."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        self.scheduler.take_finished()
+        self._release_finished(self.scheduler.take_finished())
         return [self._make_output(req, []) for req in done]
 
     def has_unfinished_requests(self) -> bool:
@@ -179,28 +242,90 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return outputs of requests that progressed or finished."""
         sched_out = self.scheduler.schedule()
+        for rid in sched_out.preempted_ids:
+            self._draft_probs.pop(rid, None)
+            if self.proposer is not None:
+                self.proposer.remove_request(rid, finished=False)
         if sched_out.is_empty:
             return []
         try:
-            sampled = self.runner.execute(sched_out)
+            sampled = self.runner.execute(sched_out, self._draft_probs)
         except Exception as exc:  # a model failure must not take every other request down
             logger.exception("model step failed; failing the %d scheduled requests", len(sched_out.scheduled))
             ids = [sr.request_id for sr in sched_out.scheduled]
             failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-            self.scheduler.take_finished()
+            self._release_finished(self.scheduler.take_finished())
             outs = []
             for req in failed:
                 req.error = f"{type(exc).__name__}: {exc}"
                 outs.append(self._make_output(req, []))
             return outs
         self.num_steps += 1
+        self._account_step(sched_out, sampled)
         results = self.scheduler.update_from_output(sched_out, sampled)
         outputs = []
         for req, new_tokens in results:
             self.num_generated_tokens += len(new_tokens)
             outputs.append(self._make_output(req, new_tokens))
-        self.scheduler.take_finished()
+        self._release_finished(self.scheduler.take_finished())
+        if self.proposer is not None and self.policy.enabled:
+            self._propose_next()
         return outputs
+
+    def _account_step(self, sched_out: SchedulerOutput, sampled: dict[str, SampledTokens]) -> None:
+        t = self.runner.last_forward_time_s
+        self.policy.target_time.observe(sched_out.num_batched_tokens, t)
+        spec = False
+        for rid, st in sampled.items():
+            if st.num_draft_tokens:
+                spec = True
+                self.policy.observe(rid, st.num_draft_tokens, st.num_accepted_tokens)
+                c = self.spec_counters
+                c["num_drafts"] += 1
+                c["num_draft_tokens"] += st.num_draft_tokens
+                c["num_accepted_tokens"] += st.num_accepted_tokens
+                for j in range(min(st.num_draft_tokens, st.num_accepted_tokens + 1, len(self.drafted_per_position))):
+                    self.drafted_per_position[j] += 1
+                    self.accepted_per_position[j] += int(j < st.num_accepted_tokens)
+            self._draft_probs.pop(rid, None)
+        self.spec_counters["verify_time_s" if spec else "decode_time_s"] += t
+
+    def _propose_next(self) -> None:
+        """Ask the policy for K per decoding request and the proposer for that many drafts."""
+        decoding = [r for r in self.scheduler.running if r.is_decoding]
+        if not decoding:
+            return
+        prefill_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.running if not r.is_decoding)
+        other = min(prefill_tokens, self.config.scheduler.max_num_batched_tokens)
+        ks = self.policy.choose(decoding, other)
+        for i, req in enumerate(decoding):
+            if ks[i]:
+                # Never draft past the context window or past the last token max_tokens allows.
+                room = min(self.max_model_len - req.num_tokens,
+                           req.sampling_params.max_tokens - req.num_output_tokens) - 1
+                ks[i] = max(0, min(ks[i], room))
+        if not any(ks):
+            return
+        t0 = time.perf_counter()
+        proposals = self.proposer.propose(decoding, ks)  # type: ignore[union-attr]
+        dt = time.perf_counter() - t0
+        self.spec_counters["draft_time_s"] += dt
+        kmax = max(ks)
+        n_spec = sum(1 for k in ks if k)
+        if self.policy.draft_cost_is_per_token:
+            self.policy.draft_time.observe(n_spec, dt / kmax)
+        for req in decoding:
+            prop = proposals.get(req.request_id)
+            if prop is not None and prop.token_ids:
+                req.spec_token_ids = list(prop.token_ids)
+                self._draft_probs[req.request_id] = prop.probs
+
+    def _release_finished(self, finished: list[Request]) -> None:
+        for req in finished:
+            self._draft_probs.pop(req.request_id, None)
+            self.policy.forget(req.request_id)
+            if self.proposer is not None:
+                self.proposer.remove_request(req.request_id, finished=True)
 
     def _make_output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         state = self._states[req.request_id]
@@ -273,7 +398,15 @@ class LLMEngine:
     def check_integrity(self) -> bool:
         """KV bookkeeping holds: every block is free, cached, or held by a live request."""
         live = [r.request_id for r in self.scheduler.running]
-        return self.kv_manager.check_integrity(live)
+        ok = self.kv_manager.check_integrity(live)
+        if self.proposer is not None:
+            stale = set(self.proposer.live_request_ids()) - set(live) - {r.request_id for r in self.scheduler.waiting}
+            if stale:
+                from specserve.kv_cache.manager import KVCacheIntegrityError
+
+                raise KVCacheIntegrityError(f"proposer still holds finished requests: {sorted(stale)[:5]}")
+            ok = ok and self.proposer.check_integrity()
+        return ok
 
     def stats(self) -> dict[str, float]:
         """Counters for metrics endpoints and benchmarks."""

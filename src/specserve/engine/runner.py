@@ -13,11 +13,12 @@ import torch
 
 from specserve.attention import AttentionMetadata, build_attention_metadata
 from specserve.config import CacheConfig, ModelConfig
-from specserve.engine.scheduler import SampledTokens, SchedulerOutput
+from specserve.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
 from specserve.models.arch import ArchConfig
 from specserve.models.llama import KVCache, RotaryEmbedding
 from specserve.models.registry import build_model
+from specserve.sampling.rejection import SpecBatch, rejection_sample
 from specserve.sampling.sampler import Sampler, SamplingMetadata
 
 # Extra rotary positions beyond max_model_len so look-ahead (draft) slots always have a table row.
@@ -79,6 +80,7 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None
         self.num_steps = 0
         self.forward_time_s = 0.0
+        self.last_forward_time_s = 0.0
 
     def _build(self, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int) -> torch.nn.Module:
         # Build on the meta device so no time is spent on random initialisation, then adopt
@@ -140,13 +142,22 @@ class ModelRunner:
         t0 = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_index))
-        self.forward_time_s += time.perf_counter() - t0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # honest step times for the cost model
+        self.last_forward_time_s = time.perf_counter() - t0
+        self.forward_time_s += self.last_forward_time_s
         self.num_steps += 1
         return logits
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledTokens]:
-        """Run one step without speculation: one sampled token per request that reached its end."""
+    def execute(
+        self, out: SchedulerOutput, draft_probs: dict[str, torch.Tensor | None] | None = None
+    ) -> dict[str, SampledTokens]:
+        """Run one step: sample one token per finishing request, or verify its drafts.
+
+        draft_probs holds, per request with drafts, the [K, V] distribution they were drawn
+        from (None for deterministic proposers, whose p is one-hot).
+        """
         if out.is_empty:
             return {}
         inputs = self.prepare_inputs(out)
@@ -156,12 +167,14 @@ class ModelRunner:
         sampled_reqs = [sr for sr in out.scheduled if sr.sample]
         if not sampled_reqs:
             return {}
-        # Without drafts each sampling request owns exactly one logits row, in order.
         meta = SamplingMetadata.build(
             [sr.sampling_params for sr in sampled_reqs],
             [sr.output_index for sr in sampled_reqs],
             self.device,
         )
+        if any(sr.num_spec_tokens for sr in sampled_reqs):
+            return self._verify(logits, sampled_reqs, meta, draft_probs or {})
+        # Without drafts each sampling request owns exactly one logits row, in order.
         tokens, logprobs = self.sampler(logits, meta)
         tokens_l = tokens.tolist()
         lp_l = logprobs.tolist() if logprobs is not None else None
@@ -169,3 +182,66 @@ class ModelRunner:
         for i, sr in enumerate(sampled_reqs):
             result[sr.request_id] = SampledTokens([tokens_l[i]], [lp_l[i]] if lp_l is not None else None)
         return result
+
+    def _verify(
+        self,
+        logits: torch.Tensor,  # [sum(K_i + 1), V]
+        sampled_reqs: list[ScheduledRequest],
+        meta: SamplingMetadata,
+        draft_probs: dict[str, torch.Tensor | None],
+    ) -> dict[str, SampledTokens]:
+        ks = [sr.num_spec_tokens for sr in sampled_reqs]
+        probs = []
+        for sr, k in zip(sampled_reqs, ks):
+            p = draft_probs.get(sr.request_id) if k else None
+            probs.append(p[:k] if p is not None else None)
+        batch = SpecBatch(
+            num_draft=ks,
+            draft_token_ids=[sr.token_ids[len(sr.token_ids) - k :] if k else [] for sr, k in zip(sampled_reqs, ks)],
+            draft_probs=probs,
+            meta=meta,
+        )
+        res = rejection_sample(logits, batch, self.sampler.generator)
+        result = {}
+        for i, sr in enumerate(sampled_reqs):
+            result[sr.request_id] = SampledTokens(
+                res.token_ids[i],
+                res.logprobs[i] if res.logprobs is not None else None,
+                num_draft_tokens=ks[i],
+                num_accepted_tokens=res.num_accepted[i],
+            )
+        return result
+
+    # ------------------------------------------------------------------ profiling
+    @torch.inference_mode()
+    def time_decode_step(self, batch: int, tokens_per_req: int = 1, repeats: int = 3, context: int = 32) -> float:
+        """Seconds of one forward over `batch` requests of tokens_per_req new tokens each.
+
+        Only for start-up profiling, while the KV cache holds nothing: it writes into blocks
+        that no request owns yet.
+        """
+        n_blocks = -(-(context + tokens_per_req) // self.block_size)
+        if n_blocks > self.num_blocks:
+            return float("nan")
+        table = list(range(n_blocks))
+        from specserve.sampling_params import SamplingParams
+
+        entries = [
+            ScheduledRequest(f"profile-{i}", [1] * tokens_per_req, context, table, tokens_per_req - 1,
+                             True, SamplingParams(), 0)
+            for i in range(batch)
+        ]
+        inputs = self.prepare_inputs(SchedulerOutput(entries, batch * tokens_per_req, []))
+        best = float("inf")
+        for _ in range(repeats):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            self.model.compute_logits(
+                self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+                .index_select(0, inputs.logits_index)
+            )
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best

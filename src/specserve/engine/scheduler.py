@@ -228,6 +228,7 @@ class Scheduler:
             num_accepted = len(out.token_ids) - 1
             req.num_computed_tokens += num_fed - sr.num_spec_tokens + num_accepted
             req.spec_token_ids = []
+            req.record_verify(sr.num_spec_tokens, num_accepted)
             new_tokens = self._append_checking_stops(req, out)
             if req.times.first_token is None:
                 req.times.first_token = now

@@ -74,7 +74,6 @@ def rejection_sample(
     ks = torch.tensor(batch.num_draft, dtype=torch.long, device=device)
     rows_per_req = ks + 1
     total_rows = int(rows_per_req.sum())
-    vocab = target_logits.shape[-1]
     meta = batch.meta
 
     # Row bookkeeping: request index and position j (0..K_i) of every logits row.

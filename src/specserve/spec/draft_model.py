@@ -1,0 +1,200 @@
+"""Draft-model proposer: a small model with its own paged KV cache drafts K tokens per request.
+
+The draft cache is kept in lock-step with each request's *accepted* tokens: before drafting,
+the draft tokens it fed last time are compared with what the target accepted, the matching
+prefix stays, the rest is rolled back. Then one forward pass catches every request up (its
+prompt on first use, the recovered/bonus token afterwards) and samples draft 1, and K-1 more
+single-token passes over the whole batch produce drafts 2..K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import torch
+
+from specserve.config import CacheConfig, ModelConfig
+from specserve.engine.runner import ModelRunner
+from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from specserve.errors import ConfigError
+from specserve.kv_cache.manager import KVCacheManager
+from specserve.models.arch import ArchConfig
+from specserve.request import Request
+from specserve.sampling.sampler import SamplingMetadata, logits_to_probs, sample_from_probs
+from specserve.spec.proposer import DraftProposal, Proposer, register_proposer
+
+# Random stream of draft sampling, distinct from the target's streams for the same positions.
+STREAM_DRAFT = 3 << 40
+
+
+class _DraftSeq:
+    """A request as seen by the draft cache: accepted tokens plus unverified fed drafts."""
+
+    __slots__ = ("request_id", "all_token_ids", "num_computed_tokens", "pending")
+
+    def __init__(self, request: Request) -> None:
+        self.request_id = request.request_id
+        self.all_token_ids = request.all_token_ids  # the request's own list: always current
+        self.num_computed_tokens = 0  # accepted tokens whose draft KV is valid
+        self.pending: list[int] = []  # draft tokens fed after them, not yet verified
+
+
+def truncate_layers(
+    arch: ArchConfig, weights: dict[str, torch.Tensor], num_layers: int
+) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
+    """Keep the first num_layers decoder layers (plus embeddings, final norm and head)."""
+    if num_layers > arch.num_layers:
+        raise ConfigError(f"draft_num_layers={num_layers} exceeds the draft's {arch.num_layers} layers.")
+    kept = {}
+    for name, t in weights.items():
+        if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
+            continue
+        kept[name] = t
+    return dataclasses.replace(arch, num_layers=num_layers, name=f"{arch.name}[:{num_layers}]"), kept
+
+
+@register_proposer("draft")
+class DraftModelProposer(Proposer):
+    """Autoregressive drafting with a smaller model over its own paged KV cache."""
+
+    deterministic = False
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        weights: dict[str, torch.Tensor],
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+    ) -> None:
+        self.runner = ModelRunner(arch, weights, model_config, cache_config, max_model_len)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, name="draft"
+        )
+        self.device = self.runner.device
+        self._seqs: dict[str, _DraftSeq] = {}
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(model_config.seed + 1)
+        self.num_forwards = 0
+        self.time_s = 0.0
+        self.last_time_s = 0.0
+        self.last_batch = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def remove_request(self, request_id: str, finished: bool = True) -> None:
+        """Free the request's draft KV (a preempted request catches up again later)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.kv.forget(seq) if finished else self.kv.free(seq)
+
+    def live_request_ids(self) -> list[str]:
+        """Requests holding draft KV blocks."""
+        return list(self._seqs)
+
+    def check_integrity(self) -> bool:
+        """The draft cache's blocks are free, cached or held by a live request."""
+        return self.kv.check_integrity(list(self._seqs))
+
+    # ------------------------------------------------------------------ drafting
+    def _sync(self, seq: _DraftSeq) -> None:
+        """Keep the fed drafts the target accepted; roll back the rest."""
+        if seq.pending:
+            toks = seq.all_token_ids
+            base = seq.num_computed_tokens
+            a = 0
+            while a < len(seq.pending) and base + a < len(toks) and toks[base + a] == seq.pending[a]:
+                a += 1
+            seq.num_computed_tokens = base + a
+            seq.pending = []
+        self.kv.rollback(seq, seq.num_computed_tokens)
+        self.kv.cache_blocks(seq, seq.num_computed_tokens)
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftProposal]:
+        """Draft up to num_tokens[i] tokens for every request, all requests batched per pass."""
+        t0 = time.perf_counter()
+        active: list[tuple[Request, _DraftSeq, int]] = []
+        first_pass: list[ScheduledRequest] = []
+        for req, k in zip(requests, num_tokens):
+            if k <= 0:
+                continue
+            seq = self._seqs.get(req.request_id)
+            if seq is None:
+                seq = self._seqs[req.request_id] = _DraftSeq(req)
+            self._sync(seq)
+            hits = []
+            if not self.kv.req_blocks.get(seq.request_id):
+                hits, n_hit = self.kv.get_computed_blocks(seq)
+                seq.num_computed_tokens = n_hit
+            new = seq.all_token_ids[seq.num_computed_tokens :]
+            # Slots for the catch-up tokens and the k-1 drafts fed back in; skip the request
+            # (no speculation this step) rather than evict anything when the cache is full.
+            if not self.kv.allocate_slots(seq, len(new) + k - 1, hits):
+                continue
+            active.append((req, seq, k))
+            first_pass.append(self._entry(req, new, seq.num_computed_tokens))
+        if not active:
+            return {}
+        drafts: dict[str, list[int]] = {req.request_id: [] for req, _, _ in active}
+        probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _, _ in active}
+
+        entries = first_pass
+        step_reqs = active
+        for j in range(max(k for _, _, k in active)):
+            logits = self.runner.forward_logits(
+                self.runner.prepare_inputs(SchedulerOutput(entries, sum(len(e.token_ids) for e in entries), []))
+            )
+            self.num_forwards += 1
+            if j == 0:
+                for _, seq, _ in step_reqs:
+                    seq.num_computed_tokens = len(seq.all_token_ids)
+            toks, rows = self._sample(logits, step_reqs, j)
+            next_reqs, entries = [], []
+            for i, (req, seq, k) in enumerate(step_reqs):
+                rid = req.request_id
+                drafts[rid].append(toks[i])
+                if rows is not None and not req.sampling_params.is_greedy:
+                    probs[rid].append(rows[i])
+                if j + 1 < k:
+                    pos = len(seq.all_token_ids) + len(seq.pending)
+                    seq.pending.append(toks[i])
+                    next_reqs.append((req, seq, k))
+                    entries.append(self._entry(req, [toks[i]], pos))
+            step_reqs = next_reqs
+            if not step_reqs:
+                break
+        out = {}
+        for req, _, _ in active:
+            rid = req.request_id
+            p = torch.stack(probs[rid]) if probs[rid] else None
+            out[rid] = DraftProposal(drafts[rid], p)
+        self.last_time_s = time.perf_counter() - t0
+        self.last_batch = len(active)
+        self.time_s += self.last_time_s
+        return out
+
+    def _entry(self, req: Request, tokens: list[int], start: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            request_id=req.request_id, token_ids=tokens, start_pos=start,
+            block_ids=self.kv.block_ids(req.request_id), num_spec_tokens=0, sample=True,
+            sampling_params=req.sampling_params, output_index=req.num_output_tokens,
+        )
+
+    def _sample(
+        self, logits: torch.Tensor, step_reqs: list[tuple[Request, _DraftSeq, int]], j: int
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Draft token j of each request: argmax for greedy requests, else a draw from the
+        processed draft distribution p (whose rows are returned for the rejection test)."""
+        params = [req.sampling_params for req, _, _ in step_reqs]
+        steps = [req.num_output_tokens + j for req, _, _ in step_reqs]
+        meta = SamplingMetadata.build(params, steps, self.device)
+        greedy = logits.argmax(dim=-1)
+        if meta.all_greedy:
+            return greedy.tolist(), None
+        p = logits_to_probs(logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p)
+        seeds = [None if s is None else s + STREAM_DRAFT for s in meta.seeds]
+        sampled = sample_from_probs(p, seeds, steps, self.generator)
+        toks = torch.where(meta.greedy, greedy, sampled)
+        return toks.tolist(), p

@@ -1,0 +1,95 @@
+"""Build the configured proposer: spec method name -> builder, one registry entry each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specserve.config import CacheConfig, ModelConfig, SpecConfig
+from specserve.errors import TokenizerMismatchError
+from specserve.models.tokenizer import Tokenizer
+from specserve.spec.proposer import Proposer
+
+
+@dataclass
+class ProposerContext:
+    """What a proposer builder may need from the engine."""
+
+    spec: SpecConfig
+    model: ModelConfig
+    cache: CacheConfig
+    max_model_len: int
+    tokenizer: Tokenizer | None
+    target_vocab_size: int
+    target_num_blocks: int
+    draft_checkpoint: object | None = None  # tests: an already loaded draft checkpoint
+
+
+def _build_ngram(ctx: ProposerContext) -> Proposer:
+    from specserve.spec.ngram import NgramProposer
+
+    return NgramProposer(ctx.spec.ngram_min, ctx.spec.ngram_max)
+
+
+def _build_reference(ctx: ProposerContext) -> Proposer:
+    from specserve.spec.reference import ReferenceProposer
+
+    tok = ctx.tokenizer
+    encode = (lambda text: tok.encode(text, add_special_tokens=False)) if tok is not None else None
+    return ReferenceProposer(encode, ctx.spec.ngram_min, ctx.spec.ngram_max)
+
+
+def _build_draft(ctx: ProposerContext) -> Proposer:
+    from dataclasses import replace
+
+    from specserve.models.bundled import resolve_model
+    from specserve.models.loader import LoadedCheckpoint, load_model_files
+    from specserve.spec.draft_model import DraftModelProposer, truncate_layers
+
+    ckpt = ctx.draft_checkpoint
+    if ckpt is None:
+        ckpt = load_model_files(resolve_model(ctx.spec.draft_model or ""))
+    assert isinstance(ckpt, LoadedCheckpoint)
+    check_draft_tokenizer(ctx.tokenizer, ckpt.tokenizer, ctx.target_vocab_size, ckpt.arch.vocab_size)
+    arch, weights = ckpt.arch, ckpt.weights
+    if ctx.spec.draft_num_layers is not None:
+        arch, weights = truncate_layers(arch, weights, ctx.spec.draft_num_layers)
+    if ctx.spec.draft_kv_cache_gib is not None:
+        cache = replace(ctx.cache, kv_cache_gib=ctx.spec.draft_kv_cache_gib, num_gpu_blocks_override=None)
+    else:
+        # As many token slots as the target has, so drafting never runs out before verifying.
+        cache = replace(ctx.cache, num_gpu_blocks_override=ctx.target_num_blocks)
+    return DraftModelProposer(arch, weights, ctx.model, cache, ctx.max_model_len)
+
+
+def check_draft_tokenizer(
+    target: Tokenizer | None, draft: Tokenizer | None, target_vocab: int, draft_vocab: int
+) -> None:
+    """Refuse a draft whose tokens would not mean the same as the target's."""
+    if target is not None and draft is not None:
+        if target.fingerprint() != draft.fingerprint():
+            raise TokenizerMismatchError(
+                f"The draft model's tokenizer ({draft.name or 'draft'}, vocab {draft.vocab_size}) differs from "
+                f"the target's ({target.name or 'target'}, vocab {target.vocab_size}): drafts would be "
+                "verified as the wrong tokens. Use a draft from the same model family (same vocabulary, "
+                "merges and special tokens)."
+            )
+    elif draft_vocab > target_vocab:
+        raise TokenizerMismatchError(
+            f"The draft's vocabulary ({draft_vocab}) is larger than the target's ({target_vocab}); "
+            "use a draft that shares the target's tokenizer."
+        )
+
+
+PROPOSER_BUILDERS: dict[str, Callable[[ProposerContext], Proposer]] = {
+    "ngram": _build_ngram,
+    "reference": _build_reference,
+    "draft": _build_draft,
+}
+
+
+def build_proposer(ctx: ProposerContext) -> Proposer | None:
+    """The proposer for ctx.spec.method, or None for 'none'."""
+    if ctx.spec.method == "none":
+        return None
+    return PROPOSER_BUILDERS[ctx.spec.method](ctx)

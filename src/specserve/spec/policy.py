@@ -1,0 +1,179 @@
+"""When to speculate and how far: K per request per step from a measured cost model.
+
+Speculating K tokens for a request whose drafts are accepted with (per-position) rates
+a_1, a_2, ... yields 1 + E(K) tokens per target step, E(K) = sum_{m<=K} prod_{j<=m} a_j
+(the geometric model (1 - b^(K+1)) / (1 - b) when every a_j = b). It costs the verify of K
+more tokens in the target pass plus the drafting. The policy greedily adds draft tokens
+(one request, one position at a time) while the batch's expected tokens per second rises:
+
+    throughput = sum_i (1 + E_i(k_i)) / (T_target(n + sum_i k_i) + T_draft(k_max, batch))
+
+T_target(n) is the target forward time for n tokens in a step, T_draft the drafting time,
+both measured at start-up and refined online. Hard limits follow the reference thresholds:
+speculate at batch <= on_batch, never at batch >= off_batch, only priority requests between.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specserve.config import SpecConfig
+from specserve.request import Request
+
+EWMA = 0.15  # weight of the newest observation in acceptance and timing estimates
+PROBE_EVERY = 16  # re-try k=1 this often for a request the cost model switched off
+
+
+class StepTimer:
+    """Forward time as a function of tokens in the step, piecewise linear over measured points."""
+
+    def __init__(self, points: dict[int, float] | None = None) -> None:
+        self.points: dict[int, float] = dict(points or {})
+
+    def observe(self, n: int, seconds: float) -> None:
+        """Fold one measurement of an n-token step into the estimate at n (EWMA)."""
+        if n <= 0 or seconds <= 0:
+            return
+        old = self.points.get(n)
+        self.points[n] = seconds if old is None else (1 - EWMA) * old + EWMA * seconds
+
+    def __call__(self, n: int) -> float:
+        """Estimated seconds for a step of n tokens."""
+        if not self.points:
+            return 1.0  # unknown: a flat cost, i.e. verifying extra tokens looks free
+        xs = sorted(self.points)
+        if n <= xs[0]:
+            return self.points[xs[0]]
+        if n >= xs[-1]:
+            if len(xs) == 1:
+                return self.points[xs[0]] * n / xs[0]
+            x0, x1 = xs[-2], xs[-1]
+            slope = (self.points[x1] - self.points[x0]) / (x1 - x0)
+            return self.points[x1] + slope * (n - x1)
+        i = bisect.bisect_left(xs, n)
+        x0, x1 = xs[i - 1], xs[i]
+        w = (n - x0) / (x1 - x0)
+        return (1 - w) * self.points[x0] + w * self.points[x1]
+
+
+@dataclass
+class AcceptanceStats:
+    """Online per-position acceptance estimate of one request."""
+
+    rates: list[float]
+    steps_off: int = 0
+
+    def update(self, num_draft: int, num_accepted: int) -> None:
+        """Position j was tested iff j < num_draft and every earlier draft was accepted."""
+        for j in range(min(num_draft, num_accepted + 1)):
+            hit = 1.0 if j < num_accepted else 0.0
+            self.rates[j] = (1 - EWMA) * self.rates[j] + EWMA * hit
+
+    def expected_accepted(self, k: int) -> float:
+        """E(k): expected accepted drafts out of k."""
+        total, run = 0.0, 1.0
+        for j in range(k):
+            run *= self.rates[j]
+            total += run
+        return total
+
+
+@dataclass
+class SpecPolicy:
+    """Chooses K per request each step; switchable at run time (the feature flag)."""
+
+    config: SpecConfig
+    target_time: StepTimer = field(default_factory=StepTimer)
+    draft_time: StepTimer = field(default_factory=StepTimer)  # seconds per draft pass, by batch size
+    draft_cost_is_per_token: bool = True  # model drafts: one pass per draft position
+    prior_acceptance: float = 0.7
+    enabled: bool = True
+    _stats: dict[str, AcceptanceStats] = field(default_factory=dict)
+
+    def stats(self, request_id: str) -> AcceptanceStats:
+        """The request's acceptance estimate (created on first use)."""
+        st = self._stats.get(request_id)
+        if st is None:
+            st = self._stats[request_id] = AcceptanceStats([self.prior_acceptance] * self.config.num_spec_tokens)
+        return st
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's estimate."""
+        self._stats.pop(request_id, None)
+
+    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        """Record a verify result."""
+        if num_draft > 0:
+            self.stats(request_id).update(num_draft, num_accepted)
+
+    def choose(self, requests: Sequence[Request], num_other_tokens: int = 0) -> list[int]:
+        """K for each request (0 = no speculation this step).
+
+        `requests` are the decoding requests of the next step; num_other_tokens counts prompt
+        tokens the step will also carry (they make the verify tokens relatively cheaper).
+        """
+        kmax = self.config.num_spec_tokens
+        n = len(requests)
+        if not self.enabled or self.config.policy == "off" or n == 0:
+            return [0] * n
+        eligible = [self._eligible(r, n) for r in requests]
+        if self.config.policy == "always":
+            return [kmax if e else 0 for e in eligible]
+        return self._cost_model_choice(requests, eligible, num_other_tokens)
+
+    def _eligible(self, req: Request, batch: int) -> bool:
+        if req.sampling_params.speculative is False:
+            return False
+        if batch >= self.config.off_batch:
+            return False
+        if batch > self.config.on_batch:
+            return req.priority < 0
+        return True
+
+    def _cost_model_choice(self, requests: Sequence[Request], eligible: list[bool], other: int) -> list[int]:
+        kmax = self.config.num_spec_tokens
+        n = len(requests)
+        ks = [0] * n
+        stats = [self.stats(r.request_id) for r in requests]
+        tokens = float(n)
+        verify = n + other
+        cost = self._cost(verify, 0, 0)
+        best = tokens / cost
+        # Greedy: repeatedly add the single draft position with the best marginal gain.
+        while True:
+            cand = None
+            for i in range(n):
+                if not eligible[i] or ks[i] >= kmax:
+                    continue
+                gain = stats[i].expected_accepted(ks[i] + 1) - stats[i].expected_accepted(ks[i])
+                if cand is None or gain > cand[1]:
+                    cand = (i, gain)
+            if cand is None or cand[1] <= 1e-6:
+                break
+            i, gain = cand
+            new_k = list(ks)
+            new_k[i] += 1
+            n_spec = sum(1 for k in new_k if k)
+            new_cost = self._cost(verify + sum(new_k), max(new_k), n_spec)
+            new_rate = (tokens + gain) / new_cost
+            if new_rate <= best:
+                break
+            ks, tokens, best = new_k, tokens + gain, new_rate
+        # Give switched-off requests an occasional probe so their estimate can recover.
+        for i, st in enumerate(stats):
+            if eligible[i] and ks[i] == 0:
+                st.steps_off += 1
+                if st.steps_off >= PROBE_EVERY:
+                    ks[i], st.steps_off = 1, 0
+            else:
+                st.steps_off = 0
+        return ks
+
+    def _cost(self, num_tokens: int, k_max: int, num_spec_reqs: int) -> float:
+        t = self.target_time(num_tokens)
+        if k_max and num_spec_reqs:
+            per_pass = self.draft_time(num_spec_reqs)
+            t += per_pass * (k_max if self.draft_cost_is_per_token else 1)
+        return t
