@@ -38,18 +38,6 @@ BASE_PROMPTS = [
 ]
 
 
-def weight_bytes_per_step(llm: LLM) -> int:
-    """Bytes of weights one decode step reads: every matrix once, embeddings only by row."""
-    model = llm.engine.runner.model
-    tied = llm.engine.arch.tie_word_embeddings
-    total = 0
-    for name, p in model.named_parameters():  # shared (tied) tensors are listed once
-        if name == "model.embed_tokens.weight" and not tied:
-            continue  # a lookup reads one row per token, negligible
-        total += p.numel() * p.element_size()
-    return total
-
-
 def measure_decode(llm: LLM, batch: int, gen_tokens: int) -> dict:
     """Run `batch` requests to completion; time only the steps after every prefill is done."""
     eng = llm.engine
@@ -104,7 +92,7 @@ def main() -> int:
         llm = LLM(name, dtype=args.dtype, device=args.device, kv_cache_gib=1.0, max_num_seqs=max(args.batches))
         load_s = time.perf_counter() - t0
         arch = llm.engine.arch
-        wbytes = weight_bytes_per_step(llm)
+        wbytes = llm.engine.runner.weight_bytes_per_step()
         kv_tok = arch.kv_bytes_per_token(llm.engine.runner.dtype.itemsize)
         measure_decode(llm, 1, 4)  # warm-up
         for b in args.batches:
@@ -114,6 +102,7 @@ def main() -> int:
             step_bytes = wbytes + b * mean_ctx * kv_tok
             r.update(
                 model=name, dtype=str(llm.engine.runner.dtype).replace("torch.", ""),
+                linear_backend=llm.engine.runner.linear_backend,
                 weight_bytes=wbytes, bytes_per_step=step_bytes,
                 achieved_bandwidth_gbs=step_bytes / (r["step_ms"] / 1e3) / 1e9,
                 roofline_tokens_per_s=b * bw / step_bytes,
@@ -158,7 +147,7 @@ def plot(payload: dict, path: Path) -> None:
         for x, r in zip(xs, rows):
             ax.annotate(f"{r['tokens_per_s']:.1f}\n({100 * r['roofline_fraction']:.0f}%)", (x, r["tokens_per_s"]),
                         ha="center", va="bottom", fontsize=8)
-        ax.set_title(f"{m} ({rows[0]['dtype']})", fontsize=10)
+        ax.set_title(f"{m} ({rows[0]['dtype']}, {rows[0].get('linear_backend', 'dense')})", fontsize=10)
         ax.set_xlabel("batch size")
         ax.set_ylabel("decode tokens/s")
         ax.set_yscale("log")

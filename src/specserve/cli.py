@@ -18,6 +18,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--dtype", default="auto",
                    help="auto (bf16 on GPU / CPUs with native bf16, else float32), bfloat16, float32")
+    g.add_argument("--linear-backend", default="auto", choices=["auto", "dense", "onednn"],
+                   help="linear kernels: auto picks oneDNN packed weights for float32 on CPU")
     g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache memory budget in GiB")
     g.add_argument("--max-model-len", type=int, default=None, help="context window (default: model's, capped at 8192)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -45,7 +47,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """LLM(...) keyword arguments from parsed engine flags."""
     return dict(
-        device=args.device, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+        device=args.device, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, linear_backend=args.linear_backend,
         max_model_len=args.max_model_len, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

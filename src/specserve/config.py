@@ -56,6 +56,7 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length, capped at 8192
     seed: int = 0
+    linear_backend: str = "auto"  # auto | dense | onednn (see specserve.models.linear)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype, self.device)

@@ -33,6 +33,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         num_threads: int | None = None,
         seed: int = 0,
+        linear_backend: str = "auto",
         num_kv_blocks: int | None = None,
         draft_model: str | None = None,
         spec_method: str | None = None,
@@ -51,7 +52,10 @@ class LLM:
         if spec_method is None:
             spec_method = "draft" if (draft_model or draft_checkpoint is not None) else "none"
         config = EngineConfig(
-            model=ModelConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            model=ModelConfig(
+                model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                linear_backend=linear_backend,
+            ),
             cache=CacheConfig(
                 block_size=block_size, kv_cache_gib=kv_cache_gib,
                 enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_kv_blocks,

@@ -16,7 +16,12 @@ from specserve.config import CacheConfig, ModelConfig
 from specserve.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
 from specserve.models.arch import ArchConfig
-from specserve.models.llama import KVCache, RotaryEmbedding
+from specserve.models.linear import (
+    apply_linear_backend,
+    linear_weight_bytes,
+    resolve_linear_backend,
+)
+from specserve.models.llama import KVCache, RMSNorm, RotaryEmbedding
 from specserve.models.registry import build_model
 from specserve.sampling.rejection import SpecBatch, rejection_sample
 from specserve.sampling.sampler import Sampler, SamplingMetadata
@@ -61,6 +66,8 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.model = self._build(arch, weights, max_model_len + ROPE_SLACK)
+        self.linear_backend = resolve_linear_backend(model_config.linear_backend, self.device, self.dtype)
+        apply_linear_backend(self.model, self.linear_backend)
         self.num_blocks = num_kv_blocks(arch, cache_config, self.dtype)
         if self.num_blocks < 1:
             raise ConfigError(
@@ -94,6 +101,15 @@ class ModelRunner:
         model.model.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions).to(self.device)
         model.eval()
         return model
+
+    def weight_bytes_per_step(self) -> int:
+        """Weight bytes one forward reads: every matrix and norm once; embeddings only by row."""
+        total = 0
+        for module in self.model.modules():
+            total += linear_weight_bytes(module)
+            if isinstance(module, RMSNorm):
+                total += module.weight.numel() * module.weight.element_size()
+        return total
 
     @property
     def kv_cache_bytes(self) -> int:
