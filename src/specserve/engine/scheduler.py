@@ -54,6 +54,10 @@ class SampledTokens(NamedTuple):
     num_accepted_tokens: int = 0  # of those, how many were accepted
 
 
+def _queue_key(r: Request) -> tuple[int, float]:
+    return (r.priority, r.times.arrival)
+
+
 class Scheduler:
     """FCFS (with priorities) continuous-batching scheduler with preemption by recompute."""
 
@@ -88,9 +92,7 @@ class Scheduler:
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
-        keys = [(r.priority, r.times.arrival) for r in self.waiting]
-        idx = bisect.bisect_right(keys, (request.priority, request.times.arrival))
-        self.waiting.insert(idx, request)
+        bisect.insort_right(self.waiting, request, key=_queue_key)
 
     @property
     def num_waiting(self) -> int:

@@ -118,9 +118,9 @@ class SpecPolicy:
         n = len(requests)
         if not self.enabled or self.config.policy == "off" or n == 0:
             return [0] * n
+        if self.config.policy == "always":  # every request, whatever the batch size
+            return [0 if r.sampling_params.speculative is False else kmax for r in requests]
         eligible = [self._eligible(r, n) for r in requests]
-        if self.config.policy == "always":
-            return [kmax if e else 0 for e in eligible]
         return self._cost_model_choice(requests, eligible, num_other_tokens)
 
     def _eligible(self, req: Request, batch: int) -> bool:

@@ -50,12 +50,12 @@ class Proposer(ABC):
 
 def longest_suffix_match(
     haystack: Sequence[int], context: Sequence[int], n_min: int, n_max: int,
-    k: int, prefer_from: int = 0, exclude_tail: bool = False,
+    k: int, prefer_from: int | None = None, exclude_tail: bool = False,
 ) -> tuple[list[int], int]:
     """Continuation in `haystack` of the longest suffix of `context` (n from n_max down to n_min).
 
-    Among matches of the longest n that has one, the first at or after `prefer_from` wins
-    (a reference text is followed in order), else the latest. With exclude_tail the match may
+    Among matches of the longest n that has one, the latest wins; with `prefer_from`, the first
+    at or after it wins when there is one (a reference text is followed in order). With exclude_tail the match may
     not be the suffix itself (prompt lookup searches the context in itself). Returns up to k
     tokens and the index in haystack where the continuation starts (-1 when nothing matched).
     """
@@ -73,7 +73,7 @@ def longest_suffix_match(
         hits = hits[hits + n < len(hay)]
         if hits.size == 0:
             continue
-        after = hits[hits >= prefer_from]
+        after = hits[hits >= prefer_from] if prefer_from is not None else hits[:0]
         start = int(after[0] if after.size else hits[-1]) + n
         return hay[start : start + k].tolist(), start
     return [], -1

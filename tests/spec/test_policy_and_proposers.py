@@ -1,0 +1,119 @@
+"""Adaptive policy (cost model + thresholds) and the model-free proposers, without a model."""
+
+from __future__ import annotations
+
+from specserve.config import SpecConfig
+from specserve.request import Request
+from specserve.sampling_params import SamplingParams
+from specserve.spec.ngram import NgramProposer
+from specserve.spec.policy import AcceptanceStats, SpecPolicy, StepTimer
+from specserve.spec.proposer import longest_suffix_match
+from specserve.spec.reference import ReferenceProposer
+
+
+def _req(rid, tokens, priority=0, **kw):
+    return Request(rid, tokens, SamplingParams(**kw), priority=priority)
+
+
+def _policy(target, draft, acceptance, policy="adaptive", per_token=True, **cfg):
+    p = SpecPolicy(SpecConfig(method="ngram", policy=policy, num_spec_tokens=4, **cfg),
+                   draft_cost_is_per_token=per_token, prior_acceptance=acceptance)
+    p.target_time = StepTimer(target)
+    p.draft_time = StepTimer(draft)
+    return p
+
+
+CHEAP_VERIFY = {1: 0.100, 2: 0.102, 4: 0.105, 8: 0.110, 16: 0.120, 32: 0.200, 64: 0.400, 128: 0.800}
+COSTLY_VERIFY = {1: 0.100, 2: 0.200, 4: 0.400, 8: 0.800, 16: 1.600, 32: 3.2, 64: 6.4, 128: 12.8}
+
+
+def test_expected_tokens_follow_geometric_model():
+    st = AcceptanceStats([0.8] * 4)
+    b = 0.8
+    for k in range(5):
+        geometric = (1 - b ** (k + 1)) / (1 - b)  # includes the bonus token
+        assert abs(1 + st.expected_accepted(k) - geometric) < 1e-12
+
+
+def test_cost_model_speculates_when_verify_is_cheap_and_drafts_good():
+    p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.8)
+    assert p.choose([_req("a", [1, 2, 3])]) == [4]
+
+
+def test_cost_model_declines_when_verify_costs_as_much_as_decoding():
+    p = _policy(COSTLY_VERIFY, {1: 0.001}, acceptance=0.5)
+    assert p.choose([_req("a", [1, 2, 3])]) == [0]
+
+
+def test_cost_model_declines_expensive_draft_with_poor_acceptance():
+    p = _policy(CHEAP_VERIFY, {1: 0.08}, acceptance=0.2)
+    assert p.choose([_req("a", [1])]) == [0]
+    good = _policy(CHEAP_VERIFY, {1: 0.02}, acceptance=0.9)
+    assert good.choose([_req("a", [1])])[0] >= 3
+
+
+def test_online_acceptance_updates_switch_a_request_off():
+    p = _policy(CHEAP_VERIFY, {1: 0.03}, acceptance=0.9)
+    r = _req("a", [1])
+    assert p.choose([r])[0] > 0
+    for _ in range(40):
+        p.observe("a", 4, 0)  # every first draft rejected
+    assert p.choose([r]) == [0]
+    assert p.stats("a").rates[0] < 0.05
+
+
+def test_thresholds_batch_size_and_priority():
+    p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.9, on_batch=2, off_batch=4)
+    reqs = [_req(f"r{i}", [1], priority=-1 if i == 0 else 0) for i in range(3)]
+    ks = p.choose(reqs)  # batch 3: between the thresholds -> only the priority request
+    assert ks[0] > 0 and ks[1] == ks[2] == 0
+    reqs4 = [_req(f"s{i}", [1], priority=-1) for i in range(4)]
+    assert p.choose(reqs4) == [0, 0, 0, 0]  # batch >= off_batch: never
+
+
+def test_always_off_and_runtime_flag():
+    reqs = [_req(f"r{i}", [1]) for i in range(40)]
+    assert _policy(COSTLY_VERIFY, {}, 0.1, policy="always").choose(reqs) == [4] * 40
+    assert _policy(CHEAP_VERIFY, {}, 0.9, policy="off").choose(reqs[:1]) == [0]
+    p = _policy(CHEAP_VERIFY, {1: 0.001}, 0.9)
+    assert p.choose([_req("x", [1], speculative=False)]) == [0]  # per-request opt-out
+    p.enabled = False
+    assert p.choose(reqs[:1]) == [0]
+
+
+def test_step_timer_interpolates_and_learns():
+    t = StepTimer({1: 0.1, 8: 0.8})
+    assert abs(t(4) - (0.1 + 3 / 7 * 0.7)) < 1e-9
+    assert abs(t(16) - 1.6) < 1e-9  # extrapolates along the last segment
+    for _ in range(100):
+        t.observe(8, 0.4)
+    assert abs(t(8) - 0.4) < 1e-3
+
+
+def test_longest_suffix_match_prefers_longest_and_latest():
+    hay = [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    draft, start = longest_suffix_match(hay, hay, 1, 3, 2, exclude_tail=True)
+    assert draft == [7, 8] and start == 7  # latest earlier occurrence of [1, 2, 3]
+    assert longest_suffix_match([5, 6], [1, 2], 1, 2, 3) == ([], -1)
+
+
+def test_ngram_proposer_copies_from_context():
+    prop = NgramProposer(1, 3)
+    r = _req("a", [10, 11, 12, 13, 14, 99, 10, 11])
+    out = prop.propose([r], [3])
+    assert out["a"].token_ids == [12, 13, 14] and out["a"].probs is None
+    assert prop.propose([_req("b", [1, 2, 3])], [3]) == {}
+
+
+def test_reference_proposer_follows_reference_in_order():
+    ref = [5, 6, 7, 5, 6, 8, 9]
+    prop = ReferenceProposer(None, 1, 2)
+    r = _req("a", [1, 5, 6], reference_token_ids=ref)
+    prop.add_request(r)
+    assert prop.propose([r], [2])["a"].token_ids == [7, 5]
+    r.append_output_tokens([7, 5, 6])  # output tracked the reference; cursor moves on
+    assert prop.propose([r], [2])["a"].token_ids == [8, 9]
+    prop.remove_request("a", finished=False)
+    assert prop.live_request_ids() == ["a"]  # a preempted request keeps its reference
+    prop.remove_request("a", finished=True)
+    assert prop.live_request_ids() == []

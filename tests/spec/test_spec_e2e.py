@@ -1,0 +1,301 @@
+"""Speculative decoding end to end: exactness (greedy and sampled), jagged batches, KV hygiene."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+
+# ----------------------------------------------------------------------------- tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from conftest import tiny_checkpoint
+
+    _, ckpt = tiny_checkpoint("llama", seed=5, vocab=256, layers=2)
+    return ckpt
+
+
+def _tiny_prompts(n=50, seed=0):
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        length = rng.randint(3, 40)
+        if i % 3 == 0:  # repetitive prompts give the n-gram proposer something to find
+            base = [rng.randint(3, 255) for _ in range(rng.randint(2, 6))]
+            p = (base * 20)[:length]
+        else:
+            p = [rng.randint(3, 255) for _ in range(length)]
+        prompts.append(p)
+    return prompts
+
+
+def _llm(ckpt, method="none", policy="always", draft=None, **kw):
+    return LLM("tiny", dtype="float32", checkpoint=ckpt, spec_method=method, spec_policy=policy,
+               draft_checkpoint=draft, num_spec_tokens=kw.pop("k", 4), profile_spec_costs=False,
+               max_num_seqs=kw.pop("max_num_seqs", 64), **kw)
+
+
+def _greedy(n=20, **kw):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+PROPOSERS = ["ngram", "reference", "draft-truncated", "draft-full"]
+
+
+def _spec_llm(ckpt, which, policy="always", **kw):
+    if which.startswith("draft"):
+        layers = 1 if which == "draft-truncated" else None
+        return _llm(ckpt, "draft", policy, draft=ckpt, draft_num_layers=layers, **kw)
+    return _llm(ckpt, which, policy, **kw)
+
+
+def _params_for(which, prompt, baseline_out):
+    if which == "reference":
+        # Half the requests get their own future as the reference (long accepted runs), half a
+        # shuffled copy (mostly rejected drafts).
+        ref = list(prompt) + list(baseline_out)
+        if len(prompt) % 2:
+            random.Random(len(prompt)).shuffle(ref)
+        return _greedy(reference_token_ids=ref)
+    return _greedy()
+
+
+@pytest.mark.parametrize("which", PROPOSERS)
+def test_tiny_greedy_spec_equals_plain_batched_and_alone(tiny, which):
+    prompts = _tiny_prompts()
+    base = _llm(tiny).generate(prompts, _greedy())
+    llm = _spec_llm(tiny, which)
+    params = [_params_for(which, p, b.token_ids) for p, b in zip(prompts, base)]
+    batched = llm.generate(prompts, params)
+    for b, o in zip(base, batched):
+        assert o.token_ids == b.token_ids
+    for p, prm, b in list(zip(prompts, params, base))[::3]:
+        assert llm.generate([p], prm)[0].token_ids == b.token_ids
+    eng = llm.engine
+    assert eng.spec_counters["num_draft_tokens"] > 0, "nothing was speculated"
+    if which in ("draft-full",):
+        assert eng.spec_counters["num_accepted_tokens"] == eng.spec_counters["num_draft_tokens"]
+    assert eng.check_integrity()
+    assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+    if which.startswith("draft"):
+        assert not eng.proposer.live_request_ids()
+        assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
+
+
+def _tv_permutation_test(a: np.ndarray, b: np.ndarray, n_perm: int = 200, seed: int = 0) -> tuple[float, float]:
+    """TV distance between the empirical distributions of two samples and its permutation p-value."""
+
+    def tv(x, y):
+        keys, inv = np.unique(np.concatenate([x, y]), return_inverse=True)
+        cx = np.bincount(inv[: len(x)], minlength=len(keys)) / len(x)
+        cy = np.bincount(inv[len(x) :], minlength=len(keys)) / len(y)
+        return 0.5 * np.abs(cx - cy).sum()
+
+    observed = tv(a, b)
+    pooled = np.concatenate([a, b])
+    rng = np.random.default_rng(seed)
+    null = []
+    for _ in range(n_perm):
+        rng.shuffle(pooled)
+        null.append(tv(pooled[: len(a)], pooled[len(a) :]))
+    p = (1 + sum(t >= observed for t in null)) / (1 + n_perm)
+    return observed, p
+
+
+@pytest.mark.parametrize("which", ["draft-truncated", "ngram"])
+def test_tiny_sampled_distribution_matches(which):
+    """First 4 generated tokens with speculation vs without: same joint distribution.
+
+    Threshold: a permutation test on the total-variation distance between the two empirical
+    joint distributions (20k samples each). Under the null (both samplers exact) relabelled
+    samples are exchangeable, so the p-value is uniform; we fail only below 1e-3 (a real bias
+    of a few percent TV is detected at p ~ 0), i.e. the noise level is measured, not guessed.
+    """
+    from conftest import tiny_checkpoint
+
+    _, ckpt = tiny_checkpoint("llama", seed=9, vocab=12, layers=2)
+    n = 20_000
+    prompt = [1, 5, 7, 5, 7, 5]
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
+    big = dict(max_num_seqs=512, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    base = _llm(ckpt, **big).generate([prompt] * n, params, use_tqdm=False)
+    spec_llm = _spec_llm(ckpt, which, **big)
+    spec = spec_llm.generate([prompt] * n, params, use_tqdm=False)
+    assert spec_llm.engine.spec_counters["num_accepted_tokens"] > 1000
+    enc = lambda outs: np.array([sum(t * 12**i for i, t in enumerate(o.token_ids)) for o in outs])  # noqa: E731
+    tv, p = _tv_permutation_test(enc(base), enc(spec))
+    assert p > 1e-3, f"TV={tv:.4f}, permutation p={p:.4f}"
+    for pos in range(4):
+        a = np.array([o.token_ids[pos] for o in base])
+        b = np.array([o.token_ids[pos] for o in spec])
+        _, p_pos = _tv_permutation_test(a, b, n_perm=100, seed=pos)
+        assert p_pos > 1e-3
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+
+CODE = '''def merge_sorted(a, b):
+    """Merge two sorted lists into one sorted list."""
+    out = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i])
+            i += 1
+        else:
+            out.append(b[j])
+            j += 1
+    out.extend(a[i:])
+    out.extend(b[j:])
+    return out
+'''
+
+TOPICS = ["the sea", "a robot", "prime numbers", "Paris", "a cat", "coffee", "rain", "a library", "music",
+          "mountains"]
+
+
+def _smol_prompts():
+    prompts = []
+    for i in range(50):
+        kind = i % 5
+        t = TOPICS[i % len(TOPICS)]
+        if kind == 0:
+            prompts.append(f"Write one sentence about {t}.")
+        elif kind == 1:
+            prompts.append(f"Rewrite this code with better names:\n{CODE}\n")
+        elif kind == 2:
+            prompts.append(f"def add_{i}(a, b):")
+        elif kind == 3:
+            prompts.append(f"Repeat after me: {t} {t} {t}, {t} {t} {t},")
+        else:
+            prompts.append(f"{i} + {i} = ")
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def smol_base(smollm_checkpoint):
+    prompts = _smol_prompts()
+    llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, max_num_seqs=64,
+              max_num_batched_tokens=2048)
+    return prompts, llm.generate(prompts, _greedy(16))
+
+
+@pytest.mark.parametrize("which", ["ngram", "reference", "draft"])
+def test_smollm2_greedy_spec_equals_plain(smollm_checkpoint, smol_base, which):
+    prompts, base = smol_base
+    kw = {}
+    if which == "draft":
+        kw = dict(draft_checkpoint=smollm_checkpoint, draft_num_layers=24)
+    llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, spec_method=which, spec_policy="always",
+              max_num_seqs=64, max_num_batched_tokens=2048, profile_spec_costs=False, **kw)
+    params = [_greedy(16, reference_text=CODE) for _ in prompts]
+    outs = llm.generate(prompts, params)
+    mismatches = [i for i, (o, b) in enumerate(zip(outs, base)) if o.token_ids != b.token_ids]
+    assert not mismatches, f"prompts {mismatches} differ with {which} speculation"
+    for i in (1, 3, 8):  # and alone
+        assert llm.generate(prompts[i], params[i])[0].token_ids == base[i].token_ids
+    c = llm.engine.spec_counters
+    assert c["num_accepted_tokens"] > 0
+    assert llm.engine.check_integrity()
+
+
+def test_smollm2_jagged_batch_of_16(smollm_checkpoint, smol_base):
+    """16 concurrent requests accepting different numbers of drafts per step."""
+    prompts, base = smol_base
+    idx = list(range(0, 48, 3))[:16]
+    llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, spec_method="draft",
+              draft_checkpoint=smollm_checkpoint, draft_num_layers=24, spec_policy="always",
+              num_spec_tokens=4, profile_spec_costs=False)
+    eng = llm.engine
+    seen_accept = set()
+    orig = eng._account_step
+
+    def spy(sched_out, sampled):
+        per_step = {st.num_accepted_tokens for st in sampled.values() if st.num_draft_tokens}
+        if len(per_step) > 1:
+            seen_accept.add(tuple(sorted(per_step)))
+        return orig(sched_out, sampled)
+
+    eng._account_step = spy
+    outs = llm.generate([prompts[i] for i in idx], _greedy(16))
+    for i, o in zip(idx, outs):
+        assert o.token_ids == base[i].token_ids
+    assert seen_accept, "no step mixed different acceptance lengths"
+    assert eng.check_integrity() and eng.proposer.check_integrity()
+    assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+    assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
+
+
+def test_spec_metrics_in_outputs(smollm_checkpoint):
+    llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, spec_method="ngram", spec_policy="always",
+              profile_spec_costs=False)
+    out = llm.generate(f"Repeat: {CODE}\nAgain: {CODE[:60]}", _greedy(24))[0]
+    m = out.metrics.to_dict()
+    for key in ("num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "acceptance_per_position",
+                "mean_accepted_len", "target_forwards_per_token"):
+        assert key in m
+    assert m["num_accepted_tokens"] > 0 and m["target_forwards_per_token"] < 1.0
+
+
+def test_runtime_switch_and_per_request_opt_out(smollm_checkpoint):
+    llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, spec_method="ngram", spec_policy="always",
+              profile_spec_costs=False)
+    eng = llm.engine
+    prompt = f"Repeat: {CODE}\nAgain: {CODE[:60]}"
+    eng.set_speculation(False)
+    off = llm.generate(prompt, _greedy(16))[0]
+    assert off.metrics.extra["num_draft_tokens"] == 0
+    eng.set_speculation(True)
+    on = llm.generate(prompt, _greedy(16))[0]
+    assert on.metrics.extra["num_draft_tokens"] > 0 and on.token_ids == off.token_ids
+    opt_out = llm.generate(prompt, _greedy(16, speculative=False))[0]
+    assert opt_out.metrics.extra["num_draft_tokens"] == 0
+
+
+def test_draft_tokenizer_mismatch_is_refused(smollm_checkpoint):
+    from specserve.errors import TokenizerMismatchError
+    from specserve.models.loader import LoadedCheckpoint
+
+    bundled = pytest.importorskip("specserve.models.bundled")
+    try:
+        qpath = bundled.resolve_model("qwen2.5-coder-0.5b-instruct")
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"Qwen 0.5B not installed: {e}")
+    from specserve.models.loader import open_gguf
+    from specserve.models.tokenizer import Tokenizer
+
+    qtok = Tokenizer.from_gguf(open_gguf(qpath))
+    fake_draft = LoadedCheckpoint(smollm_checkpoint.arch, smollm_checkpoint.weights, qtok, "qwen-tokenizer")
+    with pytest.raises(TokenizerMismatchError, match="tokenizer"):
+        LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, draft_checkpoint=fake_draft)
+
+
+def test_bad_spec_config_errors():
+    from specserve.config import SpecConfig
+    from specserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="draft-model"):
+        SpecConfig(method="draft")
+    with pytest.raises(ConfigError):
+        SpecConfig(method="medusa")
+    with pytest.raises(ConfigError):
+        SpecConfig(method="ngram", num_spec_tokens=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_seeded_sampling_with_spec_is_reproducible(smollm_checkpoint, seed):
+    llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, spec_method="draft",
+              draft_checkpoint=smollm_checkpoint, draft_num_layers=24, spec_policy="always", profile_spec_costs=False)
+    p = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True)
+    a = llm.generate(["Tell me about the sea.", "def f(x):"], p)
+    b = llm.generate(["def f(x):"], p)
+    assert a[1].token_ids == b[0].token_ids
+    torch.manual_seed(123)  # global RNG state must not matter
+    c = llm.generate(["Tell me about the sea."], p)
+    assert c[0].token_ids == a[0].token_ids
