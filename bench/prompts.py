@@ -1,0 +1,75 @@
+"""Prompt sets shared by the benchmarks: coding requests and "edit this code" requests."""
+
+from __future__ import annotations
+
+CODING = [
+    "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals. Include a docstring.",
+    "Write a Python class `LRUCache` with `get` and `put` methods in O(1) time.",
+    "Write a Python function that parses a CSV line with quoted fields and returns the list of fields.",
+    "Implement binary search over a sorted list in Python, returning the index or -1.",
+    "Write a Python function `word_count(text)` that returns a dict of word frequencies, ignoring case and punctuation.",
+    "Write a Python generator that yields the prime numbers in increasing order.",
+    "Write a function in Python that flattens an arbitrarily nested list.",
+    "Write a Python function that validates an email address with a regular expression and explain it briefly.",
+]
+
+_SNIPPETS = [
+    '''def compute(data):
+    result = []
+    for item in data:
+        if item["active"]:
+            total = 0
+            for value in item["values"]:
+                total += value
+            result.append({"id": item["id"], "total": total})
+    return result
+''',
+    '''class Account:
+    def __init__(self, owner, balance=0):
+        self.owner = owner
+        self.balance = balance
+
+    def deposit(self, amount):
+        if amount <= 0:
+            raise ValueError("amount must be positive")
+        self.balance += amount
+        return self.balance
+
+    def withdraw(self, amount):
+        if amount > self.balance:
+            raise ValueError("insufficient funds")
+        self.balance -= amount
+        return self.balance
+''',
+    '''def read_config(path):
+    config = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.split("=", 1)
+            config[key.strip()] = value.strip()
+    return config
+''',
+    '''def fetch_all(urls, session):
+    pages = []
+    for url in urls:
+        response = session.get(url, timeout=10)
+        if response.status_code == 200:
+            pages.append(response.text)
+        else:
+            print("failed", url, response.status_code)
+    return pages
+''',
+]
+
+_EDITS = [
+    "Add type hints to this function and change nothing else. Reply with the full code only.",
+    "Rename the variable `result` to `summaries` (and `balance` to `funds` if present). Reply with the full code only.",
+    "Add a one-line docstring to every function. Reply with the full code only.",
+    "Replace print calls with logging (add `import logging` at the top). Reply with the full code only.",
+]
+
+EDIT = [(f"{_EDITS[i % len(_EDITS)]}\n\n```python\n{_SNIPPETS[i % len(_SNIPPETS)]}```", _SNIPPETS[i % len(_SNIPPETS)])
+        for i in range(8)]

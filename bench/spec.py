@@ -1,0 +1,346 @@
+"""Speculative decoding benchmark: Qwen2.5-Coder 1.5B target, 0.5B draft, on this machine.
+
+Sections (all by default, in one run):
+  batch1      tokens/s and speedup of none / draft / ngram / reference at batch 1, greedy and
+              T=0.7, on coding prompts and on "edit this code" prompts (reference = the code)
+  ksweep      K = 1..8 with the draft model: measured acceptance and tokens per step against
+              the geometric-model prediction (1 - b^(K+1)) / (1 - b), and the speedup
+  batchsweep  batch 1..32: policy none vs always vs adaptive (draft model)
+  hf          HF transformers on the same GGUF pair: plain, assisted generation
+              (assistant_model) and prompt lookup (prompt_lookup_num_tokens), batch 1 greedy
+
+    python bench/spec.py                       # everything (~1 h on 2 CPU cores)
+    python bench/spec.py --sections batch1 --prompts 2 --max-tokens 48   # a quick look
+
+Writes bench/results/spec.json and spec.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, machine_info, write_json  # noqa: E402
+from prompts import CODING, EDIT  # noqa: E402
+
+from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.models.bundled import resolve_model  # noqa: E402
+from specserve.models.loader import load_model_files  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class Bench:
+    """Holds the loaded checkpoints and builds engines that share them."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        t0 = time.perf_counter()
+        self.target = load_model_files(resolve_model(args.target))
+        self.draft = load_model_files(resolve_model(args.draft))
+        log(f"loaded checkpoints in {time.perf_counter() - t0:.1f}s")
+        tok = self.target.tokenizer
+        self.coding = [(tok.apply_chat_template([{"role": "user", "content": p}]), None)
+                       for p in CODING[: args.prompts]]
+        self.edit = [(tok.apply_chat_template([{"role": "user", "content": p}]), ref)
+                     for p, ref in EDIT[: args.prompts]]
+
+    def llm(self, method: str, policy: str = "adaptive", k: int = 4, **kw: Any) -> LLM:
+        gc.collect()
+        llm = LLM(
+            self.args.target, dtype=self.args.dtype, checkpoint=self.target, kv_cache_gib=1.0,
+            spec_method=method, spec_policy=policy, num_spec_tokens=k,
+            draft_checkpoint=self.draft if method == "draft" else None,
+            max_num_seqs=64, max_num_batched_tokens=1024, **kw,
+        )
+        # Warm-up: first-use costs (kernel set-up for new shapes, first touch of the KV pages)
+        # must not be billed to whichever configuration happens to run first.
+        llm.generate(self.coding[0][0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        llm.engine.kv_manager.reset_prefix_cache()
+        return llm
+
+
+def run_sequential(llm: LLM, prompts: list[tuple[str, str | None]], temperature: float, max_tokens: int) -> dict:
+    """Each prompt alone (batch 1); aggregate tokens/s and speculation counters."""
+    gen = e2e = decode_t = 0.0
+    drafted = accepted = spec_steps = target_steps = 0
+    eng = llm.engine
+    before = dict(eng.spec_counters)
+    pos_d0, pos_a0 = list(eng.drafted_per_position), list(eng.accepted_per_position)
+    for i, (prompt, ref) in enumerate(prompts):
+        # Every configuration starts cold: no prompt is served from an earlier run's cache.
+        eng.kv_manager.reset_prefix_cache()
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=1000 + i,
+                                reference_text=ref, ignore_eos=False)
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        m = out.metrics
+        gen += m.num_generated_tokens
+        e2e += m.e2e_s
+        decode_t += m.e2e_s - m.ttft_s
+        x = m.extra
+        drafted += x["num_draft_tokens"]
+        accepted += x["num_accepted_tokens"]
+        spec_steps += x["num_spec_steps"]
+        target_steps += x["num_target_steps"]
+    per_pos_d = [d - d0 for d, d0 in zip(eng.drafted_per_position, pos_d0 + [0] * 64)]
+    per_pos_a = [a - a0 for a, a0 in zip(eng.accepted_per_position, pos_a0 + [0] * 64)]
+    delta = {k: eng.spec_counters[k] - before[k] for k in before}
+    return {
+        "generated_tokens": gen,
+        "tokens_per_s": gen / e2e,
+        "decode_tokens_per_s": (gen - len(prompts)) / decode_t if decode_t else None,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_accepted_per_spec_step": accepted / spec_steps if spec_steps else None,
+        "target_forwards_per_token": target_steps / gen if gen else None,
+        "acceptance_per_position": [a / d if d else None for a, d in zip(per_pos_a, per_pos_d) if d],
+        "draft_time_s": delta["draft_time_s"],
+        "verify_time_s": delta["verify_time_s"],
+        "plain_forward_time_s": delta["decode_time_s"],  # forwards without drafts (incl. prefill)
+        "ttft_total_s": e2e - decode_t,
+    }
+
+
+def section_batch1(b: Bench) -> list[dict]:
+    """none / draft / ngram / reference at batch 1 on both prompt sets, greedy and T=0.7."""
+    rows = []
+    for method in ["none", "draft", "ngram", "reference"]:
+        k = 4 if method == "draft" else 8
+        llm = b.llm(method, "adaptive", k)
+        for set_name, prompts in [("coding", b.coding), ("edit", b.edit)]:
+            for temp in [0.0, 0.7]:
+                r = run_sequential(llm, prompts, temp, b.args.max_tokens)
+                r.update(method=method, prompt_set=set_name, temperature=temp, k_max=k, policy="adaptive")
+                rows.append(r)
+                log(f"batch1 {method:9s} {set_name:6s} T={temp}: {r['decode_tokens_per_s']:.2f} decode tok/s "
+                    f"acc={r['acceptance_rate']}")
+        del llm
+    # Speculation accelerates decoding; prefill (TTFT) is the same work for every method, so the
+    # headline speedup compares decode rates; the end-to-end ratio is kept beside it.
+    base = {(r["prompt_set"], r["temperature"]): r for r in rows if r["method"] == "none"}
+    for r in rows:
+        ref = base[(r["prompt_set"], r["temperature"])]
+        r["speedup_vs_none"] = r["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
+        r["e2e_speedup_vs_none"] = r["tokens_per_s"] / ref["tokens_per_s"]
+    return rows
+
+
+def section_ksweep(b: Bench) -> list[dict]:
+    """Draft model, greedy, coding prompts, policy always with K = 1..8."""
+    llm = b.llm("draft", "always", 8)
+    eng = llm.engine
+    eng.set_speculation(False)
+    base = run_sequential(llm, b.coding, 0.0, b.args.max_tokens)["decode_tokens_per_s"]
+    eng.set_speculation(True)
+    rows = []
+    for k in range(1, 9):
+        eng.policy.config = dataclasses.replace(eng.policy.config, num_spec_tokens=k)
+        eng.drafted_per_position = [0] * 8
+        eng.accepted_per_position = [0] * 8
+        r = run_sequential(llm, b.coding, 0.0, b.args.max_tokens)
+        r.update(k=k, speedup_vs_none=r["decode_tokens_per_s"] / base, none_decode_tokens_per_s=base)
+        # Tokens per verify step = accepted + 1 (recovered or bonus).
+        r["tokens_per_spec_step"] = 1 + (r["mean_accepted_per_spec_step"] or 0.0)
+        rows.append(r)
+        log(f"ksweep K={k}: {r['decode_tokens_per_s']:.2f} decode tok/s, speedup {r['speedup_vs_none']:.2f}, "
+            f"tokens/step {r['tokens_per_spec_step']:.2f}")
+    # Geometric model: b from the K=1 run (per-token acceptance), prediction for every K.
+    b1 = rows[0]["acceptance_rate"] or 0.0
+    for r in rows:
+        k = r["k"]
+        r["geometric_b"] = b1
+        r["predicted_tokens_per_spec_step"] = (1 - b1 ** (k + 1)) / (1 - b1) if b1 < 1 else k + 1
+    del llm
+    return rows
+
+
+def section_batchsweep(b: Bench) -> list[dict]:
+    """Throughput at batch 1..32 for policy none / always / adaptive (draft model)."""
+    llm = b.llm("draft", "adaptive", 4)
+    eng = llm.engine
+    rows = []
+    prompts = [p for p, _ in b.coding]
+    for batch in b.args.batches:
+        batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+        for policy in ["none", "always", "adaptive"]:
+            if policy == "none":
+                eng.set_speculation(False)
+            else:
+                eng.set_speculation(True)
+                eng.policy.config = dataclasses.replace(eng.policy.config, policy=policy)
+            params = SamplingParams(max_tokens=b.args.batch_max_tokens, temperature=0, ignore_eos=True)
+            t0 = time.perf_counter()
+            outs = llm.generate(batch_prompts, params, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            gen = sum(o.metrics.num_generated_tokens for o in outs)
+            drafted = sum(o.metrics.extra["num_draft_tokens"] for o in outs)
+            rows.append({"batch": batch, "policy": policy, "tokens_per_s": gen / dt, "elapsed_s": dt,
+                         "generated_tokens": gen, "draft_tokens": drafted,
+                         "accepted_tokens": sum(o.metrics.extra["num_accepted_tokens"] for o in outs)})
+            log(f"batchsweep B={batch:2d} {policy:8s}: {gen / dt:.2f} tok/s (drafted {drafted})")
+    base = {r["batch"]: r["tokens_per_s"] for r in rows if r["policy"] == "none"}
+    for r in rows:
+        r["speedup_vs_none"] = r["tokens_per_s"] / base[r["batch"]]
+    del llm
+    return rows
+
+
+def section_hf(b: Bench) -> list[dict]:
+    """HF transformers (fp32) on the same GGUF files: plain, assisted, prompt lookup."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tpath, dpath = resolve_model(b.args.target), resolve_model(b.args.draft)
+    gc.collect()
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(str(tpath.parent), gguf_file=tpath.name)
+    target = AutoModelForCausalLM.from_pretrained(str(tpath.parent), gguf_file=tpath.name,
+                                                  torch_dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(str(dpath.parent), gguf_file=dpath.name,
+                                                 torch_dtype=torch.float32).eval()
+    log(f"HF models loaded in {time.perf_counter() - t0:.1f}s")
+    rows = []
+    modes = {"hf_plain": {}, "hf_assisted": {"assistant_model": draft},
+             "hf_prompt_lookup": {"prompt_lookup_num_tokens": 8}}
+    for set_name, prompts in [("coding", b.coding), ("edit", b.edit)]:
+        for mode, extra in modes.items():
+            gen = 0
+            elapsed = prefill = 0.0
+            for prompt, _ in prompts:
+                ids = tok(prompt, return_tensors="pt").input_ids
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    target(ids)  # the prefill alone, to report a decode rate comparable to ours
+                    prefill += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    out = target.generate(ids, max_new_tokens=b.args.max_tokens, do_sample=False,
+                                          pad_token_id=tok.eos_token_id, **extra)
+                elapsed += time.perf_counter() - t0
+                gen += out.shape[1] - ids.shape[1]
+            decode = max(elapsed - prefill, 1e-9)
+            rows.append({"mode": mode, "prompt_set": set_name, "tokens_per_s": gen / elapsed,
+                         "decode_tokens_per_s": (gen - len(prompts)) / decode, "generated_tokens": gen})
+            log(f"hf {mode:17s} {set_name:6s}: {gen / elapsed:.2f} tok/s e2e, {(gen - len(prompts)) / decode:.2f} decode")
+    del target, draft
+    return rows
+
+
+def plot(payload: dict, path: Path) -> None:
+    """Four panels: batch-1 speedups, K sweep, batch sweep, peer comparison."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    b1 = payload.get("batch1") or []
+    ax = axes[0][0]
+    if b1:
+        labels, vals, colors = [], [], []
+        palette = {"none": "#999999", "draft": "#4c72b0", "ngram": "#55a868", "reference": "#c44e52"}
+        for r in b1:
+            labels.append(f"{r['method']}\n{r['prompt_set']} T={r['temperature']}")
+            vals.append(r["speedup_vs_none"])
+            colors.append(palette[r["method"]])
+        ax.bar(range(len(vals)), vals, color=colors)
+        ax.set_xticks(range(len(vals)), labels, rotation=90, fontsize=6)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_ylabel("decode speedup vs none (batch 1)")
+        ax.set_title("batch 1: tokens/s relative to plain decoding", fontsize=10)
+    ks = payload.get("ksweep") or []
+    ax = axes[0][1]
+    if ks:
+        x = [r["k"] for r in ks]
+        ax.plot(x, [r["tokens_per_spec_step"] for r in ks], "o-", label="measured tokens / verify step")
+        ax.plot(x, [r["predicted_tokens_per_spec_step"] for r in ks], "s--",
+                label=f"geometric model, b={ks[0]['geometric_b']:.2f}")
+        ax.plot(x, [r["speedup_vs_none"] for r in ks], "^-", label="speedup vs none")
+        ax.set_xlabel("K (draft tokens per step)")
+        ax.legend(fontsize=8)
+        ax.set_title("draft model, greedy, coding prompts", fontsize=10)
+    bs = payload.get("batchsweep") or []
+    ax = axes[1][0]
+    if bs:
+        for pol, style in [("none", "o-"), ("always", "s--"), ("adaptive", "^-")]:
+            rows = [r for r in bs if r["policy"] == pol]
+            ax.plot([r["batch"] for r in rows], [r["tokens_per_s"] for r in rows], style, label=pol)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("generated tokens/s")
+        ax.legend(fontsize=8)
+        ax.set_title("throughput vs batch size (draft model, greedy)", fontsize=10)
+    hf = payload.get("hf") or []
+    ax = axes[1][1]
+    if hf:
+        ours = {(r["method"], r["prompt_set"]): r["decode_tokens_per_s"] for r in b1 if r["temperature"] == 0.0}
+        pairs = [("none", "hf_plain"), ("draft", "hf_assisted"), ("ngram", "hf_prompt_lookup")]
+        labels, a, c = [], [], []
+        for set_name in ["coding", "edit"]:
+            for mine, theirs in pairs:
+                h = next((r["decode_tokens_per_s"] for r in hf if r["mode"] == theirs and r["prompt_set"] == set_name), None)
+                labels.append(f"{mine}\n{set_name}")
+                a.append(ours.get((mine, set_name), 0.0))
+                c.append(h or 0.0)
+        xs = range(len(labels))
+        ax.bar([i - 0.2 for i in xs], a, width=0.4, label="specserve")
+        ax.bar([i + 0.2 for i in xs], c, width=0.4, label="HF transformers")
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_ylabel("decode tokens/s (batch 1, greedy)")
+        ax.legend(fontsize=8)
+        ax.set_title("peer: same GGUF pair through HF transformers", fontsize=10)
+    mi = payload["machine"]
+    fig.suptitle(f"specserve speculative decoding — {payload['settings']['target']} + "
+                 f"{payload['settings']['draft']} — {mi['cpu']}, commit {mi['commit']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--sections", nargs="+", default=["batch1", "ksweep", "batchsweep", "hf"])
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per set")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--batch-max-tokens", type=int, default=32)
+    ap.add_argument("--out", default="spec")
+    args = ap.parse_args()
+    payload: dict[str, Any] = {"benchmark": "speculative decoding", "machine": machine_info(),
+                               "settings": vars(args)}
+    out_json = RESULTS_DIR / f"{args.out}.json"
+    if out_json.exists():  # keep sections from an earlier run that this run does not redo
+        import json
+
+        old = json.loads(out_json.read_text())
+        for key in ("batch1", "ksweep", "batchsweep", "hf"):
+            if key in old and key not in args.sections:
+                payload[key] = old[key]
+    b = Bench(args)
+    sections = {"batch1": section_batch1, "ksweep": section_ksweep, "batchsweep": section_batchsweep,
+                "hf": section_hf}
+    for name in args.sections:
+        t0 = time.perf_counter()
+        payload[name] = sections[name](b)
+        payload.setdefault("section_time_s", {})[name] = time.perf_counter() - t0
+        write_json(f"{args.out}.json", payload)  # keep partial results if a later section fails
+    plot(payload, RESULTS_DIR / f"{args.out}.png")
+    log(f"wrote {out_json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
