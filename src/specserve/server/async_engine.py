@@ -1,0 +1,236 @@
+"""Drive one LLMEngine from a background thread and hand outputs to asyncio streams.
+
+The engine is not thread-safe, so exactly one thread owns it: it drains a command queue
+(add, abort, switch speculation), runs `engine.step()` while anything is in flight, and posts
+each RequestOutput to the asyncio queue of the HTTP request that owns it. Model compute runs
+in that thread (torch releases the GIL), so the event loop keeps serving HTTP meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from specserve.engine.engine import LLMEngine, PreparedRequest
+from specserve.errors import SpecServeError
+from specserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(SpecServeError):
+    """The waiting queue is full; the client should retry later (HTTP 429)."""
+
+
+class EngineStoppedError(SpecServeError):
+    """The server is draining or the engine thread died (HTTP 503)."""
+
+
+class RequestStream:
+    """Outputs of the engine requests behind one HTTP request (n choices, several prompts)."""
+
+    def __init__(self, owner: AsyncEngine, request_ids: list[str]) -> None:
+        self.owner = owner
+        self.request_ids = request_ids
+        self.choice_index = {rid: i for i, rid in enumerate(request_ids)}
+        self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
+        self.finished: set[str] = set()
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while len(self.finished) < len(self.request_ids):
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            idx, out = item
+            if out.finished:
+                self.finished.add(out.request_id)
+            yield idx, out
+
+    def abort(self) -> None:
+        """Abort every unfinished request of this stream (client gone, server draining)."""
+        pending = [r for r in self.request_ids if r not in self.finished]
+        if pending:
+            self.owner.abort(pending)
+
+
+class AsyncEngine:
+    """Thread-owning wrapper that the HTTP layer talks to."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting: int = 256,
+        on_step: Callable[[LLMEngine], None] | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_step = on_step
+        self.on_output = on_output
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()  # guards _streams and _num_in_flight
+        self._num_in_flight = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.accepting = True
+        self.error: str | None = None
+        self.last_step_time = time.time()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the engine thread, posting results into `loop`."""
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        """True while the engine thread runs and has not failed."""
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests submitted and not finished."""
+        return self._num_in_flight
+
+    async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Stop admitting, let in-flight requests finish (up to the timeout), abort the rest."""
+        self.accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self._num_in_flight and time.monotonic() < deadline and self.is_alive:
+            await asyncio.sleep(0.05)
+        with self._lock:
+            leftover = list(self._streams)
+        if leftover:
+            logger.warning("aborting %d requests still running at shutdown", len(leftover))
+            self.abort(leftover)
+            await asyncio.sleep(0.2)
+        self._stop.set()
+        self._commands.put(("noop", None))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+        if self.error is None and not (self._thread is not None and self._thread.is_alive()):
+            try:
+                self.engine.check_integrity()
+                logger.info("shutdown: KV cache integrity holds, no blocks leaked")
+            except AssertionError as exc:
+                logger.error("shutdown: KV cache integrity violated: %s", exc)
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prepared: list[PreparedRequest]) -> RequestStream:
+        """Queue engine requests; raises when draining or when the waiting queue is full."""
+        if not self.accepting or not self.is_alive:
+            raise EngineStoppedError(
+                "The server is shutting down or its engine stopped; retry on another replica."
+            )
+        sched = self.engine.config.scheduler
+        capacity = sched.max_num_seqs + self.max_waiting
+        stream = RequestStream(self, [p.request.request_id for p in prepared])
+        with self._lock:
+            if self._num_in_flight + len(prepared) > capacity:
+                raise EngineOverloadedError(
+                    f"{self._num_in_flight} requests are in flight and the queue holds at most {capacity}; "
+                    "retry after a short wait."
+                )
+            self._num_in_flight += len(prepared)
+            for p in prepared:
+                self._streams[p.request.request_id] = stream
+        self._commands.put(("add", prepared))
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort engine requests (thread-safe; takes effect before the next step)."""
+        self._commands.put(("abort", list(request_ids)))
+
+    def set_speculation(self, enabled: bool) -> None:
+        """Switch speculation at run time."""
+        self._commands.put(("spec", bool(enabled)))
+
+    # ------------------------------------------------------------------ engine thread
+    def _post(self, stream: RequestStream, item: tuple[int, RequestOutput] | BaseException) -> None:
+        assert self._loop is not None
+        # A closed event loop raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                stream = self._streams.get(out.request_id)
+                if out.finished and stream is not None:
+                    del self._streams[out.request_id]
+                    self._num_in_flight -= 1
+            if out.finished and self.on_output is not None:
+                try:
+                    self.on_output(out)
+                except Exception:  # noqa: BLE001 - metrics must never break serving
+                    logger.exception("metrics callback failed")
+            if stream is not None:
+                self._post(stream, (stream.choice_index[out.request_id], out))
+
+    def _handle(self, cmd: str, arg: Any) -> None:
+        eng = self.engine
+        if cmd == "add":
+            for i, p in enumerate(arg):
+                try:
+                    eng.add_prepared(p)
+                except Exception as exc:  # noqa: BLE001 - report to the one client, keep serving
+                    self._fail([q.request.request_id for q in arg[i:]], exc)
+                    eng.abort_request([q.request.request_id for q in arg[:i]])
+                    return
+        elif cmd == "abort":
+            self._deliver(eng.abort_request(arg))
+            # A stream entry the engine does not know (its add failed) is closed here.
+            with self._lock:
+                unknown = [r for r in arg if r in self._streams and not eng.has_request(r)]
+            self._fail(unknown, EngineStoppedError("request aborted before it started"))
+        elif cmd == "spec":
+            eng.set_speculation(arg)
+
+    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
+        for rid in request_ids:
+            with self._lock:
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    self._num_in_flight -= 1
+            if stream is not None:
+                self._post(stream, exc)
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            try:
+                try:
+                    # Idle: sleep until a command arrives. Busy: only pick up what is queued.
+                    if eng.has_unfinished_requests():
+                        cmd = self._commands.get_nowait()
+                    else:
+                        cmd = self._commands.get(timeout=0.5)
+                except queue.Empty:
+                    cmd = None
+                while cmd is not None:
+                    self._handle(*cmd)
+                    try:
+                        cmd = self._commands.get_nowait()
+                    except queue.Empty:
+                        cmd = None
+                if eng.has_unfinished_requests():
+                    self._deliver(eng.step())
+                    self.last_step_time = time.time()
+                if self.on_step is not None:
+                    self.on_step(eng)
+            except Exception as exc:  # noqa: BLE001 - the engine is broken: fail everyone loudly
+                logger.exception("engine loop crashed")
+                self.error = f"{type(exc).__name__}: {exc}"
+                with self._lock:
+                    ids = list(self._streams)
+                self._fail(ids, EngineStoppedError(f"engine failed: {self.error}"))
+                return

@@ -1,0 +1,137 @@
+"""Prometheus metrics of the server, in their own registry (prometheus_client)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from specserve.engine.engine import LLMEngine
+from specserve.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class ServerMetrics:
+    """Histograms, gauges and counters updated from the engine thread and the HTTP layer."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        labels = ["model"]
+        self.model = model_name
+        self.ttft = Histogram("specserve_time_to_first_token_seconds", "Arrival to first output token.",
+                              labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("specserve_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.", labels,
+                              buckets=TOKEN_BUCKETS, registry=r)
+        self.itl = Histogram("specserve_inter_token_latency_seconds",
+                             "Gap between streamed token events divided by the tokens they carry.", labels,
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("specserve_e2e_request_latency_seconds", "Arrival to finish.", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("specserve_request_queue_time_seconds", "Arrival to first scheduled.", labels,
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("specserve_num_requests_running", "Requests holding KV blocks.", labels, registry=r)
+        self.waiting = Gauge("specserve_num_requests_waiting", "Requests queued.", labels, registry=r)
+        self.kv_used = Gauge("specserve_kv_blocks_used", "KV blocks held by requests or the prefix cache.",
+                             labels, registry=r)
+        self.kv_free = Gauge("specserve_kv_blocks_free", "KV blocks available (cached ones included).",
+                             labels, registry=r)
+        self.kv_usage = Gauge("specserve_kv_cache_usage_ratio", "Used over total KV blocks.", labels, registry=r)
+        self.hit_rate = Gauge("specserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache "
+                              "over prompt tokens looked up.", labels, registry=r)
+        self.spec_enabled = Gauge("specserve_speculation_enabled", "1 when speculation may run.", labels,
+                                  registry=r)
+        self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of admitted requests.", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("specserve_generation_tokens", "Generated tokens.", labels, registry=r)
+        self.requests = Counter("specserve_requests", "Finished requests by reason.", ["model", "finish_reason"],
+                                registry=r)
+        self.preemptions = Counter("specserve_preemptions", "Requests preempted for KV memory.", labels, registry=r)
+        self.drafts = Counter("specserve_spec_drafts", "Verify steps that checked drafts.", labels, registry=r)
+        self.draft_tokens = Counter("specserve_spec_draft_tokens", "Draft tokens verified.", labels, registry=r)
+        self.accepted_tokens = Counter("specserve_spec_accepted_tokens", "Draft tokens accepted.", labels,
+                                       registry=r)
+        self.drafted_pos = Counter("specserve_spec_drafted_per_position", "Drafts tested at each position.",
+                                   ["model", "position"], registry=r)
+        self.accepted_pos = Counter("specserve_spec_accepted_per_position", "Drafts accepted at each position.",
+                                    ["model", "position"], registry=r)
+        self.spec_time = Counter("specserve_spec_time_seconds", "Engine time by phase (draft, verify, decode).",
+                                 ["model", "phase"], registry=r)
+        self._last: dict[str, float] = {}
+        self._last_pos: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+
+    def _inc_to(self, key: str, counter: Counter, value: float, **labels: str) -> None:
+        """Advance a counter to a cumulative engine value."""
+        prev = self._last.get(key, 0.0)
+        if value > prev:
+            counter.labels(model=self.model, **labels).inc(value - prev)
+            self._last[key] = value
+
+    def on_step(self, engine: LLMEngine) -> None:
+        """Refresh gauges and engine-side counters (called by the engine thread)."""
+        with self._lock:
+            m = self.model
+            usage = engine.kv_manager.usage()
+            self.running.labels(m).set(engine.scheduler.num_running)
+            self.waiting.labels(m).set(engine.scheduler.num_waiting)
+            self.kv_used.labels(m).set(usage.num_used_blocks)
+            self.kv_free.labels(m).set(usage.num_free_blocks)
+            self.kv_usage.labels(m).set(usage.num_used_blocks / max(usage.num_blocks, 1))
+            self.hit_rate.labels(m).set(usage.prefix_hit_rate)
+            self.spec_enabled.labels(m).set(1 if engine.speculation_enabled else 0)
+            c = engine.spec_counters
+            self._inc_to("prompt", self.prompt_tokens, engine.num_prompt_tokens)
+            self._inc_to("gen", self.generation_tokens, engine.num_generated_tokens)
+            self._inc_to("preempt", self.preemptions, engine.scheduler.num_preemptions)
+            self._inc_to("drafts", self.drafts, c["num_drafts"])
+            self._inc_to("draft_tokens", self.draft_tokens, c["num_draft_tokens"])
+            self._inc_to("accepted", self.accepted_tokens, c["num_accepted_tokens"])
+            for phase, key in (("draft", "draft_time_s"), ("verify", "verify_time_s"), ("decode", "decode_time_s")):
+                self._inc_to(f"time_{phase}", self.spec_time, c[key], phase=phase)
+            for j, (d, a) in enumerate(zip(engine.drafted_per_position, engine.accepted_per_position)):
+                self._inc_to(f"dpos{j}", self.drafted_pos, d, position=str(j))
+                self._inc_to(f"apos{j}", self.accepted_pos, a, position=str(j))
+
+    def on_finished(self, out: RequestOutput) -> None:
+        """Observe a finished request's latencies (engine thread)."""
+        m = out.metrics
+        label = self.model
+        self.requests.labels(model=label, finish_reason=out.finish_reason or "unknown").inc()
+        if m.ttft_s is not None:
+            self.ttft.labels(label).observe(m.ttft_s)
+        if m.tpot_s is not None:
+            self.tpot.labels(label).observe(m.tpot_s)
+        if m.e2e_s is not None:
+            self.e2e.labels(label).observe(m.e2e_s)
+        if m.queue_s is not None:
+            self.queue.labels(label).observe(m.queue_s)
+
+    def observe_token_event(self, gap_s: float, num_tokens: int) -> None:
+        """A streamed event carrying num_tokens new tokens arrived gap_s after the previous one."""
+        if num_tokens > 0:
+            per = gap_s / num_tokens
+            for _ in range(num_tokens):
+                self.itl.labels(self.model).observe(per)
+
+    def render(self) -> bytes:
+        """Prometheus text exposition."""
+        return generate_latest(self.registry)
+
+
+class TokenClock:
+    """Tracks the time of a stream's previous token event for inter-token latency."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+
+    def tick(self) -> float | None:
+        """Seconds since the previous tick (None on the first)."""
+        now = time.perf_counter()
+        gap = None if self.last is None else now - self.last
+        self.last = now
+        return gap

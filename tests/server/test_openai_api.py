@@ -1,0 +1,146 @@
+"""The official `openai` client against a live specserve server with SmolLM2 on loopback."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def client(smol_server):
+    return openai.OpenAI(base_url=smol_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_completion_and_usage(client, smol_server):
+    r = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0)
+    tok = smol_server.engine.tokenizer
+    assert len(r.choices) == 1 and r.choices[0].text
+    assert r.usage.prompt_tokens == len(tok.encode("The capital of France is"))
+    assert 1 <= r.usage.completion_tokens <= 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_and_streaming_equals_non_streaming(client):
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    full = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=24, temperature=0.8, seed=7)
+    text = full.choices[0].message.content
+    assert text and full.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=24, temperature=0.8, seed=7,
+                                            stream=True, stream_options={"include_usage": True})
+    pieces, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            if ch.delta.content:
+                pieces.append(ch.delta.content)
+            if ch.finish_reason:
+                finish = ch.finish_reason
+    assert "".join(pieces) == text
+    assert finish == full.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_n_choices_and_seed_reproducibility(client):
+    kw = dict(model="smollm2", prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=42)
+    a = client.completions.create(n=2, **kw)
+    b = client.completions.create(n=2, **kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text  # distinct samples
+    c = client.completions.create(**{**kw, "seed": 43})
+    assert c.choices[0].text != a.choices[0].text
+    assert 2 <= a.usage.completion_tokens <= 24  # counted over both choices
+    assert a.usage.prompt_tokens == c.usage.prompt_tokens  # the prompt counts once, not once per choice
+
+
+def test_stop_strings(client):
+    r = client.completions.create(model="smollm2", prompt="def add(a, b):", max_tokens=40, temperature=0, stop=["\n"])
+    assert r.choices[0].finish_reason == "stop" and "\n" not in r.choices[0].text
+
+
+def test_streamed_completion_equals_full(client):
+    kw = dict(model="smollm2", prompt="List: apples, pears,", max_tokens=20, temperature=0.7, seed=3, stop=[" and"])
+    full = client.completions.create(**kw).choices[0].text
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(stream=True, **kw) if ch.choices)
+    assert streamed == full
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                       temperature=0, logprobs=True)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens and all(t.logprob <= 0 for t in lp)
+    c = client.completions.create(model="smollm2", prompt="Hi", max_tokens=4, temperature=0, logprobs=0)
+    assert len(c.choices[0].logprobs.token_logprobs) == c.usage.completion_tokens
+
+
+def test_extra_body_fields(client):
+    r = client.completions.create(
+        model="smollm2", prompt="def add(a, b):\n    return a + b\n", max_tokens=10, temperature=0,
+        extra_body={"top_k": 5, "speculative": True, "priority": -1, "reference_text": "def add(a, b):\n    return"},
+    )
+    assert r.choices[0].text is not None
+
+
+def test_models_health_metrics_admin(smol_server):
+    base = smol_server.base_url
+    models = httpx.get(base + "/v1/models").json()
+    assert models["data"][0]["id"] == "smollm2"
+    assert httpx.get(base + "/health").json()["status"] == "ok"
+    text = httpx.get(base + "/metrics").text
+    for name in ("specserve_time_to_first_token_seconds", "specserve_time_per_output_token_seconds",
+                 "specserve_e2e_request_latency_seconds", "specserve_request_queue_time_seconds",
+                 "specserve_num_requests_running", "specserve_num_requests_waiting", "specserve_kv_blocks_used",
+                 "specserve_kv_blocks_free", "specserve_prefix_cache_hit_rate", "specserve_prompt_tokens_total",
+                 "specserve_generation_tokens_total", "specserve_spec_draft_tokens_total",
+                 "specserve_spec_accepted_tokens_total", "specserve_inter_token_latency_seconds"):
+        assert name in text, name
+    assert httpx.post(base + "/admin/speculation", json={"enabled": False}).json() == {"enabled": False}
+    smol_server.wait_idle()
+    httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 1})  # let the loop apply it
+    assert httpx.get(base + "/admin/speculation").json()["enabled"] is False
+    httpx.post(base + "/admin/speculation", json={"enabled": True})
+    httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert httpx.get(base + "/admin/speculation").json()["enabled"] is True
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status"),
+    [
+        ("post", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 400),
+        ("post", "/v1/completions", {"prompt": "hi", "temperature": 5}, 400),
+        ("post", "/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400),
+        ("post", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
+        ("post", "/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400),
+        ("post", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400),
+        ("post", "/v1/completions", {"prompt": "hi", "n": 0}, 400),
+        ("post", "/v1/completions", {"prompt": ""}, 400),
+        ("post", "/v1/completions", {"prompt": [[]]}, 400),
+        ("post", "/v1/completions", {"prompt": [10**12]}, 400),
+        ("post", "/v1/completions", {"prompt": "word " * 9000}, 400),
+        ("post", "/v1/completions", {}, 400),
+        ("post", "/v1/chat/completions", {"messages": []}, 400),
+        ("post", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+        ("post", "/v1/chat/completions", {"messages": "hello"}, 400),
+        ("post", "/v1/nope", {}, 404),
+        ("get", "/v1/completions", None, 405),
+        ("post", "/admin/speculation", {"enabled": "yes"}, 400),
+    ],
+)
+def test_errors_have_openai_shape(smol_server, method, path, body, status):
+    r = httpx.request(method, smol_server.base_url + path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and "type" in err
+
+
+def test_malformed_json_is_400(smol_server):
+    r = httpx.post(smol_server.base_url + "/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    smol_server.wait_idle()
+    assert smol_server.engine.check_integrity()
