@@ -8,6 +8,8 @@ from specserve.errors import InvalidRequestError
 
 # Below this temperature sampling is treated as greedy (argmax), as vLLM and llama.cpp do.
 GREEDY_EPS = 1e-5
+MAX_TOP_K = 1 << 30  # larger values would overflow the int64 tensors; any k >= vocab means "off"
+MAX_SEED = (1 << 63) - 1
 
 
 @dataclass
@@ -49,10 +51,13 @@ class SamplingParams:
             raise bad(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}.")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}.")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise bad(f"top_k must be an integer >= 1, or 0 / -1 to disable it; got {self.top_k!r}.")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad(f"seed must be an integer, got {self.seed!r}.")
+        if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1
+                or self.top_k > MAX_TOP_K):
+            raise bad(f"top_k must be an integer in [1, {MAX_TOP_K}], or 0 / -1 to disable it; got {self.top_k!r}.")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or abs(self.seed) > MAX_SEED
+        ):
+            raise bad(f"seed must be an integer of at most 63 bits, got {self.seed!r}.")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise bad(f"n must be an integer >= 1, got {self.n!r}.")
         for s in self.stop:  # type: ignore[union-attr]

@@ -47,7 +47,7 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # specserve extras
-    top_k: StrictInt | None = Field(default=None, ge=-1)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=1 << 30)
     speculative: StrictBool | None = None
     priority: StrictInt = Field(default=0, ge=-1000, le=1000)
     reference_text: str | None = None
