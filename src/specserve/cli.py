@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -135,9 +136,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     spec = llm.engine.config.spec
     print(f"specserve: serving {name!r} on http://{args.host}:{args.port} "
           f"(speculation: {spec.method}, policy {spec.policy}, K<={spec.num_spec_tokens})", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(args.drain_timeout) + 1, access_log=args.access_log)
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal against the handlers that were
+    # installed before it started.  A drained shutdown is a clean exit, so those handlers turn the
+    # re-raised signal into status 0 instead of death-by-signal (-15) or a KeyboardInterrupt trace.
+    previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=int(args.drain_timeout) + 1, access_log=args.access_log)
+    except _DrainedExit:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("specserve: drained and stopped", file=sys.stderr)
     return 0
+
+
+class _DrainedExit(Exception):
+    """Raised by the post-drain signal handler to leave `uvicorn.run` normally."""
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise _DrainedExit(signum)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

@@ -21,12 +21,13 @@ VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=
                                                         st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                       max_leaves=12)
 
+NON_FINITE = st.sampled_from([float("nan"), float("inf"), float("-inf")])
 SMALL_INT = st.integers(min_value=-3, max_value=40)
 COMMON = {
     "model": st.one_of(st.just("tiny"), st.text(max_size=10), SCALARS),
     "max_tokens": st.one_of(SMALL_INT, VALUES),
-    "temperature": st.one_of(st.floats(min_value=-1, max_value=3, allow_nan=True), VALUES),
-    "top_p": st.one_of(st.floats(min_value=-0.5, max_value=1.5, allow_nan=True), VALUES),
+    "temperature": st.one_of(st.floats(min_value=-1, max_value=3), NON_FINITE, VALUES),
+    "top_p": st.one_of(st.floats(min_value=-0.5, max_value=1.5), NON_FINITE, VALUES),
     "top_k": st.one_of(SMALL_INT, VALUES),
     "n": st.one_of(st.integers(min_value=-1, max_value=20), VALUES),
     "stream": st.one_of(st.booleans(), VALUES),
