@@ -21,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (bf16 on GPU / CPUs with native bf16, else float32), bfloat16, float32")
     g.add_argument("--linear-backend", default="auto", choices=["auto", "dense", "onednn"],
                    help="linear kernels: auto picks oneDNN packed weights for float32 on CPU")
+    g.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="weight-only quantized linear layers (int8: per-row scales, a quarter of float32's bytes)")
     g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache memory budget in GiB")
     g.add_argument("--max-model-len", type=int, default=None, help="context window (default: model's, capped at 8192)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -37,6 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-policy", choices=["adaptive", "always", "off"], default="adaptive",
                    help="adaptive: cost model decides K per request per step")
     s.add_argument("--draft-num-layers", type=int, default=None, help="use only the draft's first N layers")
+    s.add_argument("--draft-quantization", default=None, choices=["none", "int8"],
+                   help="quantization of the draft model (default: same as --quantization)")
+    s.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="draft LM head over only the N most frequent tokens (+ special tokens); stays exact")
     s.add_argument("--ngram-min", type=int, default=1)
     s.add_argument("--ngram-max", type=int, default=4)
     s.add_argument("--spec-on-batch", type=int, default=8, help="speculate freely at batch <= this")
@@ -49,6 +55,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """LLM(...) keyword arguments from parsed engine flags."""
     return dict(
         device=args.device, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, linear_backend=args.linear_backend,
+        quantization=args.quantization, draft_quantization=args.draft_quantization,
+        draft_vocab_size=args.draft_vocab_size,
         max_model_len=args.max_model_len, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

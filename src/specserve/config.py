@@ -9,6 +9,8 @@ import torch
 
 from specserve.errors import ConfigError
 
+QUANTIZATIONS = ("none", "int8")  # weight-only; see specserve.models.linear
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -57,6 +59,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length, capped at 8192
     seed: int = 0
     linear_backend: str = "auto"  # auto | dense | onednn (see specserve.models.linear)
+    quantization: str = "none"  # none | int8: weight-only quantized linear layers
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype, self.device)
@@ -68,6 +71,8 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"Unknown quantization {self.quantization!r}; use one of {', '.join(QUANTIZATIONS)}.")
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:
@@ -130,6 +135,8 @@ class SpecConfig:
     draft_model: str | None = None
     draft_num_layers: int | None = None  # keep only the first N layers of the draft (layer-skip draft)
     draft_kv_cache_gib: float | None = None  # default: a share of the target's budget
+    draft_quantization: str | None = None  # None: the target's --quantization
+    draft_vocab_size: int | None = None  # restrict the draft LM head to the N most frequent token ids
     ngram_min: int = 1
     ngram_max: int = 4
     # Reference thresholds: speculate freely at batch <= on_batch, never at batch >= off_batch,
@@ -149,6 +156,12 @@ class SpecConfig:
             raise ConfigError("spec method 'draft' needs a draft model; pass --draft-model NAME_OR_PATH.")
         if self.draft_num_layers is not None and self.draft_num_layers < 1:
             raise ConfigError("draft_num_layers must be >= 1 when given.")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ConfigError("draft_vocab_size must be >= 1 when given.")
+        if self.draft_quantization is not None and self.draft_quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"Unknown draft quantization {self.draft_quantization!r}; use one of {', '.join(QUANTIZATIONS)}."
+            )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}.")
         if not 0 <= self.on_batch <= self.off_batch:

@@ -34,6 +34,7 @@ class LLM:
         num_threads: int | None = None,
         seed: int = 0,
         linear_backend: str = "auto",
+        quantization: str = "none",
         num_kv_blocks: int | None = None,
         draft_model: str | None = None,
         spec_method: str | None = None,
@@ -41,6 +42,8 @@ class LLM:
         spec_policy: str = "adaptive",
         draft_num_layers: int | None = None,
         draft_kv_cache_gib: float | None = None,
+        draft_quantization: str | None = None,
+        draft_vocab_size: int | None = None,
         ngram_min: int = 1,
         ngram_max: int = 4,
         spec_on_batch: int = 8,
@@ -54,7 +57,7 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(
                 model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                linear_backend=linear_backend,
+                linear_backend=linear_backend, quantization=quantization,
             ),
             cache=CacheConfig(
                 block_size=block_size, kv_cache_gib=kv_cache_gib,
@@ -68,6 +71,7 @@ class LLM:
                 method=spec_method, num_spec_tokens=num_spec_tokens, policy=spec_policy,
                 draft_model=draft_model or ("<checkpoint>" if draft_checkpoint is not None else None),
                 draft_num_layers=draft_num_layers, draft_kv_cache_gib=draft_kv_cache_gib,
+                draft_quantization=draft_quantization, draft_vocab_size=draft_vocab_size,
                 ngram_min=ngram_min, ngram_max=ngram_max, on_batch=spec_on_batch, off_batch=spec_off_batch,
                 profile_on_start=profile_spec_costs,
             ),

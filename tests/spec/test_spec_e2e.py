@@ -45,12 +45,14 @@ def _greedy(n=20, **kw):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
 
 
-PROPOSERS = ["ngram", "reference", "draft-truncated", "draft-full"]
+PROPOSERS = ["ngram", "reference", "draft-truncated", "draft-full", "draft-restricted"]
 
 
 def _spec_llm(ckpt, which, policy="always", **kw):
     if which.startswith("draft"):
-        layers = 1 if which == "draft-truncated" else None
+        layers = None if which == "draft-full" else 1
+        if which == "draft-restricted":  # draft LM head over the lower half of the vocabulary only
+            kw["draft_vocab_size"] = ckpt.arch.vocab_size // 2
         return _llm(ckpt, "draft", policy, draft=ckpt, draft_num_layers=layers, **kw)
     return _llm(ckpt, which, policy, **kw)
 
@@ -88,6 +90,21 @@ def test_tiny_greedy_spec_equals_plain_batched_and_alone(tiny, which):
         assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
 
 
+@pytest.mark.parametrize("which", ["ngram", "draft-truncated"])
+def test_tiny_int8_greedy_spec_equals_int8_plain(tiny, which):
+    """Speculation stays exact on the weight-quantized path (target and draft both int8)."""
+    prompts = _tiny_prompts(24)
+    base = _llm(tiny, quantization="int8").generate(prompts, _greedy())
+    llm = _spec_llm(tiny, which, quantization="int8")
+    assert llm.engine.runner.linear_backend == "int8"
+    if which.startswith("draft"):
+        assert llm.engine.proposer.runner.linear_backend == "int8"
+    outs = llm.generate(prompts, [_params_for(which, p, b.token_ids) for p, b in zip(prompts, base)])
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert llm.engine.spec_counters["num_accepted_tokens"] > 0
+    assert llm.engine.check_integrity()
+
+
 def _tv_permutation_test(a: np.ndarray, b: np.ndarray, n_perm: int = 200, seed: int = 0) -> tuple[float, float]:
     """TV distance between the empirical distributions of two samples and its permutation p-value."""
 
@@ -108,7 +125,7 @@ def _tv_permutation_test(a: np.ndarray, b: np.ndarray, n_perm: int = 200, seed: 
     return observed, p
 
 
-@pytest.mark.parametrize("which", ["draft-truncated", "ngram"])
+@pytest.mark.parametrize("which", ["draft-truncated", "ngram", "draft-restricted"])
 def test_tiny_sampled_distribution_matches(which):
     """First 4 generated tokens with speculation vs without: same joint distribution.
 
@@ -116,6 +133,8 @@ def test_tiny_sampled_distribution_matches(which):
     joint distributions (20k samples each). Under the null (both samplers exact) relabelled
     samples are exchangeable, so the p-value is uniform; we fail only below 1e-3 (a real bias
     of a few percent TV is detected at p ~ 0), i.e. the noise level is measured, not guessed.
+    The restricted draft can only propose tokens 0..5 while the target also emits 6..11: the
+    residual distribution must restore exactly that mass.
     """
     from conftest import tiny_checkpoint
 

@@ -18,6 +18,8 @@ from specserve.errors import ConfigError
 from specserve.models.arch import ArchConfig
 from specserve.models.linear import (
     apply_linear_backend,
+    apply_quantization,
+    int8_usable,
     linear_weight_bytes,
     resolve_linear_backend,
 )
@@ -59,6 +61,7 @@ class ModelRunner:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         max_model_len: int,
+        vocab_subset: torch.Tensor | None = None,
     ) -> None:
         self.arch = arch
         self.device = model_config.torch_device
@@ -66,8 +69,17 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.model = self._build(arch, weights, max_model_len + ROPE_SLACK)
-        self.linear_backend = resolve_linear_backend(model_config.linear_backend, self.device, self.dtype)
-        apply_linear_backend(self.model, self.linear_backend)
+        if vocab_subset is not None:  # before quantization, so the smaller head is quantized too
+            self.model.restrict_vocab(vocab_subset)
+        self.quantization = model_config.quantization
+        if self.quantization != "none":
+            if not int8_usable(self.device):
+                raise ConfigError(f"--quantization {self.quantization} is not supported on {self.device} with this torch.")
+            apply_quantization(self.model, self.quantization)
+            self.linear_backend = self.quantization
+        else:
+            self.linear_backend = resolve_linear_backend(model_config.linear_backend, self.device, self.dtype)
+            apply_linear_backend(self.model, self.linear_backend)
         self.num_blocks = num_kv_blocks(arch, cache_config, self.dtype)
         if self.num_blocks < 1:
             raise ConfigError(

@@ -156,6 +156,31 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
+class RestrictedLMHead(nn.Module):
+    """An LM head over a subset of the vocabulary; every other token gets logit -inf.
+
+    Used for draft models: the draft distribution becomes softmax over the subset, zero
+    elsewhere. That is still a distribution, so rejection sampling against the target stays
+    exact (the residual max(0, q - p) simply keeps the target's mass on excluded tokens);
+    only the acceptance rate can change. Reading fewer rows makes every draft step cheaper.
+    """
+
+    def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                              dtype=weight.dtype)
+        with torch.no_grad():
+            self.proj.weight.copy_(weight)
+        self.register_buffer("token_ids", token_ids.to(device=weight.device, dtype=torch.long), persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        """Logits over the full vocabulary, -inf outside the subset."""
+        sub = self.proj(hidden)
+        out = sub.new_full((hidden.shape[0], self.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.token_ids, sub)
+
+
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over a paged KV cache; weights use Hugging Face names."""
 
@@ -180,6 +205,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         """Project hidden states to vocabulary logits in float32."""
         return self.lm_head(hidden).float()
+
+    def restrict_vocab(self, token_ids: torch.Tensor) -> None:
+        """Replace the LM head by one over `token_ids` only (sorted, unique); see RestrictedLMHead."""
+        weight = self.lm_head.weight.detach().index_select(0, token_ids.to(self.lm_head.weight.device))
+        self.lm_head = RestrictedLMHead(weight, token_ids, self.config.vocab_size)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Adopt HF-named tensors as the parameters (no copy), refusing missing or extra names.

@@ -68,8 +68,9 @@ class DraftModelProposer(Proposer):
         model_config: ModelConfig,
         cache_config: CacheConfig,
         max_model_len: int,
+        vocab_subset: torch.Tensor | None = None,
     ) -> None:
-        self.runner = ModelRunner(arch, weights, model_config, cache_config, max_model_len)
+        self.runner = ModelRunner(arch, weights, model_config, cache_config, max_model_len, vocab_subset)
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, name="draft"
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from specserve.config import CacheConfig, ModelConfig, SpecConfig
 from specserve.errors import TokenizerMismatchError
 from specserve.models.tokenizer import Tokenizer
@@ -59,7 +61,27 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
     else:
         # As many token slots as the target has, so drafting never runs out before verifying.
         cache = replace(ctx.cache, num_gpu_blocks_override=ctx.target_num_blocks)
-    return DraftModelProposer(arch, weights, ctx.model, cache, ctx.max_model_len)
+    model = ctx.model
+    if ctx.spec.draft_quantization is not None:
+        model = replace(model, quantization=ctx.spec.draft_quantization)
+    subset = None
+    if ctx.spec.draft_vocab_size is not None and ctx.spec.draft_vocab_size < arch.vocab_size:
+        subset = frequent_token_subset(ckpt.tokenizer, arch.vocab_size, ctx.spec.draft_vocab_size)
+    return DraftModelProposer(arch, weights, model, cache, ctx.max_model_len, vocab_subset=subset)
+
+
+def frequent_token_subset(tokenizer: Tokenizer | None, vocab_size: int, n: int) -> torch.Tensor:
+    """The draft's restricted vocabulary: the first n ids plus every added/special token.
+
+    Byte-level BPE numbers tokens in merge order, and merges are learned most-frequent-first,
+    so the lowest ids are the most frequent pieces of the training corpus. Special tokens
+    (end of turn, tool markers) sit at the end of the vocabulary and must stay draftable.
+    """
+    ids = set(range(min(n, vocab_size)))
+    if tokenizer is not None:
+        ids |= {i for i in tokenizer.backend.get_added_tokens_decoder() if i < vocab_size}
+        ids |= {i for i in tokenizer.special_token_ids if i < vocab_size}
+    return torch.tensor(sorted(ids), dtype=torch.long)
 
 
 def check_draft_tokenizer(
