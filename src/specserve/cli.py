@@ -22,7 +22,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--linear-backend", default="auto", choices=["auto", "dense", "onednn"],
                    help="linear kernels: auto picks oneDNN packed weights for float32 on CPU")
     g.add_argument("--quantization", default="none", choices=["none", "int8"],
-                   help="weight-only quantized linear layers (int8: per-row scales, a quarter of float32's bytes)")
+                   help="int8: weight-only int8 linear layers (per-row scales, bf16 activations)")
     g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache memory budget in GiB")
     g.add_argument("--max-model-len", type=int, default=None, help="context window (default: model's, capped at 8192)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -39,8 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-policy", choices=["adaptive", "always", "off"], default="adaptive",
                    help="adaptive: cost model decides K per request per step")
     s.add_argument("--draft-num-layers", type=int, default=None, help="use only the draft's first N layers")
-    s.add_argument("--draft-quantization", default=None, choices=["none", "int8"],
-                   help="quantization of the draft model (default: same as --quantization)")
+    s.add_argument("--draft-quantization", default=None, choices=["none", "int8", "w8a8"],
+                   help="draft model quantization (default: as --quantization); w8a8 also quantizes "
+                        "activations (fbgemm, CPU): the cheapest draft, exactness is unaffected")
     s.add_argument("--draft-vocab-size", type=int, default=None,
                    help="draft LM head over only the N most frequent tokens (+ special tokens); stays exact")
     s.add_argument("--ngram-min", type=int, default=1)

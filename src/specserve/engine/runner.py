@@ -19,8 +19,8 @@ from specserve.models.arch import ArchConfig
 from specserve.models.linear import (
     apply_linear_backend,
     apply_quantization,
-    int8_usable,
     linear_weight_bytes,
+    quantization_usable,
     resolve_linear_backend,
 )
 from specserve.models.llama import KVCache, RMSNorm, RotaryEmbedding
@@ -73,7 +73,7 @@ class ModelRunner:
             self.model.restrict_vocab(vocab_subset)
         self.quantization = model_config.quantization
         if self.quantization != "none":
-            if not int8_usable(self.device):
+            if not quantization_usable(self.quantization, self.device):
                 raise ConfigError(f"--quantization {self.quantization} is not supported on {self.device} with this torch.")
             apply_quantization(self.model, self.quantization)
             self.linear_backend = self.quantization
