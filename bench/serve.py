@@ -54,6 +54,12 @@ def chat_requests(n: int, rng: random.Random, max_tokens: int) -> list[dict]:
     return out
 
 
+def _tag(body: dict, tag: str) -> dict:
+    msgs = [dict(m) for m in body["messages"]]
+    msgs[-1]["content"] = f"[{tag}] {msgs[-1]['content']}"
+    return {**body, "messages": msgs}
+
+
 def long_requests(n: int, rng: random.Random, prompt_words: int, max_tokens: int) -> list[dict]:
     out = []
     for _ in range(n):
@@ -192,6 +198,8 @@ def main() -> int:
     ap.add_argument("--spec-method", default="ngram")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--rates", nargs="+", type=float, default=[0.25, 0.5, 1.0, 2.0])
+    ap.add_argument("--long-rates", nargs="+", type=float, default=[0.1, 0.2, 0.4],
+                    help="request rates for the long-prompt workload (prefill-bound: lower than chat's)")
     ap.add_argument("--requests", type=int, default=32, help="requests per rate point")
     ap.add_argument("--workloads", nargs="+", default=["chat", "long"])
     ap.add_argument("--chat-max-tokens", type=int, default=96)
@@ -213,7 +221,7 @@ def main() -> int:
     points = []
     try:
         for workload in args.workloads:
-            for rate in args.rates:
+            for rate in (args.rates if workload == "chat" else args.long_rates):
                 rng = random.Random(int(rate * 1000))
                 if workload == "chat":
                     bodies = chat_requests(args.requests, rng, args.chat_max_tokens)
@@ -221,7 +229,11 @@ def main() -> int:
                     bodies = long_requests(args.requests, rng, args.long_prompt_words, args.long_max_tokens)
                 for spec in ["adaptive", "off"]:
                     httpx.post(base + "/admin/speculation", json={"enabled": spec == "adaptive"}, timeout=30)
-                    point = asyncio.run(run_point(base, bodies, rate, seed=int(rate * 100)))
+                    # Same requests for both modes, but a per-run tag in front of each user message
+                    # so the second mode gets no prefix-cache hits from the first mode's prompts
+                    # (the chat template's system part is still shared, as in real traffic).
+                    tagged = [_tag(body, f"{workload}-{rate}-{spec}-{i}") for i, body in enumerate(bodies)]
+                    point = asyncio.run(run_point(base, tagged, rate, seed=int(rate * 100)))
                     summ = summarise(point, args.slo_ttft, args.slo_tpot)
                     summ.update(workload=workload, rate=rate, speculation=spec)
                     points.append(summ)

@@ -58,9 +58,14 @@ class Bench:
 
     def llm(self, method: str, policy: str = "adaptive", k: int = 4, **kw: Any) -> LLM:
         gc.collect()
+        quant = self.args.quantization
+        if method == "none-int8":  # the plain baseline on the int8 weight-only target, for reference
+            method, quant = "none", "int8"
+        if method == "draft":
+            kw.setdefault("draft_quantization", self.args.draft_quantization)
         llm = LLM(
             self.args.target, dtype=self.args.dtype, checkpoint=self.target, kv_cache_gib=1.0,
-            spec_method=method, spec_policy=policy, num_spec_tokens=k,
+            spec_method=method, spec_policy=policy, num_spec_tokens=k, quantization=quant,
             draft_checkpoint=self.draft if method == "draft" else None,
             max_num_seqs=64, max_num_batched_tokens=1024, **kw,
         )
@@ -116,7 +121,7 @@ def run_sequential(llm: LLM, prompts: list[tuple[str, str | None]], temperature:
 def section_batch1(b: Bench) -> list[dict]:
     """none / draft / ngram / reference at batch 1 on both prompt sets, greedy and T=0.7."""
     rows = []
-    for method in ["none", "draft", "ngram", "reference"]:
+    for method in ["none", "draft", "ngram", "reference", *b.args.extra_baselines]:
         k = 4 if method == "draft" else 8
         llm = b.llm(method, "adaptive", k)
         for set_name, prompts in [("coding", b.coding), ("edit", b.edit)]:
@@ -248,7 +253,8 @@ def plot(payload: dict, path: Path) -> None:
     ax = axes[0][0]
     if b1:
         labels, vals, colors = [], [], []
-        palette = {"none": "#999999", "draft": "#4c72b0", "ngram": "#55a868", "reference": "#c44e52"}
+        palette = {"none": "#999999", "draft": "#4c72b0", "ngram": "#55a868", "reference": "#c44e52",
+                   "none-int8": "#8172b2"}
         for r in b1:
             labels.append(f"{r['method']}\n{r['prompt_set']} T={r['temperature']}")
             vals.append(r["speedup_vs_none"])
@@ -312,6 +318,11 @@ def main() -> int:
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="none", help="target weights: none (exact float) or int8")
+    ap.add_argument("--draft-quantization", default="w8a8",
+                    help="draft weights: none, int8 or w8a8 (cheapest; only moves acceptance, never outputs)")
+    ap.add_argument("--extra-baselines", nargs="*", default=["none-int8"],
+                    help="extra batch-1 rows: none-int8 = plain decoding of the int8 target")
     ap.add_argument("--sections", nargs="+", default=["batch1", "ksweep", "batchsweep", "hf"])
     ap.add_argument("--prompts", type=int, default=4, help="prompts per set")
     ap.add_argument("--max-tokens", type=int, default=96)
