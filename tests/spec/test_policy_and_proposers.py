@@ -52,6 +52,31 @@ def test_cost_model_declines_expensive_draft_with_poor_acceptance():
     assert good.choose([_req("a", [1])])[0] >= 3
 
 
+def test_shared_draft_pass_cost_is_amortised_over_the_batch():
+    """One draft pass costs the same for 1 or 8 requests: drafting for one alone loses, for all wins.
+
+    A search that adds one draft position at a time stops at the first (losing) position; the
+    policy must find the batch-wide optimum anyway.
+    """
+    target = {8: 0.30, 16: 0.33, 24: 0.36, 40: 0.42, 48: 0.45}
+    draft = {1: 0.05, 8: 0.05}  # per draft pass (batched over requests)
+    p = _policy(target, draft, acceptance=0.85, per_token=True)
+    reqs = [_req(str(i), [1, 2, 3]) for i in range(8)]
+    ks = p.choose(reqs)
+    assert all(k >= 2 for k in ks), ks
+    # And it is really better than not speculating under the same cost model.
+    assert p._cost(8, 0, 0) / 8 > p._cost(8 + sum(ks), max(ks), 8) / (8 + sum(p.stats(str(i)).expected_accepted(k)
+                                                                              for i, k in enumerate(ks)))
+
+
+def test_requests_with_poor_acceptance_get_fewer_drafts_than_good_ones():
+    p = _policy(CHEAP_VERIFY, {1: 0.01, 4: 0.01}, acceptance=0.8)
+    good, bad = _req("g", [1, 2]), _req("b", [1, 2])
+    p.stats("b").rates = [0.05] * 4
+    kg, kb = p.choose([good, bad])
+    assert kg == 4 and kb < kg
+
+
 def test_online_acceptance_updates_switch_a_request_off():
     p = _policy(CHEAP_VERIFY, {1: 0.03}, acceptance=0.9)
     r = _req("a", [1])

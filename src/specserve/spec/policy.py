@@ -133,34 +133,45 @@ class SpecPolicy:
         return True
 
     def _cost_model_choice(self, requests: Sequence[Request], eligible: list[bool], other: int) -> list[int]:
+        """Maximise expected tokens per second of the step over the K of every request.
+
+        The draft pass has a fixed cost shared by everyone who speculates, so the objective is
+        not concave in one request's K: adding a single draft position to a batch of 8 can look
+        like a loss while drafting for all 8 is a clear win. Search therefore starts from the
+        best uniform K (0..kmax for every eligible request) and then moves one draft position at
+        a time, adding or removing wherever that raises the rate, until nothing does.
+        """
         kmax = self.config.num_spec_tokens
         n = len(requests)
-        ks = [0] * n
         stats = [self.stats(r.request_id) for r in requests]
-        tokens = float(n)
         verify = n + other
-        cost = self._cost(verify, 0, 0)
-        best = tokens / cost
-        # Greedy: repeatedly add the single draft position with the best marginal gain.
-        while True:
-            cand = None
+
+        def rate(ks: list[int]) -> float:
+            tokens = n + sum(st.expected_accepted(k) for st, k in zip(stats, ks) if k)
+            n_spec = sum(1 for k in ks if k)
+            return tokens / self._cost(verify + sum(ks), max(ks, default=0), n_spec)
+
+        ks, best = [0] * n, rate([0] * n)
+        for k in range(1, kmax + 1):
+            cand = [k if ok else 0 for ok in eligible]
+            r = rate(cand)
+            if r > best:
+                ks, best = cand, r
+        for _ in range(2 * n * kmax):  # each move strictly improves the rate; this bounds the loop
+            move = None
             for i in range(n):
-                if not eligible[i] or ks[i] >= kmax:
-                    continue
-                gain = stats[i].expected_accepted(ks[i] + 1) - stats[i].expected_accepted(ks[i])
-                if cand is None or gain > cand[1]:
-                    cand = (i, gain)
-            if cand is None or cand[1] <= 1e-6:
+                for step in (1, -1):
+                    k = ks[i] + step
+                    if not eligible[i] or not 0 <= k <= kmax:
+                        continue
+                    cand = list(ks)
+                    cand[i] = k
+                    r = rate(cand)
+                    if r > best * (1 + 1e-9) and (move is None or r > move[1]):
+                        move = (cand, r)
+            if move is None:
                 break
-            i, gain = cand
-            new_k = list(ks)
-            new_k[i] += 1
-            n_spec = sum(1 for k in new_k if k)
-            new_cost = self._cost(verify + sum(new_k), max(new_k), n_spec)
-            new_rate = (tokens + gain) / new_cost
-            if new_rate <= best:
-                break
-            ks, tokens, best = new_k, tokens + gain, new_rate
+            ks, best = move
         # Give switched-off requests an occasional probe so their estimate can recover.
         for i, st in enumerate(stats):
             if eligible[i] and ks[i] == 0:
