@@ -1,0 +1,136 @@
+"""Batch-1 decode against the memory roofline, per model and weight precision.
+
+For each model and precision: the forward time of one token (batch 1, a 64-token context), the
+weight bytes that forward reads, the bandwidth that implies and its fraction of the read
+bandwidth measured in the same run; the cost of verifying n = 2, 3, 5, 9 tokens of one request
+relative to one token (what speculation pays per step); and, where the engine accepts the
+precision for a target, the full engine's decode step so the Python/scheduler overhead per step
+is visible (engine step - forward).
+
+    python bench/roofline.py
+    python bench/roofline.py --models qwen2.5-coder-0.5b-instruct --precisions none int8
+
+Writes bench/results/roofline.json and roofline.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, machine_info, measure_read_bandwidth, write_json
+from throughput import measure_decode
+
+from specserve import LLM
+from specserve.config import DRAFT_ONLY_QUANTIZATIONS, CacheConfig, ModelConfig
+from specserve.engine.runner import ModelRunner
+from specserve.models.bundled import resolve_model
+from specserve.models.loader import load_model_files
+
+VERIFY_TOKENS = [1, 2, 3, 5, 9]
+CONTEXT = 64
+
+
+def forward_times(runner: ModelRunner, repeats: int) -> dict[int, float]:
+    """Best-of-`repeats` seconds for one request appending n tokens, for each n."""
+    runner.time_decode_step(1, context=CONTEXT)  # warm-up
+    return {n: runner.time_decode_step(1, tokens_per_req=n, repeats=repeats, context=CONTEXT) for n in VERIFY_TOKENS}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"])
+    ap.add_argument("--precisions", nargs="+", default=["none", "int8", "w8a8"])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--out", default="roofline")
+    args = ap.parse_args()
+
+    bw = measure_read_bandwidth()
+    print(f"measured read bandwidth: {bw / 1e9:.1f} GB/s", flush=True)
+    rows = []
+    for name in args.models:
+        ckpt = load_model_files(resolve_model(name))
+        for prec in args.precisions:
+            gc.collect()
+            cfg = ModelConfig(model=name, quantization=prec)
+            runner = ModelRunner(ckpt.arch, ckpt.weights, cfg, CacheConfig(kv_cache_gib=0.25), 1024)
+            times = forward_times(runner, args.repeats)
+            wbytes = runner.weight_bytes_per_step()
+            kv = ckpt.arch.kv_bytes_per_token(runner.dtype.itemsize) * CONTEXT
+            t1 = times[1]
+            row = {
+                "model": name, "precision": prec, "linear_backend": runner.linear_backend,
+                "weight_bytes": wbytes, "bytes_per_step": wbytes + kv, "forward_ms": 1e3 * t1,
+                "achieved_bandwidth_gbs": (wbytes + kv) / t1 / 1e9,
+                "roofline_fraction": (wbytes + kv) / t1 / bw,
+                "roofline_tokens_per_s": bw / (wbytes + kv),
+                "verify_cost_ratio": {n: times[n] / t1 for n in VERIFY_TOKENS},
+            }
+            del runner
+            gc.collect()
+            if prec not in DRAFT_ONLY_QUANTIZATIONS:
+                llm = LLM(name, checkpoint=ckpt, quantization=prec, kv_cache_gib=0.5, spec_method="none")
+                measure_decode(llm, 1, 4)  # warm-up
+                m = measure_decode(llm, 1, args.gen_tokens)
+                row.update(engine_step_ms=m["step_ms"], engine_tokens_per_s=m["tokens_per_s"],
+                           overhead_ms_per_step=m["step_ms"] - row["forward_ms"])
+                del llm
+            rows.append(row)
+            ratios = " ".join(f"{n}:{r:.2f}" for n, r in row["verify_cost_ratio"].items())
+            extra = (f" | engine {row['engine_step_ms']:.1f} ms/step (overhead {row['overhead_ms_per_step']:.1f} ms)"
+                     if "engine_step_ms" in row else " | draft-only precision")
+            print(f"{name:30s} {prec:5s}: forward {row['forward_ms']:7.1f} ms, {wbytes / 1e6:7.0f} MB, "
+                  f"{row['achieved_bandwidth_gbs']:5.1f} GB/s = {100 * row['roofline_fraction']:.0f}% of roofline | "
+                  f"verify cost n:{ratios}{extra}", flush=True)
+        del ckpt
+    payload = {"benchmark": "batch-1 roofline", "machine": machine_info(), "read_bandwidth_gbs": bw / 1e9,
+               "settings": vars(args), "context_tokens": CONTEXT, "results": rows}
+    path = write_json(f"{args.out}.json", payload)
+    plot(payload, RESULTS_DIR / f"{args.out}.png")
+    print(f"wrote {path}")
+    return 0
+
+
+def plot(payload: dict, path: Path) -> None:
+    """Left: fraction of roofline per model/precision. Right: verify cost vs tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["results"]
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(13, 4.5))
+    labels = [f"{r['model'].replace('qwen2.5-coder-', '').replace('-instruct', '')}\n{r['precision']}" for r in rows]
+    a0.bar(range(len(rows)), [100 * r["roofline_fraction"] for r in rows], color="#4c72b0")
+    for i, r in enumerate(rows):
+        a0.annotate(f"{r['forward_ms']:.0f} ms\n{r['weight_bytes'] / 1e9:.2f} GB", (i, 100 * r["roofline_fraction"]),
+                    ha="center", va="bottom", fontsize=7)
+    a0.axhline(70, color="#c44e52", lw=0.8, ls="--", label="70% target")
+    a0.set_xticks(range(len(rows)), labels, fontsize=8)
+    a0.set_ylabel("% of measured read bandwidth (batch 1 forward)")
+    a0.set_title("batch-1 decode vs memory roofline", fontsize=10)
+    a0.legend(fontsize=8)
+    for r in rows:
+        ns = sorted(int(n) for n in r["verify_cost_ratio"])
+        a1.plot(ns, [r["verify_cost_ratio"][n if n in r["verify_cost_ratio"] else str(n)] for n in ns], "o-",
+                label=f"{r['model'].replace('qwen2.5-coder-', '').replace('-instruct', '')} {r['precision']}")
+    a1.plot(VERIFY_TOKENS, VERIFY_TOKENS, ":", color="gray", label="linear (no reuse)")
+    a1.set_xlabel("tokens verified in one forward (1 request)")
+    a1.set_ylabel("forward time / 1-token forward")
+    a1.set_title("what a verify step costs", fontsize=10)
+    a1.legend(fontsize=7)
+    mi = payload["machine"]
+    fig.suptitle(f"specserve roofline — {mi['cpu']}, {mi['torch_threads']} threads, "
+                 f"{payload['read_bandwidth_gbs']:.1f} GB/s read, commit {mi['commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
