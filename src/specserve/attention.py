@@ -94,17 +94,31 @@ def build_attention_metadata(
     )
 
 
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per (token, head): x ~= q * scale[..., None]."""
+    scale = x.abs().amax(dim=-1).float().clamp(min=1e-8) / 127.0
+    q = torch.round(x.float() / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
 def write_kv(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens]
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8 cache: [num_blocks, block_size, n_kv] each
 ) -> None:
-    """Store the new tokens' keys and values into their cache slots."""
+    """Store the new tokens' keys and values into their cache slots (quantizing for an int8 cache)."""
     n_kv, d = k_cache.shape[-2:]
-    k_cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if scales is None:
+        k_cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return
+    for x, cache, sc in ((k, k_cache, scales[0]), (v, v_cache, scales[1])):
+        q, s = quantize_kv(x)
+        cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, q)
+        sc.view(-1, n_kv).index_copy_(0, slot_mapping, s)
 
 
 def paged_attention(
@@ -113,6 +127,7 @@ def paged_attention(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8 cache: per-(slot, head) scales
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attend each new token to its request's cached KV (new tokens already written)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -127,6 +142,11 @@ def paged_attention(
     # Gather each request's pages into a contiguous [B, L, n_kv, d] context.
     k = k_cache[meta.block_tables].flatten(1, 2)[:, :L]
     v = v_cache[meta.block_tables].flatten(1, 2)[:, :L]
+    if kv_scales is not None:  # dequantize the gathered pages only
+        ks = kv_scales[0][meta.block_tables].flatten(1, 2)[:, :L]
+        vs = kv_scales[1][meta.block_tables].flatten(1, 2)[:, :L]
+        k = (k.to(q.dtype) * ks.to(q.dtype)[..., None])
+        v = (v.to(q.dtype) * vs.to(q.dtype)[..., None])
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     group = num_heads // n_kv

@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="linear kernels: auto picks oneDNN packed weights for float32 on CPU")
     g.add_argument("--quantization", default="none", choices=["none", "int8"],
                    help="int8: weight-only int8 linear layers (per-row scales, bf16 activations)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV cache storage: auto = model dtype; int8 = per-(token, head) scaled int8 (~3.8x the tokens)")
     g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache memory budget in GiB")
     g.add_argument("--max-model-len", type=int, default=None, help="context window (default: model's, capped at 8192)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -56,7 +58,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """LLM(...) keyword arguments from parsed engine flags."""
     return dict(
         device=args.device, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, linear_backend=args.linear_backend,
-        quantization=args.quantization, draft_quantization=args.draft_quantization,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, draft_quantization=args.draft_quantization,
         draft_vocab_size=args.draft_vocab_size,
         max_model_len=args.max_model_len, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,

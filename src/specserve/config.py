@@ -12,6 +12,7 @@ from specserve.errors import ConfigError
 QUANTIZATIONS = ("none", "int8", "w8a8")  # see specserve.models.linear
 # Too lossy and batch-dependent for a target; a draft's numerics only move the acceptance rate.
 DRAFT_ONLY_QUANTIZATIONS = ("w8a8",)
+KV_CACHE_DTYPES = ("auto", "int8")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -95,8 +96,13 @@ class CacheConfig:
     kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None  # tests: an exact block count instead of a budget
+    kv_cache_dtype: str = "auto"  # auto: the model dtype | int8: per-(token, head) scaled int8
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"Unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}."
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}.")
         if self.kv_cache_gib <= 0:

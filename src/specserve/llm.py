@@ -36,6 +36,7 @@ class LLM:
         linear_backend: str = "auto",
         quantization: str = "none",
         num_kv_blocks: int | None = None,
+        kv_cache_dtype: str = "auto",
         draft_model: str | None = None,
         spec_method: str | None = None,
         num_spec_tokens: int = 4,
@@ -62,6 +63,7 @@ class LLM:
             cache=CacheConfig(
                 block_size=block_size, kv_cache_gib=kv_cache_gib,
                 enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_kv_blocks,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

@@ -96,11 +96,12 @@ def test_w8a8_is_refused_for_the_target_but_allowed_for_a_draft():
         ModelConfig(model="m", quantization="int4")
 
 
-def _teacher_forced_logprobs(checkpoint, quantization: str, prompt: list[int], forced: list[int]) -> torch.Tensor:
+def _teacher_forced_logprobs(checkpoint, quantization: str, prompt: list[int], forced: list[int],
+                             kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Log-softmax rows predicting forced[t] from prompt + forced[:t], for every t."""
     cfg = EngineConfig(
         model=ModelConfig(model="smollm2", dtype="float32", quantization=quantization),
-        cache=CacheConfig(kv_cache_gib=0.25),
+        cache=CacheConfig(kv_cache_gib=0.25, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=512),
     )
     eng = LLMEngine(cfg, checkpoint=checkpoint)
@@ -127,4 +128,49 @@ def test_quantized_smollm2_logprobs_stay_close_to_float32(smollm_checkpoint, smo
     agree = (q.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"{quantization} vs fp32: mean |dlogp|={diff.mean():.4f} max={diff.max():.4f} argmax agreement={agree:.3f}")
     assert diff.mean().item() < LOGPROB_TOL, diff
+    assert agree >= ARGMAX_AGREEMENT
+
+
+# ---------------------------------------------------------------------------------- KV cache int8
+KV_LOGPROB_TOL = 0.05  # mean |Δ log p| in nats along the same teacher-forced continuation
+
+
+def test_quantize_kv_round_trip_bound():
+    from specserve.attention import quantize_kv
+
+    torch.manual_seed(2)
+    x = torch.randn(10, 3, 64) * torch.linspace(0.01, 20, 10)[:, None, None]
+    q, s = quantize_kv(x)
+    assert q.dtype == torch.int8 and s.shape == (10, 3)
+    assert ((q.float() * s[..., None] - x).abs() <= s[..., None] / 2 + 1e-6).all()
+
+
+def test_int8_kv_cache_holds_more_tokens_in_the_same_budget(smollm_checkpoint):
+    def engine(kv_dtype):
+        cfg = EngineConfig(model=ModelConfig(model="smollm2", dtype="float32"),
+                           cache=CacheConfig(kv_cache_gib=0.05, kv_cache_dtype=kv_dtype))
+        return LLMEngine(cfg, checkpoint=smollm_checkpoint)
+
+    full, small = engine("auto"), engine("int8")
+    ratio = small.runner.num_blocks / full.runner.num_blocks
+    # SmolLM2: head_dim 64 -> 256 B/head/token in float32 vs 64 + 4 (scale) in int8.
+    assert abs(ratio - 256 / 68) < 0.05, ratio
+    assert small.runner.kv_cache_bytes <= 0.05 * (1 << 30)
+    from specserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        CacheConfig(kv_cache_dtype="fp4")
+
+
+def test_int8_kv_cache_logprobs_stay_close_to_float32(smollm_checkpoint, smollm_llm):
+    tok = smollm_checkpoint.tokenizer
+    prompt = tok.encode("The history of the printing press begins in")
+    forced = smollm_llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0].token_ids
+    ref = _teacher_forced_logprobs(smollm_checkpoint, "none", prompt, forced)
+    q = _teacher_forced_logprobs(smollm_checkpoint, "none", prompt, forced, kv_cache_dtype="int8")
+    idx = torch.tensor(forced)[:, None]
+    diff = (q.gather(1, idx) - ref.gather(1, idx)).abs().squeeze(1)
+    agree = (q.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"int8 KV vs fp32 KV: mean |dlogp|={diff.mean():.4f} max={diff.max():.4f} argmax agreement={agree:.3f}")
+    assert diff.mean().item() < KV_LOGPROB_TOL
     assert agree >= ARGMAX_AGREEMENT

@@ -111,6 +111,18 @@ def test_tiny_quantized_greedy_spec_equals_quantized_plain(tiny, which, draft_qu
     assert llm.engine.check_integrity()
 
 
+@pytest.mark.parametrize("which", ["ngram", "draft-truncated"])
+def test_tiny_int8_kv_greedy_spec_equals_int8_kv_plain(tiny, which):
+    """Rollback and verification stay exact on an int8 KV cache (target and draft caches)."""
+    prompts = _tiny_prompts(24)
+    base = _llm(tiny, kv_cache_dtype="int8").generate(prompts, _greedy())
+    llm = _spec_llm(tiny, which, kv_cache_dtype="int8")
+    outs = llm.generate(prompts, [_params_for(which, p, b.token_ids) for p, b in zip(prompts, base)])
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert llm.engine.spec_counters["num_accepted_tokens"] > 0
+    assert llm.engine.check_integrity()
+
+
 def _tv_permutation_test(a: np.ndarray, b: np.ndarray, n_perm: int = 200, seed: int = 0) -> tuple[float, float]:
     """TV distance between the empirical distributions of two samples and its permutation p-value."""
 

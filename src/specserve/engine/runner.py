@@ -42,12 +42,18 @@ class StepInputs(NamedTuple):
     row_spans: list[tuple[int, int]]  # per scheduled request: its rows in logits_index
 
 
+def kv_bytes_per_token(arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+    """KV bytes one token occupies across all layers (int8: 1 byte per element + a float32 scale per head)."""
+    if cache.kv_cache_dtype == "int8":
+        return arch.kv_bytes_per_token(1) + 2 * arch.num_layers * arch.num_kv_heads * 4
+    return arch.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
 def num_kv_blocks(arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
     """Blocks that fit in the KV memory budget."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_block = cache.block_size * arch.kv_bytes_per_token(elem)
+    per_block = cache.block_size * kv_bytes_per_token(arch, cache, dtype)
     return int(cache.kv_cache_gib * (1 << 30)) // per_block
 
 
@@ -84,16 +90,27 @@ class ModelRunner:
         if self.num_blocks < 1:
             raise ConfigError(
                 f"kv_cache_gib={cache_config.kv_cache_gib} holds no KV block for this model "
-                f"({arch.kv_bytes_per_token(self.dtype.itemsize) * self.block_size} bytes per block); "
+                f"({kv_bytes_per_token(arch, cache_config, self.dtype) * self.block_size} bytes per block); "
                 "raise --kv-cache-gib."
             )
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         # Zero-filled: masked-out slots are still multiplied by a zero weight, so they must be finite.
-        self.kv_caches: list[KVCache] = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(arch.num_layers)
-        ]
+        self.kv_cache_dtype = cache_config.kv_cache_dtype
+        if self.kv_cache_dtype == "int8":
+            # Scales start at zero, so never-written slots dequantize to exact zeros.
+            self.kv_caches: list[KVCache] = [
+                (torch.zeros(shape, dtype=torch.int8, device=self.device),
+                 torch.zeros(shape, dtype=torch.int8, device=self.device),
+                 torch.zeros(shape[:3], dtype=torch.float32, device=self.device),
+                 torch.zeros(shape[:3], dtype=torch.float32, device=self.device))
+                for _ in range(arch.num_layers)
+            ]
+        else:
+            self.kv_caches = [
+                (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(arch.num_layers)
+            ]
         self.sampler = Sampler(self.device, model_config.seed)
         self.keep_logits = False  # tests: keep the last step's logits in self.last_logits
         self.last_logits: torch.Tensor | None = None
@@ -126,7 +143,7 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV cache tensors."""
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        return sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
 
     # ------------------------------------------------------------------ inputs
     def prepare_inputs(self, out: SchedulerOutput, extra_mask: torch.Tensor | None = None) -> StepInputs:

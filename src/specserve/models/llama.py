@@ -10,7 +10,8 @@ from specserve.attention import AttentionMetadata, paged_attention, write_kv
 from specserve.errors import CorruptModelError
 from specserve.models.arch import ArchConfig
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, n_kv, d],) * 2
+# (k, v) pages [num_blocks, block_size, n_kv, d]; an int8 cache adds (k_scale, v_scale) [num_blocks, block_size, n_kv].
+KVCache = tuple[torch.Tensor, ...]
 
 
 class RMSNorm(nn.Module):
@@ -89,9 +90,10 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
-        k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        scales = (kv_cache[2], kv_cache[3]) if len(kv_cache) == 4 else None
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, scales)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, scales)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
