@@ -144,34 +144,55 @@ class SpecPolicy:
         kmax = self.config.num_spec_tokens
         n = len(requests)
         stats = [self.stats(r.request_id) for r in requests]
+        # gains[i][k] = expected accepted tokens of request i with k drafts (tabulated once).
+        gains = [[st.expected_accepted(k) for k in range(kmax + 1)] for st in stats]
         verify = n + other
 
-        def rate(ks: list[int]) -> float:
-            tokens = n + sum(st.expected_accepted(k) for st, k in zip(stats, ks) if k)
-            n_spec = sum(1 for k in ks if k)
-            return tokens / self._cost(verify + sum(ks), max(ks, default=0), n_spec)
+        def rate(tokens: float, drafted: int, k_max: int, n_spec: int) -> float:
+            return tokens / self._cost(verify + drafted, k_max, n_spec)
 
-        ks, best = [0] * n, rate([0] * n)
+        ks, best = [0] * n, rate(n, 0, 0, 0)
         for k in range(1, kmax + 1):
-            cand = [k if ok else 0 for ok in eligible]
-            r = rate(cand)
+            idx = [i for i in range(n) if eligible[i]]
+            r = rate(n + sum(gains[i][k] for i in idx), k * len(idx), k if idx else 0, len(idx))
             if r > best:
-                ks, best = cand, r
+                ks, best = [k if eligible[i] else 0 for i in range(n)], r
+        # Running totals make each candidate move O(1); the k-histogram gives the max K.
+        tokens = n + sum(gains[i][k] for i, k in enumerate(ks))
+        drafted, n_spec = sum(ks), sum(1 for k in ks if k)
+        hist = [0] * (kmax + 1)
+        for k in ks:
+            hist[k] += 1
         for _ in range(2 * n * kmax):  # each move strictly improves the rate; this bounds the loop
             move = None
+            top = max((k for k in range(kmax + 1) if hist[k]), default=0)
             for i in range(n):
-                for step in (1, -1):
-                    k = ks[i] + step
-                    if not eligible[i] or not 0 <= k <= kmax:
+                if not eligible[i]:
+                    continue
+                for new in (ks[i] + 1, ks[i] - 1):
+                    if not 0 <= new <= kmax:
                         continue
-                    cand = list(ks)
-                    cand[i] = k
-                    r = rate(cand)
-                    if r > best * (1 + 1e-9) and (move is None or r > move[1]):
-                        move = (cand, r)
+                    old = ks[i]
+                    if new > top:
+                        new_top = new
+                    elif old == top and hist[old] == 1 and new < old:
+                        new_top = max((k for k in range(new, old) if hist[k] or k == new), default=new)
+                    else:
+                        new_top = top
+                    r = rate(tokens + gains[i][new] - gains[i][old], drafted + new - old, new_top,
+                             n_spec + (new > 0) - (old > 0))
+                    if r > best * (1 + 1e-9) and (move is None or r > move[2]):
+                        move = (i, new, r)
             if move is None:
                 break
-            ks, best = move
+            i, new, best = move
+            old = ks[i]
+            tokens += gains[i][new] - gains[i][old]
+            drafted += new - old
+            n_spec += (new > 0) - (old > 0)
+            hist[old] -= 1
+            hist[new] += 1
+            ks[i] = new
         # Give switched-off requests an occasional probe so their estimate can recover.
         for i, st in enumerate(stats):
             if eligible[i] and ks[i] == 0:
