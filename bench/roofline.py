@@ -116,8 +116,8 @@ def plot(payload: dict, path: Path) -> None:
     a0.set_title("batch-1 decode vs memory roofline", fontsize=10)
     a0.legend(fontsize=8)
     for r in rows:
-        ns = sorted(int(n) for n in r["verify_cost_ratio"])
-        a1.plot(ns, [r["verify_cost_ratio"][n if n in r["verify_cost_ratio"] else str(n)] for n in ns], "o-",
+        ratios = {int(n): v for n, v in r["verify_cost_ratio"].items()}  # JSON keys come back as strings
+        a1.plot(sorted(ratios), [ratios[n] for n in sorted(ratios)], "o-",
                 label=f"{r['model'].replace('qwen2.5-coder-', '').replace('-instruct', '')} {r['precision']}")
     a1.plot(VERIFY_TOKENS, VERIFY_TOKENS, ":", color="gray", label="linear (no reuse)")
     a1.set_xlabel("tokens verified in one forward (1 request)")

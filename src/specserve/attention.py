@@ -96,8 +96,9 @@ def build_attention_metadata(
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 with one scale per (token, head): x ~= q * scale[..., None]."""
-    scale = x.abs().amax(dim=-1).float().clamp(min=1e-8) / 127.0
-    q = torch.round(x.float() / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    x = x.float()
+    scale = x.abs().amax(dim=-1).clamp(min=1e-8) / 127.0
+    q = torch.round(x / scale[..., None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
 
 
@@ -145,8 +146,8 @@ def paged_attention(
     if kv_scales is not None:  # dequantize the gathered pages only
         ks = kv_scales[0][meta.block_tables].flatten(1, 2)[:, :L]
         vs = kv_scales[1][meta.block_tables].flatten(1, 2)[:, :L]
-        k = (k.to(q.dtype) * ks.to(q.dtype)[..., None])
-        v = (v.to(q.dtype) * vs.to(q.dtype)[..., None])
+        k = k.to(q.dtype) * ks.to(q.dtype)[..., None]
+        v = v.to(q.dtype) * vs.to(q.dtype)[..., None]
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     group = num_heads // n_kv

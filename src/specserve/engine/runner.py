@@ -95,22 +95,16 @@ class ModelRunner:
             )
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         # Zero-filled: masked-out slots are still multiplied by a zero weight, so they must be finite.
+        # An int8 cache adds per-(slot, head) k and v scales; zero scales make never-written
+        # slots dequantize to exact zeros too.
         self.kv_cache_dtype = cache_config.kv_cache_dtype
-        if self.kv_cache_dtype == "int8":
-            # Scales start at zero, so never-written slots dequantize to exact zeros.
-            self.kv_caches: list[KVCache] = [
-                (torch.zeros(shape, dtype=torch.int8, device=self.device),
-                 torch.zeros(shape, dtype=torch.int8, device=self.device),
-                 torch.zeros(shape[:3], dtype=torch.float32, device=self.device),
-                 torch.zeros(shape[:3], dtype=torch.float32, device=self.device))
-                for _ in range(arch.num_layers)
-            ]
-        else:
-            self.kv_caches = [
-                (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device))
-                for _ in range(arch.num_layers)
-            ]
+        quantized = self.kv_cache_dtype == "int8"
+        page_dtype = torch.int8 if quantized else self.dtype
+        shapes = [(shape, page_dtype)] * 2 + ([(shape[:3], torch.float32)] * 2 if quantized else [])
+        self.kv_caches: list[KVCache] = [
+            tuple(torch.zeros(shp, dtype=dt, device=self.device) for shp, dt in shapes)
+            for _ in range(arch.num_layers)
+        ]
         self.sampler = Sampler(self.device, model_config.seed)
         self.keep_logits = False  # tests: keep the last step's logits in self.last_logits
         self.last_logits: torch.Tensor | None = None

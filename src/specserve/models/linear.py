@@ -57,7 +57,24 @@ def _int8_per_row(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> 
     return q.contiguous(), scale.to(scale_dtype).contiguous()
 
 
-class Int8Linear(nn.Module):
+class _QuantizedLinear(nn.Module):
+    """What the quantized linear layers share: shape, output dtype, float32 bias, description."""
+
+    kind = ""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.out_dtype = linear.weight.dtype
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        self.register_buffer("bias", bias, persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+class Int8Linear(_QuantizedLinear):
     """Weight-only int8 linear layer (W8A16): one scale per output row, bf16 activations.
 
     `torch._weight_int8pack_mm` reads the int8 weight (a quarter of float32's bytes) and
@@ -67,16 +84,13 @@ class Int8Linear(nn.Module):
     cost grows ~linearly with rows (5 rows: 2.5 ms), so it suits drafting more than verifying.
     """
 
+    kind = "weight=int8 per-row, act=bf16"
+
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.out_dtype = linear.weight.dtype
+        super().__init__(linear)
         q, scale = _int8_per_row(linear.weight, torch.bfloat16)
         self.register_buffer("qweight", q, persistent=False)
         self.register_buffer("scales", scale, persistent=False)
-        bias = linear.bias.detach().float() if linear.bias is not None else None
-        self.register_buffer("bias", bias, persistent=False)
         self.weight_nbytes = q.numel() + scale.numel() * 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
@@ -90,11 +104,8 @@ class Int8Linear(nn.Module):
         """The float32 weight this layer effectively multiplies by (for tests and diagnostics)."""
         return self.qweight.float() * self.scales.float()[:, None]
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight=int8 per-row, act=bf16"
 
-
-class DynamicInt8Linear(nn.Module):
+class DynamicInt8Linear(_QuantizedLinear):
     """W8A8 linear layer: int8 per-row weights, activations quantized per call (fbgemm).
 
     Each call quantizes the input rows to 8 bits with a scale taken from that input, multiplies
@@ -104,18 +115,16 @@ class DynamicInt8Linear(nn.Module):
     on top of the weight's; the model-level bound is in tests/models/test_quantization.py.
     """
 
+    kind = "weight=int8 per-row, act=int8 dynamic"
+
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.out_dtype = linear.weight.dtype
+        super().__init__(linear)
         q, scale = _int8_per_row(linear.weight)
         zero = torch.zeros(q.shape[0], dtype=torch.long)
         with warnings.catch_warnings():  # torch flags the quantized-tensor API as legacy; it is pinned
             warnings.simplefilter("ignore")
             qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
-            bias = linear.bias.detach().float() if linear.bias is not None else None
-            self._packed = torch.ops.quantized.linear_prepack(qw, bias)
+            self._packed = torch.ops.quantized.linear_prepack(qw, self.bias)  # fbgemm adds the bias
         self.weight_nbytes = q.numel() + scale.numel() * 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
@@ -127,9 +136,6 @@ class DynamicInt8Linear(nn.Module):
         """The float32 weight this layer effectively multiplies by."""
         w, _ = torch.ops.quantized.linear_unpack(self._packed)
         return w.dequantize()
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight=int8 per-row, act=int8 dynamic"
 
 
 def _onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -220,7 +226,7 @@ def apply_linear_backend(model: nn.Module, name: str) -> int:
 
 def linear_weight_bytes(module: nn.Module) -> int:
     """Bytes of the weight matrix a linear-like module reads per forward."""
-    if isinstance(module, OneDNNLinear | Int8Linear | DynamicInt8Linear):
+    if isinstance(module, OneDNNLinear | _QuantizedLinear):
         return module.weight_nbytes
     if isinstance(module, nn.Linear):
         return module.weight.numel() * module.weight.element_size()

@@ -152,9 +152,9 @@ class SpecPolicy:
             return tokens / self._cost(verify + drafted, k_max, n_spec)
 
         ks, best = [0] * n, rate(n, 0, 0, 0)
-        for k in range(1, kmax + 1):
-            idx = [i for i in range(n) if eligible[i]]
-            r = rate(n + sum(gains[i][k] for i in idx), k * len(idx), k if idx else 0, len(idx))
+        idx = [i for i in range(n) if eligible[i]]
+        for k in range(1, kmax + 1) if idx else ():
+            r = rate(n + sum(gains[i][k] for i in idx), k * len(idx), k, len(idx))
             if r > best:
                 ks, best = [k if eligible[i] else 0 for i in range(n)], r
         # Running totals make each candidate move O(1); the k-histogram gives the max K.
@@ -173,12 +173,9 @@ class SpecPolicy:
                     if not 0 <= new <= kmax:
                         continue
                     old = ks[i]
-                    if new > top:
-                        new_top = new
-                    elif old == top and hist[old] == 1 and new < old:
-                        new_top = max((k for k in range(new, old) if hist[k] or k == new), default=new)
-                    else:
-                        new_top = top
+                    # Raising past the top, or lowering the only request at the top by one, moves
+                    # the max K to `new`; any other move leaves it where it is.
+                    new_top = new if new > top or (old == top and hist[old] == 1) else top
                     r = rate(tokens + gains[i][new] - gains[i][old], drafted + new - old, new_top,
                              n_spec + (new > 0) - (old > 0))
                     if r > best * (1 + 1e-9) and (move is None or r > move[2]):
