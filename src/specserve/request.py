@@ -5,8 +5,18 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from specserve.sampling_params import SamplingParams
+
+
+class KVSource(Protocol):
+    """KV for a request's first tokens computed elsewhere (see specserve.disagg.kv_transfer)."""
+
+    num_tokens: int  # tokens [0, num_tokens) arrive from outside
+
+    def admissible(self) -> bool:
+        """True once every layer's KV has arrived (the first step only has to copy it in)."""
 
 
 class RequestStatus(enum.IntEnum):
@@ -84,6 +94,10 @@ class Request:
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.perf_counter())
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # Disaggregation: KV of the first tokens arriving from a prefill worker (decode side; see
+        # specserve.disagg.kv_transfer). While set, the scheduler admits the request only once
+        # that KV is ready, and counts those tokens as computed.
+        self.kv_source: KVSource | None = None
         # Speculation counters.
         self.num_target_steps = 0  # target passes that produced output for this request
         self.num_spec_steps = 0  # of those, passes that verified at least one draft token
@@ -91,6 +105,12 @@ class Request:
         self.num_accepted_tokens = 0
         self.drafted_per_position: list[int] = []  # drafts tested at position j
         self.accepted_per_position: list[int] = []  # of those, accepted
+
+    def __getstate__(self) -> dict:
+        # A live KV source (open shared memory, locks) never travels between processes.
+        state = self.__dict__.copy()
+        state["kv_source"] = None
+        return state
 
     def record_verify(self, num_draft: int, num_accepted: int) -> None:
         """Count one target pass that verified num_draft drafts and accepted num_accepted."""

@@ -11,12 +11,12 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from specserve.config import EngineConfig
-from specserve.engine.runner import ModelRunner
+from specserve.engine.runner import ModelRunner, StepConnector
 from specserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from specserve.errors import InvalidRequestError, PromptTooLongError
 from specserve.kv_cache.manager import KVCacheManager
@@ -34,12 +34,23 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
 
+class EngineConnector(StepConnector, Protocol):
+    """A StepConnector that also runs between steps and hears about finished requests."""
+
+    def pump(self) -> None:
+        """Between steps: move whatever KV has arrived (engine thread)."""
+
+    def request_finished(self, request: Request) -> None:
+        """The request finished or was aborted; drop its transfer state."""
+
+
 class PreparedRequest(NamedTuple):
     """A tokenized, validated request ready to be queued."""
 
     request: Request
     prompt: str | None
     index: int
+    emitted_chars: int = 0  # a resumed request: characters of its text already streamed
 
 
 @dataclass
@@ -53,6 +64,73 @@ class _OutputState:
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
     index: int = 0
+
+
+class RequestPreparer:
+    """Tokenizes and validates requests for one model; needs no weights (routers use it too)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
+                 capacity_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.capacity_tokens = capacity_tokens
+        self.eos_token_ids = tokenizer.stop_token_ids if tokenizer is not None else frozenset()
+
+    def prepare(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None,
+        *,
+        request_id: str,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        index: int = 0,
+    ) -> PreparedRequest:
+        """A validated Request; raises InvalidRequestError / PromptTooLongError otherwise."""
+        params = params or SamplingParams()
+        prompt_text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none, use stop_token_ids.")
+        req = Request(
+            request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
+            priority=priority, arrival_time=arrival_time,
+        )
+        return PreparedRequest(req, prompt_text, index)
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "This model has no tokenizer; pass the prompt as a list of token ids."
+                )
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("prompt token ids must be integers.")
+        return None, ids
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("The prompt is empty; send at least one token.")
+        vocab = self.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}); check the tokenizer."
+            )
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"The prompt has {n} tokens but max_model_len is {self.max_model_len} and at least one "
+                "token must be generated; shorten the prompt or raise --max-model-len."
+            )
+        if n + 1 > self.capacity_tokens:
+            raise PromptTooLongError(
+                f"The prompt has {n} tokens but the whole KV cache holds only "
+                f"{self.capacity_tokens}; shorten the prompt or raise --kv-cache-gib."
+            )
 
 
 class LLMEngine:
@@ -89,7 +167,12 @@ class LLMEngine:
                 f">= max_model_len ({self.max_model_len}); enable chunked prefill or raise the budget."
             )
         self.scheduler = Scheduler(sched, self.kv_manager, self.max_model_len)
-        self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer is not None else frozenset()
+        self.preparer = RequestPreparer(
+            self.tokenizer, self.arch.vocab_size, self.max_model_len, self.kv_manager.capacity_tokens
+        )
+        self.eos_token_ids = self.preparer.eos_token_ids
+        self.connector: EngineConnector | None = None
+        self._pending_outputs: list[RequestOutput] = []
         self._states: dict[str, _OutputState] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -138,6 +221,11 @@ class LLMEngine:
         else:
             self.policy.draft_time.points[1] = 1e-4  # a table lookup: negligible next to a forward
         return {"target": dict(self.policy.target_time.points), "draft": dict(self.policy.draft_time.points)}
+
+    def attach_connector(self, connector: EngineConnector | None) -> None:
+        """Install a disaggregation connector (see specserve.disagg.kv_transfer)."""
+        self.connector = connector
+        self.runner.attach_connector(connector)
 
     def set_speculation(self, enabled: bool) -> None:
         """Turn speculation off or on at run time (takes effect from the next step)."""
@@ -192,17 +280,9 @@ class LLMEngine:
         index: int = 0,
     ) -> PreparedRequest:
         """Tokenize and validate without touching engine state (safe from any thread)."""
-        params = params or SamplingParams()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        prompt_text, token_ids = self._tokenize(prompt)
-        self._check_prompt(token_ids)
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this model has none, use stop_token_ids.")
-        req = Request(
-            rid, token_ids, params, eos_token_ids=self.eos_token_ids,
-            priority=priority, arrival_time=arrival_time,
-        )
-        return PreparedRequest(req, prompt_text, index)
+        return self.preparer.prepare(prompt, params, request_id=rid, priority=priority,
+                                     arrival_time=arrival_time, index=index)
 
     def add_prepared(self, prepared: PreparedRequest) -> str:
         """Queue a request made by prepare_request (engine thread only)."""
@@ -214,45 +294,21 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
-        self._states[rid] = _OutputState(prepared.prompt, detok, list(params.stop or []), index=prepared.index)
+        state = _OutputState(prepared.prompt, detok, list(params.stop or []), index=prepared.index)
+        if req.num_output_tokens:
+            # A request resumed elsewhere after a worker failure: its earlier output is known and
+            # was already streamed, so text and emission continue exactly where they stopped.
+            if detok is not None:
+                detok.append(req.output_token_ids)
+                state.text = detok.text
+            state.num_emitted_tokens = req.num_output_tokens
+            state.num_emitted_chars = min(prepared.emitted_chars, len(state.text))
+        self._states[rid] = state
         self.scheduler.add_request(req)
         if self.proposer is not None:
             self.proposer.add_request(req)
         self.num_prompt_tokens += req.num_prompt_tokens
         return rid
-
-    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "This model has no tokenizer; pass the prompt as a list of token ids."
-                )
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise InvalidRequestError("prompt token ids must be integers.")
-        return None, ids
-
-    def _check_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidRequestError("The prompt is empty; send at least one token.")
-        vocab = self.arch.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}); check the tokenizer."
-            )
-        n = len(token_ids)
-        if n >= self.max_model_len:
-            raise PromptTooLongError(
-                f"The prompt has {n} tokens but max_model_len is {self.max_model_len} and at least one "
-                "token must be generated; shorten the prompt or raise --max-model-len."
-            )
-        if n + 1 > self.kv_manager.capacity_tokens:
-            raise PromptTooLongError(
-                f"The prompt has {n} tokens but the whole KV cache holds only "
-                f"{self.kv_manager.capacity_tokens}; shorten the prompt or raise --kv-cache-gib."
-            )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests now; their KV blocks are freed before this returns."""
@@ -260,6 +316,14 @@ class LLMEngine:
         done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         self._release_finished(self.scheduler.take_finished())
         return [self._make_output(req, []) for req in done]
+
+    def fail_requests(self, request_ids: Iterable[str], error: str) -> None:
+        """End requests with an error outside a step; their outputs come with the next step."""
+        done = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ERROR)
+        for req in done:
+            req.error = error
+        self._release_finished(self.scheduler.take_finished())
+        self._pending_outputs.extend(self._make_output(req, []) for req in done)
 
     def has_request(self, request_id: str) -> bool:
         """True while the request is queued or running."""
@@ -277,13 +341,17 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return outputs of requests that progressed or finished."""
+        pending: list[RequestOutput] = []
+        if self.connector is not None:
+            self.connector.pump()
+            pending, self._pending_outputs = self._pending_outputs, []
         sched_out = self.scheduler.schedule()
         for rid in sched_out.preempted_ids:
             self._draft_probs.pop(rid, None)
             if self.proposer is not None:
                 self.proposer.remove_request(rid, finished=False)
         if sched_out.is_empty:
-            return []
+            return pending
         try:
             sampled = self.runner.execute(sched_out, self._draft_probs)
         except Exception as exc:  # a model failure must not take every other request down
@@ -295,11 +363,11 @@ class LLMEngine:
             for req in failed:
                 req.error = f"{type(exc).__name__}: {exc}"
                 outs.append(self._make_output(req, []))
-            return outs
+            return pending + outs
         self.num_steps += 1
         self._account_step(sched_out, sampled)
         results = self.scheduler.update_from_output(sched_out, sampled)
-        outputs = []
+        outputs = pending
         for req, new_tokens in results:
             self.num_generated_tokens += len(new_tokens)
             outputs.append(self._make_output(req, new_tokens))
@@ -358,6 +426,8 @@ class LLMEngine:
 
     def _release_finished(self, finished: list[Request]) -> None:
         for req in finished:
+            if self.connector is not None:
+                self.connector.request_finished(req)
             self._draft_probs.pop(req.request_id, None)
             self.policy.forget(req.request_id)
             if self.proposer is not None:
@@ -434,6 +504,8 @@ class LLMEngine:
     def check_integrity(self) -> bool:
         """KV bookkeeping holds: every block is free, cached, or held by a live request."""
         live = [r.request_id for r in self.scheduler.running]
+        # Requests whose KV is still arriving from a prefill worker hold blocks while waiting.
+        live += [r.request_id for r in self.scheduler.waiting if r.kv_source is not None]
         ok = self.kv_manager.check_integrity(live)
         if self.proposer is not None:
             stale = set(self.proposer.live_request_ids()) - set(live) - {r.request_id for r in self.scheduler.waiting}

@@ -7,7 +7,7 @@ step happens here; the scheduler only ever sees ids and counts.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -23,7 +23,7 @@ from specserve.models.linear import (
     quantization_usable,
     resolve_linear_backend,
 )
-from specserve.models.llama import KVCache, RMSNorm, RotaryEmbedding
+from specserve.models.llama import KVCache, LayerHooks, RMSNorm, RotaryEmbedding
 from specserve.models.registry import build_model
 from specserve.sampling.rejection import SpecBatch, rejection_sample
 from specserve.sampling.sampler import Sampler, SamplingMetadata
@@ -40,6 +40,16 @@ class StepInputs(NamedTuple):
     meta: AttentionMetadata
     logits_index: torch.Tensor  # [num_logit_rows] rows of the hidden states that need logits
     row_spans: list[tuple[int, int]]  # per scheduled request: its rows in logits_index
+
+
+class StepConnector(LayerHooks, Protocol):
+    """Moves KV in or out of this runner's cache around each step (see specserve.disagg)."""
+
+    def begin_step(self, out: SchedulerOutput) -> None:
+        """Before the forward of a step."""
+
+    def end_step(self, out: SchedulerOutput) -> None:
+        """After the forward of a step (every layer's KV is written)."""
 
 
 def kv_bytes_per_token(arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
@@ -108,6 +118,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, model_config.seed)
         self.keep_logits = False  # tests: keep the last step's logits in self.last_logits
         self.last_logits: torch.Tensor | None = None
+        self.connector: StepConnector | None = None  # disaggregation: KV in or out per layer
         self.num_steps = 0
         self.forward_time_s = 0.0
         self.last_forward_time_s = 0.0
@@ -124,6 +135,11 @@ class ModelRunner:
         model.model.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions).to(self.device)
         model.eval()
         return model
+
+    def attach_connector(self, connector: StepConnector | None) -> None:
+        """Install (or remove) a connector: called around every step and every layer."""
+        self.connector = connector
+        self.model.model.layer_hooks = connector
 
     def weight_bytes_per_step(self) -> int:
         """Weight bytes one forward reads: every matrix and norm once; embeddings only by row."""
@@ -200,7 +216,11 @@ class ModelRunner:
         if out.is_empty:
             return {}
         inputs = self.prepare_inputs(out)
+        if self.connector is not None:
+            self.connector.begin_step(out)
         logits = self.forward_logits(inputs)
+        if self.connector is not None:
+            self.connector.end_step(out)
         if self.keep_logits:
             self.last_logits = logits.clone()
         sampled_reqs = [sr for sr in out.scheduled if sr.sample]

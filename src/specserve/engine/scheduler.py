@@ -145,21 +145,36 @@ class Scheduler:
             i += 1
 
         # Admit waiting requests only when nobody had to be preempted this step.
+        w = 0
         while (
-            not preempted and self.waiting and budget > 0
+            not preempted and w < len(self.waiting) and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            req = self.waiting[0]
-            hits, num_hit = self.kv.get_computed_blocks(req)
-            num_new = req.num_tokens - num_hit
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
+            req = self.waiting[w]
+            if req.kv_source is not None:
+                # KV of the first tokens comes from a prefill worker; its blocks are already
+                # held (see specserve.disagg). Wait for it without holding up the queue.
+                if not req.kv_source.admissible():
+                    w += 1
+                    continue
+                num_hit = req.kv_source.num_tokens
+                req.num_computed_tokens = num_hit
+                num_new = min(req.num_tokens - num_hit, budget)
+                if not self.kv.can_allocate(req, num_new):
+                    req.num_computed_tokens = 0
                     break
-                num_new = budget
-            if not self.kv.can_allocate(req, num_new, hits):
-                break
-            self.kv.allocate_slots(req, num_new, hits)
-            self.waiting.pop(0)
+                self.kv.allocate_slots(req, num_new)
+            else:
+                hits, num_hit = self.kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_hit
+                if num_new > budget:
+                    if not self.config.enable_chunked_prefill:
+                        break
+                    num_new = budget
+                if not self.kv.can_allocate(req, num_new, hits):
+                    break
+                self.kv.allocate_slots(req, num_new, hits)
+            self.waiting.pop(w)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             req.spec_token_ids = []

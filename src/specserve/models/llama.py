@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -97,6 +99,16 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, self.q_size))
 
 
+class LayerHooks(Protocol):
+    """Called around each decoder layer with that layer's KV cache tensors."""
+
+    def before_layer(self, index: int, kv_cache: KVCache) -> None:
+        """Before layer `index` reads its cache."""
+
+    def after_layer(self, index: int, kv_cache: KVCache) -> None:
+        """After layer `index` has written this step's keys and values."""
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
@@ -143,6 +155,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+        # Optional per-layer callbacks (disaggregation: stream a layer's KV out as soon as it is
+        # written, or load a layer's KV just before it is needed). See specserve.disagg.
+        self.layer_hooks: LayerHooks | None = None
 
     def forward(
         self,
@@ -153,8 +168,15 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Hidden states of the new tokens after the last norm."""
         x = self.embed_tokens(input_ids)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv, meta)
+        hooks = self.layer_hooks
+        if hooks is None:
+            for layer, kv in zip(self.layers, kv_caches):
+                x = layer(x, positions, self.rotary, kv, meta)
+        else:
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+                hooks.before_layer(i, kv)
+                x = layer(x, positions, self.rotary, kv, meta)
+                hooks.after_layer(i, kv)
         return self.norm(x)
 
 

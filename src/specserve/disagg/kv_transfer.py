@@ -1,0 +1,543 @@
+"""Moving a request's KV from a prefill worker to a decode worker, layer by layer.
+
+The prefill worker computes the KV of a request's first ``m = n - 1`` tokens; the decode worker
+treats those tokens as computed (like a prefix-cache hit), computes the last prompt token
+itself and samples from there. So the decode worker's first step is an ordinary decode step.
+
+Two halves, split by role:
+
+- **Prefill side** (`PrefillConnector`, installed on the prefill engine's runner): the
+  scheduler side decides what to send (a request's tokens scheduled this step, plus tokens it
+  found in the prefill worker's own prefix cache); the worker side runs after every layer and
+  writes that layer's keys and values for those tokens into the request's channel at once,
+  while the next layer computes.
+- **Decode side** (`DecodeConnector`, on the decode engine): between steps it reserves blocks
+  for an incoming request and copies whatever layers have arrived into them (so loading
+  overlaps the prefill's compute); the scheduler admits the request once every layer has
+  arrived; in that first step each layer loads what is still missing just before it runs.
+
+Channels (one per transfer) hold ``[layers, 2, m, kv_heads, head_dim]`` plus, per layer, how
+many tokens are ready. Same host: a file in /dev/shm mapped by both workers, so the router
+never touches KV bytes and the only copies are paged cache -> channel -> paged cache. Across
+hosts: Ray actor calls carry each (layer, token range) through Ray's object store into a
+channel in the decode worker's memory. Token ranges may land out of order; a layer counts as
+ready up to its first gap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specserve.engine.scheduler import SchedulerOutput
+from specserve.errors import SpecServeError
+from specserve.request import Request
+
+SHM_DIR = "/dev/shm"
+_HEADER_SLOTS = 4  # after the per-layer counters: status, num_tokens, written_at (ns), reserved
+STATUS_OPEN, STATUS_DONE, STATUS_FAILED = 0, 1, 2
+
+
+class KVTransferError(SpecServeError):
+    """A KV transfer failed or timed out; the router re-prefills the request elsewhere."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one model's KV per token: must match on both sides of a transfer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The element type as a torch dtype."""
+        return getattr(torch, self.dtype)
+
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token over all layers."""
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class TransferDescriptor:
+    """What the router hands both workers so they can find each other's channel (picklable)."""
+
+    transfer_id: str
+    transport: str  # "shm" (same host) or "ray" (object store, any host)
+    num_tokens: int  # m: tokens whose KV travels
+    layout: KVLayout
+    receiver: Any = None  # "ray": the decode worker's actor handle
+
+    @property
+    def shm_path(self) -> str:
+        """The shared-memory file of an "shm" transfer."""
+        return os.path.join(SHM_DIR, f"specserve-kv-{self.transfer_id}")
+
+
+def new_transfer_id() -> str:
+    """A unique id for one transfer (also names its shared-memory file)."""
+    return f"{os.getpid()}-{uuid.uuid4().hex[:16]}"
+
+
+# ---------------------------------------------------------------------- channels
+class KVChannel:
+    """One transfer's buffer: per-layer K/V of m tokens and per-layer ready counters."""
+
+    def __init__(self, layout: KVLayout, num_tokens: int, header: torch.Tensor, data: torch.Tensor) -> None:
+        self.layout = layout
+        self.num_tokens = num_tokens
+        self.header = header  # int64 [num_layers + _HEADER_SLOTS]
+        self.data = data  # [num_layers, 2, m, kv_heads, head_dim]
+
+    @staticmethod
+    def nbytes(layout: KVLayout, num_tokens: int) -> tuple[int, int]:
+        """(header bytes, total bytes) of a channel."""
+        header = 8 * (layout.num_layers + _HEADER_SLOTS)
+        return header, header + num_tokens * layout.bytes_per_token()
+
+    def ready(self, layer: int) -> int:
+        """Tokens of this layer that have arrived (a prefix [0, ready))."""
+        return int(self.header[layer])
+
+    @property
+    def status(self) -> int:
+        """STATUS_OPEN, STATUS_DONE or STATUS_FAILED."""
+        return int(self.header[self.layout.num_layers])
+
+    @property
+    def all_written(self) -> bool:
+        """Every layer holds all m tokens."""
+        n = self.layout.num_layers
+        return bool((self.header[:n] >= self.num_tokens).all())
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Sender: store tokens [start, start + len(k)) of one layer, then publish them."""
+        end = start + k.shape[0]
+        self.data[layer, 0, start:end].copy_(k)
+        self.data[layer, 1, start:end].copy_(v)
+        # Data first, counter second: a reader that sees the counter sees the data (x86 keeps
+        # store order; the counter is one aligned 8-byte store).
+        if end > self.ready(layer):
+            self.header[layer] = end
+
+    def set_status(self, status: int) -> None:
+        """Sender: mark the transfer done or failed."""
+        if status == STATUS_DONE:
+            self.header[self.layout.num_layers + 2] = time.time_ns()
+        self.header[self.layout.num_layers] = status
+
+    @property
+    def written_at(self) -> float:
+        """Wall-clock time the sender finished (0 while open)."""
+        return int(self.header[self.layout.num_layers + 2]) / 1e9
+
+    def close(self) -> None:
+        """Release the buffer."""
+
+
+class ShmKVChannel(KVChannel):
+    """A channel in a /dev/shm file: the decode worker creates it, the prefill worker maps it."""
+
+    def __init__(self, desc: TransferDescriptor, create: bool) -> None:
+        layout, m = desc.layout, desc.num_tokens
+        head_bytes, total = self.nbytes(layout, m)
+        self.path = desc.shm_path
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except OSError as exc:
+            raise KVTransferError(f"cannot open KV channel {self.path}: {exc}") from exc
+        try:
+            if create:
+                os.ftruncate(fd, total)  # a sparse file of zeros: status OPEN, nothing ready
+            self._mm = mmap.mmap(fd, total)
+        finally:
+            os.close(fd)
+        header = torch.frombuffer(self._mm, dtype=torch.int64, count=layout.num_layers + _HEADER_SLOTS)
+        count = m * layout.bytes_per_token() // torch.empty((), dtype=layout.torch_dtype).element_size()
+        data = torch.frombuffer(self._mm, dtype=layout.torch_dtype, offset=head_bytes, count=count) if m else \
+            torch.empty(0, dtype=layout.torch_dtype)
+        super().__init__(layout, m, header, data.view(layout.num_layers, 2, m, layout.num_kv_heads, layout.head_dim))
+        self.owner = create
+
+    def close(self) -> None:
+        """Unmap (tensors viewing the map must be gone) and, for the creator, delete the file."""
+        self.header = self.data = None  # type: ignore[assignment]
+        with contextlib.suppress(BufferError):  # a view still alive somewhere: the map goes with it
+            self._mm.close()
+        if self.owner:
+            unlink_quietly(self.path)
+
+
+def unlink_quietly(path: str) -> None:
+    """Delete a channel file that may already be gone."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class LocalKVChannel(KVChannel):
+    """A channel in the decode worker's own memory, filled by Ray calls from another host."""
+
+    def __init__(self, desc: TransferDescriptor) -> None:
+        layout, m = desc.layout, desc.num_tokens
+        header = torch.zeros(layout.num_layers + _HEADER_SLOTS, dtype=torch.int64)
+        data = torch.empty(layout.num_layers, 2, m, layout.num_kv_heads, layout.head_dim, dtype=layout.torch_dtype)
+        super().__init__(layout, m, header, data)
+        self._ranges: list[list[tuple[int, int]]] = [[] for _ in range(layout.num_layers)]
+        self._lock = threading.Lock()
+
+    def receive(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one (layer, token range) that may arrive out of order; advance to the first gap."""
+        end = start + k.shape[0]
+        self.data[layer, 0, start:end].copy_(k)
+        self.data[layer, 1, start:end].copy_(v)
+        with self._lock:
+            ranges = self._ranges[layer]
+            ranges.append((start, end))
+            ranges.sort()
+            upto = self.ready(layer)
+            keep = []
+            for s, e in ranges:
+                if s <= upto:
+                    upto = max(upto, e)
+                else:
+                    keep.append((s, e))
+            self._ranges[layer] = keep
+            self.header[layer] = upto
+
+
+# ---------------------------------------------------------------------- sinks (prefill side)
+class ShmSink:
+    """Sender into a shared-memory channel."""
+
+    def __init__(self, desc: TransferDescriptor) -> None:
+        self.channel = ShmKVChannel(desc, create=False)
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Publish one layer's tokens."""
+        self.channel.write(layer, start, k, v)
+
+    def finish(self, ok: bool = True) -> None:
+        """Mark the transfer done (or failed) and unmap."""
+        self.channel.set_status(STATUS_DONE if ok else STATUS_FAILED)
+        self.channel.close()
+
+
+class RaySink:
+    """Sender through Ray: one actor call per (layer, token range) to the decode worker."""
+
+    def __init__(self, desc: TransferDescriptor, timeout_s: float = 60.0) -> None:
+        self.desc = desc
+        self.timeout_s = timeout_s
+        self._refs: list[Any] = []
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Send one layer's tokens without waiting (the object store moves the bytes)."""
+        self._refs.append(self.desc.receiver.receive_kv.remote(self.desc.transfer_id, layer, start, k, v))
+
+    def finish(self, ok: bool = True) -> None:
+        """Wait until every piece has landed, then mark the transfer done (or failed)."""
+        import ray
+
+        try:
+            if ok and self._refs:
+                ray.get(self._refs, timeout=self.timeout_s)
+        finally:
+            self._refs = []
+            ray.get(self.desc.receiver.finish_kv.remote(self.desc.transfer_id, ok), timeout=self.timeout_s)
+
+
+def open_sink(desc: TransferDescriptor) -> ShmSink | RaySink:
+    """The prefill side of a transfer."""
+    return ShmSink(desc) if desc.transport == "shm" else RaySink(desc)
+
+
+def open_receiver(desc: TransferDescriptor) -> KVChannel:
+    """The decode side of a transfer (created before the prefill starts)."""
+    return ShmKVChannel(desc, create=True) if desc.transport == "shm" else LocalKVChannel(desc)
+
+
+@dataclass
+class TransferStats:
+    """What one transfer cost, for metrics and the benchmark."""
+
+    transfer_id: str
+    num_tokens: int = 0
+    bytes: int = 0
+    send_s: float = 0.0  # prefill side: gathering pages and writing them to the channel
+    load_s: float = 0.0  # decode side: copying from the channel into the paged cache
+    loaded_before_done: int = 0  # bytes loaded on the decode side before the sender finished
+    exposed_s: float = 0.0  # sender finished -> KV complete in the decode cache
+    ok: bool = True
+
+    @property
+    def overlap(self) -> float:
+        """Fraction of the decode-side load that ran while the prefill was still computing."""
+        return self.loaded_before_done / self.bytes if self.bytes else 1.0
+
+
+# ---------------------------------------------------------------------- prefill connector
+@dataclass
+class _Outgoing:
+    desc: TransferDescriptor
+    sink: ShmSink | RaySink
+    sent: int = 0  # tokens [0, sent) written for every layer
+    stats: TransferStats = field(default_factory=lambda: TransferStats(""))
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+
+
+class PrefillConnector:
+    """Streams each layer's new KV of the requests being prefilled into their channels."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.block_size = engine.runner.block_size
+        self.outgoing: dict[str, _Outgoing] = {}
+        self._step: list[tuple[_Outgoing, int, torch.Tensor]] = []  # (transfer, start, slots)
+
+    def add(self, request_id: str, desc: TransferDescriptor) -> _Outgoing:
+        """Register a request whose prompt KV must go to a decode worker."""
+        out = _Outgoing(desc, open_sink(desc), stats=TransferStats(desc.transfer_id, desc.num_tokens))
+        self.outgoing[request_id] = out
+        return out
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_ids, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _send(self, t: _Outgoing, layer: int, kv: tuple[torch.Tensor, ...], start: int, slots: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        kc, vc = kv[0], kv[1]
+        n_kv, d = kc.shape[-2:]
+        k = kc.view(-1, n_kv, d).index_select(0, slots)
+        v = vc.view(-1, n_kv, d).index_select(0, slots)
+        t.sink.write(layer, start, k, v)
+        t.stats.send_s += time.perf_counter() - t0
+        t.stats.bytes += 2 * k.numel() * k.element_size()
+
+    def begin_step(self, out: SchedulerOutput) -> None:
+        """Pick this step's requests with a transfer; send prefix-cache hits up front."""
+        self._step = []
+        for sr in out.scheduled:
+            t = self.outgoing.get(sr.request_id)
+            if t is None:
+                continue
+            if t.sent < sr.start_pos:  # found in this worker's prefix cache: already in pages
+                slots = self._slots(sr.block_ids, t.sent, sr.start_pos)
+                for layer, kv in enumerate(self.engine.runner.kv_caches):
+                    self._send(t, layer, kv, t.sent, slots)
+                t.sent = sr.start_pos
+            end = min(sr.start_pos + len(sr.token_ids), t.desc.num_tokens)
+            if end > sr.start_pos:
+                self._step.append((t, sr.start_pos, self._slots(sr.block_ids, sr.start_pos, end)))
+
+    def before_layer(self, index: int, kv_cache: tuple[torch.Tensor, ...]) -> None:
+        """Nothing to load on the prefill side."""
+
+    def after_layer(self, index: int, kv_cache: tuple[torch.Tensor, ...]) -> None:
+        """This layer's KV of the step's tokens is written: send it now."""
+        for t, start, slots in self._step:
+            self._send(t, index, kv_cache, start, slots)
+
+    def end_step(self, out: SchedulerOutput) -> None:
+        """Advance each transfer; close those that have sent all m tokens."""
+        for t, start, slots in self._step:
+            t.sent = start + len(slots)
+            if t.sent >= t.desc.num_tokens:
+                self._close(t, ok=True)
+        self._step = []
+
+    def _close(self, t: _Outgoing, ok: bool, error: str | None = None) -> None:
+        if t.done.is_set():
+            return
+        try:
+            t.sink.finish(ok)
+        except Exception as exc:  # noqa: BLE001 - report it to the router through the event
+            ok, error = False, f"{type(exc).__name__}: {exc}"
+        t.stats.ok = ok
+        t.error = error
+        t.done.set()
+
+    def pump(self) -> None:
+        """Nothing to do between steps on the prefill side."""
+
+    def request_finished(self, request: Request) -> None:
+        """A prefill request ended; if it ended before sending everything, fail its transfer."""
+        t = self.outgoing.pop(request.request_id, None)
+        if t is not None and not t.done.is_set():
+            self._close(t, ok=False, error=request.error or f"prefill ended early ({request.status.name})")
+
+
+# ---------------------------------------------------------------------- decode connector
+@dataclass
+class _Incoming:
+    request: Request
+    desc: TransferDescriptor
+    channel: KVChannel
+    num_tokens: int  # m
+    created: float = field(default_factory=time.monotonic)
+    last_progress: float = field(default_factory=time.monotonic)
+    loaded: list[int] = field(default_factory=list)  # per layer: tokens already in our pages
+    reserved: bool = False  # blocks for [0, m) allocated
+    failed: str | None = None
+    stats: TransferStats = field(default_factory=lambda: TransferStats(""))
+
+    def admissible(self) -> bool:
+        """Every layer has arrived: the first step can run (it copies, never waits)."""
+        return self.reserved and self.failed is None and self.channel.all_written
+
+
+class DecodeConnector:
+    """Receives prompt KV for requests that a prefill worker computed."""
+
+    def __init__(self, engine: Any, timeout_s: float = 60.0) -> None:
+        self.engine = engine
+        self.block_size = engine.runner.block_size
+        self.timeout_s = timeout_s
+        self.incoming: dict[str, _Incoming] = {}
+        self._step: list[_Incoming] = []
+        self.finished_stats: list[TransferStats] = []  # drained by the worker for metrics
+        self._lock = threading.Lock()  # receive_kv (Ray threads) vs the engine thread
+
+    # -- set-up (engine thread)
+    def add(self, request: Request, desc: TransferDescriptor, channel: KVChannel) -> None:
+        """Attach an incoming transfer to a request about to be queued."""
+        inc = _Incoming(request, desc, channel, desc.num_tokens, stats=TransferStats(desc.transfer_id, desc.num_tokens))
+        inc.loaded = [0] * desc.layout.num_layers
+        request.kv_source = inc
+        self.incoming[request.request_id] = inc
+
+    def channel(self, transfer_id: str) -> KVChannel | None:
+        """The channel of a live transfer (Ray receive path)."""
+        for inc in list(self.incoming.values()):
+            if inc.desc.transfer_id == transfer_id:
+                return inc.channel
+        return None
+
+    # -- between steps
+    def pump(self) -> None:
+        """Reserve blocks for waiting transfers and copy in whatever layers have arrived."""
+        now = time.monotonic()
+        for rid, inc in list(self.incoming.items()):
+            if inc.failed is not None:
+                continue
+            if inc.channel.status == STATUS_FAILED:
+                self._fail(rid, inc, "the prefill worker reported a failed transfer")
+                continue
+            if not inc.reserved and not self._reserve(inc):
+                continue  # no room yet; the KV waits in the channel
+            if self._load(inc, None) or inc.channel.all_written:
+                inc.last_progress = now
+            elif now - inc.last_progress > self.timeout_s:
+                self._fail(rid, inc, f"no KV arrived for {self.timeout_s:.0f} s")
+
+    def _reserve(self, inc: _Incoming) -> bool:
+        kv = self.engine.kv_manager
+        req = inc.request
+        hits, num_hit = kv.get_computed_blocks(req)
+        num_hit = min(num_hit, inc.num_tokens // self.block_size * self.block_size)
+        hits = hits[: num_hit // self.block_size]
+        if not kv.allocate_slots(req, inc.num_tokens - num_hit, hits):
+            return False
+        req.num_cached_tokens = num_hit
+        inc.loaded = [num_hit] * len(inc.loaded)  # those tokens are in our pages already
+        inc.reserved = True
+        return True
+
+    def _load(self, inc: _Incoming, layer: int | None) -> bool:
+        """Copy arrived tokens of one layer (or all layers) into the request's pages."""
+        ch = inc.channel
+        caches = self.engine.runner.kv_caches
+        table = self.engine.kv_manager.block_ids(inc.request.request_id)
+        moved = False
+        before_done = ch.status != STATUS_DONE
+        for i in range(len(caches)) if layer is None else (layer,):
+            lo, hi = inc.loaded[i], min(ch.ready(i), inc.num_tokens)
+            if hi <= lo:
+                continue
+            t0 = time.perf_counter()
+            pos = torch.arange(lo, hi)
+            slots = torch.tensor(table, dtype=torch.long)[pos // self.block_size] * self.block_size + pos % self.block_size
+            kc, vc = caches[i][0], caches[i][1]
+            n_kv, d = kc.shape[-2:]
+            kc.view(-1, n_kv, d).index_copy_(0, slots, ch.data[i, 0, lo:hi].to(kc.dtype))
+            vc.view(-1, n_kv, d).index_copy_(0, slots, ch.data[i, 1, lo:hi].to(vc.dtype))
+            inc.stats.load_s += time.perf_counter() - t0
+            nbytes = 2 * (hi - lo) * n_kv * d * kc.element_size()
+            inc.stats.bytes += nbytes
+            if before_done:
+                inc.stats.loaded_before_done += nbytes
+            inc.loaded[i] = hi
+            moved = True
+        if all(n >= inc.num_tokens for n in inc.loaded) and ch.status == STATUS_DONE and not inc.stats.exposed_s:
+            inc.stats.exposed_s = max(0.0, time.time() - ch.written_at)
+        return moved
+
+    def _fail(self, rid: str, inc: _Incoming, why: str) -> None:
+        # The router sees the error and re-prefills the request on a healthy pair of workers.
+        inc.failed = why
+        inc.stats.ok = False
+        self.engine.fail_requests([rid], f"{KVTransferError.__name__}: {why}")
+
+    # -- the first step
+    def begin_step(self, out: SchedulerOutput) -> None:
+        """Note which of this step's requests still have KV to copy in."""
+        self._step = []
+        for sr in out.scheduled:
+            inc = self.incoming.get(sr.request_id)
+            if inc is not None and inc.request.kv_source is inc:
+                self._step.append(inc)
+
+    def before_layer(self, index: int, kv_cache: tuple[torch.Tensor, ...]) -> None:
+        """Copy this layer's remaining KV of the step's new arrivals just before it is read."""
+        for inc in self._step:
+            self._load(inc, index)
+
+    def after_layer(self, index: int, kv_cache: tuple[torch.Tensor, ...]) -> None:
+        """Nothing to send on the decode side."""
+
+    def end_step(self, out: SchedulerOutput) -> None:
+        """The arrivals' KV is complete in our pages: close their channels."""
+        for inc in self._step:
+            self._retire(inc.request.request_id)
+        self._step = []
+
+    def _retire(self, rid: str) -> None:
+        inc = self.incoming.pop(rid, None)
+        if inc is None:
+            return
+        inc.request.kv_source = None
+        inc.channel.close()
+        with self._lock:
+            self.finished_stats.append(inc.stats)
+
+    def request_finished(self, request: Request) -> None:
+        """Aborted or failed before its first step: drop the channel (its blocks go with the request)."""
+        self._retire(request.request_id)
+
+    def take_stats(self) -> list[TransferStats]:
+        """Transfers completed since the last call."""
+        with self._lock:
+            out, self.finished_stats = self.finished_stats, []
+        return out
+
+
+def kv_layout_of(engine: Any) -> KVLayout:
+    """The KV layout of an engine's target model."""
+    arch = engine.arch
+    return KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, str(engine.runner.dtype).replace("torch.", ""))
+

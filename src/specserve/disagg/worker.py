@@ -1,0 +1,399 @@
+"""Prefill and decode workers: an engine, its connector and the thread that drives them.
+
+`WorkerCore` is plain Python (tests drive two of them in one process); `EngineWorkerActor`
+is the same thing as a Ray actor, one process per worker, placed and supervised by Ray.
+
+A prefill worker runs each request's first m = n - 1 tokens (the last prompt token is left to
+the decode worker) and streams their KV out layer by layer; its reply is sent when the
+transfer is complete. A decode worker queues a request whose first m tokens arrive from a
+prefill worker, then decodes it like any other (speculation included: a draft model
+recomputes its own prompt KV on its first proposal, see `docs/architecture.md`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import asdict, replace
+from typing import Any
+
+from specserve.disagg.kv_transfer import (
+    DecodeConnector,
+    KVChannel,
+    KVTransferError,
+    PrefillConnector,
+    TransferDescriptor,
+    kv_layout_of,
+    open_receiver,
+)
+from specserve.engine.engine import LLMEngine, PreparedRequest
+from specserve.errors import ConfigError
+from specserve.outputs import RequestOutput
+from specserve.request import Request
+from specserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+
+
+def engine_fingerprint(engine: LLMEngine) -> dict[str, Any]:
+    """What must agree between a prefill and a decode worker for their KV to be interchangeable."""
+    cfg = engine.config
+    return {
+        "model": cfg.model.model,
+        "layout": asdict(kv_layout_of(engine)),
+        "quantization": cfg.model.quantization,
+        "kv_cache_dtype": cfg.cache.kv_cache_dtype,
+        "vocab_size": engine.arch.vocab_size,
+        "tokenizer": engine.tokenizer.fingerprint() if engine.tokenizer is not None else None,
+    }
+
+
+def check_pairable(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
+    """Refuse a prefill/decode pair whose KV or tokens would not mean the same thing."""
+    bad = [k for k in ("model", "layout", "quantization", "kv_cache_dtype", "vocab_size", "tokenizer")
+           if prefill["fingerprint"].get(k) != decode["fingerprint"].get(k)]
+    if bad:
+        details = "; ".join(f"{k}: prefill {prefill['fingerprint'].get(k)!r} vs decode {decode['fingerprint'].get(k)!r}"
+                            for k in bad)
+        raise ConfigError(
+            f"prefill worker {prefill['name']} and decode worker {decode['name']} cannot pair ({details}); "
+            "start both pools with the same model, dtype, quantization and KV-cache settings."
+        )
+    if prefill.get("speculation", "none") != "none":
+        raise ConfigError(
+            f"prefill worker {prefill['name']} was configured with speculation ({prefill['speculation']}); "
+            "speculation runs on decode workers only."
+        )
+
+
+class WorkerCore:
+    """One engine, one role, one engine thread; every public method is thread-safe."""
+
+    def __init__(self, role: str, engine: LLMEngine, name: str = "", transfer_timeout_s: float = 60.0) -> None:
+        if role not in ROLES:
+            raise ConfigError(f"unknown worker role {role!r}; use prefill or decode.")
+        if engine.config.cache.kv_cache_dtype != "auto":
+            raise ConfigError("disaggregated serving moves float KV only; drop --kv-cache-dtype int8 with --disagg.")
+        if role == "prefill" and engine.proposer is not None:
+            raise ConfigError("speculation runs on decode workers only; start prefill workers without it.")
+        self.role = role
+        self.name = name or f"{role}-{os.getpid()}"
+        self.engine = engine
+        self.transfer_timeout_s = transfer_timeout_s
+        self.connector: PrefillConnector | DecodeConnector
+        if role == "prefill":
+            self.connector = PrefillConnector(engine)
+        else:
+            self.connector = DecodeConnector(engine, transfer_timeout_s)
+        engine.attach_connector(self.connector)
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._outbox: list[RequestOutput] = []
+        self._cv = threading.Condition()
+        self._channels: dict[str, KVChannel] = {}  # decode: transfer id -> receiving channel
+        self._prefills: dict[str, Any] = {}  # prefill: request id -> _Outgoing
+        self._stop = threading.Event()
+        self.error: str | None = None
+        self.paused = False  # tests: a worker that stops stepping (a hang)
+        self._thread = threading.Thread(target=self._run, name=f"specserve-{self.name}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ info
+    def info(self) -> dict[str, Any]:
+        """Role, identity and the settings a router checks before pairing workers."""
+        eng = self.engine
+        return {
+            "name": self.name,
+            "role": self.role,
+            "pid": os.getpid(),
+            "fingerprint": engine_fingerprint(eng),
+            "speculation": eng.config.spec.method,
+            "block_size": eng.config.cache.block_size,
+            "num_blocks": eng.kv_manager.num_blocks,
+            "max_model_len": eng.max_model_len,
+            "capacity_tokens": eng.kv_manager.capacity_tokens,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Load figures the router routes by."""
+        eng = self.engine
+        sched = eng.scheduler
+        return {
+            "name": self.name,
+            "role": self.role,
+            "running": sched.num_running,
+            "waiting": sched.num_waiting,
+            "pending_tokens": sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting + sched.running),
+            "kv_free_blocks": eng.kv_manager.num_free_blocks,
+            "kv_total_blocks": eng.kv_manager.num_blocks,
+            "num_steps": eng.num_steps,
+            "spec_enabled": eng.speculation_enabled,
+            "alive": self.error is None and self._thread.is_alive(),
+        }
+
+    # ------------------------------------------------------------------ prefill role
+    def prefill(self, request_id: str, token_ids: list[int], desc: TransferDescriptor) -> dict[str, Any]:
+        """Compute KV of token_ids and send it through desc; return when it has all been sent."""
+        req = Request(request_id, token_ids, SamplingParams(max_tokens=1, temperature=0.0))
+        done = threading.Event()
+        holder: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        self._commands.put(("prefill", (req, desc, done, holder)))
+        if not done.wait(self.transfer_timeout_s + 0.05 * len(token_ids)):
+            self.abort([request_id])
+            raise KVTransferError(f"{self.name}: prefill of {request_id} did not finish in time")
+        t = holder.get("transfer")
+        if holder.get("error") or t is None:
+            raise KVTransferError(f"{self.name}: {holder.get('error', 'prefill failed')}")
+        t.done.wait(self.transfer_timeout_s)
+        if t.error:
+            raise KVTransferError(f"{self.name}: {t.error}")
+        return {
+            "worker": self.name,
+            "num_tokens": len(token_ids),
+            "num_cached_tokens": max(req.num_cached_tokens, 0),
+            "wall_s": time.perf_counter() - t0,
+            "send_s": t.stats.send_s,
+            "bytes": t.stats.bytes,
+        }
+
+    # ------------------------------------------------------------------ decode role
+    def add_decode(self, request: Request, desc: TransferDescriptor | None, emitted_chars: int = 0) -> None:
+        """Queue a request; with desc its first desc.num_tokens tokens' KV arrives from a prefill worker.
+
+        The receiving channel exists when this returns, so the prefill may start right away.
+        """
+        channel = None
+        if desc is not None:
+            channel = open_receiver(desc)
+            self._channels[desc.transfer_id] = channel
+        self._commands.put(("decode", (request, desc, channel, emitted_chars)))
+
+    def receive_kv(self, transfer_id: str, layer: int, start: int, k: Any, v: Any) -> None:
+        """Cross-host transport: one (layer, token range) of a transfer arrives."""
+        ch = self._channels.get(transfer_id)
+        if ch is not None and ch.data is not None:
+            ch.receive(layer, start, k, v)  # type: ignore[attr-defined]
+
+    def finish_kv(self, transfer_id: str, ok: bool) -> None:
+        """Cross-host transport: the sender is done (or gave up)."""
+        from specserve.disagg.kv_transfer import STATUS_DONE, STATUS_FAILED
+
+        ch = self._channels.get(transfer_id)
+        if ch is not None and ch.data is not None:
+            ch.set_status(STATUS_DONE if ok else STATUS_FAILED)
+
+    def poll(self, timeout_s: float = 0.05) -> tuple[list[RequestOutput], dict[str, Any]]:
+        """Outputs since the last poll (waits up to timeout_s for one), plus load and transfer stats."""
+        with self._cv:
+            if not self._outbox:
+                self._cv.wait(timeout_s)
+            outs, self._outbox = self._outbox, []
+        st = self.stats()
+        if isinstance(self.connector, DecodeConnector):
+            st["transfers"] = [asdict(t) | {"overlap": t.overlap} for t in self.connector.take_stats()]
+        return outs, st
+
+    # ------------------------------------------------------------------ both
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (takes effect before the next step)."""
+        self._commands.put(("abort", list(request_ids)))
+
+    def set_speculation(self, enabled: bool) -> None:
+        """Switch speculation at run time (decode workers)."""
+        self._commands.put(("spec", bool(enabled)))
+
+    def check_integrity(self) -> bool:
+        """KV bookkeeping of this worker's caches, checked on the engine thread."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        self._commands.put(("check", (box, done)))
+        if not done.wait(30):
+            raise TimeoutError(f"{self.name}: engine thread did not answer")
+        if "error" in box:
+            raise box["error"]
+        return True
+
+    def shutdown(self) -> None:
+        """Stop the engine thread."""
+        self._stop.set()
+        self._commands.put(("noop", None))
+        self._thread.join(10)
+
+    # ------------------------------------------------------------------ engine thread
+    def _handle(self, cmd: str, arg: Any) -> None:
+        eng = self.engine
+        if cmd == "prefill":
+            req, desc, done, holder = arg
+            try:
+                holder["transfer"] = self.connector.add(req.request_id, desc)  # type: ignore[union-attr]
+                eng.add_prepared(PreparedRequest(req, None, 0))
+                self._prefills[req.request_id] = (done, holder)
+            except Exception as exc:  # noqa: BLE001 - report to the caller
+                holder["error"] = f"{type(exc).__name__}: {exc}"
+                holder.setdefault("transfer", None)
+                done.set()
+        elif cmd == "decode":
+            req, desc, channel, emitted = arg
+            try:
+                if desc is not None:
+                    self.connector.add(req, desc, channel)  # type: ignore[call-arg, arg-type]
+                eng.add_prepared(PreparedRequest(req, None, 0, emitted))
+            except Exception as exc:  # noqa: BLE001 - the router gets an error output
+                if desc is not None:
+                    self._drop_channel(desc.transfer_id)
+                req.error = f"{type(exc).__name__}: {exc}"
+                self._emit([_error_output(req)])
+        elif cmd == "abort":
+            self._emit(eng.abort_request(arg))
+            for rid in arg:
+                entry = self._prefills.pop(rid, None)
+                if entry is not None:
+                    entry[1]["error"] = "aborted"
+                    entry[0].set()
+        elif cmd == "spec":
+            eng.set_speculation(arg)
+        elif cmd == "check":
+            box, done = arg
+            try:
+                eng.check_integrity()
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                box["error"] = exc
+            done.set()
+
+    def _drop_channel(self, transfer_id: str) -> None:
+        ch = self._channels.pop(transfer_id, None)
+        if ch is not None and ch.data is not None:
+            ch.close()
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        if self.role == "prefill":
+            for out in outputs:
+                if out.finished:
+                    entry = self._prefills.pop(out.request_id, None)
+                    if entry is not None:
+                        if out.error or out.finish_reason == "abort":
+                            entry[1]["error"] = out.error or "aborted"
+                        entry[0].set()
+            return
+        outputs = [replace(o, prompt_token_ids=[]) for o in outputs]  # the router has the prompt
+        if outputs:
+            with self._cv:
+                self._outbox.extend(outputs)
+                self._cv.notify_all()
+        if isinstance(self.connector, DecodeConnector):
+            live = {inc.desc.transfer_id for inc in self.connector.incoming.values()}
+            for tid in [t for t in self._channels if t not in live]:
+                self._channels.pop(tid, None)  # closed by the connector
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            try:
+                busy = eng.has_unfinished_requests() and not self.paused
+                waiting_only = busy and not eng.scheduler.running
+                try:
+                    if busy and not waiting_only:
+                        cmd = self._commands.get_nowait()
+                    else:  # idle, or only transfers in flight: poll them every millisecond
+                        cmd = self._commands.get(timeout=0.001 if waiting_only else 0.2)
+                except queue.Empty:
+                    cmd = None
+                while cmd is not None:
+                    self._handle(*cmd)
+                    try:
+                        cmd = self._commands.get_nowait()
+                    except queue.Empty:
+                        cmd = None
+                if eng.has_unfinished_requests() and not self.paused:
+                    self._emit(eng.step())
+            except Exception as exc:  # noqa: BLE001 - a broken engine: fail loudly, stop
+                logger.exception("%s: engine loop crashed", self.name)
+                self.error = f"{type(exc).__name__}: {exc}"
+                return
+
+
+def _error_output(req: Request) -> RequestOutput:
+    from specserve.outputs import CompletionOutput, RequestMetrics
+
+    return RequestOutput(req.request_id, None, [], [CompletionOutput(0, "", [], finish_reason="error")],
+                         True, RequestMetrics(), error=req.error)
+
+
+def build_worker(role: str, model: str, engine_kwargs: dict[str, Any], name: str,
+                 transfer_timeout_s: float = 60.0, cpus: list[int] | None = None) -> WorkerCore:
+    """Load the model and start a worker (in this process)."""
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+    from specserve import LLM
+
+    kwargs = dict(engine_kwargs)
+    if role == "prefill":
+        for key in ("draft_model", "draft_num_layers", "draft_quantization", "draft_vocab_size"):
+            kwargs.pop(key, None)
+        kwargs["spec_method"] = "none"
+    llm = LLM(model, **kwargs)
+    return WorkerCore(role, llm.engine, name, transfer_timeout_s)
+
+
+class EngineWorkerActor:
+    """A worker as a Ray actor (wrap with ray.remote): the same methods, in its own process."""
+
+    def __init__(self, role: str, model: str, engine_kwargs: dict[str, Any], name: str,
+                 transfer_timeout_s: float = 60.0, cpus: list[int] | None = None) -> None:
+        logging.basicConfig(level=logging.WARNING)
+        self.core = build_worker(role, model, engine_kwargs, name, transfer_timeout_s, cpus)
+
+    def info(self) -> dict[str, Any]:
+        """See WorkerCore.info; adds the Ray node this actor runs on."""
+        import ray
+
+        return self.core.info() | {"node_id": ray.get_runtime_context().get_node_id()}
+
+    def stats(self) -> dict[str, Any]:
+        """See WorkerCore.stats."""
+        return self.core.stats()
+
+    def prefill(self, request_id: str, token_ids: list[int], desc: TransferDescriptor) -> dict[str, Any]:
+        """See WorkerCore.prefill."""
+        return self.core.prefill(request_id, token_ids, desc)
+
+    def add_decode(self, request: Request, desc: TransferDescriptor | None, emitted_chars: int = 0) -> None:
+        """See WorkerCore.add_decode."""
+        self.core.add_decode(request, desc, emitted_chars)
+
+    def receive_kv(self, transfer_id: str, layer: int, start: int, k: Any, v: Any) -> None:
+        """See WorkerCore.receive_kv."""
+        self.core.receive_kv(transfer_id, layer, start, k, v)
+
+    def finish_kv(self, transfer_id: str, ok: bool) -> None:
+        """See WorkerCore.finish_kv."""
+        self.core.finish_kv(transfer_id, ok)
+
+    def poll(self, timeout_s: float = 0.05) -> tuple[list[RequestOutput], dict[str, Any]]:
+        """See WorkerCore.poll."""
+        return self.core.poll(timeout_s)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """See WorkerCore.abort."""
+        self.core.abort(request_ids)
+
+    def set_speculation(self, enabled: bool) -> None:
+        """See WorkerCore.set_speculation."""
+        self.core.set_speculation(enabled)
+
+    def check_integrity(self) -> bool:
+        """See WorkerCore.check_integrity."""
+        return self.core.check_integrity()
+
+    def pause(self, paused: bool = True) -> None:
+        """Tests: stop (or resume) stepping, as a hung worker would."""
+        self.core.paused = paused
+
+    def pid(self) -> int:
+        """This actor's process id."""
+        return os.getpid()
