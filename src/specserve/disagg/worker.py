@@ -116,6 +116,10 @@ class WorkerCore:
             "num_blocks": eng.kv_manager.num_blocks,
             "max_model_len": eng.max_model_len,
             "capacity_tokens": eng.kv_manager.capacity_tokens,
+            "max_num_seqs": eng.config.scheduler.max_num_seqs,
+            "spec": {"method": eng.config.spec.method, "policy": eng.config.spec.policy,
+                     "num_spec_tokens": eng.config.spec.num_spec_tokens},
+            "has_proposer": eng.proposer is not None,
         }
 
     def stats(self) -> dict[str, Any]:

@@ -82,6 +82,24 @@ def load_model_files(
     return load_gguf(p, load_tokenizer=load_tokenizer)
 
 
+def load_model_metadata(path: str | os.PathLike[str]) -> tuple[ArchConfig, Tokenizer | None]:
+    """Architecture and tokenizer only, without reading any weights (routers, front-ends)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelNotFoundError(f"{p} does not exist; pass a GGUF file, a HF model directory, or a bundled model name.")
+    if p.is_dir() and (p / "config.json").is_file():
+        tok = Tokenizer.from_dir(p) if (p / "tokenizer.json").is_file() else None
+        return arch_from_hf_config(_read_config(p), name=p.name), tok
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ModelNotFoundError(f"{p} has no config.json and not exactly one .gguf file.")
+        p = ggufs[0]
+    reader = open_gguf(p)
+    arch = arch_from_gguf(reader)
+    return arch, Tokenizer.from_gguf(reader, name=arch.name)
+
+
 # --- GGUF ---------------------------------------------------------------------------------------
 
 

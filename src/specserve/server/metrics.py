@@ -135,3 +135,50 @@ class TokenClock:
         gap = None if self.last is None else now - self.last
         self.last = now
         return gap
+
+
+class DisaggMetrics:
+    """Per-role worker gauges and KV-transfer figures of a disaggregated server."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        wl = ["role", "worker"]
+        self.worker_running = Gauge("specserve_worker_requests_running", "Requests running on a worker.", wl, registry=r)
+        self.worker_waiting = Gauge("specserve_worker_requests_waiting", "Requests queued on a worker.", wl, registry=r)
+        self.worker_kv_free = Gauge("specserve_worker_kv_blocks_free", "Free KV blocks on a worker.", wl, registry=r)
+        self.worker_kv_total = Gauge("specserve_worker_kv_blocks_total", "KV blocks of a worker.", wl, registry=r)
+        self.worker_alive = Gauge("specserve_worker_alive", "1 while the worker answers.", wl, registry=r)
+        self.transfer_bytes = Counter("specserve_kv_transfer_bytes", "KV bytes moved from prefill to decode workers.",
+                                      registry=r)
+        self.transfers = Counter("specserve_kv_transfers", "KV transfers by outcome.", ["outcome"], registry=r)
+        self.transfer_time = Histogram("specserve_kv_transfer_seconds",
+                                       "KV transfer time by phase: send (prefill side), load (decode side), "
+                                       "exposed (prefill done -> KV complete on the decode worker).",
+                                       ["phase"], buckets=TOKEN_BUCKETS + (10.0,), registry=r)
+        self.transfer_overlap = Histogram("specserve_kv_transfer_overlap_ratio",
+                                          "Fraction of each transfer's decode-side load done while the prefill "
+                                          "was still computing (layer streaming).",
+                                          buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0), registry=r)
+        self.prefill_time = Histogram("specserve_prefill_seconds", "Prefill worker time per request (incl. sending).",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+
+    def observe_worker(self, role: str, name: str, stats: dict) -> None:
+        """A worker's load report."""
+        self.worker_running.labels(role, name).set(stats.get("running", 0))
+        self.worker_waiting.labels(role, name).set(stats.get("waiting", 0))
+        self.worker_kv_free.labels(role, name).set(stats.get("kv_free_blocks", 0))
+        self.worker_kv_total.labels(role, name).set(stats.get("kv_total_blocks", 0))
+        self.worker_alive.labels(role, name).set(1 if stats.get("alive", True) else 0)
+
+    def observe_transfer(self, rec: dict) -> None:
+        """One finished transfer, as reported by its decode worker."""
+        self.transfers.labels("ok" if rec.get("ok") else "failed").inc()
+        self.transfer_bytes.inc(rec.get("bytes", 0))
+        self.transfer_time.labels("load").observe(rec.get("load_s", 0.0))
+        self.transfer_time.labels("exposed").observe(rec.get("exposed_s", 0.0))
+        self.transfer_overlap.observe(rec.get("overlap", 0.0))
+
+    def observe_prefill(self, rec: dict) -> None:
+        """One finished prefill, as reported by its prefill worker."""
+        self.transfer_time.labels("send").observe(rec.get("send_s", 0.0))
+        self.prefill_time.observe(rec.get("wall_s", 0.0))

@@ -1,0 +1,154 @@
+"""Start a disaggregated deployment: Ray, the worker actors, and the router in front of them.
+
+On one machine `launch()` starts a local Ray instance (no set-up needed); with `ray_address`
+it joins an existing cluster and Ray places the actors on its nodes (see docs/disaggregation.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+from typing import Any
+
+from specserve.config import SchedulerConfig, SpecConfig
+from specserve.disagg.router import DisaggFrontend, DisaggRouter, WorkerHandle
+from specserve.disagg.worker import EngineWorkerActor
+from specserve.engine.engine import RequestPreparer
+from specserve.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Join a Ray cluster at `address`, or start a private local one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
+                 configure_logging=False)
+
+
+def start_worker(role: str, index: int, model: str, engine_kwargs: dict[str, Any], *,
+                 transfer_timeout_s: float = 60.0, cpus: list[int] | None = None,
+                 scheduling_strategy: Any = None) -> Any:
+    """Create one worker actor (returns its handle at once; the model loads in the background)."""
+    import ray
+
+    opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 64, "name": None, "max_restarts": 0}
+    if scheduling_strategy is not None:
+        opts["scheduling_strategy"] = scheduling_strategy
+    actor_cls = ray.remote(EngineWorkerActor)
+    return actor_cls.options(**opts).remote(role, model, engine_kwargs, f"{role}-{index}",
+                                             transfer_timeout_s, cpus)
+
+
+def connect(model: str, actors: list[Any], *, transport: str = "auto", transfer_timeout_s: float = 60.0,
+            max_waiting: int = 256, metrics: Any = None, on_output: Any = None) -> DisaggRouter:
+    """Wait for the workers to load, check they can pair, and build the router and its front-end."""
+    import ray
+
+    from specserve.models.bundled import resolve_model
+    from specserve.models.loader import load_model_metadata
+
+    infos = ray.get([a.info.remote() for a in actors])
+    workers = [WorkerHandle(a, info) for a, info in zip(actors, infos, strict=True)]
+    decode = [w for w in workers if w.role == "decode"]
+    if not decode or len(decode) == len(workers):
+        raise ConfigError("need at least one prefill and one decode worker (--prefill-workers, --decode-workers).")
+    arch, tokenizer = load_model_metadata(resolve_model(model))
+    max_len = min(w.info["max_model_len"] for w in workers)
+    capacity = min(w.info["capacity_tokens"] for w in workers)
+    preparer = RequestPreparer(tokenizer, arch.vocab_size, max_len, capacity)
+    spec = decode[0].info["spec"]
+    config = types.SimpleNamespace(
+        spec=SpecConfig(method=spec["method"], policy=spec["policy"], num_spec_tokens=spec["num_spec_tokens"],
+                        draft_model="<decode workers>" if spec["method"] == "draft" else None),
+        scheduler=SchedulerConfig(max_num_seqs=sum(w.info["max_num_seqs"] for w in decode)),
+    )
+    frontend = DisaggFrontend(model, preparer, config, any(w.info["has_proposer"] for w in decode))
+    if metrics is not None:
+        for w in workers:
+            metrics.worker_alive.labels(w.role, w.name).set(1)
+    return DisaggRouter(frontend, workers, transport=transport, transfer_timeout_s=transfer_timeout_s,
+                        max_waiting=max_waiting, metrics=metrics, on_output=on_output)
+
+
+def launch(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1, num_decode: int = 1, *,
+           ray_address: str | None = None, transport: str = "auto", transfer_timeout_s: float = 60.0,
+           threads_per_worker: int | None = None, pin_cpus: bool = False, max_waiting: int = 256,
+           metrics: Any = None, on_output: Any = None) -> DisaggRouter:
+    """Start Ray (or join it), num_prefill + num_decode worker actors, and the router."""
+    if num_prefill < 1 or num_decode < 1:
+        raise ConfigError("--disagg needs --prefill-workers >= 1 and --decode-workers >= 1.")
+    init_ray(ray_address)
+    ncpu = os.cpu_count() or 1
+    total = num_prefill + num_decode
+    kwargs = dict(engine_kwargs)
+    if threads_per_worker is not None or kwargs.get("num_threads") is None:
+        kwargs["num_threads"] = threads_per_worker or max(1, ncpu // total)
+    actors = []
+    for i, role in enumerate(["prefill"] * num_prefill + ["decode"] * num_decode):
+        cpus = [i % ncpu] if pin_cpus and not ray_address else None
+        index = i if role == "prefill" else i - num_prefill
+        actors.append(start_worker(role, index, model, kwargs, transfer_timeout_s=transfer_timeout_s, cpus=cpus))
+    return connect(model, actors, transport=transport, transfer_timeout_s=transfer_timeout_s,
+                   max_waiting=max_waiting, metrics=metrics, on_output=on_output)
+
+
+class DisaggClient:
+    """Drive a router from synchronous code (tests, benchmarks): its event loop runs in a thread."""
+
+    def __init__(self, router: DisaggRouter) -> None:
+        import asyncio
+        import threading
+
+        self.router = router
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="specserve-router", daemon=True)
+        self._thread.start()
+        self.call(self._start())
+
+    async def _start(self) -> None:
+        import asyncio
+
+        self.router.start(asyncio.get_running_loop())
+
+    def call(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run a coroutine on the router's loop and wait for its result."""
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _one(self, prompt: Any, params: Any, on_output: Any = None) -> Any:
+        p = self.router.engine.prepare_request(prompt, params)
+        stream = self.router.submit([p])
+        final = None
+        async for _, out in stream:
+            if on_output is not None:
+                on_output(out)
+            if out.finished:
+                final = out
+        return final
+
+    async def _many(self, prompts: list[Any], params: Any, on_output: Any = None) -> list[Any]:
+        import asyncio
+
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        return list(await asyncio.gather(*(self._one(p, sp, on_output) for p, sp in zip(prompts, plist))))
+
+    def generate(self, prompts: list[Any], params: Any, timeout: float | None = 600, on_output: Any = None) -> list[Any]:
+        """Submit every prompt at once; the final RequestOutput of each, in order."""
+        return self.call(self._many(prompts, params, on_output), timeout)
+
+    def close(self, drain_timeout_s: float = 5.0) -> None:
+        """Drain the router, check worker integrity, stop the loop."""
+        try:
+            self.call(self.router.shutdown(drain_timeout_s), timeout=drain_timeout_s + 60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
