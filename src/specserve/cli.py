@@ -139,14 +139,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.server.app import OpenAIServer, build_app
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    llm = LLM(args.model, **engine_kwargs(args))
     name = args.served_model_name or args.model
-    server = OpenAIServer(llm.engine, name, max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
-                          api_key=args.api_key)
+    if args.disagg:
+        from specserve.disagg.launch import launch
+        from specserve.server.metrics import DisaggMetrics
+
+        def make_router(metrics):  # noqa: ANN001, ANN202
+            return launch(
+                args.model, engine_kwargs(args), args.prefill_workers, args.decode_workers,
+                ray_address=args.ray_address, transport=args.kv_transport, transfer_timeout_s=args.transfer_timeout,
+                threads_per_worker=args.worker_threads, pin_cpus=args.pin_cpus, max_waiting=args.max_waiting,
+                metrics=DisaggMetrics(metrics.registry), on_output=metrics.on_finished,
+            )
+
+        server = OpenAIServer(None, name, max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
+                              api_key=args.api_key, router_factory=make_router)
+        layout = f"disaggregated: {args.prefill_workers} prefill + {args.decode_workers} decode workers"
+    else:
+        llm = LLM(args.model, **engine_kwargs(args))
+        server = OpenAIServer(llm.engine, name, max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
+                              api_key=args.api_key)
+        layout = "co-located"
     app = build_app(server)
-    spec = llm.engine.config.spec
-    print(f"specserve: serving {name!r} on http://{args.host}:{args.port} "
-          f"(speculation: {spec.method}, policy {spec.policy}, K<={spec.num_spec_tokens})", file=sys.stderr)
+    spec = server.engine.config.spec
+    print(f"specserve: serving {name!r} on http://{args.host}:{args.port} ({layout}; "
+          f"speculation: {spec.method}, policy {spec.policy}, K<={spec.num_spec_tokens})", file=sys.stderr)
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal against the handlers that were
     # installed before it started.  A drained shutdown is a clean exit, so those handlers turn the
     # re-raised signal into status 0 instead of death-by-signal (-15) or a KeyboardInterrupt trace.
@@ -211,6 +228,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /admin")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    d = p.add_argument_group("disaggregated serving (prefill and decode workers on Ray)")
+    d.add_argument("--disagg", action="store_true",
+                   help="run prefill and decode on separate workers (Ray actors) behind one router")
+    d.add_argument("--prefill-workers", type=int, default=1, help="number of prefill workers")
+    d.add_argument("--decode-workers", type=int, default=1, help="number of decode workers (speculation runs here)")
+    d.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    d.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "ray"],
+                   help="auto: shared memory between workers on one host, Ray's object store across hosts")
+    d.add_argument("--transfer-timeout", type=float, default=60.0,
+                   help="seconds without KV progress before a transfer is abandoned and the request re-prefilled")
+    d.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
+    d.add_argument("--pin-cpus", action="store_true", help="pin worker i to core i (local Ray only)")
     return parser
 
 

@@ -8,7 +8,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -76,16 +76,23 @@ def _error_response(status: int, message: str, type_: str = "invalid_request_err
 class OpenAIServer:
     """Request handling between the HTTP routes and the AsyncEngine."""
 
-    def __init__(self, engine: LLMEngine, served_model_name: str, max_waiting: int = 256,
-                 drain_timeout_s: float = 30.0, api_key: str | None = None) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | None, served_model_name: str, max_waiting: int = 256,
+                 drain_timeout_s: float = 30.0, api_key: str | None = None,
+                 router_factory: Callable[[ServerMetrics], Any] | None = None) -> None:
         self.model_name = served_model_name
         self.metrics = ServerMetrics(served_model_name)
-        self.async_engine = AsyncEngine(engine, max_waiting, on_step=self.metrics.on_step,
-                                        on_output=self.metrics.on_finished)
+        if router_factory is not None:
+            # Disaggregated: a router over prefill and decode workers stands in for the engine thread.
+            self.async_engine = router_factory(self.metrics)
+            self.engine = self.async_engine.engine
+        else:
+            assert engine is not None
+            self.engine = engine
+            self.async_engine = AsyncEngine(engine, max_waiting, on_step=self.metrics.on_step,
+                                            on_output=self.metrics.on_finished)
         self.drain_timeout_s = drain_timeout_s
         self.api_key = api_key
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = self.engine.tokenizer
 
     # ------------------------------------------------------------------ validation
     def _check_model(self, model: str | None) -> None:
