@@ -1,0 +1,131 @@
+"""Disaggregated serving on a local Ray instance: exactness, speculation, worker death, Ray transport."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from specserve import SamplingParams
+
+ray = pytest.importorskip("ray")
+
+from specserve.disagg.launch import DisaggClient, connect, init_ray, start_worker  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+ENGINE = dict(dtype="float32", kv_cache_gib=0.25, num_threads=1, max_num_batched_tokens=64)
+TOPICS = ["the sea", "bread", "a robot", "winter", "trains", "music", "the moon", "cats", "rivers", "chess"]
+PROMPTS = ([f"Write one sentence about {t}." for t in TOPICS]
+           + [f"def {name}(x):\n    # " + "step by step, " * (3 + i) for i, name in enumerate(TOPICS)])
+
+
+@pytest.fixture(scope="module")
+def deployment(smollm_path):
+    """One prefill worker and two decode workers (n-gram speculation) on a private local Ray."""
+    if ray.is_initialized():
+        ray.shutdown()
+    init_ray(num_cpus=2)
+    actors = [start_worker("prefill", 0, MODEL, ENGINE, transfer_timeout_s=20)]
+    actors += [start_worker("decode", i, MODEL, ENGINE | {"spec_method": "ngram"}, transfer_timeout_s=20)
+               for i in range(2)]
+    router = connect(MODEL, actors, transfer_timeout_s=20)
+    client = DisaggClient(router)
+    yield client
+    client.close()
+    ray.shutdown()
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _integrity(client):
+    for w in client.router.prefill + client.router.decode:
+        if w.alive:
+            assert ray.get(w.actor.check_integrity.remote())
+
+
+def test_disagg_greedy_equals_colocated_with_and_without_speculation(deployment, smollm_llm):
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    want = _tokens(smollm_llm.generate(PROMPTS, params, use_tqdm=False))
+    assert len(PROMPTS) == 20
+    spec_outs = deployment.generate(PROMPTS, params)
+    assert [o.error for o in spec_outs] == [None] * 20
+    assert _tokens(spec_outs) == want
+    assert sum(o.metrics.extra.get("num_draft_tokens", 0) for o in spec_outs) > 0  # it did speculate
+    deployment.router.set_speculation(False)
+    try:
+        plain_outs = deployment.generate(PROMPTS, params)
+    finally:
+        deployment.router.set_speculation(True)
+    assert _tokens(plain_outs) == want
+    assert sum(o.metrics.extra.get("num_draft_tokens", 0) for o in plain_outs) == 0
+    used = {o.metrics.extra["decode_worker"] for o in spec_outs + plain_outs}
+    assert used == {"decode-0", "decode-1"}  # both decode workers took requests
+    assert deployment.router.transfers and all(t["ok"] for t in deployment.router.transfers)
+    _integrity(deployment)
+
+
+def test_forced_ray_transport_matches(deployment, smollm_llm):
+    prompts = [f"A long story about {t}: " + "and then, " * (5 + i) for i, t in enumerate(TOPICS[:4])]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    want = _tokens(smollm_llm.generate(prompts, params, use_tqdm=False))
+    deployment.router.transport = "ray"
+    n0 = len(deployment.router.prefills)
+    try:
+        outs = deployment.generate(prompts, params)
+    finally:
+        deployment.router.transport = "auto"
+    assert _tokens(outs) == want
+    assert [p["transport"] for p in deployment.router.prefills[n0:]] == ["ray"] * 4
+
+
+def test_full_prefix_hit_skips_prefill(deployment, smollm_llm):
+    prompt = "Repeat after me: " + "the quick brown fox jumps over the lazy dog. " * 4
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    first = deployment.generate([prompt], params)[0]
+    n0 = len(deployment.router.prefills)
+    again = deployment.generate([prompt], params)[0]
+    assert len(deployment.router.prefills) == n0  # no prefill worker involved the second time
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.metrics.num_cached_prompt_tokens >= 32
+    _integrity(deployment)
+
+
+def test_killing_a_decode_worker_mid_stream_loses_no_request(deployment, smollm_llm):
+    """Really SIGKILL a decode worker's process while it streams; every request still completes."""
+    router = deployment.router
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS[:6]
+    want = _tokens(smollm_llm.generate(prompts, params, use_tqdm=False))
+    killed: list[str] = []
+    lock = threading.Lock()
+
+    def on_output(out):
+        if killed or len(out.outputs[0].token_ids) < 8 or out.finished:
+            return
+        job = router._jobs.get(out.request_id)
+        with lock:
+            if killed or job is None or job.worker is None:
+                return
+            victim = job.worker
+            killed.append(victim.name)
+        os.kill(victim.info["pid"], signal.SIGKILL)
+
+    outs = deployment.generate(prompts, params, on_output=on_output)
+    assert killed, "the kill never happened"
+    assert [o.error for o in outs] == [None] * len(outs)
+    assert _tokens(outs) == want  # resumed requests continue exactly where they stopped
+    assert any(o.metrics.extra.get("attempts", 1) > 1 for o in outs)
+    dead = [w for w in router.decode if not w.alive]
+    assert [w.name for w in dead] == killed
+    _integrity(deployment)  # the survivors leak nothing
+
+    # With no decode worker left, requests end with a clear error instead of hanging.
+    for w in router.decode:
+        if w.alive:
+            ray.kill(w.actor)
+    err = deployment.generate(["hello"], SamplingParams(max_tokens=4), timeout=120)[0]
+    assert err.finish_reason == "error" and "no decode worker" in err.error

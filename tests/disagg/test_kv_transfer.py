@@ -1,0 +1,199 @@
+"""Disaggregation without Ray: channels, connectors and two workers in one process."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.disagg.kv_transfer import (
+    SHM_DIR,
+    KVLayout,
+    LocalKVChannel,
+    TransferDescriptor,
+    kv_layout_of,
+    new_transfer_id,
+)
+from specserve.disagg.router import DisaggFrontend, DisaggRouter, WorkerHandle
+from specserve.disagg.worker import WorkerCore, check_pairable
+from specserve.engine.engine import RequestPreparer
+from specserve.errors import ConfigError
+from specserve.request import Request
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    " * 6,
+    "Once upon a time, " * 14,
+    "List three colours:",
+    "x",
+]
+
+
+def _shm_files() -> set[str]:
+    return {f for f in os.listdir(SHM_DIR) if f.startswith("specserve-kv-")}
+
+
+def test_local_channel_ready_stops_at_first_gap():
+    layout = KVLayout(2, 1, 4, "float32")
+    ch = LocalKVChannel(TransferDescriptor("t", "ray", 10, layout))
+    piece = torch.ones(3, 1, 4)
+    ch.receive(0, 3, piece, piece)  # tokens 3..5 before 0..2
+    assert ch.ready(0) == 0
+    ch.receive(0, 0, piece, piece)
+    assert ch.ready(0) == 6
+    ch.receive(0, 6, torch.ones(4, 1, 4), torch.ones(4, 1, 4))
+    assert ch.ready(0) == 10 and ch.ready(1) == 0 and not ch.all_written
+    ch.receive(1, 0, torch.ones(10, 1, 4), torch.ones(10, 1, 4))
+    assert ch.all_written
+
+
+def _info(name, role, **fp):
+    base = {"model": "m", "layout": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32"},
+            "quantization": "none", "kv_cache_dtype": "auto", "vocab_size": 10, "tokenizer": "t"}
+    return {"name": name, "role": role, "fingerprint": base | fp, "speculation": "none", "block_size": 4,
+            "num_blocks": 100, "max_num_seqs": 8}
+
+
+def test_incompatible_workers_refuse_to_pair():
+    check_pairable(_info("p", "prefill"), _info("d", "decode"))
+    with pytest.raises(ConfigError, match="quantization"):
+        check_pairable(_info("p", "prefill", quantization="int8"), _info("d", "decode"))
+    with pytest.raises(ConfigError, match="layout"):
+        check_pairable(_info("p", "prefill"),
+                       _info("d", "decode", layout={"num_layers": 3, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32"}))
+    spec = _info("p", "prefill") | {"speculation": "ngram"}
+    with pytest.raises(ConfigError, match="decode workers only"):
+        check_pairable(spec, _info("d", "decode"))
+
+
+def _router(prefill_blocks=(100, 100), decode_free=(50, 80)):
+    workers = [WorkerHandle(None, _info(f"p{i}", "prefill") | {"num_blocks": b}) for i, b in enumerate(prefill_blocks)]
+    workers += [WorkerHandle(None, _info(f"d{i}", "decode"), stats={"kv_free_blocks": f})
+                for i, f in enumerate(decode_free)]
+    front = DisaggFrontend("m", RequestPreparer(None, 10, 64, 400), None, False)
+    return DisaggRouter(front, workers)
+
+
+def test_routing_prefers_cached_prefix_then_short_queue_and_free_blocks():
+    r = _router()
+    tokens = list(range(1, 10)) * 2  # 18 tokens = 4 full blocks of 4
+    hashes = r._hashes(tokens)
+    assert len(hashes) == 4
+    p0, p1 = r.prefill
+    p0.pending_tokens = 500
+    assert r.pick_prefill(hashes, 18, set()) is p1  # nothing cached: shortest queue
+    r._index(hashes[:2], "p0")
+    assert r.pick_prefill(hashes, 18, set()) is p0  # longest cached prefix beats queue length
+    assert r.pick_prefill(hashes, 18, {"p0"}) is p1  # an excluded (failed) worker is skipped
+    dec, full = r.pick_decode(hashes, 18)
+    assert dec.name == "d1" and not full  # most free blocks
+    r._index(hashes, "d0")
+    dec, full = r.pick_decode(hashes, 18)
+    assert dec.name == "d0" and full  # the whole prompt is cached there: prefill is skipped
+    r.decode[0].alive = r.decode[1].alive = False
+    assert r.pick_decode(hashes, 18) == (None, False)
+
+
+def test_prefill_without_room_is_routed_elsewhere():
+    r = _router(prefill_blocks=(2, 100))
+    hashes = r._hashes(list(range(40)))
+    r._index(hashes, "p0")  # p0 caches the prefix but cannot hold the request
+    assert r.pick_prefill(hashes, 40, set()).name == "p1"
+
+
+@pytest.fixture(scope="module")
+def pair(smollm_checkpoint):
+    def engine(**kw):
+        return LLM("smollm2-135m-instruct", dtype="float32", checkpoint=smollm_checkpoint, kv_cache_gib=0.25,
+                   **kw).engine
+
+    pre = WorkerCore("prefill", engine(max_num_batched_tokens=32), "p0")  # chunked: 32-token chunks
+    dec = WorkerCore("decode", engine(), "d0", transfer_timeout_s=1.0)
+    yield pre, dec
+    pre.shutdown()
+    dec.shutdown()
+
+
+def _decode_via(pre, dec, tokenizer, eos, prompt, params, rid):
+    ids = tokenizer.encode(prompt)
+    m = len(ids) - 1
+    desc = TransferDescriptor(new_transfer_id(), "shm", m, kv_layout_of(pre.engine)) if m else None
+    dec.add_decode(Request(rid, ids, params, eos_token_ids=eos), desc)
+    if desc is not None:
+        st = pre.prefill(rid, ids[:m], desc)
+        assert st["num_tokens"] == m
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        outs, stats = dec.poll(0.1)
+        for o in outs:
+            if o.finished and o.request_id == rid:
+                return o, stats
+    raise AssertionError("no output")
+
+
+def test_prefill_decode_pair_matches_colocated(pair, smollm_llm):
+    pre, dec = pair
+    before = _shm_files()
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in smollm_llm.generate(PROMPTS, params, use_tqdm=False)]
+    tok, eos = smollm_llm.tokenizer, smollm_llm.engine.eos_token_ids
+    for i, prompt in enumerate(PROMPTS):
+        out, _ = _decode_via(pre, dec, tok, eos, prompt, params, f"a{i}")
+        assert out.error is None
+        assert out.outputs[0].token_ids == want[i], prompt
+    # The same long prompt again: the prefill worker finds it in its prefix cache and sends the
+    # cached pages; the decode worker finds it in its own cache and loads only the rest.
+    out, _ = _decode_via(pre, dec, tok, eos, PROMPTS[2], params, "again")
+    assert out.outputs[0].token_ids == want[2]
+    assert out.metrics.num_cached_prompt_tokens > 0
+    assert pre.check_integrity() and dec.check_integrity()
+    assert pre.engine.kv_manager.num_free_blocks == pre.engine.kv_manager.num_blocks
+    assert dec.engine.kv_manager.num_free_blocks == dec.engine.kv_manager.num_blocks
+    assert _shm_files() <= before  # every channel file was removed
+
+
+def test_resumed_request_continues_the_same_text(pair, smollm_llm):
+    pre, dec = pair
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    full = smollm_llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0]
+    ids = smollm_llm.tokenizer.encode(PROMPTS[1])
+    done = full.token_ids[:9]  # as if a decode worker died after streaming 9 tokens
+    tokens = ids + done
+    m = len(tokens) - 1
+    req = Request("resumed", ids, params, eos_token_ids=smollm_llm.engine.eos_token_ids)
+    req.append_output_tokens(done)
+    desc = TransferDescriptor(new_transfer_id(), "shm", m, kv_layout_of(pre.engine))
+    emitted = len(smollm_llm.tokenizer.decode(done))
+    dec.add_decode(req, desc, emitted)
+    pre.prefill("resumed", tokens[:m], desc)
+    deltas, final = [], None
+    deadline = time.time() + 60
+    while final is None and time.time() < deadline:
+        outs, _ = dec.poll(0.1)
+        for o in outs:
+            deltas.append(o.outputs[0].delta_text)
+            final = o if o.finished else final
+    assert final.outputs[0].token_ids == full.token_ids
+    assert final.outputs[0].text == full.text
+    assert full.text[:emitted] + "".join(deltas) == full.text  # nothing streamed twice or lost
+    assert dec.check_integrity()
+
+
+def test_transfer_that_never_arrives_times_out_without_leaking(pair, smollm_llm):
+    pre, dec = pair
+    before = _shm_files()
+    ids = smollm_llm.tokenizer.encode(PROMPTS[2])
+    desc = TransferDescriptor(new_transfer_id(), "shm", len(ids) - 1, kv_layout_of(dec.engine))
+    dec.add_decode(Request("lost", ids, SamplingParams(max_tokens=4)), desc)  # no prefill ever comes
+    deadline = time.time() + 30
+    final = None
+    while final is None and time.time() < deadline:
+        outs, _ = dec.poll(0.1)
+        final = next((o for o in outs if o.request_id == "lost" and o.finished), None)
+    assert final is not None and final.error.startswith("KVTransferError")
+    assert dec.check_integrity()
+    assert dec.engine.kv_manager.num_free_blocks == dec.engine.kv_manager.num_blocks
+    assert _shm_files() <= before
