@@ -95,7 +95,9 @@ def launch(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1, num_
     for i, role in enumerate(["prefill"] * num_prefill + ["decode"] * num_decode):
         cpus = [i % ncpu] if pin_cpus and not ray_address else None
         index = i if role == "prefill" else i - num_prefill
-        actors.append(start_worker(role, index, model, kwargs, transfer_timeout_s=transfer_timeout_s, cpus=cpus))
+        # On a cluster, spread the workers over the nodes; locally they all share this host.
+        actors.append(start_worker(role, index, model, kwargs, transfer_timeout_s=transfer_timeout_s, cpus=cpus,
+                                   scheduling_strategy="SPREAD" if ray_address else None))
     return connect(model, actors, transport=transport, transfer_timeout_s=transfer_timeout_s,
                    max_waiting=max_waiting, metrics=metrics, on_output=on_output)
 
