@@ -1,0 +1,317 @@
+"""Disaggregated prefill/decode vs the co-located engine on this machine, one run.
+
+Co-located: one engine on both cores; long prompts are prefilled in chunks mixed into the
+same steps as everyone's decoding. Disaggregated: one prefill worker pinned to core 0 and one
+decode worker pinned to core 1 (Ray actors), KV streamed layer by layer through shared memory.
+
+Two workloads, open loop (arrivals at fixed times whatever the progress), greedy, streaming:
+- `mixed`: long-decode requests (short prompt, --decode-tokens answer) are running when long
+  prompts (~2.1-2.4k tokens, 16-token answers) arrive every --interval seconds;
+- `decode-only`: the same decodes without the long prompts.
+
+Per configuration and workload: TTFT p50/p99 by request kind, TPOT (per-request mean) and
+inter-token gaps p50/p99 of the decodes, goodput under an SLO, output tokens/s; for the
+disaggregated runs the KV transfer bytes, send/load time, the time left exposed after the
+prefill finished, and the fraction of the load hidden by layer streaming.
+
+    python bench/disagg.py                   # SmolLM2-135M, ~10 min
+    python bench/disagg.py --long 2 --decode 2 --decode-tokens 48 --workloads mixed   # ~3 min
+
+Writes bench/results/disagg.json and disagg.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, machine_info, write_json  # noqa: E402
+from prompts import CODING, EDIT  # noqa: E402
+
+from specserve import SamplingParams  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+TOPICS = ["the ocean", "volcanoes", "tea", "compilers", "bees", "the moon", "jazz", "chess", "glaciers", "bread"]
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def long_prompt(i: int, tokenizer: Any, target_tokens: int) -> str:
+    """A distinct ~target_tokens prompt (distinct from its first line, so no shared prefix)."""
+    parts = [f"Document {i} ({TOPICS[i % len(TOPICS)]}), numbered sections follow.\n"]
+    j = 0
+    while len(tokenizer.encode("".join(parts))) < target_tokens:
+        src = CODING[(i + j) % len(CODING)] if j % 2 else EDIT[(i + j) % len(EDIT)][1]
+        parts.append(f"\nSection {i}.{j}:\n{src}\n")
+        j += 1
+    return "".join(parts) + "\nSummarize the document above in one sentence."
+
+
+def workload(kind: str, args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any]]:
+    """Requests with arrival offsets (s), prompts and parameters."""
+    reqs = []
+    for i in range(args.decode):
+        reqs.append({"kind": "decode", "at": 0.25 + args.interval / 2 * i if kind == "mixed" else 0.25 * i,
+                     "prompt": f"Write a long, detailed essay about {TOPICS[i % len(TOPICS)]}.",
+                     "params": SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)})
+    if kind == "mixed":
+        for i in range(args.long):
+            reqs.append({"kind": "long", "at": 1.0 + args.interval * i,
+                         "prompt": long_prompt(i, tokenizer, args.long_tokens + 40 * i),
+                         "params": SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)})
+    return sorted(reqs, key=lambda r: r["at"])
+
+
+async def drive(ae: Any, frontend: Any, reqs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Submit each request at its arrival time; record token timestamps as they stream."""
+    t0 = time.perf_counter()
+
+    async def one(r: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(max(0.0, t0 + r["at"] - time.perf_counter()))
+        arrival = time.perf_counter()
+        p = frontend.prepare_request(r["prompt"], r["params"], arrival_time=arrival)
+        stream = ae.submit([p])
+        stamps: list[float] = []
+        error = None
+        async for _, out in stream:
+            now = time.perf_counter()
+            stamps += [now] * len(out.outputs[0].delta_token_ids)
+            error = error or out.error
+        gaps = list(np.diff(stamps)) if len(stamps) > 1 else []
+        return {"kind": r["kind"], "prompt_tokens": p.request.num_prompt_tokens, "tokens": len(stamps),
+                "ttft_s": stamps[0] - arrival if stamps else None,
+                "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None,
+                "gaps_s": gaps, "e2e_s": (stamps[-1] if stamps else time.perf_counter()) - arrival,
+                "error": error}
+
+    return list(await asyncio.gather(*(one(r) for r in reqs)))
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    """Percentile, None for no data."""
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def summarize(results: list[dict[str, Any]], wall_s: float, slo: dict[str, float]) -> dict[str, Any]:
+    """Latency percentiles, goodput and throughput of one run."""
+    out: dict[str, Any] = {"wall_s": wall_s, "errors": sum(1 for r in results if r["error"])}
+    for kind in ("decode", "long"):
+        rs = [r for r in results if r["kind"] == kind]
+        if not rs:
+            continue
+        ttft = [r["ttft_s"] for r in rs if r["ttft_s"] is not None]
+        tpot = [r["tpot_s"] for r in rs if r["tpot_s"] is not None]
+        gaps = [g for r in rs for g in r["gaps_s"]]
+        ok = [r for r in rs if r["ttft_s"] is not None and r["ttft_s"] <= slo[f"ttft_{kind}_s"]
+              and (kind == "long" or (r["tpot_s"] or 0) <= slo["tpot_s"])]
+        out[kind] = {"n": len(rs), "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+                     "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
+                     "itl_p50_s": pct(gaps, 50), "itl_p99_s": pct(gaps, 99), "itl_max_s": max(gaps, default=None),
+                     "slo_met": len(ok), "goodput_rps": len(ok) / wall_s}
+    n_tok = sum(r["tokens"] for r in results)
+    out["output_tokens_per_s"] = n_tok / wall_s
+    met = sum(out[k]["slo_met"] for k in ("decode", "long") if k in out)
+    out["goodput_fraction"] = met / len(results)
+    return out
+
+
+def transfer_summary(router: Any) -> dict[str, Any]:
+    """KV transfer figures the router collected from its workers."""
+    ts, ps = router.transfers, router.prefills
+    if not ts:
+        return {}
+    send = sum(p["send_s"] for p in ps)
+    load = sum(t["load_s"] for t in ts)
+    exposed = sum(t["exposed_s"] for t in ts)
+    nbytes = sum(t["bytes"] for t in ts)
+    return {
+        "transfers": len(ts), "bytes": nbytes, "mean_bytes": nbytes / len(ts),
+        "mean_send_s": send / max(len(ps), 1), "mean_load_s": load / len(ts), "mean_exposed_s": exposed / len(ts),
+        "mean_overlap": float(np.mean([t["overlap"] for t in ts])),
+        # Without streaming the whole send + load would follow the prefill; this much of it did not.
+        "hidden_fraction": max(0.0, min(1.0, 1 - exposed / (send + load))) if send + load else None,
+        "prefill_wall_mean_s": float(np.mean([p["wall_s"] for p in ps])) if ps else None,
+    }
+
+
+async def run_colocated(args: argparse.Namespace, kinds: list[str], slo: dict[str, float]) -> dict[str, Any]:
+    from specserve import LLM
+    from specserve.server.async_engine import AsyncEngine
+
+    llm = LLM(MODEL, dtype="float32", kv_cache_gib=1.0, max_model_len=4096, num_threads=2,
+              max_num_batched_tokens=args.chunk)
+    ae = AsyncEngine(llm.engine)
+    ae.start(asyncio.get_running_loop())
+    res = {}
+    for kind in kinds:
+        await drive(ae, llm.engine, workload(kind, args, llm.tokenizer)[:2])  # warm-up
+        llm.engine.kv_manager.reset_prefix_cache()
+        t0 = time.perf_counter()
+        results = await drive(ae, llm.engine, workload(kind, args, llm.tokenizer))
+        res[kind] = {"summary": summarize(results, time.perf_counter() - t0, slo), "requests": results}
+        log(f"co-located {kind}: {fmt(res[kind]['summary'])}")
+    await ae.shutdown(5)
+    del llm
+    gc.collect()
+    return res
+
+
+async def run_disagg(args: argparse.Namespace, kinds: list[str], slo: dict[str, float]) -> dict[str, Any]:
+    from specserve.disagg.launch import launch
+
+    router = launch(MODEL, dict(dtype="float32", kv_cache_gib=1.0, max_model_len=4096,
+                                max_num_batched_tokens=args.chunk),
+                    1, 1, threads_per_worker=1, pin_cpus=True)
+    router.start(asyncio.get_running_loop())
+    tok = router.engine.tokenizer
+    res = {}
+    for kind in kinds:
+        await drive(router, router.engine, workload(kind, args, tok)[:2])  # warm-up
+        router.transfers.clear()
+        router.prefills.clear()
+        t0 = time.perf_counter()
+        results = await drive(router, router.engine, workload(kind, args, tok))
+        res[kind] = {"summary": summarize(results, time.perf_counter() - t0, slo) | {"kv": transfer_summary(router)},
+                     "requests": results}
+        log(f"disaggregated {kind}: {fmt(res[kind]['summary'])}")
+    await router.shutdown(5)
+    import ray
+
+    ray.shutdown()
+    return res
+
+
+def fmt(s: dict[str, Any]) -> str:
+    d = s.get("decode", {})
+    lg = s.get("long", {})
+
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    txt = (f"decode TPOT p50/p99 {f(d.get('tpot_p50_s'))}/{f(d.get('tpot_p99_s'))} s, ITL p99 {f(d.get('itl_p99_s'))} "
+           f"max {f(d.get('itl_max_s'))}; long TTFT p50/p99 {f(lg.get('ttft_p50_s'))}/{f(lg.get('ttft_p99_s'))} s; "
+           f"goodput {s['goodput_fraction']:.2f}; {s['output_tokens_per_s']:.1f} tok/s; errors {s['errors']}")
+    if s.get("kv"):
+        kv = s["kv"]
+        txt += (f"; KV {kv['mean_bytes'] / 1e6:.1f} MB/transfer, send {kv['mean_send_s'] * 1e3:.1f} ms, load "
+                f"{kv['mean_load_s'] * 1e3:.1f} ms, exposed {kv['mean_exposed_s'] * 1e3:.1f} ms, "
+                f"hidden {kv['hidden_fraction']:.2f}")
+    return txt
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    """ITL CDFs of the decodes, TTFT of long prompts, TPOT and goodput per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = payload["runs"]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax = axes[0][0]
+    for cfg, by_kind in runs.items():
+        for kind, run in by_kind.items():
+            gaps = sorted(g for r in run["requests"] if r["kind"] == "decode" for g in r["gaps_s"])
+            if gaps:
+                ax.plot(gaps, np.linspace(0, 1, len(gaps)), label=f"{cfg} / {kind}")
+    ax.set_xscale("log")
+    ax.set_xlabel("decode inter-token gap (s)")
+    ax.set_ylabel("CDF")
+    ax.legend(fontsize=8)
+    ax.set_title("decode inter-token gaps")
+    labels = [(cfg, kind) for cfg, by_kind in runs.items() for kind in by_kind]
+    names = [f"{c}\n{k}" for c, k in labels]
+    x = np.arange(len(labels))
+
+    def bars(ax: Any, keys: list[tuple[str, str, str]], title: str, ylabel: str) -> None:
+        w = 0.8 / len(keys)
+        for j, (kind, key, lab) in enumerate(keys):
+            vals = [runs[c][k]["summary"].get(kind, {}).get(key) or 0.0 for c, k in labels]
+            b = ax.bar(x + (j - (len(keys) - 1) / 2) * w, vals, w, label=lab)
+            ax.bar_label(b, fmt="%.2f", fontsize=7)
+        ax.set_xticks(x, names, fontsize=8)
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+
+    bars(axes[0][1], [("long", "ttft_p50_s", "long TTFT p50"), ("long", "ttft_p99_s", "long TTFT p99"),
+                      ("decode", "ttft_p99_s", "decode TTFT p99")], "time to first token", "s")
+    bars(axes[1][0], [("decode", "tpot_p50_s", "TPOT p50"), ("decode", "tpot_p99_s", "TPOT p99"),
+                      ("decode", "itl_p99_s", "ITL p99")], "decode time per output token", "s")
+    ax = axes[1][1]
+    vals = [runs[c][k]["summary"]["goodput_fraction"] for c, k in labels]
+    b = ax.bar(x, vals, 0.5)
+    ax.bar_label(b, fmt="%.2f", fontsize=8)
+    ax.set_xticks(x, names, fontsize=8)
+    ax.set_ylim(0, 1.1)
+    slo = payload["slo"]
+    ax.set_title(f"goodput: TTFT<= {slo['ttft_long_s']}s (long) / {slo['ttft_decode_s']}s (decode), "
+                 f"TPOT <= {slo['tpot_s']}s", fontsize=9)
+    kv = runs.get("disaggregated", {}).get("mixed", {}).get("summary", {}).get("kv")
+    if kv:
+        ax.text(0.02, 0.02, f"KV/transfer {kv['mean_bytes'] / 1e6:.0f} MB, send {kv['mean_send_s'] * 1e3:.0f} ms, "
+                f"load {kv['mean_load_s'] * 1e3:.0f} ms,\nexposed {kv['mean_exposed_s'] * 1e3:.1f} ms: "
+                f"{kv['hidden_fraction'] * 100:.0f}% hidden by layer streaming", transform=ax.transAxes, fontsize=8)
+    m = payload["machine"]
+    fig.suptitle(f"{MODEL}: disaggregated (1 prefill core + 1 decode core) vs co-located (2 cores) — "
+                 f"{m['cpu']}, {m['commit']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--long", type=int, default=3, help="long-prompt requests in the mixed workload")
+    ap.add_argument("--long-tokens", type=int, default=2100, help="approximate tokens of the first long prompt")
+    ap.add_argument("--decode", type=int, default=6, help="long-decode requests")
+    ap.add_argument("--decode-tokens", type=int, default=160)
+    ap.add_argument("--interval", type=float, default=12.0,
+                    help="seconds between long prompts (about one prompt's prefill time on one core here)")
+    ap.add_argument("--chunk", type=int, default=512, help="token budget per step (prefill chunk size)")
+    ap.add_argument("--workloads", nargs="+", default=["mixed", "decode-only"])
+    ap.add_argument("--slo-ttft-long", type=float, default=20.0)
+    ap.add_argument("--slo-ttft-decode", type=float, default=2.0)
+    ap.add_argument("--slo-tpot", type=float, default=0.1)
+    args = ap.parse_args()
+    slo = {"ttft_long_s": args.slo_ttft_long, "ttft_decode_s": args.slo_ttft_decode, "tpot_s": args.slo_tpot}
+    runs = {"co-located": asyncio.run(run_colocated(args, args.workloads, slo)),
+            "disaggregated": asyncio.run(run_disagg(args, args.workloads, slo))}
+    payload = {"machine": machine_info(), "model": MODEL, "settings": vars(args), "slo": slo, "runs": runs,
+               "configs": {"co-located": "one engine, 2 torch threads, chunked prefill mixed with decodes",
+                           "disaggregated": "1 prefill worker (core 0) + 1 decode worker (core 1), Ray actors, "
+                                            "KV via shared memory, 1 torch thread each"}}
+    verdict = {}
+    for kind in args.workloads:
+        c, d = runs["co-located"][kind]["summary"], runs["disaggregated"][kind]["summary"]
+        verdict[kind] = {
+            "decode_tpot_p99_ratio_disagg_over_coloc": _ratio(d, c, "decode", "tpot_p99_s"),
+            "decode_itl_p99_ratio_disagg_over_coloc": _ratio(d, c, "decode", "itl_p99_s"),
+            "long_ttft_p50_ratio_disagg_over_coloc": _ratio(d, c, "long", "ttft_p50_s"),
+            "goodput_coloc": c["goodput_fraction"], "goodput_disagg": d["goodput_fraction"],
+            "throughput_ratio_disagg_over_coloc": d["output_tokens_per_s"] / c["output_tokens_per_s"],
+        }
+    payload["verdict"] = verdict
+    out = write_json("disagg.json", payload)
+    plot(payload, RESULTS_DIR / "disagg.png")
+    log(f"wrote {out}")
+    return 0
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any], kind: str, key: str) -> float | None:
+    x, y = a.get(kind, {}).get(key), b.get(kind, {}).get(key)
+    return x / y if x and y else None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
