@@ -138,9 +138,10 @@ def transfer_summary(router: Any) -> dict[str, Any]:
     return {
         "transfers": len(ts), "bytes": nbytes, "mean_bytes": nbytes / len(ts),
         "mean_send_s": send / max(len(ps), 1), "mean_load_s": load / len(ts), "mean_exposed_s": exposed / len(ts),
-        "mean_overlap": float(np.mean([t["overlap"] for t in ts])),
-        # Without streaming the whole send + load would follow the prefill; this much of it did not.
-        "hidden_fraction": max(0.0, min(1.0, 1 - exposed / (send + load))) if send + load else None,
+        # Share of the decode-side load done while the prefill was still computing: the part of
+        # the transfer that layer (and chunk) streaming hid. "exposed" (prefill done -> KV complete
+        # on the decode worker) also holds the wait for the decode worker's current step to end.
+        "hidden_fraction": float(np.mean([t["overlap"] for t in ts])),
         "prefill_wall_mean_s": float(np.mean([p["wall_s"] for p in ps])) if ps else None,
     }
 
