@@ -149,6 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 args.model, engine_kwargs(args), args.prefill_workers, args.decode_workers,
                 ray_address=args.ray_address, transport=args.kv_transport, transfer_timeout_s=args.transfer_timeout,
                 threads_per_worker=args.worker_threads, pin_cpus=args.pin_cpus, max_waiting=args.max_waiting,
+                local_prefill_tokens=args.local_prefill_tokens,
                 metrics=DisaggMetrics(metrics.registry), on_output=metrics.on_finished,
             )
 
@@ -239,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--transfer-timeout", type=float, default=60.0,
                    help="seconds without KV progress before a transfer is abandoned and the request re-prefilled")
     d.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
+    d.add_argument("--local-prefill-tokens", type=int, default=32,
+                   help="prompts shorter than this are prefilled on their decode worker (0: always use a prefill worker)")
     d.add_argument("--pin-cpus", action="store_true", help="pin worker i to core i (local Ray only)")
     return parser
 

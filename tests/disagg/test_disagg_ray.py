@@ -30,7 +30,7 @@ def deployment(smollm_path):
     actors = [start_worker("prefill", 0, MODEL, ENGINE, transfer_timeout_s=20)]
     actors += [start_worker("decode", i, MODEL, ENGINE | {"spec_method": "ngram"}, transfer_timeout_s=20)
                for i in range(2)]
-    router = connect(MODEL, actors, transfer_timeout_s=20)
+    router = connect(MODEL, actors, transfer_timeout_s=20, local_prefill_tokens=0)  # every prompt goes remote
     client = DisaggClient(router)
     yield client
     client.close()
@@ -80,6 +80,21 @@ def test_forced_ray_transport_matches(deployment, smollm_llm):
         deployment.router.transport = "auto"
     assert _tokens(outs) == want
     assert [p["transport"] for p in deployment.router.prefills[n0:]] == ["ray"] * 4
+
+
+def test_short_prompts_are_prefilled_on_the_decode_worker(deployment, smollm_llm):
+    router = deployment.router
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prompts = ["Name a colour.", "Tell me a fairly long story about " + "a curious cat and " * 10 + "a dog."]
+    want = _tokens(smollm_llm.generate(prompts, params, use_tqdm=False))
+    router.local_prefill_tokens = 16
+    n0 = len(router.prefills)
+    try:
+        outs = deployment.generate(prompts, params)
+    finally:
+        router.local_prefill_tokens = 0
+    assert _tokens(outs) == want
+    assert len(router.prefills) == n0 + 1  # only the long prompt used the prefill worker
 
 
 def test_full_prefix_hit_skips_prefill(deployment, smollm_llm):

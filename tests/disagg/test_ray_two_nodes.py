@@ -34,7 +34,7 @@ def test_prefill_and_decode_on_two_ray_nodes(smollm_path, smollm_llm):
 
         actors = [start_worker("prefill", 0, MODEL, ENGINE, scheduling_strategy=on(nodes[0])),
                   start_worker("decode", 0, MODEL, ENGINE, scheduling_strategy=on(nodes[1]))]
-        router = connect(MODEL, actors)
+        router = connect(MODEL, actors, local_prefill_tokens=0)
         assert router.prefill[0].node_id != router.decode[0].node_id
         client = DisaggClient(router)
         prompts = ["The three primary colours are", "Write a haiku about rain. " * 3]

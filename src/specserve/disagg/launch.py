@@ -48,7 +48,8 @@ def start_worker(role: str, index: int, model: str, engine_kwargs: dict[str, Any
 
 
 def connect(model: str, actors: list[Any], *, transport: str = "auto", transfer_timeout_s: float = 60.0,
-            max_waiting: int = 256, metrics: Any = None, on_output: Any = None) -> DisaggRouter:
+            max_waiting: int = 256, local_prefill_tokens: int = 32, metrics: Any = None,
+            on_output: Any = None) -> DisaggRouter:
     """Wait for the workers to load, check they can pair, and build the router and its front-end."""
     import ray
 
@@ -75,13 +76,14 @@ def connect(model: str, actors: list[Any], *, transport: str = "auto", transfer_
         for w in workers:
             metrics.worker_alive.labels(w.role, w.name).set(1)
     return DisaggRouter(frontend, workers, transport=transport, transfer_timeout_s=transfer_timeout_s,
-                        max_waiting=max_waiting, metrics=metrics, on_output=on_output)
+                        max_waiting=max_waiting, local_prefill_tokens=local_prefill_tokens, metrics=metrics,
+                        on_output=on_output)
 
 
 def launch(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1, num_decode: int = 1, *,
            ray_address: str | None = None, transport: str = "auto", transfer_timeout_s: float = 60.0,
            threads_per_worker: int | None = None, pin_cpus: bool = False, max_waiting: int = 256,
-           metrics: Any = None, on_output: Any = None) -> DisaggRouter:
+           local_prefill_tokens: int = 32, metrics: Any = None, on_output: Any = None) -> DisaggRouter:
     """Start Ray (or join it), num_prefill + num_decode worker actors, and the router."""
     if num_prefill < 1 or num_decode < 1:
         raise ConfigError("--disagg needs --prefill-workers >= 1 and --decode-workers >= 1.")
@@ -99,7 +101,8 @@ def launch(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1, num_
         actors.append(start_worker(role, index, model, kwargs, transfer_timeout_s=transfer_timeout_s, cpus=cpus,
                                    scheduling_strategy="SPREAD" if ray_address else None))
     return connect(model, actors, transport=transport, transfer_timeout_s=transfer_timeout_s,
-                   max_waiting=max_waiting, metrics=metrics, on_output=on_output)
+                   max_waiting=max_waiting, local_prefill_tokens=local_prefill_tokens, metrics=metrics,
+                   on_output=on_output)
 
 
 class DisaggClient:

@@ -1,7 +1,7 @@
 """The router (global scheduler) of disaggregated serving, behind the same interface as AsyncEngine.
 
 For each request it picks a decode worker (most free KV blocks) and, unless the decode worker
-already caches the whole prompt, a prefill worker (longest prefix in the global prefix index,
+already caches the whole prompt or the prompt is short (`local_prefill_tokens`), a prefill worker (longest prefix in the global prefix index,
 then shortest pending-token queue, among workers with KV room); opens a transfer between them
 (shared memory on one host, Ray's object store across hosts), starts the prefill, and relays
 the decode worker's outputs to the HTTP stream.
@@ -128,6 +128,7 @@ class DisaggRouter:
         transfer_timeout_s: float = 60.0,
         max_waiting: int = 256,
         max_attempts: int = 4,
+        local_prefill_tokens: int = 32,
         metrics: Any = None,
         on_output: Any = None,
     ) -> None:
@@ -144,6 +145,9 @@ class DisaggRouter:
         self.transport = transport
         self.transfer_timeout_s = transfer_timeout_s
         self.max_attempts = max_attempts
+        # Prompts this short are prefilled by their decode worker: a few tokens cost it about one
+        # decode step, far less than waiting behind a long prompt on a prefill worker.
+        self.local_prefill_tokens = local_prefill_tokens
         self.block_size = self.decode[0].info["block_size"]
         self.layout = KVLayout(**self.decode[0].info["fingerprint"]["layout"])
         self.capacity = sum(w.info.get("max_num_seqs", 64) for w in self.decode) + max_waiting
@@ -315,7 +319,7 @@ class DisaggRouter:
             if dec is None:
                 self._finish(job, "error", "no decode worker is alive; restart the server or add decode workers")
                 return
-            need_prefill = m > 0 and not full_hit
+            need_prefill = m > 0 and m >= self.local_prefill_tokens and not full_hit
             pre = self.pick_prefill(hashes, m, bad_prefill) if need_prefill else None
             if need_prefill and pre is None:
                 self._finish(job, "error", "no healthy prefill worker is left; restart the server or add prefill workers")
