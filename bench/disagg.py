@@ -58,8 +58,14 @@ def long_prompt(i: int, tokenizer: Any, target_tokens: int) -> str:
     return "".join(parts) + "\nSummarize the document above in one sentence."
 
 
-def workload(kind: str, args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any]]:
-    """Requests with arrival offsets (s), prompts and parameters."""
+def workload(kind: str, args: argparse.Namespace, tokenizer: Any, warm_up: bool = False) -> list[dict[str, Any]]:
+    """Requests with arrival offsets (s), prompts and parameters (warm-up: other prompts, so the
+    measured run finds nothing of them in any prefix cache)."""
+    if warm_up:
+        return [{"kind": "decode", "at": 0.0, "prompt": "Warm-up: say something about the weather.",
+                 "params": SamplingParams(max_tokens=8, temperature=0.0)},
+                {"kind": "long", "at": 0.1, "prompt": long_prompt(99, tokenizer, 600),
+                 "params": SamplingParams(max_tokens=4, temperature=0.0)}]
     reqs = []
     for i in range(args.decode):
         reqs.append({"kind": "decode", "at": 0.25 + args.interval / 2 * i if kind == "mixed" else 0.25 * i,
@@ -156,7 +162,7 @@ async def run_colocated(args: argparse.Namespace, kinds: list[str], slo: dict[st
     ae.start(asyncio.get_running_loop())
     res = {}
     for kind in kinds:
-        await drive(ae, llm.engine, workload(kind, args, llm.tokenizer)[:2])  # warm-up
+        await drive(ae, llm.engine, workload(kind, args, llm.tokenizer, warm_up=True))
         llm.engine.kv_manager.reset_prefix_cache()
         t0 = time.perf_counter()
         results = await drive(ae, llm.engine, workload(kind, args, llm.tokenizer))
@@ -178,7 +184,7 @@ async def run_disagg(args: argparse.Namespace, kinds: list[str], slo: dict[str, 
     tok = router.engine.tokenizer
     res = {}
     for kind in kinds:
-        await drive(router, router.engine, workload(kind, args, tok)[:2])  # warm-up
+        await drive(router, router.engine, workload(kind, args, tok, warm_up=True))
         router.transfers.clear()
         router.prefills.clear()
         t0 = time.perf_counter()
