@@ -88,13 +88,13 @@ def test_routing_prefers_cached_prefix_then_short_queue_and_free_blocks():
     r._index(hashes[:2], "p0")
     assert r.pick_prefill(hashes, 18, set()) is p0  # longest cached prefix beats queue length
     assert r.pick_prefill(hashes, 18, {"p0"}) is p1  # an excluded (failed) worker is skipped
-    dec, full = r.pick_decode(hashes, 18)
+    dec, full = r.pick_decode(hashes)
     assert dec.name == "d1" and not full  # most free blocks
     r._index(hashes, "d0")
-    dec, full = r.pick_decode(hashes, 18)
+    dec, full = r.pick_decode(hashes)
     assert dec.name == "d0" and full  # the whole prompt is cached there: prefill is skipped
     r.decode[0].alive = r.decode[1].alive = False
-    assert r.pick_decode(hashes, 18) == (None, False)
+    assert r.pick_decode(hashes) == (None, False)
 
 
 def test_prefill_without_room_is_routed_elsewhere():

@@ -42,7 +42,7 @@ from specserve.errors import SpecServeError
 from specserve.request import Request
 
 SHM_DIR = "/dev/shm"
-_HEADER_SLOTS = 4  # after the per-layer counters: status, num_tokens, written_at (ns), reserved
+_HEADER_SLOTS = 4  # after the per-layer counters: status, (unused), written_at (ns), (unused)
 STATUS_OPEN, STATUS_DONE, STATUS_FAILED = 0, 1, 2
 
 
@@ -84,6 +84,12 @@ class TransferDescriptor:
     def shm_path(self) -> str:
         """The shared-memory file of an "shm" transfer."""
         return os.path.join(SHM_DIR, f"specserve-kv-{self.transfer_id}")
+
+
+def slot_indices(block_ids: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of token positions [start, end) of a request with this block table."""
+    pos = torch.arange(start, end)
+    return torch.tensor(block_ids, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
 
 
 def new_transfer_id() -> str:
@@ -314,11 +320,6 @@ class PrefillConnector:
         self.outgoing[request_id] = out
         return out
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        table = torch.tensor(block_ids, dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
     def _send(self, t: _Outgoing, layer: int, kv: tuple[torch.Tensor, ...], start: int, slots: torch.Tensor) -> None:
         t0 = time.perf_counter()
         kc, vc = kv[0], kv[1]
@@ -337,13 +338,13 @@ class PrefillConnector:
             if t is None:
                 continue
             if t.sent < sr.start_pos:  # found in this worker's prefix cache: already in pages
-                slots = self._slots(sr.block_ids, t.sent, sr.start_pos)
+                slots = slot_indices(sr.block_ids, t.sent, sr.start_pos, self.block_size)
                 for layer, kv in enumerate(self.engine.runner.kv_caches):
                     self._send(t, layer, kv, t.sent, slots)
                 t.sent = sr.start_pos
             end = min(sr.start_pos + len(sr.token_ids), t.desc.num_tokens)
             if end > sr.start_pos:
-                self._step.append((t, sr.start_pos, self._slots(sr.block_ids, sr.start_pos, end)))
+                self._step.append((t, sr.start_pos, slot_indices(sr.block_ids, sr.start_pos, end, self.block_size)))
 
     def before_layer(self, index: int, kv_cache: tuple[torch.Tensor, ...]) -> None:
         """Nothing to load on the prefill side."""
@@ -389,10 +390,10 @@ class _Incoming:
     desc: TransferDescriptor
     channel: KVChannel
     num_tokens: int  # m
-    created: float = field(default_factory=time.monotonic)
     last_progress: float = field(default_factory=time.monotonic)
     loaded: list[int] = field(default_factory=list)  # per layer: tokens already in our pages
     reserved: bool = False  # blocks for [0, m) allocated
+    slots: torch.Tensor | None = None  # cache slots of tokens [0, m), fixed once reserved
     failed: str | None = None
     stats: TransferStats = field(default_factory=lambda: TransferStats(""))
 
@@ -411,6 +412,9 @@ class DecodeConnector:
         self.incoming: dict[str, _Incoming] = {}
         self._step: list[_Incoming] = []
         self.finished_stats: list[TransferStats] = []  # drained by the worker for metrics
+        # Receiving channels by transfer id, registered as soon as a transfer is announced (before
+        # the engine thread queues its request) so Ray pieces can land at once; removed on retire.
+        self.channels: dict[str, KVChannel] = {}
         self._lock = threading.Lock()  # receive_kv (Ray threads) vs the engine thread
 
     # -- set-up (engine thread)
@@ -420,13 +424,6 @@ class DecodeConnector:
         inc.loaded = [0] * desc.layout.num_layers
         request.kv_source = inc
         self.incoming[request.request_id] = inc
-
-    def channel(self, transfer_id: str) -> KVChannel | None:
-        """The channel of a live transfer (Ray receive path)."""
-        for inc in list(self.incoming.values()):
-            if inc.desc.transfer_id == transfer_id:
-                return inc.channel
-        return None
 
     # -- between steps
     def pump(self) -> None:
@@ -455,6 +452,7 @@ class DecodeConnector:
             return False
         req.num_cached_tokens = num_hit
         inc.loaded = [num_hit] * len(inc.loaded)  # those tokens are in our pages already
+        inc.slots = slot_indices(kv.block_ids(req.request_id), 0, inc.num_tokens, self.block_size)
         inc.reserved = True
         return True
 
@@ -462,7 +460,6 @@ class DecodeConnector:
         """Copy arrived tokens of one layer (or all layers) into the request's pages."""
         ch = inc.channel
         caches = self.engine.runner.kv_caches
-        table = self.engine.kv_manager.block_ids(inc.request.request_id)
         moved = False
         before_done = ch.status != STATUS_DONE
         for i in range(len(caches)) if layer is None else (layer,):
@@ -470,8 +467,7 @@ class DecodeConnector:
             if hi <= lo:
                 continue
             t0 = time.perf_counter()
-            pos = torch.arange(lo, hi)
-            slots = torch.tensor(table, dtype=torch.long)[pos // self.block_size] * self.block_size + pos % self.block_size
+            slots = inc.slots[lo:hi]
             kc, vc = caches[i][0], caches[i][1]
             n_kv, d = kc.shape[-2:]
             kc.view(-1, n_kv, d).index_copy_(0, slots, ch.data[i, 0, lo:hi].to(kc.dtype))
@@ -521,6 +517,7 @@ class DecodeConnector:
         if inc is None:
             return
         inc.request.kv_source = None
+        self.channels.pop(inc.desc.transfer_id, None)
         inc.channel.close()
         with self._lock:
             self.finished_stats.append(inc.stats)

@@ -104,7 +104,6 @@ class DisaggFrontend:
         self.config = config
         self.proposer = object() if has_proposer else None
         self.speculation_enabled = has_proposer
-        self._n = 0
 
     def prepare_request(self, prompt: Any, params: Any = None, *, request_id: str | None = None,
                         priority: int = 0, arrival_time: float | None = None, index: int = 0) -> PreparedRequest:
@@ -270,7 +269,7 @@ class DisaggRouter:
         for h in hashes:
             self._prefix_index.setdefault(h, set()).update(names)
 
-    def pick_decode(self, hashes: list[int], num_tokens: int) -> tuple[WorkerHandle | None, bool]:
+    def pick_decode(self, hashes: list[int]) -> tuple[WorkerHandle | None, bool]:
         """(worker, full prefix hit): a worker caching every full block of the prompt, else most free blocks."""
         live = [w for w in self.decode if w.alive]
         if not live:
@@ -315,7 +314,7 @@ class DisaggRouter:
             tokens = job.request.prompt_token_ids + job.output_ids
             m = len(tokens) - 1
             hashes = self._hashes(tokens[:m])
-            dec, full_hit = self.pick_decode(hashes, len(tokens))
+            dec, full_hit = self.pick_decode(hashes)
             if dec is None:
                 self._finish(job, "error", "no decode worker is alive; restart the server or add decode workers")
                 return

@@ -22,7 +22,6 @@ from typing import Any
 
 from specserve.disagg.kv_transfer import (
     DecodeConnector,
-    KVChannel,
     KVTransferError,
     PrefillConnector,
     TransferDescriptor,
@@ -34,6 +33,7 @@ from specserve.errors import ConfigError
 from specserve.outputs import RequestOutput
 from specserve.request import Request
 from specserve.sampling_params import SamplingParams
+from specserve.server.async_engine import take_commands
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,6 @@ class WorkerCore:
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._outbox: list[RequestOutput] = []
         self._cv = threading.Condition()
-        self._channels: dict[str, KVChannel] = {}  # decode: transfer id -> receiving channel
         self._prefills: dict[str, Any] = {}  # prefill: request id -> _Outgoing
         self._stop = threading.Event()
         self.error: str | None = None
@@ -174,12 +173,12 @@ class WorkerCore:
         channel = None
         if desc is not None:
             channel = open_receiver(desc)
-            self._channels[desc.transfer_id] = channel
+            self.connector.channels[desc.transfer_id] = channel  # type: ignore[union-attr]
         self._commands.put(("decode", (request, desc, channel, emitted_chars)))
 
     def receive_kv(self, transfer_id: str, layer: int, start: int, k: Any, v: Any) -> None:
         """Cross-host transport: one (layer, token range) of a transfer arrives."""
-        ch = self._channels.get(transfer_id)
+        ch = self.connector.channels.get(transfer_id)  # type: ignore[union-attr]
         if ch is not None and ch.data is not None:
             ch.receive(layer, start, k, v)  # type: ignore[attr-defined]
 
@@ -187,7 +186,7 @@ class WorkerCore:
         """Cross-host transport: the sender is done (or gave up)."""
         from specserve.disagg.kv_transfer import STATUS_DONE, STATUS_FAILED
 
-        ch = self._channels.get(transfer_id)
+        ch = self.connector.channels.get(transfer_id)  # type: ignore[union-attr]
         if ch is not None and ch.data is not None:
             ch.set_status(STATUS_DONE if ok else STATUS_FAILED)
 
@@ -249,7 +248,8 @@ class WorkerCore:
                 eng.add_prepared(PreparedRequest(req, None, 0, emitted))
             except Exception as exc:  # noqa: BLE001 - the router gets an error output
                 if desc is not None:
-                    self._drop_channel(desc.transfer_id)
+                    self.connector.channels.pop(desc.transfer_id, None)  # type: ignore[union-attr]
+                    channel.close()
                 req.error = f"{type(exc).__name__}: {exc}"
                 self._emit([_error_output(req)])
         elif cmd == "abort":
@@ -269,11 +269,6 @@ class WorkerCore:
                 box["error"] = exc
             done.set()
 
-    def _drop_channel(self, transfer_id: str) -> None:
-        ch = self._channels.pop(transfer_id, None)
-        if ch is not None and ch.data is not None:
-            ch.close()
-
     def _emit(self, outputs: list[RequestOutput]) -> None:
         if self.role == "prefill":
             for out in outputs:
@@ -289,30 +284,17 @@ class WorkerCore:
             with self._cv:
                 self._outbox.extend(outputs)
                 self._cv.notify_all()
-        if isinstance(self.connector, DecodeConnector):
-            live = {inc.desc.transfer_id for inc in self.connector.incoming.values()}
-            for tid in [t for t in self._channels if t not in live]:
-                self._channels.pop(tid, None)  # closed by the connector
 
     def _run(self) -> None:
         eng = self.engine
         while not self._stop.is_set():
             try:
                 busy = eng.has_unfinished_requests() and not self.paused
-                waiting_only = busy and not eng.scheduler.running
-                try:
-                    if busy and not waiting_only:
-                        cmd = self._commands.get_nowait()
-                    else:  # idle, or only transfers in flight: poll them every millisecond
-                        cmd = self._commands.get(timeout=0.001 if waiting_only else 0.2)
-                except queue.Empty:
-                    cmd = None
-                while cmd is not None:
+                # Running requests: take what is queued. Only transfers in flight: poll them every
+                # millisecond. Idle: sleep until a command arrives.
+                timeout = None if busy and eng.scheduler.running else 0.001 if busy else 0.2
+                for cmd in take_commands(self._commands, timeout):
                     self._handle(*cmd)
-                    try:
-                        cmd = self._commands.get_nowait()
-                    except queue.Empty:
-                        cmd = None
                 if eng.has_unfinished_requests() and not self.paused:
                     self._emit(eng.step())
             except Exception as exc:  # noqa: BLE001 - a broken engine: fail loudly, stop

@@ -24,6 +24,17 @@ from specserve.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 
+def take_commands(commands: queue.Queue, timeout: float | None) -> list:
+    """Everything queued; with a timeout, first wait up to that long for something to arrive."""
+    out = []
+    try:
+        out.append(commands.get(timeout=timeout) if timeout is not None else commands.get_nowait())
+        while True:
+            out.append(commands.get_nowait())
+    except queue.Empty:
+        return out
+
+
 class EngineOverloadedError(SpecServeError):
     """The waiting queue is full; the client should retry later (HTTP 429)."""
 
@@ -208,20 +219,9 @@ class AsyncEngine:
         eng = self.engine
         while not self._stop.is_set():
             try:
-                try:
-                    # Idle: sleep until a command arrives. Busy: only pick up what is queued.
-                    if eng.has_unfinished_requests():
-                        cmd = self._commands.get_nowait()
-                    else:
-                        cmd = self._commands.get(timeout=0.5)
-                except queue.Empty:
-                    cmd = None
-                while cmd is not None:
+                # Idle: sleep until a command arrives. Busy: only pick up what is queued.
+                for cmd in take_commands(self._commands, None if eng.has_unfinished_requests() else 0.5):
                     self._handle(*cmd)
-                    try:
-                        cmd = self._commands.get_nowait()
-                    except queue.Empty:
-                        cmd = None
                 if eng.has_unfinished_requests():
                     self._deliver(eng.step())
                     self.last_step_time = time.time()
