@@ -21,8 +21,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (bf16 on GPU / CPUs with native bf16, else float32), bfloat16, float32")
     g.add_argument("--linear-backend", default="auto", choices=["auto", "dense", "onednn"],
                    help="linear kernels: auto picks oneDNN packed weights for float32 on CPU")
-    g.add_argument("--quantization", default="none", choices=["none", "int8"],
-                   help="int8: weight-only int8 linear layers (per-row scales, bf16 activations)")
+    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "auto"],
+                   help="none: float weights (a GGUF's blocks decoded once); auto: keep a GGUF's quantized "
+                        "blocks and compute from them (native kernel, fastest on CPU); int4: Q4_K blocks; "
+                        "int8: weight-only int8 per row")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV cache storage: auto = model dtype; int8 = per-(token, head) scaled int8 (~3.8x the tokens)")
     g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache memory budget in GiB")
@@ -41,7 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-policy", choices=["adaptive", "always", "off"], default="adaptive",
                    help="adaptive: cost model decides K per request per step")
     s.add_argument("--draft-num-layers", type=int, default=None, help="use only the draft's first N layers")
-    s.add_argument("--draft-quantization", default=None, choices=["none", "int8", "w8a8"],
+    s.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "auto", "w8a8"],
                    help="draft model quantization (default: as --quantization); w8a8 also quantizes "
                         "activations (fbgemm, CPU): the cheapest draft, exactness is unaffected")
     s.add_argument("--draft-vocab-size", type=int, default=None,

@@ -9,7 +9,10 @@ import torch
 
 from specserve.errors import ConfigError
 
-QUANTIZATIONS = ("none", "int8", "w8a8")  # see specserve.models.linear
+# none: float; int8: weight-only int8 per row; w8a8: int8 weights and activations (drafts);
+# int4: Q4_K blocks (native kernel); auto: keep a GGUF file's blocks as they are (native kernel).
+# See specserve.models.linear and specserve.models.block_linear.
+QUANTIZATIONS = ("none", "int8", "int4", "auto", "w8a8")
 # Too lossy and batch-dependent for a target; a draft's numerics only move the acceptance rate.
 DRAFT_ONLY_QUANTIZATIONS = ("w8a8",)
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -62,7 +65,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length, capped at 8192
     seed: int = 0
     linear_backend: str = "auto"  # auto | dense | onednn (see specserve.models.linear)
-    quantization: str = "none"  # none | int8 (weight-only) | w8a8 (int8 weights and activations, CPU)
+    quantization: str = "none"  # one of QUANTIZATIONS
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype, self.device)

@@ -93,7 +93,7 @@ def test_w8a8_is_refused_for_the_target_but_allowed_for_a_draft():
                        spec=SpecConfig(method="draft", draft_model="d", draft_quantization="w8a8"))
     assert cfg.spec.draft_quantization == "w8a8"
     with pytest.raises(ConfigError, match="Unknown quantization"):
-        ModelConfig(model="m", quantization="int4")
+        ModelConfig(model="m", quantization="int3")
 
 
 def _teacher_forced_logprobs(checkpoint, quantization: str, prompt: list[int], forced: list[int],

@@ -147,14 +147,15 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if checkpoint is None:
             path = resolve_model(config.model.model)
-            checkpoint = load_model_files(path)
+            checkpoint = load_model_files(path, keep_blocks=config.model.quantization == "auto")
         assert isinstance(checkpoint, LoadedCheckpoint)
         self.arch = checkpoint.arch
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         self.model_name = config.model.model
         self.max_model_len = self._resolve_max_model_len(config)
         self.runner = ModelRunner(
-            checkpoint.arch, checkpoint.weights, config.model, config.cache, self.max_model_len
+            checkpoint.arch, checkpoint.weights, config.model, config.cache, self.max_model_len,
+            packed=checkpoint.packed,
         )
         del checkpoint  # the runner holds converted copies; let the float32 originals go
         self.kv_manager = KVCacheManager(

@@ -16,6 +16,7 @@ from specserve.config import CacheConfig, ModelConfig
 from specserve.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
 from specserve.models.arch import ArchConfig
+from specserve.models.block_linear import BlockQuantLinear, PackedWeight, enable_native_ops
 from specserve.models.linear import (
     apply_linear_backend,
     apply_quantization,
@@ -78,13 +79,14 @@ class ModelRunner:
         cache_config: CacheConfig,
         max_model_len: int,
         vocab_subset: torch.Tensor | None = None,
+        packed: dict[str, PackedWeight] | None = None,
     ) -> None:
         self.arch = arch
         self.device = model_config.torch_device
         self.dtype = model_config.torch_dtype
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
-        self.model = self._build(arch, weights, max_model_len + ROPE_SLACK)
+        self.model = self._build(arch, weights, max_model_len + ROPE_SLACK, packed or {})
         if vocab_subset is not None:  # before quantization, so the smaller head is quantized too
             self.model.restrict_vocab(vocab_subset)
         self.quantization = model_config.quantization
@@ -93,6 +95,10 @@ class ModelRunner:
                 raise ConfigError(f"--quantization {self.quantization} is not supported on {self.device} with this torch.")
             apply_quantization(self.model, self.quantization)
             self.linear_backend = self.quantization
+            if self.quantization == "auto":  # float tensors of the file stay float: fastest float backend
+                apply_linear_backend(self.model, resolve_linear_backend(model_config.linear_backend, self.device, self.dtype))
+            if self.quantization in ("auto", "int4") and self.dtype == torch.float32:
+                enable_native_ops(self.model)
         else:
             self.linear_backend = resolve_linear_backend(model_config.linear_backend, self.device, self.dtype)
             apply_linear_backend(self.model, self.linear_backend)
@@ -123,13 +129,20 @@ class ModelRunner:
         self.forward_time_s = 0.0
         self.last_forward_time_s = 0.0
 
-    def _build(self, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int) -> torch.nn.Module:
+    def _build(
+        self, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int, packed: dict[str, PackedWeight]
+    ) -> torch.nn.Module:
         # Build on the meta device so no time is spent on random initialisation, then adopt
         # the checkpoint tensors (converted once) as the parameters.
         with torch.device("meta"):
             model = build_model(arch, max_positions)
         converted = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
-        if arch.tie_word_embeddings:
+        # Linear weights kept in GGUF blocks replace their nn.Linear (and take its bias along).
+        for name, pw in packed.items():
+            parent_name, _, attr = name.removesuffix(".weight").rpartition(".")
+            bias = converted.pop(f"{name.removesuffix('.weight')}.bias", None)
+            setattr(model.get_submodule(parent_name), attr, BlockQuantLinear(pw, bias))
+        if arch.tie_word_embeddings and "lm_head.weight" not in packed:
             converted["lm_head.weight"] = converted["model.embed_tokens.weight"]
         model.load_weights(converted)
         model.model.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions).to(self.device)

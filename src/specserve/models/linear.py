@@ -166,9 +166,20 @@ def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -
     return count
 
 
+def _int4_blocks(linear: nn.Linear) -> nn.Module:
+    """Q4_K blocks where rows split into 256-value super-blocks, Q8_0 (32-value blocks) otherwise."""
+    from specserve.models.block_linear import BlockQuantLinear, quantize_q4_k, quantize_q8_0
+
+    w = linear.weight
+    packed = quantize_q4_k(w) if w.shape[1] % 256 == 0 else quantize_q8_0(w)
+    return BlockQuantLinear(packed, linear.bias)
+
+
 QUANTIZED_LINEARS: dict[str, Callable[[nn.Linear], nn.Module]] = {
     "int8": Int8Linear,
     "w8a8": DynamicInt8Linear,
+    "int4": _int4_blocks,
+    "auto": lambda linear: linear,  # blocks were kept at load time; float tensors stay float
 }
 
 
@@ -176,8 +187,12 @@ def quantization_usable(quantization: str, device: torch.device) -> bool:
     """The kernel is there and agrees with a float reference on this device (a self-test)."""
     if quantization == "none":
         return True
-    if quantization == "w8a8" and device.type != "cpu":
+    if quantization in ("w8a8", "int4", "auto") and device.type != "cpu":
         return False
+    if quantization in ("int4", "auto"):
+        from specserve.kernels import kernels_available
+
+        return kernels_available()
     try:
         lin = nn.Linear(64, 16).to(device)
         x = torch.randn(3, 64, device=device)
@@ -226,7 +241,9 @@ def apply_linear_backend(model: nn.Module, name: str) -> int:
 
 def linear_weight_bytes(module: nn.Module) -> int:
     """Bytes of the weight matrix a linear-like module reads per forward."""
-    if isinstance(module, OneDNNLinear | _QuantizedLinear):
+    from specserve.models.block_linear import BlockQuantLinear
+
+    if isinstance(module, OneDNNLinear | _QuantizedLinear | BlockQuantLinear):
         return module.weight_nbytes
     if isinstance(module, nn.Linear):
         return module.weight.numel() * module.weight.element_size()

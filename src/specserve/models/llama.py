@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -23,9 +24,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.native: ModuleType | None = None  # specserve.kernels module: one fused call (see enable_native_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, dim]
         """Normalise the last dimension."""
+        if self.native is not None:
+            return self.native.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -77,6 +81,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.native: ModuleType | None = None  # q/k/v in one native call + in-place RoPE (enable_native_ops)
 
     def forward(
         self,
@@ -88,14 +93,32 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Project, rotate, store K/V in the cache, attend, project back."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        if self.native is not None:
+            projs = (self.q_proj, self.k_proj, self.v_proj)
+            qkv = self.native.qmatmul_multi(
+                x, [p.qweight for p in projs], [p.qtype for p in projs], [p.bias for p in projs], False
+            )
+            q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
+            self.native.rope_(q, k, rope.cos, rope.sin, positions)
+        else:
+            q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+            q, k = rope(positions, q, k)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         scales = (kv_cache[2], kv_cache[3]) if len(kv_cache) == 4 else None
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, scales)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, scales)
+        # Native ops use the native attention for every step shape: the kernels round activations to
+        # int8, which turns a 1e-7 difference between two attention codes into a different rounding
+        # step, so a token must always take the same path whatever else shares its step.
+        if self.native is not None and scales is None:
+            out = self.native.paged_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.attn_mask, meta.query_index, self.scale
+            )
+        else:
+            out = paged_attention(q, k_cache, v_cache, meta, self.scale, scales)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
@@ -117,9 +140,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.native: ModuleType | None = None  # gate, up and SiLU * in one native call (enable_native_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
         """Apply the gated feed-forward."""
+        if self.native is not None:
+            g, u = self.gate_proj, self.up_proj
+            return self.down_proj(self.native.qmatmul_multi(x, [g.qweight, u.qweight], [g.qtype, u.qtype], [None, None], True))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -189,14 +216,18 @@ class RestrictedLMHead(nn.Module):
     only the acceptance rate can change. Reading fewer rows makes every draft step cheaper.
     """
 
-    def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> None:
+    def __init__(self, proj: nn.Module | torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
-        self.proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
-                              dtype=weight.dtype)
-        with torch.no_grad():
-            self.proj.weight.copy_(weight)
-        self.register_buffer("token_ids", token_ids.to(device=weight.device, dtype=torch.long), persistent=False)
+        if isinstance(proj, torch.Tensor):  # the subset's rows of a float head
+            weight = proj
+            proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+            with torch.no_grad():
+                proj.weight.copy_(weight)
+        self.proj = proj  # [n, hidden] -> [n, len(token_ids)]
+        device = next(proj.parameters(), None)
+        device = next(proj.buffers()) if device is None else device
+        self.register_buffer("token_ids", token_ids.to(device=device.device, dtype=torch.long), persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         """Logits over the full vocabulary, -inf outside the subset."""
@@ -232,8 +263,16 @@ class LlamaForCausalLM(nn.Module):
 
     def restrict_vocab(self, token_ids: torch.Tensor) -> None:
         """Replace the LM head by one over `token_ids` only (sorted, unique); see RestrictedLMHead."""
-        weight = self.lm_head.weight.detach().index_select(0, token_ids.to(self.lm_head.weight.device))
-        self.lm_head = RestrictedLMHead(weight, token_ids, self.config.vocab_size)
+        from specserve.models.block_linear import BlockQuantLinear
+
+        head = self.lm_head
+        if isinstance(head, BlockQuantLinear):  # rows of blocks are independent: keep the chosen ones
+            pw = head.packed()
+            rows = pw.data.index_select(0, token_ids.to(pw.data.device))
+            proj: nn.Module | torch.Tensor = BlockQuantLinear(pw._replace(data=rows, shape=(rows.shape[0], pw.shape[1])))
+        else:
+            proj = head.weight.detach().index_select(0, token_ids.to(head.weight.device))
+        self.lm_head = RestrictedLMHead(proj, token_ids, self.config.vocab_size)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Adopt HF-named tensors as the parameters (no copy), refusing missing or extra names.

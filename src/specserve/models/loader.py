@@ -22,6 +22,7 @@ import torch
 
 from specserve.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
 from specserve.models.arch import ArchConfig
+from specserve.models.block_linear import PackedWeight, kernel_can_read, packed_from_gguf
 from specserve.models.gguf_quants import _one_thread_per_op, dequantize_many
 from specserve.models.tokenizer import Tokenizer
 
@@ -48,21 +49,30 @@ _HF_CLASSES = {
 
 
 class LoadedCheckpoint(NamedTuple):
-    """Everything read from a checkpoint: shape, float32 weights by HF name, tokenizer, origin."""
+    """Everything read from a checkpoint: shape, float32 weights by HF name, tokenizer, origin.
+
+    `packed` holds linear weights kept in their GGUF blocks (load with keep_blocks=True); those
+    names are absent from `weights`.
+    """
 
     arch: ArchConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None
     source: str  # the file or directory the checkpoint was read from
+    packed: dict[str, PackedWeight] = {}  # noqa: RUF012 - never mutated; NamedTuple default
 
 
 # --- entry point ---------------------------------------------------------------------------------
 
 
 def load_model_files(
-    path: str | os.PathLike[str], *, load_tokenizer: bool = True
+    path: str | os.PathLike[str], *, load_tokenizer: bool = True, keep_blocks: bool = False
 ) -> LoadedCheckpoint:
-    """Load a GGUF file or a HF model directory (config.json + *.safetensors)."""
+    """Load a GGUF file or a HF model directory (config.json + *.safetensors).
+
+    keep_blocks: leave GGUF linear weights the native kernel can read in their block format
+    (LoadedCheckpoint.packed) instead of decoding them to float32.
+    """
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelNotFoundError(
@@ -74,12 +84,12 @@ def load_model_files(
             return load_hf_dir(p, load_tokenizer=load_tokenizer)
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
-            return load_gguf(ggufs[0], load_tokenizer=load_tokenizer)
+            return load_gguf(ggufs[0], load_tokenizer=load_tokenizer, keep_blocks=keep_blocks)
         raise ModelNotFoundError(
             f"{p} has no config.json and {'several' if ggufs else 'no'} .gguf files; point "
             "specserve at one GGUF file or at a HF model directory."
         )
-    return load_gguf(p, load_tokenizer=load_tokenizer)
+    return load_gguf(p, load_tokenizer=load_tokenizer, keep_blocks=keep_blocks)
 
 
 def load_model_metadata(path: str | os.PathLike[str]) -> tuple[ArchConfig, Tokenizer | None]:
@@ -297,8 +307,13 @@ def _unpermute_rope_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
-def load_gguf(path: str | os.PathLike[str], *, load_tokenizer: bool = True) -> LoadedCheckpoint:
-    """Load a llama/qwen2 GGUF: dequantised float32 weights under HF names, plus its tokenizer."""
+_LINEAR_WEIGHT = re.compile(r"(\.(self_attn|mlp)\.\w+_proj\.weight|^lm_head\.weight)$")
+
+
+def load_gguf(
+    path: str | os.PathLike[str], *, load_tokenizer: bool = True, keep_blocks: bool = False
+) -> LoadedCheckpoint:
+    """Load a llama/qwen2 GGUF: weights under HF names (float32, or GGUF blocks), plus its tokenizer."""
     p = Path(path)
     reader = open_gguf(p)
     arch = arch_from_gguf(reader)
@@ -315,21 +330,38 @@ def load_gguf(path: str | os.PathLike[str], *, load_tokenizer: bool = True) -> L
     shapes = [tuple(reversed([int(d) for d in t.shape])) for t in reader.tensors]
     # Refuse an inconsistent file before spending seconds decoding it.
     _check_shapes(arch, dict(zip(names, shapes, strict=True)), p)  # type: ignore[arg-type]
-    values = dequantize_many(
-        [(t.data, t.tensor_type, shape) for t, shape in zip(reader.tensors, shapes, strict=True)]
-    )
+    packed: dict[str, PackedWeight] = {}
+    if keep_blocks:
+        for t, name, shape in zip(reader.tensors, names, shapes, strict=True):
+            assert name is not None
+            if kernel_can_read(int(t.tensor_type), shape):
+                if _LINEAR_WEIGHT.search(name):
+                    packed[name] = packed_from_gguf(t.data, int(t.tensor_type), shape)  # type: ignore[arg-type]
+                elif name == "model.embed_tokens.weight" and arch.tie_word_embeddings:
+                    # The tied head reads the whole matrix every step: keep its blocks for the head;
+                    # the embedding lookup below still gets float32 rows.
+                    packed["lm_head.weight"] = packed_from_gguf(t.data, int(t.tensor_type), shape)  # type: ignore[arg-type]
+    todo = [(t, n, s) for t, n, s in zip(reader.tensors, names, shapes, strict=True) if n not in packed]
+    values = dequantize_many([(t.data, t.tensor_type, shape) for t, _, shape in todo])
     del reader  # the decoded tensors own their memory; release the file mapping
     weights: dict[str, torch.Tensor] = {}
     with _one_thread_per_op():  # see there: keeps the copies below fast on a busy machine
-        for name, value in zip(names, values, strict=True):
+        for (_, name, _), value in zip(todo, values, strict=True):
             assert name is not None
-            if arch.architecture == "llama" and ".self_attn.q_proj." in name:
-                value = _unpermute_rope_rows(value, arch.num_heads)
-            elif arch.architecture == "llama" and ".self_attn.k_proj." in name:
-                value = _unpermute_rope_rows(value, arch.num_kv_heads)
-            # Qwen2 GGUFs keep HF's row order (llama.cpp runs them with NEOX-style RoPE).
-            weights[name] = value
-    return LoadedCheckpoint(arch, weights, tokenizer, str(p))
+            weights[name] = _llama_row_order(arch, name, value)
+        for name, pw in packed.items():  # rows are independent runs of blocks: permute them alike
+            packed[name] = pw._replace(data=_llama_row_order(arch, name, pw.data))
+    return LoadedCheckpoint(arch, weights, tokenizer, str(p), packed)
+
+
+def _llama_row_order(arch: ArchConfig, name: str, value: torch.Tensor) -> torch.Tensor:
+    """GGUF stores Llama q/k rows interleaved for llama.cpp's RoPE; restore HF's order."""
+    if arch.architecture == "llama" and ".self_attn.q_proj." in name:
+        return _unpermute_rope_rows(value, arch.num_heads)
+    if arch.architecture == "llama" and ".self_attn.k_proj." in name:
+        return _unpermute_rope_rows(value, arch.num_kv_heads)
+    # Qwen2 GGUFs keep HF's row order (llama.cpp runs them with NEOX-style RoPE).
+    return value
 
 
 # --- HF directories -----------------------------------------------------------------------------

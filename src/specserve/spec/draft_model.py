@@ -69,8 +69,9 @@ class DraftModelProposer(Proposer):
         cache_config: CacheConfig,
         max_model_len: int,
         vocab_subset: torch.Tensor | None = None,
+        packed: dict | None = None,
     ) -> None:
-        self.runner = ModelRunner(arch, weights, model_config, cache_config, max_model_len, vocab_subset)
+        self.runner = ModelRunner(arch, weights, model_config, cache_config, max_model_len, vocab_subset, packed)
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, name="draft"
         )

@@ -48,13 +48,15 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
     from specserve.models.loader import LoadedCheckpoint, load_model_files
     from specserve.spec.draft_model import DraftModelProposer, truncate_layers
 
+    quantization = ctx.spec.draft_quantization or ctx.model.quantization
     ckpt = ctx.draft_checkpoint
     if ckpt is None:
-        ckpt = load_model_files(resolve_model(ctx.spec.draft_model or ""))
+        ckpt = load_model_files(resolve_model(ctx.spec.draft_model or ""), keep_blocks=quantization == "auto")
     assert isinstance(ckpt, LoadedCheckpoint)
     check_draft_tokenizer(ctx.tokenizer, ckpt.tokenizer, ctx.target_vocab_size, ckpt.arch.vocab_size)
-    arch, weights = ckpt.arch, ckpt.weights
+    arch, weights, packed = ckpt.arch, ckpt.weights, ckpt.packed
     if ctx.spec.draft_num_layers is not None:
+        _, packed = truncate_layers(arch, packed, ctx.spec.draft_num_layers)  # type: ignore[arg-type]
         arch, weights = truncate_layers(arch, weights, ctx.spec.draft_num_layers)
     if ctx.spec.draft_kv_cache_gib is not None:
         cache = replace(ctx.cache, kv_cache_gib=ctx.spec.draft_kv_cache_gib, num_gpu_blocks_override=None)
@@ -67,7 +69,7 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
     subset = None
     if ctx.spec.draft_vocab_size is not None and ctx.spec.draft_vocab_size < arch.vocab_size:
         subset = frequent_token_subset(ckpt.tokenizer, arch.vocab_size, ctx.spec.draft_vocab_size)
-    return DraftModelProposer(arch, weights, model, cache, ctx.max_model_len, vocab_subset=subset)
+    return DraftModelProposer(arch, weights, model, cache, ctx.max_model_len, vocab_subset=subset, packed=packed)
 
 
 def frequent_token_subset(tokenizer: Tokenizer | None, vocab_size: int, n: int) -> torch.Tensor:

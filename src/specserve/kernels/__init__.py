@@ -1,0 +1,123 @@
+"""Native CPU kernels, compiled on first use for this machine and cached.
+
+`qmatmul(x, w, qtype, bias)` multiplies float32 activations by a weight matrix kept in a GGUF
+block format (see qmatmul.cpp). It is built with torch's C++ extension machinery and
+`-march=native` (AVX2 paths on x86; a portable fallback elsewhere) into
+``$SPECSERVE_CACHE/kernels/<key>`` where the key covers the source, torch version and CPU, so
+a cache shared between machines never hands one a binary built for another. The first build
+takes about a minute; later processes load it in milliseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from specserve.errors import SpecServeError
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("qmatmul.cpp")
+_LOCK = threading.Lock()
+
+# GGML tensor types the kernel reads directly (gguf.GGMLQuantizationType values).
+KERNEL_QTYPES = {"Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+# (values, bytes) per block of each type.
+BLOCK_SHAPES = {3: (32, 20), 6: (32, 22), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+
+
+class KernelBuildError(SpecServeError):
+    """The native kernel could not be compiled or loaded on this machine."""
+
+
+def _cpu_key() -> str:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features", "model name")):
+                    flags += line
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def _build_dir() -> Path:
+    from specserve.models.bundled import cache_dir
+
+    key = hashlib.sha256()
+    key.update(_SOURCE.read_bytes())
+    key.update(torch.__version__.encode())
+    key.update(_cpu_key().encode())
+    path = cache_dir() / "kernels" / key.hexdigest()[:16]
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the pip-installed one lives beside the venv's
+    python, which is not on PATH when the venv's python is run without activating it."""
+    import shutil
+
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.cache
+def _load() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    _ninja_on_path()
+    build = _build_dir()
+    fresh = not any(build.glob("*.so"))
+    if fresh:
+        logger.warning("compiling specserve's quantized-matmul kernel for this CPU (once, about a minute) into %s", build)
+    flags = ["-O3", "-march=native", "-fopenmp"]
+    try:
+        return cpp_extension.load(
+            name="specserve_qmatmul",
+            sources=[str(_SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            verbose=os.environ.get("SPECSERVE_VERBOSE_BUILD") == "1",
+        )
+    except Exception as exc:  # compiler missing, headers missing, ...
+        raise KernelBuildError(
+            f"could not build the quantized-matmul kernel ({type(exc).__name__}: {str(exc)[-400:]}). "
+            "It needs a C++ compiler (g++) and ninja (pip install ninja); or run with --quantization none."
+        ) from exc
+
+
+def kernels() -> ModuleType:
+    """The compiled kernel module (built on first call)."""
+    with _LOCK:
+        return _load()
+
+
+def kernels_available() -> bool:
+    """Whether the kernel builds and loads here (compiling it if needed)."""
+    try:
+        kernels()
+        return True
+    except KernelBuildError as exc:
+        logger.warning("%s", exc)
+        return False
+
+
+def qmatmul(x: torch.Tensor, w: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ W^T where W [N, row_bytes] holds GGUF blocks of `qtype`; + bias."""
+    return kernels().qmatmul(x, w, qtype, bias)

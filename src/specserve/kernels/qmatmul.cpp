@@ -1,0 +1,699 @@
+// y = x @ W^T where W stays in its GGUF block format (Q4_K, Q6_K, Q8_0, Q5_0, Q4_1).
+//
+// Decode is memory-bound: a step costs the bytes of the weights it reads. Reading the 4-bit
+// blocks as stored (4.5 bits per weight for Q4_K) instead of a float or int8 copy is the
+// whole point. The activations are rounded to int8 once per call (one scale per block of 32,
+// or of 256 for the K-quants, the granularity their scales live at) so the inner loops are
+// integer multiply-adds (AVX2 `maddubs`: 32 byte products per instruction); the float work is
+// one fused multiply-add per weight block.
+//
+// Each output element depends only on its own input row: rows are quantized independently and
+// every row is reduced in the same order whatever M is, so a token's logits do not depend on
+// which other tokens share the batch (speculative verification and batching stay bit-exact
+// with single-token decoding).
+//
+// Threading: at::parallel_for over output rows (torch's OpenMP pool, torch.set_num_threads).
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define SPECSERVE_AVX2 1
+#else
+#define SPECSERVE_AVX2 0
+#endif
+
+namespace {
+
+// GGML type ids (gguf.GGMLQuantizationType).
+constexpr int64_t kQ4_1 = 3;
+constexpr int64_t kQ5_0 = 6;
+constexpr int64_t kQ8_0 = 8;
+constexpr int64_t kQ4_K = 12;
+constexpr int64_t kQ6_K = 14;
+
+struct TypeInfo {
+  int64_t block_values;  // weights per block
+  int64_t block_bytes;
+  int64_t act_block;  // activation quantization block for this weight type
+};
+
+TypeInfo type_info(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_1: return {32, 20, 32};
+    case kQ5_0: return {32, 22, 32};
+    case kQ8_0: return {32, 34, 32};
+    case kQ4_K: return {256, 144, 256};
+    case kQ6_K: return {256, 210, 256};
+    default: TORCH_CHECK(false, "specserve qmatmul: unsupported GGML type ", qtype);
+  }
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// Activations of M rows rounded to int8: q[m*K + i] ~= x / d[block], plus sums of q per 16 and
+// per 32 values (the weight formats with an offset or a zero point need them).
+struct Acts {
+  const int8_t* q;
+  const float* d;
+  const int16_t* s16;
+  const int16_t* s32;
+};
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, float* d, int16_t* s16, int16_t* s32) {
+  const int64_t nblocks = K / qa;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const float* src = x + m * K + b * qa;
+      int8_t* dst = q + m * K + b * qa;
+      float amax = 0.f;
+      for (int64_t i = 0; i < qa; ++i) amax = std::max(amax, std::fabs(src[i]));
+      const float scale = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      d[m * nblocks + b] = scale;
+#if SPECSERVE_AVX2
+      const __m256 vinv = _mm256_set1_ps(inv);
+      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+      for (int64_t i = 0; i < qa; i += 32) {
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i), vinv));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i + 8), vinv));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i + 16), vinv));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i + 24), vinv));
+        // packs work within 128-bit lanes; the permute restores element order.
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permutevar8x32_epi32(packed, order));
+      }
+#else
+      for (int64_t i = 0; i < qa; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
+#endif
+    }
+    for (int64_t g = 0; g < K / 16; ++g) {
+      int sum = 0;
+      for (int i = 0; i < 16; ++i) sum += q[m * K + g * 16 + i];
+      s16[m * (K / 16) + g] = static_cast<int16_t>(sum);
+    }
+    for (int64_t g = 0; g < K / 32; ++g)
+      s32[m * (K / 32) + g] = static_cast<int16_t>(s16[m * (K / 16) + 2 * g] + s16[m * (K / 16) + 2 * g + 1]);
+  }
+}
+
+// Q4_K packs 8 six-bit scales and 8 six-bit mins for its 32-value sub-blocks into 12 bytes.
+// Word-wise: bytes 0-3 hold scales 0-3 (low 6 bits) and the top bits of scales 4-7, bytes 4-7
+// the same for the mins, bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7.
+inline void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  uint32_t w[3];
+  std::memcpy(w, s, 12);
+  const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, top = 0x03030303u;
+  const uint32_t sc_lo = w[0] & six, mn_lo = w[1] & six;
+  const uint32_t sc_hi = (w[2] & four) | (((w[0] >> 6) & top) << 4);
+  const uint32_t mn_hi = ((w[2] >> 4) & four) | (((w[1] >> 6) & top) << 4);
+  std::memcpy(sc, &sc_lo, 4);
+  std::memcpy(sc + 4, &sc_hi, 4);
+  std::memcpy(mn, &mn_lo, 4);
+  std::memcpy(mn + 4, &mn_hi, 4);
+}
+
+#if SPECSERVE_AVX2
+
+inline float hsum(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+// 32 unsigned bytes times 32 signed bytes -> 16 int16 sums of adjacent products.
+inline __m256i dot16_us(__m256i u, __m256i s) { return _mm256_maddubs_epi16(u, s); }
+
+// ... -> 8 int32 sums of 4 adjacent products.
+inline __m256i dot32_us(__m256i u, __m256i s) { return _mm256_madd_epi16(dot16_us(u, s), _mm256_set1_epi16(1)); }
+
+// Signed times signed: move the sign of a onto b so a can be used as unsigned.
+inline __m256i dot32_ss(__m256i a, __m256i b) { return dot32_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a)); }
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 16 packed bytes -> 32 values: low nibbles first (elements 0..15), then high nibbles.
+inline __m256i nibbles_16(const uint8_t* p) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(t, 4), mask), _mm_and_si128(t, mask));
+}
+
+// Bit i of a 32-bit word -> byte i equal to 0x10 when set, else 0.
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+template <int MT>
+void dot_q8_0(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 34;
+    const float dw = half_to_float(blk);
+    const __m256i w = load32(blk + 2);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t xb = b;
+      const __m256 p = _mm256_cvtepi32_ps(dot32_ss(w, load32(a[m].q + xb * 32)));
+      acc[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * a[m].d[xb]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) out[m] = hsum(acc[m]);
+}
+
+template <int MT>
+void dot_q4_1(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
+  __m256 acc[MT];
+  float offset[MT];
+  for (int m = 0; m < MT; ++m) {
+    acc[m] = _mm256_setzero_ps();
+    offset[m] = 0.f;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 20;
+    const float dw = half_to_float(blk);
+    const float mw = half_to_float(blk + 2);
+    const __m256i w = nibbles_16(blk + 4);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t xb = b;
+      const float dx = a[m].d[xb];
+      const __m256 p = _mm256_cvtepi32_ps(dot32_us(w, load32(a[m].q + xb * 32)));
+      acc[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx), acc[m]);
+      offset[m] += mw * dx * static_cast<float>(a[m].s32[xb]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) out[m] = hsum(acc[m]) + offset[m];
+}
+
+template <int MT>
+void dot_q5_0(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
+  __m256 acc[MT];
+  float offset[MT];
+  for (int m = 0; m < MT; ++m) {
+    acc[m] = _mm256_setzero_ps();
+    offset[m] = 0.f;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 22;
+    const float dw = half_to_float(blk);
+    uint32_t high;
+    std::memcpy(&high, blk + 2, 4);
+    const __m256i w = _mm256_or_si256(nibbles_16(blk + 6), fifth_bits(high));  // 0..31, value = q - 16
+    for (int m = 0; m < MT; ++m) {
+      const int64_t xb = b;
+      const float dx = a[m].d[xb];
+      const __m256 p = _mm256_cvtepi32_ps(dot32_us(w, load32(a[m].q + xb * 32)));
+      acc[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx), acc[m]);
+      offset[m] -= 16.f * dw * dx * static_cast<float>(a[m].s32[xb]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) out[m] = hsum(acc[m]) + offset[m];
+}
+
+template <int MT>
+void dot_q4_k(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[MT];
+  __m128 offset[MT];  // - dmin * min * sum(x) terms
+  for (int m = 0; m < MT; ++m) {
+    acc[m] = _mm256_setzero_ps();
+    offset[m] = _mm_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 144;
+    const float d = half_to_float(blk);
+    const float dmin = half_to_float(blk + 2);
+    uint8_t sc[8], mn[8];
+    q4k_scales(blk + 4, sc, mn);
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+    const uint8_t* qs = blk + 16;
+    const int64_t xb = b;  // activation block (256 values)
+    __m256i sumi[MT];
+    for (int m = 0; m < MT; ++m) sumi[m] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {  // 64 values: sub-block 2c in the low nibbles, 2c+1 in the high ones
+      const __m256i packed = load32(qs + 32 * c);
+      const __m256i lo = _mm256_and_si256(packed, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+      const __m256i sc_lo = _mm256_set1_epi16(sc[2 * c]);
+      const __m256i sc_hi = _mm256_set1_epi16(sc[2 * c + 1]);
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* x = a[m].q + xb * 256 + 64 * c;
+        const __m256i p_lo = _mm256_madd_epi16(dot16_us(lo, load32(x)), sc_lo);
+        const __m256i p_hi = _mm256_madd_epi16(dot16_us(hi, load32(x + 32)), sc_hi);
+        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(p_lo, p_hi));
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const float dx = a[m].d[xb];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), _mm256_set1_ps(d * dx), acc[m]);
+      const __m128i sums = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a[m].s32 + xb * 8));
+      offset[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, sums)), _mm_set1_ps(-dmin * dx), offset[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) out[m] = hsum(_mm256_add_ps(acc[m], _mm256_castps128_ps256(offset[m])));
+}
+
+template <int MT>
+void dot_q6_k(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i two = _mm256_set1_epi8(0x03);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 210;
+    const uint8_t* ql = blk;
+    const uint8_t* qh = blk + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = half_to_float(blk + 208);
+    const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+    const int64_t xb = b;
+    __m256i sumi[MT];
+    for (int m = 0; m < MT; ++m) sumi[m] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {  // two halves of 128 values
+      const __m256i A = load32(ql + 64 * h);
+      const __m256i B = load32(ql + 64 * h + 32);
+      const __m256i H = load32(qh + 32 * h);
+      __m256i q[4];  // 6-bit values 0..63 of elements 128h + 32i .. +32
+      q[0] = _mm256_or_si256(_mm256_and_si256(A, low), _mm256_slli_epi16(_mm256_and_si256(H, two), 4));
+      q[1] = _mm256_or_si256(_mm256_and_si256(B, low),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), two), 4));
+      q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), two), 4));
+      q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), low),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), two), 4));
+      for (int i = 0; i < 4; ++i) {
+        const int g = 8 * h + 2 * i;  // scale of the first 16 values; g + 1 for the next 16
+        const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* x = a[m].q + xb * 256 + 128 * h + 32 * i;
+          sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(dot16_us(q[i], load32(x)), scales));
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const float dx = a[m].d[xb];
+      // value = sc * (q - 32): subtract 32 * sum over groups of sc * sum(x), still in integers
+      const __m256i zero = _mm256_madd_epi16(scales16, load32(a[m].s16 + xb * 16));
+      const __m256i total = _mm256_sub_epi32(sumi[m], _mm256_slli_epi32(zero, 5));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * dx), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) out[m] = hsum(acc[m]);
+}
+
+#else  // portable fallback: decode a block to integers, integer dot, same scaling as above
+
+template <int MT>
+void dot_generic(int64_t qtype, const uint8_t* row, int64_t nb, const Acts* a, float* out) {
+  for (int m = 0; m < MT; ++m) out[m] = 0.f;
+  const TypeInfo info = type_info(qtype);
+  int vals[256];
+  float scale[256];  // per value
+  float shift[256];  // value = scale * q + shift
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * info.block_bytes;
+    const int n = static_cast<int>(info.block_values);
+    if (qtype == kQ8_0) {
+      const float d = half_to_float(blk);
+      for (int i = 0; i < 32; ++i) { vals[i] = static_cast<int8_t>(blk[2 + i]); scale[i] = d; shift[i] = 0.f; }
+    } else if (qtype == kQ4_1 || qtype == kQ5_0) {
+      const float d = half_to_float(blk);
+      const uint8_t* qs = blk + (qtype == kQ4_1 ? 4 : 6);
+      uint32_t high = 0;
+      if (qtype == kQ5_0) std::memcpy(&high, blk + 2, 4);
+      const float sh = qtype == kQ4_1 ? half_to_float(blk + 2) : -16.f * d;
+      for (int i = 0; i < 16; ++i) {
+        vals[i] = (qs[i] & 0xF) | (((high >> i) & 1) << 4);
+        vals[i + 16] = (qs[i] >> 4) | (((high >> (i + 16)) & 1) << 4);
+      }
+      for (int i = 0; i < 32; ++i) { scale[i] = d; shift[i] = sh; }
+    } else if (qtype == kQ4_K) {
+      const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+      uint8_t sc[8], mn[8];
+      q4k_scales(blk + 4, sc, mn);
+      for (int c = 0; c < 4; ++c)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t byte = blk[16 + 32 * c + l];
+          vals[64 * c + l] = byte & 0xF;
+          vals[64 * c + 32 + l] = byte >> 4;
+        }
+      for (int i = 0; i < 256; ++i) { scale[i] = d * sc[i / 32]; shift[i] = -dmin * mn[i / 32]; }
+    } else {  // Q6_K
+      const uint8_t* ql = blk;
+      const uint8_t* qh = blk + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      const float d = half_to_float(blk + 208);
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t* L = ql + 64 * h;
+          const uint8_t H = qh[32 * h + l];
+          vals[128 * h + l] = (L[l] & 0xF) | ((H & 3) << 4);
+          vals[128 * h + l + 32] = (L[l + 32] & 0xF) | (((H >> 2) & 3) << 4);
+          vals[128 * h + l + 64] = (L[l] >> 4) | (((H >> 4) & 3) << 4);
+          vals[128 * h + l + 96] = (L[l + 32] >> 4) | (((H >> 6) & 3) << 4);
+        }
+      for (int i = 0; i < 256; ++i) { scale[i] = d * sc[i / 16]; shift[i] = -32.f * d * sc[i / 16]; }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const int64_t start = b * n;
+      for (int i = 0; i < n; ++i) {
+        const float x = a[m].q[start + i] * a[m].d[(start + i) / info.act_block];
+        out[m] += x * (scale[i] * vals[i] + shift[i]);
+      }
+    }
+  }
+}
+
+#endif
+
+template <int MT>
+void dot_rows(int64_t qtype, const uint8_t* row, int64_t nb, const Acts* a, float* out) {
+#if SPECSERVE_AVX2
+  switch (qtype) {
+    case kQ4_K: return dot_q4_k<MT>(row, nb, a, out);
+    case kQ6_K: return dot_q6_k<MT>(row, nb, a, out);
+    case kQ8_0: return dot_q8_0<MT>(row, nb, a, out);
+    case kQ5_0: return dot_q5_0<MT>(row, nb, a, out);
+    default: return dot_q4_1<MT>(row, nb, a, out);
+  }
+#else
+  dot_generic<MT>(qtype, row, nb, a, out);
+#endif
+}
+
+// One weight matrix of a (possibly fused) product: its blocks and where its outputs go.
+struct Segment {
+  const uint8_t* w;
+  int64_t row_bytes;
+  int64_t nb;  // blocks per row
+  int64_t qtype;
+  int64_t n;  // rows (outputs)
+  const float* bias;
+  int act;  // which activation quantization (0: 32-value blocks, 1: 256-value blocks)
+};
+
+struct QuantizedActs {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> s16, s32;
+  std::vector<Acts> rows;
+};
+
+void quantize_acts(const float* x, int64_t M, int64_t K, int64_t qa, QuantizedActs& out) {
+  out.q.resize(M * K);
+  out.d.resize(M * (K / qa));
+  out.s16.resize(M * (K / 16));
+  out.s32.resize(M * (K / 32));
+  quantize_rows(x, M, K, qa, out.q.data(), out.d.data(), out.s16.data(), out.s32.data());
+  out.rows.resize(M);
+  for (int64_t m = 0; m < M; ++m)
+    out.rows[m] = {out.q.data() + m * K, out.d.data() + m * (K / qa), out.s16.data() + m * (K / 16),
+                   out.s32.data() + m * (K / 32)};
+}
+
+// Dot products of rows [n0, n1) of `seg` with M activation rows, in tiles of up to 4 activation
+// rows sharing each unpacked weight block; emit(m, n, value) receives every result.
+template <typename Emit>
+void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, int64_t n1, Emit&& emit) {
+  float out[4];
+  for (int64_t m = 0; m < M; m += 4) {
+    const int64_t mt = std::min<int64_t>(4, M - m);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = seg.w + n * seg.row_bytes;
+      switch (mt) {
+        case 4: dot_rows<4>(seg.qtype, row, seg.nb, acts + m, out); break;
+        case 3: dot_rows<3>(seg.qtype, row, seg.nb, acts + m, out); break;
+        case 2: dot_rows<2>(seg.qtype, row, seg.nb, acts + m, out); break;
+        default: dot_rows<1>(seg.qtype, row, seg.nb, acts + m, out); break;
+      }
+      const float b = seg.bias ? seg.bias[n] : 0.f;
+      for (int64_t i = 0; i < mt; ++i) emit(m + i, n, out[i] + b);
+    }
+  }
+}
+
+constexpr int64_t kRowTile = 16;  // weight rows whose blocks stay in L1 while every activation tile passes
+
+// Run body(t0, t1) over tiles [0, tiles) with the threads pulling tiles from a shared counter:
+// a static split leaves one core idle whenever the other is slowed (by the OS, by the other
+// core's memory traffic), and decode steps are made of hundreds of short products.
+template <typename Body>
+void parallel_tiles(int64_t tiles, Body&& body) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tiles);
+  if (threads <= 1) {
+    body(0, tiles);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(1, tiles / (threads * 8));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (;;) {
+      const int64_t t0 = next.fetch_add(chunk);
+      if (t0 >= tiles) break;
+      body(t0, std::min(tiles, t0 + chunk));
+    }
+  });
+}
+
+// y = [x @ W_0^T + b_0, x @ W_1^T + b_1, ...]  (or silu(x @ W_0^T) * (x @ W_1^T) with silu_mul)
+torch::Tensor qmatmul_multi(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& qtypes,
+                            const std::vector<c10::optional<torch::Tensor>>& biases, bool silu_mul) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qmatmul: x must be a float32 [M, K] matrix");
+  TORCH_CHECK(!ws.empty() && ws.size() == qtypes.size() && ws.size() == biases.size(), "qmatmul: one qtype and bias per weight");
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  std::vector<Segment> segs;
+  std::vector<torch::Tensor> keep;  // contiguous float32 biases
+  bool need_act[2] = {false, false};
+  int64_t total = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const auto& w = ws[i];
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "qmatmul: w must be contiguous uint8 [N, row_bytes]");
+    const TypeInfo info = type_info(qtypes[i]);
+    TORCH_CHECK(K % info.block_values == 0 && K % info.act_block == 0, "qmatmul: K=", K, " is not a multiple of the block size");
+    const int64_t nb = K / info.block_values;
+    TORCH_CHECK(w.size(1) == nb * info.block_bytes, "qmatmul: w has ", w.size(1), " bytes per row, expected ", nb * info.block_bytes);
+    const float* bias_ptr = nullptr;
+    if (biases[i].has_value() && biases[i]->defined()) {
+      keep.push_back(biases[i]->contiguous().to(torch::kFloat32));
+      TORCH_CHECK(keep.back().numel() == w.size(0), "qmatmul: bias has ", keep.back().numel(), " values, expected ", w.size(0));
+      bias_ptr = keep.back().data_ptr<float>();
+    }
+    const int act = info.act_block == 256 ? 1 : 0;
+    need_act[act] = true;
+    segs.push_back({w.data_ptr<uint8_t>(), w.size(1), nb, qtypes[i], w.size(0), bias_ptr, act});
+    total += w.size(0);
+  }
+  if (silu_mul) TORCH_CHECK(segs.size() == 2 && segs[0].n == segs[1].n, "qmatmul: silu_mul needs two weights of equal rows");
+  const int64_t N = silu_mul ? segs[0].n : total;
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+
+  QuantizedActs qa[2];
+  for (int a = 0; a < 2; ++a)
+    if (need_act[a]) quantize_acts(xc.data_ptr<float>(), M, K, a == 1 ? 256 : 32, qa[a]);
+  float* yp = y.data_ptr<float>();
+
+  if (silu_mul) {
+    const Segment& g = segs[0];
+    const Segment& u = segs[1];
+    parallel_tiles((N + kRowTile - 1) / kRowTile, [&](int64_t t0, int64_t t1) {
+      const int64_t begin = t0 * kRowTile, end = std::min(N, t1 * kRowTile);
+      std::vector<float> gate(M * kRowTile);
+      for (int64_t n0 = begin; n0 < end; n0 += kRowTile) {
+        const int64_t n1 = std::min(end, n0 + kRowTile);
+        segment_rows(g, qa[g.act].rows.data(), M, n0, n1, [&](int64_t m, int64_t n, float v) { gate[m * kRowTile + n - n0] = v; });
+        segment_rows(u, qa[u.act].rows.data(), M, n0, n1, [&](int64_t m, int64_t n, float v) {
+          const float gv = gate[m * kRowTile + n - n0];
+          yp[m * N + n] = gv / (1.f + std::exp(-gv)) * v;
+        });
+      }
+    });
+    return y;
+  }
+  std::vector<int64_t> offsets(segs.size() + 1, 0);
+  for (size_t i = 0; i < segs.size(); ++i) offsets[i + 1] = offsets[i] + segs[i].n;
+  parallel_tiles((total + kRowTile - 1) / kRowTile, [&](int64_t t0, int64_t t1) {
+    const int64_t begin = t0 * kRowTile, end = std::min(total, t1 * kRowTile);
+    for (size_t i = 0; i < segs.size(); ++i) {
+      const int64_t lo = std::max(begin, offsets[i]), hi = std::min(end, offsets[i + 1]);
+      const int64_t col = offsets[i];
+      for (int64_t n0 = lo; n0 < hi; n0 += kRowTile) {
+        const int64_t n1 = std::min(hi, n0 + kRowTile);
+        segment_rows(segs[i], qa[segs[i].act].rows.data(), M, n0 - col, n1 - col,
+                     [&](int64_t m, int64_t n, float v) { yp[m * N + col + n] = v; });
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, const c10::optional<torch::Tensor>& bias) {
+  return qmatmul_multi(x, {w}, {qtype}, {bias}, false);
+}
+
+// x / sqrt(mean(x^2) + eps) * weight per row (float32).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "rms_norm: float32 [M, H] input");
+  const auto xc = x.contiguous();
+  const auto wc = weight.contiguous();
+  const int64_t M = xc.size(0), H = xc.size(1);
+  TORCH_CHECK(wc.numel() == H, "rms_norm: weight has ", wc.numel(), " values, expected ", H);
+  auto y = torch::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = xp + m * H;
+    float ss = 0.f;
+    for (int64_t i = 0; i < H; ++i) ss += r[i] * r[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+    for (int64_t i = 0; i < H; ++i) yp[m * H + i] = wp[i] * (r[i] * inv);
+  }
+  return y;
+}
+
+// Rotate-half RoPE in place on q [T, Hq, D] and k [T, Hk, D] (heads and values contiguous per
+// token; the token stride may be anything): (a, b) -> (a cos - b sin, b cos + a sin) for the
+// pairs (i, i + D/2), angles from the cos/sin tables [P, D/2] at each token's position.
+void rope_(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions) {
+  const auto pos = positions.contiguous().to(torch::kInt64);
+  const int64_t T = q.size(0), D = q.size(2), half = D / 2;
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == half, "rope: tables must be contiguous [P, D/2]");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (torch::Tensor* t : {&q, &k}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->stride(2) == 1 && t->stride(1) == D && t->size(0) == T, "rope: float32 [T, H, D] with contiguous heads");
+    float* base = t->data_ptr<float>();
+    const int64_t H = t->size(1), ts = t->stride(0);
+    for (int64_t i = 0; i < T; ++i) {
+      TORCH_CHECK(pp[i] >= 0 && pp[i] < cos.size(0), "rope: position ", pp[i], " outside the table");
+      const float* c = cos.data_ptr<float>() + pp[i] * half;
+      const float* s = sin.data_ptr<float>() + pp[i] * half;
+      for (int64_t h = 0; h < H; ++h) {
+        float* v = base + i * ts + h * D;
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = v[j], b = v[j + half];
+          v[j] = a * c[j] - b * s[j];
+          v[j + half] = b * c[j] + a * s[j];
+        }
+      }
+    }
+  }
+}
+
+// Attention of a few new tokens per request over the paged KV cache, without gathering pages:
+// token t (row r of request b in the padded batch) attends to every key j with
+// mask[b, 0, r, j], read from slot block_tables[b][j / BS] * BS + j % BS. One pass per
+// (token, KV head) with an online softmax; the query heads sharing that KV head go together so
+// each key and value row is loaded once. Used for every step shape, so a token never changes path with its batch.
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& block_tables, const torch::Tensor& mask, const torch::Tensor& query_index,
+                              double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32,
+              "paged_attention: float32 tensors");
+  const auto qc = q.contiguous();
+  const auto bt = block_tables.contiguous();
+  const auto mk = mask.contiguous();
+  const auto qi = query_index.contiguous();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: contiguous caches");
+  TORCH_CHECK(bt.scalar_type() == torch::kInt64 && qi.scalar_type() == torch::kInt64 && mk.scalar_type() == torch::kBool,
+              "paged_attention: int64 tables/indices and a bool mask");
+  const int64_t T = qc.size(0), Hq = qc.size(1), D = qc.size(2);
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t MB = bt.size(1), Q = mk.size(2), L = mk.size(3);
+  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D && L <= MB * BS, "paged_attention: shapes disagree");
+  const int64_t G = Hq / Hkv;
+  auto out = torch::empty_like(qc);
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  const bool* mp = mk.data_ptr<bool>();
+  const int64_t* qip = qi.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(G * D), mx(G), den(G), s(G);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / Hkv, kvh = item % Hkv;
+      const int64_t b = qip[t] / Q, r = qip[t] % Q;
+      const bool* allowed = mp + (b * Q + r) * L;
+      const float* qh = qp + (t * Hq + kvh * G) * D;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(mx.begin(), mx.end(), -INFINITY);
+      std::fill(den.begin(), den.end(), 0.f);
+      for (int64_t j = 0; j < L; ++j) {
+        if (!allowed[j]) continue;
+        const int64_t slot = btp[b * MB + j / BS] * BS + j % BS;
+        const float* kr = kp + (slot * Hkv + kvh) * D;
+        const float* vr = vp + (slot * Hkv + kvh) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qh + g * D;
+          float dot = 0.f;
+#if SPECSERVE_AVX2
+          if (D % 8 == 0) {
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t i = 0; i < D; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), a);
+            dot = hsum(a);
+          } else
+#endif
+            for (int64_t i = 0; i < D; ++i) dot += qg[i] * kr[i];
+          s[g] = dot * sc;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* ag = acc.data() + g * D;
+          const float m_new = std::max(mx[g], s[g]);
+          const float keep = std::exp(mx[g] - m_new);  // rescale what was accumulated so far
+          const float w = std::exp(s[g] - m_new);
+          den[g] = den[g] * keep + w;
+          mx[g] = m_new;
+          for (int64_t i = 0; i < D; ++i) ag[i] = ag[i] * keep + w * vr[i];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = den[g] > 0.f ? 1.f / den[g] : 0.f;
+        float* o = op + (t * Hq + kvh * G + g) * D;
+        for (int64_t i = 0; i < D; ++i) o[i] = acc[g * D + i] * inv;
+      }
+    }
+  });
+  return out;
+}
+
+bool has_avx2() { return SPECSERVE_AVX2 != 0; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qmatmul", &qmatmul, "y = x @ W^T + bias, W in a GGUF block format", py::arg("x"), py::arg("w"), py::arg("qtype"),
+        py::arg("bias") = py::none());
+  m.def("qmatmul_multi", &qmatmul_multi, "several products of one input, concatenated (or silu(first) * second)",
+        py::arg("x"), py::arg("ws"), py::arg("qtypes"), py::arg("biases"), py::arg("silu_mul") = false);
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row", py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("rope_", &rope_, "rotate-half RoPE in place", py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("positions"));
+  m.def("paged_attention", &paged_attention, "attention of a few tokens per request over the paged KV cache", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("mask"), py::arg("query_index"), py::arg("scale"));
+  m.def("has_avx2", &has_avx2, "whether the AVX2 kernels were compiled in");
+}
