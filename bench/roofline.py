@@ -44,7 +44,7 @@ def forward_times(runner: ModelRunner, repeats: int) -> dict[int, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"])
-    ap.add_argument("--precisions", nargs="+", default=["none", "int8", "w8a8"])
+    ap.add_argument("--precisions", nargs="+", default=["none", "int8", "w8a8", "int4", "auto"])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--out", default="roofline")
@@ -54,11 +54,19 @@ def main() -> int:
     print(f"measured read bandwidth: {bw / 1e9:.1f} GB/s", flush=True)
     rows = []
     for name in args.models:
-        ckpt = load_model_files(resolve_model(name))
+        ckpt, ckpt_blocks = None, None
         for prec in args.precisions:
+            # `auto` needs the file's blocks kept as they are (those tensors are then not decoded
+            # to float); every other precision starts from the float checkpoint. One in memory at a time.
+            if (prec == "auto") != ckpt_blocks:
+                del ckpt
+                gc.collect()
+                ckpt_blocks = prec == "auto"
+                ckpt = load_model_files(resolve_model(name), keep_blocks=ckpt_blocks)
             gc.collect()
             cfg = ModelConfig(model=name, quantization=prec)
-            runner = ModelRunner(ckpt.arch, ckpt.weights, cfg, CacheConfig(kv_cache_gib=0.25), 1024)
+            packed = ckpt.packed if prec == "auto" else None
+            runner = ModelRunner(ckpt.arch, ckpt.weights, cfg, CacheConfig(kv_cache_gib=0.25), 1024, packed=packed)
             times = forward_times(runner, args.repeats)
             wbytes = runner.weight_bytes_per_step()
             kv = ckpt.arch.kv_bytes_per_token(runner.dtype.itemsize) * CONTEXT

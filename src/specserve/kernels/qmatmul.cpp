@@ -39,11 +39,16 @@ constexpr int64_t kQ5_0 = 6;
 constexpr int64_t kQ8_0 = 8;
 constexpr int64_t kQ4_K = 12;
 constexpr int64_t kQ6_K = 14;
+// The same K-quants with 8 rows interleaved (see "Interleaved K-quants" below); specserve's own
+// layouts, built at load time by specserve.models.block_linear.interleave_rows.
+constexpr int64_t kQ4_K_X8 = 112;
+constexpr int64_t kQ6_K_X8 = 114;
 
 struct TypeInfo {
-  int64_t block_values;  // weights per block
-  int64_t block_bytes;
-  int64_t act_block;  // activation quantization block for this weight type
+  int64_t block_values;  // weights per block (per row)
+  int64_t block_bytes;   // bytes per block of all `rows` rows
+  int64_t act_block;     // activation quantization block for this weight type
+  int64_t rows = 1;      // rows stored together (interleaved layouts: 8)
 };
 
 TypeInfo type_info(int64_t qtype) {
@@ -53,6 +58,8 @@ TypeInfo type_info(int64_t qtype) {
     case kQ8_0: return {32, 34, 32};
     case kQ4_K: return {256, 144, 256};
     case kQ6_K: return {256, 210, 256};
+    case kQ4_K_X8: return {256, 1184, 256, 8};
+    case kQ6_K_X8: return {256, 1680, 256, 8};
     default: TORCH_CHECK(false, "specserve qmatmul: unsupported GGML type ", qtype);
   }
 }
@@ -323,6 +330,148 @@ void dot_q6_k(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
   for (int m = 0; m < MT; ++m) out[m] = hsum(acc[m]);
 }
 
+// ---- Interleaved K-quants: 8 rows per group, one block of 256 values of each row together.
+//
+// The row-at-a-time kernels above spend most of their time decoding scales and reducing
+// vectors, not reading memory: on a 2-core AVX2 machine one core does ~12 GB/s of Q4_K, less
+// than its share of DRAM bandwidth. Storing 8 rows side by side turns those per-row scalar steps
+// into one vector step for 8 rows: a 32-byte load holds 4 consecutive values of each of the 8
+// rows (low nibbles; the high nibbles hold the next 4), each is multiplied by 4 activations
+// broadcast to all rows, and the per-sub-block scales of the 8 rows are one vector.
+//
+// Q4_K x8 group block (1184 bytes; 8 x 144 = 1152 in the file), read front to back:
+//   [0, 16)   d of rows 0..7 (float16)        [16, 32)  dmin of rows 0..7 (float16)
+//   [32, 96)  min[p][r][e] of sub-block 2p+e  (uint8, 6-bit values)
+//   then per sub-block j = 0..7, 136 bytes at 96 + 136j:
+//     scale[r] (8 x uint8), qs[i][r][k] (128): low nibble = value 32j+8i+k of row r, high = 32j+8i+4+k
+// Q6_K x8 group block (1680 bytes, as in the file), read front to back:
+//   [0, 16)   d of rows 0..7 (float16)
+//   then per 32-value chunk c = 0..7, 208 bytes at 16 + 208c:
+//     scale[r][e] of 16-value group 2c+e (16 x int8),
+//     ql[i][r][k] (128): low 4 bits of value 32c+8i+k (low nibble) and 32c+8i+4+k (high nibble),
+//     qh[h][r][k] (64): top 2 bits of values 32c+16h+{k, 4+k, 8+k, 12+k} at bits 0, 2, 4, 6
+//
+// Integer ranges: a maddubs lane is at most 2 * 15 * 127 (Q4_K) or 2 * 63 * 127 (Q6_K), so 8
+// (Q4_K sub-block) or 2 (Q6_K) of them are summed in int16 without overflow before the scale.
+// Each row's arithmetic is the same whatever the other rows of x are (bit-exact batching).
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int MT>
+void dot_q4_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = grp + b * 1184;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    __m256i sumi[MT], summ[MT];
+    for (int m = 0; m < MT; ++m) {
+      sumi[m] = _mm256_setzero_si256();
+      summ[m] = _mm256_setzero_si256();
+    }
+    for (int p = 0; p < 4; ++p) {  // mins: sum over sub-blocks of min * (sum of x over the sub-block)
+      const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * p)));
+      for (int m = 0; m < MT; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, a[m].s32 + b * 8 + 2 * p, 4);
+        summ[m] = _mm256_add_epi32(summ[m], _mm256_madd_epi16(mins, _mm256_set1_epi32(pair)));
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* sub = blk + 96 + 136 * j;
+      const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub)));
+      const __m256i sc = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));  // scale of row r in both int16 halves
+      __m256i p16[MT];
+      for (int m = 0; m < MT; ++m) p16[m] = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        const __m256i packed = load32(sub + 8 + 32 * i);
+        const __m256i lo = _mm256_and_si256(packed, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* x = a[m].q + b * 256 + 32 * j + 8 * i;
+          p16[m] = _mm256_add_epi16(p16[m], _mm256_maddubs_epi16(lo, bcast4(x)));
+          p16[m] = _mm256_add_epi16(p16[m], _mm256_maddubs_epi16(hi, bcast4(x + 4)));
+        }
+      }
+      for (int m = 0; m < MT; ++m) sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(p16[m], sc));
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m256 dx = _mm256_set1_ps(a[m].d[b]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), _mm256_mul_ps(d, dx), acc[m]);
+      acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(summ[m]), _mm256_mul_ps(dmin, dx), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
+}
+
+template <int MT>
+void dot_q6_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i top = _mm256_set1_epi8(0x30);
+  const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+  const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
+                                       2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = grp + b * 1680;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    __m256i sumi[MT], zero[MT];
+    for (int m = 0; m < MT; ++m) {
+      sumi[m] = _mm256_setzero_si256();
+      zero[m] = _mm256_setzero_si256();
+    }
+    for (int c = 0; c < 8; ++c) {  // 32 values: 16-value groups 2c and 2c+1 = scale pair c
+      const uint8_t* chunk = blk + 16 + 208 * c;
+      const uint8_t* ql = chunk + 16;
+      const uint8_t* qh = chunk + 144;
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
+      const __m256i sc_a = _mm256_shuffle_epi8(sc16, even);
+      const __m256i sc_b = _mm256_shuffle_epi8(sc16, odd);
+      for (int m = 0; m < MT; ++m) {  // value = q - 32: subtract 32 * scale * sum(x) per group
+        int32_t pair;
+        std::memcpy(&pair, a[m].s16 + b * 16 + 2 * c, 4);
+        zero[m] = _mm256_add_epi32(zero[m], _mm256_madd_epi16(sc16, _mm256_set1_epi32(pair)));
+      }
+      __m256i v[8];  // v[2i + h]: values 8i + 4h + k of each row
+      for (int h = 0; h < 2; ++h) {
+        const __m256i H = load32(qh + 32 * h);
+        const __m256i L0 = load32(ql + 64 * h);
+        const __m256i L1 = load32(ql + 64 * h + 32);
+        v[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(L0, low), _mm256_and_si256(_mm256_slli_epi16(H, 4), top));
+        v[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), low),
+                                       _mm256_and_si256(_mm256_slli_epi16(H, 2), top));
+        v[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(L1, low), _mm256_and_si256(H, top));
+        v[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), low),
+                                       _mm256_and_si256(_mm256_srli_epi16(H, 2), top));
+      }
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* x = a[m].q + b * 256 + 32 * c;
+        for (int g = 0; g < 2; ++g) {  // 16-value group 2c + g: values 16g .. 16g + 15
+          const __m256i s = g == 0 ? sc_a : sc_b;
+          const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(v[4 * g + 0], bcast4(x + 16 * g)),
+                                              _mm256_maddubs_epi16(v[4 * g + 1], bcast4(x + 16 * g + 4)));
+          const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(v[4 * g + 2], bcast4(x + 16 * g + 8)),
+                                              _mm256_maddubs_epi16(v[4 * g + 3], bcast4(x + 16 * g + 12)));
+          sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(_mm256_madd_epi16(p0, s), _mm256_madd_epi16(p1, s)));
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m256i total = _mm256_sub_epi32(sumi[m], _mm256_slli_epi32(zero[m], 5));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
+}
+
 #else  // portable fallback: decode a block to integers, integer dot, same scaling as above
 
 template <int MT>
@@ -396,9 +545,12 @@ void dot_rows(int64_t qtype, const uint8_t* row, int64_t nb, const Acts* a, floa
     case kQ6_K: return dot_q6_k<MT>(row, nb, a, out);
     case kQ8_0: return dot_q8_0<MT>(row, nb, a, out);
     case kQ5_0: return dot_q5_0<MT>(row, nb, a, out);
+    case kQ4_K_X8: return dot_q4_k_x8<MT>(row, nb, a, out);
+    case kQ6_K_X8: return dot_q6_k_x8<MT>(row, nb, a, out);
     default: return dot_q4_1<MT>(row, nb, a, out);
   }
 #else
+  TORCH_CHECK(qtype != kQ4_K_X8 && qtype != kQ6_K_X8, "qmatmul: interleaved layouts need the AVX2 build");
   dot_generic<MT>(qtype, row, nb, a, out);
 #endif
 }
@@ -406,12 +558,13 @@ void dot_rows(int64_t qtype, const uint8_t* row, int64_t nb, const Acts* a, floa
 // One weight matrix of a (possibly fused) product: its blocks and where its outputs go.
 struct Segment {
   const uint8_t* w;
-  int64_t row_bytes;
-  int64_t nb;  // blocks per row
+  int64_t row_bytes;  // bytes per stored row (per group of `rows` rows for interleaved layouts)
+  int64_t nb;         // blocks per row
   int64_t qtype;
-  int64_t n;  // rows (outputs)
+  int64_t n;          // rows (outputs)
+  int64_t rows;       // rows per stored row: 1, or 8 for interleaved layouts
   const float* bias;
-  int act;  // which activation quantization (0: 32-value blocks, 1: 256-value blocks)
+  int act;            // which activation quantization (0: 32-value blocks, 1: 256-value blocks)
 };
 
 struct QuantizedActs {
@@ -434,27 +587,31 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t qa, QuantizedAc
 }
 
 // Dot products of rows [n0, n1) of `seg` with M activation rows, in tiles of up to 4 activation
-// rows sharing each unpacked weight block; emit(m, n, value) receives every result.
+// rows sharing each unpacked weight block; emit(m, n, value) receives every result. For
+// interleaved layouts n0 and n1 are multiples of 8 (segments and tiles are).
 template <typename Emit>
 void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, int64_t n1, Emit&& emit) {
-  float out[4];
+  float out[4 * 8];
+  const int64_t R = seg.rows;
   for (int64_t m = 0; m < M; m += 4) {
     const int64_t mt = std::min<int64_t>(4, M - m);
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = seg.w + n * seg.row_bytes;
+    for (int64_t n = n0; n < n1; n += R) {
+      const uint8_t* row = seg.w + (n / R) * seg.row_bytes;
       switch (mt) {
         case 4: dot_rows<4>(seg.qtype, row, seg.nb, acts + m, out); break;
         case 3: dot_rows<3>(seg.qtype, row, seg.nb, acts + m, out); break;
         case 2: dot_rows<2>(seg.qtype, row, seg.nb, acts + m, out); break;
         default: dot_rows<1>(seg.qtype, row, seg.nb, acts + m, out); break;
       }
-      const float b = seg.bias ? seg.bias[n] : 0.f;
-      for (int64_t i = 0; i < mt; ++i) emit(m + i, n, out[i] + b);
+      for (int64_t r = 0; r < R; ++r) {
+        const float b = seg.bias ? seg.bias[n + r] : 0.f;
+        for (int64_t i = 0; i < mt; ++i) emit(m + i, n + r, out[i * R + r] + b);
+      }
     }
   }
 }
 
-constexpr int64_t kRowTile = 16;  // weight rows whose blocks stay in L1 while every activation tile passes
+constexpr int64_t kRowTile = 16;  // weight rows whose blocks stay in cache while every activation tile passes (a multiple of 8)
 
 // Run body(t0, t1) over tiles [0, tiles) with the threads pulling tiles from a shared counter:
 // a static split leaves one core idle whenever the other is slowed (by the OS, by the other
@@ -495,16 +652,17 @@ torch::Tensor qmatmul_multi(const torch::Tensor& x, const std::vector<torch::Ten
     TORCH_CHECK(K % info.block_values == 0 && K % info.act_block == 0, "qmatmul: K=", K, " is not a multiple of the block size");
     const int64_t nb = K / info.block_values;
     TORCH_CHECK(w.size(1) == nb * info.block_bytes, "qmatmul: w has ", w.size(1), " bytes per row, expected ", nb * info.block_bytes);
+    const int64_t n = w.size(0) * info.rows;
     const float* bias_ptr = nullptr;
     if (biases[i].has_value() && biases[i]->defined()) {
       keep.push_back(biases[i]->contiguous().to(torch::kFloat32));
-      TORCH_CHECK(keep.back().numel() == w.size(0), "qmatmul: bias has ", keep.back().numel(), " values, expected ", w.size(0));
+      TORCH_CHECK(keep.back().numel() == n, "qmatmul: bias has ", keep.back().numel(), " values, expected ", n);
       bias_ptr = keep.back().data_ptr<float>();
     }
     const int act = info.act_block == 256 ? 1 : 0;
     need_act[act] = true;
-    segs.push_back({w.data_ptr<uint8_t>(), w.size(1), nb, qtypes[i], w.size(0), bias_ptr, act});
-    total += w.size(0);
+    segs.push_back({w.data_ptr<uint8_t>(), w.size(1), nb, qtypes[i], n, info.rows, bias_ptr, act});
+    total += n;
   }
   if (silu_mul) TORCH_CHECK(segs.size() == 2 && segs[0].n == segs[1].n, "qmatmul: silu_mul needs two weights of equal rows");
   const int64_t N = silu_mul ? segs[0].n : total;
@@ -533,18 +691,19 @@ torch::Tensor qmatmul_multi(const torch::Tensor& x, const std::vector<torch::Ten
     });
     return y;
   }
-  std::vector<int64_t> offsets(segs.size() + 1, 0);
-  for (size_t i = 0; i < segs.size(); ++i) offsets[i + 1] = offsets[i] + segs[i].n;
-  parallel_tiles((total + kRowTile - 1) / kRowTile, [&](int64_t t0, int64_t t1) {
-    const int64_t begin = t0 * kRowTile, end = std::min(total, t1 * kRowTile);
-    for (size_t i = 0; i < segs.size(); ++i) {
-      const int64_t lo = std::max(begin, offsets[i]), hi = std::min(end, offsets[i + 1]);
-      const int64_t col = offsets[i];
-      for (int64_t n0 = lo; n0 < hi; n0 += kRowTile) {
-        const int64_t n1 = std::min(hi, n0 + kRowTile);
-        segment_rows(segs[i], qa[segs[i].act].rows.data(), M, n0 - col, n1 - col,
-                     [&](int64_t m, int64_t n, float v) { yp[m * N + col + n] = v; });
-      }
+  // Tiles of kRowTile rows, each within one segment (so interleaved groups are never split).
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (segment, first row)
+  std::vector<int64_t> col(segs.size(), 0);         // first output column of each segment
+  for (size_t i = 0; i < segs.size(); ++i) {
+    col[i] = i == 0 ? 0 : col[i - 1] + segs[i - 1].n;
+    for (int64_t n0 = 0; n0 < segs[i].n; n0 += kRowTile) tiles.emplace_back(static_cast<int64_t>(i), n0);
+  }
+  parallel_tiles(static_cast<int64_t>(tiles.size()), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const Segment& seg = segs[tiles[t].first];
+      const int64_t c = col[tiles[t].first], n0 = tiles[t].second;
+      segment_rows(seg, qa[seg.act].rows.data(), M, n0, std::min(seg.n, n0 + kRowTile),
+                   [&](int64_t m, int64_t n, float v) { yp[m * N + c + n] = v; });
     }
   });
   return y;

@@ -24,7 +24,11 @@ from specserve.kernels import BLOCK_SHAPES, qmatmul
 from specserve.models.gguf_quants import dequantize
 
 Q4_K = 12
+Q6_K = 14
 Q8_0 = 8
+# specserve's 8-row interleaved layouts of the K-quants (see qmatmul.cpp): same information,
+# laid out so the kernel handles 8 rows per vector step. Built at load time, never written to disk.
+INTERLEAVED = {Q4_K: 112, Q6_K: 114}
 
 
 class PackedWeight(NamedTuple):
@@ -52,22 +56,31 @@ def kernel_can_read(qtype: int, shape: tuple[int, ...]) -> bool:
 
 
 class BlockQuantLinear(nn.Module):
-    """y = x @ W^T + b with W in GGUF blocks, computed by the native kernel."""
+    """y = x @ W^T + b with W in GGUF blocks, computed by the native kernel.
 
-    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None) -> None:
+    `qtype` is the GGUF type of the weight; `kernel_qtype` the layout the kernel reads, which is
+    the 8-row interleaved form of Q4_K/Q6_K where it applies (`interleave=False` keeps the file's).
+    """
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None, interleave: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = packed.shape
         self.qtype = packed.qtype
-        self.register_buffer("qweight", packed.data.contiguous(), persistent=False)
+        self.kernel_qtype, data = interleave_rows(packed) if interleave else (packed.qtype, packed.data)
+        self.register_buffer("qweight", data.contiguous(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
-        self.weight_nbytes = packed.nbytes
+        self.weight_nbytes = data.numel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
         """x @ W^T + b in float32."""
-        return qmatmul(x.float(), self.qweight, self.qtype, self.bias)
+        return qmatmul(x.float(), self.qweight, self.kernel_qtype, self.bias)
 
     def packed(self) -> PackedWeight:
-        return PackedWeight(self.qtype, self.qweight, (self.out_features, self.in_features))
+        """The weight in its GGUF layout."""
+        data = self.qweight
+        if self.kernel_qtype != self.qtype:
+            data = deinterleave_rows(self.qtype, data, (self.out_features, self.in_features))
+        return PackedWeight(self.qtype, data, (self.out_features, self.in_features))
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight the blocks encode (tests, diagnostics)."""
@@ -140,6 +153,112 @@ def packed_from_gguf(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> Pac
     row_bytes = shape[1] // values * nbytes
     data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True).reshape(-1)[: shape[0] * row_bytes])
     return PackedWeight(qtype, data.reshape(shape[0], row_bytes), shape)
+
+
+def interleave_rows(pw: PackedWeight) -> tuple[int, torch.Tensor]:
+    """(kernel qtype, data) for the kernel: the 8-row interleaved layout of Q4_K/Q6_K weights
+    whose row count is a multiple of 8 on an AVX2 build, else the GGUF layout unchanged."""
+    from specserve.kernels import kernels
+
+    n, k = pw.shape
+    if pw.qtype not in INTERLEAVED or n % 8 or not kernels().has_avx2():
+        return pw.qtype, pw.data
+    g, nb = n // 8, k // 256
+    r = pw.data.numpy().reshape(g, 8, nb, -1).transpose(0, 2, 1, 3)  # [group, block, row, bytes]
+    if pw.qtype == Q4_K:
+        sc, mn = _q4k_scales_mins(r[..., 4:16])  # [g, nb, row, 8] each
+        vals = _nibbles(r[..., 16:144]).reshape(g, nb, 8, 256)
+        parts = [
+            r[..., 0:2].reshape(g, nb, 16),  # d per row
+            r[..., 2:4].reshape(g, nb, 16),  # dmin per row
+            mn.reshape(g, nb, 8, 4, 2).transpose(0, 1, 3, 2, 4).reshape(g, nb, 64),  # [pair][row][2]
+            np.concatenate([sc.transpose(0, 1, 3, 2), _quads(vals, 0xF)], axis=-1).reshape(g, nb, 8 * 136),
+        ]
+    else:
+        vals = _q6k_values(r[..., 0:192])  # [g, nb, row, 256], 0..63
+        hi = (vals >> 4).reshape(g, nb, 8, 8, 2, 4, 4)  # [.., row, chunk, half, field, k]
+        qh = (hi << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8)  # fields -> bits 0,2,4,6
+        chunks = [
+            r[..., 192:208].reshape(g, nb, 8, 8, 2).transpose(0, 1, 3, 2, 4).reshape(g, nb, 8, 16),  # [chunk][row][2]
+            _quads(vals & 0xF, 0xF),
+            qh.transpose(0, 1, 3, 4, 2, 5).reshape(g, nb, 8, 64),  # [chunk][half][row][k]
+        ]
+        parts = [r[..., 208:210].reshape(g, nb, 16), np.concatenate(chunks, axis=-1).reshape(g, nb, 8 * 208)]
+    out = np.concatenate(parts, axis=-1).reshape(g, -1)
+    return INTERLEAVED[pw.qtype], torch.from_numpy(np.ascontiguousarray(out))
+
+
+def deinterleave_rows(qtype: int, data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """The GGUF rows [n, bytes per row] back from interleave_rows' layout."""
+    n, k = shape
+    g, nb = n // 8, k // 256
+    r = data.numpy().reshape(g, nb, -1)
+    if qtype == Q4_K:
+        d, dmin = r[..., 0:16].reshape(g, nb, 8, 2), r[..., 16:32].reshape(g, nb, 8, 2)
+        mn = r[..., 32:96].reshape(g, nb, 4, 8, 2).transpose(0, 1, 3, 2, 4).reshape(g, nb, 8, 8)
+        sub = r[..., 96:1184].reshape(g, nb, 8, 136)
+        sc = sub[..., 0:8].transpose(0, 1, 3, 2)  # [.., row, sub-block]
+        packed = np.empty((g, nb, 8, 12), dtype=np.uint8)
+        packed[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+        packed[..., 4:8] = mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6)
+        packed[..., 8:12] = (sc[..., 4:8] & 0xF) | ((mn[..., 4:8] & 0xF) << 4)
+        vals = _unquads(sub[..., 8:136], g, nb).reshape(g, nb, 8, 4, 2, 32)  # value 64c + 32h + l
+        qs = (vals[..., 0, :] | (vals[..., 1, :] << 4)).reshape(g, nb, 8, 128)
+        rows = np.concatenate([d, dmin, packed, qs], axis=-1)
+    else:
+        d = r[..., 0:16].reshape(g, nb, 8, 2)
+        chunk = r[..., 16:1680].reshape(g, nb, 8, 208)
+        sc = chunk[..., 0:16].reshape(g, nb, 8, 8, 2).transpose(0, 1, 3, 2, 4).reshape(g, nb, 8, 16)
+        low = _unquads(chunk[..., 16:144], g, nb)  # [g, nb, row, 256]
+        qh = chunk[..., 144:208].reshape(g, nb, 8, 2, 8, 4).transpose(0, 1, 4, 2, 3, 5)  # [.., row, chunk, half, k]
+        top = (qh[..., None, :] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [.., half, field, k]
+        vals = low | (top.reshape(g, nb, 8, 256) << 4)
+        # GGUF: half h of 128 values; ql[64h + l] low/high nibble = values 128h + l / + 64,
+        # ql[64h + 32 + l] = values 128h + 32 + l / + 96; qh[32h + l] bits 2q = value 128h + 32q + l.
+        v = vals.reshape(g, nb, 8, 2, 4, 32)
+        ql = np.concatenate([(v[..., 0, :] & 0xF) | ((v[..., 2, :] & 0xF) << 4),
+                             (v[..., 1, :] & 0xF) | ((v[..., 3, :] & 0xF) << 4)], axis=-1).reshape(g, nb, 8, 128)
+        qh_out = ((v >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8).reshape(g, nb, 8, 64)
+        rows = np.concatenate([ql, qh_out, sc, d], axis=-1)
+    out = rows.transpose(0, 2, 1, 3).reshape(n, -1)
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.uint8))
+
+
+def _q4k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 packed bytes -> 8 six-bit scales and 8 six-bit mins (uint8)."""
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K's 128 bytes -> 256 values: chunk c of 32 bytes holds values 64c + l (low nibble) and 64c + 32 + l."""
+    q = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return np.concatenate([q & 0xF, q >> 4], axis=-2)
+
+
+def _q6k_values(b: np.ndarray) -> np.ndarray:
+    """Q6_K's ql (128 bytes) and qh (64 bytes) -> 256 unsigned 6-bit values."""
+    ql = b[..., 0:128].reshape(*b.shape[:-1], 2, 2, 32)  # [half, a/b, l]
+    qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32)
+    low = np.concatenate([ql & 0xF, ql >> 4], axis=-2)  # [half, q, l]: q = 0 la, 1 lb, 2 la hi, 3 lb hi
+    top = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    return (low | (top << 4)).reshape(*b.shape[:-1], 256)
+
+
+def _quads(vals: np.ndarray, mask: int) -> np.ndarray:
+    """[g, nb, row, 256] values < 16 -> [g, nb, chunk, 128] bytes [i][row][k]: low nibble value
+    32c + 8i + k, high nibble value 32c + 8i + 4 + k."""
+    g, nb = vals.shape[:2]
+    v = (vals & mask).reshape(g, nb, 8, 8, 4, 2, 4)
+    b = v[..., 0, :] | (v[..., 1, :] << 4)  # [g, nb, row, chunk, i, k]
+    return b.transpose(0, 1, 3, 4, 2, 5).reshape(g, nb, 8, 128)
+
+
+def _unquads(b: np.ndarray, g: int, nb: int) -> np.ndarray:
+    """Inverse of _quads: [g, nb, chunk, 128] -> [g, nb, row, 256] values."""
+    q = b.reshape(g, nb, 8, 4, 8, 1, 4).transpose(0, 1, 4, 2, 3, 5, 6)  # [g, nb, row, chunk, i, 1, k]
+    return np.concatenate([q & 0xF, q >> 4], axis=-2).reshape(g, nb, 8, 256)
 
 
 def enable_native_ops(model: nn.Module) -> int:

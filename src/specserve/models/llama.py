@@ -96,7 +96,7 @@ class Attention(nn.Module):
         if self.native is not None:
             projs = (self.q_proj, self.k_proj, self.v_proj)
             qkv = self.native.qmatmul_multi(
-                x, [p.qweight for p in projs], [p.qtype for p in projs], [p.bias for p in projs], False
+                x, [p.qweight for p in projs], [p.kernel_qtype for p in projs], [p.bias for p in projs], False
             )
             q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
@@ -146,7 +146,7 @@ class MLP(nn.Module):
         """Apply the gated feed-forward."""
         if self.native is not None:
             g, u = self.gate_proj, self.up_proj
-            return self.down_proj(self.native.qmatmul_multi(x, [g.qweight, u.qweight], [g.qtype, u.qtype], [None, None], True))
+            return self.down_proj(self.native.qmatmul_multi(x, [g.qweight, u.qweight], [g.kernel_qtype, u.kernel_qtype], [None, None], True))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -1,0 +1,129 @@
+"""Where a batch-1 decode step's time goes: native kernels, the rest of the forward, the engine.
+
+Runs the engine on one request (greedy, ignore_eos) and times, per decode step:
+  - engine step: everything `LLMEngine.step()` does (scheduling, input preparation, forward,
+    sampling, detokenization, output bookkeeping);
+  - forward: the model's forward + LM head (ModelRunner.last_forward_time_s);
+  - linear kernels: the quantized matrix products alone, timed by replaying the same step's
+    products (same shapes, same weights) back to back without Python in between.
+The gaps are the overheads: forward - kernels is the per-layer Python/torch glue, engine step -
+forward is the scheduler/sampler/detokenizer.
+
+With --flame it also records a py-spy flame graph of the decode loop (py-spy must be installed;
+`--native` frames show the C++ kernels).
+
+    python bench/profile_decode.py                       # Qwen2.5-Coder-1.5B, --quantization auto
+    python bench/profile_decode.py --quantization none --flame
+
+Writes bench/results/profile_decode.json (and decode_flame_<quantization>.svg with --flame).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, machine_info, write_json  # noqa: E402
+
+PROMPT = "Write a Python function that parses an ISO 8601 date string and returns a datetime."
+
+
+def linear_kernel_time(model, repeats: int = 20) -> tuple[float, int]:
+    """Seconds for one batch-1 pass over every quantized product of the model, and their count."""
+    import torch
+
+    from specserve.models.block_linear import BlockQuantLinear
+
+    layers = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
+    calls = []
+    for mod in layers:
+        k = mod.in_features
+        x = torch.randn(1, k)
+        calls.append((mod, x))
+    for _ in range(3):
+        for mod, x in calls:
+            mod(x)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for mod, x in calls:
+            mod(x)
+        best = min(best, time.perf_counter() - t0)
+    return best, len(calls)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--flame", action="store_true", help="record a py-spy flame graph of the decode loop")
+    ap.add_argument("--_flame-child", dest="flame_child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.flame and not args.flame_child:
+        exe = shutil.which("py-spy")
+        if exe is None:
+            print("py-spy is not installed (pip install py-spy)", file=sys.stderr)
+            return 1
+        svg = RESULTS_DIR / f"decode_flame_{args.quantization}.svg"
+        cmd = [exe, "record", "--native", "--rate", "200", "-o", str(svg), "--", sys.executable, __file__,
+               "--model", args.model, "--quantization", args.quantization, "--tokens", str(args.tokens),
+               "--_flame-child"]
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, env=os.environ | {"SPECSERVE_PROFILE_CHILD": "1"})
+        print(f"wrote {svg}")
+        return 0
+
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(args.model, quantization=args.quantization, spec_method="none", kv_cache_gib=0.5)
+    eng = llm.engine
+    runner = eng.runner
+    llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
+    eng.add_request(PROMPT, SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True))
+    eng.step()  # prefill
+    steps, fwd = [], []
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        eng.step()
+        steps.append(time.perf_counter() - t0)
+        fwd.append(runner.last_forward_time_s)
+    if args.flame_child:
+        return 0
+    kern, n_calls = linear_kernel_time(runner.model) if args.quantization in ("auto", "int4") else (float("nan"), 0)
+    steps.sort()
+    fwd.sort()
+    med = lambda v: v[len(v) // 2]  # noqa: E731
+    row = {
+        "model": args.model, "quantization": args.quantization, "decode_steps": len(steps),
+        "engine_step_ms": 1e3 * med(steps), "forward_ms": 1e3 * med(fwd),
+        "linear_kernels_ms": 1e3 * kern, "linear_kernel_calls": n_calls,
+        "weight_bytes_per_step": runner.weight_bytes_per_step(),
+    }
+    row["glue_ms"] = row["forward_ms"] - row["linear_kernels_ms"]
+    row["engine_overhead_ms"] = row["engine_step_ms"] - row["forward_ms"]
+    row["kernel_bandwidth_gbs"] = row["weight_bytes_per_step"] / kern / 1e9
+    for k, v in row.items():
+        print(f"{k:24s} {v:.2f}" if isinstance(v, float) else f"{k:24s} {v}")
+    path = RESULTS_DIR / "profile_decode.json"
+    old = {}
+    if path.exists():
+        import json
+
+        old = {f"{r['model']}|{r['quantization']}": r for r in json.loads(path.read_text()).get("results", [])}
+    old[f"{args.model}|{args.quantization}"] = row
+    write_json("profile_decode.json", {"benchmark": "decode step breakdown (batch 1)", "machine": machine_info(),
+                                       "results": list(old.values())})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
