@@ -14,8 +14,11 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.kernels import BLOCK_SHAPES, kernels
 from specserve.models.block_linear import (
+    INTERLEAVED,
     BlockQuantLinear,
     PackedWeight,
+    deinterleave_rows,
+    interleave_rows,
     quantize_q4_k,
     quantize_q8_0,
 )
@@ -45,15 +48,18 @@ def _bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", sorted(NAMES))
-@pytest.mark.parametrize("m", [1, 3, 4, 7])
-def test_kernel_matches_decoded_weight(qtype, m):
-    pw = random_blocks(qtype, rows=40, cols=512, seed=qtype)
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 9])
+@pytest.mark.parametrize("rows", [40, 44])  # K-quants: 40 rows are interleaved by 8, 44 stay rows
+def test_kernel_matches_decoded_weight(qtype, m, rows):
+    pw = random_blocks(qtype, rows=rows, cols=512, seed=qtype)
     w = pw.dequantize()
     assert torch.isfinite(w).all()
     torch.manual_seed(m)
     x = torch.randn(m, 512)
-    bias = torch.randn(40)
-    y = BlockQuantLinear(pw, bias)(x)
+    bias = torch.randn(rows)
+    lin = BlockQuantLinear(pw, bias)
+    assert (lin.kernel_qtype != qtype) == (qtype in INTERLEAVED and rows % 8 == 0 and kernels().has_avx2())
+    y = lin(x)
     ref = x @ w.T + bias
     act_block = 256 if qtype in (12, 14) else 32
     err = (y - ref).abs()
@@ -61,28 +67,50 @@ def test_kernel_matches_decoded_weight(qtype, m):
 
 
 @pytest.mark.parametrize("qtype", sorted(NAMES))
-def test_each_row_is_independent_of_the_batch(qtype):
-    """Bit-identical results for a row alone and inside batches of any size (verify == decode)."""
-    pw = random_blocks(qtype, rows=70, cols=1024, seed=7)
+@pytest.mark.parametrize("rows", [70, 72])
+def test_each_row_is_independent_of_the_batch(qtype, rows):
+    """Bit-identical results for a row alone and inside batches of any size (verify == decode),
+    across the activation tiles (4 rows, 8 for interleaved layouts)."""
+    pw = random_blocks(qtype, rows=rows, cols=1024, seed=7)
     lin = BlockQuantLinear(pw)
-    x = torch.randn(9, 1024)
+    x = torch.randn(11, 1024)
     full = lin(x)
-    for i in range(9):
+    for i in range(11):
         assert torch.equal(lin(x[i : i + 1]), full[i : i + 1])
     assert torch.equal(lin(x[2:7]), full[2:7])
+    assert torch.equal(lin(x[1:10]), full[1:10])
+
+
+@pytest.mark.parametrize("qtype", sorted(INTERLEAVED))
+def test_interleaved_layout_round_trips_and_agrees_with_rows(qtype):
+    """The 8-row layout holds exactly the file's information: it converts back byte for byte,
+    and the kernel computes the same integers from it (only the float summation order differs)."""
+    pw = random_blocks(qtype, rows=24, cols=768, seed=11)
+    kq, data = interleave_rows(pw)
+    assert kq == INTERLEAVED[qtype] and data.numel() == 3 * 768 // 256 * (1184 if qtype == 12 else 1680)
+    assert torch.equal(deinterleave_rows(qtype, data, pw.shape), pw.data)
+    lin = BlockQuantLinear(pw)
+    assert torch.equal(lin.packed().data, pw.data)
+    x = torch.randn(6, 768)
+    ref = BlockQuantLinear(pw, interleave=False)(x)  # float32 sums of the same integers, other order
+    torch.testing.assert_close(lin(x), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
 def test_fused_products_equal_separate_ones():
+    """One call over several weights (row and interleaved layouts mixed, a segment whose row
+    count is not a multiple of 8 first) equals the separate products bit for bit."""
     k = kernels()
     x = torch.randn(5, 512)
-    a, b, c = random_blocks(12, 64, 512, 1), random_blocks(14, 32, 512, 2), random_blocks(8, 32, 512, 3)
-    bias = torch.randn(32)
-    fused = k.qmatmul_multi(x, [a.data, b.data, c.data], [12, 14, 8], [None, bias, None], False)
-    sep = torch.cat([BlockQuantLinear(a)(x), BlockQuantLinear(b, bias)(x), BlockQuantLinear(c)(x)], dim=1)
-    assert torch.equal(fused, sep)
-    g, u = random_blocks(12, 48, 512, 4), random_blocks(12, 48, 512, 5)
-    act = k.qmatmul_multi(x, [g.data, u.data], [12, 12], [None, None], True)
-    ref = torch.nn.functional.silu(BlockQuantLinear(g)(x)) * BlockQuantLinear(u)(x)
+    parts = [random_blocks(12, 44, 512, 0), random_blocks(12, 64, 512, 1), random_blocks(14, 32, 512, 2),
+             random_blocks(8, 32, 512, 3)]
+    biases = [None, None, torch.randn(32), None]
+    lins = [BlockQuantLinear(p, b) for p, b in zip(parts, biases)]
+    assert [lin.kernel_qtype != lin.qtype for lin in lins] == [False, k.has_avx2(), k.has_avx2(), False]
+    fused = k.qmatmul_multi(x, [m.qweight for m in lins], [m.kernel_qtype for m in lins], biases, False)
+    assert torch.equal(fused, torch.cat([m(x) for m in lins], dim=1))
+    g, u = BlockQuantLinear(random_blocks(12, 48, 512, 4)), BlockQuantLinear(random_blocks(12, 48, 512, 5))
+    act = k.qmatmul_multi(x, [g.qweight, u.qweight], [g.kernel_qtype, u.kernel_qtype], [None, None], True)
+    ref = torch.nn.functional.silu(g(x)) * u(x)
     torch.testing.assert_close(act, ref, rtol=1e-5, atol=1e-6)
 
 

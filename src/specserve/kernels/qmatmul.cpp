@@ -586,17 +586,38 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t qa, QuantizedAc
                    out.s32.data() + m * (K / 32)};
 }
 
-// Dot products of rows [n0, n1) of `seg` with M activation rows, in tiles of up to 4 activation
-// rows sharing each unpacked weight block; emit(m, n, value) receives every result. For
-// interleaved layouts n0 and n1 are multiples of 8 (segments and tiles are).
+#if SPECSERVE_AVX2
+// Interleaved layouts take up to 8 activation rows per pass (a verify step of K + 1 <= 8 tokens
+// then unpacks each weight block once); the row-at-a-time kernels run out of registers past 4.
+template <int MT>
+void dot_x8(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
+  if (qtype == kQ4_K_X8) return dot_q4_k_x8<MT>(grp, nb, a, out);
+  return dot_q6_k_x8<MT>(grp, nb, a, out);
+}
+#endif
+
+// Dot products of rows [n0, n1) of `seg` with M activation rows, in tiles of up to 4 (8 for
+// interleaved layouts) activation rows sharing each unpacked weight block; emit(m, n, value) receives every
+// result. For interleaved layouts n0 and n1 are multiples of 8 (segments and tiles are).
 template <typename Emit>
 void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, int64_t n1, Emit&& emit) {
-  float out[4 * 8];
+  float out[8 * 8];
   const int64_t R = seg.rows;
-  for (int64_t m = 0; m < M; m += 4) {
-    const int64_t mt = std::min<int64_t>(4, M - m);
+  const int64_t tile = R == 8 ? 8 : 4;
+  for (int64_t m = 0; m < M; m += tile) {
+    const int64_t mt = std::min<int64_t>(tile, M - m);
     for (int64_t n = n0; n < n1; n += R) {
       const uint8_t* row = seg.w + (n / R) * seg.row_bytes;
+#if SPECSERVE_AVX2
+      if (R == 8 && mt > 4) {
+        switch (mt) {
+          case 8: dot_x8<8>(seg.qtype, row, seg.nb, acts + m, out); break;
+          case 7: dot_x8<7>(seg.qtype, row, seg.nb, acts + m, out); break;
+          case 6: dot_x8<6>(seg.qtype, row, seg.nb, acts + m, out); break;
+          default: dot_x8<5>(seg.qtype, row, seg.nb, acts + m, out); break;
+        }
+      } else
+#endif
       switch (mt) {
         case 4: dot_rows<4>(seg.qtype, row, seg.nb, acts + m, out); break;
         case 3: dot_rows<3>(seg.qtype, row, seg.nb, acts + m, out); break;
@@ -623,13 +644,17 @@ void parallel_tiles(int64_t tiles, Body&& body) {
     body(0, tiles);
     return;
   }
-  const int64_t chunk = std::max<int64_t>(1, tiles / (threads * 8));
+  // Guided: each grab takes a share of what is left, so the last grabs are single tiles and
+  // neither thread waits long for the other at the end.
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    int64_t t0 = next.load(std::memory_order_relaxed);
     for (;;) {
-      const int64_t t0 = next.fetch_add(chunk);
       if (t0 >= tiles) break;
-      body(t0, std::min(tiles, t0 + chunk));
+      const int64_t take = std::max<int64_t>(1, (tiles - t0) / (threads * 4));
+      if (!next.compare_exchange_weak(t0, t0 + take, std::memory_order_relaxed)) continue;  // t0 reloaded
+      body(t0, std::min(tiles, t0 + take));
+      t0 = next.load(std::memory_order_relaxed);
     }
   });
 }
