@@ -866,6 +866,86 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   return out;
 }
 
+// The 8-row interleaved layout of Q4_K / Q6_K rows (see "Interleaved K-quants" above).
+torch::Tensor interleave_rows(const torch::Tensor& w, int64_t qtype) {
+  TORCH_CHECK(qtype == kQ4_K || qtype == kQ6_K, "interleave_rows: Q4_K or Q6_K only");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(0) % 8 == 0,
+              "interleave_rows: contiguous uint8 [N, row_bytes] with N a multiple of 8");
+  const TypeInfo in = type_info(qtype), out_info = type_info(qtype == kQ4_K ? kQ4_K_X8 : kQ6_K_X8);
+  TORCH_CHECK(w.size(1) % in.block_bytes == 0, "interleave_rows: row bytes are not whole blocks");
+  const int64_t G = w.size(0) / 8, nb = w.size(1) / in.block_bytes, row_bytes = w.size(1);
+  auto out = torch::empty({G, nb * out_info.block_bytes}, w.options());
+  const uint8_t* src_base = w.data_ptr<uint8_t>();
+  uint8_t* out_base = out.data_ptr<uint8_t>();
+  at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
+    uint8_t vals[8][256];
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* src[8];
+        for (int r = 0; r < 8; ++r) src[r] = src_base + (8 * g + r) * row_bytes + b * in.block_bytes;
+        uint8_t* dst = out_base + (g * nb + b) * out_info.block_bytes;
+        if (qtype == kQ4_K) {
+          uint8_t sc[8][8], mn[8][8];
+          for (int r = 0; r < 8; ++r) {
+            std::memcpy(dst + 2 * r, src[r], 2);
+            std::memcpy(dst + 16 + 2 * r, src[r] + 2, 2);
+            q4k_scales(src[r] + 4, sc[r], mn[r]);
+            for (int c = 0; c < 4; ++c)
+              for (int l = 0; l < 32; ++l) {
+                const uint8_t byte = src[r][16 + 32 * c + l];
+                vals[r][64 * c + l] = byte & 0xF;
+                vals[r][64 * c + 32 + l] = byte >> 4;
+              }
+            for (int p = 0; p < 4; ++p)
+              for (int e = 0; e < 2; ++e) dst[32 + 16 * p + 2 * r + e] = mn[r][2 * p + e];
+          }
+          for (int j = 0; j < 8; ++j) {
+            uint8_t* sub = dst + 96 + 136 * j;
+            for (int r = 0; r < 8; ++r) sub[r] = sc[r][j];
+            for (int i = 0; i < 4; ++i)
+              for (int r = 0; r < 8; ++r)
+                for (int k = 0; k < 4; ++k)
+                  sub[8 + 32 * i + 4 * r + k] =
+                      static_cast<uint8_t>(vals[r][32 * j + 8 * i + k] | (vals[r][32 * j + 8 * i + 4 + k] << 4));
+          }
+        } else {
+          for (int r = 0; r < 8; ++r) {
+            std::memcpy(dst + 2 * r, src[r] + 208, 2);
+            const uint8_t* ql = src[r];
+            const uint8_t* qh = src[r] + 128;
+            for (int h = 0; h < 2; ++h)
+              for (int l = 0; l < 32; ++l) {
+                const uint8_t a = ql[64 * h + l], bb = ql[64 * h + 32 + l], t = qh[32 * h + l];
+                vals[r][128 * h + l] = (a & 0xF) | ((t & 3) << 4);
+                vals[r][128 * h + 32 + l] = (bb & 0xF) | (((t >> 2) & 3) << 4);
+                vals[r][128 * h + 64 + l] = (a >> 4) | (((t >> 4) & 3) << 4);
+                vals[r][128 * h + 96 + l] = (bb >> 4) | (((t >> 6) & 3) << 4);
+              }
+          }
+          for (int c = 0; c < 8; ++c) {
+            uint8_t* chunk = dst + 16 + 208 * c;
+            for (int r = 0; r < 8; ++r)
+              for (int e = 0; e < 2; ++e) chunk[2 * r + e] = src[r][192 + 2 * c + e];
+            for (int i = 0; i < 4; ++i)
+              for (int r = 0; r < 8; ++r)
+                for (int k = 0; k < 4; ++k)
+                  chunk[16 + 32 * i + 4 * r + k] =
+                      static_cast<uint8_t>((vals[r][32 * c + 8 * i + k] & 0xF) | ((vals[r][32 * c + 8 * i + 4 + k] & 0xF) << 4));
+            for (int h = 0; h < 2; ++h)
+              for (int r = 0; r < 8; ++r)
+                for (int k = 0; k < 4; ++k) {
+                  int byte = 0;
+                  for (int f = 0; f < 4; ++f) byte |= (vals[r][32 * c + 16 * h + 4 * f + k] >> 4) << (2 * f);
+                  chunk[144 + 32 * h + 4 * r + k] = static_cast<uint8_t>(byte);
+                }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 bool has_avx2() { return SPECSERVE_AVX2 != 0; }
 
 }  // namespace
@@ -879,5 +959,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotate-half RoPE in place", py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("positions"));
   m.def("paged_attention", &paged_attention, "attention of a few tokens per request over the paged KV cache", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("mask"), py::arg("query_index"), py::arg("scale"));
+  m.def("interleave_rows", &interleave_rows, "Q4_K/Q6_K rows -> the 8-row interleaved layout", py::arg("w"), py::arg("qtype"));
   m.def("has_avx2", &has_avx2, "whether the AVX2 kernels were compiled in");
 }

@@ -7,6 +7,10 @@ reads those blocks directly: a Q4_K_M 1.5B model reads ~1.1 GB per decoded token
 decoding them to float; `--quantization int4` turns float weights into Q4_K blocks
 (`quantize_q4_k`), the same format llama.cpp's Q4_K_M files use for most matrices.
 
+Q4_K and Q6_K matrices whose row count is a multiple of 8 are rearranged at load time into an
+8-row interleaved layout (same information, +2.8% bytes for Q4_K, same bytes for Q6_K; see
+qmatmul.cpp) that lets the kernel treat 8 rows per vector step; `packed()` converts back.
+
 Numerics: each activation row is rounded to int8 per block (see qmatmul.cpp), so results differ
 from a float32 matmul against the decoded weight by about 1% of an output's magnitude; they do
 not depend on the other rows of the batch.
@@ -163,29 +167,7 @@ def interleave_rows(pw: PackedWeight) -> tuple[int, torch.Tensor]:
     n, k = pw.shape
     if pw.qtype not in INTERLEAVED or n % 8 or not kernels().has_avx2():
         return pw.qtype, pw.data
-    g, nb = n // 8, k // 256
-    r = pw.data.numpy().reshape(g, 8, nb, -1).transpose(0, 2, 1, 3)  # [group, block, row, bytes]
-    if pw.qtype == Q4_K:
-        sc, mn = _q4k_scales_mins(r[..., 4:16])  # [g, nb, row, 8] each
-        vals = _nibbles(r[..., 16:144]).reshape(g, nb, 8, 256)
-        parts = [
-            r[..., 0:2].reshape(g, nb, 16),  # d per row
-            r[..., 2:4].reshape(g, nb, 16),  # dmin per row
-            mn.reshape(g, nb, 8, 4, 2).transpose(0, 1, 3, 2, 4).reshape(g, nb, 64),  # [pair][row][2]
-            np.concatenate([sc.transpose(0, 1, 3, 2), _quads(vals, 0xF)], axis=-1).reshape(g, nb, 8 * 136),
-        ]
-    else:
-        vals = _q6k_values(r[..., 0:192])  # [g, nb, row, 256], 0..63
-        hi = (vals >> 4).reshape(g, nb, 8, 8, 2, 4, 4)  # [.., row, chunk, half, field, k]
-        qh = (hi << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8)  # fields -> bits 0,2,4,6
-        chunks = [
-            r[..., 192:208].reshape(g, nb, 8, 8, 2).transpose(0, 1, 3, 2, 4).reshape(g, nb, 8, 16),  # [chunk][row][2]
-            _quads(vals & 0xF, 0xF),
-            qh.transpose(0, 1, 3, 4, 2, 5).reshape(g, nb, 8, 64),  # [chunk][half][row][k]
-        ]
-        parts = [r[..., 208:210].reshape(g, nb, 16), np.concatenate(chunks, axis=-1).reshape(g, nb, 8 * 208)]
-    out = np.concatenate(parts, axis=-1).reshape(g, -1)
-    return INTERLEAVED[pw.qtype], torch.from_numpy(np.ascontiguousarray(out))
+    return INTERLEAVED[pw.qtype], kernels().interleave_rows(pw.data.contiguous(), pw.qtype)
 
 
 def deinterleave_rows(qtype: int, data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -224,39 +206,9 @@ def deinterleave_rows(qtype: int, data: torch.Tensor, shape: tuple[int, int]) ->
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.uint8))
 
 
-def _q4k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's 12 packed bytes -> 8 six-bit scales and 8 six-bit mins (uint8)."""
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
-    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
-    return sc, mn
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """Q4_K's 128 bytes -> 256 values: chunk c of 32 bytes holds values 64c + l (low nibble) and 64c + 32 + l."""
-    q = qs.reshape(*qs.shape[:-1], 4, 1, 32)
-    return np.concatenate([q & 0xF, q >> 4], axis=-2)
-
-
-def _q6k_values(b: np.ndarray) -> np.ndarray:
-    """Q6_K's ql (128 bytes) and qh (64 bytes) -> 256 unsigned 6-bit values."""
-    ql = b[..., 0:128].reshape(*b.shape[:-1], 2, 2, 32)  # [half, a/b, l]
-    qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32)
-    low = np.concatenate([ql & 0xF, ql >> 4], axis=-2)  # [half, q, l]: q = 0 la, 1 lb, 2 la hi, 3 lb hi
-    top = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
-    return (low | (top << 4)).reshape(*b.shape[:-1], 256)
-
-
-def _quads(vals: np.ndarray, mask: int) -> np.ndarray:
-    """[g, nb, row, 256] values < 16 -> [g, nb, chunk, 128] bytes [i][row][k]: low nibble value
-    32c + 8i + k, high nibble value 32c + 8i + 4 + k."""
-    g, nb = vals.shape[:2]
-    v = (vals & mask).reshape(g, nb, 8, 8, 4, 2, 4)
-    b = v[..., 0, :] | (v[..., 1, :] << 4)  # [g, nb, row, chunk, i, k]
-    return b.transpose(0, 1, 3, 4, 2, 5).reshape(g, nb, 8, 128)
-
-
 def _unquads(b: np.ndarray, g: int, nb: int) -> np.ndarray:
-    """Inverse of _quads: [g, nb, chunk, 128] -> [g, nb, row, 256] values."""
+    """[g, nb, chunk, 128] bytes [i][row][k] (low nibble value 32c + 8i + k, high nibble
+    32c + 8i + 4 + k) -> [g, nb, row, 256] values."""
     q = b.reshape(g, nb, 8, 4, 8, 1, 4).transpose(0, 1, 4, 2, 3, 5, 6)  # [g, nb, row, chunk, i, 1, k]
     return np.concatenate([q & 0xF, q >> 4], axis=-2).reshape(g, nb, 8, 256)
 
