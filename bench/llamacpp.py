@@ -1,12 +1,15 @@
 """specserve vs llama.cpp on the same GGUF files, same prompts, same cores, greedy, in one run.
 
 llama.cpp runs through the `llama-cpp-python` package (built from source by pip, so it uses
-this CPU's own instruction set) on the Q4_K_M file as is; specserve loads the same file
-(float32 or int8 weights). Batch 1, each prompt alone. Decode rate = (tokens - 1) / (time from
-the first token to the last), so prompt processing is excluded for both.
+this CPU's own instruction set) on the Q4_K_M file as is; specserve loads the same file,
+either computing from its blocks as stored (`auto`) or decoded to float32 / int8. Batch 1, each
+prompt alone. Decode rate = (tokens - 1) / (time from the first token to the last), so prompt
+processing is excluded for both.
 
-Rows: llama.cpp plain and with its prompt-lookup decoding; specserve plain (float32, int8),
-with prompt lookup (n-gram), and with the Qwen2.5-Coder-0.5B draft (W8A8).
+Rows: llama.cpp plain and with its prompt-lookup decoding; specserve configurations named
+`<precision>[-ngram|-draft]`: precision fp32 | int8 | int4 | auto, then no speculation, prompt
+lookup (n-gram, 8 tokens) or the Qwen2.5-Coder-0.5B draft (its own GGUF blocks under `auto`,
+W8A8 otherwise).
 
     pip install llama-cpp-python   # builds llama.cpp from source (~10 min on 2 cores)
     python bench/llamacpp.py [--prompts 3] [--max-tokens 96]
@@ -83,16 +86,31 @@ def run_llamacpp(path: Path, sets: dict[str, list[str]], max_tokens: int, thread
     return rows
 
 
-def run_specserve(target: Any, draft: Any, sets: dict[str, list[str]], max_tokens: int, config: str,
-                  threads: int) -> list[dict[str, Any]]:
+class Checkpoints:
+    """Loads each checkpoint once, in the form a configuration needs (float or the file's blocks)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[str, bool], Any] = {}
+
+    def get(self, name: str, blocks: bool) -> Any:
+        if (name, blocks) not in self.cache:
+            self.cache[(name, blocks)] = load_model_files(resolve_model(name), keep_blocks=blocks)
+        return self.cache[(name, blocks)]
+
+
+def run_specserve(ckpts: Checkpoints, sets: dict[str, list[str]], max_tokens: int, config: str,
+                  threads: int, draft_vocab: int | None) -> list[dict[str, Any]]:
     """specserve decode rates per prompt set for one configuration."""
-    kw: dict[str, Any] = {"quantization": "none"}
-    if config.startswith("int8"):
-        kw["quantization"] = "int8"
-    if config.endswith("draft"):
-        kw.update(spec_method="draft", draft_checkpoint=draft, draft_model="qwen2.5-coder-0.5b-instruct",
-                  draft_quantization="w8a8")
-    elif config.endswith("ngram"):
+    precision, _, spec = config.partition("-")
+    quant = {"fp32": "none"}.get(precision, precision)
+    blocks = quant == "auto"
+    target = ckpts.get("qwen2.5-coder-1.5b-instruct", blocks)
+    kw: dict[str, Any] = {"quantization": quant}
+    if spec == "draft":
+        kw.update(spec_method="draft", draft_checkpoint=ckpts.get("qwen2.5-coder-0.5b-instruct", blocks),
+                  draft_model="qwen2.5-coder-0.5b-instruct", draft_quantization="auto" if blocks else "w8a8",
+                  draft_vocab_size=draft_vocab)
+    elif spec == "ngram":
         kw.update(spec_method="ngram", num_spec_tokens=8)
     gc.collect()
     llm = LLM("qwen2.5-coder-1.5b-instruct", dtype="float32", checkpoint=target, kv_cache_gib=1.0,
@@ -110,7 +128,7 @@ def run_specserve(target: Any, draft: Any, sets: dict[str, list[str]], max_token
             texts.append(out.outputs[0].text)
             acc += m.extra.get("num_accepted_tokens", 0)
             drafted += m.extra.get("num_draft_tokens", 0)
-        rows.append({"engine": "specserve", "config": config, "weights": kw["quantization"], "prompt_set": name,
+        rows.append({"engine": "specserve", "config": config, "weights": quant, "prompt_set": name,
                      "generated_tokens": gen, "decode_tokens_per_s": (gen - len(prompts)) / decode_s,
                      "acceptance_rate": acc / drafted if drafted else None, "texts": texts})
         log(f"specserve {config:11s} {name:6s}: {rows[-1]['decode_tokens_per_s']:.2f} tok/s")
@@ -135,10 +153,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         b = base.get(r["prompt_set"])
         r["vs_llamacpp_plain"] = r["decode_tokens_per_s"] / b["decode_tokens_per_s"] if b else None
         if b and r is not b:
-            # Q4_K_M arithmetic vs specserve's dequantized weights: how long the greedy texts agree.
+            # llama.cpp's arithmetic vs specserve's (other rounding): how long the greedy texts agree.
             r["chars_equal_to_llamacpp_plain"] = [_common_prefix_chars(x, y) for x, y in zip(r["texts"], b["texts"])]
     best_plain = max((r["vs_llamacpp_plain"] for r in rows
-                      if r["engine"] == "specserve" and r["config"] in ("fp32", "int8")), default=None)
+                      if r["engine"] == "specserve" and "-" not in r["config"]), default=None)
     best_spec_coding = max((r["vs_llamacpp_plain"] for r in rows if r["engine"] == "specserve"
                             and r["prompt_set"] == "coding" and r["config"].endswith(("draft", "ngram"))), default=None)
     return {"best_specserve_plain_vs_llamacpp_plain": best_plain,
@@ -181,17 +199,17 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--specserve-configs", nargs="+", default=["fp32", "int8", "fp32-ngram", "int8-ngram",
-                                                                 "fp32-draft", "int8-draft"])
+    ap.add_argument("--specserve-configs", nargs="+", default=["fp32", "auto", "auto-ngram", "auto-draft"])
+    ap.add_argument("--draft-vocab", type=int, default=None, help="restrict the draft's LM head to this many tokens")
     args = ap.parse_args()
     tpath = resolve_model("qwen2.5-coder-1.5b-instruct")
-    target = load_model_files(tpath)
-    draft = load_model_files(resolve_model("qwen2.5-coder-0.5b-instruct"))
-    sets = prompt_sets(target.tokenizer, args.prompts)
+    ckpts = Checkpoints()
+    any_float = any(not c.startswith("auto") for c in args.specserve_configs)
+    sets = prompt_sets(ckpts.get("qwen2.5-coder-1.5b-instruct", blocks=not any_float).tokenizer, args.prompts)
     rows = run_llamacpp(tpath, sets, args.max_tokens, args.threads, lookup=False)
     rows += run_llamacpp(tpath, sets, args.max_tokens, args.threads, lookup=True)
     for config in args.specserve_configs:
-        rows += run_specserve(target, draft, sets, args.max_tokens, config, args.threads)
+        rows += run_specserve(ckpts, sets, args.max_tokens, config, args.threads, args.draft_vocab)
     import llama_cpp
 
     payload = {

@@ -789,9 +789,9 @@ void rope_(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const tor
 
 // Attention of a few new tokens per request over the paged KV cache, without gathering pages:
 // token t (row r of request b in the padded batch) attends to every key j with
-// mask[b, 0, r, j], read from slot block_tables[b][j / BS] * BS + j % BS. One pass per
-// (token, KV head) with an online softmax; the query heads sharing that KV head go together so
-// each key and value row is loaded once. Used for every step shape, so a token never changes path with its batch.
+// mask[b, 0, r, j], read from slot block_tables[b][j / BS] * BS + j % BS. Per (token, KV head),
+// the query heads sharing that KV head go together so each key and value row is loaded once.
+// Used for every step shape, so a token never changes path with its batch.
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& mask, const torch::Tensor& query_index,
                               double scale) {
@@ -818,21 +818,24 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   const int64_t* qip = qi.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  // Two passes per (token, KV head): scores of every allowed key for the G query heads, then
+  // softmax weights and one sweep over the values. (An online softmax would rescale the
+  // accumulator at every key: twice the vector work and two exp per key.)
   at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(G * D), mx(G), den(G), s(G);
+    std::vector<int64_t> slots;
+    std::vector<float> p, acc(G * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / Hkv, kvh = item % Hkv;
       const int64_t b = qip[t] / Q, r = qip[t] % Q;
       const bool* allowed = mp + (b * Q + r) * L;
       const float* qh = qp + (t * Hq + kvh * G) * D;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(mx.begin(), mx.end(), -INFINITY);
-      std::fill(den.begin(), den.end(), 0.f);
-      for (int64_t j = 0; j < L; ++j) {
-        if (!allowed[j]) continue;
-        const int64_t slot = btp[b * MB + j / BS] * BS + j % BS;
-        const float* kr = kp + (slot * Hkv + kvh) * D;
-        const float* vr = vp + (slot * Hkv + kvh) * D;
+      slots.clear();
+      for (int64_t j = 0; j < L; ++j)
+        if (allowed[j]) slots.push_back(btp[b * MB + j / BS] * BS + j % BS);
+      const int64_t n = static_cast<int64_t>(slots.size());
+      p.resize(G * n);
+      for (int64_t idx = 0; idx < n; ++idx) {
+        const float* kr = kp + (slots[idx] * Hkv + kvh) * D;
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qh + g * D;
           float dot = 0.f;
@@ -844,22 +847,32 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
           } else
 #endif
             for (int64_t i = 0; i < D; ++i) dot += qg[i] * kr[i];
-          s[g] = dot * sc;
+          p[g * n + idx] = dot * sc;
         }
+      }
+      std::vector<float> inv(G, 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        float* pg = p.data() + g * n;
+        float mx = -INFINITY, den = 0.f;
+        for (int64_t idx = 0; idx < n; ++idx) mx = std::max(mx, pg[idx]);
+        for (int64_t idx = 0; idx < n; ++idx) {
+          pg[idx] = std::exp(pg[idx] - mx);
+          den += pg[idx];
+        }
+        inv[g] = den > 0.f ? 1.f / den : 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t idx = 0; idx < n; ++idx) {
+        const float* vr = vp + (slots[idx] * Hkv + kvh) * D;
         for (int64_t g = 0; g < G; ++g) {
+          const float w = p[g * n + idx];
           float* ag = acc.data() + g * D;
-          const float m_new = std::max(mx[g], s[g]);
-          const float keep = std::exp(mx[g] - m_new);  // rescale what was accumulated so far
-          const float w = std::exp(s[g] - m_new);
-          den[g] = den[g] * keep + w;
-          mx[g] = m_new;
-          for (int64_t i = 0; i < D; ++i) ag[i] = ag[i] * keep + w * vr[i];
+          for (int64_t i = 0; i < D; ++i) ag[i] += w * vr[i];
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        const float inv = den[g] > 0.f ? 1.f / den[g] : 0.f;
         float* o = op + (t * Hq + kvh * G + g) * D;
-        for (int64_t i = 0; i < D; ++i) o[i] = acc[g * D + i] * inv;
+        for (int64_t i = 0; i < D; ++i) o[i] = acc[g * D + i] * inv[g];
       }
     }
   });
