@@ -12,7 +12,10 @@
 // which other tokens share the batch (speculative verification and batching stay bit-exact
 // with single-token decoding).
 //
-// Threading: at::parallel_for over output rows (torch's OpenMP pool, torch.set_num_threads).
+// Q4_K and Q6_K are also read in an 8-row interleaved layout made at load time (see
+// "Interleaved K-quants"), which is what the 1.5B's matrices use on AVX2 machines.
+//
+// Threading: tiles of 16 output rows pulled by torch's OpenMP threads (parallel_tiles).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
