@@ -44,8 +44,12 @@ constexpr int64_t kQ4_K = 12;
 constexpr int64_t kQ6_K = 14;
 // The same K-quants with 8 rows interleaved (see "Interleaved K-quants" below); specserve's own
 // layouts, built at load time by specserve.models.block_linear.interleave_rows.
+constexpr int64_t kQ5_0_X8 = 106;
+constexpr int64_t kQ8_0_X8 = 108;
 constexpr int64_t kQ4_K_X8 = 112;
 constexpr int64_t kQ6_K_X8 = 114;
+
+inline bool interleaved(int64_t qtype) { return qtype > 100; }
 
 struct TypeInfo {
   int64_t block_values;  // weights per block (per row)
@@ -61,6 +65,8 @@ TypeInfo type_info(int64_t qtype) {
     case kQ8_0: return {32, 34, 32};
     case kQ4_K: return {256, 144, 256};
     case kQ6_K: return {256, 210, 256};
+    case kQ5_0_X8: return {32, 176, 32, 8};
+    case kQ8_0_X8: return {32, 272, 32, 8};
     case kQ4_K_X8: return {256, 1184, 256, 8};
     case kQ6_K_X8: return {256, 1680, 256, 8};
     default: TORCH_CHECK(false, "specserve qmatmul: unsupported GGML type ", qtype);
@@ -353,6 +359,11 @@ void dot_q6_k(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
 //     scale[r][e] of 16-value group 2c+e (16 x int8),
 //     ql[i][r][k] (128): low 4 bits of value 32c+8i+k (low nibble) and 32c+8i+4+k (high nibble),
 //     qh[h][r][k] (64): top 2 bits of values 32c+16h+{k, 4+k, 8+k, 12+k} at bits 0, 2, 4, 6
+// Q8_0 x8 group block (272 bytes, as in the file): d of rows 0..7 (float16), then
+//   qs[i][r][k] (256): value 4i+k of row r (int8)
+// Q5_0 x8 group block (176 bytes, as in the file): d of rows 0..7 (float16), then
+//   qs[i][r][k] (128): low 4 bits of value 8i+k (low nibble) and 8i+4+k (high nibble),
+//   qh[r][k] (32): bit v = fifth bit of value 4v+k
 //
 // Integer ranges: a maddubs lane is at most 2 * 15 * 127 (Q4_K) or 2 * 63 * 127 (Q6_K), so 8
 // (Q4_K sub-block) or 2 (Q6_K) of them are summed in int16 without overflow before the scale.
@@ -475,6 +486,74 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
 }
 
+template <int MT>
+void dot_q8_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = grp + b * 272;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    __m256i sumi[MT];
+    for (int m = 0; m < MT; ++m) sumi[m] = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+      const __m256i w = load32(blk + 16 + 32 * i);
+      const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as unsigned; the sign moves onto x
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xs = _mm256_sign_epi8(bcast4(a[m].q + b * 32 + 4 * i), w);
+        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])), acc[m]);
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
+}
+
+template <int MT>
+void dot_q5_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i bit = _mm256_set1_epi8(0x10);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = grp + b * 176;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256i H = load32(blk + 144);
+    __m256i v[8];  // v[2i + h]: values 8i + 4h + k of each row, 0..31 (value = q - 16)
+    for (int i = 0; i < 4; ++i) {
+      const __m256i L = load32(blk + 16 + 32 * i);
+      v[2 * i] = _mm256_and_si256(L, low);
+      v[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(L, 4), low);
+    }
+    v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(H, 4), bit));
+    v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(H, 3), bit));
+    v[2] = _mm256_or_si256(v[2], _mm256_and_si256(_mm256_slli_epi16(H, 2), bit));
+    v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_slli_epi16(H, 1), bit));
+    v[4] = _mm256_or_si256(v[4], _mm256_and_si256(H, bit));
+    v[5] = _mm256_or_si256(v[5], _mm256_and_si256(_mm256_srli_epi16(H, 1), bit));
+    v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(H, 2), bit));
+    v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(H, 3), bit));
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* x = a[m].q + b * 32;
+      // a maddubs lane is at most 2 * 31 * 127: four of them still fit in int16
+      __m256i p0 = _mm256_maddubs_epi16(v[0], bcast4(x));
+      __m256i p1 = _mm256_maddubs_epi16(v[4], bcast4(x + 16));
+      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(v[1], bcast4(x + 4)));
+      p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(v[5], bcast4(x + 20)));
+      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(v[2], bcast4(x + 8)));
+      p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(v[6], bcast4(x + 24)));
+      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(v[3], bcast4(x + 12)));
+      p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(v[7], bcast4(x + 28)));
+      const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+      const __m256i sumi = _mm256_sub_epi32(dot, _mm256_set1_epi32(16 * a[m].s32[b]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
+}
+
 #else  // portable fallback: decode a block to integers, integer dot, same scaling as above
 
 template <int MT>
@@ -550,10 +629,12 @@ void dot_rows(int64_t qtype, const uint8_t* row, int64_t nb, const Acts* a, floa
     case kQ5_0: return dot_q5_0<MT>(row, nb, a, out);
     case kQ4_K_X8: return dot_q4_k_x8<MT>(row, nb, a, out);
     case kQ6_K_X8: return dot_q6_k_x8<MT>(row, nb, a, out);
+    case kQ8_0_X8: return dot_q8_0_x8<MT>(row, nb, a, out);
+    case kQ5_0_X8: return dot_q5_0_x8<MT>(row, nb, a, out);
     default: return dot_q4_1<MT>(row, nb, a, out);
   }
 #else
-  TORCH_CHECK(qtype != kQ4_K_X8 && qtype != kQ6_K_X8, "qmatmul: interleaved layouts need the AVX2 build");
+  TORCH_CHECK(!interleaved(qtype), "qmatmul: interleaved layouts need the AVX2 build");
   dot_generic<MT>(qtype, row, nb, a, out);
 #endif
 }
@@ -594,8 +675,12 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t qa, QuantizedAc
 // then unpacks each weight block once); the row-at-a-time kernels run out of registers past 4.
 template <int MT>
 void dot_x8(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
-  if (qtype == kQ4_K_X8) return dot_q4_k_x8<MT>(grp, nb, a, out);
-  return dot_q6_k_x8<MT>(grp, nb, a, out);
+  switch (qtype) {
+    case kQ4_K_X8: return dot_q4_k_x8<MT>(grp, nb, a, out);
+    case kQ6_K_X8: return dot_q6_k_x8<MT>(grp, nb, a, out);
+    case kQ8_0_X8: return dot_q8_0_x8<MT>(grp, nb, a, out);
+    default: return dot_q5_0_x8<MT>(grp, nb, a, out);
+  }
 }
 #endif
 
@@ -882,12 +967,12 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   return out;
 }
 
-// The 8-row interleaved layout of Q4_K / Q6_K rows (see "Interleaved K-quants" above).
+// The 8-row interleaved layout of Q4_K / Q6_K / Q8_0 / Q5_0 rows (see "Interleaved K-quants" above).
 torch::Tensor interleave_rows(const torch::Tensor& w, int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4_K || qtype == kQ6_K, "interleave_rows: Q4_K or Q6_K only");
+  TORCH_CHECK(qtype == kQ4_K || qtype == kQ6_K || qtype == kQ8_0 || qtype == kQ5_0, "interleave_rows: Q4_K, Q6_K, Q8_0 or Q5_0");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(0) % 8 == 0,
               "interleave_rows: contiguous uint8 [N, row_bytes] with N a multiple of 8");
-  const TypeInfo in = type_info(qtype), out_info = type_info(qtype == kQ4_K ? kQ4_K_X8 : kQ6_K_X8);
+  const TypeInfo in = type_info(qtype), out_info = type_info(qtype + 100);
   TORCH_CHECK(w.size(1) % in.block_bytes == 0, "interleave_rows: row bytes are not whole blocks");
   const int64_t G = w.size(0) / 8, nb = w.size(1) / in.block_bytes, row_bytes = w.size(1);
   auto out = torch::empty({G, nb * out_info.block_bytes}, w.options());
@@ -900,7 +985,33 @@ torch::Tensor interleave_rows(const torch::Tensor& w, int64_t qtype) {
         const uint8_t* src[8];
         for (int r = 0; r < 8; ++r) src[r] = src_base + (8 * g + r) * row_bytes + b * in.block_bytes;
         uint8_t* dst = out_base + (g * nb + b) * out_info.block_bytes;
-        if (qtype == kQ4_K) {
+        if (qtype == kQ8_0 || qtype == kQ5_0) {
+          for (int r = 0; r < 8; ++r) std::memcpy(dst + 2 * r, src[r], 2);
+          if (qtype == kQ8_0) {
+            for (int i = 0; i < 8; ++i)
+              for (int r = 0; r < 8; ++r) std::memcpy(dst + 16 + 32 * i + 4 * r, src[r] + 2 + 4 * i, 4);
+            continue;
+          }
+          for (int r = 0; r < 8; ++r) {
+            uint32_t qh;
+            std::memcpy(&qh, src[r] + 2, 4);
+            for (int j = 0; j < 16; ++j) {
+              vals[r][j] = (src[r][6 + j] & 0xF) | (((qh >> j) & 1) << 4);
+              vals[r][j + 16] = (src[r][6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            }
+          }
+          for (int i = 0; i < 4; ++i)
+            for (int r = 0; r < 8; ++r)
+              for (int k = 0; k < 4; ++k)
+                dst[16 + 32 * i + 4 * r + k] =
+                    static_cast<uint8_t>((vals[r][8 * i + k] & 0xF) | ((vals[r][8 * i + 4 + k] & 0xF) << 4));
+          for (int r = 0; r < 8; ++r)
+            for (int k = 0; k < 4; ++k) {
+              int byte = 0;
+              for (int v = 0; v < 8; ++v) byte |= (vals[r][4 * v + k] >> 4) << v;
+              dst[144 + 4 * r + k] = static_cast<uint8_t>(byte);
+            }
+        } else if (qtype == kQ4_K) {
           uint8_t sc[8][8], mn[8][8];
           for (int r = 0; r < 8; ++r) {
             std::memcpy(dst + 2 * r, src[r], 2);
@@ -975,6 +1086,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotate-half RoPE in place", py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("positions"));
   m.def("paged_attention", &paged_attention, "attention of a few tokens per request over the paged KV cache", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("mask"), py::arg("query_index"), py::arg("scale"));
-  m.def("interleave_rows", &interleave_rows, "Q4_K/Q6_K rows -> the 8-row interleaved layout", py::arg("w"), py::arg("qtype"));
+  m.def("interleave_rows", &interleave_rows, "Q4_K/Q6_K/Q8_0/Q5_0 rows -> the 8-row interleaved layout", py::arg("w"), py::arg("qtype"));
   m.def("has_avx2", &has_avx2, "whether the AVX2 kernels were compiled in");
 }

@@ -30,9 +30,10 @@ from specserve.models.gguf_quants import dequantize
 Q4_K = 12
 Q6_K = 14
 Q8_0 = 8
-# specserve's 8-row interleaved layouts of the K-quants (see qmatmul.cpp): same information,
-# laid out so the kernel handles 8 rows per vector step. Built at load time, never written to disk.
-INTERLEAVED = {Q4_K: 112, Q6_K: 114}
+Q5_0 = 6
+# specserve's 8-row interleaved layouts (see qmatmul.cpp): same information, laid out so the
+# kernel handles 8 rows per vector step. Built at load time, never written to disk.
+INTERLEAVED = {Q5_0: 106, Q8_0: 108, Q4_K: 112, Q6_K: 114}
 
 
 class PackedWeight(NamedTuple):
@@ -160,8 +161,8 @@ def packed_from_gguf(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> Pac
 
 
 def interleave_rows(pw: PackedWeight) -> tuple[int, torch.Tensor]:
-    """(kernel qtype, data) for the kernel: the 8-row interleaved layout of Q4_K/Q6_K weights
-    whose row count is a multiple of 8 on an AVX2 build, else the GGUF layout unchanged."""
+    """(kernel qtype, data) for the kernel: the 8-row interleaved layout of Q4_K/Q6_K/Q8_0/Q5_0
+    weights whose row count is a multiple of 8 on an AVX2 build, else the GGUF layout unchanged."""
     from specserve.kernels import kernels
 
     n, k = pw.shape
@@ -173,9 +174,22 @@ def interleave_rows(pw: PackedWeight) -> tuple[int, torch.Tensor]:
 def deinterleave_rows(qtype: int, data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """The GGUF rows [n, bytes per row] back from interleave_rows' layout."""
     n, k = shape
-    g, nb = n // 8, k // 256
+    g, nb = n // 8, k // BLOCK_SHAPES[qtype][0]
     r = data.numpy().reshape(g, nb, -1)
-    if qtype == Q4_K:
+    if qtype == Q8_0:
+        qs = r[..., 16:272].reshape(g, nb, 8, 8, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, 8, 32)
+        rows = np.concatenate([r[..., 0:16].reshape(g, nb, 8, 2), qs], axis=-1)
+    elif qtype == Q5_0:
+        q = r[..., 16:144].reshape(g, nb, 4, 8, 1, 4).transpose(0, 1, 3, 2, 4, 5)  # [.., row, i, 1, k]
+        low = np.concatenate([q & 0xF, q >> 4], axis=-2).reshape(g, nb, 8, 32)  # value 8i + 4h + k
+        qh = r[..., 144:176].reshape(g, nb, 8, 1, 4)
+        top = ((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(g, nb, 8, 32)  # value 4v + k
+        vals = low | (top << 4)
+        bits = (vals >> 4).reshape(g, nb, 8, 4, 8) << np.arange(8, dtype=np.uint8)
+        qh_out = bits.sum(axis=-1, dtype=np.uint8)  # the uint32 of fifth bits, little-endian bytes
+        qs = (vals[..., :16] & 0xF) | ((vals[..., 16:] & 0xF) << 4)
+        rows = np.concatenate([r[..., 0:16].reshape(g, nb, 8, 2), qh_out, qs], axis=-1)
+    elif qtype == Q4_K:
         d, dmin = r[..., 0:16].reshape(g, nb, 8, 2), r[..., 16:32].reshape(g, nb, 8, 2)
         mn = r[..., 32:96].reshape(g, nb, 4, 8, 2).transpose(0, 1, 3, 2, 4).reshape(g, nb, 8, 8)
         sub = r[..., 96:1184].reshape(g, nb, 8, 136)
