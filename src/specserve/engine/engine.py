@@ -418,7 +418,11 @@ class LLMEngine:
         kmax = max(ks)
         n_spec = sum(1 for k in ks if k)
         if self.policy.draft_cost_is_per_token:
-            self.policy.draft_time.observe(n_spec, dt / kmax)
+            per_pass = getattr(self.proposer, "last_pass_time_s", None)
+            if per_pass is not None:  # steady cost of a draft position, without the catch-up pass
+                self.policy.draft_time.observe(n_spec, per_pass)
+            elif kmax > 1:
+                self.policy.draft_time.observe(n_spec, dt / kmax)
         for req in decoding:
             prop = proposals.get(req.request_id)
             if prop is not None and prop.token_ids:

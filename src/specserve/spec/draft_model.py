@@ -83,6 +83,11 @@ class DraftModelProposer(Proposer):
         self.time_s = 0.0
         self.last_time_s = 0.0
         self.last_batch = 0
+        # Seconds of one single-token draft pass in the last propose() (None if it made only the
+        # catch-up pass): what each extra draft position costs. The first pass also catches the
+        # draft up on the prompt or on tokens generated while speculation was off, a one-off cost
+        # that would make the policy believe drafting is slower than it is.
+        self.last_pass_time_s: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def remove_request(self, request_id: str, finished: bool = True) -> None:
@@ -144,7 +149,9 @@ class DraftModelProposer(Proposer):
 
         entries = first_pass
         step_reqs = active
+        later_passes = []
         for j in range(max(k for _, _, k in active)):
+            tp = time.perf_counter()
             logits = self.runner.forward_logits(
                 self.runner.prepare_inputs(SchedulerOutput(entries, sum(len(e.token_ids) for e in entries), []))
             )
@@ -153,6 +160,8 @@ class DraftModelProposer(Proposer):
                 for _, seq, _ in step_reqs:
                     seq.num_computed_tokens = len(seq.all_token_ids)
             toks, rows = self._sample(logits, step_reqs, j)
+            if j > 0:
+                later_passes.append(time.perf_counter() - tp)
             next_reqs, entries = [], []
             for i, (req, seq, k) in enumerate(step_reqs):
                 rid = req.request_id
@@ -173,6 +182,7 @@ class DraftModelProposer(Proposer):
             p = torch.stack(probs[rid]) if probs[rid] else None
             out[rid] = DraftProposal(drafts[rid], p)
         self.last_time_s = time.perf_counter() - t0
+        self.last_pass_time_s = sum(later_passes) / len(later_passes) if later_passes else None
         self.last_batch = len(active)
         self.time_s += self.last_time_s
         return out
