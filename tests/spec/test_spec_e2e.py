@@ -90,6 +90,32 @@ def test_tiny_greedy_spec_equals_plain_batched_and_alone(tiny, which):
         assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
 
 
+def test_adaptive_policy_learns_the_draft_cost_without_the_catch_up_pass(tiny):
+    """The draft's first pass of a step also catches it up (on the prompt, or on tokens made
+    while drafting was off). That one-off cost must not enter the per-position draft cost, or
+    the policy concludes drafting is slow and switches it off for good."""
+    import time
+
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="draft", spec_policy="adaptive",
+              draft_checkpoint=tiny, draft_num_layers=1, num_spec_tokens=3)
+    prop = llm.engine.proposer
+    real = prop.runner.forward_logits
+
+    def slow_catch_up(inputs):
+        if inputs.input_ids.numel() > 2:  # a catch-up pass (one request at a time here)
+            time.sleep(1.0)
+        return real(inputs)
+
+    prop.runner.forward_logits = slow_catch_up
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    for _ in range(2):
+        llm.generate([prompt], _greedy(24))
+    assert llm.engine.spec_counters["num_draft_tokens"] > 0
+    # dividing a proposal's time by K would have folded 1.0 / 3 s (at EWMA weight 0.15, >= 0.05)
+    # into the estimate; a pass of this tiny model takes milliseconds
+    assert max(llm.engine.policy.draft_time.points.values()) < 0.02
+
+
 @pytest.mark.parametrize(("which", "draft_quant"), [("ngram", None), ("draft-truncated", "int8"),
                                                     ("draft-truncated", "w8a8")])
 def test_tiny_quantized_greedy_spec_equals_quantized_plain(tiny, which, draft_quant):
