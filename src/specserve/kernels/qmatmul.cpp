@@ -12,8 +12,8 @@
 // which other tokens share the batch (speculative verification and batching stay bit-exact
 // with single-token decoding).
 //
-// Q4_K and Q6_K are also read in an 8-row interleaved layout made at load time (see
-// "Interleaved K-quants"), which is what the 1.5B's matrices use on AVX2 machines.
+// Q4_K, Q6_K, Q8_0 and Q5_0 are also read in an 8-row interleaved layout made at load time
+// (see "Interleaved K-quants"), which is what matrices with a multiple of 8 rows use on AVX2.
 //
 // Threading: tiles of 16 output rows pulled by torch's OpenMP threads (parallel_tiles).
 

@@ -7,9 +7,10 @@ reads those blocks directly: a Q4_K_M 1.5B model reads ~1.1 GB per decoded token
 decoding them to float; `--quantization int4` turns float weights into Q4_K blocks
 (`quantize_q4_k`), the same format llama.cpp's Q4_K_M files use for most matrices.
 
-Q4_K and Q6_K matrices whose row count is a multiple of 8 are rearranged at load time into an
-8-row interleaved layout (same information, +2.8% bytes for Q4_K, same bytes for Q6_K; see
-qmatmul.cpp) that lets the kernel treat 8 rows per vector step; `packed()` converts back.
+Q4_K, Q6_K, Q8_0 and Q5_0 matrices whose row count is a multiple of 8 are rearranged at load
+time into an 8-row interleaved layout (same information; +2.8% bytes for Q4_K, whose scales are
+stored unpacked, same bytes otherwise; see qmatmul.cpp) that lets the kernel treat 8 rows per
+vector step; `packed()` converts back.
 
 Numerics: each activation row is rounded to int8 per block (see qmatmul.cpp), so results differ
 from a float32 matmul against the decoded weight by about 1% of an output's magnitude; they do
