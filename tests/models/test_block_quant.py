@@ -267,3 +267,41 @@ def test_int4_quantizes_a_float_model(tiny_qwen2):
     b = q4.generate([[5, 6, 7, 8]], _greedy(8))[0]
     assert len(b.token_ids) == 8 and all(0 <= t < ckpt.arch.vocab_size for t in b.token_ids)
     assert a.token_ids[0] == b.token_ids[0]
+
+
+@pytest.mark.parametrize("spec", ["none", "ngram"])
+def test_native_decoder_stack_is_bit_identical_to_the_module_path(tiny_qwen2, spec):
+    """The one-call DecoderStack (q/k/v biases, interleaved Q4_K/Q8_0, batched prefill, decode and
+    verify steps) gives exactly the module path's log-probs, and the module path is what runs
+    when the stack is removed."""
+    _, ckpt = tiny_qwen2
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], [3, 4, 3, 4, 3, 4, 3, 4]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+    llm = LLM("tiny", dtype="float32", checkpoint=ckpt, quantization="int4", spec_method=spec, spec_policy="always",
+              profile_spec_costs=False)
+    model = llm.engine.runner.model.model
+    assert model.native_stack is not None and model.native_stack.num_layers == len(model.layers)
+    fast = llm.generate(prompts, params)
+    stack, model.native_stack = model.native_stack, None
+    slow = llm.generate(prompts, params)
+    model.native_stack = stack
+    for a, b in zip(fast, slow):
+        assert a.token_ids == b.token_ids
+        assert a.outputs[0].logprobs and a.outputs[0].logprobs == b.outputs[0].logprobs  # exact, not approximately
+    assert llm.engine.check_integrity()
+
+
+def test_native_decoder_stack_refuses_bad_input(tiny_qwen2):
+    _, ckpt = tiny_qwen2
+    llm = LLM("tiny", dtype="float32", checkpoint=ckpt, quantization="int4")
+    runner = llm.engine.runner
+    stack = runner.model.model.native_stack
+    hidden = runner.arch.hidden_size
+    kv = [t for pair in runner.kv_caches for t in pair]
+    one = torch.zeros(1, dtype=torch.long)
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    rope = runner.model.model.rotary
+    with pytest.raises(RuntimeError, match="one \\(k, v\\) cache pair per layer"):
+        stack.forward(torch.zeros(1, hidden), one, rope.cos, rope.sin, kv[:-2], one, one[None], mask, one, 1.0)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        stack.forward(torch.zeros(1, hidden), one, rope.cos, rope.sin, kv, one + 10**9, one[None], mask, one, 1.0)

@@ -236,7 +236,7 @@ def enable_native_ops(model: nn.Module) -> int:
     which matters when a whole 1.5B decode step is ~50 ms. Returns the number of modules switched.
     """
     from specserve.kernels import kernels
-    from specserve.models.llama import MLP, Attention, RMSNorm
+    from specserve.models.llama import MLP, Attention, LlamaModel, RMSNorm
 
     native = kernels()
     count = 0
@@ -253,5 +253,27 @@ def enable_native_ops(model: nn.Module) -> int:
         elif isinstance(module, RMSNorm) and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
             module.native = native
             count += 1
+    for module in model.modules():
+        if isinstance(module, LlamaModel):
+            module.native_stack = _decoder_stack(module, native)
     return count
+
+
+def _decoder_stack(model: nn.Module, native: object) -> object | None:
+    """A native DecoderStack over every layer of `model`, or None when a layer has a float projection."""
+    weights: list[torch.Tensor] = []
+    qtypes: list[int] = []
+    biases: list[torch.Tensor | None] = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not all(isinstance(p, BlockQuantLinear) for p in projs) or any(n.native is None for n in norms):
+            return None
+        q, k, v, o, gate, up, down = (p.qweight for p in projs)
+        weights += [norms[0].weight.detach(), q, k, v, o, norms[1].weight.detach(), gate, up, down]
+        qtypes += [p.kernel_qtype for p in projs]
+        biases += [None if p.bias is None else p.bias.detach() for p in projs[:3]]
+    a = model.layers[0].self_attn
+    return native.DecoderStack(weights, qtypes, biases, a.num_heads, a.num_kv_heads, a.head_dim, model.norm.eps)
 

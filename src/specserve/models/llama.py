@@ -185,6 +185,10 @@ class LlamaModel(nn.Module):
         # Optional per-layer callbacks (disaggregation: stream a layer's KV out as soon as it is
         # written, or load a layer's KV just before it is needed). See specserve.disagg.
         self.layer_hooks: LayerHooks | None = None
+        # The whole stack in one native call (specserve.kernels.DecoderStack; enable_native_ops
+        # builds it when every projection is block-quantized). Used when no hooks are set and the
+        # KV cache is float; it runs the same kernels as the module path, bit for bit.
+        self.native_stack = None
 
     def forward(
         self,
@@ -196,7 +200,13 @@ class LlamaModel(nn.Module):
         """Hidden states of the new tokens after the last norm."""
         x = self.embed_tokens(input_ids)
         hooks = self.layer_hooks
-        if hooks is None:
+        stack = self.native_stack
+        if stack is not None and hooks is None and len(kv_caches[0]) == 2 and stack.num_layers == len(self.layers):
+            kv = [t for pair in kv_caches for t in pair]
+            rope = self.rotary
+            x = stack.forward(x, positions, rope.cos, rope.sin, kv, meta.slot_mapping, meta.block_tables, meta.attn_mask,
+                              meta.query_index, self.layers[0].self_attn.scale)
+        elif hooks is None:
             for layer, kv in zip(self.layers, kv_caches):
                 x = layer(x, positions, self.rotary, kv, meta)
         else:
