@@ -64,6 +64,8 @@ def main() -> int:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--module-path", action="store_true",
+                    help="run the decoder layer by layer through the nn.Modules instead of the one-call native stack")
     ap.add_argument("--flame", action="store_true", help="record a py-spy flame graph of the decode loop")
     ap.add_argument("--_flame-child", dest="flame_child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -76,7 +78,7 @@ def main() -> int:
         svg = RESULTS_DIR / f"decode_flame_{args.quantization}.svg"
         cmd = [exe, "record", "--native", "--rate", "200", "-o", str(svg), "--", sys.executable, __file__,
                "--model", args.model, "--quantization", args.quantization, "--tokens", str(args.tokens),
-               "--_flame-child"]
+               "--_flame-child"] + (["--module-path"] if args.module_path else [])
         print(" ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, env=os.environ | {"SPECSERVE_PROFILE_CHILD": "1"})
         print(f"wrote {svg}")
@@ -87,6 +89,8 @@ def main() -> int:
     llm = LLM(args.model, quantization=args.quantization, spec_method="none", kv_cache_gib=0.5)
     eng = llm.engine
     runner = eng.runner
+    if args.module_path:
+        runner.model.model.native_stack = None
     llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
     eng.add_request(PROMPT, SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True))
     eng.step()  # prefill
@@ -103,7 +107,8 @@ def main() -> int:
     fwd.sort()
     med = lambda v: v[len(v) // 2]  # noqa: E731
     row = {
-        "model": args.model, "quantization": args.quantization, "decode_steps": len(steps),
+        "model": args.model, "quantization": args.quantization, "native_stack": runner.model.model.native_stack is not None,
+        "decode_steps": len(steps),
         "engine_step_ms": 1e3 * med(steps), "forward_ms": 1e3 * med(fwd),
         "linear_kernels_ms": 1e3 * kern, "linear_kernel_calls": n_calls,
         "weight_bytes_per_step": runner.weight_bytes_per_step(),
@@ -118,8 +123,8 @@ def main() -> int:
     if path.exists():
         import json
 
-        old = {f"{r['model']}|{r['quantization']}": r for r in json.loads(path.read_text()).get("results", [])}
-    old[f"{args.model}|{args.quantization}"] = row
+        old = {f"{r['model']}|{r['quantization']}|{r.get('native_stack', False)}": r for r in json.loads(path.read_text()).get("results", [])}
+    old[f"{args.model}|{args.quantization}|{row['native_stack']}"] = row
     write_json("profile_decode.json", {"benchmark": "decode step breakdown (batch 1)", "machine": machine_info(),
                                        "results": list(old.values())})
     return 0

@@ -82,7 +82,14 @@ class ModelConfig:
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:
-        """The torch dtype of weights and activations."""
+        """The torch dtype of weights and activations.
+
+        'auto' with the CPU block kernels (quantization auto / int4) is float32 even where bf16
+        is fast: those kernels take float32 activations, and the native norms, RoPE, attention
+        and one-call decoder stack are float32 only, so bf16 would only add conversions.
+        """
+        if self.dtype == "auto" and self.quantization in ("auto", "int4") and not self.device.startswith("cuda"):
+            return torch.float32
         return parse_dtype(self.dtype, self.device)
 
     @cached_property
