@@ -305,3 +305,24 @@ def test_native_decoder_stack_refuses_bad_input(tiny_qwen2):
         stack.forward(torch.zeros(1, hidden), one, rope.cos, rope.sin, kv[:-2], one, one[None], mask, one, 1.0)
     with pytest.raises(RuntimeError, match="outside the cache"):
         stack.forward(torch.zeros(1, hidden), one, rope.cos, rope.sin, kv, one + 10**9, one[None], mask, one, 1.0)
+
+
+def test_vnni_kernels_are_bit_identical_to_the_avx2_ones(tmp_path):
+    """Where the CPU has AVX512-VNNI the interleaved kernels use vpdpbusd; an AVX2-only build of
+    the same source must give exactly the same products (so results never depend on the CPU's
+    extensions, and the exactness arguments made for the AVX2 kernels carry over)."""
+    if not kernels().has_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI: only the AVX2 kernels exist here")
+    from torch.utils import cpp_extension
+
+    from specserve.kernels import _SOURCE, _ninja_on_path
+
+    _ninja_on_path()
+    avx2 = cpp_extension.load(name="specserve_qmatmul_avx2_only", sources=[str(_SOURCE)], build_directory=str(tmp_path),
+                              extra_cflags=["-O3", "-march=native", "-mno-avx512vnni", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    assert not avx2.has_vnni()
+    for qtype in sorted(INTERLEAVED):
+        kq, data = interleave_rows(random_blocks(qtype, 64, 512, seed=qtype))
+        for m in (1, 3, 5, 8, 9):
+            x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) * 3
+            assert torch.equal(avx2.qmatmul(x, data, kq), kernels().qmatmul(x, data, kq)), (qtype, m)

@@ -33,6 +33,15 @@
 #else
 #define SPECSERVE_AVX2 0
 #endif
+// AVX512-VNNI (with 256-bit forms): one vpdpbusd does the u8 x s8 products of four bytes, their
+// sum and the int32 accumulate that take maddubs + madd + add on AVX2. The interleaved kernels
+// use it when it is there; their integer sums are the same (the AVX2 forms never saturate on
+// the values fed to them), so both builds give bit-identical results.
+#if SPECSERVE_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SPECSERVE_VNNI 1
+#else
+#define SPECSERVE_VNNI 0
+#endif
 
 namespace {
 
@@ -409,11 +418,19 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
         for (int m = 0; m < MT; ++m) {
           const int8_t* x = a[m].q + b * 256 + 32 * j + 8 * i;
+#if SPECSERVE_VNNI  // p16 holds int32 sums here
+          p16[m] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(p16[m], lo, bcast4(x)), hi, bcast4(x + 4));
+#else
           p16[m] = _mm256_add_epi16(p16[m], _mm256_maddubs_epi16(lo, bcast4(x)));
           p16[m] = _mm256_add_epi16(p16[m], _mm256_maddubs_epi16(hi, bcast4(x + 4)));
+#endif
         }
       }
+#if SPECSERVE_VNNI
+      for (int m = 0; m < MT; ++m) sumi[m] = _mm256_add_epi32(sumi[m], _mm256_mullo_epi32(p16[m], s32));
+#else
       for (int m = 0; m < MT; ++m) sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(p16[m], sc));
+#endif
     }
     for (int m = 0; m < MT; ++m) {
       const __m256 dx = _mm256_set1_ps(a[m].d[b]);
@@ -470,6 +487,14 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
         const int8_t* x = a[m].q + b * 256 + 32 * c;
         for (int g = 0; g < 2; ++g) {  // 16-value group 2c + g: values 16g .. 16g + 15
           const __m256i s = g == 0 ? sc_a : sc_b;
+#if SPECSERVE_VNNI
+          __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), v[4 * g + 0], bcast4(x + 16 * g));
+          p = _mm256_dpbusd_epi32(p, v[4 * g + 1], bcast4(x + 16 * g + 4));
+          p = _mm256_dpbusd_epi32(p, v[4 * g + 2], bcast4(x + 16 * g + 8));
+          p = _mm256_dpbusd_epi32(p, v[4 * g + 3], bcast4(x + 16 * g + 12));
+          sumi[m] = _mm256_add_epi32(sumi[m], _mm256_mullo_epi32(p, _mm256_srai_epi32(s, 16)));  // row scale, sign-extended
+          continue;
+#endif
           const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(v[4 * g + 0], bcast4(x + 16 * g)),
                                               _mm256_maddubs_epi16(v[4 * g + 1], bcast4(x + 16 * g + 4)));
           const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(v[4 * g + 2], bcast4(x + 16 * g + 8)),
@@ -501,7 +526,11 @@ void dot_q8_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
       const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as unsigned; the sign moves onto x
       for (int m = 0; m < MT; ++m) {
         const __m256i xs = _mm256_sign_epi8(bcast4(a[m].q + b * 32 + 4 * i), w);
+#if SPECSERVE_VNNI
+        sumi[m] = _mm256_dpbusd_epi32(sumi[m], aw, xs);
+#else
         sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+#endif
       }
     }
     for (int m = 0; m < MT; ++m)
@@ -537,6 +566,10 @@ void dot_q5_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
     v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(H, 3), bit));
     for (int m = 0; m < MT; ++m) {
       const int8_t* x = a[m].q + b * 32;
+#if SPECSERVE_VNNI
+      __m256i dot = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) dot = _mm256_dpbusd_epi32(dot, v[i], bcast4(x + 4 * i));
+#else
       // a maddubs lane is at most 2 * 31 * 127: four of them still fit in int16
       __m256i p0 = _mm256_maddubs_epi16(v[0], bcast4(x));
       __m256i p1 = _mm256_maddubs_epi16(v[4], bcast4(x + 16));
@@ -547,6 +580,7 @@ void dot_q5_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
       p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(v[3], bcast4(x + 12)));
       p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(v[7], bcast4(x + 28)));
       const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+#endif
       const __m256i sumi = _mm256_sub_epi32(dot, _mm256_set1_epi32(16 * a[m].s32[b]));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])), acc[m]);
     }
@@ -1157,6 +1191,7 @@ class DecoderStack {
 };
 
 bool has_avx2() { return SPECSERVE_AVX2 != 0; }
+bool has_vnni() { return SPECSERVE_VNNI != 0; }
 
 }  // namespace
 
@@ -1171,6 +1206,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("mask"), py::arg("query_index"), py::arg("scale"));
   m.def("interleave_rows", &interleave_rows, "Q4_K/Q6_K/Q8_0/Q5_0 rows -> the 8-row interleaved layout", py::arg("w"), py::arg("qtype"));
   m.def("has_avx2", &has_avx2, "whether the AVX2 kernels were compiled in");
+  m.def("has_vnni", &has_vnni, "whether the interleaved kernels use AVX512-VNNI");
   py::class_<DecoderStack>(m, "DecoderStack", "a whole decoder stack with block-quantized projections, one call per step")
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>, int64_t, int64_t, int64_t,
                     double>(),
