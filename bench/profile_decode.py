@@ -7,7 +7,9 @@ Runs the engine on one request (greedy, ignore_eos) and times, per decode step:
   - linear kernels: the quantized matrix products alone, timed by replaying the same step's
     products (same shapes, same weights) back to back without Python in between.
 The gaps are the overheads: forward - kernels is the per-layer Python/torch glue, engine step -
-forward is the scheduler/sampler/detokenizer.
+forward is the scheduler/sampler/detokenizer. Where the model runs through the one-call native
+DecoderStack, decode steps alternate between it and the layer-by-layer module path, so the two
+are compared side by side (module_path_forward_ms, stack_speedup).
 
 With --flame it also records a py-spy flame graph of the decode loop (py-spy must be installed;
 `--native` frames show the C++ kernels).
@@ -63,7 +65,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--quantization", default="auto")
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--module-path", action="store_true",
                     help="run the decoder layer by layer through the nn.Modules instead of the one-call native stack")
     ap.add_argument("--flame", action="store_true", help="record a py-spy flame graph of the decode loop")
@@ -94,12 +96,21 @@ def main() -> int:
     llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
     eng.add_request(PROMPT, SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True))
     eng.step()  # prefill
-    steps, fwd = [], []
+    # With the one-call native stack, alternate it with the module path step by step (the two are
+    # bit-identical, so the token stream is the same): this VM's speed drifts over minutes, and
+    # only measurements taken side by side compare.
+    stack = runner.model.model.native_stack
+    steps, fwd, mod_steps, mod_fwd = [], [], [], []
+    i = 0
     while eng.has_unfinished_requests():
+        use_stack = stack is None or args.flame_child or i % 2 == 0
+        runner.model.model.native_stack = stack if use_stack else None
         t0 = time.perf_counter()
         eng.step()
-        steps.append(time.perf_counter() - t0)
-        fwd.append(runner.last_forward_time_s)
+        (steps if use_stack else mod_steps).append(time.perf_counter() - t0)
+        (fwd if use_stack else mod_fwd).append(runner.last_forward_time_s)
+        i += 1
+    runner.model.model.native_stack = stack
     if args.flame_child:
         return 0
     kern, n_calls = linear_kernel_time(runner.model) if args.quantization in ("auto", "int4") else (float("nan"), 0)
@@ -113,6 +124,11 @@ def main() -> int:
         "linear_kernels_ms": 1e3 * kern, "linear_kernel_calls": n_calls,
         "weight_bytes_per_step": runner.weight_bytes_per_step(),
     }
+    if mod_fwd:
+        mod_steps.sort()
+        mod_fwd.sort()
+        row.update(module_path_engine_step_ms=1e3 * med(mod_steps), module_path_forward_ms=1e3 * med(mod_fwd))
+        row["stack_speedup"] = row["module_path_forward_ms"] / row["forward_ms"]
     row["glue_ms"] = row["forward_ms"] - row["linear_kernels_ms"]
     row["engine_overhead_ms"] = row["engine_step_ms"] - row["forward_ms"]
     row["kernel_bandwidth_gbs"] = row["weight_bytes_per_step"] / kern / 1e9
