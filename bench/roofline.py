@@ -138,7 +138,7 @@ def plot(payload: dict, path: Path) -> None:
     a1.legend(fontsize=7)
     mi = payload["machine"]
     fig.suptitle(f"specserve roofline — {mi['cpu']}, {mi['torch_threads']} threads, "
-                 f"{payload['read_bandwidth_gbs']:.1f} GB/s read, commit {mi['commit']}", fontsize=9)
+                 f"{payload['read_bandwidth_gbs']:.1f} GB/s read at start (each bar vs a probe taken just before it), commit {mi['commit']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
