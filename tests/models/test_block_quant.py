@@ -326,3 +326,39 @@ def test_vnni_kernels_are_bit_identical_to_the_avx2_ones(tmp_path):
         for m in (1, 3, 5, 8, 9):
             x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) * 3
             assert torch.equal(avx2.qmatmul(x, data, kq), kernels().qmatmul(x, data, kq)), (qtype, m)
+
+
+def test_prefetch_distance_changes_speed_not_results(monkeypatch):
+    """Software prefetch is a hint: any distance (0 = off) gives the same bits, out-of-range
+    distances are refused, and a bad $SPECSERVE_PREFETCH is a clear configuration error."""
+    k = kernels()
+    if not k.has_avx2():
+        pytest.skip("prefetch lives in the AVX2 kernels")
+    old = k.set_prefetch_distance(2048)
+    try:
+        cases = [interleave_rows(random_blocks(q, 64, 512, seed=q)) for q in sorted(INTERLEAVED)]
+        cases += [(q, random_blocks(q, 64, 512, seed=q).data) for q in sorted(NAMES)]
+        for kq, data in cases:
+            x = torch.randn(5, 512, generator=torch.Generator().manual_seed(kq))
+            ref = k.qmatmul(x, data, kq)
+            for dist in (0, 64, 100_000, 1 << 20):
+                k.set_prefetch_distance(dist)
+                assert torch.equal(k.qmatmul(x, data, kq), ref), (kq, dist)
+            k.set_prefetch_distance(2048)
+        with pytest.raises(RuntimeError, match="prefetch distance"):
+            k.set_prefetch_distance(-1)
+        with pytest.raises(RuntimeError, match="prefetch distance"):
+            k.set_prefetch_distance((1 << 20) + 1)
+    finally:
+        k.set_prefetch_distance(old)
+
+    from specserve.errors import ConfigError
+    from specserve.kernels import _prefetch_from_env
+
+    for bad in ("fast", "-5", "99999999"):
+        monkeypatch.setenv("SPECSERVE_PREFETCH", bad)
+        with pytest.raises(ConfigError, match="SPECSERVE_PREFETCH"):
+            _prefetch_from_env(k)
+    monkeypatch.setenv("SPECSERVE_PREFETCH", "4096")
+    _prefetch_from_env(k)
+    assert k.set_prefetch_distance(old) == 4096
