@@ -362,3 +362,27 @@ def test_prefetch_distance_changes_speed_not_results(monkeypatch):
     monkeypatch.setenv("SPECSERVE_PREFETCH", "4096")
     _prefetch_from_env(k)
     assert k.set_prefetch_distance(old) == 4096
+
+
+def test_weights_move_into_one_huge_page_buffer_unchanged():
+    """pack_into_huge_pages: exact copies, each on its own page of one 2 MiB-aligned buffer; the
+    quantized linears of a model built with native ops read from it and give the same products."""
+    from specserve.kernels import HUGE_PAGE, pack_into_huge_pages
+
+    ts = [torch.randint(0, 256, (n, 40), dtype=torch.uint8) for n in (1, 7, 300)] + [torch.randn(5, 3)]
+    moved, _ = pack_into_huge_pages(ts)
+    for a, b in zip(ts, moved):
+        assert torch.equal(a, b) and b.is_contiguous() and b.data_ptr() % 4096 == 0
+    base = moved[0].untyped_storage().data_ptr()
+    assert all(m.untyped_storage().data_ptr() == base for m in moved)  # one allocation
+    assert moved[0].data_ptr() % HUGE_PAGE == 0
+    assert pack_into_huge_pages([]) == ([], False)
+
+    from specserve.models.block_linear import _weights_into_huge_pages
+
+    model = torch.nn.Sequential(BlockQuantLinear(random_blocks(12, 16, 512)), BlockQuantLinear(random_blocks(14, 24, 512)))
+    x = torch.randn(3, 512)
+    before = [m(x) for m in model]
+    _weights_into_huge_pages(model)
+    assert model[0].qweight.untyped_storage().data_ptr() == model[1].qweight.untyped_storage().data_ptr()
+    assert all(torch.equal(m(x), b) for m, b in zip(model, before))

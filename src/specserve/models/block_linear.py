@@ -239,6 +239,7 @@ def enable_native_ops(model: nn.Module) -> int:
     from specserve.models.llama import MLP, Attention, LlamaModel, RMSNorm
 
     native = kernels()
+    _weights_into_huge_pages(model)
     count = 0
     for module in model.modules():
         if isinstance(module, Attention):
@@ -257,6 +258,18 @@ def enable_native_ops(model: nn.Module) -> int:
         if isinstance(module, LlamaModel):
             module.native_stack = _decoder_stack(module, native)
     return count
+
+
+def _weights_into_huge_pages(model: nn.Module) -> None:
+    """Move every block-quantized weight of `model` into one huge-page-backed buffer."""
+    from specserve.kernels import pack_into_huge_pages
+
+    mods = [m for m in model.modules() if isinstance(m, BlockQuantLinear) and m.qweight.device.type == "cpu"]
+    if not mods:
+        return
+    moved, _ = pack_into_huge_pages([m.qweight for m in mods])
+    for m, w in zip(mods, moved):
+        m.qweight = w
 
 
 def _decoder_stack(model: nn.Module, native: object) -> object | None:
