@@ -12,7 +12,14 @@ lookup (n-gram, 8 tokens) or the Qwen2.5-Coder-0.5B draft (its own GGUF blocks u
 W8A8 otherwise).
 
     pip install llama-cpp-python   # builds llama.cpp from source (~10 min on 2 cores)
-    python bench/llamacpp.py [--prompts 3] [--max-tokens 96]
+    python bench/llamacpp.py [--prompts 3] [--max-tokens 96] [--draft-vocab 65536]
+
+On a Xeon with AMX, llama.cpp's native build also compiles its AMX path, which on the 2-vCPU
+VM we measured on returned empty text and crashed once torch was loaded in the same process;
+there llama.cpp was built with AMX off and AVX-512/VNNI on (the JSON records its feature line):
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+      -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
+      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" pip install llama-cpp-python
 
 Writes bench/results/llamacpp.json and llamacpp.png.
 """
@@ -177,13 +184,18 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = payload["rows"]
-    labels = list(dict.fromkeys(f"{r['engine']}\n{r['config']}" for r in rows))
+
+    def label(r: dict[str, Any]) -> str:
+        vocab = r.get("draft_vocab_size")
+        return f"{r['engine']}\n{r['config']}" + (f"\n(draft vocab {vocab})" if vocab else "")
+
+    labels = list(dict.fromkeys(label(r) for r in rows))
     fig, ax = plt.subplots(figsize=(11, 4.8))
     width = 0.38
     for j, name in enumerate(("coding", "edit")):
         vals = []
         for lab in labels:
-            hit = [r for r in rows if f"{r['engine']}\n{r['config']}" == lab and r["prompt_set"] == name]
+            hit = [r for r in rows if label(r) == lab and r["prompt_set"] == name]
             vals.append(hit[0]["decode_tokens_per_s"] if hit else 0.0)
         xs = [i + (j - 0.5) * width for i in range(len(labels))]
         bars = ax.bar(xs, vals, width, label=f"{name} prompts")
@@ -223,6 +235,7 @@ def main() -> int:
     payload = {
         "machine": machine_info(),
         "llama_cpp_python": llama_cpp.__version__,
+        "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
         "settings": vars(args) | {"model": str(tpath.name), "file_bytes": tpath.stat().st_size},
         "rows": rows,
         "summary": summarize(rows),
