@@ -370,13 +370,13 @@ def test_weights_move_into_one_huge_page_buffer_unchanged():
     from specserve.kernels import HUGE_PAGE, pack_into_huge_pages
 
     ts = [torch.randint(0, 256, (n, 40), dtype=torch.uint8) for n in (1, 7, 300)] + [torch.randn(5, 3)]
-    moved, _ = pack_into_huge_pages(ts)
+    moved = pack_into_huge_pages(ts)
     for a, b in zip(ts, moved):
         assert torch.equal(a, b) and b.is_contiguous() and b.data_ptr() % 4096 == 0
     base = moved[0].untyped_storage().data_ptr()
     assert all(m.untyped_storage().data_ptr() == base for m in moved)  # one allocation
     assert moved[0].data_ptr() % HUGE_PAGE == 0
-    assert pack_into_huge_pages([]) == ([], False)
+    assert pack_into_huge_pages([]) == []
 
     from specserve.models.block_linear import _weights_into_huge_pages
 

@@ -14,6 +14,7 @@ better, and 0 turns it off.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -92,7 +93,7 @@ def _load() -> ModuleType:
         logger.warning("compiling specserve's quantized-matmul kernel for this CPU (once, about a minute) into %s", build)
     flags = ["-O3", "-march=native", "-fopenmp"]
     try:
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name="specserve_qmatmul",
             sources=[str(_SOURCE)],
             extra_cflags=flags,
@@ -105,6 +106,8 @@ def _load() -> ModuleType:
             f"could not build the quantized-matmul kernel ({type(exc).__name__}: {str(exc)[-400:]}). "
             "It needs a C++ compiler (g++) and ninja (pip install ninja); or run with --quantization none."
         ) from exc
+    _prefetch_from_env(module)
+    return module
 
 
 def _prefetch_from_env(module: ModuleType) -> None:
@@ -125,11 +128,7 @@ def _prefetch_from_env(module: ModuleType) -> None:
 def kernels() -> ModuleType:
     """The compiled kernel module (built on first call)."""
     with _LOCK:
-        module = _load()
-        if not getattr(module, "_specserve_env_applied", False):
-            _prefetch_from_env(module)
-            module._specserve_env_applied = True
-        return module
+        return _load()
 
 
 def kernels_available() -> bool:
@@ -146,22 +145,19 @@ HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux
 
 
-def _advise_huge_pages(addr: int, nbytes: int) -> bool:
-    """madvise(MADV_HUGEPAGE) over [addr, addr + nbytes) (both 2 MiB aligned); False where unsupported."""
+def _advise_huge_pages(addr: int, nbytes: int) -> None:
+    """madvise(MADV_HUGEPAGE) over [addr, addr + nbytes) (both 2 MiB aligned), where the OS has it."""
     if not sys.platform.startswith("linux"):
-        return False
+        return
     import ctypes
 
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
+    with contextlib.suppress(OSError, AttributeError):  # advice only: small pages work too
+        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
 
 
-def pack_into_huge_pages(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
-    """Copies of `tensors` (CPU, contiguous) laid out back to back in one buffer that the kernel
-    is asked to back with 2 MiB pages; returns them and whether the advice was taken.
+def pack_into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` (CPU, contiguous) laid out back to back in one buffer that the OS is
+    asked to back with 2 MiB pages.
 
     Decode streams every weight once per step. On 4 KiB pages that is a TLB miss every 4 KiB
     and the prefetchers stop at each page edge; on a Xeon VM a 1.5B Q4_K_M step read its
@@ -175,17 +171,17 @@ def pack_into_huge_pages(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // align) * align
     if total == 0:
-        return list(tensors), False
+        return list(tensors)
     raw = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
-    advised = _advise_huge_pages(raw.data_ptr() + start, -(-total // HUGE_PAGE) * HUGE_PAGE)
+    _advise_huge_pages(raw.data_ptr() + start, -(-total // HUGE_PAGE) * HUGE_PAGE)
     out = []
     for t, off in zip(tensors, offsets):
         nbytes = t.numel() * t.element_size()
         view = raw[start + off : start + off + nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
         out.append(view)
-    return out, advised
+    return out
 
 
 def qmatmul(x: torch.Tensor, w: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:

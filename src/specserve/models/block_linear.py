@@ -265,10 +265,7 @@ def _weights_into_huge_pages(model: nn.Module) -> None:
     from specserve.kernels import pack_into_huge_pages
 
     mods = [m for m in model.modules() if isinstance(m, BlockQuantLinear) and m.qweight.device.type == "cpu"]
-    if not mods:
-        return
-    moved, _ = pack_into_huge_pages([m.qweight for m in mods])
-    for m, w in zip(mods, moved):
+    for m, w in zip(mods, pack_into_huge_pages([m.qweight for m in mods])):
         m.qweight = w
 
 
