@@ -362,6 +362,61 @@ def test_prefetch_distance_changes_speed_not_results(monkeypatch):
     monkeypatch.setenv("SPECSERVE_PREFETCH", "4096")
     _prefetch_from_env(k)
     assert k.set_prefetch_distance(old) == 4096
+    monkeypatch.setenv("SPECSERVE_PREFETCH", "auto")  # the default: measured by the first large model
+    _prefetch_from_env(k)
+    assert k.set_prefetch_distance(old) == old
+
+
+class _FakePrefetchKernels:
+    """Stands in for the kernel module: records the prefetch distance it is given."""
+
+    def __init__(self) -> None:
+        self.distance = 2048
+        self.history: list[int] = []
+
+    def has_avx2(self) -> bool:
+        return True
+
+    def set_prefetch_distance(self, bytes_ahead: int) -> int:
+        old, self.distance = self.distance, bytes_ahead
+        self.history.append(bytes_ahead)
+        return old
+
+
+def test_prefetch_tuning_keeps_the_fastest_distance_once_per_process(monkeypatch):
+    """tune_prefetch times every candidate distance (interleaved rounds, best time each), keeps
+    the fastest, and runs once per process; a pinned $SPECSERVE_PREFETCH, a model too small to
+    stream from memory, or a step that cannot be timed (NaN) leave the distance alone."""
+    import specserve.kernels as kmod
+
+    fake = _FakePrefetchKernels()
+    monkeypatch.setattr(kmod, "kernels", lambda: fake)
+    monkeypatch.setattr(kmod, "_prefetch_tuned", {})
+    monkeypatch.delenv("SPECSERVE_PREFETCH", raising=False)
+    big = kmod.PREFETCH_TUNE_MIN_BYTES
+    calls = []
+
+    def step() -> float:  # 3072 is fastest; the first timing of every distance is slower (noise)
+        calls.append(fake.distance)
+        return abs(fake.distance - 3072) / 1e6 + 0.01 + (0.05 if calls.count(fake.distance) == 1 else 0.0)
+
+    # pinned or small: nothing timed, nothing changed
+    monkeypatch.setenv("SPECSERVE_PREFETCH", "1024")
+    assert kmod.tune_prefetch(step, big) is None
+    monkeypatch.setenv("SPECSERVE_PREFETCH", "auto")
+    assert kmod.tune_prefetch(step, big - 1) is None
+    assert calls == [] and fake.history == []
+    # a step that cannot be timed: the distance goes back to what it was
+    assert kmod.tune_prefetch(lambda: float("nan"), big) is None
+    assert fake.distance == 2048 and kmod.prefetch_tuning() == {}
+
+    assert kmod.tune_prefetch(step, big, rounds=2) == 3072
+    assert fake.distance == 3072
+    assert sorted(set(calls)) == sorted(kmod.PREFETCH_CANDIDATES)
+    info = kmod.prefetch_tuning()
+    assert info["distance"] == 3072 and set(info["step_ms"]) == set(kmod.PREFETCH_CANDIDATES)
+    n = len(calls)
+    assert kmod.tune_prefetch(step, big) is None and len(calls) == n  # once per process
 
 
 def test_weights_move_into_one_huge_page_buffer_unchanged():

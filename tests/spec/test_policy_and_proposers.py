@@ -87,6 +87,36 @@ def test_online_acceptance_updates_switch_a_request_off():
     assert p.stats("a").rates[0] < 0.05
 
 
+def test_held_back_position_is_probed_and_recovers():
+    """One unlucky rejection can push a position's estimate below break-even; the policy then
+    stops drafting there and would never learn otherwise. A request held below K drafts one
+    position more every PROBE_EVERY steps, and accepted probes bring K back up."""
+    from specserve.spec.policy import PROBE_EVERY
+
+    # Verify cost grows with tokens so that K = 2 pays only while position 2 is accepted often.
+    target = {1: 0.045, 2: 0.049, 3: 0.053, 4: 0.057, 5: 0.061}
+    p = _policy(target, {1: 0.015}, acceptance=0.86)
+    r = _req("a", [1])
+    p.stats("a").rates = [0.86, 0.55, 0.86, 0.86]  # position 2 looks poor
+    ks = [p.choose([r])[0] for _ in range(PROBE_EVERY)]
+    assert ks[:-1] == [1] * (PROBE_EVERY - 1) and ks[-1] == 2  # held at 1, then one probe
+    for _ in range(3):  # the probes' drafts are accepted
+        p.observe("a", 2, 2)
+    assert p.choose([r])[0] >= 2
+
+
+def test_new_requests_start_from_pooled_acceptance():
+    """A new request's estimate starts where earlier requests left the pooled one, not at the
+    fixed prior: after many requests with poor first drafts a newcomer is not speculated for."""
+    p = _policy(CHEAP_VERIFY, {1: 0.03}, acceptance=0.9)
+    assert p.choose([_req("first", [1])])[0] > 0
+    for i in range(200):
+        p.observe(f"old{i}", 4, 0)
+    assert p.pooled.rates[0] < 0.05
+    assert p.stats("new").rates[0] < 0.05
+    assert p.choose([_req("new", [1])]) == [0]
+
+
 def test_thresholds_batch_size_and_priority():
     p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.9, on_batch=2, off_batch=4)
     reqs = [_req(f"r{i}", [1], priority=-1 if i == 0 else 0) for i in range(3)]

@@ -90,6 +90,7 @@ class ModelRunner:
         if vocab_subset is not None:  # before quantization, so the smaller head is quantized too
             self.model.restrict_vocab(vocab_subset)
         self.quantization = model_config.quantization
+        self.native_ops = False  # block-quantized weights run through specserve.kernels
         if self.quantization != "none":
             if not quantization_usable(self.quantization, self.device):
                 raise ConfigError(f"--quantization {self.quantization} is not supported on {self.device} with this torch.")
@@ -99,6 +100,7 @@ class ModelRunner:
                 apply_linear_backend(self.model, resolve_linear_backend(model_config.linear_backend, self.device, self.dtype))
             if self.quantization in ("auto", "int4") and self.dtype == torch.float32:
                 enable_native_ops(self.model)
+                self.native_ops = True
         else:
             self.linear_backend = resolve_linear_backend(model_config.linear_backend, self.device, self.dtype)
             apply_linear_backend(self.model, self.linear_backend)
@@ -128,6 +130,10 @@ class ModelRunner:
         self.num_steps = 0
         self.forward_time_s = 0.0
         self.last_forward_time_s = 0.0
+        if self.native_ops:
+            from specserve.kernels import tune_prefetch
+
+            tune_prefetch(lambda: self.time_decode_step(1, repeats=1, context=64), self.weight_bytes_per_step())
 
     def _build(
         self, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int, packed: dict[str, PackedWeight]

@@ -7,9 +7,11 @@ block format (see qmatmul.cpp). It is built with torch's C++ extension machinery
 a cache shared between machines never hands one a binary built for another. The first build
 takes about a minute; later processes load it in milliseconds.
 
-The kernels prefetch weight blocks 2 KiB ahead of the one they read (into L2);
-``$SPECSERVE_PREFETCH=<bytes>`` changes the distance for a machine where another one measures
-better, and 0 turns it off.
+The kernels prefetch weight blocks some distance ahead of the one they read (into L2). The best
+distance is a property of the machine (2 KiB on one 2-vCPU Xeon VM, 4 KiB on an Emerald Rapids
+one, each ~10% better than the other's choice), so the first model of a process large enough to
+stream from DRAM picks it by timing its own decode step (`tune_prefetch`).
+``$SPECSERVE_PREFETCH=<bytes>`` pins a distance instead (0 turns prefetching off).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -112,7 +116,7 @@ def _load() -> ModuleType:
 
 def _prefetch_from_env(module: ModuleType) -> None:
     raw = os.environ.get("SPECSERVE_PREFETCH")
-    if raw is None or raw == "":
+    if raw is None or raw in ("", "auto"):
         return
     try:
         bytes_ahead = int(raw)
@@ -120,9 +124,57 @@ def _prefetch_from_env(module: ModuleType) -> None:
             raise ValueError
     except ValueError:
         raise ConfigError(
-            f"SPECSERVE_PREFETCH={raw!r}: give the prefetch distance in bytes, 0 to 1048576 (0 turns it off)."
+            f"SPECSERVE_PREFETCH={raw!r}: give the prefetch distance in bytes, 0 to 1048576 (0 turns it off), "
+            "or 'auto' to let the first large model measure it."
         ) from None
     module.set_prefetch_distance(bytes_ahead)
+
+
+# Distances tried by tune_prefetch, and the least weight bytes per step worth tuning on (below
+# it the weights sit in cache and any distance looks the same).
+PREFETCH_CANDIDATES = (1024, 2048, 3072, 4096, 6144, 8192)
+PREFETCH_TUNE_MIN_BYTES = 64 << 20
+_prefetch_tuned: dict[str, object] = {}
+_TUNE_LOCK = threading.Lock()
+
+
+def tune_prefetch(time_step: Callable[[], float], weight_bytes: int, rounds: int = 2) -> int | None:
+    """Set the prefetch distance under which `time_step()` (seconds of one decode step) is fastest.
+
+    Runs once per process, on the first model with at least PREFETCH_TUNE_MIN_BYTES of weights
+    per step: every candidate is timed `rounds` times, interleaved, and the best time of each
+    decides. Prefetching changes speed only, never results, so a noisy pick costs nothing but
+    a little speed. Returns the distance chosen, or None when $SPECSERVE_PREFETCH pins one, the
+    weights are too small to tell, or a distance was already chosen in this process.
+    """
+    raw = os.environ.get("SPECSERVE_PREFETCH")
+    if raw not in (None, "", "auto") or weight_bytes < PREFETCH_TUNE_MIN_BYTES:
+        return None
+    with _TUNE_LOCK:
+        if _prefetch_tuned:
+            return None
+        module = kernels()
+        if not module.has_avx2():  # the portable build does not prefetch
+            return None
+        before = module.set_prefetch_distance(PREFETCH_CANDIDATES[0])
+        if not math.isfinite(time_step()):  # warm-up (first touch); NaN: the step cannot be timed here
+            module.set_prefetch_distance(before)
+            return None
+        best = dict.fromkeys(PREFETCH_CANDIDATES, math.inf)
+        for _ in range(rounds):
+            for dist in PREFETCH_CANDIDATES:
+                module.set_prefetch_distance(dist)
+                best[dist] = min(best[dist], time_step())
+        choice = min(best, key=best.__getitem__)
+        module.set_prefetch_distance(choice)
+        _prefetch_tuned.update(distance=choice, step_ms={d: round(t * 1e3, 2) for d, t in best.items()})
+        logger.info("prefetch distance %d bytes (decode step ms by distance: %s)", choice, _prefetch_tuned["step_ms"])
+        return choice
+
+
+def prefetch_tuning() -> dict[str, object]:
+    """What tune_prefetch measured and chose in this process (empty if it has not run)."""
+    return dict(_prefetch_tuned)
 
 
 def kernels() -> ModuleType:

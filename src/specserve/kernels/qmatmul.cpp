@@ -436,16 +436,26 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
       const uint8_t* sub = blk + 96 + 136 * j;
       const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub)));
       const __m256i sc = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));  // scale of row r in both int16 halves
+#if SPECSERVE_VNNI
+      // Low and high nibbles in two int32 chains: each vpdpbusd waits ~5 cycles for the one
+      // before it, and one chain of 8 per sub-block left the core idle (latency-bound) at M = 1.
+      // A chain sums 16 products of at most 15 * 127, so it fits int16 and the scale multiply
+      // is one vpmaddwd (s32 holds the scale in each lane's low half and 0 in its high half).
+      __m256i plo[MT], phi[MT];
+      for (int m = 0; m < MT; ++m) plo[m] = phi[m] = _mm256_setzero_si256();
+#else
       __m256i p16[MT];
       for (int m = 0; m < MT; ++m) p16[m] = _mm256_setzero_si256();
+#endif
       for (int i = 0; i < 4; ++i) {
         const __m256i packed = load32(sub + 8 + 32 * i);
         const __m256i lo = _mm256_and_si256(packed, low);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
         for (int m = 0; m < MT; ++m) {
           const int8_t* x = a[m].q + b * 256 + 32 * j + 8 * i;
-#if SPECSERVE_VNNI  // p16 holds int32 sums here
-          p16[m] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(p16[m], lo, bcast4(x)), hi, bcast4(x + 4));
+#if SPECSERVE_VNNI
+          plo[m] = _mm256_dpbusd_epi32(plo[m], lo, bcast4(x));
+          phi[m] = _mm256_dpbusd_epi32(phi[m], hi, bcast4(x + 4));
 #else
           p16[m] = _mm256_add_epi16(p16[m], _mm256_maddubs_epi16(lo, bcast4(x)));
           p16[m] = _mm256_add_epi16(p16[m], _mm256_maddubs_epi16(hi, bcast4(x + 4)));
@@ -453,7 +463,8 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
         }
       }
 #if SPECSERVE_VNNI
-      for (int m = 0; m < MT; ++m) sumi[m] = _mm256_add_epi32(sumi[m], _mm256_mullo_epi32(p16[m], s32));
+      for (int m = 0; m < MT; ++m)
+        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(_mm256_madd_epi16(plo[m], s32), _mm256_madd_epi16(phi[m], s32)));
 #else
       for (int m = 0; m < MT; ++m) sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(p16[m], sc));
 #endif
@@ -516,10 +527,12 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
         for (int g = 0; g < 2; ++g) {  // 16-value group 2c + g: values 16g .. 16g + 15
           const __m256i s = g == 0 ? sc_a : sc_b;
 #if SPECSERVE_VNNI
-          __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), v[4 * g + 0], bcast4(x + 16 * g));
-          p = _mm256_dpbusd_epi32(p, v[4 * g + 1], bcast4(x + 16 * g + 4));
-          p = _mm256_dpbusd_epi32(p, v[4 * g + 2], bcast4(x + 16 * g + 8));
-          p = _mm256_dpbusd_epi32(p, v[4 * g + 3], bcast4(x + 16 * g + 12));
+          // two chains of two (a chain of four waits ~20 cycles on its own latency)
+          const __m256i pa = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), v[4 * g + 0], bcast4(x + 16 * g)),
+                                                 v[4 * g + 1], bcast4(x + 16 * g + 4));
+          const __m256i pb = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), v[4 * g + 2], bcast4(x + 16 * g + 8)),
+                                                 v[4 * g + 3], bcast4(x + 16 * g + 12));
+          const __m256i p = _mm256_add_epi32(pa, pb);
           sumi[m] = _mm256_add_epi32(sumi[m], _mm256_mullo_epi32(p, _mm256_srai_epi32(s, 16)));  // row scale, sign-extended
           continue;
 #endif
@@ -549,22 +562,24 @@ void dot_q8_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
     const uint8_t* blk = grp + b * 272;
     prefetch_ahead(blk, 272, ahead);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    __m256i sumi[MT];
-    for (int m = 0; m < MT; ++m) sumi[m] = _mm256_setzero_si256();
+    __m256i sumi[2][MT];  // even and odd i: two dependency chains (see dot_q4_k_x8)
+    for (int m = 0; m < MT; ++m) sumi[0][m] = sumi[1][m] = _mm256_setzero_si256();
     for (int i = 0; i < 8; ++i) {
       const __m256i w = load32(blk + 16 + 32 * i);
       const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as unsigned; the sign moves onto x
       for (int m = 0; m < MT; ++m) {
         const __m256i xs = _mm256_sign_epi8(bcast4(a[m].q + b * 32 + 4 * i), w);
+        __m256i& s = sumi[i & 1][m];
 #if SPECSERVE_VNNI
-        sumi[m] = _mm256_dpbusd_epi32(sumi[m], aw, xs);
+        s = _mm256_dpbusd_epi32(s, aw, xs);
 #else
-        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
 #endif
       }
     }
     for (int m = 0; m < MT; ++m)
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])), acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sumi[0][m], sumi[1][m])),
+                               _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])), acc[m]);
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
 }
@@ -599,8 +614,12 @@ void dot_q5_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
     for (int m = 0; m < MT; ++m) {
       const int8_t* x = a[m].q + b * 32;
 #if SPECSERVE_VNNI
-      __m256i dot = _mm256_setzero_si256();
-      for (int i = 0; i < 8; ++i) dot = _mm256_dpbusd_epi32(dot, v[i], bcast4(x + 4 * i));
+      __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();  // two chains (see dot_q4_k_x8)
+      for (int i = 0; i < 8; i += 2) {
+        d0 = _mm256_dpbusd_epi32(d0, v[i], bcast4(x + 4 * i));
+        d1 = _mm256_dpbusd_epi32(d1, v[i + 1], bcast4(x + 4 * i + 4));
+      }
+      const __m256i dot = _mm256_add_epi32(d0, d1);
 #else
       // a maddubs lane is at most 2 * 31 * 127: four of them still fit in int16
       __m256i p0 = _mm256_maddubs_epi16(v[0], bcast4(x));
