@@ -78,11 +78,19 @@ def frequent_token_subset(tokenizer: Tokenizer | None, vocab_size: int, n: int) 
     Byte-level BPE numbers tokens in merge order, and merges are learned most-frequent-first,
     so the lowest ids are the most frequent pieces of the training corpus. Special tokens
     (end of turn, tool markers) sit at the end of the vocabulary and must stay draftable.
+    The count is then rounded up to a multiple of 8 with the next ids in order, so the smaller
+    head keeps the kernels' 8-row interleaved layout (65,536 ids + Qwen2's 22 specials did not,
+    and its head ran through the slower row-at-a-time kernel).
     """
     ids = set(range(min(n, vocab_size)))
     if tokenizer is not None:
         ids |= {i for i in tokenizer.backend.get_added_tokens_decoder() if i < vocab_size}
         ids |= {i for i in tokenizer.special_token_ids if i < vocab_size}
+    nxt = min(n, vocab_size)
+    while len(ids) % 8 and nxt < vocab_size:
+        if nxt not in ids:
+            ids.add(nxt)
+        nxt += 1
     return torch.tensor(sorted(ids), dtype=torch.long)
 
 
