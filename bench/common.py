@@ -31,18 +31,23 @@ def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
     cpu = platform.processor() or "unknown"
     flags = ""
+    ids: dict[str, str] = {}  # family / model / stepping: VMs often report only "Intel(R) Xeon(R) Processor"
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
             for line in f:
-                if line.startswith("model name"):
+                key = line.split(":", 1)[0].strip()
+                if key == "model name":
                     cpu = line.split(":", 1)[1].strip()
+                elif key in ("cpu family", "model", "stepping") and key not in ids:
+                    ids[key] = line.split(":", 1)[1].strip()
                 elif line.startswith("flags") and not flags:
                     flags = line
     except OSError:
         pass
-    isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {x}" in flags]
+    isa = [x for x in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f" {x}" in flags]
     info: dict[str, Any] = {
         "cpu": cpu,
+        "cpu_family_model_stepping": "/".join(ids.get(k, "?") for k in ("cpu family", "model", "stepping")),
         "cpu_isa": isa,
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
