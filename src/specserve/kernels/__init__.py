@@ -114,9 +114,15 @@ def _load() -> ModuleType:
     return module
 
 
-def _prefetch_from_env(module: ModuleType) -> None:
+def _prefetch_pinned() -> str | None:
+    """$SPECSERVE_PREFETCH when it pins a distance (unset, empty and 'auto' leave it to tune_prefetch)."""
     raw = os.environ.get("SPECSERVE_PREFETCH")
-    if raw is None or raw in ("", "auto"):
+    return None if raw in (None, "", "auto") else raw
+
+
+def _prefetch_from_env(module: ModuleType) -> None:
+    raw = _prefetch_pinned()
+    if raw is None:
         return
     try:
         bytes_ahead = int(raw)
@@ -147,8 +153,7 @@ def tune_prefetch(time_step: Callable[[], float], weight_bytes: int, rounds: int
     a little speed. Returns the distance chosen, or None when $SPECSERVE_PREFETCH pins one, the
     weights are too small to tell, or a distance was already chosen in this process.
     """
-    raw = os.environ.get("SPECSERVE_PREFETCH")
-    if raw not in (None, "", "auto") or weight_bytes < PREFETCH_TUNE_MIN_BYTES:
+    if _prefetch_pinned() is not None or weight_bytes < PREFETCH_TUNE_MIN_BYTES:
         return None
     with _TUNE_LOCK:
         if _prefetch_tuned:

@@ -435,7 +435,6 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
     for (int j = 0; j < 8; ++j) {
       const uint8_t* sub = blk + 96 + 136 * j;
       const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub)));
-      const __m256i sc = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));  // scale of row r in both int16 halves
 #if SPECSERVE_VNNI
       // Low and high nibbles in two int32 chains: each vpdpbusd waits ~5 cycles for the one
       // before it, and one chain of 8 per sub-block left the core idle (latency-bound) at M = 1.
@@ -444,6 +443,7 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
       __m256i plo[MT], phi[MT];
       for (int m = 0; m < MT; ++m) plo[m] = phi[m] = _mm256_setzero_si256();
 #else
+      const __m256i sc = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));  // scale of row r in both int16 halves
       __m256i p16[MT];
       for (int m = 0; m < MT; ++m) p16[m] = _mm256_setzero_si256();
 #endif
