@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "activations (fbgemm, CPU): the cheapest draft, exactness is unaffected")
     s.add_argument("--draft-vocab-size", type=int, default=None,
                    help="draft LM head over only the N most frequent tokens (+ special tokens); stays exact")
+    s.add_argument("--draft-p-min", type=float, default=None,
+                   help="a draft stops after a token it gives a probability below this (default 0.8; 0: "
+                        "always draft --num-spec-tokens); exactness is unaffected")
     s.add_argument("--ngram-min", type=int, default=1)
     s.add_argument("--ngram-max", type=int, default=4)
     s.add_argument("--spec-on-batch", type=int, default=8, help="speculate freely at batch <= this")
@@ -70,6 +73,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         spec_policy=args.spec_policy, draft_num_layers=args.draft_num_layers,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         spec_on_batch=args.spec_on_batch, spec_off_batch=args.spec_off_batch,
+        **({} if args.draft_p_min is None else {"draft_p_min": args.draft_p_min}),
     )
 
 

@@ -140,6 +140,9 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("none", "draft", "ngram", "reference")
+# A draft stops after a token it gives a probability below this (the token is still proposed).
+# Measured on Qwen2.5-Coder 1.5B + 0.5B (2-vCPU Xeon, coding prompts): 0.8 +5-7% tok/s over 0.
+DEFAULT_DRAFT_P_MIN = 0.8
 SPEC_POLICIES = ("adaptive", "always", "off")
 
 
@@ -155,6 +158,7 @@ class SpecConfig:
     draft_kv_cache_gib: float | None = None  # default: a share of the target's budget
     draft_quantization: str | None = None  # None: the target's --quantization
     draft_vocab_size: int | None = None  # restrict the draft LM head to the N most frequent token ids
+    draft_p_min: float = DEFAULT_DRAFT_P_MIN  # stop drafting after a token the draft gives p < this (0: never)
     ngram_min: int = 1
     ngram_max: int = 4
     # Reference thresholds: speculate freely at batch <= on_batch, never at batch >= off_batch,
@@ -176,6 +180,8 @@ class SpecConfig:
             raise ConfigError("draft_num_layers must be >= 1 when given.")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ConfigError("draft_vocab_size must be >= 1 when given.")
+        if not 0.0 <= self.draft_p_min < 1.0:
+            raise ConfigError(f"draft_p_min must be in [0, 1), got {self.draft_p_min}.")
         if self.draft_quantization is not None and self.draft_quantization not in QUANTIZATIONS:
             raise ConfigError(
                 f"Unknown draft quantization {self.draft_quantization!r}; use one of {', '.join(QUANTIZATIONS)}."

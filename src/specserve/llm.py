@@ -7,7 +7,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from specserve.config import (
+    DEFAULT_DRAFT_P_MIN,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from specserve.engine.engine import LLMEngine
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
@@ -45,6 +52,7 @@ class LLM:
         draft_kv_cache_gib: float | None = None,
         draft_quantization: str | None = None,
         draft_vocab_size: int | None = None,
+        draft_p_min: float = DEFAULT_DRAFT_P_MIN,
         ngram_min: int = 1,
         ngram_max: int = 4,
         spec_on_batch: int = 8,
@@ -74,7 +82,7 @@ class LLM:
                 draft_model=draft_model or ("<checkpoint>" if draft_checkpoint is not None else None),
                 draft_num_layers=draft_num_layers, draft_kv_cache_gib=draft_kv_cache_gib,
                 draft_quantization=draft_quantization, draft_vocab_size=draft_vocab_size,
-                ngram_min=ngram_min, ngram_max=ngram_max, on_batch=spec_on_batch, off_batch=spec_off_batch,
+                draft_p_min=draft_p_min, ngram_min=ngram_min, ngram_max=ngram_max, on_batch=spec_on_batch, off_batch=spec_off_batch,
                 profile_on_start=profile_spec_costs,
             ),
             num_threads=num_threads,

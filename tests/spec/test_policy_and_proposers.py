@@ -117,6 +117,38 @@ def test_new_requests_start_from_pooled_acceptance():
     assert p.choose([_req("new", [1])]) == [0]
 
 
+def test_undelivered_positions_count_as_misses():
+    """K is a cap: asked for 4, a draft that stops at an unsure token delivers 2. The policy
+    learns how often each position is delivered (reach) and counts an undelivered position as a
+    miss of its success rate, so expected accepted and expected delivered drafts are both 2."""
+    p = _policy(CHEAP_VERIFY, {1: 0.01}, acceptance=0.8)
+    for _ in range(60):
+        p.observe_proposal("a", 4, 2)
+        p.observe("a", 2, 2)  # both delivered drafts accepted
+    st = p.stats("a")
+    assert st.rates[0] > 0.99 and st.rates[1] > 0.99 and st.rates[2] < 0.01
+    assert st.reach[1] > 0.99 and st.reach[2] < 0.01
+    assert abs(st.expected_proposed(4) - 2) < 0.01 and abs(st.expected_accepted(4) - 2) < 0.01
+    # An empty proposal (a lookup that found nothing) is a miss at position 0, with nothing verified.
+    for _ in range(60):
+        p.observe_proposal("b", 4, 0)
+    assert p.stats("b").rates[0] < 0.01 and p.stats("b").expected_proposed(4) < 0.01
+
+
+def test_a_cap_the_proposer_rarely_fills_is_charged_only_what_it_delivers():
+    """Same chance of an accepted token per position, but a draft that stops early about half the
+    time after each token: the passes and verify tokens that do not happen are not charged, so
+    asking for K = 4 pays where a draft that always delivered 4 would be held at 1."""
+    target = {1: 0.045, 2: 0.049, 3: 0.053, 4: 0.057, 5: 0.061}
+    always_full = _policy(target, {1: 0.015}, acceptance=0.9)
+    always_full.stats("a").rates = [0.9, 0.5, 0.5, 0.5]
+    assert always_full.choose([_req("a", [1])]) == [1]
+    stops_early = _policy(target, {1: 0.015}, acceptance=0.9)
+    st = stops_early.stats("a")
+    st.rates, st.reach = [0.9, 0.5, 0.5, 0.5], [1.0, 0.55, 0.55, 0.55]
+    assert stops_early.choose([_req("a", [1])]) == [4]
+
+
 def test_thresholds_batch_size_and_priority():
     p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.9, on_batch=2, off_batch=4)
     reqs = [_req(f"r{i}", [1], priority=-1 if i == 0 else 0) for i in range(3)]

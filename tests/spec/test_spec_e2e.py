@@ -45,7 +45,7 @@ def _greedy(n=20, **kw):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
 
 
-PROPOSERS = ["ngram", "reference", "draft-truncated", "draft-full", "draft-restricted"]
+PROPOSERS = ["ngram", "reference", "draft-truncated", "draft-full", "draft-restricted", "draft-pmin"]
 
 
 def _spec_llm(ckpt, which, policy="always", **kw):
@@ -53,6 +53,9 @@ def _spec_llm(ckpt, which, policy="always", **kw):
         layers = None if which == "draft-full" else 1
         if which == "draft-restricted":  # draft LM head over the lower half of the vocabulary only
             kw["draft_vocab_size"] = ckpt.arch.vocab_size // 2
+        # The tiny random drafts are unsure of nearly everything: the default p_min would cut every
+        # proposal to one token. "draft-pmin" sets one that makes proposals of every length.
+        kw.setdefault("draft_p_min", 0.05 if which == "draft-pmin" else 0.0)
         return _llm(ckpt, "draft", policy, draft=ckpt, draft_num_layers=layers, **kw)
     return _llm(ckpt, which, policy, **kw)
 
@@ -88,6 +91,35 @@ def test_tiny_greedy_spec_equals_plain_batched_and_alone(tiny, which):
     if which.startswith("draft"):
         assert not eng.proposer.live_request_ids()
         assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
+
+
+def test_draft_stops_after_the_first_token_it_is_unsure_of():
+    """draft_p_min: every proposed token but the last has draft probability >= p_min, and a
+    proposal shorter than K ends with the token that fell below it."""
+    from collections import Counter
+
+    from conftest import tiny_checkpoint
+
+    from specserve.request import Request
+
+    _, ckpt = tiny_checkpoint("llama", seed=9, vocab=12, layers=2)
+    p_min = 0.1
+    llm = _llm(ckpt, "draft", draft=ckpt, draft_num_layers=1, k=4, draft_p_min=p_min)
+    prop = llm.engine.proposer
+    reqs = [Request(str(i), [1, 5, 7, 5, 7, 5], SamplingParams(temperature=1.0, seed=i, max_tokens=8))
+            for i in range(64)]
+    out = prop.propose(reqs, [4] * len(reqs))
+    lengths = Counter()
+    for r in reqs:
+        d = out[r.request_id]
+        q = [float(d.probs[j, t]) for j, t in enumerate(d.token_ids)]
+        assert all(x >= p_min for x in q[:-1]), q
+        assert len(q) == 4 or q[-1] < p_min, q
+        lengths[len(q)] += 1
+    assert lengths[1] and lengths[4] and len(lengths) >= 3, lengths
+    for r in reqs:
+        prop.remove_request(r.request_id)
+    assert prop.check_integrity() and prop.kv.num_free_blocks == prop.kv.num_blocks
 
 
 def test_adaptive_policy_learns_the_draft_cost_without_the_catch_up_pass(tiny):
@@ -169,7 +201,7 @@ def _tv_permutation_test(a: np.ndarray, b: np.ndarray, n_perm: int = 200, seed: 
     return observed, p
 
 
-@pytest.mark.parametrize("which", ["draft-truncated", "ngram", "draft-restricted"])
+@pytest.mark.parametrize("which", ["draft-truncated", "ngram", "draft-restricted", "draft-pmin"])
 def test_tiny_sampled_distribution_matches(which):
     """First 4 generated tokens with speculation vs without: same joint distribution.
 
@@ -178,7 +210,8 @@ def test_tiny_sampled_distribution_matches(which):
     samples are exchangeable, so the p-value is uniform; we fail only below 1e-3 (a real bias
     of a few percent TV is detected at p ~ 0), i.e. the noise level is measured, not guessed.
     The restricted draft can only propose tokens 0..5 while the target also emits 6..11: the
-    residual distribution must restore exactly that mass.
+    residual distribution must restore exactly that mass. With draft-pmin the number of drafts
+    depends on the draft's own draws (it stops after one it gave p < p_min): still exact.
     """
     from conftest import tiny_checkpoint
 
@@ -190,7 +223,10 @@ def test_tiny_sampled_distribution_matches(which):
     base = _llm(ckpt, **big).generate([prompt] * n, params, use_tqdm=False)
     spec_llm = _spec_llm(ckpt, which, **big)
     spec = spec_llm.generate([prompt] * n, params, use_tqdm=False)
-    assert spec_llm.engine.spec_counters["num_accepted_tokens"] > 1000
+    counters = spec_llm.engine.spec_counters
+    assert counters["num_accepted_tokens"] > 1000
+    if which == "draft-pmin":  # proposals of several lengths, not all cut to one token
+        assert 1.2 < counters["num_draft_tokens"] / counters["num_drafts"] < 3.0
     enc = lambda outs: np.array([sum(t * 12**i for i, t in enumerate(o.token_ids)) for o in outs])  # noqa: E731
     tv, p = _tv_permutation_test(enc(base), enc(spec))
     assert p > 1e-3, f"TV={tv:.4f}, permutation p={p:.4f}"

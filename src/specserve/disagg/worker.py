@@ -319,7 +319,7 @@ def build_worker(role: str, model: str, engine_kwargs: dict[str, Any], name: str
 
     kwargs = dict(engine_kwargs)
     if role == "prefill":
-        for key in ("draft_model", "draft_num_layers", "draft_quantization", "draft_vocab_size"):
+        for key in ("draft_model", "draft_num_layers", "draft_quantization", "draft_vocab_size", "draft_p_min"):
             kwargs.pop(key, None)
         kwargs["spec_method"] = "none"
     llm = LLM(model, **kwargs)

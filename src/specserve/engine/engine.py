@@ -418,13 +418,18 @@ class LLMEngine:
         kmax = max(ks)
         n_spec = sum(1 for k in ks if k)
         if self.policy.draft_cost_is_per_token:
-            per_pass = getattr(self.proposer, "last_pass_time_s", None)
-            if per_pass is not None:  # steady cost of a draft position, without the catch-up pass
-                self.policy.draft_time.observe(n_spec, per_pass)
+            if hasattr(self.proposer, "last_pass_time_s"):
+                # Steady cost of a draft position, without the catch-up pass; None when every
+                # request stopped after that pass (K = 1, or an unsure first draft).
+                per_pass = self.proposer.last_pass_time_s
+                if per_pass is not None:
+                    self.policy.draft_time.observe(n_spec, per_pass)
             elif kmax > 1:
                 self.policy.draft_time.observe(n_spec, dt / kmax)
-        for req in decoding:
+        for req, k in zip(decoding, ks):
             prop = proposals.get(req.request_id)
+            if k and prop is not None:
+                self.policy.observe_proposal(req.request_id, k, len(prop.token_ids))
             if prop is not None and prop.token_ids:
                 req.spec_token_ids = list(prop.token_ids)
                 self._draft_probs[req.request_id] = prop.probs

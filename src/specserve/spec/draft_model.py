@@ -5,6 +5,14 @@ the draft tokens it fed last time are compared with what the target accepted, th
 prefix stays, the rest is rolled back. Then one forward pass catches every request up (its
 prompt on first use, the recovered/bonus token afterwards) and samples draft 1, and K-1 more
 single-token passes over the whole batch produce drafts 2..K.
+
+A request stops drafting early when the draft gives the token it just drafted a probability
+below `p_min` (the token itself is still proposed): the draft's confidence predicts acceptance
+well (greedy Qwen2.5-Coder 0.5B for 1.5B on coding prompts: 99% of drafts with p >= 0.9 were
+accepted, about 45% of those with p < 0.5), so the passes that would follow an unsure token are
+mostly wasted. Exactness is unaffected: whether to draft one more token depends only on the
+draft's own outputs, never on the target's, and each proposed token is still verified with its
+own draft probability.
 """
 
 from __future__ import annotations
@@ -70,7 +78,9 @@ class DraftModelProposer(Proposer):
         max_model_len: int,
         vocab_subset: torch.Tensor | None = None,
         packed: dict | None = None,
+        p_min: float = 0.0,
     ) -> None:
+        self.p_min = p_min
         self.runner = ModelRunner(arch, weights, model_config, cache_config, max_model_len, vocab_subset, packed)
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, name="draft"
@@ -160,6 +170,7 @@ class DraftModelProposer(Proposer):
                 for _, seq, _ in step_reqs:
                     seq.num_computed_tokens = len(seq.all_token_ids)
             toks, rows = self._sample(logits, step_reqs, j)
+            unsure = self._unsure(logits, toks, rows, step_reqs) if self.p_min > 0 else None
             if j > 0:
                 later_passes.append(time.perf_counter() - tp)
             next_reqs, entries = [], []
@@ -168,7 +179,7 @@ class DraftModelProposer(Proposer):
                 drafts[rid].append(toks[i])
                 if rows is not None and not req.sampling_params.is_greedy:
                     probs[rid].append(rows[i])
-                if j + 1 < k:
+                if j + 1 < k and not (unsure is not None and unsure[i]):
                     pos = len(seq.all_token_ids) + len(seq.pending)
                     seq.pending.append(toks[i])
                     next_reqs.append((req, seq, k))
@@ -193,6 +204,23 @@ class DraftModelProposer(Proposer):
             block_ids=self.kv.block_ids(req.request_id), num_spec_tokens=0, sample=True,
             sampling_params=req.sampling_params, output_index=req.num_output_tokens,
         )
+
+    def _unsure(
+        self, logits: torch.Tensor, toks: list[int], rows: torch.Tensor | None,
+        step_reqs: list[tuple[Request, _DraftSeq, int]],
+    ) -> list[bool]:
+        """Whether each request's new draft token had a draft probability below p_min.
+
+        Greedy rows: the softmax of the raw logits at the argmax. Sampled rows: the probability
+        the processed distribution (the one the rejection test uses) gave the drawn token.
+        """
+        top = logits.float().softmax(dim=-1).gather(1, torch.tensor(toks, device=logits.device).view(-1, 1))
+        conf = top.view(-1).tolist()
+        out = []
+        for i, (req, _, _) in enumerate(step_reqs):
+            p = conf[i] if rows is None or req.sampling_params.is_greedy else float(rows[i, toks[i]])
+            out.append(p < self.p_min)
+        return out
 
     def _sample(
         self, logits: torch.Tensor, step_reqs: list[tuple[Request, _DraftSeq, int]], j: int

@@ -69,7 +69,8 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
     subset = None
     if ctx.spec.draft_vocab_size is not None and ctx.spec.draft_vocab_size < arch.vocab_size:
         subset = frequent_token_subset(ckpt.tokenizer, arch.vocab_size, ctx.spec.draft_vocab_size)
-    return DraftModelProposer(arch, weights, model, cache, ctx.max_model_len, vocab_subset=subset, packed=packed)
+    return DraftModelProposer(arch, weights, model, cache, ctx.max_model_len, vocab_subset=subset, packed=packed,
+                              p_min=ctx.spec.draft_p_min)
 
 
 def frequent_token_subset(tokenizer: Tokenizer | None, vocab_size: int, n: int) -> torch.Tensor:

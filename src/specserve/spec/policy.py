@@ -6,11 +6,15 @@ a_1, a_2, ... yields 1 + E(K) tokens per target step, E(K) = sum_{m<=K} prod_{j<
 more tokens in the target pass plus the drafting. The policy greedily adds draft tokens
 (one request, one position at a time) while the batch's expected tokens per second rises:
 
-    throughput = sum_i (1 + E_i(k_i)) / (T_target(n + sum_i k_i) + T_draft(k_max, batch))
+    throughput = sum_i (1 + E_i(k_i)) / (T_target(n + sum_i D_i(k_i)) + T_draft(batch) * max_i D_i(k_i))
 
-T_target(n) is the target forward time for n tokens in a step, T_draft the drafting time,
-both measured at start-up and refined online. Hard limits follow the reference thresholds:
-speculate at batch <= on_batch, never at batch >= off_batch, only priority requests between.
+T_target(n) is the target forward time for n tokens in a step, T_draft the time of one draft
+pass, both measured at start-up and refined online. K is a cap: D_i(k) is the expected number
+of drafts the proposer delivers when asked for k (a draft model that stops at an unsure token,
+`draft_p_min`, or a prompt lookup with a short match deliver fewer), learned per position like
+the acceptance, and E_i(k) counts only delivered positions. Hard limits follow the reference
+thresholds: speculate at batch <= on_batch, never at batch >= off_batch, only priority
+requests between.
 
 A position's acceptance is only learned when it is drafted, so an estimate that one unlucky
 rejection pushed below the break-even point would never be corrected: the policy stops
@@ -48,8 +52,8 @@ class StepTimer:
         old = self.points.get(n)
         self.points[n] = seconds if old is None else (1 - EWMA) * old + EWMA * seconds
 
-    def __call__(self, n: int) -> float:
-        """Estimated seconds for a step of n tokens."""
+    def __call__(self, n: float) -> float:
+        """Estimated seconds for a step of n tokens (n may be an expected, fractional count)."""
         if not self.points:
             return 1.0  # unknown: a flat cost, i.e. verifying extra tokens looks free
         xs = sorted(self.points)
@@ -69,23 +73,50 @@ class StepTimer:
 
 @dataclass
 class AcceptanceStats:
-    """Online per-position acceptance estimate of one request."""
+    """Online per-position estimates of one request.
+
+    rates[j]: the chance that position j yields an accepted token given every earlier one did
+    (the proposer delivered it and the target accepted it). reach[j]: the chance the proposer
+    delivers position j when allowed to and it delivered j - 1 (a draft that stops at an unsure
+    token, a lookup whose match is short); a step verifies, and pays for, only what is delivered.
+    """
 
     rates: list[float]
+    reach: list[float] = field(default_factory=list)
+    asked: int = 0  # K of the proposal now being verified
     steps_off: int = 0  # steps with k = 0 since the last probe
     steps_short: int = 0  # steps with 0 < k < max since the last probe of one position more
 
-    def update(self, num_draft: int, num_accepted: int, weight: float = EWMA) -> None:
-        """Position j was tested iff j < num_draft and every earlier draft was accepted."""
-        for j in range(min(num_draft, num_accepted + 1, len(self.rates))):
+    def __post_init__(self) -> None:
+        if not self.reach:
+            self.reach = [1.0] * len(self.rates)
+
+    def update(self, num_asked: int, num_accepted: int, weight: float = EWMA) -> None:
+        """Position j was tested iff j < num_asked and every earlier draft was accepted; an
+        undelivered position counts as a miss."""
+        for j in range(min(num_asked, num_accepted + 1, len(self.rates))):
             hit = 1.0 if j < num_accepted else 0.0
             self.rates[j] = (1 - weight) * self.rates[j] + weight * hit
 
+    def update_reach(self, k: int, num_proposed: int, weight: float = EWMA) -> None:
+        """Asked for k tokens, got num_proposed: positions up to that one were each tried."""
+        for j in range(min(k, num_proposed + 1, len(self.reach))):
+            hit = 1.0 if j < num_proposed else 0.0
+            self.reach[j] = (1 - weight) * self.reach[j] + weight * hit
+
     def expected_accepted(self, k: int) -> float:
-        """E(k): expected accepted drafts out of k."""
+        """E(k): expected accepted drafts when up to k are asked for."""
         total, run = 0.0, 1.0
         for j in range(k):
             run *= self.rates[j]
+            total += run
+        return total
+
+    def expected_proposed(self, k: int) -> float:
+        """Expected drafts delivered (verified, and for a draft model: passes) out of k asked for."""
+        total, run = 0.0, 1.0
+        for j in range(k):
+            run *= self.reach[j]
             total += run
         return total
 
@@ -114,18 +145,32 @@ class SpecPolicy:
         """The request's acceptance estimate (created on first use, from the pooled one)."""
         st = self._stats.get(request_id)
         if st is None:
-            st = self._stats[request_id] = AcceptanceStats(list(self.pooled.rates))
+            st = self._stats[request_id] = AcceptanceStats(list(self.pooled.rates), list(self.pooled.reach))
         return st
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's estimate."""
         self._stats.pop(request_id, None)
 
+    def observe_proposal(self, request_id: str, k: int, num_proposed: int) -> None:
+        """Record how many of the k asked-for drafts the proposer delivered."""
+        if k > 0:
+            st = self.stats(request_id)
+            st.update_reach(k, num_proposed)
+            self.pooled.update_reach(k, num_proposed, POOLED_EWMA)
+            st.asked = k
+            if num_proposed == 0:  # nothing to verify: position 0 missed now
+                self.observe(request_id, 0, 0)
+
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
-        """Record a verify result."""
-        if num_draft > 0:
-            self.stats(request_id).update(num_draft, num_accepted)
-            self.pooled.update(num_draft, num_accepted, POOLED_EWMA)
+        """Record a verify result (of a proposal of num_draft tokens, asked for as recorded by
+        observe_proposal, else num_draft)."""
+        st = self.stats(request_id)
+        if num_draft > 0 or st.asked > 0:
+            asked = max(st.asked, num_draft)
+            st.asked = 0
+            st.update(asked, num_accepted)
+            self.pooled.update(asked, num_accepted, POOLED_EWMA)
 
     def choose(self, requests: Sequence[Request], num_other_tokens: int = 0) -> list[int]:
         """K for each request (0 = no speculation this step).
@@ -159,44 +204,46 @@ class SpecPolicy:
         like a loss while drafting for all 8 is a clear win. Search therefore starts from the
         best uniform K (0..kmax for every eligible request) and then moves one draft position at
         a time, adding or removing wherever that raises the rate, until nothing does.
+
+        K is a cap: a proposer may deliver fewer (see AcceptanceStats.reach), so the step's cost
+        counts the expected delivered drafts, and the draft passes those of the longest request.
         """
         kmax = self.config.num_spec_tokens
         n = len(requests)
         stats = [self.stats(r.request_id) for r in requests]
-        # gains[i][k] = expected accepted tokens of request i with k drafts (tabulated once).
+        # Tabulated once: expected accepted and expected delivered drafts of request i asking for k.
         gains = [[st.expected_accepted(k) for k in range(kmax + 1)] for st in stats]
+        sizes = [[st.expected_proposed(k) for k in range(kmax + 1)] for st in stats]
         verify = n + other
 
-        def rate(tokens: float, drafted: int, k_max: int, n_spec: int) -> float:
-            return tokens / self._cost(verify + drafted, k_max, n_spec)
+        def rate(tokens: float, drafted: float, passes: float, n_spec: int) -> float:
+            return tokens / self._cost(verify + drafted, passes, n_spec)
 
         ks, best = [0] * n, rate(n, 0, 0, 0)
         idx = [i for i in range(n) if eligible[i]]
         for k in range(1, kmax + 1) if idx else ():
-            r = rate(n + sum(gains[i][k] for i in idx), k * len(idx), k, len(idx))
+            r = rate(n + sum(gains[i][k] for i in idx), sum(sizes[i][k] for i in idx),
+                     max(sizes[i][k] for i in idx), len(idx))
             if r > best:
                 ks, best = [k if eligible[i] else 0 for i in range(n)], r
-        # Running totals make each candidate move O(1); the k-histogram gives the max K.
+        # Running totals make each candidate move O(1); the two largest delivered-draft counts
+        # give the passes when any one request changes.
         tokens = n + sum(gains[i][k] for i, k in enumerate(ks))
-        drafted, n_spec = sum(ks), sum(1 for k in ks if k)
-        hist = [0] * (kmax + 1)
-        for k in ks:
-            hist[k] += 1
+        drafted = sum(sizes[i][k] for i, k in enumerate(ks))
+        n_spec = sum(1 for k in ks if k)
         for _ in range(2 * n * kmax):  # each move strictly improves the rate; this bounds the loop
+            order = sorted(range(n), key=lambda i: sizes[i][ks[i]], reverse=True)[:2]
+            first = sizes[order[0]][ks[order[0]]]
+            second = sizes[order[1]][ks[order[1]]] if len(order) > 1 else 0.0
             move = None
-            top = max((k for k in range(kmax + 1) if hist[k]), default=0)
-            for i in range(n):
-                if not eligible[i]:
-                    continue
+            for i in idx:
+                others = second if i == order[0] else first
                 for new in (ks[i] + 1, ks[i] - 1):
                     if not 0 <= new <= kmax:
                         continue
                     old = ks[i]
-                    # Raising past the top, or lowering the only request at the top by one, moves
-                    # the max K to `new`; any other move leaves it where it is.
-                    new_top = new if new > top or (old == top and hist[old] == 1) else top
-                    r = rate(tokens + gains[i][new] - gains[i][old], drafted + new - old, new_top,
-                             n_spec + (new > 0) - (old > 0))
+                    r = rate(tokens + gains[i][new] - gains[i][old], drafted + sizes[i][new] - sizes[i][old],
+                             max(others, sizes[i][new]), n_spec + (new > 0) - (old > 0))
                     if r > best * (1 + 1e-9) and (move is None or r > move[2]):
                         move = (i, new, r)
             if move is None:
@@ -204,10 +251,8 @@ class SpecPolicy:
             i, new, best = move
             old = ks[i]
             tokens += gains[i][new] - gains[i][old]
-            drafted += new - old
+            drafted += sizes[i][new] - sizes[i][old]
             n_spec += (new > 0) - (old > 0)
-            hist[old] -= 1
-            hist[new] += 1
             ks[i] = new
         # Give held-back requests an occasional probe one position further, so an estimate
         # that fell below break-even can recover (switched off: k = 1; short: k + 1).
@@ -226,9 +271,9 @@ class SpecPolicy:
                 st.steps_short = 0
         return ks
 
-    def _cost(self, num_tokens: int, k_max: int, num_spec_reqs: int) -> float:
+    def _cost(self, num_tokens: float, passes: float, num_spec_reqs: int) -> float:
         t = self.target_time(num_tokens)
-        if k_max and num_spec_reqs:
+        if passes > 0 and num_spec_reqs:
             per_pass = self.draft_time(num_spec_reqs)
-            t += per_pass * (k_max if self.draft_cost_is_per_token else 1)
+            t += per_pass * (passes if self.draft_cost_is_per_token else 1)
         return t
