@@ -107,7 +107,7 @@ class Checkpoints:
 
 def run_specserve(ckpts: Checkpoints, sets: dict[str, list[str]], max_tokens: int, config: str,
                   threads: int, draft_vocab: int | None, draft_quant: str | None = None,
-                  draft_k: int = 4) -> list[dict[str, Any]]:
+                  draft_k: int = 4, draft_p_min: float | None = None) -> list[dict[str, Any]]:
     """specserve decode rates per prompt set for one configuration."""
     precision, _, spec = config.partition("-")
     quant = {"fp32": "none"}.get(precision, precision)
@@ -119,6 +119,8 @@ def run_specserve(ckpts: Checkpoints, sets: dict[str, list[str]], max_tokens: in
         kw.update(spec_method="draft", draft_checkpoint=ckpts.get("qwen2.5-coder-0.5b-instruct", dq == "auto"),
                   draft_model="qwen2.5-coder-0.5b-instruct", draft_quantization=dq, draft_vocab_size=draft_vocab,
                   num_spec_tokens=draft_k)
+        if draft_p_min is not None:
+            kw["draft_p_min"] = draft_p_min
     elif spec == "ngram":
         kw.update(spec_method="ngram", num_spec_tokens=8)
     gc.collect()
@@ -140,6 +142,7 @@ def run_specserve(ckpts: Checkpoints, sets: dict[str, list[str]], max_tokens: in
         rows.append({"engine": "specserve", "config": config, "weights": quant, "prompt_set": name,
                      "draft_weights": kw.get("draft_quantization"), "draft_vocab_size": kw.get("draft_vocab_size"),
                      "num_spec_tokens": kw.get("num_spec_tokens"),
+                     "draft_p_min": llm.engine.config.spec.draft_p_min if spec == "draft" else None,
                      "generated_tokens": gen, "decode_tokens_per_s": (gen - len(prompts)) / decode_s,
                      "acceptance_rate": acc / drafted if drafted else None, "texts": texts})
         log(f"specserve {config:11s} {name:6s}: {rows[-1]['decode_tokens_per_s']:.2f} tok/s")
@@ -218,6 +221,8 @@ def main() -> int:
     ap.add_argument("--specserve-configs", nargs="+", default=["fp32", "auto", "auto-ngram", "auto-draft"])
     ap.add_argument("--draft-vocab", type=int, default=None, help="restrict the draft's LM head to this many tokens")
     ap.add_argument("--draft-k", type=int, default=4, help="most tokens the draft proposes per step")
+    ap.add_argument("--draft-p-min", type=float, default=None,
+                    help="the draft stops after a token it gives p below this (default: the engine's)")
     ap.add_argument("--draft-quantization", default=None,
                     help="the draft's weights (default: the file's blocks under auto, w8a8 otherwise); int4 = Q4_K")
     args = ap.parse_args()
@@ -229,7 +234,7 @@ def main() -> int:
     rows += run_llamacpp(tpath, sets, args.max_tokens, args.threads, lookup=True)
     for config in args.specserve_configs:
         rows += run_specserve(ckpts, sets, args.max_tokens, config, args.threads, args.draft_vocab,
-                              args.draft_quantization, args.draft_k)
+                              args.draft_quantization, args.draft_k, args.draft_p_min)
     import llama_cpp
 
     payload = {
