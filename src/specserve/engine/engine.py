@@ -415,17 +415,12 @@ class LLMEngine:
         proposals = self.proposer.propose(decoding, ks)  # type: ignore[union-attr]
         dt = time.perf_counter() - t0
         self.spec_counters["draft_time_s"] += dt
-        kmax = max(ks)
-        n_spec = sum(1 for k in ks if k)
-        if self.policy.draft_cost_is_per_token:
-            if hasattr(self.proposer, "last_pass_time_s"):
-                # Steady cost of a draft position, without the catch-up pass; None when every
-                # request stopped after that pass (K = 1, or an unsure first draft).
-                per_pass = self.proposer.last_pass_time_s
-                if per_pass is not None:
-                    self.policy.draft_time.observe(n_spec, per_pass)
-            elif kmax > 1:
-                self.policy.draft_time.observe(n_spec, dt / kmax)
+        if self.policy.draft_cost_is_per_token:  # the draft model
+            # Steady cost of a draft position, without the catch-up pass; None when every
+            # request stopped after that pass (K = 1, or an unsure first draft).
+            per_pass = getattr(self.proposer, "last_pass_time_s", None)
+            if per_pass is not None:
+                self.policy.draft_time.observe(sum(1 for k in ks if k), per_pass)
         for req, k in zip(decoding, ks):
             prop = proposals.get(req.request_id)
             if k and prop is not None:

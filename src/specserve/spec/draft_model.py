@@ -170,7 +170,9 @@ class DraftModelProposer(Proposer):
                 for _, seq, _ in step_reqs:
                     seq.num_computed_tokens = len(seq.all_token_ids)
             toks, rows = self._sample(logits, step_reqs, j)
-            unsure = self._unsure(logits, toks, rows, step_reqs) if self.p_min > 0 else None
+            # Only a request that may draft again needs to know (none does on the last pass).
+            more = self.p_min > 0 and any(j + 1 < k for _, _, k in step_reqs)
+            unsure = self._unsure(logits, toks, rows, step_reqs) if more else [False] * len(step_reqs)
             if j > 0:
                 later_passes.append(time.perf_counter() - tp)
             next_reqs, entries = [], []
@@ -179,7 +181,7 @@ class DraftModelProposer(Proposer):
                 drafts[rid].append(toks[i])
                 if rows is not None and not req.sampling_params.is_greedy:
                     probs[rid].append(rows[i])
-                if j + 1 < k and not (unsure is not None and unsure[i]):
+                if j + 1 < k and not unsure[i]:
                     pos = len(seq.all_token_ids) + len(seq.pending)
                     seq.pending.append(toks[i])
                     next_reqs.append((req, seq, k))
@@ -214,13 +216,12 @@ class DraftModelProposer(Proposer):
         Greedy rows: the softmax of the raw logits at the argmax. Sampled rows: the probability
         the processed distribution (the one the rejection test uses) gave the drawn token.
         """
-        top = logits.float().softmax(dim=-1).gather(1, torch.tensor(toks, device=logits.device).view(-1, 1))
-        conf = top.view(-1).tolist()
-        out = []
-        for i, (req, _, _) in enumerate(step_reqs):
-            p = conf[i] if rows is None or req.sampling_params.is_greedy else float(rows[i, toks[i]])
-            out.append(p < self.p_min)
-        return out
+        picked = torch.tensor(toks, device=logits.device).view(-1, 1)
+        conf = logits.float().softmax(dim=-1).gather(1, picked).view(-1).tolist()
+        if rows is not None:  # sampled rows: their processed probabilities
+            drawn = rows.gather(1, picked).view(-1).tolist()
+            conf = [c if req.sampling_params.is_greedy else d for c, d, (req, _, _) in zip(conf, drawn, step_reqs)]
+        return [c < self.p_min for c in conf]
 
     def _sample(
         self, logits: torch.Tensor, step_reqs: list[tuple[Request, _DraftSeq, int]], j: int

@@ -94,31 +94,36 @@ class AcceptanceStats:
     def update(self, num_asked: int, num_accepted: int, weight: float = EWMA) -> None:
         """Position j was tested iff j < num_asked and every earlier draft was accepted; an
         undelivered position counts as a miss."""
-        for j in range(min(num_asked, num_accepted + 1, len(self.rates))):
-            hit = 1.0 if j < num_accepted else 0.0
-            self.rates[j] = (1 - weight) * self.rates[j] + weight * hit
+        _fold_run(self.rates, num_asked, num_accepted, weight)
 
     def update_reach(self, k: int, num_proposed: int, weight: float = EWMA) -> None:
         """Asked for k tokens, got num_proposed: positions up to that one were each tried."""
-        for j in range(min(k, num_proposed + 1, len(self.reach))):
-            hit = 1.0 if j < num_proposed else 0.0
-            self.reach[j] = (1 - weight) * self.reach[j] + weight * hit
+        _fold_run(self.reach, k, num_proposed, weight)
 
     def expected_accepted(self, k: int) -> float:
         """E(k): expected accepted drafts when up to k are asked for."""
-        total, run = 0.0, 1.0
-        for j in range(k):
-            run *= self.rates[j]
-            total += run
-        return total
+        return _expected_run(self.rates, k)
 
     def expected_proposed(self, k: int) -> float:
         """Expected drafts delivered (verified, and for a draft model: passes) out of k asked for."""
-        total, run = 0.0, 1.0
-        for j in range(k):
-            run *= self.reach[j]
-            total += run
-        return total
+        return _expected_run(self.reach, k)
+
+
+def _fold_run(est: list[float], limit: int, run: int, weight: float) -> None:
+    """EWMA-update per-position chances from one outcome: positions 0..run-1 succeeded and
+    position `run` failed (if it is below `limit`, the positions that could be tried)."""
+    for j in range(min(limit, run + 1, len(est))):
+        est[j] = (1 - weight) * est[j] + weight * (1.0 if j < run else 0.0)
+
+
+def _expected_run(chances: list[float], k: int) -> float:
+    """Expected length of the run of successes among the first k positions, position j
+    succeeding with chances[j] given every earlier one did."""
+    total, run = 0.0, 1.0
+    for j in range(k):
+        run *= chances[j]
+        total += run
+    return total
 
 
 @dataclass
