@@ -43,6 +43,7 @@ from prompts import CODING, EDIT  # noqa: E402
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.models.bundled import resolve_model  # noqa: E402
 from specserve.models.loader import load_model_files  # noqa: E402
+from specserve.spec.factory import default_draft_quantization  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -115,8 +116,8 @@ def run_specserve(ckpts: Checkpoints, sets: dict[str, list[str]], max_tokens: in
     target = ckpts.get("qwen2.5-coder-1.5b-instruct", blocks)
     kw: dict[str, Any] = {"quantization": quant}
     if spec == "draft":
-        dq = draft_quant or ("auto" if blocks else "w8a8")
-        kw.update(spec_method="draft", draft_checkpoint=ckpts.get("qwen2.5-coder-0.5b-instruct", dq == "auto"),
+        dq = default_draft_quantization(draft_quant, quant) if blocks else (draft_quant or "w8a8")
+        kw.update(spec_method="draft", draft_checkpoint=ckpts.get("qwen2.5-coder-0.5b-instruct", dq in ("auto", "int4")),
                   draft_model="qwen2.5-coder-0.5b-instruct", draft_quantization=dq, draft_vocab_size=draft_vocab,
                   num_spec_tokens=draft_k)
         if draft_p_min is not None:
@@ -224,7 +225,7 @@ def main() -> int:
     ap.add_argument("--draft-p-min", type=float, default=None,
                     help="the draft stops after a token it gives p below this (default: the engine's)")
     ap.add_argument("--draft-quantization", default=None,
-                    help="the draft's weights (default: the file's blocks under auto, w8a8 otherwise); int4 = Q4_K")
+                    help="the draft's weights (default: the engine's, int4, under auto; w8a8 otherwise)")
     args = ap.parse_args()
     tpath = resolve_model("qwen2.5-coder-1.5b-instruct")
     ckpts = Checkpoints()

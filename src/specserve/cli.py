@@ -44,8 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="adaptive: cost model decides K per request per step")
     s.add_argument("--draft-num-layers", type=int, default=None, help="use only the draft's first N layers")
     s.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "auto", "w8a8"],
-                   help="draft model quantization (default: as --quantization); w8a8 also quantizes "
-                        "activations (fbgemm, CPU): the cheapest draft, exactness is unaffected")
+                   help="draft model quantization (default: int4 when --quantization is auto, else as "
+                        "--quantization); a draft's precision changes its acceptance rate, never the output")
     s.add_argument("--draft-vocab-size", type=int, default=None,
                    help="draft LM head over only the N most frequent tokens (+ special tokens); stays exact")
     s.add_argument("--draft-p-min", type=float, default=None,

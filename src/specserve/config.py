@@ -156,7 +156,7 @@ class SpecConfig:
     draft_model: str | None = None
     draft_num_layers: int | None = None  # keep only the first N layers of the draft (layer-skip draft)
     draft_kv_cache_gib: float | None = None  # default: a share of the target's budget
-    draft_quantization: str | None = None  # None: the target's --quantization
+    draft_quantization: str | None = None  # None: int4 under a target on auto, else the target's
     draft_vocab_size: int | None = None  # restrict the draft LM head to the N most frequent token ids
     draft_p_min: float = DEFAULT_DRAFT_P_MIN  # stop drafting after a token the draft gives p < this (0: never)
     ngram_min: int = 1

@@ -19,13 +19,14 @@ from specserve.models.block_linear import (
     PackedWeight,
     deinterleave_rows,
     interleave_rows,
+    quantize_q4_0,
     quantize_q4_k,
     quantize_q8_0,
 )
 
-NAMES = {3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
 # Byte offsets of the float16 scale fields in each block, set to sane values in random blocks.
-HALF_FIELDS = {3: (0, 2), 6: (0,), 8: (0,), 12: (0, 2), 14: (208,)}
+HALF_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 8: (0,), 12: (0, 2), 14: (208,)}
 
 
 def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> PackedWeight:
@@ -49,7 +50,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", sorted(NAMES))
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 9])
-@pytest.mark.parametrize("rows", [40, 44])  # 40 rows are interleaved by 8 (Q4_K/Q6_K/Q8_0/Q5_0), 44 stay rows
+@pytest.mark.parametrize("rows", [40, 44])  # 40 rows are interleaved by 8 (all but Q4_1), 44 stay rows
 def test_kernel_matches_decoded_weight(qtype, m, rows):
     pw = random_blocks(qtype, rows=rows, cols=512, seed=qtype)
     w = pw.dequantize()
@@ -125,7 +126,7 @@ def test_bad_shapes_are_refused():
         kernels().qmatmul(torch.randn(1, 256), pw.data, 99, None)
 
 
-@pytest.mark.parametrize(("quantize", "rel_rms"), [(quantize_q4_k, 0.12), (quantize_q8_0, 0.01)])
+@pytest.mark.parametrize(("quantize", "rel_rms"), [(quantize_q4_k, 0.12), (quantize_q4_0, 0.1), (quantize_q8_0, 0.01)])
 def test_quantizers_round_trip(quantize, rel_rms):
     torch.manual_seed(0)
     w = torch.randn(64, 512) * 0.05
@@ -140,6 +141,7 @@ def test_quantizers_round_trip(quantize, rel_rms):
     x = torch.randn(2, 512)
     act_block = 256 if pw.qtype == 12 else 32
     assert ((BlockQuantLinear(pw)(x) - x @ back.T).abs() <= _bound(x, back, act_block)).all()
+    assert ((BlockQuantLinear(pw, interleave=False)(x) - x @ back.T).abs() <= _bound(x, back, act_block)).all()
 
 
 def test_native_rms_norm_and_rope_match_torch():
@@ -254,19 +256,58 @@ def test_speculation_stays_exact_on_the_fast_path(smollm_path, smol_auto, which)
     assert llm.generate(prompts[2], _greedy())[0].token_ids == base[2].token_ids  # alone
     assert llm.engine.spec_counters["num_accepted_tokens"] > 0
     assert llm.engine.check_integrity()
+    if which == "draft":  # the draft defaulted to int4: its Q8_0 head became Q4_0, Q4_1 layers stayed
+        draft = llm.engine.proposer.runner
+        assert draft.quantization == "int4"
+        assert {m.qtype for m in draft.model.modules() if isinstance(m, BlockQuantLinear)} == {2, 3}
+
+
+def test_int4_keeps_4bit_blocks_and_requantizes_wider_ones(smollm_path, smol_auto):
+    """--quantization int4 on a GGUF: 4-bit blocks (SmolLM2's Q4_1 layers) byte for byte as the
+    file has them, the tied Q8_0 head requantized to Q4_0 (576 columns do not split into Q4_K's
+    256s). The 4-bit head is a real quality cost on a 135M model: along a teacher-forced greedy
+    continuation the forced tokens' log-probs moved by 0.20 nats on average from the file's own
+    precision, top-1 agreement 0.81 (which is why int4 is a default only for drafts, whose
+    precision moves the acceptance rate, not the output)."""
+    from test_quantization import _teacher_forced_logprobs
+
+    from specserve.models.loader import load_model_files
+
+    q4 = LLM(smollm_path, quantization="int4", kv_cache_gib=0.25, profile_spec_costs=False)
+    lins = {n: m for n, m in q4.engine.runner.model.named_modules() if isinstance(m, BlockQuantLinear)}
+    ref = {n: m for n, m in smol_auto.engine.runner.model.named_modules() if isinstance(m, BlockQuantLinear)}
+    assert lins.keys() == ref.keys()
+    assert {n for n, m in lins.items() if m.qtype == 2} == {"lm_head"}
+    for n, m in lins.items():
+        if n != "lm_head":
+            assert m.qtype == 3 and torch.equal(m.qweight, ref[n].qweight), n
+    assert lins["lm_head"].weight_nbytes <= ref["lm_head"].weight_nbytes * 18 // 34
+    tok = q4.engine.tokenizer
+    prompt = tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+    forced = smol_auto.generate([prompt], _greedy(32))[0].token_ids
+    blocks = load_model_files(smollm_path, keep_blocks=True)
+    ref = _teacher_forced_logprobs(blocks, "auto", prompt, forced)
+    got = _teacher_forced_logprobs(blocks, "int4", prompt, forced)
+    idx = torch.tensor(forced)[:, None]
+    diff = (got.gather(1, idx) - ref.gather(1, idx)).abs().squeeze(1)
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"int4 vs auto: mean |dlogp|={diff.mean():.4f} max={diff.max():.4f} argmax agreement={agree:.3f}")
+    assert diff.mean().item() < 0.3 and agree >= 0.75
 
 
 def test_int4_quantizes_a_float_model(tiny_qwen2):
-    """--quantization int4 on float weights: Q4_K where rows split into 256s, else Q8_0; bounded change."""
+    """--quantization int4 on float weights: Q4_K where rows split into 256s, else Q4_0, each
+    matrix within 4-bit rounding of the float one. (The random tiny model's logits are too
+    sensitive to compare: 4-bit weights move them ~25-60%, int8 ones ~2%.)"""
     _, ckpt = tiny_qwen2
-    plain = LLM("tiny", dtype="float32", checkpoint=ckpt)
     q4 = LLM("tiny", dtype="float32", checkpoint=ckpt, quantization="int4")
-    lins = [m for m in q4.engine.runner.model.modules() if isinstance(m, BlockQuantLinear)]
-    assert lins and all(m.qtype in (8, 12) for m in lins)
-    a = plain.generate([[5, 6, 7, 8]], _greedy(8))[0]
+    lins = {n: m for n, m in q4.engine.runner.model.named_modules() if isinstance(m, BlockQuantLinear)}
+    assert lins and all(m.qtype in (2, 12) for m in lins.values())
+    for name, m in lins.items():
+        w = ckpt.weights[f"{name}.weight"]
+        assert ((m.dequantized_weight() - w).norm() / w.norm()).item() < 0.1, name
     b = q4.generate([[5, 6, 7, 8]], _greedy(8))[0]
     assert len(b.token_ids) == 8 and all(0 <= t < ckpt.arch.vocab_size for t in b.token_ids)
-    assert a.token_ids[0] == b.token_ids[0]
 
 
 @pytest.mark.parametrize("spec", ["none", "ngram"])

@@ -147,7 +147,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if checkpoint is None:
             path = resolve_model(config.model.model)
-            checkpoint = load_model_files(path, keep_blocks=config.model.quantization == "auto")
+            checkpoint = load_model_files(path, keep_blocks=config.model.quantization in ("auto", "int4"))
         assert isinstance(checkpoint, LoadedCheckpoint)
         self.arch = checkpoint.arch
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer

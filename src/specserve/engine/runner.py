@@ -16,7 +16,12 @@ from specserve.config import CacheConfig, ModelConfig
 from specserve.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
 from specserve.models.arch import ArchConfig
-from specserve.models.block_linear import BlockQuantLinear, PackedWeight, enable_native_ops
+from specserve.models.block_linear import (
+    BlockQuantLinear,
+    PackedWeight,
+    enable_native_ops,
+    requantize_4bit,
+)
 from specserve.models.linear import (
     apply_linear_backend,
     apply_quantization,
@@ -86,7 +91,10 @@ class ModelRunner:
         self.dtype = model_config.torch_dtype
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
-        self.model = self._build(arch, weights, max_model_len + ROPE_SLACK, packed or {})
+        packed = packed or {}
+        if model_config.quantization == "int4":  # before the layers are built: no interleave round trip
+            packed = {name: requantize_4bit(pw) for name, pw in packed.items()}
+        self.model = self._build(arch, weights, max_model_len + ROPE_SLACK, packed)
         if vocab_subset is not None:  # before quantization, so the smaller head is quantized too
             self.model.restrict_vocab(vocab_subset)
         self.quantization = model_config.quantization

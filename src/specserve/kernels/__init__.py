@@ -39,9 +39,9 @@ _SOURCE = Path(__file__).with_name("qmatmul.cpp")
 _LOCK = threading.Lock()
 
 # GGML tensor types the kernel reads directly (gguf.GGMLQuantizationType values).
-KERNEL_QTYPES = {"Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+KERNEL_QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 # (values, bytes) per block of each type.
-BLOCK_SHAPES = {3: (32, 20), 6: (32, 22), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+BLOCK_SHAPES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
 
 
 class KernelBuildError(SpecServeError):

@@ -1,4 +1,4 @@
-// y = x @ W^T where W stays in its GGUF block format (Q4_K, Q6_K, Q8_0, Q5_0, Q4_1).
+// y = x @ W^T where W stays in its GGUF block format (Q4_K, Q6_K, Q8_0, Q5_0, Q4_1, Q4_0).
 //
 // Decode is memory-bound: a step costs the bytes of the weights it reads. Reading the 4-bit
 // blocks as stored (4.5 bits per weight for Q4_K) instead of a float or int8 copy is the
@@ -12,7 +12,7 @@
 // which other tokens share the batch (speculative verification and batching stay bit-exact
 // with single-token decoding).
 //
-// Q4_K, Q6_K, Q8_0 and Q5_0 are also read in an 8-row interleaved layout made at load time
+// Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 are also read in an 8-row interleaved layout made at load time
 // (see "Interleaved K-quants"), which is what matrices with a multiple of 8 rows use on AVX2.
 //
 // Threading: tiles of 16 output rows pulled by torch's OpenMP threads (parallel_tiles).
@@ -46,6 +46,7 @@
 namespace {
 
 // GGML type ids (gguf.GGMLQuantizationType).
+constexpr int64_t kQ4_0 = 2;
 constexpr int64_t kQ4_1 = 3;
 constexpr int64_t kQ5_0 = 6;
 constexpr int64_t kQ8_0 = 8;
@@ -53,6 +54,7 @@ constexpr int64_t kQ4_K = 12;
 constexpr int64_t kQ6_K = 14;
 // The same K-quants with 8 rows interleaved (see "Interleaved K-quants" below); specserve's own
 // layouts, built at load time by specserve.models.block_linear.interleave_rows.
+constexpr int64_t kQ4_0_X8 = 102;
 constexpr int64_t kQ5_0_X8 = 106;
 constexpr int64_t kQ8_0_X8 = 108;
 constexpr int64_t kQ4_K_X8 = 112;
@@ -69,11 +71,13 @@ struct TypeInfo {
 
 TypeInfo type_info(int64_t qtype) {
   switch (qtype) {
+    case kQ4_0: return {32, 18, 32};
     case kQ4_1: return {32, 20, 32};
     case kQ5_0: return {32, 22, 32};
     case kQ8_0: return {32, 34, 32};
     case kQ4_K: return {256, 144, 256};
     case kQ6_K: return {256, 210, 256};
+    case kQ4_0_X8: return {32, 144, 32, 8};
     case kQ5_0_X8: return {32, 176, 32, 8};
     case kQ8_0_X8: return {32, 272, 32, 8};
     case kQ4_K_X8: return {256, 1184, 256, 8};
@@ -107,32 +111,51 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, 
     for (int64_t b = 0; b < nblocks; ++b) {
       const float* src = x + m * K + b * qa;
       int8_t* dst = q + m * K + b * qa;
+#if SPECSERVE_AVX2
+      // The largest |x| of the block, eight lanes at a time (max is exact in any order; maxps
+      // returns its second operand when the first is NaN, so NaNs are skipped as std::max does).
+      const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+      __m256 vmax = _mm256_setzero_ps();
+      for (int64_t i = 0; i < qa; i += 8) vmax = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(src + i), magnitude), vmax);
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
       float amax = 0.f;
       for (int64_t i = 0; i < qa; ++i) amax = std::max(amax, std::fabs(src[i]));
+#endif
       const float scale = amax / 127.f;
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       d[m * nblocks + b] = scale;
 #if SPECSERVE_AVX2
       const __m256 vinv = _mm256_set1_ps(inv);
       const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+      const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+      int16_t* sums = s16 + m * (K / 16) + b * (qa / 16);
       for (int64_t i = 0; i < qa; i += 32) {
         __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i), vinv));
         __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i + 8), vinv));
         __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i + 16), vinv));
         __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i + 24), vinv));
         // packs work within 128-bit lanes; the permute restores element order.
-        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permutevar8x32_epi32(packed, order));
+        __m256i packed = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3)), order);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), packed);
+        // Sums of each 16 values: psadbw adds 8 bytes as unsigned, so shift them by 128 first.
+        const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(packed, bias), _mm256_setzero_si256());
+        sums[i / 16] = static_cast<int16_t>(_mm256_extract_epi64(sad, 0) + _mm256_extract_epi64(sad, 1) - 16 * 128);
+        sums[i / 16 + 1] = static_cast<int16_t>(_mm256_extract_epi64(sad, 2) + _mm256_extract_epi64(sad, 3) - 16 * 128);
       }
 #else
       for (int64_t i = 0; i < qa; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
 #endif
     }
+#if !SPECSERVE_AVX2
     for (int64_t g = 0; g < K / 16; ++g) {
       int sum = 0;
       for (int i = 0; i < 16; ++i) sum += q[m * K + g * 16 + i];
       s16[m * (K / 16) + g] = static_cast<int16_t>(sum);
     }
+#endif
     for (int64_t g = 0; g < K / 32; ++g)
       s32[m * (K / 32) + g] = static_cast<int16_t>(s16[m * (K / 16) + 2 * g] + s16[m * (K / 16) + 2 * g + 1]);
   }
@@ -250,8 +273,11 @@ void dot_q4_1(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
   for (int m = 0; m < MT; ++m) out[m] = hsum(acc[m]) + offset[m];
 }
 
-template <int MT>
+// Q5_0, and Q4_0 (the same without the fifth bits).
+template <int MT, int kBits>
 void dot_q5_0(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
+  constexpr int64_t kBytes = kBits == 5 ? 22 : 18;
+  constexpr float kZero = kBits == 5 ? 16.f : 8.f;  // value = q - kZero
   __m256 acc[MT];
   float offset[MT];
   for (int m = 0; m < MT; ++m) {
@@ -260,18 +286,20 @@ void dot_q5_0(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
   }
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * 22;
-    prefetch_ahead(blk, 22, ahead);
+    const uint8_t* blk = row + b * kBytes;
+    prefetch_ahead(blk, kBytes, ahead);
     const float dw = half_to_float(blk);
-    uint32_t high;
-    std::memcpy(&high, blk + 2, 4);
-    const __m256i w = _mm256_or_si256(nibbles_16(blk + 6), fifth_bits(high));  // 0..31, value = q - 16
+    __m256i w = nibbles_16(blk + kBytes - 16);
+    if constexpr (kBits == 5) {
+      uint32_t high;
+      std::memcpy(&high, blk + 2, 4);
+      w = _mm256_or_si256(w, fifth_bits(high));
+    }
     for (int m = 0; m < MT; ++m) {
-      const int64_t xb = b;
-      const float dx = a[m].d[xb];
-      const __m256 p = _mm256_cvtepi32_ps(dot32_us(w, load32(a[m].q + xb * 32)));
+      const float dx = a[m].d[b];
+      const __m256 p = _mm256_cvtepi32_ps(dot32_us(w, load32(a[m].q + b * 32)));
       acc[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx), acc[m]);
-      offset[m] -= 16.f * dw * dx * static_cast<float>(a[m].s32[xb]);
+      offset[m] -= kZero * dw * dx * static_cast<float>(a[m].s32[b]);
     }
   }
   for (int m = 0; m < MT; ++m) out[m] = hsum(acc[m]) + offset[m];
@@ -397,6 +425,7 @@ void dot_q6_k(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
 // Q5_0 x8 group block (176 bytes, as in the file): d of rows 0..7 (float16), then
 //   qs[i][r][k] (128): low 4 bits of value 8i+k (low nibble) and 8i+4+k (high nibble),
 //   qh[r][k] (32): bit v = fifth bit of value 4v+k
+// Q4_0 x8 group block (144 bytes, as in the file): Q5_0's first 144 bytes (no fifth bits)
 //
 // Integer ranges: a maddubs lane is at most 2 * 15 * 127 (Q4_K) or 2 * 63 * 127 (Q6_K), so 8
 // (Q4_K sub-block) or 2 (Q6_K) of them are summed in int16 without overflow before the scale.
@@ -584,33 +613,41 @@ void dot_q8_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
 }
 
-template <int MT>
+// Q5_0 and Q4_0 (which is Q5_0 without the fifth bits: 4.5 bits per weight; specserve
+// requantizes a draft's 32-value blocks to it under --quantization int4) share one kernel.
+template <int MT, int kBits>
 void dot_q5_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
+  constexpr int64_t kBytes = kBits == 5 ? 176 : 144;
+  constexpr int32_t kZero = kBits == 5 ? 16 : 8;  // value = q - kZero
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i bit = _mm256_set1_epi8(0x10);
+#if !SPECSERVE_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
+#endif
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = grp + b * 176;
-    prefetch_ahead(blk, 176, ahead);
+    const uint8_t* blk = grp + b * kBytes;
+    prefetch_ahead(blk, kBytes, ahead);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    const __m256i H = load32(blk + 144);
-    __m256i v[8];  // v[2i + h]: values 8i + 4h + k of each row, 0..31 (value = q - 16)
+    __m256i v[8];  // v[2i + h]: values 8i + 4h + k of each row, 0..2^kBits - 1
     for (int i = 0; i < 4; ++i) {
       const __m256i L = load32(blk + 16 + 32 * i);
       v[2 * i] = _mm256_and_si256(L, low);
       v[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(L, 4), low);
     }
-    v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(H, 4), bit));
-    v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(H, 3), bit));
-    v[2] = _mm256_or_si256(v[2], _mm256_and_si256(_mm256_slli_epi16(H, 2), bit));
-    v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_slli_epi16(H, 1), bit));
-    v[4] = _mm256_or_si256(v[4], _mm256_and_si256(H, bit));
-    v[5] = _mm256_or_si256(v[5], _mm256_and_si256(_mm256_srli_epi16(H, 1), bit));
-    v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(H, 2), bit));
-    v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(H, 3), bit));
+    if constexpr (kBits == 5) {
+      const __m256i bit = _mm256_set1_epi8(0x10);
+      const __m256i H = load32(blk + 144);
+      v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(H, 4), bit));
+      v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(H, 3), bit));
+      v[2] = _mm256_or_si256(v[2], _mm256_and_si256(_mm256_slli_epi16(H, 2), bit));
+      v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_slli_epi16(H, 1), bit));
+      v[4] = _mm256_or_si256(v[4], _mm256_and_si256(H, bit));
+      v[5] = _mm256_or_si256(v[5], _mm256_and_si256(_mm256_srli_epi16(H, 1), bit));
+      v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(H, 2), bit));
+      v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(H, 3), bit));
+    }
     for (int m = 0; m < MT; ++m) {
       const int8_t* x = a[m].q + b * 32;
 #if SPECSERVE_VNNI
@@ -632,7 +669,7 @@ void dot_q5_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, float* out) {
       p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(v[7], bcast4(x + 28)));
       const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
 #endif
-      const __m256i sumi = _mm256_sub_epi32(dot, _mm256_set1_epi32(16 * a[m].s32[b]));
+      const __m256i sumi = _mm256_sub_epi32(dot, _mm256_set1_epi32(kZero * a[m].s32[b]));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])), acc[m]);
     }
   }
@@ -654,12 +691,12 @@ void dot_generic(int64_t qtype, const uint8_t* row, int64_t nb, const Acts* a, f
     if (qtype == kQ8_0) {
       const float d = half_to_float(blk);
       for (int i = 0; i < 32; ++i) { vals[i] = static_cast<int8_t>(blk[2 + i]); scale[i] = d; shift[i] = 0.f; }
-    } else if (qtype == kQ4_1 || qtype == kQ5_0) {
+    } else if (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0) {
       const float d = half_to_float(blk);
-      const uint8_t* qs = blk + (qtype == kQ4_1 ? 4 : 6);
+      const uint8_t* qs = blk + (qtype == kQ4_0 ? 2 : qtype == kQ4_1 ? 4 : 6);
       uint32_t high = 0;
       if (qtype == kQ5_0) std::memcpy(&high, blk + 2, 4);
-      const float sh = qtype == kQ4_1 ? half_to_float(blk + 2) : -16.f * d;
+      const float sh = qtype == kQ4_1 ? half_to_float(blk + 2) : qtype == kQ5_0 ? -16.f * d : -8.f * d;
       for (int i = 0; i < 16; ++i) {
         vals[i] = (qs[i] & 0xF) | (((high >> i) & 1) << 4);
         vals[i + 16] = (qs[i] >> 4) | (((high >> (i + 16)) & 1) << 4);
@@ -711,11 +748,13 @@ void dot_rows(int64_t qtype, const uint8_t* row, int64_t nb, const Acts* a, floa
     case kQ4_K: return dot_q4_k<MT>(row, nb, a, out);
     case kQ6_K: return dot_q6_k<MT>(row, nb, a, out);
     case kQ8_0: return dot_q8_0<MT>(row, nb, a, out);
-    case kQ5_0: return dot_q5_0<MT>(row, nb, a, out);
+    case kQ5_0: return dot_q5_0<MT, 5>(row, nb, a, out);
+    case kQ4_0: return dot_q5_0<MT, 4>(row, nb, a, out);
     case kQ4_K_X8: return dot_q4_k_x8<MT>(row, nb, a, out);
     case kQ6_K_X8: return dot_q6_k_x8<MT>(row, nb, a, out);
     case kQ8_0_X8: return dot_q8_0_x8<MT>(row, nb, a, out);
-    case kQ5_0_X8: return dot_q5_0_x8<MT>(row, nb, a, out);
+    case kQ5_0_X8: return dot_q5_0_x8<MT, 5>(row, nb, a, out);
+    case kQ4_0_X8: return dot_q5_0_x8<MT, 4>(row, nb, a, out);
     default: return dot_q4_1<MT>(row, nb, a, out);
   }
 #else
@@ -764,7 +803,8 @@ void dot_x8(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, float*
     case kQ4_K_X8: return dot_q4_k_x8<MT>(grp, nb, a, out);
     case kQ6_K_X8: return dot_q6_k_x8<MT>(grp, nb, a, out);
     case kQ8_0_X8: return dot_q8_0_x8<MT>(grp, nb, a, out);
-    default: return dot_q5_0_x8<MT>(grp, nb, a, out);
+    case kQ4_0_X8: return dot_q5_0_x8<MT, 4>(grp, nb, a, out);
+    default: return dot_q5_0_x8<MT, 5>(grp, nb, a, out);
   }
 }
 #endif
@@ -1052,9 +1092,10 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   return out;
 }
 
-// The 8-row interleaved layout of Q4_K / Q6_K / Q8_0 / Q5_0 rows (see "Interleaved K-quants" above).
+// The 8-row interleaved layout of Q4_K / Q6_K / Q8_0 / Q5_0 / Q4_0 rows (see "Interleaved K-quants" above).
 torch::Tensor interleave_rows(const torch::Tensor& w, int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4_K || qtype == kQ6_K || qtype == kQ8_0 || qtype == kQ5_0, "interleave_rows: Q4_K, Q6_K, Q8_0 or Q5_0");
+  TORCH_CHECK(qtype == kQ4_K || qtype == kQ6_K || qtype == kQ8_0 || qtype == kQ5_0 || qtype == kQ4_0,
+              "interleave_rows: Q4_K, Q6_K, Q8_0, Q5_0 or Q4_0");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(0) % 8 == 0,
               "interleave_rows: contiguous uint8 [N, row_bytes] with N a multiple of 8");
   const TypeInfo in = type_info(qtype), out_info = type_info(qtype + 100);
@@ -1070,19 +1111,20 @@ torch::Tensor interleave_rows(const torch::Tensor& w, int64_t qtype) {
         const uint8_t* src[8];
         for (int r = 0; r < 8; ++r) src[r] = src_base + (8 * g + r) * row_bytes + b * in.block_bytes;
         uint8_t* dst = out_base + (g * nb + b) * out_info.block_bytes;
-        if (qtype == kQ8_0 || qtype == kQ5_0) {
+        if (qtype == kQ8_0 || qtype == kQ5_0 || qtype == kQ4_0) {
           for (int r = 0; r < 8; ++r) std::memcpy(dst + 2 * r, src[r], 2);
           if (qtype == kQ8_0) {
             for (int i = 0; i < 8; ++i)
               for (int r = 0; r < 8; ++r) std::memcpy(dst + 16 + 32 * i + 4 * r, src[r] + 2 + 4 * i, 4);
             continue;
           }
+          const int qs = qtype == kQ4_0 ? 2 : 6;
           for (int r = 0; r < 8; ++r) {
-            uint32_t qh;
-            std::memcpy(&qh, src[r] + 2, 4);
+            uint32_t qh = 0;
+            if (qtype == kQ5_0) std::memcpy(&qh, src[r] + 2, 4);
             for (int j = 0; j < 16; ++j) {
-              vals[r][j] = (src[r][6 + j] & 0xF) | (((qh >> j) & 1) << 4);
-              vals[r][j + 16] = (src[r][6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+              vals[r][j] = (src[r][qs + j] & 0xF) | (((qh >> j) & 1) << 4);
+              vals[r][j + 16] = (src[r][qs + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
             }
           }
           for (int i = 0; i < 4; ++i)
@@ -1090,6 +1132,7 @@ torch::Tensor interleave_rows(const torch::Tensor& w, int64_t qtype) {
               for (int k = 0; k < 4; ++k)
                 dst[16 + 32 * i + 4 * r + k] =
                     static_cast<uint8_t>((vals[r][8 * i + k] & 0xF) | ((vals[r][8 * i + 4 + k] & 0xF) << 4));
+          if (qtype == kQ4_0) continue;
           for (int r = 0; r < 8; ++r)
             for (int k = 0; k < 4; ++k) {
               int byte = 0;
@@ -1265,7 +1308,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotate-half RoPE in place", py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("positions"));
   m.def("paged_attention", &paged_attention, "attention of a few tokens per request over the paged KV cache", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("mask"), py::arg("query_index"), py::arg("scale"));
-  m.def("interleave_rows", &interleave_rows, "Q4_K/Q6_K/Q8_0/Q5_0 rows -> the 8-row interleaved layout", py::arg("w"), py::arg("qtype"));
+  m.def("interleave_rows", &interleave_rows, "Q4_K/Q6_K/Q8_0/Q5_0/Q4_0 rows -> the 8-row interleaved layout", py::arg("w"), py::arg("qtype"));
   m.def("has_avx2", &has_avx2, "whether the AVX2 kernels were compiled in");
   m.def("has_vnni", &has_vnni, "whether the interleaved kernels use AVX512-VNNI");
   m.def("set_prefetch_distance", &set_prefetch_distance, "software prefetch distance in bytes (0: off); returns the old one",

@@ -32,9 +32,12 @@ Q4_K = 12
 Q6_K = 14
 Q8_0 = 8
 Q5_0 = 6
+Q4_0 = 2
+Q4_1 = 3
+FOUR_BIT = (Q4_K, Q4_0, Q4_1)  # what --quantization int4 keeps as the file has it
 # specserve's 8-row interleaved layouts (see qmatmul.cpp): same information, laid out so the
 # kernel handles 8 rows per vector step. Built at load time, never written to disk.
-INTERLEAVED = {Q5_0: 106, Q8_0: 108, Q4_K: 112, Q6_K: 114}
+INTERLEAVED = {Q4_0: 102, Q5_0: 106, Q8_0: 108, Q4_K: 112, Q6_K: 114}
 
 
 class PackedWeight(NamedTuple):
@@ -117,6 +120,23 @@ def quantize_q8_0(w: torch.Tensor) -> PackedWeight:
     return PackedWeight(Q8_0, raw.reshape(n, -1).contiguous(), (n, k))
 
 
+def quantize_q4_0(w: torch.Tensor) -> PackedWeight:
+    """Symmetric 4-bit per 32 values with a float16 scale (GGUF Q4_0): value = d * (q - 8), where
+    d puts each block's value of largest magnitude exactly on the code -8 (GGUF's own rule)."""
+    w = _check_blocks(w, 32)
+    n, k = w.shape
+    raw = torch.empty(n, k // 32, 18, dtype=torch.uint8)
+    for r0 in range(0, n, 512):  # row chunks: the temporaries stay in cache (2x faster on a big head)
+        blocks = w[r0 : r0 + 512].reshape(-1, k // 32, 32)
+        extreme = torch.gather(blocks, -1, blocks.abs().argmax(-1, keepdim=True))  # signed
+        d = (extreme / -8).half()
+        inv = torch.where(d != 0, 1 / d.float(), torch.zeros(()))
+        q = torch.round(blocks * inv).add_(8).clamp_(0, 15).to(torch.uint8)
+        raw[r0 : r0 + 512, :, :2] = d.view(torch.uint8)
+        raw[r0 : r0 + 512, :, 2:] = q[..., :16] | (q[..., 16:] << 4)
+    return PackedWeight(Q4_0, raw.reshape(n, -1), (n, k))
+
+
 def quantize_q4_k(w: torch.Tensor) -> PackedWeight:
     """Asymmetric 4-bit per 32 values, 6-bit scales and mins per 256 (GGUF Q4_K).
 
@@ -153,6 +173,18 @@ def quantize_q4_k(w: torch.Tensor) -> PackedWeight:
     return PackedWeight(Q4_K, raw.reshape(n, -1).contiguous(), (n, k))
 
 
+def requantize_4bit(pw: PackedWeight) -> PackedWeight:
+    """The weight in 4-bit blocks: 4-bit formats (Q4_K, Q4_0, Q4_1) as they are, wider ones
+    (Q5_0, Q6_K, Q8_0) decoded and requantized to Q4_K where rows split into 256-value
+    super-blocks, else Q4_0."""
+    return pw if pw.qtype in FOUR_BIT else quantize_4bit(pw.dequantize())
+
+
+def quantize_4bit(w: torch.Tensor) -> PackedWeight:
+    """Q4_K where rows split into 256-value super-blocks, else Q4_0 (32-value blocks)."""
+    return quantize_q4_k(w) if w.shape[1] % 256 == 0 else quantize_q4_0(w)
+
+
 def packed_from_gguf(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> PackedWeight:
     """Own a copy of a GGUF tensor's blocks (the file mapping is released after loading)."""
     values, nbytes = BLOCK_SHAPES[qtype]
@@ -179,6 +211,11 @@ def deinterleave_rows(qtype: int, data: torch.Tensor, shape: tuple[int, int]) ->
     r = data.numpy().reshape(g, nb, -1)
     if qtype == Q8_0:
         qs = r[..., 16:272].reshape(g, nb, 8, 8, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, 8, 32)
+        rows = np.concatenate([r[..., 0:16].reshape(g, nb, 8, 2), qs], axis=-1)
+    elif qtype == Q4_0:
+        q = r[..., 16:144].reshape(g, nb, 4, 8, 1, 4).transpose(0, 1, 3, 2, 4, 5)  # [.., row, i, 1, k]
+        vals = np.concatenate([q & 0xF, q >> 4], axis=-2).reshape(g, nb, 8, 32)  # value 8i + 4h + k
+        qs = vals[..., :16] | (vals[..., 16:] << 4)
         rows = np.concatenate([r[..., 0:16].reshape(g, nb, 8, 2), qs], axis=-1)
     elif qtype == Q5_0:
         q = r[..., 16:144].reshape(g, nb, 4, 8, 1, 4).transpose(0, 1, 3, 2, 4, 5)  # [.., row, i, 1, k]

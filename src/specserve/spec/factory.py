@@ -48,10 +48,10 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
     from specserve.models.loader import LoadedCheckpoint, load_model_files
     from specserve.spec.draft_model import DraftModelProposer, truncate_layers
 
-    quantization = ctx.spec.draft_quantization or ctx.model.quantization
+    quantization = default_draft_quantization(ctx.spec.draft_quantization, ctx.model.quantization)
     ckpt = ctx.draft_checkpoint
     if ckpt is None:
-        ckpt = load_model_files(resolve_model(ctx.spec.draft_model or ""), keep_blocks=quantization == "auto")
+        ckpt = load_model_files(resolve_model(ctx.spec.draft_model or ""), keep_blocks=quantization in ("auto", "int4"))
     assert isinstance(ckpt, LoadedCheckpoint)
     check_draft_tokenizer(ctx.tokenizer, ckpt.tokenizer, ctx.target_vocab_size, ckpt.arch.vocab_size)
     arch, weights, packed = ckpt.arch, ckpt.weights, ckpt.packed
@@ -63,14 +63,22 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
     else:
         # As many token slots as the target has, so drafting never runs out before verifying.
         cache = replace(ctx.cache, num_gpu_blocks_override=ctx.target_num_blocks)
-    model = ctx.model
-    if ctx.spec.draft_quantization is not None:
-        model = replace(model, quantization=ctx.spec.draft_quantization)
+    model = replace(ctx.model, quantization=quantization)
     subset = None
     if ctx.spec.draft_vocab_size is not None and ctx.spec.draft_vocab_size < arch.vocab_size:
         subset = frequent_token_subset(ckpt.tokenizer, arch.vocab_size, ctx.spec.draft_vocab_size)
     return DraftModelProposer(arch, weights, model, cache, ctx.max_model_len, vocab_subset=subset, packed=packed,
                               p_min=ctx.spec.draft_p_min)
+
+
+def default_draft_quantization(draft: str | None, target: str) -> str:
+    """--draft-quantization, else int4 when the target keeps its file's blocks (auto), else the
+    target's. A draft's precision moves only its acceptance rate, never the output, and decode
+    reads every weight each step: the 0.5B Qwen draft in 4 bits (its Q5_0/Q8_0 matrices as Q4_0,
+    Q6_K as Q4_K) reads 236 MB per step instead of 310 MB, for ~2 points of acceptance."""
+    if draft is not None:
+        return draft
+    return "int4" if target == "auto" else target
 
 
 def frequent_token_subset(tokenizer: Tokenizer | None, vocab_size: int, n: int) -> torch.Tensor:
