@@ -56,16 +56,18 @@ def main() -> int:
     for name in args.models:
         ckpt, ckpt_blocks = None, None
         for prec in args.precisions:
-            # `auto` needs the file's blocks kept as they are (those tensors are then not decoded
-            # to float); every other precision starts from the float checkpoint. One in memory at a time.
-            if (prec == "auto") != ckpt_blocks:
+            # `auto` and `int4` start from the file's blocks, as the engine does (`auto` keeps
+            # them, `int4` keeps the 4-bit ones and requantizes the rest); every other precision
+            # starts from the float checkpoint. One in memory at a time.
+            blocks = prec in ("auto", "int4")
+            if blocks != ckpt_blocks:
                 del ckpt
                 gc.collect()
-                ckpt_blocks = prec == "auto"
-                ckpt = load_model_files(resolve_model(name), keep_blocks=ckpt_blocks)
+                ckpt_blocks = blocks
+                ckpt = load_model_files(resolve_model(name), keep_blocks=blocks)
             gc.collect()
             cfg = ModelConfig(model=name, quantization=prec)
-            packed = ckpt.packed if prec == "auto" else None
+            packed = ckpt.packed if blocks else None
             runner = ModelRunner(ckpt.arch, ckpt.weights, cfg, CacheConfig(kv_cache_gib=0.25), 1024, packed=packed)
             # This VM's bandwidth drifts by tens of percent over minutes: probe again right
             # before each measurement and take the fraction against that.
