@@ -190,8 +190,10 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     rows = payload["rows"]
 
     def label(r: dict[str, Any]) -> str:
-        vocab = r.get("draft_vocab_size")
-        return f"{r['engine']}\n{r['config']}" + (f"\n(draft vocab {vocab})" if vocab else "")
+        if not r.get("draft_weights"):
+            return f"{r['engine']}\n{r['config']}"
+        vocab = f", vocab {r['draft_vocab_size']}" if r.get("draft_vocab_size") else ""
+        return f"{r['engine']}\n{r['config']}\n(draft {r['draft_weights']}{vocab}, K<={r['num_spec_tokens']})"
 
     labels = list(dict.fromkeys(label(r) for r in rows))
     fig, ax = plt.subplots(figsize=(11, 4.8))
