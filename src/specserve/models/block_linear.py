@@ -212,21 +212,18 @@ def deinterleave_rows(qtype: int, data: torch.Tensor, shape: tuple[int, int]) ->
     if qtype == Q8_0:
         qs = r[..., 16:272].reshape(g, nb, 8, 8, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, 8, 32)
         rows = np.concatenate([r[..., 0:16].reshape(g, nb, 8, 2), qs], axis=-1)
-    elif qtype == Q4_0:
+    elif qtype in (Q5_0, Q4_0):  # Q4_0: Q5_0 without the fifth bits
         q = r[..., 16:144].reshape(g, nb, 4, 8, 1, 4).transpose(0, 1, 3, 2, 4, 5)  # [.., row, i, 1, k]
         vals = np.concatenate([q & 0xF, q >> 4], axis=-2).reshape(g, nb, 8, 32)  # value 8i + 4h + k
-        qs = vals[..., :16] | (vals[..., 16:] << 4)
-        rows = np.concatenate([r[..., 0:16].reshape(g, nb, 8, 2), qs], axis=-1)
-    elif qtype == Q5_0:
-        q = r[..., 16:144].reshape(g, nb, 4, 8, 1, 4).transpose(0, 1, 3, 2, 4, 5)  # [.., row, i, 1, k]
-        low = np.concatenate([q & 0xF, q >> 4], axis=-2).reshape(g, nb, 8, 32)  # value 8i + 4h + k
-        qh = r[..., 144:176].reshape(g, nb, 8, 1, 4)
-        top = ((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(g, nb, 8, 32)  # value 4v + k
-        vals = low | (top << 4)
-        bits = (vals >> 4).reshape(g, nb, 8, 4, 8) << np.arange(8, dtype=np.uint8)
-        qh_out = bits.sum(axis=-1, dtype=np.uint8)  # the uint32 of fifth bits, little-endian bytes
-        qs = (vals[..., :16] & 0xF) | ((vals[..., 16:] & 0xF) << 4)
-        rows = np.concatenate([r[..., 0:16].reshape(g, nb, 8, 2), qh_out, qs], axis=-1)
+        fields = [r[..., 0:16].reshape(g, nb, 8, 2)]
+        if qtype == Q5_0:
+            qh = r[..., 144:176].reshape(g, nb, 8, 1, 4)
+            top = ((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(g, nb, 8, 32)  # value 4v + k
+            vals = vals | (top << 4)
+            bits = (vals >> 4).reshape(g, nb, 8, 4, 8) << np.arange(8, dtype=np.uint8)
+            fields.append(bits.sum(axis=-1, dtype=np.uint8))  # the uint32 of fifth bits, little-endian bytes
+        fields.append((vals[..., :16] & 0xF) | ((vals[..., 16:] & 0xF) << 4))
+        rows = np.concatenate(fields, axis=-1)
     elif qtype == Q4_K:
         d, dmin = r[..., 0:16].reshape(g, nb, 8, 2), r[..., 16:32].reshape(g, nb, 8, 2)
         mn = r[..., 32:96].reshape(g, nb, 4, 8, 2).transpose(0, 1, 3, 2, 4).reshape(g, nb, 8, 8)

@@ -156,28 +156,21 @@ def _to_onednn(model: nn.Module) -> int:
     return _replace_linears(model, OneDNNLinear)
 
 
-def _replace_linears(model: nn.Module, make: Callable[[nn.Module], nn.Module], kinds: tuple[type, ...] = (nn.Linear,)) -> int:
+def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) in kinds:
+            if type(child) is nn.Linear:
                 setattr(parent, name, make(child))
                 count += 1
     return count
 
 
-def _int4_blocks(linear: nn.Module) -> nn.Module:
-    """4-bit blocks (block_linear.quantize_4bit) for a float layer; a layer kept in a file's
-    blocks stays as it is if they are 4-bit already, else is requantized (requantize_4bit)."""
-    from specserve.models.block_linear import (
-        FOUR_BIT,
-        BlockQuantLinear,
-        quantize_4bit,
-        requantize_4bit,
-    )
+def _int4_blocks(linear: nn.Linear) -> nn.Module:
+    """4-bit blocks (block_linear.quantize_4bit) for a float layer. Layers kept in a file's blocks
+    were made 4-bit before the model was built (ModelRunner, block_linear.requantize_4bit)."""
+    from specserve.models.block_linear import BlockQuantLinear, quantize_4bit
 
-    if isinstance(linear, BlockQuantLinear):
-        return linear if linear.qtype in FOUR_BIT else BlockQuantLinear(requantize_4bit(linear.packed()), linear.bias)
     return BlockQuantLinear(quantize_4bit(linear.weight), linear.bias)
 
 
@@ -218,10 +211,6 @@ def apply_quantization(model: nn.Module, quantization: str) -> int:
     """
     if quantization == "none":
         return 0
-    if quantization == "int4":
-        from specserve.models.block_linear import BlockQuantLinear
-
-        return _replace_linears(model, _int4_blocks, (nn.Linear, BlockQuantLinear))
     if quantization in QUANTIZED_LINEARS:
         return _replace_linears(model, QUANTIZED_LINEARS[quantization])
     raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
