@@ -70,16 +70,17 @@ def test_kernel_matches_decoded_weight(qtype, m, rows):
 @pytest.mark.parametrize("qtype", sorted(NAMES))
 @pytest.mark.parametrize("rows", [70, 72])
 def test_each_row_is_independent_of_the_batch(qtype, rows):
-    """Bit-identical results for a row alone and inside batches of any size (verify == decode),
-    across the activation tiles (4 rows, 8 for interleaved layouts)."""
+    """Bit-identical results for a row alone and inside batches of any size (verify == decode ==
+    prefill), across the activation tiles (4 rows for row layouts; register kernels for 1-4 rows
+    and passes of 32 rows for interleaved layouts)."""
     pw = random_blocks(qtype, rows=rows, cols=1024, seed=7)
     lin = BlockQuantLinear(pw)
-    x = torch.randn(11, 1024)
+    x = torch.randn(70, 1024)
     full = lin(x)
-    for i in range(11):
+    for i in (*range(11), 31, 32, 33, 69):
         assert torch.equal(lin(x[i : i + 1]), full[i : i + 1])
-    assert torch.equal(lin(x[2:7]), full[2:7])
-    assert torch.equal(lin(x[1:10]), full[1:10])
+    for a, b in ((2, 7), (1, 10), (3, 7), (0, 33), (5, 70), (30, 35)):
+        assert torch.equal(lin(x[a:b]), full[a:b]), (a, b)
 
 
 @pytest.mark.parametrize("qtype", sorted(INTERLEAVED))
@@ -364,7 +365,7 @@ def test_vnni_kernels_are_bit_identical_to_the_avx2_ones(tmp_path):
     assert not avx2.has_vnni()
     for qtype in sorted(INTERLEAVED):
         kq, data = interleave_rows(random_blocks(qtype, 64, 512, seed=qtype))
-        for m in (1, 3, 5, 8, 9):
+        for m in (1, 3, 5, 8, 9, 33):
             x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) * 3
             assert torch.equal(avx2.qmatmul(x, data, kq), kernels().qmatmul(x, data, kq)), (qtype, m)
 
