@@ -1,0 +1,266 @@
+"""Exact verification of draft trees (SpecInfer, Medusa, EAGLE-2) in one target pass.
+
+The walk starts at the root (the request's last verified token) with the target distribution q
+of the root's row. At each node it tests the node's children in order; the first accepted child
+is emitted and the walk moves to it (its own row's q); if every child is rejected, one token is
+drawn from what is left of q and the walk ends; if the accepted node has no children, a bonus
+token is drawn from its q. So a step emits 1 + (accepted depth) tokens, and each emitted token
+is distributed exactly as the target alone would sample it. q and p are the *processed*
+distributions (temperature, top-k, top-p applied by `logits_to_probs`); greedy requests follow
+the child equal to the target argmax.
+
+The test of the children of one node, with r the remaining target distribution (r = q at
+first) and x_j the j-th child:
+
+* deterministic children (prompt lookup, lookahead, top-k of a draft; p_j = one-hot(x_j)):
+  accept x_j with probability r(x_j); on rejection r <- r with x_j removed, renormalised.
+* i.i.d. children (each drawn from the draft's p independently of the others): accept x_j with
+  probability min(1, r(x_j) / p(x_j)); on rejection r <- normalize(max(0, r - p)).
+* children drawn without replacement (x_j from p_j = p with x_1..x_{j-1} removed and
+  renormalised): accept x_j with probability min(1, r(x_j) / p_j(x_j)); on rejection
+  r <- normalize(max(0, r - p_j)).
+
+Proof (one argument for all three). Write r_1 = q and r_{j+1} = normalize(max(0, r_j - p_j))
+for the proposal p_j of the j-th child (one-hot(x_j), p, or p without x_{<j}); r_{j+1} depends
+only on the history h_j = (x_1, ..., x_j) of candidates, never on the acceptance coins. Claim:
+given h_{j-1} and that x_1..x_{j-1} were rejected, the emitted token is distributed as r_j.
+For j = m + 1 (every child rejected) the token is drawn from r_{m+1} itself. For j <= m, x_j is
+drawn from p_j independently of the earlier coins, so this is one step of ordinary speculative
+sampling with target r_j and proposal p_j whose "recovery" is the rest of the walk, by
+induction distributed as r_{j+1} = normalize(max(0, r_j - p_j)) whatever x_j was; speculative
+sampling then emits exactly r_j (Leviathan et al. 2023, Theorem 1). With j = 1 the emitted
+token is distributed as q. Which child was accepted decides the next node, and the tree below
+it was built from the draft alone, so the next level is the same argument with the accepted
+node as root. (With one-hot p_j, max(0, r_j - p_j) only drops x_j: r_j(x_j) <= 1.) If r_j <= p_j
+everywhere, r_j = p_j and rejection has probability 0; the code then keeps r_j.
+
+Randomness: a seeded request draws from generators keyed by (seed, output position, stream),
+so its output does not depend on how it was batched; the accept coins of one node's children
+are consecutive draws of that position's accept stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from specserve.sampling.rejection import STREAM_ACCEPT, STREAM_RECOVER
+from specserve.sampling.sampler import SamplingMetadata, logits_to_probs, request_generator
+from specserve.spec.tree import DraftTree, SiblingDraw
+
+
+class TreeVerifyResult(NamedTuple):
+    """One request's outcome: emitted tokens (accepted nodes' tokens, then one more)."""
+
+    token_ids: list[int]
+    accepted_nodes: list[int]  # node indices of the accepted path, depth 1 first
+    logprobs: list[float] | None
+
+
+def verify_trees(
+    target_logits: torch.Tensor,  # [sum(N_i + 1), V]: per request its root row, then one row per node
+    trees: Sequence[DraftTree],
+    meta: SamplingMetadata,  # one row per request
+    generator: torch.Generator | None,
+) -> list[TreeVerifyResult]:
+    """Walk every request's tree and return what each emits (see the module docstring)."""
+    sizes = [len(t) + 1 for t in trees]
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + n)
+    greedy = meta.greedy.tolist()
+    walks: list[tuple[list[int], list[int]]] = [([], [])] * len(trees)
+    argmax = target_logits.argmax(dim=-1).tolist()
+    for i, tree in enumerate(trees):
+        if greedy[i]:
+            walks[i] = _walk_greedy(tree, argmax[starts[i] : starts[i] + sizes[i]])
+    sampled = [i for i, g in enumerate(greedy) if not g]
+    if sampled:
+        for i, walk in zip(sampled, _walk_sampled(target_logits, [trees[i] for i in sampled], [starts[i] for i in sampled],
+                                                  sampled, meta, generator)):
+            walks[i] = walk
+    logprobs: list[list[float] | None] = [None] * len(trees)
+    if meta.need_logprobs:
+        rows = [starts[i] + r for i, (_, nodes) in enumerate(walks) for r in [0] + [n + 1 for n in nodes]]
+        toks = torch.tensor([t for tokens, _ in walks for t in tokens])
+        lp = torch.log_softmax(target_logits[rows].float(), dim=-1).gather(1, toks[:, None]).squeeze(1).tolist()
+        at = 0
+        for i, (tokens, _) in enumerate(walks):
+            logprobs[i] = lp[at : at + len(tokens)]
+            at += len(tokens)
+    return [TreeVerifyResult(tokens, nodes, logprobs[i]) for i, (tokens, nodes) in enumerate(walks)]
+
+
+def _walk_greedy(tree: DraftTree, argmax: list[int]) -> tuple[list[int], list[int]]:
+    """Follow, level by level, the first child whose token is the target's argmax."""
+    tokens: list[int] = []
+    nodes: list[int] = []
+    node = -1
+    while True:
+        best = argmax[node + 1]
+        nxt = next((c for c in tree.children[node + 1] if tree.token_ids[c] == best), None)
+        tokens.append(best)
+        if nxt is None:
+            return tokens, nodes
+        nodes.append(nxt)
+        node = nxt
+
+
+class _Tables(NamedTuple):
+    """A batch's trees as padded tensors; trees of one shape (parents, draw, rows) share their
+    children table, so a batch of many small trees costs a few tensor ops, not a loop per node."""
+
+    which: torch.Tensor  # [B] each request's tree
+    shape: torch.Tensor  # [U] each tree's shape
+    kids: torch.Tensor  # [S, N + 1, W] children of the root (row 0) and of each node, -1 padded
+    tokens: torch.Tensor  # [U, N] node tokens
+    dist_index: torch.Tensor  # [U, N] row of `dists` each node was drawn from (-1: deterministic)
+    dists: torch.Tensor  # [R, V] every tree's draft distributions, zero-padded to the target's vocabulary
+    without_replacement: torch.Tensor  # [U] bool
+
+
+def _tables(trees: Sequence[DraftTree], vocab: int) -> _Tables:
+    ids: dict[int, int] = {}
+    uniq: list[DraftTree] = []
+    which = []
+    for t in trees:
+        if id(t) not in ids:
+            ids[id(t)] = len(uniq)
+            uniq.append(t)
+        which.append(ids[id(t)])
+    n = max(1, max(len(t) for t in uniq))
+    shapes: dict[tuple, list[int]] = {}
+    for u, t in enumerate(uniq):
+        rows = 0 if t.dists is None or t.draw is SiblingDraw.DETERMINISTIC else t.dists.shape[0]
+        shapes.setdefault((t.parents, t.draw, t.dist_row, rows), []).append(u)
+    w = max(1, max(max((len(c) for c in uniq[us[0]].children), default=0) for us in shapes.values()))
+    kids = torch.full((len(shapes), n + 1, w), -1, dtype=torch.long)
+    shape = torch.zeros(len(uniq), dtype=torch.long)
+    tokens = torch.zeros(len(uniq), n, dtype=torch.long)
+    dist_index = torch.full((len(uniq), n), -1, dtype=torch.long)
+    blocks = [torch.zeros(1, vocab, dtype=torch.float64)]
+    base = 1
+    for s_i, ((parents, draw, dist_row, rows), us) in enumerate(shapes.items()):
+        first = uniq[us[0]]
+        for parent, cs in enumerate(first.children):
+            if cs:
+                kids[s_i, parent, : len(cs)] = torch.tensor(cs, dtype=torch.long)
+        ut = torch.tensor(us, dtype=torch.long)
+        shape[ut] = s_i
+        if parents:
+            tokens[ut, : len(parents)] = torch.tensor([uniq[u].token_ids for u in us], dtype=torch.long)
+        if rows and parents:
+            d = torch.cat([uniq[u].dists for u in us]).double()  # type: ignore[misc]
+            pad = torch.zeros(d.shape[0], vocab, dtype=torch.float64)
+            pad[:, : min(vocab, d.shape[1])] = d[:, :vocab]  # a restricted draft head covers the low ids
+            blocks.append(pad)
+            offs = base + rows * torch.arange(len(us), dtype=torch.long)
+            dist_index[ut, : len(parents)] = offs[:, None] + torch.tensor(dist_row, dtype=torch.long)[None, :]
+            base += pad.shape[0]
+    wor = torch.tensor([t.draw is SiblingDraw.WITHOUT_REPLACEMENT for t in uniq])
+    return _Tables(torch.tensor(which, dtype=torch.long), shape, kids, tokens, dist_index, torch.cat(blocks), wor)
+
+
+def _walk_sampled(
+    target_logits: torch.Tensor, trees: Sequence[DraftTree], starts: Sequence[int], rows_of: Sequence[int],
+    meta: SamplingMetadata, generator: torch.Generator | None,
+) -> list[tuple[list[int], list[int]]]:
+    """The walk of every sampled request, all requests in lockstep: level by level, and within
+    a level child by child (j-th children of every request together)."""
+    vocab = target_logits.shape[-1]
+    sizes = torch.tensor([len(t) + 1 for t in trees])
+    base = torch.tensor(list(starts), dtype=torch.long)  # [B] row of each request's root
+    req = torch.tensor(list(rows_of), dtype=torch.long)  # [B] each request's row of meta
+    tab = _tables(trees, vocab)
+    b = len(trees)
+    seeds = [meta.seeds[i] for i in rows_of]
+    steps0 = [meta.steps[i] for i in rows_of]
+    node = torch.full((b,), -1, dtype=torch.long)
+    done = torch.zeros(b, dtype=torch.bool)
+    levels = int(sizes.max())
+    emitted = torch.full((b, levels), -1, dtype=torch.long)  # token emitted at each depth
+    trail = torch.full((b, levels), -1, dtype=torch.long)  # node accepted at each depth
+    ar = torch.arange(b)
+    for depth in range(levels):
+        act = (~done).nonzero().squeeze(1)
+        if act.numel() == 0:
+            break
+        na = act.numel()
+        which = tab.which[act]
+        cur = node[act]
+        # Only the rows the walk visits are processed (temperature, top-k, top-p).
+        m = req[act]
+        q = logits_to_probs(target_logits[base[act] + cur + 1], meta.temperature[m], meta.top_k[m], meta.top_p[m],
+                            meta.any_top_k, meta.any_top_p).double()  # [na, V]
+        r = q.clone()  # what is left of the target distribution
+        kids = tab.kids[tab.shape[which], cur + 1]  # [na, W]
+        coins = _coins([seeds[i] for i in act.tolist()], [steps0[i] + depth for i in act.tolist()], STREAM_ACCEPT,
+                       kids.shape[1], generator)
+        accepted = torch.full((na,), -1, dtype=torch.long)
+        excluded = torch.zeros(na, vocab, dtype=torch.bool)
+        rows = ar[:na]
+        for j in range(kids.shape[1]):
+            c = kids[:, j]
+            live = (c >= 0) & (accepted < 0)
+            if not bool(live.any()):
+                break
+            cc = c.clamp(min=0)
+            x = tab.tokens[which, cc]
+            di = tab.dist_index[which, cc]
+            p = tab.dists[di.clamp(min=0)].clone()  # [na, V] the child's proposal
+            det = di < 0
+            p[det] = 0.0
+            p[rows[det], x[det]] = 1.0
+            wor = tab.without_replacement[which] & ~det
+            if bool((wor & excluded.any(1)).any()):
+                p[wor] = p[wor].masked_fill(excluded[wor], 0.0)
+                p[wor] = p[wor] / p[wor].sum(1, keepdim=True).clamp(min=1e-300)
+            px, rx = p[rows, x], r[rows, x]
+            ok = live & (px > 0) & (coins[:, j] * px <= rx)  # accept with min(1, r(x) / p(x))
+            accepted[ok] = c[ok]
+            rej = live & ~ok
+            if bool(rej.any()):
+                left = (r[rej] - p[rej]).clamp_(min=0.0)
+                mass = left.sum(1, keepdim=True)
+                # mass 0 means r == p: a rejection of probability 0 (rounding); keep r then.
+                r[rej] = torch.where(mass > 0, left / mass.clamp(min=1e-300), r[rej])
+                excluded[rows[rej], x[rej]] = True
+        has_kids = kids[:, 0] >= 0
+        stop = accepted < 0
+        # Every child rejected: draw from what is left (recover stream); a leaf: the bonus
+        # token from its q (plain stream, as a request that did not speculate would).
+        final_u = torch.ones(na, dtype=torch.float64)
+        for stream, sel in ((STREAM_RECOVER, stop & has_kids), (0, stop & ~has_kids)):
+            if bool(sel.any()):
+                s = sel.nonzero().squeeze(1).tolist()
+                final_u[sel] = _coins([seeds[act[i]] for i in s], [steps0[act[i]] + depth for i in s], stream, 1,
+                                      generator)[:, 0]
+        drawn = _draw_rows(r, final_u)
+        emitted[act, depth] = torch.where(stop, drawn, tab.tokens[which, accepted.clamp(min=0)])
+        node[act] = torch.where(stop, node[act], accepted)
+        done[act[stop]] = True
+        trail[act[~stop], depth] = accepted[~stop]
+    out = []
+    for toks, nodes in zip(emitted.tolist(), trail.tolist()):
+        n = toks.index(-1) if -1 in toks else len(toks)
+        out.append((toks[:n], nodes[: n - 1]))
+    return out
+
+
+def _coins(seeds: Sequence[int | None], steps: Sequence[int], stream: int, count: int,
+           generator: torch.Generator | None) -> torch.Tensor:  # [len(seeds), count] float64 in (0, 1]
+    """Uniforms per request: from the request's (seed + stream, position) generator when seeded
+    (so its output does not depend on batching), else from the shared generator."""
+    u = torch.rand(len(seeds), count, dtype=torch.float64, generator=generator)
+    for i, s in enumerate(seeds):
+        if s is not None:
+            u[i] = torch.rand(count, dtype=torch.float64, generator=request_generator(s + stream, steps[i], torch.device("cpu")))
+    return 1.0 - u
+
+
+def _draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # probs [n, V], u [n] in (0, 1] -> [n]
+    """Inverse-CDF draws: the first token whose cumulative mass reaches u * total."""
+    cdf = probs.cumsum(dim=-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp_(max=probs.shape[-1] - 1)

@@ -1,0 +1,157 @@
+"""Draft trees: the step data a proposer hands the target to verify in one pass.
+
+A draft is a tree of candidate continuations of a request's last token (the root, which is not
+a node). Node i has a token and a parent (-1 for the root); nodes are in topological order
+(parent index < own index), so any prefix of the node list is itself a tree and a chain of K
+tokens is the special case parents = [-1, 0, 1, ..., K-2]. One target pass computes every
+node under a tree attention mask (a node sees the verified prefix, its ancestors and itself;
+its position is the root's position + its depth), and the rejection sampler walks from the
+root accepting at most one child per level (see specserve.sampling.tree_rejection).
+
+How the children of a node were drawn decides the exact acceptance rule, so it travels with
+the tree (`SiblingDraw`): deterministic candidates (n-gram matches, lookahead, top-k of a
+draft), independent draws from the draft's distribution, or draws without replacement.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+
+@functools.lru_cache(maxsize=4096)
+def _check_parents(parents: tuple[int, ...]) -> None:
+    """Parents come before their children (trees of one shape are checked once)."""
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"node {i} has parent {p}: parents must come before their children")
+
+
+class SiblingDraw(enum.Enum):
+    """How a node's children were chosen from the draft distribution p at that node."""
+
+    # A function of the context (prompt lookup, lookahead, top-k of p): each child's proposal
+    # is one-hot, so a rejected child's mass is removed from the target distribution.
+    DETERMINISTIC = "deterministic"
+    # Each child drawn independently from p (SpecInfer's multi-candidate sampling).
+    IID = "iid"
+    # Child j drawn from p with children 1..j-1 removed and renormalised (Gumbel top-k).
+    WITHOUT_REPLACEMENT = "without_replacement"
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """Candidate continuations of one request, verified together in one target pass.
+
+    `dists` holds the draft distributions children were drawn from (rows already processed by
+    temperature / top-k / top-p), and `dist_row[i]` names the row node i (and its siblings) was
+    drawn from. Deterministic trees carry none.
+    """
+
+    token_ids: tuple[int, ...]
+    parents: tuple[int, ...]
+    draw: SiblingDraw = SiblingDraw.DETERMINISTIC
+    dists: torch.Tensor | None = None  # [R, V]
+    dist_row: tuple[int, ...] = ()
+    # What the proposer scored each node (e.g. its path probability); policy and metrics only.
+    scores: tuple[float, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.parents) != n:
+            raise ValueError(f"a draft tree needs one parent per node: {n} tokens, {len(self.parents)} parents")
+        _check_parents(self.parents)
+        if self.draw is not SiblingDraw.DETERMINISTIC:
+            if self.dists is None or len(self.dist_row) != n:
+                raise ValueError(f"{self.draw.value} drafts need the distribution each node was drawn from")
+            if self.dist_row and not 0 <= min(self.dist_row) <= max(self.dist_row) < self.dists.shape[0]:
+                raise ValueError("dist_row points outside dists")
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def chain(cls, token_ids: Sequence[int], probs: torch.Tensor | None = None) -> DraftTree:
+        """K tokens in a row; probs [K, V] the distributions they were drawn from (None: one-hot)."""
+        k = len(token_ids)
+        if probs is None:
+            return cls(tuple(token_ids), tuple(range(-1, k - 1)))
+        return cls(tuple(token_ids), tuple(range(-1, k - 1)), SiblingDraw.IID, probs, tuple(range(k)))
+
+    # ------------------------------------------------------------------ shape
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @cached_property
+    def is_chain(self) -> bool:
+        """True when every node's parent is the node before it (one path, no branching)."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Depth of each node (children of the root have depth 1)."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return tuple(d)
+
+    @property
+    def max_depth(self) -> int:
+        """Length of the longest path."""
+        return max(self.depths, default=0)
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """children[0] lists the root's children, children[i + 1] node i's, in node order."""
+        kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents):
+            kids[p + 1].append(i)
+        return tuple(tuple(k) for k in kids)
+
+    def path(self, node: int) -> list[int]:
+        """Nodes from depth 1 down to `node`."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def ancestor_mask(self) -> torch.Tensor:  # [N, N] bool
+        """mask[i, j]: node i attends to node j (j is i or one of its ancestors)."""
+        n = len(self)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        return mask
+
+    def truncate(self, n: int) -> DraftTree:
+        """The first n nodes (a tree again: parents come first)."""
+        if n >= len(self):
+            return self
+        rows = self.dist_row[:n]
+        return DraftTree(self.token_ids[:n], self.parents[:n], self.draw, self.dists, rows, self.scores[:n])
+
+    def match(self, tokens: Sequence[int]) -> list[int]:
+        """The deepest path of nodes whose tokens equal tokens[0], tokens[1], ... (the nodes
+        the target accepted, found again from the accepted tokens)."""
+        best: list[int] = []
+
+        def walk(parent: int, depth: int, path: list[int]) -> None:
+            nonlocal best
+            if len(path) > len(best):
+                best = list(path)
+            if depth >= len(tokens):
+                return
+            for c in self.children[parent + 1]:
+                if self.token_ids[c] == tokens[depth]:
+                    path.append(c)
+                    walk(c, depth + 1, path)
+                    path.pop()
+
+        walk(-1, 0, [])
+        return best
