@@ -144,6 +144,9 @@ SPEC_METHODS = ("none", "draft", "ngram", "reference")
 # Measured on Qwen2.5-Coder 1.5B + 0.5B (2-vCPU Xeon, coding prompts): 0.8 +5-7% tok/s over 0.
 DEFAULT_DRAFT_P_MIN = 0.8
 SPEC_POLICIES = ("adaptive", "always", "off")
+# auto: proposers that can branch draft trees (several candidates per position, verified in one
+# pass); chain: every draft is one path (the classic K-token draft).
+SPEC_TREES = ("auto", "chain")
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,7 @@ class SpecConfig:
     method: str = "none"  # none | draft | ngram | reference
     num_spec_tokens: int = 4  # maximum K per request per step
     policy: str = "adaptive"  # adaptive | always | off
+    tree: str = "auto"  # auto | chain (see SPEC_TREES)
     draft_model: str | None = None
     draft_num_layers: int | None = None  # keep only the first N layers of the draft (layer-skip draft)
     draft_kv_cache_gib: float | None = None  # default: a share of the target's budget
@@ -172,6 +176,8 @@ class SpecConfig:
             raise ConfigError(f"Unknown spec method {self.method!r}; use one of {', '.join(SPEC_METHODS)}.")
         if self.policy not in SPEC_POLICIES:
             raise ConfigError(f"Unknown spec policy {self.policy!r}; use one of {', '.join(SPEC_POLICIES)}.")
+        if self.tree not in SPEC_TREES:
+            raise ConfigError(f"Unknown spec tree mode {self.tree!r}; use one of {', '.join(SPEC_TREES)}.")
         if not 1 <= self.num_spec_tokens <= 32:
             raise ConfigError(f"num_spec_tokens must be in [1, 32], got {self.num_spec_tokens}.")
         if self.method == "draft" and not self.draft_model:
@@ -195,6 +201,11 @@ class SpecConfig:
     def enabled(self) -> bool:
         """True when a proposer is configured."""
         return self.method != "none"
+
+    @property
+    def trees(self) -> bool:
+        """Whether proposers that can branch may draft trees."""
+        return self.tree == "auto"
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class LLM:
         spec_method: str | None = None,
         num_spec_tokens: int = 4,
         spec_policy: str = "adaptive",
+        spec_tree: str = "auto",
         draft_num_layers: int | None = None,
         draft_kv_cache_gib: float | None = None,
         draft_quantization: str | None = None,
@@ -78,7 +79,7 @@ class LLM:
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
             spec=SpecConfig(
-                method=spec_method, num_spec_tokens=num_spec_tokens, policy=spec_policy,
+                method=spec_method, num_spec_tokens=num_spec_tokens, policy=spec_policy, tree=spec_tree,
                 draft_model=draft_model or ("<checkpoint>" if draft_checkpoint is not None else None),
                 draft_num_layers=draft_num_layers, draft_kv_cache_gib=draft_kv_cache_gib,
                 draft_quantization=draft_quantization, draft_vocab_size=draft_vocab_size,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from specserve.sampling_params import SamplingParams
+from specserve.spec.tree import DraftTree
 
 
 class KVSource(Protocol):
@@ -89,8 +90,9 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
-        # Draft tokens proposed for the coming step; unverified, never cached.
-        self.spec_token_ids: list[int] = []
+        # Draft proposed for the coming step (a tree; a chain is the special case); unverified,
+        # never cached.
+        self.draft: DraftTree | None = None
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.perf_counter())
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -103,8 +105,9 @@ class Request:
         self.num_spec_steps = 0  # of those, passes that verified at least one draft token
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.drafted_per_position: list[int] = []  # drafts tested at position j
-        self.accepted_per_position: list[int] = []  # of those, accepted
+        self.drafted_per_position: list[int] = []  # steps whose draft reached depth j + 1 and tested it
+        self.accepted_per_position: list[int] = []  # of those, steps that accepted a node at depth j + 1
+        self.accepted_lengths: list[int] = []  # accepted drafts per speculative step (a histogram's data)
 
     def __getstate__(self) -> dict:
         # A live KV source (open shared memory, locks) never travels between processes.
@@ -112,18 +115,21 @@ class Request:
         state["kv_source"] = None
         return state
 
-    def record_verify(self, num_draft: int, num_accepted: int) -> None:
-        """Count one target pass that verified num_draft drafts and accepted num_accepted."""
+    def record_verify(self, num_draft: int, num_accepted: int, depth: int | None = None) -> None:
+        """Count one target pass that verified num_draft draft nodes (a tree `depth` deep; a chain
+        of num_draft when not given) and accepted num_accepted of them (one path)."""
         self.num_target_steps += 1
         if num_draft <= 0:
             return
+        depth = num_draft if depth is None else depth
         self.num_spec_steps += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
-        while len(self.drafted_per_position) < num_draft:
+        self.accepted_lengths.append(num_accepted)
+        while len(self.drafted_per_position) < depth:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)
-        for j in range(min(num_draft, num_accepted + 1)):  # positions actually tested
+        for j in range(min(depth, num_accepted + 1)):  # depths actually tested
             self.drafted_per_position[j] += 1
             if j < num_accepted:
                 self.accepted_per_position[j] += 1

@@ -7,6 +7,7 @@ from specserve.engine.scheduler import SampledTokens, Scheduler
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.request import Request, RequestStatus
 from specserve.sampling_params import SamplingParams
+from specserve.spec.tree import DraftTree
 
 
 def make(num_blocks=64, block_size=4, budget=32, max_seqs=8, chunked=True, max_len=256):
@@ -124,7 +125,7 @@ def test_speculative_tokens_accepted_and_rolled_back():
     r = req("a", 6, max_tokens=20)
     sched.add_request(r)
     fake_step(sched)  # prefill, samples token 7
-    r.spec_token_ids = [11, 12, 13]
+    r.draft = DraftTree.chain([11, 12, 13])
     out = sched.schedule()
     (sr,) = out.scheduled
     assert sr.token_ids == [7, 11, 12, 13] and sr.num_spec_tokens == 3 and sr.start_pos == 6

@@ -188,7 +188,7 @@ def test_ngram_proposer_copies_from_context():
     prop = NgramProposer(1, 3)
     r = _req("a", [10, 11, 12, 13, 14, 99, 10, 11])
     out = prop.propose([r], [3])
-    assert out["a"].token_ids == [12, 13, 14] and out["a"].probs is None
+    assert out["a"].token_ids == (12, 13, 14) and out["a"].dists is None and out["a"].is_chain
     assert prop.propose([_req("b", [1, 2, 3])], [3]) == {}
 
 
@@ -197,9 +197,9 @@ def test_reference_proposer_follows_reference_in_order():
     prop = ReferenceProposer(None, 1, 2)
     r = _req("a", [1, 5, 6], reference_token_ids=ref)
     prop.add_request(r)
-    assert prop.propose([r], [2])["a"].token_ids == [7, 5]
+    assert prop.propose([r], [2])["a"].token_ids == (7, 5)
     r.append_output_tokens([7, 5, 6])  # output tracked the reference; cursor moves on
-    assert prop.propose([r], [2])["a"].token_ids == [8, 9]
+    assert prop.propose([r], [2])["a"].token_ids == (8, 9)
     prop.remove_request("a", finished=False)
     assert prop.live_request_ids() == ["a"]  # a preempted request keeps its reference
     prop.remove_request("a", finished=True)

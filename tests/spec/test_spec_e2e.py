@@ -112,7 +112,7 @@ def test_draft_stops_after_the_first_token_it_is_unsure_of():
     lengths = Counter()
     for r in reqs:
         d = out[r.request_id]
-        q = [float(d.probs[j, t]) for j, t in enumerate(d.token_ids)]
+        q = [float(d.dists[d.dist_row[j], t]) for j, t in enumerate(d.token_ids)]
         assert all(x >= p_min for x in q[:-1]), q
         assert len(q) == 4 or q[-1] < p_min, q
         lengths[len(q)] += 1

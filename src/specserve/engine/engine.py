@@ -195,7 +195,6 @@ class LLMEngine:
             prior_acceptance=0.7 if spec.method == "draft" else 0.5,
             enabled=self.proposer is not None,
         )
-        self._draft_probs: dict[str, torch.Tensor | None] = {}
         self.spec_counters = {"draft_time_s": 0.0, "verify_time_s": 0.0, "decode_time_s": 0.0,
                               "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.accepted_per_position = [0] * spec.num_spec_tokens
@@ -233,8 +232,7 @@ class LLMEngine:
         self.policy.enabled = bool(enabled) and self.proposer is not None
         if not self.policy.enabled:
             for req in self.scheduler.running:
-                req.spec_token_ids = []
-            self._draft_probs.clear()
+                req.draft = None
 
     @property
     def speculation_enabled(self) -> bool:
@@ -348,13 +346,12 @@ class LLMEngine:
             pending, self._pending_outputs = self._pending_outputs, []
         sched_out = self.scheduler.schedule()
         for rid in sched_out.preempted_ids:
-            self._draft_probs.pop(rid, None)
             if self.proposer is not None:
                 self.proposer.remove_request(rid, finished=False)
         if sched_out.is_empty:
             return pending
         try:
-            sampled = self.runner.execute(sched_out, self._draft_probs)
+            sampled = self.runner.execute(sched_out)
         except Exception as exc:  # a model failure must not take every other request down
             logger.exception("model step failed; failing the %d scheduled requests", len(sched_out.scheduled))
             ids = [sr.request_id for sr in sched_out.scheduled]
@@ -392,7 +389,6 @@ class LLMEngine:
                 for j in range(min(st.num_draft_tokens, st.num_accepted_tokens + 1, len(self.drafted_per_position))):
                     self.drafted_per_position[j] += 1
                     self.accepted_per_position[j] += int(j < st.num_accepted_tokens)
-            self._draft_probs.pop(rid, None)
         self.spec_counters["verify_time_s" if spec else "decode_time_s"] += t
 
     def _propose_next(self) -> None:
@@ -424,16 +420,14 @@ class LLMEngine:
         for req, k in zip(decoding, ks):
             prop = proposals.get(req.request_id)
             if k and prop is not None:
-                self.policy.observe_proposal(req.request_id, k, len(prop.token_ids))
-            if prop is not None and prop.token_ids:
-                req.spec_token_ids = list(prop.token_ids)
-                self._draft_probs[req.request_id] = prop.probs
+                self.policy.observe_proposal(req.request_id, k, prop.max_depth)
+            if prop is not None and len(prop):
+                req.draft = prop
 
     def _release_finished(self, finished: list[Request]) -> None:
         for req in finished:
             if self.connector is not None:
                 self.connector.request_finished(req)
-            self._draft_probs.pop(req.request_id, None)
             self.policy.forget(req.request_id)
             if self.proposer is not None:
                 self.proposer.remove_request(req.request_id, finished=True)

@@ -33,6 +33,8 @@ from specserve.models.llama import KVCache, LayerHooks, RMSNorm, RotaryEmbedding
 from specserve.models.registry import build_model
 from specserve.sampling.rejection import SpecBatch, rejection_sample
 from specserve.sampling.sampler import Sampler, SamplingMetadata
+from specserve.sampling.tree_rejection import verify_trees
+from specserve.spec.tree import DraftTree, SiblingDraw
 
 # Extra rotary positions beyond max_model_len so look-ahead (draft) slots always have a table row.
 ROPE_SLACK = 64
@@ -46,6 +48,16 @@ class StepInputs(NamedTuple):
     meta: AttentionMetadata
     logits_index: torch.Tensor  # [num_logit_rows] rows of the hidden states that need logits
     row_spans: list[tuple[int, int]]  # per scheduled request: its rows in logits_index
+
+
+_EMPTY_TREE = DraftTree((), ())
+
+
+def _chain_probs(draft: DraftTree | None) -> torch.Tensor | None:  # [K, V] or None
+    """The rows a chain's tokens were drawn from, in order (None: deterministic / no draft)."""
+    if draft is None or draft.draw is SiblingDraw.DETERMINISTIC or draft.dists is None:
+        return None
+    return draft.dists[list(draft.dist_row)]
 
 
 class StepConnector(LayerHooks, Protocol):
@@ -183,24 +195,42 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
 
     # ------------------------------------------------------------------ inputs
-    def prepare_inputs(self, out: SchedulerOutput, extra_mask: torch.Tensor | None = None) -> StepInputs:
-        """Flatten scheduled requests into one token batch plus attention metadata."""
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """Flatten scheduled requests into one token batch plus attention metadata.
+
+        A draft's nodes sit after the request's uncomputed tokens; a node's position is the
+        root's (the last uncomputed token's) plus its depth, and when the draft branches a tree
+        mask lets each node see the prefix, its ancestors and itself only.
+        """
         ids: list[int] = []
         pos: list[int] = []
         logit_rows: list[int] = []
         spans: list[tuple[int, int]] = []
+        branching = False
         for sr in out.scheduled:
             base = len(ids)
             n = len(sr.token_ids)
             ids.extend(sr.token_ids)
-            pos.extend(range(sr.start_pos, sr.start_pos + n))
+            k = sr.num_spec_tokens
+            pos.extend(range(sr.start_pos, sr.start_pos + n - k))
+            if k:
+                root = sr.start_pos + n - k - 1
+                pos.extend(root + d for d in sr.draft.depths)  # type: ignore[union-attr]
+                branching |= not sr.draft.is_chain  # type: ignore[union-attr]
             first = len(logit_rows)
             if sr.sample:
-                # The last non-draft token predicts the next token; each draft token predicts
-                # the one after it (used by verification).
-                k = sr.num_spec_tokens
+                # The last non-draft token predicts the next token (the root's children); each
+                # draft node predicts its own children (used by verification).
                 logit_rows.extend(range(base + n - 1 - k, base + n))
             spans.append((first, len(logit_rows)))
+        extra_mask = None
+        if branching:
+            q = max(len(sr.token_ids) for sr in out.scheduled)
+            extra_mask = torch.ones(len(out.scheduled), q, q, dtype=torch.bool).tril_()
+            for b, sr in enumerate(out.scheduled):
+                if sr.draft is not None and not sr.draft.is_chain:
+                    k, n = sr.num_spec_tokens, len(sr.token_ids)
+                    extra_mask[b, n - k : n, n - k : n] = sr.draft.ancestor_mask()
         meta = build_attention_metadata(
             [len(sr.token_ids) for sr in out.scheduled],
             [sr.start_pos for sr in out.scheduled],
@@ -232,13 +262,12 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def execute(
-        self, out: SchedulerOutput, draft_probs: dict[str, torch.Tensor | None] | None = None
-    ) -> dict[str, SampledTokens]:
-        """Run one step: sample one token per finishing request, or verify its drafts.
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledTokens]:
+        """Run one step: sample one token per finishing request, or verify its draft.
 
-        draft_probs holds, per request with drafts, the [K, V] distribution they were drawn
-        from (None for deterministic proposers, whose p is one-hot).
+        Everything about drafts comes from the step itself (each ScheduledRequest's tree).
+        After verification the KV of an accepted tree path is moved into the request's next
+        consecutive slots, so the cache holds exactly the verified sequence.
         """
         if out.is_empty:
             return {}
@@ -258,45 +287,69 @@ class ModelRunner:
             [sr.output_index for sr in sampled_reqs],
             self.device,
         )
-        if any(sr.num_spec_tokens for sr in sampled_reqs):
-            return self._verify(logits, sampled_reqs, meta, draft_probs or {})
-        # Without drafts each sampling request owns exactly one logits row, in order.
-        tokens, logprobs = self.sampler(logits, meta)
-        tokens_l = tokens.tolist()
-        lp_l = logprobs.tolist() if logprobs is not None else None
-        result = {}
-        for i, sr in enumerate(sampled_reqs):
-            result[sr.request_id] = SampledTokens([tokens_l[i]], [lp_l[i]] if lp_l is not None else None)
-        return result
+        drafts = [sr.draft for sr in sampled_reqs]
+        if all(d is None for d in drafts):
+            # Without drafts each sampling request owns exactly one logits row, in order.
+            tokens, logprobs = self.sampler(logits, meta)
+            tokens_l = tokens.tolist()
+            lp_l = logprobs.tolist() if logprobs is not None else None
+            return {sr.request_id: SampledTokens([tokens_l[i]], [lp_l[i]] if lp_l is not None else None)
+                    for i, sr in enumerate(sampled_reqs)}
+        if all(d is None or d.is_chain for d in drafts):
+            return self._verify_chains(logits, sampled_reqs, meta)
+        return self._verify_trees(logits, sampled_reqs, meta)
 
-    def _verify(
-        self,
-        logits: torch.Tensor,  # [sum(K_i + 1), V]
-        sampled_reqs: list[ScheduledRequest],
-        meta: SamplingMetadata,
-        draft_probs: dict[str, torch.Tensor | None],
+    def _verify_chains(
+        self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest], meta: SamplingMetadata  # logits: [sum(K_i + 1), V]
     ) -> dict[str, SampledTokens]:
+        """Chains only: the batched accept / recover / bonus sampler (specserve.sampling.rejection)."""
         ks = [sr.num_spec_tokens for sr in sampled_reqs]
-        probs = []
-        for sr, k in zip(sampled_reqs, ks):
-            p = draft_probs.get(sr.request_id) if k else None
-            probs.append(p[:k] if p is not None else None)
         batch = SpecBatch(
             num_draft=ks,
             draft_token_ids=[sr.token_ids[len(sr.token_ids) - k :] if k else [] for sr, k in zip(sampled_reqs, ks)],
-            draft_probs=probs,
+            draft_probs=[_chain_probs(sr.draft) for sr in sampled_reqs],
             meta=meta,
         )
         res = rejection_sample(logits, batch, self.sampler.generator)
-        result = {}
-        for i, sr in enumerate(sampled_reqs):
-            result[sr.request_id] = SampledTokens(
-                res.token_ids[i],
-                res.logprobs[i] if res.logprobs is not None else None,
-                num_draft_tokens=ks[i],
-                num_accepted_tokens=res.num_accepted[i],
+        return {
+            sr.request_id: SampledTokens(
+                res.token_ids[i], res.logprobs[i] if res.logprobs is not None else None, num_draft_tokens=ks[i],
+                num_accepted_tokens=res.num_accepted[i], accepted_nodes=tuple(range(res.num_accepted[i])),
             )
-        return result
+            for i, sr in enumerate(sampled_reqs)
+        }
+
+    def _verify_trees(
+        self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest], meta: SamplingMetadata  # logits: [sum(N_i + 1), V]
+    ) -> dict[str, SampledTokens]:
+        """At least one branching draft: walk every request's tree (specserve.sampling.tree_rejection),
+        then move each accepted path's KV into consecutive slots."""
+        trees = [sr.draft if sr.draft is not None else _EMPTY_TREE for sr in sampled_reqs]
+        results = verify_trees(logits, trees, meta, self.sampler.generator)
+        moves: list[tuple[ScheduledRequest, int, int]] = []  # (request, from, to) positions of accepted nodes' KV
+        for sr, res in zip(sampled_reqs, results):
+            first = sr.start_pos + sr.num_new_tokens  # where the nodes' KV was written, in node order
+            moves += [(sr, first + node, first + d) for d, node in enumerate(res.accepted_nodes) if node != d]
+        if moves:
+            self._move_kv([(self._slot(sr, a), self._slot(sr, b)) for sr, a, b in moves])
+        return {
+            sr.request_id: SampledTokens(res.token_ids, res.logprobs, num_draft_tokens=sr.num_spec_tokens,
+                                         num_accepted_tokens=len(res.accepted_nodes), accepted_nodes=tuple(res.accepted_nodes))
+            for sr, res in zip(sampled_reqs, results)
+        }
+
+    def _slot(self, sr: ScheduledRequest, pos: int) -> int:
+        return sr.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _move_kv(self, moves: list[tuple[int, int]]) -> None:
+        """Copy every layer's K/V (and int8 scales) from slot a to slot b for each (a, b); all
+        sources are read before any destination is written."""
+        src = torch.tensor([a for a, _ in moves], dtype=torch.long, device=self.device)
+        dst = torch.tensor([b for _, b in moves], dtype=torch.long, device=self.device)
+        for layer in self.kv_caches:
+            for t in layer:
+                flat = t.view(t.shape[0] * t.shape[1], -1)
+                flat.index_copy_(0, dst, flat.index_select(0, src))
 
     # ------------------------------------------------------------------ profiling
     @torch.inference_mode()
@@ -313,7 +366,8 @@ class ModelRunner:
         from specserve.sampling_params import SamplingParams
 
         entries = [
-            ScheduledRequest(f"profile-{i}", [1] * tokens_per_req, context, table, tokens_per_req - 1,
+            ScheduledRequest(f"profile-{i}", [1] * tokens_per_req, context, table,
+                             DraftTree.chain([1] * (tokens_per_req - 1)) if tokens_per_req > 1 else None,
                              True, SamplingParams(), 0)
             for i in range(batch)
         ]

@@ -17,19 +17,30 @@ from specserve.config import SchedulerConfig
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.request import Request, RequestStatus
 from specserve.sampling_params import SamplingParams
+from specserve.spec.tree import DraftTree
 
 
 class ScheduledRequest(NamedTuple):
     """One request's share of a step."""
 
     request_id: str
-    token_ids: list[int]  # fed this step: uncomputed tokens, then draft tokens (last num_spec)
+    token_ids: list[int]  # fed this step: uncomputed tokens, then the draft's node tokens
     start_pos: int  # position of token_ids[0] (== num_computed_tokens)
     block_ids: list[int]  # the request's whole block table
-    num_spec_tokens: int  # draft tokens at the end of token_ids
+    draft: DraftTree | None  # verified this step; its nodes are the last len(draft) of token_ids
     sample: bool  # the step reaches the request's last known token, so it produces output
     sampling_params: SamplingParams
     output_index: int  # number of output tokens before this step (keys seeded sampling)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft nodes at the end of token_ids."""
+        return len(self.draft) if self.draft is not None else 0
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens fed before the draft: a prompt chunk, or the token sampled last step."""
+        return len(self.token_ids) - self.num_spec_tokens
 
 
 class SchedulerOutput(NamedTuple):
@@ -50,8 +61,9 @@ class SampledTokens(NamedTuple):
 
     token_ids: list[int]
     logprobs: list[float] | None = None
-    num_draft_tokens: int = 0  # drafts that were verified this step
-    num_accepted_tokens: int = 0  # of those, how many were accepted
+    num_draft_tokens: int = 0  # draft nodes that were verified this step
+    num_accepted_tokens: int = 0  # of those, how many were accepted (one path through the tree)
+    accepted_nodes: tuple[int, ...] = ()  # the accepted path's node indices, depth 1 first
 
 
 def _queue_key(r: Request) -> tuple[int, float]:
@@ -119,7 +131,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_spec = len(req.spec_token_ids)
+            num_spec = len(req.draft) if req.draft is not None else 0
             num_new = req.num_tokens - req.num_computed_tokens
             if num_new + num_spec > budget:
                 # Drop drafts that do not fit rather than delay the request.
@@ -138,8 +150,9 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # req preempted itself; running[i] is now the next request
             self.kv.allocate_slots(req, total)
-            if num_spec != len(req.spec_token_ids):
-                req.spec_token_ids = req.spec_token_ids[:num_spec]
+            if req.draft is not None and num_spec != len(req.draft):
+                # A prefix of a tree's nodes is a tree (parents come first).
+                req.draft = req.draft.truncate(num_spec) if num_spec else None
             scheduled.append(self._make_scheduled(req, num_new, num_spec))
             budget -= total
             i += 1
@@ -177,7 +190,7 @@ class Scheduler:
             self.waiting.pop(w)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
-            req.spec_token_ids = []
+            req.draft = None
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             if req.times.first_scheduled is None:
@@ -191,13 +204,14 @@ class Scheduler:
 
     def _make_scheduled(self, req: Request, num_new: int, num_spec: int) -> ScheduledRequest:
         start = req.num_computed_tokens
-        tokens = req.all_token_ids[start : start + num_new] + req.spec_token_ids[:num_spec]
+        draft = req.draft if num_spec else None
+        tokens = req.all_token_ids[start : start + num_new] + (list(draft.token_ids) if draft is not None else [])
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=tokens,
             start_pos=start,
             block_ids=self.kv.block_ids(req.request_id),
-            num_spec_tokens=num_spec,
+            draft=draft,
             sample=start + num_new == req.num_tokens,
             sampling_params=req.sampling_params,
             output_index=req.num_output_tokens,
@@ -214,7 +228,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
+        req.draft = None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(req)
@@ -240,12 +254,13 @@ class Scheduler:
                 self.kv.cache_blocks(req, req.num_computed_tokens)
                 continue
             out = sampled[sr.request_id]
-            # The fed uncomputed tokens and the accepted drafts now have KV; the final sampled
-            # token (recovered or bonus) does not yet.
+            # The fed uncomputed tokens and the accepted drafts now have KV (the runner has moved
+            # an accepted tree path's KV into consecutive slots); the final sampled token
+            # (recovered or bonus) does not yet.
             num_accepted = len(out.token_ids) - 1
             req.num_computed_tokens += num_fed - sr.num_spec_tokens + num_accepted
-            req.spec_token_ids = []
-            req.record_verify(sr.num_spec_tokens, num_accepted)
+            req.draft = None
+            req.record_verify(sr.num_spec_tokens, num_accepted, sr.draft.max_depth if sr.draft is not None else None)
             new_tokens = self._append_checking_stops(req, out)
             if req.times.first_token is None:
                 req.times.first_token = now

@@ -31,7 +31,8 @@ from specserve.kv_cache.manager import KVCacheManager
 from specserve.models.arch import ArchConfig
 from specserve.request import Request
 from specserve.sampling.sampler import SamplingMetadata, logits_to_probs, sample_from_probs
-from specserve.spec.proposer import DraftProposal, Proposer, register_proposer
+from specserve.spec.proposer import Proposer, register_proposer
+from specserve.spec.tree import DraftTree
 
 # Random stream of draft sampling, distinct from the target's streams for the same positions.
 STREAM_DRAFT = 3 << 40
@@ -129,7 +130,7 @@ class DraftModelProposer(Proposer):
         self.kv.cache_blocks(seq, seq.num_computed_tokens)
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftProposal]:
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
         """Draft up to num_tokens[i] tokens for every request, all requests batched per pass."""
         t0 = time.perf_counter()
         active: list[tuple[Request, _DraftSeq, int]] = []
@@ -193,7 +194,7 @@ class DraftModelProposer(Proposer):
         for req, _, _ in active:
             rid = req.request_id
             p = torch.stack(probs[rid]) if probs[rid] else None
-            out[rid] = DraftProposal(drafts[rid], p)
+            out[rid] = DraftTree.chain(drafts[rid], p)
         self.last_time_s = time.perf_counter() - t0
         self.last_pass_time_s = sum(later_passes) / len(later_passes) if later_passes else None
         self.last_batch = len(active)
@@ -203,7 +204,7 @@ class DraftModelProposer(Proposer):
     def _entry(self, req: Request, tokens: list[int], start: int) -> ScheduledRequest:
         return ScheduledRequest(
             request_id=req.request_id, token_ids=tokens, start_pos=start,
-            block_ids=self.kv.block_ids(req.request_id), num_spec_tokens=0, sample=True,
+            block_ids=self.kv.block_ids(req.request_id), draft=None, sample=True,
             sampling_params=req.sampling_params, output_index=req.num_output_tokens,
         )
 

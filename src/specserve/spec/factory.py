@@ -30,7 +30,7 @@ class ProposerContext:
 def _build_ngram(ctx: ProposerContext) -> Proposer:
     from specserve.spec.ngram import NgramProposer
 
-    return NgramProposer(ctx.spec.ngram_min, ctx.spec.ngram_max)
+    return NgramProposer(ctx.spec.ngram_min, ctx.spec.ngram_max, tree=ctx.spec.trees)
 
 
 def _build_reference(ctx: ProposerContext) -> Proposer:
@@ -38,7 +38,7 @@ def _build_reference(ctx: ProposerContext) -> Proposer:
 
     tok = ctx.tokenizer
     encode = (lambda text: tok.encode(text, add_special_tokens=False)) if tok is not None else None
-    return ReferenceProposer(encode, ctx.spec.ngram_min, ctx.spec.ngram_max)
+    return ReferenceProposer(encode, ctx.spec.ngram_min, ctx.spec.ngram_max, tree=ctx.spec.trees)
 
 
 def _build_draft(ctx: ProposerContext) -> Proposer:

@@ -4,19 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
-import torch
+from specserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
     from specserve.request import Request
-
-
-class DraftProposal(NamedTuple):
-    """Draft tokens for one request and the distribution they were drawn from."""
-
-    token_ids: list[int]
-    probs: torch.Tensor | None  # [len(token_ids), V] draft distribution; None = deterministic
 
 
 class Proposer(ABC):
@@ -33,10 +26,10 @@ class Proposer(ABC):
         (finished=False): release what it holds; a preempted request comes back later."""
 
     @abstractmethod
-    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftProposal]:
-        """Up to num_tokens[i] draft tokens continuing requests[i].all_token_ids.
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
+        """A draft of up to num_tokens[i] nodes continuing requests[i].all_token_ids.
 
-        A proposer may return fewer tokens than asked (or none) when it has no good guess.
+        A proposer may return fewer nodes than asked (or none) when it has no good guess.
         """
 
     def check_integrity(self) -> bool:
@@ -59,24 +52,14 @@ def longest_suffix_match(
     not be the suffix itself (prompt lookup searches the context in itself). Returns up to k
     tokens and the index in haystack where the continuation starts (-1 when nothing matched).
     """
-    import numpy as np
+    from specserve.spec.suffix import suffix_matches
 
-    hay = np.asarray(haystack, dtype=np.int64)
-    limit = len(hay) - 1 if exclude_tail else len(hay)
-    for n in range(min(n_max, len(context)), n_min - 1, -1):
-        if limit - n < 0 or n == 0:
-            continue
-        pattern = np.asarray(context[-n:], dtype=np.int64)
-        windows = np.lib.stride_tricks.sliding_window_view(hay[:limit], n)
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
-        # A match must leave at least one token after it.
-        hits = hits[hits + n < len(hay)]
-        if hits.size == 0:
-            continue
-        after = hits[hits >= prefer_from] if prefer_from is not None else hits[:0]
-        start = int(after[0] if after.size else hits[-1]) + n
-        return hay[start : start + k].tolist(), start
-    return [], -1
+    n, starts = suffix_matches(haystack, context, n_min, n_max, exclude_tail)
+    if n == 0:
+        return [], -1
+    after = starts[starts - n >= prefer_from] if prefer_from is not None else starts[:0]
+    start = int(after[0] if after.size else starts[-1])
+    return list(haystack[start : start + k]), start
 
 
 PROPOSERS: dict[str, type[Proposer]] = {}

@@ -1,0 +1,110 @@
+"""Draft trees end to end: branching drafts verified in one pass stay exact (greedy == plain,
+batched and alone), the accepted path's KV lands in consecutive slots, nothing leaks."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from specserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from conftest import tiny_checkpoint
+
+    return tiny_checkpoint("llama", seed=5, vocab=64, layers=2)[1]
+
+
+def _prompts(n: int = 24, seed: int = 3) -> list[list[int]]:
+    """Text that repeats with variations: the same tail is followed by different tokens in
+    different places, which is what makes prompt lookup branch."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = [[rng.randint(3, 63) for _ in range(rng.randint(2, 4))] for _ in range(4)]
+        seq: list[int] = []
+        for _ in range(rng.randint(6, 14)):
+            seq += rng.choice(words) + [rng.choice([5, 6, 7])]
+        out.append(seq)
+    return out
+
+
+def _spy(llm: LLM) -> Counter:
+    """Count branching drafts and accepted paths that leave the first branch."""
+    seen: Counter = Counter()
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def wrapped(out):
+        res = execute(out)
+        for sr in out.scheduled:
+            if sr.draft is not None:
+                seen["drafts"] += 1
+                seen["branching"] += not sr.draft.is_chain
+                nodes = res[sr.request_id].accepted_nodes if sr.request_id in res else ()
+                seen["moved"] += any(node != d for d, node in enumerate(nodes))
+        return res
+
+    runner.execute = wrapped
+    return seen
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_ngram_trees_are_exact_batched_and_alone(tiny, kv_cache_dtype):
+    prompts = _prompts()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    kw = dict(dtype="float32", checkpoint=tiny, kv_cache_dtype=kv_cache_dtype, profile_spec_costs=False)
+    base = LLM("tiny", spec_method="none", **kw).generate(prompts, params)
+    llm = LLM("tiny", spec_method="ngram", spec_policy="always", num_spec_tokens=8, **kw)
+    seen = _spy(llm)
+    batched = llm.generate(prompts, params)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in base]
+    for p, b in list(zip(prompts, base))[::4]:
+        assert llm.generate([p], params)[0].token_ids == b.token_ids
+    assert seen["branching"] > 0, seen  # real trees were verified
+    assert seen["moved"] > 0, seen  # and some accepted path left the first branch (KV moved)
+    eng = llm.engine
+    assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+
+
+def test_chain_mode_drafts_only_chains(tiny):
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="ngram", spec_policy="always",
+              spec_tree="chain", num_spec_tokens=8, profile_spec_costs=False)
+    seen = _spy(llm)
+    llm.generate(_prompts(8), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert seen["drafts"] > 0 and seen["branching"] == 0
+
+
+def test_sampled_trees_run_and_keep_the_cache_clean(tiny):
+    """Sampled verification of trees through the engine (exactness itself is tested on the
+    sampler, tests/sampling/test_tree_rejection.py); seeded outputs repeat."""
+    prompts = _prompts(12)
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="ngram", spec_policy="always",
+              num_spec_tokens=8, profile_spec_costs=False)
+    seen = _spy(llm)
+    params = [SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=i, ignore_eos=True) for i in range(12)]
+    a = llm.generate(prompts, params)
+    b = llm.generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert seen["branching"] > 0
+    assert llm.engine.check_integrity()
+
+
+def test_smollm_native_trees_equal_plain(smollm_path):
+    """The native path (GGUF blocks, one-call decoder stack, native attention with the tree
+    mask) on SmolLM2: greedy with n-gram trees equals plain decoding."""
+    text = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+            "def mul(a, b):\n    return a * b\n\ndef div(a, b):\n    return a / b\n\n")
+    prompts = [text + "def mod(a, b):", text + "def pow(a, b):", text * 2 + "def neg(a):"]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    kw = dict(quantization="auto", kv_cache_gib=0.25, profile_spec_costs=False)
+    base = LLM("smollm2-135m-instruct", spec_method="none", **kw).generate(prompts, params)
+    llm = LLM("smollm2-135m-instruct", spec_method="ngram", spec_policy="always", num_spec_tokens=8, **kw)
+    seen = _spy(llm)
+    out = llm.generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in base]
+    assert seen["branching"] > 0
+    assert llm.engine.check_integrity()
