@@ -13,6 +13,7 @@ layer serves the whole batch whatever its mix.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,12 +44,15 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
-    extra_mask: torch.Tensor | None = None,
+    tail_masks: Sequence[torch.Tensor | None] | None = None,
 ) -> AttentionMetadata:
     """Build the step's metadata from per-request query lengths, starts and block tables.
 
-    extra_mask ([B, Q, Q] bool), when given, is AND-ed into the mask among the new tokens of
-    each request: tree verification uses it so a draft only sees its own ancestors.
+    start_positions are slot indices in each request's block table (the new tokens occupy the
+    consecutive slots from there); attention is causal over slots. tail_masks, when given, holds
+    per request None or a [q, m] bool mask that replaces the causal rule for the last m keys
+    (m >= q, the new tokens included): a draft tree's nodes see only their ancestors there, also
+    ancestors written by an earlier pass of a draft model.
     """
     num_seqs = len(query_lens)
     max_q = max(query_lens)
@@ -67,19 +71,16 @@ def build_attention_metadata(
 
     q_len_t = torch.tensor(query_lens, dtype=torch.long)
     start_t = torch.tensor(start_positions, dtype=torch.long)
-    # Absolute position of each padded query row; padding rows get position -1.
+    # Absolute slot of each padded query row; padding rows get position -1.
     j = torch.arange(max_q, dtype=torch.long)
     q_pos = start_t[:, None] + j[None, :]  # [B, Q]
     valid_q = j[None, :] < q_len_t[:, None]  # [B, Q]
     k_pos = torch.arange(max_kv, dtype=torch.long)  # [L]
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L] causal over absolute positions
-    if extra_mask is not None:
-        # Only the block of new tokens [start, start + q) is affected by the extra mask.
-        em = torch.ones(num_seqs, max_q, max_kv, dtype=torch.bool)
-        for b in range(num_seqs):
-            s, q = start_positions[b], query_lens[b]
-            em[b, :q, s : s + q] = extra_mask[b, :q, :q].cpu()
-        mask &= em
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L] causal over slots
+    for b, tail in enumerate(tail_masks or ()):
+        if tail is not None:
+            q, m = tail.shape
+            mask[b, :q, kv_lens[b] - m : kv_lens[b]] = tail.cpu()
     # Padding query rows attend to key 0 only, so softmax never sees an all-masked row.
     mask[~valid_q] = False
     mask[..., 0] |= ~valid_q

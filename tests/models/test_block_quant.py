@@ -176,9 +176,9 @@ def test_native_paged_attention_matches_sdpa_path():
     kc, vc = torch.zeros(nblocks, bs, n_kv, d), torch.zeros(nblocks, bs, n_kv, d)
     query_lens, starts = [1, 5, 3], [9, 0, 14]
     tables = [[3, 7, 1], [2, 5], [8, 9, 10, 11, 12]]
-    tree = torch.ones(3, 5, 5, dtype=torch.bool).tril()
-    tree[1, 3, 1] = False  # a draft branch that must not see token 1
-    meta = build_attention_metadata(query_lens, starts, tables, bs, torch.device("cpu"), extra_mask=tree)
+    tree = torch.ones(5, 5, dtype=torch.bool).tril()
+    tree[3, 1] = False  # a draft branch that must not see token 1
+    meta = build_attention_metadata(query_lens, starts, tables, bs, torch.device("cpu"), tail_masks=[None, tree, None])
     # fill the earlier context of every request, then this step's keys
     for s, table in zip(starts, tables):
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(s)], dtype=torch.long)

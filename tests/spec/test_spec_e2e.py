@@ -56,6 +56,8 @@ def _spec_llm(ckpt, which, policy="always", **kw):
         # The tiny random drafts are unsure of nearly everything: the default p_min would cut every
         # proposal to one token. "draft-pmin" sets one that makes proposals of every length.
         kw.setdefault("draft_p_min", 0.05 if which == "draft-pmin" else 0.0)
+        if which in ("draft-full", "draft-pmin"):  # chains: the draft stops at an unsure token
+            kw.setdefault("spec_tree", "chain")
         return _llm(ckpt, "draft", policy, draft=ckpt, draft_num_layers=layers, **kw)
     return _llm(ckpt, which, policy, **kw)
 
@@ -104,7 +106,7 @@ def test_draft_stops_after_the_first_token_it_is_unsure_of():
 
     _, ckpt = tiny_checkpoint("llama", seed=9, vocab=12, layers=2)
     p_min = 0.1
-    llm = _llm(ckpt, "draft", draft=ckpt, draft_num_layers=1, k=4, draft_p_min=p_min)
+    llm = _llm(ckpt, "draft", draft=ckpt, draft_num_layers=1, k=4, draft_p_min=p_min, spec_tree="chain")
     prop = llm.engine.proposer
     reqs = [Request(str(i), [1, 5, 7, 5, 7, 5], SamplingParams(temperature=1.0, seed=i, max_tokens=8))
             for i in range(64)]

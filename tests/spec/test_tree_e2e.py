@@ -70,6 +70,38 @@ def test_ngram_trees_are_exact_batched_and_alone(tiny, kv_cache_dtype):
     assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
 
 
+def test_draft_model_trees_accept_the_drafts_argmax_path_when_draft_is_target(tiny):
+    """Draft = target, greedy: the draft's most likely child is the target's argmax at every
+    level, so each step accepts the whole first-child path of its tree (and no other)."""
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="draft", draft_checkpoint=tiny,
+              spec_policy="always", num_spec_tokens=8, profile_spec_costs=False)
+    runner = llm.engine.runner
+    execute = runner.execute
+    checked = Counter()
+
+    def wrapped(out):
+        res = execute(out)
+        for sr in out.scheduled:
+            if sr.draft is not None and sr.request_id in res:
+                first, node = [], -1
+                while sr.draft.children[node + 1]:
+                    node = sr.draft.children[node + 1][0]
+                    first.append(node)
+                assert list(res[sr.request_id].accepted_nodes) == first
+                checked["steps"] += 1
+                checked["branching"] += not sr.draft.is_chain
+        return res
+
+    runner.execute = wrapped
+    prompts = _prompts(8)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    base = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="none").generate(prompts, params)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in base]
+    assert checked["steps"] > 0 and checked["branching"] > 0
+    eng = llm.engine
+    assert eng.check_integrity() and eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
+
+
 def test_chain_mode_drafts_only_chains(tiny):
     llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="ngram", spec_policy="always",
               spec_tree="chain", num_spec_tokens=8, profile_spec_costs=False)

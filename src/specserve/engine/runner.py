@@ -47,7 +47,18 @@ class StepInputs(NamedTuple):
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
     logits_index: torch.Tensor  # [num_logit_rows] rows of the hidden states that need logits
-    row_spans: list[tuple[int, int]]  # per scheduled request: its rows in logits_index
+    row_spans: list[tuple[int, int]]  # per entry: its rows in logits_index
+
+
+class FeedEntry(NamedTuple):
+    """One request's tokens in one forward pass, as the model sees them."""
+
+    token_ids: list[int]
+    positions: list[int]  # rotary positions (a draft node's: its root's + its depth)
+    start_slot: int  # slot of token_ids[0] in the request's block table; the rest follow in order
+    block_ids: list[int]
+    tail_mask: torch.Tensor | None  # [q, m]: which of the last m slots each token sees (None: causal)
+    logit_rows: range | list[int]  # which of token_ids need logits
 
 
 _EMPTY_TREE = DraftTree((), ())
@@ -202,42 +213,47 @@ class ModelRunner:
         root's (the last uncomputed token's) plus its depth, and when the draft branches a tree
         mask lets each node see the prefix, its ancestors and itself only.
         """
+        return self.feed_inputs([self._entry(sr) for sr in out.scheduled])
+
+    @staticmethod
+    def _entry(sr: ScheduledRequest) -> FeedEntry:
+        n, k = len(sr.token_ids), sr.num_spec_tokens
+        positions = list(range(sr.start_pos, sr.start_pos + n - k))
+        tail = None
+        if k:
+            draft = sr.draft
+            assert draft is not None
+            root = sr.start_pos + n - k - 1
+            positions += [root + d for d in draft.depths]
+            if not draft.is_chain:
+                tail = torch.ones(n, n, dtype=torch.bool).tril_()
+                tail[n - k :, n - k :] = draft.ancestor_mask()
+        # The last non-draft token predicts the next token (the root's children); each draft node
+        # predicts its own children (used by verification).
+        rows = range(n - 1 - k, n) if sr.sample else range(0)
+        return FeedEntry(sr.token_ids, positions, sr.start_pos, sr.block_ids, tail, rows)
+
+    def feed_inputs(self, entries: list[FeedEntry]) -> StepInputs:
+        """Tensors of one forward pass over the entries' tokens."""
         ids: list[int] = []
         pos: list[int] = []
         logit_rows: list[int] = []
         spans: list[tuple[int, int]] = []
-        branching = False
-        for sr in out.scheduled:
+        for e in entries:
             base = len(ids)
-            n = len(sr.token_ids)
-            ids.extend(sr.token_ids)
-            k = sr.num_spec_tokens
-            pos.extend(range(sr.start_pos, sr.start_pos + n - k))
-            if k:
-                root = sr.start_pos + n - k - 1
-                pos.extend(root + d for d in sr.draft.depths)  # type: ignore[union-attr]
-                branching |= not sr.draft.is_chain  # type: ignore[union-attr]
+            ids.extend(e.token_ids)
+            pos.extend(e.positions)
             first = len(logit_rows)
-            if sr.sample:
-                # The last non-draft token predicts the next token (the root's children); each
-                # draft node predicts its own children (used by verification).
-                logit_rows.extend(range(base + n - 1 - k, base + n))
+            logit_rows.extend(base + r for r in e.logit_rows)
             spans.append((first, len(logit_rows)))
-        extra_mask = None
-        if branching:
-            q = max(len(sr.token_ids) for sr in out.scheduled)
-            extra_mask = torch.ones(len(out.scheduled), q, q, dtype=torch.bool).tril_()
-            for b, sr in enumerate(out.scheduled):
-                if sr.draft is not None and not sr.draft.is_chain:
-                    k, n = sr.num_spec_tokens, len(sr.token_ids)
-                    extra_mask[b, n - k : n, n - k : n] = sr.draft.ancestor_mask()
+        tails = [e.tail_mask for e in entries]
         meta = build_attention_metadata(
-            [len(sr.token_ids) for sr in out.scheduled],
-            [sr.start_pos for sr in out.scheduled],
-            [sr.block_ids for sr in out.scheduled],
+            [len(e.token_ids) for e in entries],
+            [e.start_slot for e in entries],
+            [e.block_ids for e in entries],
             self.block_size,
             self.device,
-            extra_mask,
+            tails if any(t is not None for t in tails) else None,
         )
         return StepInputs(
             torch.tensor(ids, dtype=torch.long, device=self.device),
@@ -331,7 +347,7 @@ class ModelRunner:
             first = sr.start_pos + sr.num_new_tokens  # where the nodes' KV was written, in node order
             moves += [(sr, first + node, first + d) for d, node in enumerate(res.accepted_nodes) if node != d]
         if moves:
-            self._move_kv([(self._slot(sr, a), self._slot(sr, b)) for sr, a, b in moves])
+            self.move_kv([(self._slot(sr, a), self._slot(sr, b)) for sr, a, b in moves])
         return {
             sr.request_id: SampledTokens(res.token_ids, res.logprobs, num_draft_tokens=sr.num_spec_tokens,
                                          num_accepted_tokens=len(res.accepted_nodes), accepted_nodes=tuple(res.accepted_nodes))
@@ -339,9 +355,13 @@ class ModelRunner:
         }
 
     def _slot(self, sr: ScheduledRequest, pos: int) -> int:
-        return sr.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+        return self.slot(sr.block_ids, pos)
 
-    def _move_kv(self, moves: list[tuple[int, int]]) -> None:
+    def slot(self, block_ids: list[int], index: int) -> int:
+        """Flat cache slot of a request's index-th token slot."""
+        return block_ids[index // self.block_size] * self.block_size + index % self.block_size
+
+    def move_kv(self, moves: list[tuple[int, int]]) -> None:
         """Copy every layer's K/V (and int8 scales) from slot a to slot b for each (a, b); all
         sources are read before any destination is written."""
         src = torch.tensor([a for a, _ in moves], dtype=torch.long, device=self.device)

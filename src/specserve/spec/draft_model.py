@@ -18,36 +18,150 @@ own draft probability.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 from collections.abc import Sequence
 
 import torch
 
 from specserve.config import CacheConfig, ModelConfig
-from specserve.engine.runner import ModelRunner
+from specserve.engine.runner import FeedEntry, ModelRunner
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.models.arch import ArchConfig
 from specserve.request import Request
-from specserve.sampling.sampler import SamplingMetadata, logits_to_probs, sample_from_probs
+from specserve.sampling.sampler import SamplingMetadata, logits_to_probs, request_generator, sample_from_probs
 from specserve.spec.proposer import Proposer, register_proposer
-from specserve.spec.tree import DraftTree
+from specserve.spec.tree import DraftTree, SiblingDraw
 
 # Random stream of draft sampling, distinct from the target's streams for the same positions.
 STREAM_DRAFT = 3 << 40
 
 
+# Tree drafting (EAGLE-2's dynamic expansion): each pass feeds the EXPAND_WIDTH unexpanded nodes
+# with the highest path probability and gives each its CHILDREN most likely tokens (or draws
+# without replacement for sampled requests); nodes below EXPAND_MIN path probability are not
+# worth a pass. The draft keeps the best nodes within the step's node budget.
+EXPAND_WIDTH = 4
+CHILDREN = 4
+EXPAND_MIN = 0.05
+MAX_PASSES = 8
+
+
 class _DraftSeq:
     """A request as seen by the draft cache: accepted tokens plus unverified fed drafts."""
 
-    __slots__ = ("request_id", "all_token_ids", "num_computed_tokens", "pending")
+    __slots__ = ("request_id", "all_token_ids", "num_computed_tokens", "fed")
 
     def __init__(self, request: Request) -> None:
         self.request_id = request.request_id
         self.all_token_ids = request.all_token_ids  # the request's own list: always current
         self.num_computed_tokens = 0  # accepted tokens whose draft KV is valid
-        self.pending: list[int] = []  # draft tokens fed after them, not yet verified
+        # Draft nodes fed after them last time, in slot order (a chain, or the expanded nodes of
+        # a tree), not yet verified.
+        self.fed: DraftTree | None = None
+
+
+class _Cand:
+    """A node of a tree being drafted."""
+
+    __slots__ = ("token", "parent", "score", "row", "fed", "kids")
+
+    def __init__(self, token: int, parent: int, score: float, row: int) -> None:
+        self.token = token
+        self.parent = parent  # candidate index, -1 for the root
+        self.score = score  # path probability under the draft
+        self.row = row  # row of the distribution it was drawn from
+        self.fed = -1  # index among the fed nodes once expanded
+        self.kids: list[int] = []  # candidate children in draw order
+
+
+class _TreeDraft:
+    """One request's tree while the draft grows it (see DraftModelProposer._propose_trees)."""
+
+    def __init__(self, req: Request, seq: _DraftSeq, budget: int, cap: int) -> None:
+        self.req, self.seq, self.budget, self.cap = req, seq, budget, cap
+        self.cands: list[_Cand] = []
+        self.root_kids: list[int] = []
+        self.dists: list[torch.Tensor] = []  # [V] each, the distribution children were drawn from
+        self.fed: list[int] = []  # candidates fed to the draft, in slot order
+
+    def depth(self, c: int) -> int:
+        """Depth of candidate c (the root: 0)."""
+        d = 0
+        while c >= 0:
+            c, d = self.cands[c].parent, d + 1
+        return d
+
+    def add_children(self, parent: int, dist: torch.Tensor, picks: list[tuple[int, float]]) -> None:
+        row = len(self.dists)
+        self.dists.append(dist)
+        base = 1.0 if parent < 0 else self.cands[parent].score
+        kids = self.root_kids if parent < 0 else self.cands[parent].kids
+        for tok, prob in picks:
+            kids.append(len(self.cands))
+            self.cands.append(_Cand(tok, parent, base * prob, row))
+
+    def pick(self) -> list[int]:
+        """The unexpanded candidates to feed this pass: highest path probability first."""
+        room = min(EXPAND_WIDTH, self.cap - len(self.fed))
+        if room <= 0:
+            return []
+        open_ = [i for i, c in enumerate(self.cands) if c.fed < 0 and c.score >= EXPAND_MIN]
+        picked = sorted(open_, key=lambda i: -self.cands[i].score)[:room]
+        for i in picked:
+            self.cands[i].fed = len(self.fed)
+            self.fed.append(i)
+        return picked
+
+    def entry(self, picked: list[int], block_ids: list[int]) -> FeedEntry:
+        """The picked nodes as one request's share of a draft pass: slots after the nodes fed
+        before them, positions root + depth, each seeing the prefix and its fed ancestors."""
+        root = len(self.seq.all_token_ids) - 1
+        m = len(self.fed)
+        tail = torch.zeros(len(picked), m, dtype=torch.bool)
+        for r, c in enumerate(picked):
+            while c >= 0:
+                tail[r, self.cands[c].fed] = True
+                c = self.cands[c].parent
+        start = len(self.seq.all_token_ids) + m - len(picked)
+        return FeedEntry([self.cands[c].token for c in picked], [root + self.depth(c) for c in picked], start, block_ids,
+                         tail, range(len(picked)))
+
+    def select(self) -> DraftTree | None:
+        """The budget best nodes; a node enters only after its parent and its earlier siblings."""
+        heap = [(-self.cands[self.root_kids[0]].score, self.root_kids[0])] if self.root_kids else []
+        order: dict[int, int] = {}
+        while heap and len(order) < self.budget:
+            _, c = heapq.heappop(heap)
+            order[c] = len(order)
+            cand = self.cands[c]
+            if cand.kids:
+                heapq.heappush(heap, (-self.cands[cand.kids[0]].score, cand.kids[0]))
+            sibs = self.root_kids if cand.parent < 0 else self.cands[cand.parent].kids
+            nxt = sibs.index(c) + 1
+            if nxt < len(sibs):
+                heapq.heappush(heap, (-self.cands[sibs[nxt]].score, sibs[nxt]))
+        if not order:
+            return None
+        nodes = list(order)
+        tokens = tuple(self.cands[c].token for c in nodes)
+        parents = tuple(order[self.cands[c].parent] if self.cands[c].parent >= 0 else -1 for c in nodes)
+        scores = tuple(self.cands[c].score for c in nodes)
+        if self.req.sampling_params.is_greedy:
+            return DraftTree(tokens, parents, scores=scores)
+        rows = sorted({self.cands[c].row for c in nodes})
+        index = {r: i for i, r in enumerate(rows)}
+        return DraftTree(tokens, parents, SiblingDraw.WITHOUT_REPLACEMENT, torch.stack([self.dists[r] for r in rows]),
+                         tuple(index[self.cands[c].row] for c in nodes), scores)
+
+    def fed_tree(self) -> DraftTree | None:
+        """The fed nodes in slot order (what the draft cache holds beyond the accepted tokens)."""
+        if not self.fed:
+            return None
+        return DraftTree(tuple(self.cands[c].token for c in self.fed),
+                         tuple(self.cands[self.cands[c].parent].fed if self.cands[c].parent >= 0 else -1 for c in self.fed))
 
 
 def truncate_layers(
@@ -80,8 +194,10 @@ class DraftModelProposer(Proposer):
         vocab_subset: torch.Tensor | None = None,
         packed: dict | None = None,
         p_min: float = 0.0,
+        tree: bool = False,
     ) -> None:
         self.p_min = p_min
+        self.tree = tree
         self.runner = ModelRunner(arch, weights, model_config, cache_config, max_model_len, vocab_subset, packed)
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, name="draft"
@@ -117,21 +233,27 @@ class DraftModelProposer(Proposer):
 
     # ------------------------------------------------------------------ drafting
     def _sync(self, seq: _DraftSeq) -> None:
-        """Keep the fed drafts the target accepted; roll back the rest."""
-        if seq.pending:
-            toks = seq.all_token_ids
+        """Keep the fed drafts the target accepted (their KV moved into consecutive slots, as
+        the target's is); roll back the rest."""
+        if seq.fed is not None:
             base = seq.num_computed_tokens
-            a = 0
-            while a < len(seq.pending) and base + a < len(toks) and toks[base + a] == seq.pending[a]:
-                a += 1
-            seq.num_computed_tokens = base + a
-            seq.pending = []
+            # The newest token is always fed again: its output is the next draft's root.
+            path = seq.fed.match(seq.all_token_ids[base:-1])
+            moves = [(base + node, base + d) for d, node in enumerate(path) if node != d]
+            if moves:
+                table = self.kv.block_ids(seq.request_id)
+                self.runner.move_kv([(self.runner.slot(table, a), self.runner.slot(table, b)) for a, b in moves])
+            seq.num_computed_tokens = base + len(path)
+            seq.fed = None
         self.kv.rollback(seq, seq.num_computed_tokens)
         self.kv.cache_blocks(seq, seq.num_computed_tokens)
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
-        """Draft up to num_tokens[i] tokens for every request, all requests batched per pass."""
+        """Draft up to num_tokens[i] nodes for every request, all requests batched per pass:
+        trees (see _propose_trees) or, in chain mode, chains that stop at an unsure token."""
+        if self.tree:
+            return self._propose_trees(requests, num_tokens)
         t0 = time.perf_counter()
         active: list[tuple[Request, _DraftSeq, int]] = []
         first_pass: list[ScheduledRequest] = []
@@ -183,8 +305,9 @@ class DraftModelProposer(Proposer):
                 if rows is not None and not req.sampling_params.is_greedy:
                     probs[rid].append(rows[i])
                 if j + 1 < k and not unsure[i]:
-                    pos = len(seq.all_token_ids) + len(seq.pending)
-                    seq.pending.append(toks[i])
+                    fed = list(seq.fed.token_ids) if seq.fed is not None else []
+                    pos = len(seq.all_token_ids) + len(fed)
+                    seq.fed = DraftTree.chain(fed + [toks[i]])
                     next_reqs.append((req, seq, k))
                     entries.append(self._entry(req, [toks[i]], pos))
             step_reqs = next_reqs
@@ -200,6 +323,101 @@ class DraftModelProposer(Proposer):
         self.last_batch = len(active)
         self.time_s += self.last_time_s
         return out
+
+    # ------------------------------------------------------------------ trees
+    @torch.inference_mode()
+    def _propose_trees(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
+        """EAGLE-2's dynamic tree: grow where the draft is sure, branch where it is not.
+
+        After the catch-up pass (which gives the root's distribution) every pass feeds, for each
+        request, the EXPAND_WIDTH unexpanded nodes of highest path probability (the product of
+        the draft's probabilities along the path), each one's KV written after the nodes fed
+        before it and masked to its ancestors; each fed node gets CHILDREN candidate children.
+        The draft then keeps the budget nodes of highest path probability, a node only with its
+        parent and its earlier siblings (children drawn without replacement are verified in
+        draw order). Greedy requests take the most likely tokens (deterministic candidates);
+        sampled ones draw children without replacement from the processed distribution.
+        """
+        t0 = time.perf_counter()
+        trees: list[_TreeDraft] = []
+        entries: list[FeedEntry] = []
+        for req, k in zip(requests, num_tokens):
+            if k <= 0:
+                continue
+            seq = self._seqs.get(req.request_id)
+            if seq is None:
+                seq = self._seqs[req.request_id] = _DraftSeq(req)
+            self._sync(seq)
+            hits = []
+            if not self.kv.req_blocks.get(seq.request_id):
+                hits, n_hit = self.kv.get_computed_blocks(seq)
+                seq.num_computed_tokens = n_hit
+            new = seq.all_token_ids[seq.num_computed_tokens :]
+            cap = min(k, EXPAND_WIDTH * MAX_PASSES)  # nodes this call may feed
+            if not self.kv.allocate_slots(seq, len(new) + cap, hits):
+                continue  # no room: no speculation this step rather than evict anything
+            start = seq.num_computed_tokens
+            trees.append(_TreeDraft(req, seq, k, cap))
+            entries.append(FeedEntry(new, list(range(start, start + len(new))), start, self.kv.block_ids(req.request_id),
+                                     None, [len(new) - 1]))
+        if not trees:
+            return {}
+        logits = self.runner.forward_logits(self.runner.feed_inputs(entries))  # [B, V]: each root's next token
+        self.num_forwards += 1
+        for i, t in enumerate(trees):
+            t.seq.num_computed_tokens = len(t.seq.all_token_ids)
+            self._expand(t, -1, logits[i])
+        later = []
+        for _ in range(MAX_PASSES):
+            tp = time.perf_counter()
+            step, entries = [], []
+            for t in trees:
+                picked = t.pick()
+                if picked:
+                    step.append((t, picked))
+                    entries.append(t.entry(picked, self.kv.block_ids(t.req.request_id)))
+            if not step:
+                break
+            logits = self.runner.forward_logits(self.runner.feed_inputs(entries))  # [sum picked, V]
+            self.num_forwards += 1
+            row = 0
+            for t, picked in step:
+                for c in picked:
+                    self._expand(t, c, logits[row])
+                    row += 1
+            later.append(time.perf_counter() - tp)
+        out = {}
+        for t in trees:
+            draft = t.select()
+            t.seq.fed = t.fed_tree()
+            if draft is not None:
+                out[t.req.request_id] = draft
+        self.last_time_s = time.perf_counter() - t0
+        self.last_pass_time_s = sum(later) / len(later) if later else None
+        self.last_batch = len(trees)
+        self.time_s += self.last_time_s
+        return out
+
+    def _expand(self, t: _TreeDraft, parent: int, logits: torch.Tensor) -> None:  # logits: [V]
+        """Give candidate `parent` (-1: the root) its children from the draft's next-token logits."""
+        params = t.req.sampling_params
+        depth = t.depth(parent) + 1
+        if params.is_greedy:
+            p = logits.float().softmax(-1)
+            top = p.topk(CHILDREN)
+            picks = list(zip(top.indices.tolist(), top.values.tolist()))
+        else:
+            meta = SamplingMetadata.build([params], [t.req.num_output_tokens + depth - 1], self.device)
+            p = logits_to_probs(logits[None].float(), meta.temperature, meta.top_k, meta.top_p, meta.any_top_k,
+                                meta.any_top_p)[0]
+            n = min(CHILDREN, int((p > 0).sum()))
+            g = self.generator
+            if params.seed is not None:  # the same draft wherever the request is batched
+                g = request_generator(params.seed + STREAM_DRAFT + 7919 * (parent + 2), t.req.num_output_tokens + depth,
+                                      self.device)
+            toks = torch.multinomial(p, n, replacement=False, generator=g).tolist()
+            picks = [(x, float(p[x])) for x in toks]
+        t.add_children(parent, p, picks)
 
     def _entry(self, req: Request, tokens: list[int], start: int) -> ScheduledRequest:
         return ScheduledRequest(

@@ -68,7 +68,7 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
     if ctx.spec.draft_vocab_size is not None and ctx.spec.draft_vocab_size < arch.vocab_size:
         subset = frequent_token_subset(ckpt.tokenizer, arch.vocab_size, ctx.spec.draft_vocab_size)
     return DraftModelProposer(arch, weights, model, cache, ctx.max_model_len, vocab_subset=subset, packed=packed,
-                              p_min=ctx.spec.draft_p_min)
+                              p_min=ctx.spec.draft_p_min, tree=ctx.spec.trees)
 
 
 def default_draft_quantization(draft: str | None, target: str) -> str:
