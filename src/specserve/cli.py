@@ -36,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--spec-method", choices=["none", "draft", "ngram", "reference"], default=None,
+    s.add_argument("--spec-method", choices=["none", "draft", "ngram", "reference", "lookahead"], default=None,
                    help="proposer (default: draft when --draft-model is given, else none)")
     s.add_argument("--draft-model", default=None, help="draft model (bundled name, GGUF or HF dir)")
     s.add_argument("--num-spec-tokens", type=int, default=4, help="maximum draft tokens K per step")
@@ -55,6 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "always draft --num-spec-tokens); exactness is unaffected")
     s.add_argument("--ngram-min", type=int, default=1)
     s.add_argument("--ngram-max", type=int, default=4)
+    s.add_argument("--lookahead-window", type=int, default=6, help="lookahead: Jacobi window length")
     s.add_argument("--spec-on-batch", type=int, default=8, help="speculate freely at batch <= this")
     s.add_argument("--spec-off-batch", type=int, default=32, help="never speculate at batch >= this")
     g.add_argument("--seed", type=int, default=None,
@@ -73,7 +74,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_chunked_prefill=not args.no_chunked_prefill, num_threads=args.threads, seed=args.seed or 0,
         draft_model=args.draft_model, spec_method=args.spec_method, num_spec_tokens=args.num_spec_tokens,
         spec_policy=args.spec_policy, spec_tree=args.spec_tree, draft_num_layers=args.draft_num_layers,
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max, lookahead_window=args.lookahead_window,
         spec_on_batch=args.spec_on_batch, spec_off_batch=args.spec_off_batch,
         **({} if args.draft_p_min is None else {"draft_p_min": args.draft_p_min}),
     )

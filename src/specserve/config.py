@@ -139,7 +139,7 @@ class SchedulerConfig:
             raise ConfigError("max_waiting must be >= 0 when given.")
 
 
-SPEC_METHODS = ("none", "draft", "ngram", "reference")
+SPEC_METHODS = ("none", "draft", "ngram", "reference", "lookahead")
 # A draft stops after a token it gives a probability below this (the token is still proposed).
 # Measured on Qwen2.5-Coder 1.5B + 0.5B (2-vCPU Xeon, coding prompts): 0.8 +5-7% tok/s over 0.
 DEFAULT_DRAFT_P_MIN = 0.8
@@ -153,7 +153,7 @@ SPEC_TREES = ("auto", "chain")
 class SpecConfig:
     """Speculative decoding: which proposer, how many tokens, and when to speculate."""
 
-    method: str = "none"  # none | draft | ngram | reference
+    method: str = "none"  # none | draft | ngram | reference | lookahead
     num_spec_tokens: int = 4  # maximum K per request per step
     policy: str = "adaptive"  # adaptive | always | off
     tree: str = "auto"  # auto | chain (see SPEC_TREES)
@@ -165,6 +165,7 @@ class SpecConfig:
     draft_p_min: float = DEFAULT_DRAFT_P_MIN  # stop drafting after a token the draft gives p < this (0: never)
     ngram_min: int = 1
     ngram_max: int = 4
+    lookahead_window: int = 6  # lookahead: Jacobi window length
     # Reference thresholds: speculate freely at batch <= on_batch, never at batch >= off_batch,
     # only priority requests (priority < 0) in between. The cost model decides within them.
     on_batch: int = 8
@@ -192,6 +193,8 @@ class SpecConfig:
             raise ConfigError(
                 f"Unknown draft quantization {self.draft_quantization!r}; use one of {', '.join(QUANTIZATIONS)}."
             )
+        if not 1 <= self.lookahead_window <= 32:
+            raise ConfigError(f"lookahead_window must be in [1, 32], got {self.lookahead_window}.")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}.")
         if not 0 <= self.on_batch <= self.off_batch:

@@ -204,3 +204,31 @@ def test_reference_proposer_follows_reference_in_order():
     assert prop.live_request_ids() == ["a"]  # a preempted request keeps its reference
     prop.remove_request("a", finished=True)
     assert prop.live_request_ids() == []
+
+
+def test_lookahead_jacobi_window_and_pool():
+    """The window takes the target's outputs shifted past what was emitted; the pool learns
+    n-grams from the prompt, the output and the window's trajectory."""
+    from specserve.engine.scheduler import SampledTokens
+    from specserve.spec.lookahead import LookaheadProposer
+
+    prop = LookaheadProposer(window=3, ngram=3)
+    r = _req("a", [1, 2, 3, 1, 2, 4, 9])
+    prop.add_request(r)
+    st = prop._states["a"]
+    assert st.pool[1] == {(2, 3): 1.0, (2, 4): 1.0} and st.window == [2, 4, 9]
+    draft = prop.propose([r], [6])["a"]
+    assert draft.match([2, 4, 9]) and sorted(draft.children[0], key=lambda c: draft.token_ids[c])  # window branch present
+    # The target accepted y1 = 2, rejected y2 = 4 (emitting 5); its outputs along the window:
+    # after 9 (root) -> 2, after 2 -> 5, after 4 -> 6, after 9 -> 7.
+    path = draft.match([2, 4, 9])
+    argmax = [0] * (len(draft) + 1)
+    argmax[0] = 2
+    for node, o in zip(path, [5, 6, 7]):
+        argmax[node + 1] = o
+    r.append_output_tokens([2, 5])
+    prop.observe(r, draft, SampledTokens([2, 5], accepted_nodes=(path[0],), node_argmax=tuple(argmax)))
+    assert st.window == [6, 7, 7]  # outputs past the two emitted tokens, padded with the last
+    assert st.pool[2][(5, 6)] >= 1.0 and st.pool[4][(6, 7)] >= 1.0  # trajectory n-grams
+    prop.remove_request("a")
+    assert prop.live_request_ids() == []

@@ -45,7 +45,7 @@ def _greedy(n=20, **kw):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
 
 
-PROPOSERS = ["ngram", "reference", "draft-truncated", "draft-full", "draft-restricted", "draft-pmin"]
+PROPOSERS = ["ngram", "reference", "lookahead", "draft-truncated", "draft-full", "draft-restricted", "draft-pmin"]
 
 
 def _spec_llm(ckpt, which, policy="always", **kw):
@@ -203,7 +203,7 @@ def _tv_permutation_test(a: np.ndarray, b: np.ndarray, n_perm: int = 200, seed: 
     return observed, p
 
 
-@pytest.mark.parametrize("which", ["draft-truncated", "ngram", "draft-restricted", "draft-pmin"])
+@pytest.mark.parametrize("which", ["draft-truncated", "ngram", "lookahead", "draft-restricted", "draft-pmin"])
 def test_tiny_sampled_distribution_matches(which):
     """First 4 generated tokens with speculation vs without: same joint distribution.
 

@@ -189,10 +189,11 @@ class LLMEngine:
             tokenizer=self.tokenizer, target_vocab_size=self.arch.vocab_size,
             target_num_blocks=self.runner.num_blocks, draft_checkpoint=draft_checkpoint,
         ))
+        traits = self.proposer.traits if self.proposer is not None else None
         self.policy = SpecPolicy(
             spec,
-            draft_cost_is_per_token=spec.method == "draft",
-            prior_acceptance=0.7 if spec.method == "draft" else 0.5,
+            draft_cost_is_per_token=traits is not None and traits.cost == "per_pass",
+            prior_acceptance=traits.prior_acceptance if traits is not None else 0.5,
             enabled=self.proposer is not None,
         )
         self.spec_counters = {"draft_time_s": 0.0, "verify_time_s": 0.0, "decode_time_s": 0.0,
@@ -211,13 +212,11 @@ class LLMEngine:
         self.runner.time_decode_step(1)  # warm-up
         for n in sizes:
             self.policy.target_time.points[n] = self.runner.time_decode_step(n)
-        from specserve.spec.draft_model import DraftModelProposer
-
-        if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.runner.time_decode_step(1)
+        if self.proposer is not None and self.proposer.traits.cost == "per_pass":
+            self.proposer.time_pass(1)  # warm-up
             for b in sorted({1, 2, 4, 8, 16, 32}):
                 if b <= limit:
-                    self.policy.draft_time.points[b] = self.proposer.runner.time_decode_step(b)
+                    self.policy.draft_time.points[b] = self.proposer.time_pass(b)
         else:
             self.policy.draft_time.points[1] = 1e-4  # a table lookup: negligible next to a forward
         return {"target": dict(self.policy.target_time.points), "draft": dict(self.policy.draft_time.points)}
@@ -365,6 +364,11 @@ class LLMEngine:
         self.num_steps += 1
         self._account_step(sched_out, sampled)
         results = self.scheduler.update_from_output(sched_out, sampled)
+        if self.proposer is not None and self.proposer.traits.needs_verify_outputs:
+            by_id = {req.request_id: req for req, _ in results}
+            for sr in sched_out.scheduled:
+                if sr.draft is not None and sr.request_id in by_id and sr.request_id in sampled:
+                    self.proposer.observe(by_id[sr.request_id], sr.draft, sampled[sr.request_id])
         outputs = pending
         for req, new_tokens in results:
             self.num_generated_tokens += len(new_tokens)

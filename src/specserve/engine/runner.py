@@ -64,6 +64,14 @@ class FeedEntry(NamedTuple):
 _EMPTY_TREE = DraftTree((), ())
 
 
+def _split(values: list[int], sizes: list[int]) -> list[tuple[int, ...]]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(tuple(values[at : at + n]))
+        at += n
+    return out
+
+
 def _chain_probs(draft: DraftTree | None) -> torch.Tensor | None:  # [K, V] or None
     """The rows a chain's tokens were drawn from, in order (None: deterministic / no draft)."""
     if draft is None or draft.draw is SiblingDraw.DETERMINISTIC or draft.dists is None:
@@ -327,10 +335,12 @@ class ModelRunner:
             meta=meta,
         )
         res = rejection_sample(logits, batch, self.sampler.generator)
+        argmax = _split(logits.argmax(dim=-1).tolist(), [k + 1 for k in ks])
         return {
             sr.request_id: SampledTokens(
                 res.token_ids[i], res.logprobs[i] if res.logprobs is not None else None, num_draft_tokens=ks[i],
                 num_accepted_tokens=res.num_accepted[i], accepted_nodes=tuple(range(res.num_accepted[i])),
+                node_argmax=argmax[i],
             )
             for i, sr in enumerate(sampled_reqs)
         }
@@ -348,10 +358,12 @@ class ModelRunner:
             moves += [(sr, first + node, first + d) for d, node in enumerate(res.accepted_nodes) if node != d]
         if moves:
             self.move_kv([(self._slot(sr, a), self._slot(sr, b)) for sr, a, b in moves])
+        argmax = _split(logits.argmax(dim=-1).tolist(), [len(t) + 1 for t in trees])
         return {
             sr.request_id: SampledTokens(res.token_ids, res.logprobs, num_draft_tokens=sr.num_spec_tokens,
-                                         num_accepted_tokens=len(res.accepted_nodes), accepted_nodes=tuple(res.accepted_nodes))
-            for sr, res in zip(sampled_reqs, results)
+                                         num_accepted_tokens=len(res.accepted_nodes), accepted_nodes=tuple(res.accepted_nodes),
+                                         node_argmax=argmax[i])
+            for i, (sr, res) in enumerate(zip(sampled_reqs, results))
         }
 
     def _slot(self, sr: ScheduledRequest, pos: int) -> int:

@@ -64,6 +64,7 @@ class SampledTokens(NamedTuple):
     num_draft_tokens: int = 0  # draft nodes that were verified this step
     num_accepted_tokens: int = 0  # of those, how many were accepted (one path through the tree)
     accepted_nodes: tuple[int, ...] = ()  # the accepted path's node indices, depth 1 first
+    node_argmax: tuple[int, ...] = ()  # with a draft: the target's argmax at its root, then at each node
 
 
 def _queue_key(r: Request) -> tuple[int, float]:

@@ -32,7 +32,7 @@ from specserve.kv_cache.manager import KVCacheManager
 from specserve.models.arch import ArchConfig
 from specserve.request import Request
 from specserve.sampling.sampler import SamplingMetadata, logits_to_probs, request_generator, sample_from_probs
-from specserve.spec.proposer import Proposer, register_proposer
+from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
 from specserve.spec.tree import DraftTree, SiblingDraw
 
 # Random stream of draft sampling, distinct from the target's streams for the same positions.
@@ -182,7 +182,7 @@ def truncate_layers(
 class DraftModelProposer(Proposer):
     """Autoregressive drafting with a smaller model over its own paged KV cache."""
 
-    deterministic = False
+    traits = ProposerTraits(cost="per_pass", trees=True, prior_acceptance=0.7)
 
     def __init__(
         self,
@@ -215,6 +215,10 @@ class DraftModelProposer(Proposer):
         # draft up on the prompt or on tokens generated while speculation was off, a one-off cost
         # that would make the policy believe drafting is slower than it is.
         self.last_pass_time_s: float | None = None
+
+    def time_pass(self, batch: int) -> float:
+        """Seconds of one single-token draft pass over `batch` requests (start-up profiling)."""
+        return self.runner.time_decode_step(batch)
 
     # ------------------------------------------------------------------ lifecycle
     def remove_request(self, request_id: str, finished: bool = True) -> None:

@@ -41,6 +41,12 @@ def _build_reference(ctx: ProposerContext) -> Proposer:
     return ReferenceProposer(encode, ctx.spec.ngram_min, ctx.spec.ngram_max, tree=ctx.spec.trees)
 
 
+def _build_lookahead(ctx: ProposerContext) -> Proposer:
+    from specserve.spec.lookahead import LookaheadProposer
+
+    return LookaheadProposer(ctx.spec.lookahead_window, max(2, ctx.spec.ngram_max))
+
+
 def _build_draft(ctx: ProposerContext) -> Proposer:
     from dataclasses import replace
 
@@ -126,6 +132,7 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerContext], Proposer]] = {
     "ngram": _build_ngram,
     "reference": _build_reference,
     "draft": _build_draft,
+    "lookahead": _build_lookahead,
 }
 
 

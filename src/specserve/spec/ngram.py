@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specserve.request import Request
-from specserve.spec.proposer import Proposer, longest_suffix_match, register_proposer
+from specserve.spec.proposer import Proposer, ProposerTraits, longest_suffix_match, register_proposer
 from specserve.spec.suffix import suffix_matches, weighted_tree
 from specserve.spec.tree import DraftTree
 
@@ -22,7 +22,7 @@ class NgramProposer(Proposer):
     the continuation of the latest occurrence.
     """
 
-    deterministic = True
+    traits = ProposerTraits(cost="flat", trees=True, prior_acceptance=0.5)
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4, tree: bool = True) -> None:
         self.ngram_min = ngram_min

@@ -4,19 +4,39 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
+    import torch
+
+    from specserve.engine.scheduler import SampledTokens
     from specserve.request import Request
+
+
+@dataclass(frozen=True)
+class ProposerTraits:
+    """What the engine and the policy need to know about a proposer, declared by the proposer."""
+
+    # A model drafter pays one forward pass per draft depth level ("per_pass", measured by the
+    # policy); model-free proposers a flat, negligible cost ("flat").
+    cost: str = "flat"
+    # Drafts may branch (the policy then sizes node budgets, not chain lengths).
+    trees: bool = False
+    # Learns from the target's output at every draft node after verification (lookahead).
+    needs_verify_outputs: bool = False
+    # Reads the target's hidden states (feature-level drafters).
+    needs_hidden_states: bool = False
+    # The prior acceptance a new request starts from before any is measured.
+    prior_acceptance: float = 0.5
 
 
 class Proposer(ABC):
     """Proposes draft tokens for a batch of requests; never changes their accepted tokens."""
 
-    #: True when drafts are a deterministic function of the context (p is one-hot).
-    deterministic: bool = True
+    traits: ProposerTraits = ProposerTraits()
 
     def add_request(self, request: Request) -> None:  # noqa: B027 - optional hook
         """Called when a request enters the engine."""
@@ -31,6 +51,15 @@ class Proposer(ABC):
 
         A proposer may return fewer nodes than asked (or none) when it has no good guess.
         """
+
+    def observe(self, request: Request, draft: DraftTree, result: SampledTokens) -> None:  # noqa: B027
+        """After verification (traits.needs_verify_outputs): the draft and what the target did
+        with it (result.node_argmax: the target's argmax at the root and at every node)."""
+
+    def time_pass(self, batch: int) -> float:
+        """Seconds of one drafting pass over `batch` requests (start-up profiling of per-pass
+        proposers; model-free ones cost nothing to speak of)."""
+        return 1e-4
 
     def check_integrity(self) -> bool:
         """Proposer-side resource bookkeeping holds (draft KV cache, if any)."""

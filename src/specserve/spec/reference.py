@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from specserve.request import Request
-from specserve.spec.proposer import Proposer, longest_suffix_match, register_proposer
+from specserve.spec.proposer import Proposer, ProposerTraits, longest_suffix_match, register_proposer
 from specserve.spec.suffix import suffix_matches, weighted_tree
 from specserve.spec.tree import DraftTree
 
@@ -31,7 +31,7 @@ RESUME_WEIGHT = 2.0  # a diverged output's anchor branch, against one tail match
 class ReferenceProposer(Proposer):
     """Copies continuations from each request's tokenized reference text; p is one-hot."""
 
-    deterministic = True
+    traits = ProposerTraits(cost="flat", trees=True, prior_acceptance=0.5)
 
     def __init__(
         self, encode: Callable[[str], list[int]] | None, ngram_min: int = 1, ngram_max: int = 4, tree: bool = True
