@@ -44,6 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="adaptive: cost model decides K per request per step")
     s.add_argument("--spec-tree", choices=["auto", "chain"], default="auto",
                    help="auto: proposers that can branch draft trees verified in one pass; chain: one path per draft")
+    s.add_argument("--max-draft-nodes", type=int, default=16,
+                   help="trees: most nodes per draft (the policy prunes to what pays each step)")
     s.add_argument("--draft-num-layers", type=int, default=None, help="use only the draft's first N layers")
     s.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "auto", "w8a8"],
                    help="draft model quantization (default: int4 when --quantization is auto, else as "
@@ -73,7 +75,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=not args.no_chunked_prefill, num_threads=args.threads, seed=args.seed or 0,
         draft_model=args.draft_model, spec_method=args.spec_method, num_spec_tokens=args.num_spec_tokens,
-        spec_policy=args.spec_policy, spec_tree=args.spec_tree, draft_num_layers=args.draft_num_layers,
+        spec_policy=args.spec_policy, spec_tree=args.spec_tree, max_draft_nodes=args.max_draft_nodes, draft_num_layers=args.draft_num_layers,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, lookahead_window=args.lookahead_window,
         spec_on_batch=args.spec_on_batch, spec_off_batch=args.spec_off_batch,
         **({} if args.draft_p_min is None else {"draft_p_min": args.draft_p_min}),

@@ -154,7 +154,8 @@ class SpecConfig:
     """Speculative decoding: which proposer, how many tokens, and when to speculate."""
 
     method: str = "none"  # none | draft | ngram | reference | lookahead
-    num_spec_tokens: int = 4  # maximum K per request per step
+    num_spec_tokens: int = 4  # maximum K per request per step (chain length; for trees: how deep speculation pays)
+    max_draft_nodes: int = 16  # trees: most nodes a draft may have (pruned to what pays each step)
     policy: str = "adaptive"  # adaptive | always | off
     tree: str = "auto"  # auto | chain (see SPEC_TREES)
     draft_model: str | None = None
@@ -181,6 +182,8 @@ class SpecConfig:
             raise ConfigError(f"Unknown spec tree mode {self.tree!r}; use one of {', '.join(SPEC_TREES)}.")
         if not 1 <= self.num_spec_tokens <= 32:
             raise ConfigError(f"num_spec_tokens must be in [1, 32], got {self.num_spec_tokens}.")
+        if not 1 <= self.max_draft_nodes <= 64:
+            raise ConfigError(f"max_draft_nodes must be in [1, 64], got {self.max_draft_nodes}.")
         if self.method == "draft" and not self.draft_model:
             raise ConfigError("spec method 'draft' needs a draft model; pass --draft-model NAME_OR_PATH.")
         if self.draft_num_layers is not None and self.draft_num_layers < 1:

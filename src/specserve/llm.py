@@ -49,6 +49,7 @@ class LLM:
         num_spec_tokens: int = 4,
         spec_policy: str = "adaptive",
         spec_tree: str = "auto",
+        max_draft_nodes: int = 16,
         draft_num_layers: int | None = None,
         draft_kv_cache_gib: float | None = None,
         draft_quantization: str | None = None,
@@ -80,7 +81,7 @@ class LLM:
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
             spec=SpecConfig(
-                method=spec_method, num_spec_tokens=num_spec_tokens, policy=spec_policy, tree=spec_tree,
+                method=spec_method, num_spec_tokens=num_spec_tokens, policy=spec_policy, tree=spec_tree, max_draft_nodes=max_draft_nodes,
                 draft_model=draft_model or ("<checkpoint>" if draft_checkpoint is not None else None),
                 draft_num_layers=draft_num_layers, draft_kv_cache_gib=draft_kv_cache_gib,
                 draft_quantization=draft_quantization, draft_vocab_size=draft_vocab_size,

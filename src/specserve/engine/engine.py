@@ -195,6 +195,7 @@ class LLMEngine:
             draft_cost_is_per_token=traits is not None and traits.cost == "per_pass",
             prior_acceptance=traits.prior_acceptance if traits is not None else 0.5,
             enabled=self.proposer is not None,
+            trees=traits is not None and traits.trees and spec.trees,
         )
         self.spec_counters = {"draft_time_s": 0.0, "verify_time_s": 0.0, "decode_time_s": 0.0,
                               "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
@@ -382,17 +383,21 @@ class LLMEngine:
         t = self.runner.last_forward_time_s
         self.policy.target_time.observe(sched_out.num_batched_tokens, t)
         spec = False
-        for rid, st in sampled.items():
-            if st.num_draft_tokens:
-                spec = True
-                self.policy.observe(rid, st.num_draft_tokens, st.num_accepted_tokens)
-                c = self.spec_counters
-                c["num_drafts"] += 1
-                c["num_draft_tokens"] += st.num_draft_tokens
-                c["num_accepted_tokens"] += st.num_accepted_tokens
-                for j in range(min(st.num_draft_tokens, st.num_accepted_tokens + 1, len(self.drafted_per_position))):
-                    self.drafted_per_position[j] += 1
-                    self.accepted_per_position[j] += int(j < st.num_accepted_tokens)
+        for sr in sched_out.scheduled:
+            st = sampled.get(sr.request_id)
+            if st is None or sr.draft is None:
+                continue
+            spec = True
+            self.policy.observe(sr.request_id, st.num_draft_tokens, st.num_accepted_tokens)
+            self.policy.observe_tree(sr.draft, st.accepted_nodes)
+            c = self.spec_counters
+            c["num_drafts"] += 1
+            c["num_draft_tokens"] += st.num_draft_tokens
+            c["num_accepted_tokens"] += st.num_accepted_tokens
+            depth = sr.draft.max_depth
+            for j in range(min(depth, st.num_accepted_tokens + 1, len(self.drafted_per_position))):
+                self.drafted_per_position[j] += 1
+                self.accepted_per_position[j] += int(j < st.num_accepted_tokens)
         self.spec_counters["verify_time_s" if spec else "decode_time_s"] += t
 
     def _propose_next(self) -> None:
@@ -412,7 +417,12 @@ class LLMEngine:
         if not any(ks):
             return
         t0 = time.perf_counter()
+        if self.proposer.traits.cost == "per_pass":  # type: ignore[union-attr]
+            # What one draft pass costs next to a target step: where growing a tree stops paying.
+            self.proposer.pass_cost_ratio = (self.policy.draft_time(len(decoding))  # type: ignore[union-attr]
+                                             / max(self.policy.target_time(len(decoding) + other), 1e-9))
         proposals = self.proposer.propose(decoding, ks)  # type: ignore[union-attr]
+        proposals = self.policy.prune(decoding, proposals, other)
         dt = time.perf_counter() - t0
         self.spec_counters["draft_time_s"] += dt
         if self.policy.draft_cost_is_per_token:  # the draft model

@@ -103,12 +103,20 @@ class _TreeDraft:
             kids.append(len(self.cands))
             self.cands.append(_Cand(tok, parent, base * prob, row))
 
-    def pick(self) -> list[int]:
-        """The unexpanded candidates to feed this pass: highest path probability first."""
+    def pick(self, passes: int, cost_ratio: float) -> list[int]:
+        """The unexpanded candidates to feed this pass: highest path probability first.
+
+        One more pass costs r = cost_ratio of a target step and gains about s tokens, s the best
+        unexpanded node's path probability (its children's chances add up to at most s); with E
+        tokens already expected from the tree and k passes made, the step's tokens per second
+        rise only if s / r > (1 + E) / (1 + k r), so nodes below that are not expanded.
+        """
         room = min(EXPAND_WIDTH, self.cap - len(self.fed))
         if room <= 0:
             return []
-        open_ = [i for i, c in enumerate(self.cands) if c.fed < 0 and c.score >= EXPAND_MIN]
+        expected = sum(c.score for c in self.cands)
+        floor = max(EXPAND_MIN, cost_ratio * (1 + expected) / (1 + passes * cost_ratio))
+        open_ = [i for i, c in enumerate(self.cands) if c.fed < 0 and c.score >= floor]
         picked = sorted(open_, key=lambda i: -self.cands[i].score)[:room]
         for i in picked:
             self.cands[i].fed = len(self.fed)
@@ -372,11 +380,11 @@ class DraftModelProposer(Proposer):
             t.seq.num_computed_tokens = len(t.seq.all_token_ids)
             self._expand(t, -1, logits[i])
         later = []
-        for _ in range(MAX_PASSES):
+        for passes in range(1, MAX_PASSES + 1):
             tp = time.perf_counter()
             step, entries = [], []
             for t in trees:
-                picked = t.pick()
+                picked = t.pick(passes, self.pass_cost_ratio)
                 if picked:
                     step.append((t, picked))
                     entries.append(t.entry(picked, self.kv.block_ids(t.req.request_id)))

@@ -28,13 +28,18 @@ policy settled on K = 1 for most steps, 26.2 tok/s; a fixed K = 3 gave 28.6.)
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specserve.config import SpecConfig
 from specserve.request import Request
+from specserve.spec.tree import DraftTree
 
 EWMA = 0.15  # weight of the newest observation in acceptance and timing estimates
+NODE_EWMA = 0.02  # weight of one draft node's outcome in its calibration cell
+SCORE_BINS = 10  # node score in [0, 1] -> bin
+DEPTH_BINS = 12  # node depth 1..DEPTH_BINS (deeper nodes share the last bin)
 POOLED_EWMA = 0.05  # the same for the acceptance pooled over requests (a new request's prior)
 PROBE_EVERY = 16  # re-try k=1 (or k+1) this often for a request the cost model held back
 
@@ -126,6 +131,39 @@ def _expected_run(chances: list[float], k: int) -> float:
     return total
 
 
+class NodeCalibration:
+    """P(a draft node ends up on the accepted path), by the node's score and depth, learned online.
+
+    A proposer scores its nodes (a draft model: the path probability; prompt lookup: the share of
+    matches through the node), but a score is not a calibrated probability: what a draft model
+    believes and what the target accepts differ, and a single n-gram match scores 1.0 at every
+    depth. Each verified node is one observation (accepted or not) of its (score, depth) cell;
+    a cell starts from score * prior^(depth - 1) until it has seen some.
+    """
+
+    def __init__(self, prior: float) -> None:
+        self.prior = prior
+        self.table = [[((b + 0.5) / SCORE_BINS) * prior ** d for d in range(DEPTH_BINS)] for b in range(SCORE_BINS)]
+
+    @staticmethod
+    def _cell(score: float, depth: int) -> tuple[int, int]:
+        return min(SCORE_BINS - 1, max(0, int(score * SCORE_BINS))), min(DEPTH_BINS, max(1, depth)) - 1
+
+    def predict(self, score: float, depth: int) -> float:
+        """Chance that a node of this score at this depth is accepted."""
+        b, d = self._cell(score, depth)
+        return self.table[b][d]
+
+    def observe(self, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:
+        """Fold one verified tree's outcomes in."""
+        if not tree.scores:
+            return
+        accepted = set(accepted_nodes)
+        for i, (score, depth) in enumerate(zip(tree.scores, tree.depths)):
+            b, d = self._cell(score, depth)
+            self.table[b][d] += NODE_EWMA * ((1.0 if i in accepted else 0.0) - self.table[b][d])
+
+
 @dataclass
 class SpecPolicy:
     """Chooses K per request each step; switchable at run time (the feature flag)."""
@@ -136,8 +174,17 @@ class SpecPolicy:
     draft_cost_is_per_token: bool = True  # model drafts: one pass per draft position
     prior_acceptance: float = 0.7
     enabled: bool = True
+    trees: bool = False  # the proposer drafts trees: budgets are node counts, pruned after drafting
     _stats: dict[str, AcceptanceStats] = field(default_factory=dict)
     _pooled: AcceptanceStats | None = None
+    _calibration: NodeCalibration | None = None
+
+    @property
+    def calibration(self) -> NodeCalibration:
+        """How draft nodes' scores translate into acceptance (learned across requests)."""
+        if self._calibration is None:
+            self._calibration = NodeCalibration(self.prior_acceptance)
+        return self._calibration
 
     @property
     def pooled(self) -> AcceptanceStats:
@@ -188,9 +235,55 @@ class SpecPolicy:
         if not self.enabled or self.config.policy == "off" or n == 0:
             return [0] * n
         if self.config.policy == "always":  # every request, whatever the batch size
-            return [0 if r.sampling_params.speculative is False else kmax for r in requests]
-        eligible = [self._eligible(r, n) for r in requests]
-        return self._cost_model_choice(requests, eligible, num_other_tokens)
+            ks = [0 if r.sampling_params.speculative is False else kmax for r in requests]
+        else:
+            eligible = [self._eligible(r, n) for r in requests]
+            ks = self._cost_model_choice(requests, eligible, num_other_tokens)
+        if self.trees:
+            # K says whether (and how deep) speculation pays for a request; a tree proposer then
+            # drafts up to max_draft_nodes nodes and prune() keeps those worth verifying.
+            return [max(k, self.config.max_draft_nodes) if k else 0 for k in ks]
+        return ks
+
+    def prune(self, requests: Sequence[Request], drafts: dict[str, DraftTree], num_other_tokens: int = 0) -> dict[str, DraftTree]:
+        """Keep, across the batch, the draft nodes whose predicted acceptance pays for verifying
+        them: nodes join in order of predicted acceptance (each tree as a prefix of its nodes,
+        which proposers list best first, parents before children) while the step's expected
+        tokens per second rises on the measured T(n) curve. Drafting is already paid for here,
+        so only the verify cost counts. Under policy 'always' nothing is pruned."""
+        if not drafts or self.config.policy == "always":
+            return drafts
+        gains: dict[str, list[float]] = {}
+        for req in requests:
+            tree = drafts.get(req.request_id)
+            if tree is not None and tree.scores:
+                gains[req.request_id] = [self.calibration.predict(s, d) for s, d in zip(tree.scores, tree.depths)]
+        if not gains:
+            return drafts
+        base = len(requests) + num_other_tokens + sum(len(t) for rid, t in drafts.items() if rid not in gains)
+        keep = dict.fromkeys(gains, 0)
+        tokens, verify = float(len(requests)), base
+        rate = tokens / self.target_time(verify)
+        heap = [(-g[0], rid) for rid, g in gains.items()]
+        heapq.heapify(heap)
+        while heap:
+            neg, rid = heapq.heappop(heap)
+            new_rate = (tokens - neg) / self.target_time(verify + 1)
+            if new_rate <= rate:
+                break  # gains only fall from here and T(n) only grows
+            tokens, verify, rate = tokens - neg, verify + 1, new_rate
+            keep[rid] += 1
+            if keep[rid] < len(gains[rid]):
+                heapq.heappush(heap, (-gains[rid][keep[rid]], rid))
+        out = {rid: t for rid, t in drafts.items() if rid not in gains}
+        for rid, n in keep.items():
+            if n:
+                out[rid] = drafts[rid].truncate(n)
+        return out
+
+    def observe_tree(self, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:
+        """Learn from one verified draft's node outcomes."""
+        self.calibration.observe(tree, accepted_nodes)
 
     def _eligible(self, req: Request, batch: int) -> bool:
         if req.sampling_params.speculative is False:

@@ -37,6 +37,9 @@ class Proposer(ABC):
     """Proposes draft tokens for a batch of requests; never changes their accepted tokens."""
 
     traits: ProposerTraits = ProposerTraits()
+    #: Per-pass proposers: seconds of one drafting pass over a target step's, kept current by
+    #: the engine (a tree stops growing where one more pass would not pay for itself).
+    pass_cost_ratio: float = 0.0
 
     def add_request(self, request: Request) -> None:  # noqa: B027 - optional hook
         """Called when a request enters the engine."""
