@@ -205,14 +205,27 @@ class LLMEngine:
             self.profile_costs()
 
     def profile_costs(self, max_batch: int | None = None) -> dict[str, dict[int, float]]:
-        """Time target forwards of n tokens and draft passes of b requests to seed the cost model."""
-        kmax = self.config.spec.num_spec_tokens
-        limit = max_batch or min(self.config.spec.off_batch, self.config.scheduler.max_num_seqs)
-        sizes = sorted({1, 2, 4, 8, 16, 32, 64, (kmax + 1), 2 * (kmax + 1), 4 * (kmax + 1), 8 * (kmax + 1)})
-        sizes = [n for n in sizes if n <= max(limit * (kmax + 1), 1) and n <= self.config.scheduler.max_num_batched_tokens]
+        """Time target forwards of n tokens and draft passes of b requests to seed the cost model.
+
+        Small steps are timed as one request verifying n tokens (the shape a batch-1 draft has),
+        larger ones as n requests of one token; two interleaved rounds, the faster of each, so a
+        burst of noise on a shared machine does not bend the curve the policy prunes trees on.
+        """
+        spec = self.config.spec
+        kmax = max(spec.num_spec_tokens, spec.max_draft_nodes if self.policy.trees else 0)
+        limit = max_batch or min(spec.off_batch, self.config.scheduler.max_num_seqs)
+        budget = self.config.scheduler.max_num_batched_tokens
+        verify = [n for n in range(1, kmax + 2) if n <= budget]
+        sizes = sorted({16, 32, 64, 2 * (kmax + 1), 4 * (kmax + 1), 8 * (kmax + 1)} - set(verify))
+        sizes = [n for n in sizes if n <= max(limit * (kmax + 1), 1) and n <= budget]
         self.runner.time_decode_step(1)  # warm-up
-        for n in sizes:
-            self.policy.target_time.points[n] = self.runner.time_decode_step(n)
+        times: dict[int, float] = {}
+        for _ in range(2):
+            for n in verify:
+                times[n] = min(times.get(n, float("inf")), self.runner.time_decode_step(1, tokens_per_req=n, repeats=1))
+            for n in sizes:
+                times[n] = min(times.get(n, float("inf")), self.runner.time_decode_step(n, repeats=1))
+        self.policy.target_time.points.update(times)
         if self.proposer is not None and self.proposer.traits.cost == "per_pass":
             self.proposer.time_pass(1)  # warm-up
             for b in sorted({1, 2, 4, 8, 16, 32}):
@@ -388,8 +401,7 @@ class LLMEngine:
             if st is None or sr.draft is None:
                 continue
             spec = True
-            self.policy.observe(sr.request_id, st.num_draft_tokens, st.num_accepted_tokens)
-            self.policy.observe_tree(sr.draft, st.accepted_nodes)
+            self.policy.observe(sr.request_id, sr.draft.max_depth, st.num_accepted_tokens)
             c = self.spec_counters
             c["num_drafts"] += 1
             c["num_draft_tokens"] += st.num_draft_tokens

@@ -39,11 +39,14 @@ from specserve.spec.tree import DraftTree, SiblingDraw
 STREAM_DRAFT = 3 << 40
 
 
-# Tree drafting (EAGLE-2's dynamic expansion): each pass feeds the EXPAND_WIDTH unexpanded nodes
-# with the highest path probability and gives each its CHILDREN most likely tokens (or draws
-# without replacement for sampled requests); nodes below EXPAND_MIN path probability are not
-# worth a pass. The draft keeps the best nodes within the step's node budget.
-EXPAND_WIDTH = 4
+# Tree drafting (EAGLE-2's dynamic expansion): each pass feeds up to EXPAND_WIDTH unexpanded
+# nodes of highest path probability, each one only if the draft was sure of it (its own
+# probability >= draft_p_min, the chain's early stop) and the pass pays for itself, and gives
+# each its CHILDREN most likely tokens (or draws without replacement for sampled requests). The
+# unexpanded alternatives stay as leaves: where the draft is sure the tree is a chain, where it
+# is unsure it branches, for the price of the chain's passes. The draft keeps the best nodes
+# within the step's node budget (and the policy prunes what does not pay to verify).
+EXPAND_WIDTH = 2  # a CPU draft pass over 4 tokens per request costs ~1.5 passes over 1
 CHILDREN = 4
 EXPAND_MIN = 0.05
 MAX_PASSES = 8
@@ -103,7 +106,7 @@ class _TreeDraft:
             kids.append(len(self.cands))
             self.cands.append(_Cand(tok, parent, base * prob, row))
 
-    def pick(self, passes: int, cost_ratio: float) -> list[int]:
+    def pick(self, passes: int, cost_ratio: float, p_min: float) -> list[int]:
         """The unexpanded candidates to feed this pass: highest path probability first.
 
         One more pass costs r = cost_ratio of a target step and gains about s tokens, s the best
@@ -116,12 +119,18 @@ class _TreeDraft:
             return []
         expected = sum(c.score for c in self.cands)
         floor = max(EXPAND_MIN, cost_ratio * (1 + expected) / (1 + passes * cost_ratio))
-        open_ = [i for i, c in enumerate(self.cands) if c.fed < 0 and c.score >= floor]
+        open_ = [i for i, c in enumerate(self.cands) if c.fed < 0 and c.score >= floor and self.sure(i, p_min)]
         picked = sorted(open_, key=lambda i: -self.cands[i].score)[:room]
         for i in picked:
             self.cands[i].fed = len(self.fed)
             self.fed.append(i)
         return picked
+
+    def sure(self, c: int, p_min: float) -> bool:
+        """The draft gave candidate c at least p_min given its parent."""
+        parent = self.cands[c].parent
+        base = 1.0 if parent < 0 else self.cands[parent].score
+        return self.cands[c].score >= p_min * base
 
     def entry(self, picked: list[int], block_ids: list[int]) -> FeedEntry:
         """The picked nodes as one request's share of a draft pass: slots after the nodes fed
@@ -380,11 +389,12 @@ class DraftModelProposer(Proposer):
             t.seq.num_computed_tokens = len(t.seq.all_token_ids)
             self._expand(t, -1, logits[i])
         later = []
-        for passes in range(1, MAX_PASSES + 1):
+        # A budget of k nodes is about k / 2 levels of a tree that keeps alternatives as leaves.
+        for passes in range(1, min(MAX_PASSES, max(1, max(t.budget for t in trees) // 2)) + 1):
             tp = time.perf_counter()
             step, entries = [], []
             for t in trees:
-                picked = t.pick(passes, self.pass_cost_ratio)
+                picked = t.pick(passes, self.pass_cost_ratio, self.p_min)
                 if picked:
                     step.append((t, picked))
                     entries.append(t.entry(picked, self.kv.block_ids(t.req.request_id)))

@@ -37,10 +37,9 @@ from specserve.request import Request
 from specserve.spec.tree import DraftTree
 
 EWMA = 0.15  # weight of the newest observation in acceptance and timing estimates
-NODE_EWMA = 0.02  # weight of one draft node's outcome in its calibration cell
-SCORE_BINS = 10  # node score in [0, 1] -> bin
-DEPTH_BINS = 12  # node depth 1..DEPTH_BINS (deeper nodes share the last bin)
+
 POOLED_EWMA = 0.05  # the same for the acceptance pooled over requests (a new request's prior)
+TREE_NODES_PER_K = 2  # a tree may hold this many nodes per draft position the chain model affords
 PROBE_EVERY = 16  # re-try k=1 (or k+1) this often for a request the cost model held back
 
 
@@ -131,39 +130,6 @@ def _expected_run(chances: list[float], k: int) -> float:
     return total
 
 
-class NodeCalibration:
-    """P(a draft node ends up on the accepted path), by the node's score and depth, learned online.
-
-    A proposer scores its nodes (a draft model: the path probability; prompt lookup: the share of
-    matches through the node), but a score is not a calibrated probability: what a draft model
-    believes and what the target accepts differ, and a single n-gram match scores 1.0 at every
-    depth. Each verified node is one observation (accepted or not) of its (score, depth) cell;
-    a cell starts from score * prior^(depth - 1) until it has seen some.
-    """
-
-    def __init__(self, prior: float) -> None:
-        self.prior = prior
-        self.table = [[((b + 0.5) / SCORE_BINS) * prior ** d for d in range(DEPTH_BINS)] for b in range(SCORE_BINS)]
-
-    @staticmethod
-    def _cell(score: float, depth: int) -> tuple[int, int]:
-        return min(SCORE_BINS - 1, max(0, int(score * SCORE_BINS))), min(DEPTH_BINS, max(1, depth)) - 1
-
-    def predict(self, score: float, depth: int) -> float:
-        """Chance that a node of this score at this depth is accepted."""
-        b, d = self._cell(score, depth)
-        return self.table[b][d]
-
-    def observe(self, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:
-        """Fold one verified tree's outcomes in."""
-        if not tree.scores:
-            return
-        accepted = set(accepted_nodes)
-        for i, (score, depth) in enumerate(zip(tree.scores, tree.depths)):
-            b, d = self._cell(score, depth)
-            self.table[b][d] += NODE_EWMA * ((1.0 if i in accepted else 0.0) - self.table[b][d])
-
-
 @dataclass
 class SpecPolicy:
     """Chooses K per request each step; switchable at run time (the feature flag)."""
@@ -177,14 +143,6 @@ class SpecPolicy:
     trees: bool = False  # the proposer drafts trees: budgets are node counts, pruned after drafting
     _stats: dict[str, AcceptanceStats] = field(default_factory=dict)
     _pooled: AcceptanceStats | None = None
-    _calibration: NodeCalibration | None = None
-
-    @property
-    def calibration(self) -> NodeCalibration:
-        """How draft nodes' scores translate into acceptance (learned across requests)."""
-        if self._calibration is None:
-            self._calibration = NodeCalibration(self.prior_acceptance)
-        return self._calibration
 
     @property
     def pooled(self) -> AcceptanceStats:
@@ -240,9 +198,10 @@ class SpecPolicy:
             eligible = [self._eligible(r, n) for r in requests]
             ks = self._cost_model_choice(requests, eligible, num_other_tokens)
         if self.trees:
-            # K says whether (and how deep) speculation pays for a request; a tree proposer then
-            # drafts up to max_draft_nodes nodes and prune() keeps those worth verifying.
-            return [max(k, self.config.max_draft_nodes) if k else 0 for k in ks]
+            # K says how deep speculation pays for a request (the chain model); a tree proposer
+            # may draft twice that many nodes (alternatives where it is unsure, at most
+            # max_draft_nodes) and prune() keeps those worth verifying.
+            return [min(TREE_NODES_PER_K * k, max(k, self.config.max_draft_nodes)) for k in ks]
         return ks
 
     def prune(self, requests: Sequence[Request], drafts: dict[str, DraftTree], num_other_tokens: int = 0) -> dict[str, DraftTree]:
@@ -257,7 +216,7 @@ class SpecPolicy:
         for req in requests:
             tree = drafts.get(req.request_id)
             if tree is not None and tree.scores:
-                gains[req.request_id] = [self.calibration.predict(s, d) for s, d in zip(tree.scores, tree.depths)]
+                gains[req.request_id] = self.node_gains(self.stats(req.request_id), tree)
         if not gains:
             return drafts
         base = len(requests) + num_other_tokens + sum(len(t) for rid, t in drafts.items() if rid not in gains)
@@ -281,9 +240,18 @@ class SpecPolicy:
                 out[rid] = drafts[rid].truncate(n)
         return out
 
-    def observe_tree(self, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:
-        """Learn from one verified draft's node outcomes."""
-        self.calibration.observe(tree, accepted_nodes)
+    @staticmethod
+    def node_gains(stats: AcceptanceStats, tree: DraftTree) -> list[float]:
+        """Each node's chance to be accepted: the chance that the accepted path reaches its depth
+        (the request's learned per-depth acceptance; a verified tree counts as one path) times
+        its share of the proposer's scores at that depth. A chain gets the chain model's E(K)."""
+        level: dict[int, float] = {}
+        for score, depth in zip(tree.scores, tree.depths):
+            level[depth] = level.get(depth, 0.0) + score
+        reach = [1.0]
+        for j in range(tree.max_depth):
+            reach.append(reach[-1] * (stats.rates[j] if j < len(stats.rates) else stats.rates[-1]))
+        return [reach[d] * (s / level[d] if level[d] > 0 else 0.0) for s, d in zip(tree.scores, tree.depths)]
 
     def _eligible(self, req: Request, batch: int) -> bool:
         if req.sampling_params.speculative is False:
