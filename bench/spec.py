@@ -1,6 +1,10 @@
 """Speculative decoding benchmark: Qwen2.5-Coder 1.5B target, 0.5B draft, on this machine.
 
 Sections (all by default, in one run):
+  trees       batch 1, greedy: plain vs chain vs tree drafts for the draft model, prompt lookup,
+              reference and lookahead, on coding and edit prompts; per prompt the three modes run
+              back to back on one engine (speculation and tree mode switched at run time), so a
+              noisy machine's drift hits all three alike
   batch1      tokens/s and speedup of none / draft / ngram / reference at batch 1, greedy and
               T=0.7, on coding prompts and on "edit this code" prompts (reference = the code)
   ksweep      K = 1..8 with the draft model: measured acceptance and tokens per step against
@@ -10,6 +14,7 @@ Sections (all by default, in one run):
               (assistant_model) and prompt lookup (prompt_lookup_num_tokens), batch 1 greedy
 
     python bench/spec.py                       # everything (~1 h on 2 CPU cores)
+    python bench/spec.py --sections trees batchsweep
     python bench/spec.py --sections batch1 --prompts 2 --max-tokens 48   # a quick look
 
 Writes bench/results/spec.json and spec.png.
@@ -62,7 +67,9 @@ class Bench:
         if method == "none-int8":  # the plain baseline on the int8 weight-only target, for reference
             method, quant = "none", "int8"
         if method == "draft":
-            kw.setdefault("draft_quantization", self.args.draft_quantization)
+            if self.args.draft_quantization:
+                kw.setdefault("draft_quantization", self.args.draft_quantization)
+            kw.setdefault("draft_vocab_size", self.args.draft_vocab)
         llm = LLM(
             self.args.target, dtype=self.args.dtype, checkpoint=self.target, kv_cache_gib=1.0,
             spec_method=method, spec_policy=policy, num_spec_tokens=k, quantization=quant,
@@ -116,6 +123,66 @@ def run_sequential(llm: LLM, prompts: list[tuple[str, str | None]], temperature:
         "plain_forward_time_s": delta["decode_time_s"],  # forwards without drafts (incl. prefill)
         "ttft_total_s": e2e - decode_t,
     }
+
+
+def _set_tree_mode(llm: LLM, mode: str) -> None:
+    """plain / chain / tree on a live engine (bench only: the same weights and caches for all)."""
+    eng = llm.engine
+    eng.set_speculation(mode != "plain")
+    trees = mode == "tree"
+    if hasattr(eng.proposer, "tree"):
+        eng.proposer.tree = trees
+    eng.policy.trees = trees and eng.proposer.traits.trees
+
+
+def section_trees(b: Bench) -> list[dict]:
+    """Batch 1, greedy: plain / chain / tree per proposer, the modes interleaved prompt by prompt."""
+    rows = []
+    for method in b.args.tree_methods:
+        llm = b.llm(method, "adaptive", 8)
+        eng = llm.engine
+        for set_name, prompts in [("coding", b.coding), ("edit", b.edit)]:
+            if method == "reference" and set_name == "coding":
+                continue  # nothing to copy from
+            acc = {m: {"gen": 0, "t": 0.0, "steps": 0, "accepted": 0, "drafted": 0, "lengths": []} for m in TREE_MODES}
+            for i, (prompt, ref) in enumerate(prompts):
+                for mode in TREE_MODES:
+                    _set_tree_mode(llm, mode)
+                    eng.kv_manager.reset_prefix_cache()
+                    params = SamplingParams(max_tokens=b.args.max_tokens, temperature=0, reference_text=ref)
+                    out = llm.generate(prompt, params, use_tqdm=False)[0]
+                    m, a = out.metrics, acc[mode]
+                    a["gen"] += m.num_generated_tokens - 1
+                    a["t"] += m.e2e_s - m.ttft_s
+                    a["steps"] += m.extra["num_target_steps"] - 1
+                    a["accepted"] += m.extra["num_accepted_tokens"]
+                    a["drafted"] += m.extra["num_draft_tokens"]
+                    a["lengths"] += m.extra.get("accepted_lengths", [])
+            for mode in TREE_MODES:
+                a = acc[mode]
+                rows.append({
+                    "method": method, "mode": mode, "prompt_set": set_name,
+                    "decode_tokens_per_s": a["gen"] / a["t"], "tokens_per_step": a["gen"] / max(a["steps"], 1),
+                    "draft_nodes_per_step": a["drafted"] / max(a["steps"], 1), "accepted_tokens": a["accepted"],
+                    "accepted_length_histogram": _histogram(a["lengths"]),
+                })
+            plain = next(r for r in rows if r["method"] == method and r["prompt_set"] == set_name and r["mode"] == "plain")
+            for r in rows[-len(TREE_MODES):]:
+                r["speedup_vs_plain"] = r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+                log(f"trees {method:9s} {set_name:6s} {r['mode']:5s}: {r['decode_tokens_per_s']:6.2f} tok/s "
+                    f"x{r['speedup_vs_plain']:.2f}, {r['tokens_per_step']:.2f} tokens/step, {r['draft_nodes_per_step']:.1f} nodes/step")
+        del llm
+    return rows
+
+
+TREE_MODES = ("plain", "chain", "tree")
+
+
+def _histogram(values: list[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def section_batch1(b: Bench) -> list[dict]:
@@ -186,6 +253,7 @@ def section_batchsweep(b: Bench) -> list[dict]:
                 eng.set_speculation(True)
                 eng.policy.config = dataclasses.replace(eng.policy.config, policy=policy)
             params = SamplingParams(max_tokens=b.args.batch_max_tokens, temperature=0, ignore_eos=True)
+            eng.kv_manager.reset_prefix_cache()
             t0 = time.perf_counter()
             outs = llm.generate(batch_prompts, params, use_tqdm=False)
             dt = time.perf_counter() - t0
@@ -318,15 +386,17 @@ def main() -> int:
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default="none", help="target weights: none (exact float) or int8")
-    ap.add_argument("--draft-quantization", default="w8a8",
-                    help="draft weights: none, int8 or w8a8 (cheapest; only moves acceptance, never outputs)")
-    ap.add_argument("--extra-baselines", nargs="*", default=["none-int8"],
+    ap.add_argument("--quantization", default="auto", help="target weights: auto (the GGUF's blocks), none (float), int8")
+    ap.add_argument("--draft-quantization", default=None,
+                    help="draft weights (default: the engine's, int4 under a target on auto); only moves acceptance")
+    ap.add_argument("--draft-vocab", type=int, default=65536, help="draft LM head vocabulary (0: full)")
+    ap.add_argument("--extra-baselines", nargs="*", default=[],
                     help="extra batch-1 rows: none-int8 = plain decoding of the int8 target")
-    ap.add_argument("--sections", nargs="+", default=["batch1", "ksweep", "batchsweep", "hf"])
+    ap.add_argument("--tree-methods", nargs="+", default=["draft", "ngram", "reference", "lookahead"])
+    ap.add_argument("--sections", nargs="+", default=["trees", "batch1", "ksweep", "batchsweep", "hf"])
     ap.add_argument("--prompts", type=int, default=4, help="prompts per set")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--batch-max-tokens", type=int, default=32)
     ap.add_argument("--out", default="spec")
     args = ap.parse_args()
@@ -337,12 +407,12 @@ def main() -> int:
         import json
 
         old = json.loads(out_json.read_text())
-        for key in ("batch1", "ksweep", "batchsweep", "hf"):
+        for key in ("trees", "batch1", "ksweep", "batchsweep", "hf"):
             if key in old and key not in args.sections:
                 payload[key] = old[key]
     b = Bench(args)
-    sections = {"batch1": section_batch1, "ksweep": section_ksweep, "batchsweep": section_batchsweep,
-                "hf": section_hf}
+    sections = {"trees": section_trees, "batch1": section_batch1, "ksweep": section_ksweep,
+                "batchsweep": section_batchsweep, "hf": section_hf}
     for name in args.sections:
         t0 = time.perf_counter()
         payload[name] = sections[name](b)

@@ -66,6 +66,11 @@ def test_ngram_trees_are_exact_batched_and_alone(tiny, kv_cache_dtype):
         assert llm.generate([p], params)[0].token_ids == b.token_ids
     assert seen["branching"] > 0, seen  # real trees were verified
     assert seen["moved"] > 0, seen  # and some accepted path left the first branch (KV moved)
+    # Tree metrics in every request's output: accepted length per step and nodes per step.
+    x = batched[0].metrics.extra
+    assert sum(x["accepted_length_histogram"].values()) == x["num_spec_steps"] == len(x["accepted_lengths"])
+    assert sum(k * v for k, v in x["accepted_length_histogram"].items()) == x["num_accepted_tokens"]
+    assert x["draft_nodes_per_step"] >= x["mean_accepted_len"]
     eng = llm.engine
     assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
 

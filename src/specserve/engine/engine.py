@@ -199,8 +199,10 @@ class LLMEngine:
         )
         self.spec_counters = {"draft_time_s": 0.0, "verify_time_s": 0.0, "decode_time_s": 0.0,
                               "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
-        self.accepted_per_position = [0] * spec.num_spec_tokens
-        self.drafted_per_position = [0] * spec.num_spec_tokens
+        depth = max(spec.num_spec_tokens, spec.max_draft_nodes)
+        self.accepted_per_position = [0] * depth  # by depth: steps that accepted a node there
+        self.drafted_per_position = [0] * depth  # steps whose draft reached that depth
+        self.accepted_length_counts = [0] * (depth + 1)  # verify steps by accepted drafts
         if self.proposer is not None and spec.policy == "adaptive" and spec.profile_on_start:
             self.profile_costs()
 
@@ -406,6 +408,7 @@ class LLMEngine:
             c["num_drafts"] += 1
             c["num_draft_tokens"] += st.num_draft_tokens
             c["num_accepted_tokens"] += st.num_accepted_tokens
+            self.accepted_length_counts[min(st.num_accepted_tokens, len(self.accepted_length_counts) - 1)] += 1
             depth = sr.draft.max_depth
             for j in range(min(depth, st.num_accepted_tokens + 1, len(self.drafted_per_position))):
                 self.drafted_per_position[j] += 1

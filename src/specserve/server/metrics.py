@@ -52,12 +52,17 @@ class ServerMetrics:
                                 registry=r)
         self.preemptions = Counter("specserve_preemptions", "Requests preempted for KV memory.", labels, registry=r)
         self.drafts = Counter("specserve_spec_drafts", "Verify steps that checked drafts.", labels, registry=r)
-        self.draft_tokens = Counter("specserve_spec_draft_tokens", "Draft tokens verified.", labels, registry=r)
+        self.draft_tokens = Counter("specserve_spec_draft_tokens", "Draft tokens (tree nodes) verified; "
+                                    "over specserve_spec_drafts: nodes per step.", labels, registry=r)
+        self.accepted_len = Histogram("specserve_spec_accepted_length", "Draft tokens accepted per verify step.",
+                                      labels, buckets=tuple(range(0, 17)), registry=r)
         self.accepted_tokens = Counter("specserve_spec_accepted_tokens", "Draft tokens accepted.", labels,
                                        registry=r)
-        self.drafted_pos = Counter("specserve_spec_drafted_per_position", "Drafts tested at each position.",
+        self.drafted_pos = Counter("specserve_spec_drafted_per_position", "Verify steps whose draft reached each "
+                                   "depth (a chain's position).",
                                    ["model", "position"], registry=r)
-        self.accepted_pos = Counter("specserve_spec_accepted_per_position", "Drafts accepted at each position.",
+        self.accepted_pos = Counter("specserve_spec_accepted_per_position", "Verify steps that accepted a draft "
+                                    "node at each depth (acceptance by depth: over drafted_per_position).",
                                     ["model", "position"], registry=r)
         self.spec_time = Counter("specserve_spec_time_seconds", "Engine time by phase (draft, verify, decode).",
                                  ["model", "phase"], registry=r)
@@ -93,6 +98,11 @@ class ServerMetrics:
             self._inc_to("accepted", self.accepted_tokens, c["num_accepted_tokens"])
             for phase, key in (("draft", "draft_time_s"), ("verify", "verify_time_s"), ("decode", "decode_time_s")):
                 self._inc_to(f"time_{phase}", self.spec_time, c[key], phase=phase)
+            for length, n in enumerate(engine.accepted_length_counts):
+                prev = self._last_pos.get(("len", length), 0)
+                for _ in range(n - prev):
+                    self.accepted_len.labels(m).observe(length)
+                self._last_pos[("len", length)] = n
             for j, (d, a) in enumerate(zip(engine.drafted_per_position, engine.accepted_per_position)):
                 self._inc_to(f"dpos{j}", self.drafted_pos, d, position=str(j))
                 self._inc_to(f"apos{j}", self.accepted_pos, a, position=str(j))
