@@ -145,7 +145,7 @@ def section_trees(b: Bench) -> list[dict]:
             if method == "reference" and set_name == "coding":
                 continue  # nothing to copy from
             acc = {m: {"gen": 0, "t": 0.0, "steps": 0, "accepted": 0, "drafted": 0, "lengths": []} for m in TREE_MODES}
-            for i, (prompt, ref) in enumerate(prompts):
+            for prompt, ref in prompts:
                 for mode in TREE_MODES:
                     _set_tree_mode(llm, mode)
                     eng.kv_manager.reset_prefix_cache()

@@ -6,6 +6,7 @@ import argparse
 import json
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,10 +22,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (bf16 on GPU / CPUs with native bf16, else float32), bfloat16, float32")
     g.add_argument("--linear-backend", default="auto", choices=["auto", "dense", "onednn"],
                    help="linear kernels: auto picks oneDNN packed weights for float32 on CPU")
-    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "auto"],
-                   help="none: float weights (a GGUF's blocks decoded once); auto: keep a GGUF's quantized "
-                        "blocks and compute from them (native kernel, fastest on CPU); int4: Q4_K blocks; "
-                        "int8: weight-only int8 per row")
+    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "auto"],
+                   help="default: auto for a GGUF model on the CPU, else none. none: float weights (a GGUF's "
+                        "blocks decoded once; exact reference); auto: keep a GGUF's quantized blocks and compute "
+                        "from them (native kernels, fastest on CPU); int4: 4-bit blocks; int8: weight-only int8 per row")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV cache storage: auto = model dtype; int8 = per-(token, head) scaled int8 (~3.8x the tokens)")
     g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache memory budget in GiB")
@@ -38,8 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--spec-method", choices=["none", "draft", "ngram", "reference", "lookahead"], default=None,
                    help="proposer (default: draft when --draft-model is given, else none)")
-    s.add_argument("--draft-model", default=None, help="draft model (bundled name, GGUF or HF dir)")
-    s.add_argument("--num-spec-tokens", type=int, default=4, help="maximum draft tokens K per step")
+    s.add_argument("--draft-model", default=None,
+                   help="draft model (bundled name, GGUF or HF dir; auto: the bundled smaller sibling of a bundled target)")
+    s.add_argument("--num-spec-tokens", type=int, default=8, help="maximum draft tokens K per step (the policy picks <= this)")
     s.add_argument("--spec-policy", choices=["adaptive", "always", "off"], default="adaptive",
                    help="adaptive: cost model decides K per request per step")
     s.add_argument("--spec-tree", choices=["auto", "chain"], default="auto",
@@ -51,7 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="draft model quantization (default: int4 when --quantization is auto, else as "
                         "--quantization); a draft's precision changes its acceptance rate, never the output")
     s.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="draft LM head over only the N most frequent tokens (+ special tokens); stays exact")
+                   help="draft LM head over only the N most frequent tokens (+ special tokens); stays exact "
+                        "(default: 65536 for vocabularies above 100k; 0: the whole vocabulary)")
     s.add_argument("--draft-p-min", type=float, default=None,
                    help="a draft stops after a token it gives a probability below this (default 0.8; 0: "
                         "always draft --num-spec-tokens); exactness is unaffected")
@@ -173,9 +176,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               api_key=args.api_key)
         layout = "co-located"
     app = build_app(server)
-    spec = server.engine.config.spec
-    print(f"specserve: serving {name!r} on http://{args.host}:{args.port} ({layout}; "
-          f"speculation: {spec.method}, policy {spec.policy}, K<={spec.num_spec_tokens})", file=sys.stderr)
+    url = f"http://{args.host}:{args.port}"
+    lines = {"serving": f"{name!r} ({layout})"}
+    if server.engine is not None and hasattr(server.engine, "describe"):
+        lines.update(server.engine.describe())
+    else:
+        spec = server.engine.config.spec
+        lines["speculation"] = f"{spec.method}, policy {spec.policy}, K <= {spec.num_spec_tokens}"
+    lines["URL"] = f"{url}  (chat page at /, OpenAI API at /v1, metrics at /metrics)"
+    lines["ready in"] = f"{time.perf_counter() - _STARTED:.1f} s"
+    width = max(len(k) for k in lines)
+    print("specserve " + "\n  ".join(["ready"] + [f"{k:<{width}}  {v}" for k, v in lines.items()]), file=sys.stderr, flush=True)
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal against the handlers that were
     # installed before it started.  A drained shutdown is a clean exit, so those handlers turn the
     # re-raised signal into status 0 instead of death-by-signal (-15) or a KeyboardInterrupt trace.
@@ -255,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts shorter than this are prefilled on their decode worker (0: always use a prefill worker)")
     d.add_argument("--pin-cpus", action="store_true", help="pin worker i to core i (local Ray only)")
     return parser
+
+
+_STARTED = time.perf_counter()  # process start, for the time to first request
 
 
 def main(argv: list[str] | None = None) -> int:

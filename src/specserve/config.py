@@ -65,7 +65,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length, capped at 8192
     seed: int = 0
     linear_backend: str = "auto"  # auto | dense | onednn (see specserve.models.linear)
-    quantization: str = "none"  # one of QUANTIZATIONS
+    # One of QUANTIZATIONS; None: the fast path for the model (see specserve.defaults: `auto` for
+    # a GGUF model on the CPU, `none` otherwise), made explicit when the engine starts.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype, self.device)
@@ -77,7 +79,7 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}.")
-        if self.quantization not in QUANTIZATIONS:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"Unknown quantization {self.quantization!r}; use one of {', '.join(QUANTIZATIONS)}.")
 
     @cached_property
@@ -154,7 +156,9 @@ class SpecConfig:
     """Speculative decoding: which proposer, how many tokens, and when to speculate."""
 
     method: str = "none"  # none | draft | ngram | reference | lookahead
-    num_spec_tokens: int = 4  # maximum K per request per step (chain length; for trees: how deep speculation pays)
+    # Maximum K per request per step (chain length; for trees: how deep speculation pays). The
+    # policy picks K <= this each step; 8 measured 3-4% faster than 4 with the Qwen 0.5B draft.
+    num_spec_tokens: int = 8
     max_draft_nodes: int = 16  # trees: most nodes a draft may have (pruned to what pays each step)
     policy: str = "adaptive"  # adaptive | always | off
     tree: str = "auto"  # auto | chain (see SPEC_TREES)
@@ -162,7 +166,9 @@ class SpecConfig:
     draft_num_layers: int | None = None  # keep only the first N layers of the draft (layer-skip draft)
     draft_kv_cache_gib: float | None = None  # default: a share of the target's budget
     draft_quantization: str | None = None  # None: int4 under a target on auto, else the target's
-    draft_vocab_size: int | None = None  # restrict the draft LM head to the N most frequent token ids
+    # Restrict the draft LM head to the N most frequent token ids (0: the whole vocabulary; None:
+    # 65,536 for vocabularies above 100k, see specserve.defaults).
+    draft_vocab_size: int | None = None
     draft_p_min: float = DEFAULT_DRAFT_P_MIN  # stop drafting after a token the draft gives p < this (0: never)
     ngram_min: int = 1
     ngram_max: int = 4
@@ -188,8 +194,8 @@ class SpecConfig:
             raise ConfigError("spec method 'draft' needs a draft model; pass --draft-model NAME_OR_PATH.")
         if self.draft_num_layers is not None and self.draft_num_layers < 1:
             raise ConfigError("draft_num_layers must be >= 1 when given.")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ConfigError("draft_vocab_size must be >= 1 when given.")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
+            raise ConfigError("draft_vocab_size must be >= 0 when given (0: the whole vocabulary).")
         if not 0.0 <= self.draft_p_min < 1.0:
             raise ConfigError(f"draft_p_min must be in [0, 1), got {self.draft_p_min}.")
         if self.draft_quantization is not None and self.draft_quantization not in QUANTIZATIONS:

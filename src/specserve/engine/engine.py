@@ -16,12 +16,14 @@ from typing import NamedTuple, Protocol
 import torch
 
 from specserve.config import EngineConfig
+from specserve.defaults import resolve_defaults
 from specserve.engine.runner import ModelRunner, StepConnector
 from specserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from specserve.errors import InvalidRequestError, PromptTooLongError
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from specserve.progress import bar
 from specserve.request import Request, RequestStatus
 from specserve.sampling_params import SamplingParams
 from specserve.spec.factory import ProposerContext, build_proposer
@@ -142,11 +144,14 @@ class LLMEngine:
         from specserve.models.bundled import resolve_model
         from specserve.models.loader import LoadedCheckpoint, load_model_files
 
-        self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        path = resolve_model(config.model.model) if checkpoint is None else None
+        has_blocks = bool(getattr(checkpoint, "packed", None)) if checkpoint is not None else None
+        config = resolve_defaults(config, path, has_blocks)
+        self.config = config
         if checkpoint is None:
-            path = resolve_model(config.model.model)
+            assert path is not None
             checkpoint = load_model_files(path, keep_blocks=config.model.quantization in ("auto", "int4"))
         assert isinstance(checkpoint, LoadedCheckpoint)
         self.arch = checkpoint.arch
@@ -222,11 +227,10 @@ class LLMEngine:
         sizes = [n for n in sizes if n <= max(limit * (kmax + 1), 1) and n <= budget]
         self.runner.time_decode_step(1)  # warm-up
         times: dict[int, float] = {}
-        for _ in range(2):
-            for n in verify:
-                times[n] = min(times.get(n, float("inf")), self.runner.time_decode_step(1, tokens_per_req=n, repeats=1))
-            for n in sizes:
-                times[n] = min(times.get(n, float("inf")), self.runner.time_decode_step(n, repeats=1))
+        points = [(n, True) for n in verify] + [(n, False) for n in sizes]
+        for n, one_request in bar(points * 2, desc="profiling step costs for the speculation policy", unit="step"):
+            t = self.runner.time_decode_step(1, tokens_per_req=n, repeats=1) if one_request else self.runner.time_decode_step(n, repeats=1)
+            times[n] = min(times.get(n, float("inf")), t)
         self.policy.target_time.points.update(times)
         if self.proposer is not None and self.proposer.traits.cost == "per_pass":
             self.proposer.time_pass(1)  # warm-up
@@ -529,6 +533,40 @@ class LLMEngine:
             req.status = RequestStatus.FINISHED_STOPPED
 
     # ------------------------------------------------------------------ introspection
+    def describe(self) -> dict[str, str]:
+        """What is running, one line per aspect (the start-up summary of `specserve serve`)."""
+        cfg, arch = self.config, self.arch
+        q = cfg.model.quantization
+        runner = self.runner
+        if runner.native_ops:
+            from specserve.kernels import kernels
+
+            isa = "AVX512-VNNI" if kernels().has_vnni() else "AVX2" if kernels().has_avx2() else "portable"
+            precision = f"{q}: the GGUF's own blocks through native {isa} kernels" if q == "auto" else f"{q}: 4-bit blocks, native {isa} kernels"
+        else:
+            precision = f"{q} ({str(runner.dtype).removeprefix('torch.')})"
+        kv_gib = runner.kv_cache_bytes / (1 << 30)
+        out = {
+            "model": f"{self.model_name} ({arch.architecture}, {arch.num_layers} layers, vocabulary {arch.vocab_size})",
+            "precision": precision,
+            "KV cache": f"{kv_gib:.2f} GiB = {self.kv_manager.capacity_tokens:,} tokens ({cfg.cache.kv_cache_dtype}), "
+                        f"context up to {self.max_model_len:,}",
+        }
+        spec = cfg.spec
+        if self.proposer is None:
+            out["speculation"] = "off (--spec-method draft | ngram | reference | lookahead, or --draft-model auto)"
+        else:
+            what = spec.method
+            if spec.method == "draft":
+                draft = getattr(self.proposer, "runner", None)
+                head = getattr(getattr(draft, "model", None), "lm_head", None)
+                vocab = f", {len(head.token_ids):,}-token head" if hasattr(head, "token_ids") else ""
+                what = f"draft model {spec.draft_model} ({getattr(draft, 'quantization', '?')}{vocab})"
+            shape = "trees" if self.policy.trees else "chains"
+            out["speculation"] = f"{what}, {shape}, K <= {spec.num_spec_tokens}, policy {spec.policy}"
+        out["threads"] = str(torch.get_num_threads())
+        return out
+
     def check_integrity(self) -> bool:
         """KV bookkeeping holds: every block is free, cached, or held by a live request."""
         live = [r.request_id for r in self.scheduler.running]

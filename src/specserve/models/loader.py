@@ -25,6 +25,7 @@ from specserve.models.arch import ArchConfig
 from specserve.models.block_linear import PackedWeight, kernel_can_read, packed_from_gguf
 from specserve.models.gguf_quants import _one_thread_per_op, dequantize_many
 from specserve.models.tokenizer import Tokenizer
+from specserve.progress import spinner
 
 __all__ = [
     "LoadedCheckpoint",
@@ -342,7 +343,8 @@ def load_gguf(
                     # the embedding lookup below still gets float32 rows.
                     packed["lm_head.weight"] = packed_from_gguf(t.data, int(t.tensor_type), shape)  # type: ignore[arg-type]
     todo = [(t, n, s) for t, n, s in zip(reader.tensors, names, shapes, strict=True) if n not in packed]
-    values = dequantize_many([(t.data, t.tensor_type, shape) for t, _, shape in todo])
+    with spinner(f"loading {p.name} ({len(packed)} tensors kept in blocks, {len(todo)} decoded)"):
+        values = dequantize_many([(t.data, t.tensor_type, shape) for t, _, shape in todo])
     del reader  # the decoded tensors own their memory; release the file mapping
     weights: dict[str, torch.Tensor] = {}
     with _one_thread_per_op():  # see there: keeps the copies below fast on a busy machine

@@ -142,7 +142,7 @@ def _tables(trees: Sequence[DraftTree], vocab: int) -> _Tables:
     dist_index = torch.full((len(uniq), n), -1, dtype=torch.long)
     blocks = [torch.zeros(1, vocab, dtype=torch.float64)]
     base = 1
-    for s_i, ((parents, draw, dist_row, rows), us) in enumerate(shapes.items()):
+    for s_i, ((parents, _draw, dist_row, rows), us) in enumerate(shapes.items()):
         first = uniq[us[0]]
         for parent, cs in enumerate(first.children):
             if cs:

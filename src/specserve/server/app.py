@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import html
 import json
 import logging
 import time
@@ -14,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -485,6 +486,23 @@ def build_app(server: OpenAIServer) -> FastAPI:
         status = "ok" if ae.accepting else "draining"
         return JSONResponse({"status": status, "in_flight": ae.num_in_flight},
                             status_code=200 if ae.accepting else 503)
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> Response:
+        from importlib.resources import files
+
+        page = files("specserve.server").joinpath("static/index.html").read_text(encoding="utf-8")
+        return HTMLResponse(page.replace("__MODEL__", html.escape(server.model_name, quote=True)))
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        """Recent requests and sampled gauges for the web page (JSON)."""
+        snap = server.metrics.snapshot()
+        eng = server.engine
+        snap["speculation"] = {"enabled": bool(getattr(eng, "speculation_enabled", False)), "method": eng.config.spec.method}
+        if hasattr(eng, "describe"):
+            snap["engine"] = eng.describe()
+        return snap
 
     @app.get("/metrics")
     async def metrics() -> Response:

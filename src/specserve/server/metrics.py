@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from specserve.engine.engine import LLMEngine
 from specserve.outputs import RequestOutput
+
+RECENT_REQUESTS = 200  # finished requests kept for /stats
+SERIES_POINTS = 600  # sampled gauge points kept for /stats (10 minutes at one per second)
+SERIES_EVERY_S = 1.0
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -69,6 +75,10 @@ class ServerMetrics:
         self._last: dict[str, float] = {}
         self._last_pos: dict[tuple[str, int], int] = {}
         self._lock = threading.Lock()
+        # Rolling windows for the web page (/stats): recent requests and sampled engine gauges.
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_REQUESTS)
+        self.series: collections.deque[dict[str, Any]] = collections.deque(maxlen=SERIES_POINTS)
+        self._sample: tuple[float, float, float, float] | None = None  # (time, generated, drafted, accepted)
 
     def _inc_to(self, key: str, counter: Counter, value: float, **labels: str) -> None:
         """Advance a counter to a cumulative engine value."""
@@ -87,6 +97,7 @@ class ServerMetrics:
             self.kv_used.labels(m).set(usage.num_used_blocks)
             self.kv_free.labels(m).set(usage.num_free_blocks)
             self.kv_usage.labels(m).set(usage.num_used_blocks / max(usage.num_blocks, 1))
+            self._sample_series(engine, usage.num_used_blocks / max(usage.num_blocks, 1))
             self.hit_rate.labels(m).set(usage.prefix_hit_rate)
             self.spec_enabled.labels(m).set(1 if engine.speculation_enabled else 0)
             c = engine.spec_counters
@@ -107,10 +118,41 @@ class ServerMetrics:
                 self._inc_to(f"dpos{j}", self.drafted_pos, d, position=str(j))
                 self._inc_to(f"apos{j}", self.accepted_pos, a, position=str(j))
 
+    def _sample_series(self, engine: LLMEngine, usage_ratio: float) -> None:
+        """Every SERIES_EVERY_S: tokens/s and acceptance since the last sample, KV usage, queue."""
+        now = time.time()
+        c = engine.spec_counters
+        cur = (now, float(engine.num_generated_tokens), float(c["num_draft_tokens"]), float(c["num_accepted_tokens"]))
+        prev = self._sample
+        if prev is not None and now - prev[0] < SERIES_EVERY_S:
+            return
+        self._sample = cur
+        if prev is None:
+            return
+        dt = max(now - prev[0], 1e-9)
+        drafted = cur[2] - prev[2]
+        self.series.append({
+            "t": now, "tokens_per_s": (cur[1] - prev[1]) / dt, "kv_usage": usage_ratio,
+            "acceptance": (cur[3] - prev[3]) / drafted if drafted else None,
+            "running": engine.scheduler.num_running, "waiting": engine.scheduler.num_waiting,
+        })
+
+    def snapshot(self) -> dict[str, Any]:
+        """Recent requests and sampled gauges, for the web page's charts."""
+        with self._lock:
+            return {"model": self.model, "requests": list(self.recent), "series": list(self.series)}
+
     def on_finished(self, out: RequestOutput) -> None:
         """Observe a finished request's latencies (engine thread)."""
         m = out.metrics
         label = self.model
+        x = m.extra
+        with self._lock:
+            self.recent.append({
+                "t": time.time(), "ttft_s": m.ttft_s, "tpot_s": m.tpot_s, "tokens": m.num_generated_tokens,
+                "acceptance": x.get("acceptance_rate"), "mean_accepted_len": x.get("mean_accepted_len"),
+                "finish_reason": out.finish_reason,
+            })
         self.requests.labels(model=label, finish_reason=out.finish_reason or "unknown").inc()
         if m.ttft_s is not None:
             self.ttft.labels(label).observe(m.ttft_s)

@@ -31,7 +31,12 @@ from specserve.errors import ConfigError
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.models.arch import ArchConfig
 from specserve.request import Request
-from specserve.sampling.sampler import SamplingMetadata, logits_to_probs, request_generator, sample_from_probs
+from specserve.sampling.sampler import (
+    SamplingMetadata,
+    logits_to_probs,
+    request_generator,
+    sample_from_probs,
+)
 from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
 from specserve.spec.tree import DraftTree, SiblingDraw
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import CacheConfig, ModelConfig, SpecConfig
+from specserve.defaults import default_draft_vocab
 from specserve.errors import TokenizerMismatchError
 from specserve.models.tokenizer import Tokenizer
 from specserve.spec.proposer import Proposer
@@ -71,20 +72,21 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
         cache = replace(ctx.cache, num_gpu_blocks_override=ctx.target_num_blocks)
     model = replace(ctx.model, quantization=quantization)
     subset = None
-    if ctx.spec.draft_vocab_size is not None and ctx.spec.draft_vocab_size < arch.vocab_size:
-        subset = frequent_token_subset(ckpt.tokenizer, arch.vocab_size, ctx.spec.draft_vocab_size)
+    vocab = default_draft_vocab(ctx.spec.draft_vocab_size, arch.vocab_size)
+    if vocab is not None:
+        subset = frequent_token_subset(ckpt.tokenizer, arch.vocab_size, vocab)
     return DraftModelProposer(arch, weights, model, cache, ctx.max_model_len, vocab_subset=subset, packed=packed,
                               p_min=ctx.spec.draft_p_min, tree=ctx.spec.trees)
 
 
-def default_draft_quantization(draft: str | None, target: str) -> str:
+def default_draft_quantization(draft: str | None, target: str | None) -> str:
     """--draft-quantization, else int4 when the target keeps its file's blocks (auto), else the
     target's. A draft's precision moves only its acceptance rate, never the output, and decode
     reads every weight each step: the 0.5B Qwen draft in 4 bits (its Q5_0/Q8_0 matrices as Q4_0,
     Q6_K as Q4_K) reads 236 MB per step instead of 310 MB, for ~2 points of acceptance."""
     if draft is not None:
         return draft
-    return "int4" if target == "auto" else target
+    return "int4" if target == "auto" else (target or "none")
 
 
 def frequent_token_subset(tokenizer: Tokenizer | None, vocab_size: int, n: int) -> torch.Tensor:

@@ -5,7 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specserve.request import Request
-from specserve.spec.proposer import Proposer, ProposerTraits, longest_suffix_match, register_proposer
+from specserve.spec.proposer import (
+    Proposer,
+    ProposerTraits,
+    longest_suffix_match,
+    register_proposer,
+)
 from specserve.spec.suffix import suffix_matches, weighted_tree
 from specserve.spec.tree import DraftTree
 

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 from specserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
-    import torch
 
     from specserve.engine.scheduler import SampledTokens
     from specserve.request import Request
