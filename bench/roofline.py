@@ -2,10 +2,12 @@
 
 For each model and precision: the forward time of one token (batch 1, a 64-token context), the
 weight bytes that forward reads, the bandwidth that implies and its fraction of the read
-bandwidth measured in the same run; the cost of verifying n = 2, 3, 5, 9 tokens of one request
-relative to one token (what speculation pays per step); and, where the engine accepts the
-precision for a target, the full engine's decode step so the Python/scheduler overhead per step
-is visible (engine step - forward).
+bandwidth measured in the same run; the cost of verifying n = 2, 3, 5, 9, 17, 33 tokens of one
+request relative to one token (what speculation pays per step), beside the floor the CPU's int8
+multiply-add peak puts under it (measured here: `int8_peak_gmacs`, u8 x s8 vpmaddubsw / vpdpbusd
+throughput of all threads; a forward of n tokens needs n * MACs-per-token, so
+T(n) >= max(T(1), n * MACs / peak)); and, where the engine accepts the precision for a target,
+the full engine's decode step so the Python/scheduler overhead per step is visible.
 
     python bench/roofline.py
     python bench/roofline.py --models qwen2.5-coder-0.5b-instruct --precisions none int8
@@ -31,7 +33,7 @@ from specserve.engine.runner import ModelRunner
 from specserve.models.bundled import resolve_model
 from specserve.models.loader import load_model_files
 
-VERIFY_TOKENS = [1, 2, 3, 5, 9]
+VERIFY_TOKENS = [1, 2, 3, 5, 9, 17, 33]
 CONTEXT = 64
 
 
@@ -41,17 +43,35 @@ def forward_times(runner: ModelRunner, repeats: int) -> dict[int, float]:
     return {n: runner.time_decode_step(1, tokens_per_req=n, repeats=repeats, context=CONTEXT) for n in VERIFY_TOKENS}
 
 
+def macs_per_token(arch: object) -> float:
+    """Multiply-adds of one token's forward through every projection and the LM head."""
+    a = arch
+    h, q, kv, inter = a.hidden_size, a.q_size, a.kv_size, a.intermediate_size  # type: ignore[attr-defined]
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+    return float(a.num_layers * per_layer + h * a.vocab_size)  # type: ignore[attr-defined]
+
+
+def int8_peak_gmacs(seconds: float = 0.5) -> float:
+    """u8 x s8 multiply-adds per second of all threads through the kernels' widest instruction
+    (AVX2 vpmaddubsw: 32 per instruction; VNNI vpdpbusd likewise), measured with a dense
+    independent-chain loop (specserve.kernels.int8_peak)."""
+    from specserve.kernels import kernels
+
+    return kernels().int8_peak(seconds) / 1e9
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"])
-    ap.add_argument("--precisions", nargs="+", default=["none", "int8", "w8a8", "int4", "auto"])
+    ap.add_argument("--precisions", nargs="+", default=["auto", "int4", "none"])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--out", default="roofline")
     args = ap.parse_args()
 
     bw = measure_read_bandwidth()
-    print(f"measured read bandwidth: {bw / 1e9:.1f} GB/s", flush=True)
+    peak = int8_peak_gmacs()
+    print(f"measured read bandwidth: {bw / 1e9:.1f} GB/s; int8 multiply-add peak: {peak:.0f} GMAC/s", flush=True)
     rows = []
     for name in args.models:
         ckpt, ckpt_blocks = None, None
@@ -84,6 +104,8 @@ def main() -> int:
                 "roofline_fraction": (wbytes + kv) / t1 / bw_here,
                 "roofline_tokens_per_s": bw_here / (wbytes + kv),
                 "verify_cost_ratio": {n: times[n] / t1 for n in VERIFY_TOKENS},
+                "macs_per_token": macs_per_token(ckpt.arch),
+                "verify_floor_ratio": {n: max(1.0, n * macs_per_token(ckpt.arch) / (peak * 1e9) / t1) for n in VERIFY_TOKENS},
             }
             del runner
             gc.collect()
@@ -103,6 +125,7 @@ def main() -> int:
                   f"verify cost n:{ratios}{extra}", flush=True)
         del ckpt
     payload = {"benchmark": "batch-1 roofline", "machine": machine_info(), "read_bandwidth_gbs": bw / 1e9,
+               "int8_peak_gmacs": peak,
                "settings": vars(args), "context_tokens": CONTEXT, "results": rows}
     path = write_json(f"{args.out}.json", payload)
     plot(payload, RESULTS_DIR / f"{args.out}.png")
@@ -134,6 +157,12 @@ def plot(payload: dict, path: Path) -> None:
         a1.plot(sorted(ratios), [ratios[n] for n in sorted(ratios)], "o-",
                 label=f"{r['model'].replace('qwen2.5-coder-', '').replace('-instruct', '')} {r['precision']}")
     a1.plot(VERIFY_TOKENS, VERIFY_TOKENS, ":", color="gray", label="linear (no reuse)")
+    if rows and "verify_floor_ratio" in rows[0]:
+        f = {int(n): v for n, v in rows[0]["verify_floor_ratio"].items()}
+        a1.plot(sorted(f), [f[n] for n in sorted(f)], "--", color="#c44e52",
+                label=f"int8 peak floor ({payload.get('int8_peak_gmacs', 0):.0f} GMAC/s), {rows[0]['model'].replace('qwen2.5-coder-', '')}")
+    a1.set_xscale("log", base=2)
+    a1.set_yscale("log", base=2)
     a1.set_xlabel("tokens verified in one forward (1 request)")
     a1.set_ylabel("forward time / 1-token forward")
     a1.set_title("what a verify step costs", fontsize=10)

@@ -21,6 +21,7 @@
 #include <torch/extension.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1453,6 +1454,42 @@ class DecoderStack {
   double eps_;
 };
 
+// u8 x s8 multiply-adds per second of all threads through the kernels' widest int8 instruction
+// (AVX2 vpmaddubsw, or vpdpbusd with VNNI: 32 per 256-bit instruction), 12 independent chains
+// so latency never limits it: the compute roof under the verify-cost curve (bench/roofline.py).
+double int8_peak(double seconds) {
+#if SPECSERVE_AVX2
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::atomic<int64_t> instructions{0};
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    __m256i acc[12];
+    for (int j = 0; j < 12; ++j) acc[j] = _mm256_set1_epi8(static_cast<char>(j + 1));
+    const __m256i b = _mm256_set1_epi8(3);
+    int64_t n = 0;
+    while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < seconds) {
+      for (int it = 0; it < 4096; ++it)
+        for (int j = 0; j < 12; ++j) {
+#if SPECSERVE_VNNI
+          acc[j] = _mm256_dpbusd_epi32(acc[j], acc[j], b);
+#else
+          acc[j] = _mm256_maddubs_epi16(acc[j], b);
+#endif
+        }
+      n += 4096 * 12;
+    }
+    __m256i sink = acc[0];
+    for (int j = 1; j < 12; ++j) sink = _mm256_xor_si256(sink, acc[j]);
+    instructions += n + (_mm256_extract_epi8(sink, 0) == 0x7f ? 1 : 0);  // keep the chains alive
+  });
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return static_cast<double>(instructions.load()) * 32.0 / elapsed;
+#else
+  (void)seconds;
+  return 0.0;
+#endif
+}
+
 bool has_avx2() { return SPECSERVE_AVX2 != 0; }
 bool has_vnni() { return SPECSERVE_VNNI != 0; }
 
@@ -1479,6 +1516,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("mask"), py::arg("query_index"), py::arg("scale"));
   m.def("interleave_rows", &interleave_rows, "Q4_K/Q6_K/Q8_0/Q5_0/Q4_0 rows -> the 8-row interleaved layout", py::arg("w"), py::arg("qtype"));
   m.def("has_avx2", &has_avx2, "whether the AVX2 kernels were compiled in");
+  m.def("int8_peak", &int8_peak, "u8 x s8 multiply-adds per second of all threads (widest int8 instruction)",
+        py::arg("seconds") = 0.5, py::call_guard<py::gil_scoped_release>());
   m.def("has_vnni", &has_vnni, "whether the interleaved kernels use AVX512-VNNI");
   m.def("set_prefetch_distance", &set_prefetch_distance, "software prefetch distance in bytes (0: off); returns the old one",
         py::arg("bytes"));
