@@ -284,21 +284,11 @@ class DraftModelProposer(Proposer):
         active: list[tuple[Request, _DraftSeq, int]] = []
         first_pass: list[ScheduledRequest] = []
         for req, k in zip(requests, num_tokens):
-            if k <= 0:
+            # Slots for the catch-up tokens and the k-1 drafts fed back in.
+            admitted = self._admit(req, k, k - 1)
+            if admitted is None:
                 continue
-            seq = self._seqs.get(req.request_id)
-            if seq is None:
-                seq = self._seqs[req.request_id] = _DraftSeq(req)
-            self._sync(seq)
-            hits = []
-            if not self.kv.req_blocks.get(seq.request_id):
-                hits, n_hit = self.kv.get_computed_blocks(seq)
-                seq.num_computed_tokens = n_hit
-            new = seq.all_token_ids[seq.num_computed_tokens :]
-            # Slots for the catch-up tokens and the k-1 drafts fed back in; skip the request
-            # (no speculation this step) rather than evict anything when the cache is full.
-            if not self.kv.allocate_slots(seq, len(new) + k - 1, hits):
-                continue
+            seq, new = admitted
             active.append((req, seq, k))
             first_pass.append(self._entry(req, new, seq.num_computed_tokens))
         if not active:
@@ -350,6 +340,25 @@ class DraftModelProposer(Proposer):
         self.time_s += self.last_time_s
         return out
 
+    def _admit(self, req: Request, k: int, extra: int) -> tuple[_DraftSeq, list[int]] | None:
+        """Bring the request's draft cache up to date (keep what the target accepted, find prefix
+        hits) and hold slots for its catch-up tokens plus `extra` draft nodes. None when nothing
+        is asked (k <= 0) or the cache is full: no speculation this step rather than evicting."""
+        if k <= 0:
+            return None
+        seq = self._seqs.get(req.request_id)
+        if seq is None:
+            seq = self._seqs[req.request_id] = _DraftSeq(req)
+        self._sync(seq)
+        hits = []
+        if not self.kv.req_blocks.get(seq.request_id):
+            hits, n_hit = self.kv.get_computed_blocks(seq)
+            seq.num_computed_tokens = n_hit
+        new = seq.all_token_ids[seq.num_computed_tokens :]
+        if not self.kv.allocate_slots(seq, len(new) + extra, hits):
+            return None
+        return seq, new
+
     # ------------------------------------------------------------------ trees
     @torch.inference_mode()
     def _propose_trees(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
@@ -368,20 +377,11 @@ class DraftModelProposer(Proposer):
         trees: list[_TreeDraft] = []
         entries: list[FeedEntry] = []
         for req, k in zip(requests, num_tokens):
-            if k <= 0:
-                continue
-            seq = self._seqs.get(req.request_id)
-            if seq is None:
-                seq = self._seqs[req.request_id] = _DraftSeq(req)
-            self._sync(seq)
-            hits = []
-            if not self.kv.req_blocks.get(seq.request_id):
-                hits, n_hit = self.kv.get_computed_blocks(seq)
-                seq.num_computed_tokens = n_hit
-            new = seq.all_token_ids[seq.num_computed_tokens :]
             cap = min(k, EXPAND_WIDTH * MAX_PASSES)  # nodes this call may feed
-            if not self.kv.allocate_slots(seq, len(new) + cap, hits):
-                continue  # no room: no speculation this step rather than evict anything
+            admitted = self._admit(req, k, cap)
+            if admitted is None:
+                continue
+            seq, new = admitted
             start = seq.num_computed_tokens
             trees.append(_TreeDraft(req, seq, k, cap))
             entries.append(FeedEntry(new, list(range(start, start + len(new))), start, self.kv.block_ids(req.request_id),
