@@ -16,7 +16,8 @@ from specserve.disagg.launch import DisaggClient, connect, init_ray, start_worke
 from specserve.server.async_engine import EngineStoppedError  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-ENGINE = dict(dtype="float32", kv_cache_gib=0.25, num_threads=1, max_num_batched_tokens=64)
+# float32 like the colocated smollm_llm it is compared with (a GGUF path alone would default to `auto`)
+ENGINE = dict(dtype="float32", quantization="none", kv_cache_gib=0.25, num_threads=1, max_num_batched_tokens=64)
 TOPICS = ["the sea", "bread", "a robot", "winter", "trains", "music", "the moon", "cats", "rivers", "chess"]
 PROMPTS = ([f"Write one sentence about {t}." for t in TOPICS]
            + [f"def {name}(x):\n    # " + "step by step, " * (3 + i) for i, name in enumerate(TOPICS)])

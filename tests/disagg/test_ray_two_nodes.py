@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 from specserve.disagg.launch import DisaggClient, connect, start_worker  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-ENGINE = dict(dtype="float32", kv_cache_gib=0.25, num_threads=1)
+ENGINE = dict(dtype="float32", quantization="none", kv_cache_gib=0.25, num_threads=1)  # as smollm_llm
 
 
 def test_prefill_and_decode_on_two_ray_nodes(smollm_path, smollm_llm):
