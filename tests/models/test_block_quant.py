@@ -483,3 +483,29 @@ def test_weights_move_into_one_huge_page_buffer_unchanged():
     _weights_into_huge_pages(model)
     assert model[0].qweight.untyped_storage().data_ptr() == model[1].qweight.untyped_storage().data_ptr()
     assert all(torch.equal(m(x), b) for m, b in zip(model, before))
+
+
+def test_a_build_killed_midway_does_not_block_the_next_start(tmp_path):
+    """torch's `lock` file left by a killed compile is stale once we hold the OS lock; a live
+    builder's lock makes the next one wait instead."""
+    import fcntl
+    import threading
+
+    from specserve.kernels import _build_lock
+
+    (tmp_path / "lock").touch()  # what a build killed by Ctrl-C leaves behind
+    with _build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        entered = threading.Event()
+
+        def second_builder():
+            with _build_lock(tmp_path):
+                entered.set()
+
+        t = threading.Thread(target=second_builder)
+        t.start()
+        assert not entered.wait(0.3)  # flock is per open file: a second open waits for the first
+    t.join(5)
+    assert entered.is_set()
+    with open(tmp_path / ".specserve-build.lock") as fh:  # released: a non-blocking lock succeeds
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -86,6 +86,29 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+@contextlib.contextmanager
+def _build_lock(build: Path):
+    """Hold an OS lock on the build directory while torch builds or loads into it.
+
+    torch's builder marks a build in progress with a `lock` file and makes every other process
+    wait until it is gone; a build killed midway (Ctrl-C during the first compile) leaves it
+    behind and every later start would wait forever. The OS drops our lock when its holder
+    dies, so whoever holds it is the only builder: a `lock` file found then is stale.
+    """
+    import fcntl
+
+    with open(build / ".specserve-build.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = build / "lock"
+            if stale.exists():
+                logger.warning("removing %s left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 @functools.cache
 def _load() -> ModuleType:
     from torch.utils import cpp_extension
@@ -99,7 +122,8 @@ def _load() -> ModuleType:
     from specserve.progress import spinner
 
     try:
-        with spinner("compiling specserve's native kernels for this CPU (once)") if fresh else contextlib.nullcontext():
+        with _build_lock(build), \
+                spinner("compiling specserve's native kernels for this CPU (once)") if fresh else contextlib.nullcontext():
             module = cpp_extension.load(
                 name="specserve_qmatmul",
                 sources=[str(_SOURCE)],
