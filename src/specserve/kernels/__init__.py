@@ -73,17 +73,17 @@ def _build_dir() -> Path:
 
 
 def _ninja_on_path() -> None:
-    """torch's builder runs `ninja` from PATH; the pip-installed one lives beside the venv's
-    python, which is not on PATH when the venv's python is run without activating it."""
-    import shutil
-
-    if shutil.which("ninja"):
-        return
+    """torch's builder runs `ninja` from PATH. Put the pip-installed one first: it is not on PATH
+    when the venv's python runs without activating the venv, and a system ninja of another
+    version hashes build commands differently, so alternating between the two would recompile
+    the kernels (a minute) every time."""
     try:
         import ninja
     except ImportError:
         return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep, 1)[0] != ninja.BIN_DIR:
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
 
 
 @contextlib.contextmanager
