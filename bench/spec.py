@@ -52,8 +52,11 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         t0 = time.perf_counter()
-        self.target = load_model_files(resolve_model(args.target))
-        self.draft = load_model_files(resolve_model(args.draft))
+        # The fast path computes from the GGUF's blocks: keep them (a float checkpoint on `auto`
+        # would silently run the float layers). Engines share these checkpoints read-only.
+        blocks = args.quantization in ("auto", "int4")
+        self.target = load_model_files(resolve_model(args.target), keep_blocks=blocks)
+        self.draft = load_model_files(resolve_model(args.draft), keep_blocks=blocks and args.draft_quantization in (None, "auto", "int4"))
         log(f"loaded checkpoints in {time.perf_counter() - t0:.1f}s")
         tok = self.target.tokenizer
         self.coding = [(tok.apply_chat_template([{"role": "user", "content": p}]), None)
@@ -318,8 +321,25 @@ def plot(payload: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     b1 = payload.get("batch1") or []
+    trees = payload.get("trees") or []
     ax = axes[0][0]
-    if b1:
+    if trees:  # grouped bars: plain / chain / tree per proposer and prompt set
+        groups = list(dict.fromkeys((r["method"], r["prompt_set"]) for r in trees))
+        colors = {"plain": "#999999", "chain": "#4c72b0", "tree": "#55a868"}
+        for j, mode in enumerate(TREE_MODES):
+            vals = [next((r["speedup_vs_plain"] for r in trees if (r["method"], r["prompt_set"]) == g and r["mode"] == mode), 0)
+                    for g in groups]
+            xs = [i + (j - 1) * 0.27 for i in range(len(groups))]
+            ax.bar(xs, vals, width=0.27, color=colors[mode], label=mode)
+            for x, v, g in zip(xs, vals, groups):
+                tps = next((r["decode_tokens_per_s"] for r in trees if (r["method"], r["prompt_set"]) == g and r["mode"] == mode), 0)
+                ax.annotate(f"{v:.2f}x\n{tps:.0f}", (x, v), ha="center", va="bottom", fontsize=6)
+        ax.set_xticks(range(len(groups)), [f"{m}\n{ps}" for m, ps in groups], fontsize=8)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_ylabel("decode speedup vs plain (batch 1, greedy)")
+        ax.legend(fontsize=8)
+        ax.set_title("trees vs chains vs plain (labels: speedup, tok/s)", fontsize=10)
+    elif b1:
         labels, vals, colors = [], [], []
         palette = {"none": "#999999", "draft": "#4c72b0", "ngram": "#55a868", "reference": "#c44e52",
                    "none-int8": "#8172b2"}

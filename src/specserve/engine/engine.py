@@ -153,6 +153,10 @@ class LLMEngine:
         if checkpoint is None:
             assert path is not None
             checkpoint = load_model_files(path, keep_blocks=config.model.quantization in ("auto", "int4"))
+        elif config.model.quantization == "auto" and not has_blocks:
+            logger.warning("quantization 'auto' on a checkpoint that kept no quantized blocks: its layers run in "
+                           "float. Load it with load_model_files(path, keep_blocks=True), pass the model path "
+                           "instead, or ask for int4.")
         assert isinstance(checkpoint, LoadedCheckpoint)
         self.arch = checkpoint.arch
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
