@@ -142,13 +142,15 @@ def section_trees(b: Bench) -> list[dict]:
     """Batch 1, greedy: plain / chain / tree per proposer, the modes interleaved prompt by prompt."""
     rows = []
     for method in b.args.tree_methods:
-        llm = b.llm(method, "adaptive", 8)
+        llm = b.llm(method, "adaptive", 8, spec_tree="tree")  # built for trees (profiles tree shapes); modes switch below
         eng = llm.engine
         for set_name, prompts in [("coding", b.coding), ("edit", b.edit)]:
             if method == "reference" and set_name == "coding":
                 continue  # nothing to copy from
-            acc = {m: {"gen": 0, "t": 0.0, "steps": 0, "accepted": 0, "drafted": 0, "lengths": []} for m in TREE_MODES}
+            acc = {m: {"gen": 0, "t": 0.0, "steps": 0, "accepted": 0, "drafted": 0, "lengths": [], "same": 0}
+                   for m in TREE_MODES}
             for prompt, ref in prompts:
+                plain_ids = None
                 for mode in TREE_MODES:
                     _set_tree_mode(llm, mode)
                     eng.kv_manager.reset_prefix_cache()
@@ -161,6 +163,9 @@ def section_trees(b: Bench) -> list[dict]:
                     a["accepted"] += m.extra["num_accepted_tokens"]
                     a["drafted"] += m.extra["num_draft_tokens"]
                     a["lengths"] += m.extra.get("accepted_lengths", [])
+                    ids = out.outputs[0].token_ids
+                    plain_ids = ids if mode == "plain" else plain_ids
+                    a["same"] += ids == plain_ids  # greedy speculation must reproduce plain decoding
             for mode in TREE_MODES:
                 a = acc[mode]
                 rows.append({
@@ -168,12 +173,14 @@ def section_trees(b: Bench) -> list[dict]:
                     "decode_tokens_per_s": a["gen"] / a["t"], "tokens_per_step": a["gen"] / max(a["steps"], 1),
                     "draft_nodes_per_step": a["drafted"] / max(a["steps"], 1), "accepted_tokens": a["accepted"],
                     "accepted_length_histogram": _histogram(a["lengths"]),
+                    "prompts_equal_to_plain": f"{a['same']}/{len(prompts)}",
                 })
             plain = next(r for r in rows if r["method"] == method and r["prompt_set"] == set_name and r["mode"] == "plain")
             for r in rows[-len(TREE_MODES):]:
                 r["speedup_vs_plain"] = r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
                 log(f"trees {method:9s} {set_name:6s} {r['mode']:5s}: {r['decode_tokens_per_s']:6.2f} tok/s "
-                    f"x{r['speedup_vs_plain']:.2f}, {r['tokens_per_step']:.2f} tokens/step, {r['draft_nodes_per_step']:.1f} nodes/step")
+                    f"x{r['speedup_vs_plain']:.2f}, {r['tokens_per_step']:.2f} tokens/step, {r['draft_nodes_per_step']:.1f} nodes/step, "
+                    f"output equal to plain {r['prompts_equal_to_plain']}")
         del llm
     return rows
 

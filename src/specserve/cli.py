@@ -44,8 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--num-spec-tokens", type=int, default=8, help="maximum draft tokens K per step (the policy picks <= this)")
     s.add_argument("--spec-policy", choices=["adaptive", "always", "off"], default="adaptive",
                    help="adaptive: cost model decides K per request per step")
-    s.add_argument("--spec-tree", choices=["auto", "chain"], default="auto",
-                   help="auto: proposers that can branch draft trees verified in one pass; chain: one path per draft")
+    s.add_argument("--spec-tree", choices=["auto", "tree", "chain"], default="auto",
+                   help="tree: proposers that can branch draft trees verified in one pass; chain: one path per draft; "
+                        "auto: whichever measured faster for the proposer (trees: ngram, lookahead)")
     s.add_argument("--max-draft-nodes", type=int, default=16,
                    help="trees: most nodes per draft (the policy prunes to what pays each step)")
     s.add_argument("--draft-num-layers", type=int, default=None, help="use only the draft's first N layers")

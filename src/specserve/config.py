@@ -146,9 +146,10 @@ SPEC_METHODS = ("none", "draft", "ngram", "reference", "lookahead")
 # Measured on Qwen2.5-Coder 1.5B + 0.5B (2-vCPU Xeon, coding prompts): 0.8 +5-7% tok/s over 0.
 DEFAULT_DRAFT_P_MIN = 0.8
 SPEC_POLICIES = ("adaptive", "always", "off")
-# auto: proposers that can branch draft trees (several candidates per position, verified in one
-# pass); chain: every draft is one path (the classic K-token draft).
-SPEC_TREES = ("auto", "chain")
+# tree: proposers that can branch draft trees (several candidates per position, verified in one
+# pass); chain: every draft is one path (the classic K-token draft); auto: what measured faster
+# for the proposer (ProposerTraits.tree_by_default).
+SPEC_TREES = ("auto", "tree", "chain")
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ class SpecConfig:
     num_spec_tokens: int = 8
     max_draft_nodes: int = 16  # trees: most nodes a draft may have (pruned to what pays each step)
     policy: str = "adaptive"  # adaptive | always | off
-    tree: str = "auto"  # auto | chain (see SPEC_TREES)
+    tree: str = "auto"  # auto | tree | chain (see SPEC_TREES)
     draft_model: str | None = None
     draft_num_layers: int | None = None  # keep only the first N layers of the draft (layer-skip draft)
     draft_kv_cache_gib: float | None = None  # default: a share of the target's budget
@@ -214,10 +215,9 @@ class SpecConfig:
         """True when a proposer is configured."""
         return self.method != "none"
 
-    @property
-    def trees(self) -> bool:
-        """Whether proposers that can branch may draft trees."""
-        return self.tree == "auto"
+    def use_trees(self, proposer_default: bool) -> bool:
+        """Whether a proposer that can branch drafts trees: as asked, or its measured default."""
+        return self.tree == "tree" or (self.tree == "auto" and proposer_default)
 
 
 @dataclass(frozen=True)

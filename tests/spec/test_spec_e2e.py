@@ -45,7 +45,8 @@ def _greedy(n=20, **kw):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
 
 
-PROPOSERS = ["ngram", "reference", "lookahead", "draft-truncated", "draft-full", "draft-restricted", "draft-pmin"]
+PROPOSERS = ["ngram", "reference", "reference-chain", "lookahead", "draft-truncated", "draft-full", "draft-restricted",
+             "draft-pmin"]
 
 
 def _spec_llm(ckpt, which, policy="always", **kw):
@@ -56,14 +57,17 @@ def _spec_llm(ckpt, which, policy="always", **kw):
         # The tiny random drafts are unsure of nearly everything: the default p_min would cut every
         # proposal to one token. "draft-pmin" sets one that makes proposals of every length.
         kw.setdefault("draft_p_min", 0.05 if which == "draft-pmin" else 0.0)
-        if which in ("draft-full", "draft-pmin"):  # chains: the draft stops at an unsure token
-            kw.setdefault("spec_tree", "chain")
+        # chains: the draft stops at an unsure token; the others grow trees
+        kw.setdefault("spec_tree", "chain" if which in ("draft-full", "draft-pmin") else "tree")
         return _llm(ckpt, "draft", policy, draft=ckpt, draft_num_layers=layers, **kw)
+    if which.startswith("reference"):
+        kw.setdefault("spec_tree", "chain" if which == "reference-chain" else "tree")
+        return _llm(ckpt, "reference", policy, **kw)
     return _llm(ckpt, which, policy, **kw)
 
 
 def _params_for(which, prompt, baseline_out):
-    if which == "reference":
+    if which.startswith("reference"):
         # Half the requests get their own future as the reference (long accepted runs), half a
         # shuffled copy (mostly rejected drafts).
         ref = list(prompt) + list(baseline_out)
@@ -294,7 +298,7 @@ def test_smollm2_greedy_spec_equals_plain(smollm_checkpoint, smol_base, which):
     if which == "draft":
         kw = dict(draft_checkpoint=smollm_checkpoint, draft_num_layers=24)
     llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, spec_method=which, spec_policy="always",
-              max_num_seqs=64, max_num_batched_tokens=2048, profile_spec_costs=False, **kw)
+              spec_tree="tree", max_num_seqs=64, max_num_batched_tokens=2048, profile_spec_costs=False, **kw)
     params = [_greedy(16, reference_text=CODE) for _ in prompts]
     outs = llm.generate(prompts, params)
     mismatches = [i for i, (o, b) in enumerate(zip(outs, base)) if o.token_ids != b.token_ids]

@@ -204,7 +204,7 @@ class LLMEngine:
             draft_cost_is_per_token=traits is not None and traits.cost == "per_pass",
             prior_acceptance=traits.prior_acceptance if traits is not None else 0.5,
             enabled=self.proposer is not None,
-            trees=traits is not None and traits.trees and spec.trees,
+            trees=traits is not None and traits.trees and spec.use_trees(traits.tree_by_default),
         )
         self.spec_counters = {"draft_time_s": 0.0, "verify_time_s": 0.0, "decode_time_s": 0.0,
                               "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}

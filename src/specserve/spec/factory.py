@@ -31,7 +31,7 @@ class ProposerContext:
 def _build_ngram(ctx: ProposerContext) -> Proposer:
     from specserve.spec.ngram import NgramProposer
 
-    return NgramProposer(ctx.spec.ngram_min, ctx.spec.ngram_max, tree=ctx.spec.trees)
+    return NgramProposer(ctx.spec.ngram_min, ctx.spec.ngram_max, tree=ctx.spec.use_trees(NgramProposer.traits.tree_by_default))
 
 
 def _build_reference(ctx: ProposerContext) -> Proposer:
@@ -39,7 +39,8 @@ def _build_reference(ctx: ProposerContext) -> Proposer:
 
     tok = ctx.tokenizer
     encode = (lambda text: tok.encode(text, add_special_tokens=False)) if tok is not None else None
-    return ReferenceProposer(encode, ctx.spec.ngram_min, ctx.spec.ngram_max, tree=ctx.spec.trees)
+    tree = ctx.spec.use_trees(ReferenceProposer.traits.tree_by_default)
+    return ReferenceProposer(encode, ctx.spec.ngram_min, ctx.spec.ngram_max, tree=tree)
 
 
 def _build_lookahead(ctx: ProposerContext) -> Proposer:
@@ -76,7 +77,7 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
     if vocab is not None:
         subset = frequent_token_subset(ckpt.tokenizer, arch.vocab_size, vocab)
     return DraftModelProposer(arch, weights, model, cache, ctx.max_model_len, vocab_subset=subset, packed=packed,
-                              p_min=ctx.spec.draft_p_min, tree=ctx.spec.trees)
+                              p_min=ctx.spec.draft_p_min, tree=ctx.spec.use_trees(DraftModelProposer.traits.tree_by_default))
 
 
 def default_draft_quantization(draft: str | None, target: str | None) -> str:

@@ -50,7 +50,7 @@ class _State:
 class LookaheadProposer(Proposer):
     """Jacobi window plus n-gram pool; learns from the target's outputs at every draft node."""
 
-    traits = ProposerTraits(cost="flat", trees=True, needs_verify_outputs=True, prior_acceptance=0.4)
+    traits = ProposerTraits(cost="flat", trees=True, tree_by_default=True, needs_verify_outputs=True, prior_acceptance=0.4)
 
     def __init__(self, window: int = 6, ngram: int = 4) -> None:
         self.window = window

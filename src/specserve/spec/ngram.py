@@ -27,7 +27,9 @@ class NgramProposer(Proposer):
     the continuation of the latest occurrence.
     """
 
-    traits = ProposerTraits(cost="flat", trees=True, prior_acceptance=0.5)
+    # Trees by default: on edit prompts (Qwen2.5-Coder 1.5B on auto, AVX2 EPYC, batch 1) a tree of
+    # every earlier occurrence beat the latest occurrence's chain, 1.70x vs 1.59x plain.
+    traits = ProposerTraits(cost="flat", trees=True, tree_by_default=True, prior_acceptance=0.5)
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4, tree: bool = True) -> None:
         self.ngram_min = ngram_min

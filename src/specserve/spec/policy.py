@@ -242,16 +242,33 @@ class SpecPolicy:
 
     @staticmethod
     def node_gains(stats: AcceptanceStats, tree: DraftTree) -> list[float]:
-        """Each node's chance to be accepted: the chance that the accepted path reaches its depth
-        (the request's learned per-depth acceptance; a verified tree counts as one path) times
-        its share of the proposer's scores at that depth. A chain gets the chain model's E(K)."""
-        level: dict[int, float] = {}
-        for score, depth in zip(tree.scores, tree.depths):
-            level[depth] = level.get(depth, 0.0) + score
-        reach = [1.0]
-        for j in range(tree.max_depth):
-            reach.append(reach[-1] * (stats.rates[j] if j < len(stats.rates) else stats.rates[-1]))
-        return [reach[d] * (s / level[d] if level[d] > 0 else 0.0) for s, d in zip(tree.scores, tree.depths)]
+        """Each node's chance to be accepted, from the request's learned per-depth acceptance
+        r_d and the proposer's scores (path scores: a child's score over its parent's is the
+        proposer's conditional belief in it).
+
+        The first child of a node (proposers list the best first) is accepted, given its parent
+        was, with r_d: the chain model, so a tree's main path is valued as the chain it
+        contains. The other children share the rest, 1 - r_d, in proportion to their share of
+        the belief the first child left: q(v) / (1 - q(first)).
+        """
+        rates = stats.rates
+        kids = tree.children
+        gains = [0.0] * len(tree)
+
+        def visit(parent: int, reach: float, depth: int) -> None:
+            sibs = kids[parent + 1]
+            if not sibs:
+                return
+            r = rates[depth] if depth < len(rates) else rates[-1]
+            base = 1.0 if parent < 0 else tree.scores[parent]
+            cond = [tree.scores[c] / base if base > 0 else 0.0 for c in sibs]
+            left = max(1e-9, 1.0 - cond[0])
+            for j, c in enumerate(sibs):
+                gains[c] = reach * (r if j == 0 else (1.0 - r) * min(1.0, cond[j] / left))
+                visit(c, gains[c], depth + 1)
+
+        visit(-1, 1.0, 0)
+        return gains
 
     def _eligible(self, req: Request, batch: int) -> bool:
         if req.sampling_params.speculative is False:

@@ -24,6 +24,8 @@ class ProposerTraits:
     cost: str = "flat"
     # Drafts may branch (the policy then sizes node budgets, not chain lengths).
     trees: bool = False
+    # `--spec-tree auto` drafts trees with this proposer (else chains): whichever measured faster.
+    tree_by_default: bool = False
     # Learns from the target's output at every draft node after verification (lookahead).
     needs_verify_outputs: bool = False
     # Reads the target's hidden states (feature-level drafters).

@@ -36,7 +36,9 @@ RESUME_WEIGHT = 2.0  # a diverged output's anchor branch, against one tail match
 class ReferenceProposer(Proposer):
     """Copies continuations from each request's tokenized reference text; p is one-hot."""
 
-    traits = ProposerTraits(cost="flat", trees=True, prior_acceptance=0.5)
+    # Chains by default: the cursor's chain copied more per step than the anchor's tree on edit
+    # prompts (2.07 vs 1.59 tokens per step, 1.73x vs 1.39x plain; Qwen 1.5B, AVX2 EPYC).
+    traits = ProposerTraits(cost="flat", trees=True, tree_by_default=False, prior_acceptance=0.5)
 
     def __init__(
         self, encode: Callable[[str], list[int]] | None, ngram_min: int = 1, ngram_max: int = 4, tree: bool = True
