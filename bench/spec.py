@@ -400,6 +400,14 @@ def plot(payload: dict, path: Path) -> None:
         ax.set_ylabel("decode tokens/s (batch 1, greedy)")
         ax.legend(fontsize=8)
         ax.set_title("peer: same GGUF pair through HF transformers", fontsize=10)
+    carried = payload.get("carried", {})
+    for ax, key in ((axes[0][1], "ksweep"), (axes[1][0], "batchsweep"), (axes[1][1], "hf")):
+        if not payload.get(key):
+            ax.text(0.5, 0.5, f"not measured in this run\n(python bench/spec.py --sections {key})",
+                    ha="center", va="center", transform=ax.transAxes, fontsize=9, color="#666666")
+            ax.set_axis_off()
+        elif key in carried:
+            ax.set_title(ax.get_title() + f" [earlier run, commit {carried[key]}]", fontsize=9)
     mi = payload["machine"]
     fig.suptitle(f"specserve speculative decoding — {payload['settings']['target']} + "
                  f"{payload['settings']['draft']} — {mi['cpu']}, commit {mi['commit']}", fontsize=10)
@@ -434,9 +442,12 @@ def main() -> int:
         import json
 
         old = json.loads(out_json.read_text())
+        same = all(old.get("settings", {}).get(k) == getattr(args, k) for k in ("target", "draft", "quantization"))
+        carried = dict(old.get("carried", {}))
         for key in ("trees", "batch1", "ksweep", "batchsweep", "hf"):
-            if key in old and key not in args.sections:
+            if same and key in old and key not in args.sections:  # never mix precisions in one file
                 payload[key] = old[key]
+                payload.setdefault("carried", {})[key] = carried.get(key, old["machine"].get("commit"))
     b = Bench(args)
     sections = {"trees": section_trees, "batch1": section_batch1, "ksweep": section_ksweep,
                 "batchsweep": section_batchsweep, "hf": section_hf}

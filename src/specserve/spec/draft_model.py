@@ -132,9 +132,11 @@ class _TreeDraft:
         floor = max(EXPAND_MIN, cost_ratio * (1 + expected) / (1 + passes * cost_ratio))
         open_ = [i for i, c in enumerate(self.cands)
                  if c.fed < 0 and (c.main or c.score >= floor) and self.sure(i, p_min)]
-        picked = sorted(open_, key=lambda i: (not self.cands[i].main, -self.cands[i].score))[:room]
-        side_room = self.cap // 2 - sum(not self.cands[c].main for c in self.fed)  # the rest stays the main path's
-        picked = [i for i in picked if self.cands[i].main or (side_room := side_room - 1) >= 0]
+        main = [i for i in open_ if self.cands[i].main]
+        # Side nodes may take at most half the feed cap: the rest stays the main path's.
+        side_room = self.cap // 2 - sum(not self.cands[c].main for c in self.fed)
+        side = sorted((i for i in open_ if not self.cands[i].main), key=lambda i: -self.cands[i].score)
+        picked = (main + side[: max(0, side_room)])[:room]
         for i in picked:
             self.cands[i].fed = len(self.fed)
             self.fed.append(i)
