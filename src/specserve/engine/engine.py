@@ -560,12 +560,9 @@ class LLMEngine:
         if self.proposer is None:
             out["speculation"] = "off (--spec-method draft | ngram | reference | lookahead, or --draft-model auto)"
         else:
-            what = spec.method
-            if spec.method == "draft":
-                draft = getattr(self.proposer, "runner", None)
-                head = getattr(getattr(draft, "model", None), "lm_head", None)
-                vocab = f", {len(head.token_ids):,}-token head" if hasattr(head, "token_ids") else ""
-                what = f"draft model {spec.draft_model} ({getattr(draft, 'quantization', '?')}{vocab})"
+            what = f"{spec.method} {spec.draft_model}" if spec.draft_model else spec.method
+            if detail := self.proposer.describe():
+                what += f" ({detail})"
             shape = "trees" if self.policy.trees else "chains"
             out["speculation"] = f"{what}, {shape}, K <= {spec.num_spec_tokens}, policy {spec.policy}"
         out["threads"] = str(torch.get_num_threads())

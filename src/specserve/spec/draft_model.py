@@ -263,6 +263,12 @@ class DraftModelProposer(Proposer):
         if seq is not None:
             self.kv.forget(seq) if finished else self.kv.free(seq)
 
+    def describe(self) -> str:
+        """The draft's precision and LM-head size, for the start-up summary."""
+        head = getattr(self.runner.model, "lm_head", None)
+        vocab = f", {len(head.token_ids):,}-token head" if hasattr(head, "token_ids") else ""
+        return f"{self.runner.quantization}{vocab}"
+
     def live_request_ids(self) -> list[str]:
         """Requests holding draft KV blocks."""
         return list(self._seqs)

@@ -73,6 +73,10 @@ class Proposer(ABC):
         """Requests the proposer still holds state for."""
         return []
 
+    def describe(self) -> str:
+        """Settings worth showing in the start-up summary (empty: none)."""
+        return ""
+
 
 def longest_suffix_match(
     haystack: Sequence[int], context: Sequence[int], n_min: int, n_max: int,
