@@ -5,10 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from specserve.sampling_params import SamplingParams
 from specserve.spec.tree import DraftTree
+
+if TYPE_CHECKING:
+    from specserve.sampling.grammar import GrammarState
 
 
 class KVSource(Protocol):
@@ -93,6 +96,9 @@ class Request:
         # Draft proposed for the coming step (a tree; a chain is the special case); unverified,
         # never cached.
         self.draft: DraftTree | None = None
+        # Structured output: where the output stands in its grammar (specserve.sampling.grammar);
+        # set by the engine that samples the request, rebuilt from the output after a move.
+        self.grammar: GrammarState | None = None
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.perf_counter())
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -113,6 +119,7 @@ class Request:
         # A live KV source (open shared memory, locks) never travels between processes.
         state = self.__dict__.copy()
         state["kv_source"] = None
+        state["grammar"] = None
         return state
 
     def record_verify(self, num_draft: int, num_accepted: int, depth: int | None = None) -> None:

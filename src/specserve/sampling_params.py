@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from specserve.errors import InvalidRequestError
 
@@ -10,6 +13,63 @@ from specserve.errors import InvalidRequestError
 GREEDY_EPS = 1e-5
 MAX_TOP_K = 1 << 30  # larger values would overflow the int64 tensors; any k >= vocab means "off"
 MAX_SEED = (1 << 63) - 1
+
+
+StructuredKind = Literal["json_object", "json_schema", "regex", "grammar", "choice"]
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar longer than this is refused before compiling
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the whole output: any JSON object, a JSON schema, a regex, an EBNF
+    grammar or one of a few strings. Compiled per request by specserve.sampling.grammar."""
+
+    kind: StructuredKind
+    spec: str = ""  # the schema as JSON text, the regex, the EBNF grammar, or the choices as a JSON list
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_object", "json_schema", "regex", "grammar", "choice"):
+            raise InvalidRequestError(
+                f"structured output kind must be json_object, json_schema, regex, grammar or choice; got {self.kind!r}."
+            )
+        if not isinstance(self.spec, str):
+            raise InvalidRequestError("a structured output spec must be a string.")
+        if len(self.spec) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(f"the {self.kind} is longer than {MAX_GRAMMAR_CHARS} characters; simplify it.")
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidRequestError(f"a {self.kind} constraint needs a non-empty spec.")
+
+    @classmethod
+    def json(cls, schema: dict[str, Any] | str | None = None) -> StructuredOutput:
+        """JSON that validates against `schema` (a dict or JSON text); any JSON object without one."""
+        if schema is None:
+            return cls("json_object")
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}.") from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError("a JSON schema must be a JSON object.")
+        return cls("json_schema", json.dumps(schema))
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutput:
+        """Text that matches `pattern` in full."""
+        return cls("regex", pattern)
+
+    @classmethod
+    def grammar(cls, ebnf: str) -> StructuredOutput:
+        """Text derived from an EBNF grammar (GBNF / xgrammar syntax, start symbol `root`)."""
+        return cls("grammar", ebnf)
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> StructuredOutput:
+        """Exactly one of `options`."""
+        opts = list(options)
+        if not opts or not all(isinstance(o, str) and o for o in opts):
+            raise InvalidRequestError("choice needs a non-empty list of non-empty strings.")
+        return cls("choice", json.dumps(opts))
 
 
 @dataclass
@@ -31,6 +91,7 @@ class SamplingParams:
     reference_text: str | None = None  # for the `reference` proposer: text the output tracks
     reference_token_ids: list[int] | None = None  # the same, already tokenized
     speculative: bool | None = None  # per-request override: False never speculates
+    structured_output: StructuredOutput | None = None  # constrain the output (JSON, schema, regex, grammar)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +133,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise bad(f"stop_token_ids must be non-negative integers, got {t!r}.")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise bad("structured_output must be a StructuredOutput (e.g. StructuredOutput.json(schema)).")
+            if self.ignore_eos:
+                raise bad("ignore_eos cannot be combined with structured output: the grammar ends the output.")
 
     @property
     def is_greedy(self) -> bool:

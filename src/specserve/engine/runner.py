@@ -31,6 +31,7 @@ from specserve.models.linear import (
 )
 from specserve.models.llama import KVCache, LayerHooks, RMSNorm, RotaryEmbedding
 from specserve.models.registry import build_model
+from specserve.sampling.grammar import apply_masks
 from specserve.sampling.rejection import SpecBatch, rejection_sample
 from specserve.sampling.sampler import Sampler, SamplingMetadata
 from specserve.sampling.tree_rejection import verify_trees
@@ -309,6 +310,7 @@ class ModelRunner:
         sampled_reqs = [sr for sr in out.scheduled if sr.sample]
         if not sampled_reqs:
             return {}
+        self._apply_grammars(logits, sampled_reqs)
         meta = SamplingMetadata.build(
             [sr.sampling_params for sr in sampled_reqs],
             [sr.output_index for sr in sampled_reqs],
@@ -325,6 +327,25 @@ class ModelRunner:
         if all(d is None or d.is_chain for d in drafts):
             return self._verify_chains(logits, sampled_reqs, meta)
         return self._verify_trees(logits, sampled_reqs, meta)
+
+    @staticmethod
+    def _apply_grammars(logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]
+        """Structured output: forbid, in every row a request samples or verifies from, the tokens
+        its grammar does not allow after that row's path (specserve.sampling.grammar)."""
+        if all(sr.grammar is None for sr in sampled_reqs):
+            return
+        rows: list[int] = []
+        masks: list[torch.Tensor] = []
+        at = 0
+        for sr in sampled_reqs:
+            n = 1 + sr.num_spec_tokens
+            if sr.grammar is not None:
+                m = torch.empty(n, sr.grammar.num_words, dtype=torch.int32)  # [1 + K, ceil(V / 32)]
+                sr.grammar.fill_masks(sr.draft, m)
+                masks.append(m)
+                rows.extend(range(at, at + n))
+            at += n
+        apply_masks(logits, torch.cat(masks), rows)
 
     def _verify_chains(
         self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest], meta: SamplingMetadata  # logits: [sum(K_i + 1), V]

@@ -11,13 +11,16 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from specserve.config import SchedulerConfig
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.request import Request, RequestStatus
 from specserve.sampling_params import SamplingParams
 from specserve.spec.tree import DraftTree
+
+if TYPE_CHECKING:
+    from specserve.sampling.grammar import GrammarState
 
 
 class ScheduledRequest(NamedTuple):
@@ -31,6 +34,7 @@ class ScheduledRequest(NamedTuple):
     sample: bool  # the step reaches the request's last known token, so it produces output
     sampling_params: SamplingParams
     output_index: int  # number of output tokens before this step (keys seeded sampling)
+    grammar: GrammarState | None = None  # structured output: masks the rows this step samples from
 
     @property
     def num_spec_tokens(self) -> int:
@@ -216,6 +220,7 @@ class Scheduler:
             sample=start + num_new == req.num_tokens,
             sampling_params=req.sampling_params,
             output_index=req.num_output_tokens,
+            grammar=req.grammar,
         )
 
     def _pick_victim(self, first_unscheduled: int) -> Request:

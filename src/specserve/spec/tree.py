@@ -136,6 +136,19 @@ class DraftTree:
         rows = self.dist_row[:n]
         return DraftTree(self.token_ids[:n], self.parents[:n], self.draw, self.dists, rows, self.scores[:n])
 
+    def select(self, nodes: Sequence[int]) -> DraftTree:
+        """The tree of the given nodes (in order; each node's parent must be among them or the root)."""
+        index = {-1: -1}
+        for new, old in enumerate(nodes):
+            if self.parents[old] not in index:
+                raise ValueError(f"node {old} is kept without its parent {self.parents[old]}")
+            index[old] = new
+        parents = tuple(index[self.parents[old]] for old in nodes)
+        tokens = tuple(self.token_ids[old] for old in nodes)
+        rows = tuple(self.dist_row[old] for old in nodes) if self.dist_row else ()
+        scores = tuple(self.scores[old] for old in nodes) if self.scores else ()
+        return DraftTree(tokens, parents, self.draw, self.dists, rows, scores)
+
     def match(self, tokens: Sequence[int]) -> list[int]:
         """The deepest path of nodes whose tokens equal tokens[0], tokens[1], ... (the nodes
         the target accepted, found again from the accepted tokens)."""

@@ -1,0 +1,250 @@
+"""Structured output: one grammar matcher per request, masks for every row a step samples from.
+
+A request's `StructuredOutput` (JSON object, JSON schema, regex, EBNF grammar, choice) is
+compiled by xgrammar against the model's vocabulary; a `GrammarState` follows the tokens the
+request emits and says, for any continuation, which next tokens keep the output derivable.
+
+Why xgrammar: on SmolLM2's 49,152-token vocabulary and a three-field JSON schema (AVX2 EPYC,
+one core) a next-token mask takes 11 us on average (73 us worst) against llguidance's 204 us
+(2.7 ms worst), and compiles in 8 ms. A draft tree needs a mask per node per step, so the
+mask time is the one that counts; outlines-core builds a full index per schema (seconds).
+
+Exactness with speculation. Let m be the set of tokens the grammar allows after a prefix and
+q_m = normalize(q * 1[m]) the constrained target distribution: constrained sampling from the
+target alone draws from q_m at every position. The runner masks the target's logits of every
+row it verifies (the root and each draft node, each with the grammar state after its own
+path), so verification compares draft proposals against q_m, and the exact rules of
+specserve.sampling.rejection / tree_rejection hold for q_m whatever the proposals were: a
+draft token outside m has q_m = 0 and is rejected with probability 1, after which the
+residual normalize(max(0, q_m - p)) is supported on m. Hence the emitted tokens are
+distributed as constrained sampling from the target.
+
+Cutting drafts that break the grammar (`GrammarState.prune`) only removes what verification
+could never accept, with one care per way the siblings were drawn:
+- deterministic candidates (one-hot proposals): a rejected candidate's mass is removed from
+  q_m, which is already 0 for a token outside m, so such a node and its subtree go;
+- drawn from p (i.i.d. or without replacement): the rejection of an invalid child still
+  changes the residual the next sibling (or the recovered token) is tested against, so the
+  node stays (rejected for sure) and only its subtree goes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from specserve.errors import InvalidRequestError
+from specserve.sampling_params import StructuredOutput
+from specserve.spec.tree import DraftTree, SiblingDraw
+
+
+def _xgr() -> Any:
+    try:
+        import xgrammar
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise InvalidRequestError("structured output needs the xgrammar package: pip install xgrammar.") from exc
+    return xgrammar
+
+
+class GrammarCompiler:
+    """Compiles structured-output specs for one vocabulary (cached; safe from any thread)."""
+
+    def __init__(self, vocab: Sequence[str], vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        """vocab: the byte-level spelling of every token id below len(vocab); vocab_size: rows of the
+        model's logits (ids past the tokenizer's vocabulary are never allowed)."""
+        xgr = _xgr()
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._info = xgr.TokenizerInfo(list(vocab), vocab_type=xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
+                                       stop_token_ids=self.stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> GrammarCompiler:  # tokenizer: models.tokenizer.Tokenizer
+        """The compiler of a specserve Tokenizer whose model has `vocab_size` logits."""
+        n = min(tokenizer.vocab_size, vocab_size)
+        vocab = [tokenizer.id_to_token(i) or "" for i in range(n)]
+        return cls(vocab, vocab_size, sorted(tokenizer.stop_token_ids))
+
+    def compile(self, spec: StructuredOutput) -> Any:  # xgrammar.CompiledGrammar
+        """Compile `spec`; a spec the library refuses raises InvalidRequestError with its reason."""
+        return self._compile(spec.kind, spec.spec)
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - one compiler per engine, lives as long as it
+    def _compile(self, kind: str, text: str) -> Any:
+        with self._lock:
+            try:
+                if kind == "json_object":
+                    return self._compiler.compile_builtin_json_grammar()
+                if kind == "json_schema":
+                    # Compact separators: the output is valid JSON either way, and free whitespace
+                    # would let a model pad its output with spaces up to max_tokens.
+                    return self._compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"))
+                if kind == "regex":
+                    return self._compiler.compile_regex(text)
+                if kind == "choice":
+                    options = json.loads(text)
+                    return self._compiler.compile_regex("|".join(_regex_literal(o) for o in options))
+                return self._compiler.compile_grammar(text)
+            except (RuntimeError, ValueError, TypeError) as exc:
+                raise InvalidRequestError(f"the {kind.replace('_', ' ')} could not be compiled: {exc}") from None
+
+    def new_state(self, spec: StructuredOutput, emitted: Sequence[int] = ()) -> GrammarState:
+        """A matcher at the start of the output, advanced over tokens already emitted."""
+        state = GrammarState(self.compile(spec), self.vocab_size, self.stop_token_ids)
+        state.accept(emitted)
+        return state
+
+
+def _regex_literal(text: str) -> str:
+    special = set(".^$*+?{}[]\\|()")
+    return "(" + "".join("\\" + c if c in special else c for c in text) + ")"
+
+
+class GrammarState:
+    """Where one request's output stands in its grammar."""
+
+    def __init__(self, compiled: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        xgr = _xgr()
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self._stop_ids = list(stop_token_ids)
+        self.num_rejected = 0  # emitted tokens the grammar refused (must stay 0)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The output is complete (a stop token was accepted)."""
+        return bool(self._matcher.is_terminated())
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Advance over emitted tokens (after the output is complete, nothing more is read)."""
+        for t in tokens:
+            if self._matcher.is_terminated():
+                return
+            if not self._matcher.accept_token(int(t)):
+                self.num_rejected += 1
+
+    def valid(self, token: int) -> bool:
+        """Whether `token` may come next (the matcher is left where it was)."""
+        if self._matcher.is_terminated() or not self._matcher.accept_token(int(token)):
+            return False
+        self._matcher.rollback(1)
+        return True
+
+    def _fill(self, out: torch.Tensor, row: int) -> None:  # out: [rows, num_words] int32
+        if self._matcher.is_terminated():  # nothing may follow but the end of the output
+            out[row].zero_()
+            for t in self._stop_ids:
+                out[row, t // 32] |= _bit(t % 32)
+            return
+        self._matcher.fill_next_token_bitmask(out, row)
+
+    def prune(self, tree: DraftTree) -> DraftTree | None:
+        """The draft without what the grammar makes unreachable (see the module docstring):
+        deterministic nodes it refuses go with their subtrees; drawn nodes stay, childless."""
+        keep: list[int] = []
+        childless: set[int] = set()
+        kept_at: dict[int, int] = {-1: -1}  # old node -> new index (-1: root)
+        depth_of: dict[int, int] = {-1: 0}
+        path: list[int] = []  # tokens accepted into the matcher, root first
+        for i, (tok, parent) in enumerate(zip(tree.token_ids, tree.parents)):
+            if parent not in kept_at or parent in childless:
+                continue
+            # Bring the matcher to the parent's state: roll back below the common ancestor.
+            target_depth = depth_of[parent]
+            chain = _ancestors(tree.parents, parent)
+            common = 0
+            while common < min(len(path), len(chain)) and path[common] == chain[common]:
+                common += 1
+            if len(path) > common:
+                self._matcher.rollback(len(path) - common)
+                del path[common:]
+            for node in chain[common:]:
+                ok = self._matcher.accept_token(tree.token_ids[node])
+                assert ok, "a kept draft node must be valid"
+                path.append(node)
+            assert len(path) == target_depth
+            if self.valid(tok):
+                kept_at[i] = len(keep)
+                depth_of[i] = target_depth + 1
+                keep.append(i)
+            elif tree.draw is not SiblingDraw.DETERMINISTIC:
+                kept_at[i] = len(keep)
+                depth_of[i] = target_depth + 1
+                keep.append(i)
+                childless.add(i)
+        if path:
+            self._matcher.rollback(len(path))
+        if len(keep) == len(tree):
+            return tree
+        if not keep:
+            return None
+        return tree.select(keep)
+
+    def fill_masks(self, tree: DraftTree | None, out: torch.Tensor) -> None:  # out: [1 + len(tree), num_words] int32
+        """Allowed next tokens at the root (row 0) and after each node's path (row 1 + i).
+
+        A node the grammar refuses is never accepted, so its row is only a placeholder (the
+        root's mask)."""
+        self._fill(out, 0)
+        if tree is None or not len(tree):
+            return
+        valid: dict[int, bool] = {-1: True}
+        path: list[int] = []
+        for i, parent in enumerate(tree.parents):
+            chain = _ancestors(tree.parents, parent) + [i]
+            if not valid.get(parent, False):
+                valid[i] = False
+                out[1 + i].copy_(out[0])
+                continue
+            common = 0
+            while common < min(len(path), len(chain)) and path[common] == chain[common]:
+                common += 1
+            if len(path) > common:
+                self._matcher.rollback(len(path) - common)
+                del path[common:]
+            ok = True
+            for node in chain[common:]:
+                if self._matcher.is_terminated() or not self._matcher.accept_token(tree.token_ids[node]):
+                    ok = False
+                    break
+                path.append(node)
+            valid[i] = ok
+            if ok:
+                self._fill(out, 1 + i)
+            else:
+                out[1 + i].copy_(out[0])
+        if path:
+            self._matcher.rollback(len(path))
+
+
+def _bit(b: int) -> int:
+    return (1 << b) - (1 << 32) if b == 31 else 1 << b  # int32 words: bit 31 is the sign bit
+
+
+def _ancestors(parents: Sequence[int], node: int) -> list[int]:
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+def apply_masks(logits: torch.Tensor, masks: torch.Tensor, rows: Sequence[int]) -> None:  # logits: [N, V]; masks: [len(rows), W]
+    """Set the logits of tokens the grammar forbids to -inf, in place, for the given rows."""
+    if not rows:
+        return
+    idx = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    vocab = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((masks.unsqueeze(-1) >> bits) & 1).bool().reshape(masks.shape[0], -1)[:, :vocab]  # [R, V]
+    sub = logits.index_select(0, idx)
+    sub.masked_fill_(~allowed.to(logits.device), float("-inf"))
+    logits.index_copy_(0, idx, sub)
