@@ -172,6 +172,7 @@ class ModelRunner:
         self.connector: StepConnector | None = None  # disaggregation: KV in or out per layer
         self.num_steps = 0
         self.forward_time_s = 0.0
+        self.grammar_time_s = 0.0  # structured output: building and applying the masks
         self.last_forward_time_s = 0.0
         if self.native_ops:
             from specserve.kernels import tune_prefetch
@@ -328,12 +329,12 @@ class ModelRunner:
             return self._verify_chains(logits, sampled_reqs, meta)
         return self._verify_trees(logits, sampled_reqs, meta)
 
-    @staticmethod
-    def _apply_grammars(logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]
+    def _apply_grammars(self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]
         """Structured output: forbid, in every row a request samples or verifies from, the tokens
         its grammar does not allow after that row's path (specserve.sampling.grammar)."""
         if all(sr.grammar is None for sr in sampled_reqs):
             return
+        t0 = time.perf_counter()
         rows: list[int] = []
         masks: list[torch.Tensor] = []
         at = 0
@@ -346,6 +347,7 @@ class ModelRunner:
                 rows.extend(range(at, at + n))
             at += n
         apply_masks(logits, torch.cat(masks), rows)
+        self.grammar_time_s += time.perf_counter() - t0
 
     def _verify_chains(
         self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest], meta: SamplingMetadata  # logits: [sum(K_i + 1), V]
