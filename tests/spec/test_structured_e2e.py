@@ -102,3 +102,20 @@ def test_regex_choice_and_grammar_constrain_the_text(plain):
     assert len(texts[1]) == 6 and texts[1][:3].isdigit() and texts[1][3] == "-"
     assert texts[2] in ("color: red", "color: green", "color: blue")
     assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_forced_text_drafts_change_nothing_but_the_number_of_steps(plain):
+    """The text a schema forces (`{"name":"`, `","age":`) is drafted and verified in one pass; the
+    greedy output equals decoding it token by token (speculative=False turns those drafts off)."""
+    prompts = [chat(plain, p) for p in PROMPTS[:2]]
+    so = StructuredOutput.json(SCHEMA)
+    eng = plain.engine
+    steps0, forced0 = eng.num_steps, eng.spec_counters["num_forced_tokens"]
+    fast = plain.generate(prompts, SamplingParams(max_tokens=96, temperature=0, structured_output=so))
+    fast_steps = eng.num_steps - steps0
+    assert eng.spec_counters["num_forced_tokens"] - forced0 >= 10
+    steps0 = eng.num_steps
+    slow = plain.generate(prompts, SamplingParams(max_tokens=96, temperature=0, structured_output=so, speculative=False))
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in slow]
+    assert fast_steps < eng.num_steps - steps0
+    assert eng.check_integrity()

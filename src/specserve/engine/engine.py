@@ -30,9 +30,12 @@ from specserve.sampling_params import SamplingParams
 from specserve.spec.factory import ProposerContext, build_proposer
 from specserve.spec.policy import SpecPolicy
 from specserve.spec.proposer import Proposer
+from specserve.spec.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
+# Structured output drafts the text its grammar forces, up to max(K, this many) tokens.
+MIN_FORCED_DRAFT = 8
 # When the model declares a longer context than this, default to it (KV memory stays modest).
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
@@ -196,6 +199,7 @@ class LLMEngine:
         self.eos_token_ids = self.preparer.eos_token_ids
         self.connector: EngineConnector | None = None
         self._pending_outputs: list[RequestOutput] = []
+        self._forced_drafts: set[str] = set()  # requests whose coming draft is text their grammar forces
         self._states: dict[str, _OutputState] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -220,7 +224,8 @@ class LLMEngine:
             trees=traits is not None and traits.trees and spec.use_trees(traits.tree_by_default),
         )
         self.spec_counters = {"draft_time_s": 0.0, "verify_time_s": 0.0, "decode_time_s": 0.0,
-                              "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+                              "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                              "num_forced_tokens": 0}
         depth = max(spec.num_spec_tokens, spec.max_draft_nodes)
         self.accepted_per_position = [0] * depth  # by depth: steps that accepted a node there
         self.drafted_per_position = [0] * depth  # steps whose draft reached that depth
@@ -406,7 +411,8 @@ class LLMEngine:
         if self.proposer is not None and self.proposer.traits.needs_verify_outputs:
             by_id = {req.request_id: req for req, _ in results}
             for sr in sched_out.scheduled:
-                if sr.draft is not None and sr.request_id in by_id and sr.request_id in sampled:
+                if (sr.draft is not None and sr.request_id in by_id and sr.request_id in sampled
+                        and sr.request_id not in self._forced_drafts):
                     self.proposer.observe(by_id[sr.request_id], sr.draft, sampled[sr.request_id])
         outputs = pending
         for req, new_tokens in results:
@@ -417,6 +423,7 @@ class LLMEngine:
         self._release_finished(self.scheduler.take_finished())
         if self.proposer is not None and self.policy.enabled:
             self._propose_next()
+        self._draft_forced()
         return outputs
 
     def _account_step(self, sched_out: SchedulerOutput, sampled: dict[str, SampledTokens]) -> None:
@@ -426,6 +433,9 @@ class LLMEngine:
         for sr in sched_out.scheduled:
             st = sampled.get(sr.request_id)
             if st is None or sr.draft is None:
+                continue
+            if sr.request_id in self._forced_drafts:  # not the proposer's: keep its statistics clean
+                self.spec_counters["num_forced_tokens"] += st.num_accepted_tokens
                 continue
             spec = True
             self.policy.observe(sr.request_id, sr.draft.max_depth, st.num_accepted_tokens)
@@ -479,6 +489,32 @@ class LLMEngine:
                 self.policy.observe_proposal(req.request_id, k, prop.max_depth)
             if prop is not None and len(prop):
                 req.draft = prop
+
+    def _draft_forced(self) -> None:
+        """Structured output: where the grammar forces the next text (`{"name":"`), draft its usual
+        tokenization. It is verified like any deterministic draft, so the output stays exact, and
+        is nearly always accepted: jump-forward decoding folded into the verify pass, with or
+        without a proposer. A proposer's draft that already begins with it is kept."""
+        self._forced_drafts.clear()
+        if self.tokenizer is None:
+            return
+        cap = max(self.config.spec.num_spec_tokens, MIN_FORCED_DRAFT)
+        for req in self.scheduler.running:
+            if req.grammar is None or not req.is_decoding or req.sampling_params.speculative is False:
+                continue
+            text = req.grammar.forced_text()
+            room = min(self.max_model_len - req.num_tokens,
+                       req.sampling_params.max_tokens - req.num_output_tokens) - 1
+            if not text or room <= 0:
+                continue
+            tokens = self.tokenizer.encode(text, add_special_tokens=False)[: min(room, cap)]
+            forced = req.grammar.prune(DraftTree.chain(tokens)) if tokens else None
+            if forced is None:
+                continue
+            if req.draft is not None and req.draft.main_path_tokens()[: len(forced)] == forced.token_ids:
+                continue
+            req.draft = forced
+            self._forced_drafts.add(req.request_id)
 
     def _release_finished(self, finished: list[Request]) -> None:
         for req in finished:

@@ -138,6 +138,16 @@ class GrammarState:
         self._matcher.rollback(1)
         return True
 
+    def forced_text(self) -> str:
+        """The text the grammar forces next (e.g. `{"name":"` at the start of a schema's object).
+
+        Byte-level vocabularies spell it several ways, so no single next token is forced; its
+        usual tokenization makes a deterministic draft (see LLMEngine._draft_forced), verified
+        like any other, which keeps the output exact."""
+        if self._matcher.is_terminated():
+            return ""
+        return str(self._matcher.find_jump_forward_string())
+
     def _fill(self, out: torch.Tensor, row: int) -> None:  # out: [rows, num_words] int32
         if self._matcher.is_terminated():  # nothing may follow but the end of the output
             out[row].zero_()

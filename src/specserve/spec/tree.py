@@ -136,6 +136,14 @@ class DraftTree:
         rows = self.dist_row[:n]
         return DraftTree(self.token_ids[:n], self.parents[:n], self.draw, self.dists, rows, self.scores[:n])
 
+    def main_path_tokens(self) -> tuple[int, ...]:
+        """Tokens along first children from the root (the chain itself for a chain)."""
+        out, node = [], -1
+        while self.children[node + 1]:
+            node = self.children[node + 1][0]
+            out.append(self.token_ids[node])
+        return tuple(out)
+
     def select(self, nodes: Sequence[int]) -> DraftTree:
         """The tree of the given nodes (in order; each node's parent must be among them or the root)."""
         index = {-1: -1}
