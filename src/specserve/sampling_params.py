@@ -72,6 +72,53 @@ class StructuredOutput:
         return cls("choice", json.dumps(opts))
 
 
+def structured_output_from_openai(
+    response_format: dict[str, Any] | None = None,
+    *,
+    guided_json: dict[str, Any] | str | None = None,
+    guided_regex: str | None = None,
+    guided_grammar: str | None = None,
+    guided_choice: list[str] | None = None,
+) -> StructuredOutput | None:
+    """The constraint an OpenAI-style request asks for: `response_format` ({"type": "text" |
+    "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}) or one of vLLM's
+    extras (guided_json / guided_regex / guided_grammar / guided_choice); at most one."""
+    asked: list[tuple[str, StructuredOutput]] = []
+    if response_format is not None:
+        if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+            raise InvalidRequestError('response_format must be an object with a "type".')
+        kind = response_format["type"]
+        extra = sorted(set(response_format) - {"type", "json_schema"})
+        if extra:
+            raise InvalidRequestError(f"response_format has unsupported fields {extra}.")
+        if kind == "json_object":
+            asked.append(("response_format", StructuredOutput.json()))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise InvalidRequestError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}.')
+            unknown = sorted(set(spec) - {"name", "description", "schema", "strict"})
+            if unknown:
+                raise InvalidRequestError(f"response_format.json_schema has unsupported fields {unknown}.")
+            asked.append(("response_format", StructuredOutput.json(spec["schema"])))
+        elif kind != "text":
+            raise InvalidRequestError(
+                f"response_format type {kind!r} is not supported; use text, json_object or json_schema "
+                "(or the guided_regex / guided_grammar / guided_choice extras)."
+            )
+    if guided_json is not None:
+        asked.append(("guided_json", StructuredOutput.json(guided_json)))
+    if guided_regex is not None:
+        asked.append(("guided_regex", StructuredOutput.regex(guided_regex)))
+    if guided_grammar is not None:
+        asked.append(("guided_grammar", StructuredOutput.grammar(guided_grammar)))
+    if guided_choice is not None:
+        asked.append(("guided_choice", StructuredOutput.choice(guided_choice)))
+    if len(asked) > 1:
+        raise InvalidRequestError(f"ask for one output constraint at a time, not {[name for name, _ in asked]}.")
+    return asked[0][1] if asked else None
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop, for one request."""

@@ -80,12 +80,12 @@ class GrammarCompiler:
     def _compile(self, kind: str, text: str) -> Any:
         with self._lock:
             try:
-                if kind == "json_object":
-                    return self._compiler.compile_builtin_json_grammar()
-                if kind == "json_schema":
-                    # Compact separators: the output is valid JSON either way, and free whitespace
-                    # would let a model pad its output with spaces up to max_tokens.
-                    return self._compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"))
+                if kind in ("json_object", "json_schema"):
+                    # json_object is OpenAI's "any JSON object". Compact separators: the output is
+                    # valid JSON either way, and free whitespace lets a small model pad its output
+                    # with newlines up to max_tokens.
+                    schema = text if kind == "json_schema" else '{"type": "object"}'
+                    return self._compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
                 if kind == "regex":
                     return self._compiler.compile_regex(text)
                 if kind == "choice":

@@ -23,7 +23,7 @@ from specserve.engine.engine import LLMEngine, PreparedRequest
 from specserve.errors import InvalidRequestError, SpecServeError
 from specserve.llm import _nth_sample_params
 from specserve.outputs import RequestOutput
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import SamplingParams, structured_output_from_openai
 from specserve.server.async_engine import (
     AsyncEngine,
     EngineOverloadedError,
@@ -123,6 +123,10 @@ class OpenAIServer:
                 logprobs=logprobs,
                 reference_text=req.reference_text,
                 speculative=req.speculative,
+                structured_output=structured_output_from_openai(
+                    req.response_format, guided_json=req.guided_json, guided_regex=req.guided_regex,
+                    guided_grammar=req.guided_grammar, guided_choice=req.guided_choice,
+                ),
             )
         except InvalidRequestError as e:
             raise APIError(400, str(e)) from e

@@ -2,7 +2,9 @@
 
 Extras accepted in the body (the OpenAI client's `extra_body`): `top_k`, `speculative`,
 `priority` (lower is served first; < 0 marks a priority request that may speculate at
-medium batch sizes), `reference_text` (for the reference proposer), `ignore_eos`.
+medium batch sizes), `reference_text` (for the reference proposer), `ignore_eos`, and vLLM's
+structured-output extras `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (OpenAI's
+`response_format` json_object / json_schema is standard).
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ class _SamplingFields(BaseModel):
     priority: StrictInt = Field(default=0, ge=-1000, le=1000)
     reference_text: str | None = None
     ignore_eos: StrictBool = False
+    # Structured output (specserve.sampling.grammar): OpenAI's response_format, or vLLM's extras.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
     @field_validator("stop")
     @classmethod
