@@ -275,6 +275,45 @@ def open_receiver(desc: TransferDescriptor) -> KVChannel:
     return ShmKVChannel(desc, create=True) if desc.transport == "shm" else LocalKVChannel(desc)
 
 
+class ChannelFiles:
+    """The router's record of the shared-memory channel files it named, so that none outlives it.
+
+    A decode worker creates each file and normally deletes it after its first step, but a worker
+    killed first never does. Once a transfer's prefill has ended both workers have the file
+    mapped (or never will), so its name is no longer needed: the router deletes it then, when a
+    worker of the transfer dies, and at shutdown. Deleting a mapped file leaves the mapping intact.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[str, tuple[str, str]] = {}  # path -> (prefill worker, decode worker)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def track(self, desc: TransferDescriptor, prefill_worker: str, decode_worker: str) -> None:
+        """Note a transfer before either worker opens its channel (no-op for the Ray transport)."""
+        if desc.transport == "shm":
+            self._open[desc.shm_path] = (prefill_worker, decode_worker)
+
+    def release(self, desc: TransferDescriptor) -> None:
+        """The transfer's prefill has ended: delete its file."""
+        if self._open.pop(desc.shm_path, None) is not None:
+            unlink_quietly(desc.shm_path)
+
+    def release_worker(self, name: str) -> None:
+        """A worker died: delete the files of every transfer it took part in."""
+        for path, workers in list(self._open.items()):
+            if name in workers:
+                del self._open[path]
+                unlink_quietly(path)
+
+    def release_all(self) -> None:
+        """Shutdown: delete every file still named."""
+        for path in self._open:
+            unlink_quietly(path)
+        self._open.clear()
+
+
 @dataclass
 class TransferStats:
     """What one transfer cost, for metrics and the benchmark."""

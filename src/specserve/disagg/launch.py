@@ -2,6 +2,7 @@
 
 On one machine `launch()` starts a local Ray instance (no set-up needed); with `ray_address`
 it joins an existing cluster and Ray places the actors on its nodes (see docs/disaggregation.md).
+The router it builds can restart a worker that dies: `launch()` keeps how it started each one.
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import types
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from specserve.config import SchedulerConfig, SpecConfig
 from specserve.disagg.router import DisaggFrontend, DisaggRouter, WorkerHandle
-from specserve.disagg.worker import EngineWorkerActor
+from specserve.disagg.worker import ROLES, EngineWorkerActor
 from specserve.engine.engine import RequestPreparer
 from specserve.errors import ConfigError
 
@@ -47,10 +50,48 @@ def start_worker(role: str, index: int, model: str, engine_kwargs: dict[str, Any
                                              transfer_timeout_s, cpus)
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How one worker actor is started, kept so that a dead worker can be started again."""
+
+    role: str
+    index: int
+    model: str
+    engine_kwargs: dict[str, Any]
+    transfer_timeout_s: float = 60.0
+    cpus: list[int] | None = None
+    scheduling_strategy: Any = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"unknown worker role {self.role!r}; use prefill or decode.")
+
+    @property
+    def name(self) -> str:
+        """The worker's name (the same after a restart)."""
+        return f"{self.role}-{self.index}"
+
+    def start(self) -> Any:
+        """Create the actor (returns at once; the model loads in the background)."""
+        return start_worker(
+            self.role,
+            self.index,
+            self.model,
+            self.engine_kwargs,
+            transfer_timeout_s=self.transfer_timeout_s,
+            cpus=self.cpus,
+            scheduling_strategy=self.scheduling_strategy,
+        )
+
+
 def connect(model: str, actors: list[Any], *, transport: str = "auto", transfer_timeout_s: float = 60.0,
             max_waiting: int = 256, local_prefill_tokens: int = 32, metrics: Any = None,
-            on_output: Any = None) -> DisaggRouter:
-    """Wait for the workers to load, check they can pair, and build the router and its front-end."""
+            on_output: Any = None, restart: Callable[[str], Any] | None = None,
+            max_restarts: int = 3) -> DisaggRouter:
+    """Wait for the workers to load, check they can pair, and build the router and its front-end.
+
+    restart(name), if given, starts a fresh actor for the dead worker of that name.
+    """
     import ray
 
     from specserve.models.bundled import resolve_model
@@ -77,14 +118,15 @@ def connect(model: str, actors: list[Any], *, transport: str = "auto", transfer_
             metrics.worker_alive.labels(w.role, w.name).set(1)
     return DisaggRouter(frontend, workers, transport=transport, transfer_timeout_s=transfer_timeout_s,
                         max_waiting=max_waiting, local_prefill_tokens=local_prefill_tokens, metrics=metrics,
-                        on_output=on_output)
+                        on_output=on_output, restart=restart, max_restarts=max_restarts)
 
 
 def launch(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1, num_decode: int = 1, *,
            ray_address: str | None = None, transport: str = "auto", transfer_timeout_s: float = 60.0,
            threads_per_worker: int | None = None, pin_cpus: bool = False, max_waiting: int = 256,
-           local_prefill_tokens: int = 32, metrics: Any = None, on_output: Any = None) -> DisaggRouter:
-    """Start Ray (or join it), num_prefill + num_decode worker actors, and the router."""
+           local_prefill_tokens: int = 32, metrics: Any = None, on_output: Any = None,
+           max_restarts: int = 3) -> DisaggRouter:
+    """Start Ray (or join it), the worker actors, and the router (which restarts dead workers)."""
     if num_prefill < 1 or num_decode < 1:
         raise ConfigError("--disagg needs --prefill-workers >= 1 and --decode-workers >= 1.")
     init_ray(ray_address)
@@ -93,16 +135,18 @@ def launch(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1, num_
     kwargs = dict(engine_kwargs)
     if threads_per_worker is not None or kwargs.get("num_threads") is None:
         kwargs["num_threads"] = threads_per_worker or max(1, ncpu // total)
-    actors = []
+    specs = {}
     for i, role in enumerate(["prefill"] * num_prefill + ["decode"] * num_decode):
         cpus = [i % ncpu] if pin_cpus and not ray_address else None
         index = i if role == "prefill" else i - num_prefill
         # On a cluster, spread the workers over the nodes; locally they all share this host.
-        actors.append(start_worker(role, index, model, kwargs, transfer_timeout_s=transfer_timeout_s, cpus=cpus,
-                                   scheduling_strategy="SPREAD" if ray_address else None))
+        strategy = "SPREAD" if ray_address else None
+        spec = WorkerSpec(role, index, model, kwargs, transfer_timeout_s, cpus, strategy)
+        specs[spec.name] = spec
+    actors = [spec.start() for spec in specs.values()]
     return connect(model, actors, transport=transport, transfer_timeout_s=transfer_timeout_s,
                    max_waiting=max_waiting, local_prefill_tokens=local_prefill_tokens, metrics=metrics,
-                   on_output=on_output)
+                   on_output=on_output, restart=lambda name: specs[name].start(), max_restarts=max_restarts)
 
 
 class DisaggClient:

@@ -7,11 +7,16 @@ then shortest pending-token queue, among workers with KV room); opens a transfer
 the decode worker's outputs to the HTTP stream.
 
 Faults: every worker is a Ray actor; a dead actor makes its calls raise, a hung one makes them
-time out. A request whose decode worker dies is resumed: its prompt plus the tokens already
-streamed are re-prefilled and decoding continues on a healthy worker (greedy output is the
-same as without the failure; seeded sampling too, since randomness is keyed by position).
-A failed prefill or transfer is retried on another prefill worker. When no worker of a role
-is left the request ends with a clear error.
+time out, and prefill workers (which relay no outputs) answer a heartbeat. A request whose
+decode worker dies is resumed: its prompt plus the tokens already streamed are re-prefilled and
+decoding continues on a healthy worker (greedy output is the same as without the failure;
+seeded sampling too, since randomness is keyed by position). A failed prefill or transfer is
+retried on another prefill worker, and with no healthy prefill worker left the decode worker
+prefills the prompt itself (a decode worker is a full engine), so losing the prefill pool
+degrades latency, not service. A dead worker is forgotten by the prefix index, its gauges are
+dropped, the shared-memory files of its transfers are deleted, and, given a `restart` function,
+a fresh worker is started in its place. Only when no decode worker is left (or coming back)
+are requests refused, with a message that says so; `health()` tells which case holds.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specserve.disagg.kv_transfer import KVLayout, TransferDescriptor, new_transfer_id
+from specserve.disagg.kv_transfer import ChannelFiles, KVLayout, TransferDescriptor, new_transfer_id
 from specserve.disagg.worker import check_pairable
 from specserve.engine.engine import PreparedRequest, RequestPreparer
 from specserve.kv_cache.block_pool import hash_block_tokens
@@ -45,6 +51,9 @@ class WorkerHandle:
     pending_tokens: int = 0  # prefill: tokens the router sent and has not heard back about
     reserved_blocks: int = 0  # decode: blocks promised to requests not yet reported in stats
     num_failures: int = 0
+    restarts: int = 0  # fresh workers started in this worker's place so far
+    restarting: bool = False  # dead, and a replacement is being started
+    cause: str | None = None  # why it died
 
     @property
     def name(self) -> str:
@@ -65,6 +74,15 @@ class WorkerHandle:
     def free_blocks(self) -> int:
         """Free KV blocks by the last report, minus what the router has routed there since."""
         return self.stats.get("kv_free_blocks", self.info["num_blocks"]) - self.reserved_blocks
+
+    def describe(self) -> dict[str, Any]:
+        """This worker as /health shows it."""
+        out: dict[str, Any] = {"name": self.name, "role": self.role, "alive": self.alive}
+        out["state"] = "alive" if self.alive else "restarting" if self.restarting else "dead"
+        out["restarts"] = self.restarts
+        if not self.alive and self.cause:
+            out["error"] = self.cause
+        return out
 
 
 @dataclass
@@ -130,6 +148,10 @@ class DisaggRouter:
         local_prefill_tokens: int = 32,
         metrics: Any = None,
         on_output: Any = None,
+        restart: Callable[[str], Any] | None = None,
+        max_restarts: int = 3,
+        restart_timeout_s: float = 300.0,
+        heartbeat_s: float = 0.5,
     ) -> None:
         self.engine = frontend  # the name the HTTP layer uses
         self.prefill = [w for w in workers if w.role == "prefill"]
@@ -152,23 +174,31 @@ class DisaggRouter:
         self.capacity = sum(w.info.get("max_num_seqs", 64) for w in self.decode) + max_waiting
         self.metrics = metrics
         self.on_output = on_output
+        # restart(name) starts a fresh worker actor under a dead worker's name (see launch.py);
+        # without it a dead worker stays dead and the others cover for it.
+        self.restart = restart
+        self.max_restarts = max_restarts
+        self.restart_timeout_s = restart_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.channel_files = ChannelFiles()
         self._jobs: dict[str, _Job] = {}
         self._by_internal: dict[str, _Job] = {}
         self._prefix_index: dict[int, set[str]] = {}  # block hash -> workers that computed it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self.accepting = True
-        self.error: str | None = None
         self.last_step_time = time.time()
         self.transfers: list[dict[str, Any]] = []  # completed transfer records (bench, metrics)
         self.prefills: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start one output poller per decode worker on `loop`."""
+        """Start one output poller per decode worker and one heartbeat per prefill worker on `loop`."""
         self._loop = loop
         for w in self.decode:
             self._spawn(self._poll(w))
+        for w in self.prefill:
+            self._spawn(self._watch(w))
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         assert self._loop is not None
@@ -179,8 +209,53 @@ class DisaggRouter:
 
     @property
     def is_alive(self) -> bool:
-        """True while a prefill and a decode worker are alive."""
-        return any(w.alive for w in self.decode) and any(w.alive for w in self.prefill) and self.error is None
+        """True while a decode worker is alive or being restarted (prefill workers are optional)."""
+        return self.error is None
+
+    @property
+    def error(self) -> str | None:
+        """Why the router cannot serve at all (None while it can)."""
+        if any(w.alive or w.restarting for w in self.decode):
+            return None
+        causes = "; ".join(f"{w.name}: {w.cause}" for w in self.decode)
+        return f"every decode worker died ({causes}); restart the server"
+
+    @property
+    def status(self) -> str:
+        """ok, degraded (some workers are down and the rest cover for them), draining, or stopped."""
+        if self.error is not None:
+            return "stopped"
+        if not self.accepting:
+            return "draining"
+        return "ok" if all(w.alive for w in self.prefill + self.decode) else "degraded"
+
+    def health(self) -> dict[str, Any]:
+        """What /health reports: the status, what a degraded state means for requests, every worker."""
+        body: dict[str, Any] = {"status": self.status, "in_flight": self.num_in_flight}
+        down = [w for w in self.prefill + self.decode if not w.alive]
+        if self.error is not None:
+            body["error"] = self.error
+        elif down:
+            body["degraded"] = self._degraded_reason(down)
+        body["workers"] = [w.describe() for w in self.prefill + self.decode]
+        return body
+
+    def _degraded_reason(self, down: list[WorkerHandle]) -> str:
+        def names(ws: list[WorkerHandle]) -> str:
+            return ", ".join(f"{w.name} ({'restarting' if w.restarting else 'dead'})" for w in ws)
+
+        reasons = []
+        dead_prefill = [w for w in down if w.role == "prefill"]
+        dead_decode = [w for w in down if w.role == "decode"]
+        if dead_prefill and len(dead_prefill) == len(self.prefill):
+            why = "decode workers prefill prompts themselves"
+            reasons.append(f"prefill pool down ({names(dead_prefill)}): {why}")
+        elif dead_prefill:
+            why = "the other prefill workers take their prompts"
+            reasons.append(f"{names(dead_prefill)} down: {why}")
+        if dead_decode:
+            reasons.append(f"{names(dead_decode)} down: requests run on the other decode workers")
+        return "; ".join(reasons)
 
     @property
     def num_in_flight(self) -> int:
@@ -197,8 +272,12 @@ class DisaggRouter:
             self.abort(list(self._jobs))
             await asyncio.sleep(0.2)
         ok = await self.check_integrity()
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        if tasks:  # let them unwind (their finally blocks release channel files)
+            await asyncio.wait(tasks, timeout=5.0)
+        self.channel_files.release_all()
         logger.info("disaggregated shutdown: KV integrity %s on every live worker", "holds" if ok else "VIOLATED")
 
     async def check_integrity(self) -> bool:
@@ -217,8 +296,11 @@ class DisaggRouter:
     # ------------------------------------------------------------------ requests
     def submit(self, prepared: list[PreparedRequest]) -> RequestStream:
         """Start routing each request; returns the stream their outputs arrive on."""
-        if not self.accepting or not self.is_alive:
-            raise EngineStoppedError("The server is shutting down or has no live workers; retry later.")
+        if not self.accepting:
+            raise EngineStoppedError("The server is shutting down; retry on another replica.")
+        if not any(w.alive for w in self.decode):
+            why = self._no_decode_message()
+            raise EngineStoppedError(f"The server has no live workers: {why}.")
         if len(self._jobs) + len(prepared) > self.capacity:
             raise EngineOverloadedError(
                 f"{len(self._jobs)} requests are in flight and the router holds at most {self.capacity}; "
@@ -294,6 +376,12 @@ class DisaggRouter:
             return self.transport
         return "shm" if pre.node_id == dec.node_id else "ray"
 
+    def _no_decode_message(self) -> str:
+        restarting = [w.name for w in self.decode if w.restarting]
+        if restarting:
+            return f"no decode worker is alive ({', '.join(restarting)} restarting); retry in a few seconds"
+        return "no decode worker is alive; restart the server or add decode workers"
+
     # ------------------------------------------------------------------ one request
     async def _drive(self, job: _Job) -> None:
         try:
@@ -303,9 +391,7 @@ class DisaggRouter:
             self._finish(job, "error", f"router error: {type(exc).__name__}: {exc}")
 
     async def _drive_attempts(self, job: _Job) -> None:
-        import ray
-
-        bad_prefill: set[str] = set()
+        bad_prefill: set[str] = set()  # prefill workers that failed this request without dying
         while not job.finished and not job.aborted:
             if job.attempts >= self.max_attempts:
                 self._finish(job, "error", f"gave up after {job.attempts} attempts (workers kept failing)")
@@ -316,65 +402,88 @@ class DisaggRouter:
             hashes = self._hashes(tokens[:m])
             dec, full_hit = self.pick_decode(hashes)
             if dec is None:
-                self._finish(job, "error", "no decode worker is alive; restart the server or add decode workers")
+                self._finish(job, "error", self._no_decode_message())
                 return
             need_prefill = m > 0 and m >= self.local_prefill_tokens and not full_hit
+            # No healthy prefill worker (all dead, restarting, or failed on this request): the
+            # decode worker prefills the prompt itself.
             pre = self.pick_prefill(hashes, m, bad_prefill) if need_prefill else None
-            if need_prefill and pre is None:
-                self._finish(job, "error", "no healthy prefill worker is left; restart the server or add prefill workers")
-                return
-            internal = f"{job.rid}#{job.attempts}"
             desc = None
             if pre is not None:
                 transport = self._transport_for(pre, dec)
                 desc = TransferDescriptor(new_transfer_id(), transport, m, self.layout,
                                           receiver=dec.actor if transport == "ray" else None)
-            req = self._attempt_request(job, internal)
-            job.internal_id, job.worker = internal, dec
-            self._by_internal[internal] = job
-            job.changed.clear()
-            blocks = -(-len(tokens) // self.block_size)
-            dec.reserved_blocks += blocks
+                self.channel_files.track(desc, pre.name, dec.name)
             try:
-                await dec.actor.add_decode.remote(req, desc, job.emitted_chars)
-            except Exception as exc:  # noqa: BLE001 - a dead or broken decode worker
-                dec.reserved_blocks -= blocks
-                self._worker_failed(dec, exc)
-                continue
-            job.routed_at = time.perf_counter()
-            if pre is not None:
-                pre.pending_tokens += m
-                try:
-                    ref = pre.actor.prefill.remote(internal, tokens[:m], desc)
-                    budget = self.transfer_timeout_s + 0.05 * m
-                    st = await asyncio.wait_for(asyncio.wrap_future(ref.future()), budget)
-                except Exception as exc:  # noqa: BLE001 - dead, hung, or a failed transfer
-                    pre.pending_tokens -= m
-                    dec.reserved_blocks -= blocks
-                    if isinstance(exc, ray.exceptions.RayActorError):
-                        self._worker_failed(pre, exc)
-                    else:
-                        pre.num_failures += 1
-                        bad_prefill.add(pre.name)
-                        logger.warning("prefill of %s on %s failed: %s", internal, pre.name, exc)
-                        with contextlib.suppress(Exception):
-                            pre.actor.abort.remote([internal])
-                    self._by_internal.pop(internal, None)
-                    with contextlib.suppress(Exception):
-                        dec.actor.abort.remote([internal])
-                    continue
-                pre.pending_tokens -= m
-                st["decode_worker"] = dec.name
-                st["transport"] = desc.transport if desc else None
-                self.prefills.append(st)
-                if self.metrics is not None:
-                    self.metrics.observe_prefill(st)
-                self._index(hashes, pre.name, dec.name)
-            else:
-                self._index(hashes, dec.name)
+                ok = await self._start_attempt(job, tokens, hashes, dec, pre, desc, bad_prefill)
+            finally:
+                # The prefill has ended: no one opens its channel by name again.
+                if desc is not None:
+                    self.channel_files.release(desc)
+            if ok:
+                await job.changed.wait()
+                # Woken: finished, aborted, or lost (its decode worker died / its transfer failed).
+
+    async def _start_attempt(
+        self,
+        job: _Job,
+        tokens: list[int],
+        hashes: list[int],
+        dec: WorkerHandle,
+        pre: WorkerHandle | None,
+        desc: TransferDescriptor | None,
+        bad_prefill: set[str],
+    ) -> bool:
+        """Queue one attempt on its decode worker and run its prefill; False when it must be retried."""
+        import ray
+
+        m = len(tokens) - 1
+        internal = f"{job.rid}#{job.attempts}"
+        req = self._attempt_request(job, internal)
+        job.internal_id, job.worker = internal, dec
+        self._by_internal[internal] = job
+        job.changed.clear()
+        blocks = -(-len(tokens) // self.block_size)
+        dec.reserved_blocks += blocks
+        try:
+            await dec.actor.add_decode.remote(req, desc, job.emitted_chars)
+        except Exception as exc:  # noqa: BLE001 - a dead or broken decode worker
             dec.reserved_blocks -= blocks
-            await job.changed.wait()
-            # Woken: finished, aborted, or lost (its decode worker died / its transfer failed).
+            self._worker_failed(dec, exc)
+            return False
+        job.routed_at = time.perf_counter()
+        if pre is None:
+            dec.reserved_blocks -= blocks
+            self._index(hashes, dec.name)
+            return True
+        pre.pending_tokens += m
+        try:
+            ref = pre.actor.prefill.remote(internal, tokens[:m], desc)
+            budget = self.transfer_timeout_s + 0.05 * m
+            st = await asyncio.wait_for(asyncio.wrap_future(ref.future()), budget)
+        except Exception as exc:  # noqa: BLE001 - dead, hung, or a failed transfer
+            if isinstance(exc, ray.exceptions.RayActorError):
+                self._worker_failed(pre, exc)
+            else:
+                pre.num_failures += 1
+                bad_prefill.add(pre.name)
+                logger.warning("prefill of %s on %s failed: %s", internal, pre.name, exc)
+                with contextlib.suppress(Exception):
+                    pre.actor.abort.remote([internal])
+            self._by_internal.pop(internal, None)
+            with contextlib.suppress(Exception):
+                dec.actor.abort.remote([internal])
+            return False
+        finally:
+            pre.pending_tokens -= m
+            dec.reserved_blocks -= blocks
+        st["decode_worker"] = dec.name
+        st["transport"] = desc.transport if desc else None
+        self.prefills.append(st)
+        if self.metrics is not None:
+            self.metrics.observe_prefill(st)
+        self._index(hashes, pre.name, dec.name)
+        return True
 
     def _attempt_request(self, job: _Job, internal: str) -> Request:
         orig = job.request
@@ -384,19 +493,73 @@ class DisaggRouter:
             req.append_output_tokens(list(job.output_ids), list(job.logprobs) if job.logprobs else None)
         return req
 
+    # ------------------------------------------------------------------ worker failure
     def _worker_failed(self, w: WorkerHandle, exc: BaseException) -> None:
-        if w.alive:
-            logger.error("worker %s failed (%s: %s); its requests move to other workers", w.name,
-                         type(exc).__name__, exc)
+        """A worker died: move its requests, forget its cache, drop its gauges and files, restart it."""
+        if not w.alive:
+            return
         w.alive = False
+        w.cause = _describe(exc)
+        logger.error("worker %s failed (%s); its requests move to other workers", w.name, w.cause)
         for job in list(self._jobs.values()):
             if job.worker is w and not job.finished:
                 job.changed.set()
+        for names in self._prefix_index.values():
+            names.discard(w.name)
+        self.channel_files.release_worker(w.name)
         if self.metrics is not None:
-            self.metrics.worker_alive.labels(role=w.role, worker=w.name).set(0)
+            self.metrics.worker_gone(w.role, w.name)
+        if self.restart is not None and self.accepting and w.restarts < self.max_restarts:
+            w.restarting = True
+            self._spawn(self._restart(w))
+
+    async def _restart(self, dead: WorkerHandle) -> None:
+        """Start fresh workers in a dead one's place until one loads and pairs (or restarts run out)."""
+        pool = self.prefill if dead.role == "prefill" else self.decode
+        try:
+            for n in range(dead.restarts, self.max_restarts):
+                await asyncio.sleep(min(2.0**n - 1, 30.0))  # 0, 1, 3, 7 ... s between tries
+                try:
+                    fresh = await self._start_replacement(dead)
+                except Exception as exc:  # noqa: BLE001 - e.g. a model that fails to load: try again
+                    logger.error("restart %d of %s failed: %s", n + 1, dead.name, _describe(exc))
+                    dead.restarts = n + 1
+                    continue
+                fresh.restarts = n + 1
+                pool[pool.index(dead)] = fresh
+                logger.warning("worker %s restarted (restart %d)", fresh.name, fresh.restarts)
+                if self.metrics is not None:
+                    self.metrics.worker_alive.labels(fresh.role, fresh.name).set(1)
+                if fresh.role == "decode":
+                    if self.engine.proposer is not None:
+                        fresh.actor.set_speculation.remote(self.engine.speculation_enabled)
+                    self._spawn(self._poll(fresh))
+                else:
+                    self._spawn(self._watch(fresh))
+                return
+            logger.error("worker %s stays down after %d restarts", dead.name, dead.restarts)
+        finally:
+            dead.restarting = False
+
+    async def _start_replacement(self, dead: WorkerHandle) -> WorkerHandle:
+        """One restart: a new actor under the dead worker's name, loaded and checked against its peers."""
+        import ray
+
+        assert self.restart is not None
+        actor = await asyncio.to_thread(self.restart, dead.name)
+        try:
+            info = await asyncio.wait_for(actor.info.remote(), self.restart_timeout_s)
+            for peer in self.decode if dead.role == "prefill" else self.prefill:
+                pair = (info, peer.info) if dead.role == "prefill" else (peer.info, info)
+                check_pairable(*pair)
+        except BaseException:
+            ray.kill(actor)
+            raise
+        return WorkerHandle(actor, info)
 
     # ------------------------------------------------------------------ outputs
     async def _poll(self, w: WorkerHandle) -> None:
+        """Relay a decode worker's outputs and load reports until it dies."""
         while w.alive:
             try:
                 outs, st = await w.actor.poll.remote(0.05)
@@ -405,17 +568,42 @@ class DisaggRouter:
             except Exception as exc:  # noqa: BLE001 - the actor is gone
                 self._worker_failed(w, exc)
                 return
-            w.stats = st
             self.last_step_time = time.time()
             for rec in st.get("transfers", ()):
                 rec["decode_worker"] = w.name
                 self.transfers.append(rec)
                 if self.metrics is not None:
                     self.metrics.observe_transfer(rec)
-            if self.metrics is not None:
-                self.metrics.observe_worker(w.role, w.name, st)
             for out in outs:
                 self._on_output(out)
+            self._observe(w, st)
+
+    async def _watch(self, w: WorkerHandle) -> None:
+        """Heartbeat of a prefill worker (it relays no outputs): its load report, until it dies."""
+        while w.alive:
+            try:
+                st = await w.actor.stats.remote()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the actor is gone
+                self._worker_failed(w, exc)
+                return
+            self._observe(w, st)
+            await asyncio.sleep(self.heartbeat_s)
+
+    def _observe(self, w: WorkerHandle, st: dict[str, Any]) -> None:
+        if not w.alive:
+            return  # a report that raced the worker's death
+        if st.get("error"):  # the actor answers but its engine loop crashed: replace it
+            import ray
+
+            self._worker_failed(w, RuntimeError(f"engine loop crashed: {st['error']}"))
+            with contextlib.suppress(Exception):
+                ray.kill(w.actor)
+            return
+        w.stats = st
+        if self.metrics is not None:
+            self.metrics.observe_worker(w.role, w.name, st)
 
     def _on_output(self, out: RequestOutput) -> None:
         job = self._by_internal.get(out.request_id)
@@ -485,3 +673,9 @@ class DisaggRouter:
             with contextlib.suppress(Exception):
                 self.on_output(out)
         self._post(job, out)
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception in one line (Ray's actor errors run to many)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__

@@ -136,6 +136,7 @@ class WorkerCore:
             "num_steps": eng.num_steps,
             "spec_enabled": eng.speculation_enabled,
             "alive": self.error is None and self._thread.is_alive(),
+            "error": self.error,  # why the engine loop stopped: the router replaces such a worker
         }
 
     # ------------------------------------------------------------------ prefill role

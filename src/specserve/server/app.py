@@ -485,6 +485,10 @@ def build_app(server: OpenAIServer) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         ae = server.async_engine
+        report = getattr(ae, "health", None)
+        if report is not None:  # disaggregated: the router says which workers are alive, and what that means
+            body = report()
+            return JSONResponse(body, status_code=200 if body["status"] in ("ok", "degraded") else 503)
         if not ae.is_alive:
             return _error_response(503, f"engine not running: {ae.error or 'stopped'}", "service_unavailable")
         status = "ok" if ae.accepting else "draining"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from typing import Any
@@ -221,6 +222,13 @@ class DisaggMetrics:
         self.worker_kv_free.labels(role, name).set(stats.get("kv_free_blocks", 0))
         self.worker_kv_total.labels(role, name).set(stats.get("kv_total_blocks", 0))
         self.worker_alive.labels(role, name).set(1 if stats.get("alive", True) else 0)
+
+    def worker_gone(self, role: str, name: str) -> None:
+        """A worker died: drop its load gauges (they would stay frozen at its last report), mark it dead."""
+        for gauge in (self.worker_running, self.worker_waiting, self.worker_kv_free, self.worker_kv_total):
+            with contextlib.suppress(KeyError):  # never reported (prometheus_client < 0.21 raises)
+                gauge.remove(role, name)
+        self.worker_alive.labels(role, name).set(0)
 
     def observe_transfer(self, rec: dict) -> None:
         """One finished transfer, as reported by its decode worker."""

@@ -1,0 +1,371 @@
+"""Worker failures in disaggregated serving: recovery, truthful health, no leaked files or gauges."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from specserve import SamplingParams
+from specserve.disagg.kv_transfer import (
+    SHM_DIR,
+    ChannelFiles,
+    KVLayout,
+    TransferDescriptor,
+    new_transfer_id,
+)
+from specserve.disagg.router import DisaggFrontend, DisaggRouter, WorkerHandle
+from specserve.engine.engine import RequestPreparer
+from specserve.server.async_engine import EngineStoppedError
+from specserve.server.metrics import DisaggMetrics
+
+MODEL = "smollm2-135m-instruct"
+# float32 like the colocated smollm_llm the outputs are compared with
+ENGINE = dict(
+    dtype="float32",
+    quantization="none",
+    kv_cache_gib=0.25,
+    num_threads=1,
+    max_num_batched_tokens=64,
+)
+TOPICS = ["the sea", "bread", "a robot", "winter", "trains", "music"]
+PROMPTS = [
+    f"Tell me a long story about {t}: " + "and then, " * (4 + i) for i, t in enumerate(TOPICS)
+]
+
+
+def _our_channel_files() -> set[str]:
+    """Channel files named by this process's routers (transfer ids start with the router's pid)."""
+    return {f for f in os.listdir(SHM_DIR) if f.startswith(f"specserve-kv-{os.getpid()}-")}
+
+
+def _wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------- without Ray
+def _info(name: str, role: str) -> dict:
+    fp = {
+        "model": "m",
+        "layout": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32"},
+        "quantization": "none",
+        "kv_cache_dtype": "auto",
+        "vocab_size": 10,
+        "tokenizer": "t",
+    }
+    return {
+        "name": name,
+        "role": role,
+        "fingerprint": fp,
+        "speculation": "none",
+        "block_size": 4,
+        "num_blocks": 100,
+        "max_num_seqs": 8,
+    }
+
+
+def _router(num_prefill: int = 1, num_decode: int = 2) -> DisaggRouter:
+    workers = [WorkerHandle(None, _info(f"prefill-{i}", "prefill")) for i in range(num_prefill)]
+    workers += [WorkerHandle(None, _info(f"decode-{i}", "decode")) for i in range(num_decode)]
+    front = DisaggFrontend("m", RequestPreparer(None, 10, 64, 400), None, False)
+    return DisaggRouter(front, workers)
+
+
+def test_health_tells_degraded_from_stopped_and_forgets_dead_workers():
+    r = _router()
+    registry = CollectorRegistry()
+    metrics = DisaggMetrics(registry)
+    r.metrics = metrics
+    for w in r.prefill + r.decode:
+        metrics.observe_worker(w.role, w.name, {"running": 1, "kv_free_blocks": 7})
+    assert r.health()["status"] == "ok"
+    hashes = r._hashes(list(range(12)))
+    r._index(hashes, "prefill-0", "decode-0")
+
+    r._worker_failed(r.prefill[0], RuntimeError("killed\nwith a long Ray trace"))
+    h = r.health()
+    assert r.is_alive and h["status"] == "degraded"
+    assert (
+        "prefill pool down" in h["degraded"]
+        and "decode workers prefill prompts themselves" in h["degraded"]
+    )
+    assert h["workers"][0] == {
+        "name": "prefill-0",
+        "role": "prefill",
+        "alive": False,
+        "state": "dead",
+        "restarts": 0,
+        "error": "RuntimeError: killed",
+    }
+    assert r.pick_prefill(hashes, 12, set()) is None  # prompts now go to decode workers whole
+    assert r._matched(hashes, "prefill-0") == 0  # its cache died with it
+
+    r._worker_failed(r.decode[0], RuntimeError("killed"))
+    d0, d1 = ({"role": "decode", "worker": f"decode-{i}"} for i in range(2))
+    assert registry.get_sample_value("specserve_worker_alive", d0) == 0
+    assert registry.get_sample_value("specserve_worker_requests_running", d0) is None  # not frozen
+    assert registry.get_sample_value("specserve_worker_kv_blocks_free", d0) is None
+    assert registry.get_sample_value("specserve_worker_requests_running", d1) == 1
+    assert r._matched(hashes, "decode-0") == 0
+    assert "decode-0 (dead) down" in r.health()["degraded"]
+
+    r._worker_failed(r.decode[1], RuntimeError("killed"))
+    h = r.health()
+    assert not r.is_alive and h["status"] == "stopped" and "every decode worker died" in h["error"]
+    with pytest.raises(EngineStoppedError, match="no live workers: no decode worker is alive"):
+        r.submit([])
+
+
+def test_channel_files_are_deleted_when_prefill_ends_a_worker_dies_or_at_shutdown():
+    layout = KVLayout(2, 1, 4, "float32")
+    files = ChannelFiles()
+    descs = [TransferDescriptor(new_transfer_id(), "shm", 4, layout) for _ in range(3)]
+    for d, dec in zip(descs, ["decode-0", "decode-1", "decode-1"], strict=True):
+        open(d.shm_path, "wb").close()  # as the decode worker would create it
+        files.track(d, "prefill-0", dec)
+    files.track(TransferDescriptor(new_transfer_id(), "ray", 4, layout), "prefill-0", "decode-0")
+    assert len(files) == 3  # Ray transfers have no file
+    files.release(descs[0])
+    assert not os.path.exists(descs[0].shm_path)
+    files.release_worker("decode-1")
+    assert not any(os.path.exists(d.shm_path) for d in descs) and len(files) == 0
+    open(descs[2].shm_path, "wb").close()
+    files.track(descs[2], "prefill-0", "decode-1")
+    files.release_all()
+    assert not os.path.exists(descs[2].shm_path)
+
+
+# ---------------------------------------------------------------------- on Ray
+ray = pytest.importorskip("ray")
+
+from specserve.disagg.launch import DisaggClient, WorkerSpec, connect  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def local_ray(smollm_path):
+    """A private local Ray for this module's deployments."""
+    from specserve.disagg.launch import init_ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    init_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+def _spec(name: str) -> WorkerSpec:
+    role, index = name.rsplit("-", 1)
+    kwargs = ENGINE | ({"spec_method": "ngram"} if role == "decode" else {})
+    return WorkerSpec(role, int(index), MODEL, kwargs, transfer_timeout_s=20)
+
+
+def _kill_all(router: DisaggRouter) -> None:
+    for w in router.prefill + router.decode:
+        with contextlib.suppress(Exception):
+            ray.kill(w.actor)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _live_disagg_server(router_factory: Callable) -> Iterator[tuple[object, str]]:
+    """The OpenAI server on a router, served by uvicorn on loopback in a background thread."""
+    import uvicorn
+
+    from specserve.server.app import OpenAIServer, build_app
+
+    server = OpenAIServer(None, "smollm2", router_factory=router_factory, drain_timeout_s=5)
+    port = _free_port()
+    uv = uvicorn.Server(
+        uvicorn.Config(
+            build_app(server), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+        )
+    )
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    _wait_until(lambda: uv.started or not thread.is_alive(), 60, "the server to start")
+    try:
+        yield server, f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+
+
+def test_killed_prefill_worker_degrades_to_local_prefill_then_restarts(local_ray, smollm_llm):
+    """SIGKILL the prefill worker with prompts in it: every request is still served, /health says
+    'degraded' while the decode worker prefills for itself, then 'ok' once a fresh worker is up."""
+    import httpx
+
+    gate = threading.Event()  # holds the restart back so the degraded state can be observed
+
+    def restart(name: str):
+        gate.wait(120)
+        return _spec(name).start()
+
+    def make_router(metrics):
+        actors = [_spec("prefill-0").start(), _spec("decode-0").start()]
+        return connect(
+            MODEL,
+            actors,
+            transfer_timeout_s=20,
+            local_prefill_tokens=0,
+            metrics=DisaggMetrics(metrics.registry),
+            on_output=metrics.on_finished,
+            restart=restart,
+        )
+
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    want = [o.outputs[0].text for o in smollm_llm.generate(PROMPTS, params, use_tqdm=False)]
+    in_flight, while_down, after_restart = PROMPTS[:4], 4, 5  # fresh prompts: no prefix-cache hits
+    before = _our_channel_files()
+    router = None
+    try:
+        with (
+            _live_disagg_server(make_router) as (server, url),
+            httpx.Client(base_url=url, timeout=180) as http,
+        ):
+            router = server.async_engine
+            assert http.get("/health").json()["status"] == "ok"
+
+            def complete(i: int) -> None:
+                body = {
+                    "model": "smollm2",
+                    "prompt": PROMPTS[i],
+                    "max_tokens": 12,
+                    "temperature": 0,
+                }
+                resp = http.post("/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+                choice = resp.json()["choices"][0]
+                assert choice["finish_reason"] == "length" and choice["text"] == want[i]
+                done.append(i)
+
+            # Mid-load: every prompt waits in the (stalled) prefill worker when it is killed.
+            pre = router.prefill[0]
+            ray.get(pre.actor.pause.remote(True))
+            done: list[int] = []
+            senders = [threading.Thread(target=complete, args=(i,)) for i in range(len(in_flight))]
+            for t in senders:
+                t.start()
+            _wait_until(
+                lambda: ray.get(pre.actor.stats.remote())["waiting"] == len(in_flight),
+                60,
+                "every prompt to reach the prefill worker",
+            )
+            os.kill(pre.info["pid"], signal.SIGKILL)
+            for t in senders:
+                t.join(180)
+            assert sorted(done) == list(range(len(in_flight)))  # served: 200, right text
+
+            # Degraded: the decode worker prefills new prompts itself while prefill-0 restarts.
+            health = http.get("/health")
+            body = health.json()
+            assert health.status_code == 200 and body["status"] == "degraded", body
+            assert "prefill pool down" in body["degraded"]
+            assert body["workers"][0]["name"] == "prefill-0"
+            assert body["workers"][0]["state"] == "restarting" and not body["workers"][0]["alive"]
+            gauge = 'specserve_worker_alive{role="prefill",worker="prefill-0"} 0.0'
+            assert gauge in http.get("/metrics").text
+            n_prefills = len(router.prefills)
+            complete(while_down)
+            assert len(router.prefills) == n_prefills  # no prefill worker took part
+
+            # Restarted: health is ok again and prompts go to the fresh prefill worker.
+            gate.set()
+            _wait_until(lambda: http.get("/health").json()["status"] == "ok", 240, "the restart")
+            body = http.get("/health").json()
+            assert body["workers"][0] == {
+                "name": "prefill-0",
+                "role": "prefill",
+                "alive": True,
+                "state": "alive",
+                "restarts": 1,
+            }
+            complete(after_restart)
+            assert len(router.prefills) == n_prefills + 1
+            assert router.prefills[-1]["worker"] == "prefill-0"
+    finally:
+        gate.set()
+        if router is not None:
+            _kill_all(router)
+    assert _our_channel_files() <= before  # the server has shut down: nothing left in /dev/shm
+
+
+def test_killed_decode_worker_leaves_no_channel_files_or_frozen_gauges(local_ray, smollm_llm):
+    """SIGKILL a decode worker holding received-but-unstarted transfers; its requests finish on
+    the other decode worker, its gauges go, and after shutdown no channel file is left."""
+    registry = CollectorRegistry()
+    metrics = DisaggMetrics(registry)
+    actors = [_spec(name).start() for name in ("prefill-0", "decode-0", "decode-1")]
+    router = connect(MODEL, actors, transfer_timeout_s=20, local_prefill_tokens=0, metrics=metrics)
+    client = DisaggClient(router)
+    before = _our_channel_files()
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in smollm_llm.generate(PROMPTS, params, use_tqdm=False)]
+    try:
+        victim = router.decode[0]
+        ray.get(victim.actor.pause.remote(True))  # it takes requests and their KV, but never steps
+        outs: list = []
+        running = threading.Thread(target=lambda: outs.extend(client.generate(PROMPTS, params)))
+        running.start()
+        _wait_until(
+            lambda: any(p["decode_worker"] == "decode-0" for p in router.prefills),
+            120,
+            "a transfer to decode-0",
+        )
+        _wait_until(
+            lambda: (
+                registry.get_sample_value(
+                    "specserve_worker_requests_waiting", {"role": "decode", "worker": "decode-0"}
+                )
+                is not None
+            ),
+            30,
+            "decode-0's gauges",
+        )
+        os.kill(victim.info["pid"], signal.SIGKILL)
+        running.join(180)
+        assert [o.error for o in outs] == [None] * len(PROMPTS)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert any(o.metrics.extra["attempts"] > 1 for o in outs)  # resumed on decode-1
+
+        for gauge in ("running", "waiting"):
+            name = f"specserve_worker_requests_{gauge}"
+            assert registry.get_sample_value(name, {"role": "decode", "worker": "decode-0"}) is None
+            assert (
+                registry.get_sample_value(name, {"role": "decode", "worker": "decode-1"})
+                is not None
+            )
+        assert (
+            registry.get_sample_value(
+                "specserve_worker_kv_blocks_free", {"role": "decode", "worker": "decode-0"}
+            )
+            is None
+        )
+        assert (
+            registry.get_sample_value(
+                "specserve_worker_alive", {"role": "decode", "worker": "decode-0"}
+            )
+            == 0
+        )
+        health = router.health()
+        assert health["status"] == "degraded" and "decode-0 (dead) down" in health["degraded"]
+    finally:
+        client.close()
+        _kill_all(router)
+    assert _our_channel_files() <= before
