@@ -1,0 +1,1 @@
+"""Operator tools: formulas, audits and planning aids (specserve calc / audit)."""

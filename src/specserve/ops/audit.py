@@ -1,0 +1,284 @@
+"""Distribution audits before a rollout: is speculation exact here, and what does a precision cost?
+
+Two checks, both along teacher-forced continuations (each prompt followed by the reference
+model's own greedy continuation), so every position is one the model really meets:
+
+- **speculation**: at each position the target's processed next-token distribution q
+  (temperature / top-k / top-p as the user asks) is known exactly from one forward pass. The
+  audit runs the engine's verification rule on `draws` independent drafts of that position
+  (drawn from the draft model's distribution p, or the continuation's next token as a
+  deterministic draft for model-free proposers) and histograms the first token each emits.
+  An exact sampler emits q: the audit reports total variation and KL(empirical || q) per
+  position, and a chi-square goodness-of-fit p-value; it fails when the smallest p-value,
+  Bonferroni-corrected over positions, is below `alpha` (1e-3), or when a token of probability 0
+  is emitted. Monte-Carlo noise alone leaves TV of order sqrt(support / draws); the p-value is
+  what separates noise from bias.
+- **precision**: KL(q_reference || q_candidate) and TV per position between two engines (e.g.
+  float32 vs `auto` vs `int4`) on the same tokens; it fails above `max_kl` (mean, nats).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.engine.engine import LLMEngine
+from specserve.engine.runner import FeedEntry
+from specserve.sampling.sampler import SamplingMetadata, logits_to_probs
+from specserve.sampling.tree_rejection import TreeVerifyResult, verify_trees
+from specserve.sampling_params import SamplingParams
+from specserve.spec.tree import DraftTree, SiblingDraw
+
+# (target logits rows, trees, meta, generator) -> results: the verification rule under audit.
+Verifier = Callable[[torch.Tensor, Sequence[DraftTree], SamplingMetadata, torch.Generator], list[TreeVerifyResult]]
+
+
+@torch.inference_mode()
+def teacher_forced_logits(engine: LLMEngine, token_ids: Sequence[int]) -> torch.Tensor:  # [len(token_ids), V]
+    """Next-token logits at every position of `token_ids`, in one forward pass of an idle engine.
+
+    Uses the first blocks of the KV cache as scratch, so it refuses while requests hold any."""
+    runner = engine.runner
+    if engine.has_unfinished_requests():
+        raise RuntimeError("teacher_forced_logits needs an idle engine (it borrows KV blocks).")
+    n = len(token_ids)
+    blocks = -(-n // runner.block_size)
+    if blocks > runner.num_blocks or n > engine.max_model_len:
+        raise ValueError(f"{n} tokens do not fit this engine's KV cache or context; shorten the prompt.")
+    entry = FeedEntry(list(token_ids), list(range(n)), 0, list(range(blocks)), None, range(n))
+    return runner.forward_logits(runner.feed_inputs([entry])).float()
+
+
+def processed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [N, V] -> [N, V] probs
+    """What a request with `params` samples from (temperature, top-k, top-p)."""
+    meta = SamplingMetadata.build([params] * logits.shape[0], [0] * logits.shape[0], logits.device)
+    # The flags matter: truncating at top_p = 1 in float32 drops the tail where the cumulative
+    # sum rounds to 1 (the sampler skips truncation that is off, so must the audit).
+    return logits_to_probs(logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p)
+
+
+@dataclass
+class PositionAudit:
+    """One position's emitted-token statistics against the exact distribution."""
+
+    tv: float
+    kl: float  # KL(empirical || exact), nats
+    pvalue: float  # chi-square goodness of fit
+    impossible: int  # emitted tokens whose exact probability is 0
+    acceptance: float  # fraction of draws whose draft was accepted
+
+
+@dataclass
+class AuditReport:
+    """The verdict of one audit and the figures behind it."""
+
+    kind: str  # "speculation" or "precision"
+    positions: list[PositionAudit] = field(default_factory=list)
+    kl_per_position: list[float] = field(default_factory=list)  # precision audits
+    tv_per_position: list[float] = field(default_factory=list)
+    passed: bool = True
+    reason: str = ""
+
+    def summary(self) -> dict[str, float | int | str | bool]:
+        """Aggregates for a table or JSON."""
+        if self.kind == "speculation":
+            ps = self.positions
+            return {"kind": self.kind, "positions": len(ps), "passed": self.passed, "reason": self.reason,
+                    "mean_tv": sum(p.tv for p in ps) / max(len(ps), 1),
+                    "max_tv": max((p.tv for p in ps), default=0.0),
+                    "mean_kl": sum(p.kl for p in ps) / max(len(ps), 1),
+                    "min_pvalue": min((p.pvalue for p in ps), default=1.0),
+                    "impossible_tokens": sum(p.impossible for p in ps),
+                    "mean_acceptance": sum(p.acceptance for p in ps) / max(len(ps), 1)}
+        kl, tv = self.kl_per_position, self.tv_per_position
+        return {"kind": self.kind, "positions": len(kl), "passed": self.passed, "reason": self.reason,
+                "mean_kl": sum(kl) / max(len(kl), 1), "max_kl": max(kl, default=0.0),
+                "mean_tv": sum(tv) / max(len(tv), 1), "max_tv": max(tv, default=0.0)}
+
+
+def _chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:  # [V] counts, [V] exact probs
+    from scipy.stats import chisquare
+
+    n = counts.sum()
+    keep = probs > 0
+    exp = probs[keep].double() * n
+    obs = counts[keep].double()
+    # Pool cells expected below 5 draws into one, as the test's approximation requires.
+    small = exp < 5
+    if small.any():
+        obs = torch.cat([obs[~small], obs[small].sum().reshape(1)])
+        exp = torch.cat([exp[~small], exp[small].sum().reshape(1)])
+    if len(exp) < 2:
+        return 1.0
+    exp = exp * obs.sum() / exp.sum()
+    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def audit_position(q: torch.Tensor, q_logits: torch.Tensor, drafts: list[DraftTree], params: SamplingParams,
+                   verifier: Verifier, generator: torch.Generator) -> PositionAudit:
+    """Verify each draft (a one-node tree) against the same target row; compare what comes out with q.
+
+    q: [V] the exact processed distribution; q_logits: [V] the raw logits it came from."""
+    n = len(drafts)
+    # Verified in chunks of about 256 MB of logits: a root row and a node row per draft (the
+    # node's row only feeds the bonus token, which the audit does not count).
+    chunk = max(1, (1 << 26) // (2 * q_logits.shape[0]))
+    results: list[TreeVerifyResult] = []
+    for at in range(0, n, chunk):
+        part = drafts[at : at + chunk]
+        rows = q_logits.unsqueeze(0).expand(2 * len(part), -1).contiguous()  # [2 * chunk, V]
+        meta = SamplingMetadata.build([params] * len(part), [0] * len(part), q_logits.device)
+        results += verifier(rows, part, meta, generator)
+    first = torch.tensor([r.token_ids[0] for r in results])
+    counts = torch.bincount(first, minlength=q.shape[0]).double()
+    emp = counts / n
+    exact = q.double()
+    impossible = int(counts[exact == 0].sum())
+    tv = 0.5 * float((emp - exact).abs().sum())
+    nz = emp > 0
+    kl = float((emp[nz] * (emp[nz] / exact[nz].clamp_min(1e-300)).log()).sum())
+    accepted = sum(1 for r in results if r.accepted_nodes) / n
+    return PositionAudit(tv, kl, _chi_square_pvalue(counts, exact), impossible, accepted)
+
+
+def audit_speculation(
+    target_logits: torch.Tensor,  # [T, V] teacher-forced target logits of the audited positions
+    next_tokens: Sequence[int],  # [T] the continuation's token after each position
+    params: SamplingParams,
+    draft_logits: torch.Tensor | None = None,  # [T, V] a draft model's logits there (None: one-hot drafts)
+    draws: int = 10_000,
+    alpha: float = 1e-3,
+    verifier: Verifier = verify_trees,
+    seed: int = 0,
+) -> AuditReport:
+    """Does verification emit the target's distribution at each position? (see the module docstring)"""
+    g = torch.Generator().manual_seed(seed)
+    q_all = processed(target_logits, params)
+    p_all = processed(draft_logits, params) if draft_logits is not None else None
+    report = AuditReport("speculation")
+    for t in range(target_logits.shape[0]):
+        if p_all is None:  # a model-free proposer: the continuation's own next token, one-hot
+            drafts = [DraftTree.chain([int(next_tokens[t])])] * draws
+        else:
+            p = p_all[t]
+            toks = torch.multinomial(p, draws, replacement=True, generator=g).tolist()
+            dists = p.unsqueeze(0)
+            drafts = [DraftTree((x,), (-1,), SiblingDraw.IID, dists, (0,)) for x in toks]
+        report.positions.append(audit_position(q_all[t], target_logits[t], drafts, params, verifier, g))
+    if report.positions:
+        worst = min(p.pvalue for p in report.positions) * len(report.positions)
+        impossible = sum(p.impossible for p in report.positions)
+        if impossible:
+            report.passed, report.reason = False, f"{impossible} emitted tokens have probability 0 under the target"
+        elif worst < alpha:
+            report.passed = False
+            report.reason = (f"emitted tokens differ from the target's distribution: Bonferroni-corrected chi-square "
+                             f"p = {worst:.2e} < {alpha:g}")
+    return report
+
+
+def audit_precision(reference_logits: torch.Tensor, candidate_logits: torch.Tensor,  # [T, V] each
+                    params: SamplingParams, max_kl: float = 0.1) -> AuditReport:
+    """KL(reference || candidate) and TV of the processed distributions, position by position."""
+    q = processed(reference_logits, params).double()
+    c = processed(candidate_logits, params).double()
+    report = AuditReport("precision")
+    for a, b in zip(q, c):
+        nz = a > 0
+        kl = float((a[nz] * (a[nz].log() - b[nz].clamp_min(1e-300).log())).sum())
+        report.kl_per_position.append(kl if math.isfinite(kl) else float("inf"))
+        report.tv_per_position.append(0.5 * float((a - b).abs().sum()))
+    mean = sum(report.kl_per_position) / max(len(report.kl_per_position), 1)
+    if mean > max_kl:
+        report.passed, report.reason = False, f"mean KL {mean:.4f} nats exceeds {max_kl:g}"
+    return report
+
+
+def continuations(engine: LLMEngine, prompts: Sequence[str | Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt plus the engine's greedy continuation, as token ids (the teacher-forced sequences)."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        rid = engine.add_request(prompt if isinstance(prompt, str) else list(prompt),
+                                 SamplingParams(max_tokens=max_tokens, temperature=0), request_id=f"audit-{i}")
+        ids: list[int] = []
+        while engine.has_request(rid):
+            for o in engine.step():
+                if o.request_id == rid:
+                    ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        out.append(ids)
+    return out
+
+
+def read_prompts(path: str) -> list[str]:
+    """Prompts from a file: JSON lines with a "prompt" (or chat "messages") field, else one per line."""
+    import json
+    from pathlib import Path
+
+    text = Path(path).read_text(encoding="utf-8")
+    prompts: list[str] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{path}: a line starting with '{{' is not valid JSON: {exc}") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt", ""), str):
+                raise ValueError(f'{path}: each JSON line needs a "prompt" string.')
+            prompts.append(obj.get("prompt") or json.dumps(obj.get("messages", "")))
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompt.")
+    return prompts
+
+
+def run_audit(
+    model: str,
+    prompts: Sequence[str],
+    *,
+    spec_method: str = "none",
+    draft_model: str | None = None,
+    precisions: Sequence[str] = (),
+    params: SamplingParams | None = None,
+    continuation_tokens: int = 32,
+    positions: int = 8,
+    draws: int = 10_000,
+    alpha: float = 1e-3,
+    max_kl: float = 0.1,
+) -> list[dict]:
+    """The audits `specserve audit` runs: speculation (when a method or draft is given) on the
+    model's default precision, and each precision in `precisions` against float32."""
+    from specserve import LLM
+
+    params = params or SamplingParams(temperature=1.0)
+    rows: list[dict] = []
+    reference = LLM(model, quantization=precisions[0] if precisions else None, kv_cache_gib=0.25,
+                    profile_spec_costs=False)
+    seqs = continuations(reference.engine, prompts, continuation_tokens)
+    # The last `positions` positions of each continuation: what the model generated itself.
+    spots = [(s, range(max(1, len(s) - positions - 1), len(s) - 1)) for s in seqs]
+    ref_logits = [teacher_forced_logits(reference.engine, s)[list(r)] for s, r in spots]
+    if spec_method != "none" or draft_model:
+        draft_logits = None
+        if draft_model:
+            draft = LLM(draft_model, kv_cache_gib=0.25, profile_spec_costs=False)
+            draft_logits = torch.cat([teacher_forced_logits(draft.engine, s)[list(r)] for s, r in spots])
+            v = ref_logits[0].shape[1]
+            if draft_logits.shape[1] != v:
+                draft_logits = draft_logits[:, :v] if draft_logits.shape[1] > v else torch.nn.functional.pad(
+                    draft_logits, (0, v - draft_logits.shape[1]), value=float("-inf"))
+        nxt = [s[i + 1] for s, r in spots for i in r]
+        rep = audit_speculation(torch.cat(ref_logits), nxt, params, draft_logits, draws=draws, alpha=alpha)
+        rows.append({"audit": f"speculation ({draft_model or spec_method})", **rep.summary()})
+    for precision in precisions[1:]:
+        cand = LLM(model, quantization=precision, kv_cache_gib=0.25, profile_spec_costs=False)
+        cand_logits = [teacher_forced_logits(cand.engine, s)[list(r)] for s, r in spots]
+        rep = audit_precision(torch.cat(ref_logits), torch.cat(cand_logits), params, max_kl=max_kl)
+        rows.append({"audit": f"precision {precision} vs {precisions[0]}", **rep.summary()})
+    return rows
