@@ -144,6 +144,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- serve
+def cmd_audit(args: argparse.Namespace) -> int:
+    """specserve audit: run the audits, print a table (or JSON); exit 3 when one fails."""
+    import json
+
+    from specserve.defaults import bundled_draft
+    from specserve.ops.audit import read_prompts, run_audit
+
+    try:
+        prompts = read_prompts(args.prompts)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    draft = args.draft_model
+    if draft == "auto":
+        draft = bundled_draft(args.model)
+    if args.spec_method == "draft" and not draft:
+        print("error: --spec-method draft needs --draft-model", file=sys.stderr)
+        return 2
+    from specserve import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    precisions = [p for p in args.precisions.split(",") if p]
+    rows = run_audit(args.model, prompts, spec_method=args.spec_method, draft_model=draft if args.spec_method == "draft" else None,
+                     precisions=precisions, params=params, continuation_tokens=args.continuation_tokens,
+                     positions=args.positions, draws=args.draws, alpha=args.alpha, max_kl=args.max_kl)
+    if not rows:
+        print("error: nothing to audit: give --spec-method and/or --precisions (at least two)", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            verdict = "PASS" if r["passed"] else f"FAIL ({r['reason']})"
+            figures = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+                                if k not in ("audit", "kind", "passed", "reason"))
+            print(f"{r['audit']}: {verdict}\n  {figures}")
+    return 0 if all(r["passed"] for r in rows) else 3
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the OpenAI-compatible server until SIGTERM/SIGINT (then drain and exit)."""
     import logging
@@ -215,6 +254,7 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "models": cmd_models,
     "generate": cmd_generate,
+    "audit": cmd_audit,
     "serve": cmd_serve,
 }
 
@@ -241,6 +281,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--reference-file", help="reference text for --spec-method reference (e.g. the file being edited)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+    p = sub.add_parser("audit", help="check that speculation emits the target's distribution; KL between precisions",
+                       description="Exit status 0 when every audit passes, 3 when one fails (for CI and canaries).")
+    p.add_argument("--model", required=True, help="bundled name, GGUF file or HF directory")
+    p.add_argument("--prompts", required=True, help="prompt file: one per line, or JSON lines with a \"prompt\"")
+    p.add_argument("--spec-method", default="none", choices=["none", "ngram", "reference", "lookahead", "draft"],
+                   help="audit speculation: model-free methods draft one-hot tokens; draft needs --draft-model")
+    p.add_argument("--draft-model", default=None, help="draft model whose distribution proposes (auto: the bundled sibling)")
+    p.add_argument("--precisions", default="",
+                   help="comma list, the first the reference, e.g. none,auto,int4: KL of each against the first")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--continuation-tokens", type=int, default=32, help="greedy tokens after each prompt")
+    p.add_argument("--positions", type=int, default=8, help="audited positions per prompt (the last ones)")
+    p.add_argument("--draws", type=int, default=10_000, help="verifications per position")
+    p.add_argument("--alpha", type=float, default=1e-3, help="significance of the speculation audit")
+    p.add_argument("--max-kl", type=float, default=0.1, help="largest mean KL (nats) a precision may show")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(p)

@@ -83,3 +83,16 @@ def test_precision_audit_measures_kl(pair):
     assert same.passed and same.summary()["max_kl"] < 1e-9
     noisy = audit_precision(q_logits, q_logits + 0.5 * torch.randn_like(q_logits), PARAMS, max_kl=1e-3)
     assert not noisy.passed and noisy.summary()["mean_kl"] > 1e-3
+
+
+def test_cli_refuses_bad_input_with_status_2(tmp_path, capsys):
+    from specserve.cli import main
+
+    assert main(["audit", "--model", "smollm2-135m-instruct", "--prompts", str(tmp_path / "missing.txt")]) == 2
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    assert main(["audit", "--model", "smollm2-135m-instruct", "--prompts", str(empty)]) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": 3}\n')
+    assert main(["audit", "--model", "smollm2-135m-instruct", "--prompts", str(bad)]) == 2
+    assert "prompt" in capsys.readouterr().err
