@@ -51,6 +51,10 @@ def _xgr() -> Any:
     return xgrammar
 
 
+_SHARED: dict[tuple[str, int], GrammarCompiler] = {}
+_SHARED_LOCK = threading.Lock()
+
+
 class GrammarCompiler:
     """Compiles structured-output specs for one vocabulary (cached; safe from any thread)."""
 
@@ -71,6 +75,16 @@ class GrammarCompiler:
         n = min(tokenizer.vocab_size, vocab_size)
         vocab = [tokenizer.id_to_token(i) or "" for i in range(n)]
         return cls(vocab, vocab_size, sorted(tokenizer.stop_token_ids))
+
+    @classmethod
+    def shared(cls, tokenizer: Any, vocab_size: int) -> GrammarCompiler:
+        """One compiler (and compile cache) per vocabulary in the process: engines on the same
+        tokenizer (a router and its workers, benchmarks' configurations) compile a schema once."""
+        key = (tokenizer.fingerprint(), vocab_size)
+        with _SHARED_LOCK:
+            if key not in _SHARED:
+                _SHARED[key] = cls.for_tokenizer(tokenizer, vocab_size)
+            return _SHARED[key]
 
     def compile(self, spec: StructuredOutput) -> Any:  # xgrammar.CompiledGrammar
         """Compile `spec`; a spec the library refuses raises InvalidRequestError with its reason."""
