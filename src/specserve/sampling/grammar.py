@@ -170,6 +170,22 @@ class GrammarState:
             return
         self._matcher.fill_next_token_bitmask(out, row)
 
+    def _walk_to(self, tree: DraftTree, path: list[int], chain: list[int]) -> bool:
+        """Move the matcher from the state after `path` (nodes, depth 1 first) to the state after
+        `chain`: roll back below their common ancestor, then accept the rest. False (and `path`
+        ends at the last node accepted) when the grammar refuses a node of `chain`."""
+        common = 0
+        while common < min(len(path), len(chain)) and path[common] == chain[common]:
+            common += 1
+        if len(path) > common:
+            self._matcher.rollback(len(path) - common)
+            del path[common:]
+        for node in chain[common:]:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(tree.token_ids[node]):
+                return False
+            path.append(node)
+        return True
+
     def prune(self, tree: DraftTree) -> DraftTree | None:
         """The draft without what the grammar makes unreachable (see the module docstring):
         deterministic nodes it refuses go with their subtrees; drawn nodes stay, childless."""
@@ -181,20 +197,9 @@ class GrammarState:
         for i, (tok, parent) in enumerate(zip(tree.token_ids, tree.parents)):
             if parent not in kept_at or parent in childless:
                 continue
-            # Bring the matcher to the parent's state: roll back below the common ancestor.
             target_depth = depth_of[parent]
-            chain = _ancestors(tree.parents, parent)
-            common = 0
-            while common < min(len(path), len(chain)) and path[common] == chain[common]:
-                common += 1
-            if len(path) > common:
-                self._matcher.rollback(len(path) - common)
-                del path[common:]
-            for node in chain[common:]:
-                ok = self._matcher.accept_token(tree.token_ids[node])
-                assert ok, "a kept draft node must be valid"
-                path.append(node)
-            assert len(path) == target_depth
+            ok = self._walk_to(tree, path, _ancestors(tree.parents, parent))
+            assert ok and len(path) == target_depth, "a kept draft node must be valid"
             if self.valid(tok):
                 kept_at[i] = len(keep)
                 depth_of[i] = target_depth + 1
@@ -228,18 +233,7 @@ class GrammarState:
                 valid[i] = False
                 out[1 + i].copy_(out[0])
                 continue
-            common = 0
-            while common < min(len(path), len(chain)) and path[common] == chain[common]:
-                common += 1
-            if len(path) > common:
-                self._matcher.rollback(len(path) - common)
-                del path[common:]
-            ok = True
-            for node in chain[common:]:
-                if self._matcher.is_terminated() or not self._matcher.accept_token(tree.token_ids[node]):
-                    ok = False
-                    break
-                path.append(node)
+            ok = self._walk_to(tree, path, chain)
             valid[i] = ok
             if ok:
                 self._fill(out, 1 + i)
