@@ -143,6 +143,153 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- calc
+def cmd_calc(args: argparse.Namespace) -> int:
+    """specserve calc: one formula's answer as text (or JSON); exit 2 on out-of-range input."""
+    from specserve.ops import calc
+    from specserve.ops.hardware import HardwareSpec, get_hardware
+
+    def dims() -> tuple[calc.KVDims, calc.ArchConfig | None]:
+        """KV dimensions from --model or from --layers/--kv-heads/--head-dim."""
+        given = [args.layers, args.kv_heads, args.head_dim]
+        if args.model is not None:
+            if any(v is not None for v in given):
+                raise calc.CalcInputError("give --model or the dimensions (--layers --kv-heads --head-dim), not both.")
+            arch = calc.load_arch(args.model)
+            return calc.KVDims.from_arch(arch), arch
+        if any(v is None for v in given):
+            raise calc.CalcInputError("give --model M, or all of --layers, --kv-heads and --head-dim.")
+        return calc.KVDims(args.layers, args.kv_heads, args.head_dim), None
+
+    def figure(explicit: float | None, flag: str, pick: Callable[[HardwareSpec], float | None]) -> float:
+        """An explicit flag's value, else the --hardware preset's figure."""
+        if explicit is not None:
+            return explicit
+        if args.hardware is None:
+            raise calc.CalcInputError(f"give {flag} or --hardware NAME.")
+        value = pick(get_hardware(args.hardware))
+        if value is None:
+            raise calc.CalcInputError(f"--hardware {args.hardware} publishes no figure for {flag}; give {flag}.")
+        return value
+
+    try:
+        if args.calc == "speedup":
+            report = calc.speedup_report(args.alpha, args.k, args.cost_ratio)
+        elif args.calc == "alpha":
+            report = calc.alpha_report(args.k, acceptance=args.acceptance, alpha=args.alpha)
+        elif args.calc == "best-k":
+            report = calc.best_k_report(args.acceptance, args.cost_ratio, args.max_k)
+        elif args.calc == "kv":
+            report = calc.kv_report(dims()[0], args.dtype, args.tokens, model=args.model)
+        elif args.calc == "transfer":
+            bw = figure(args.bandwidth_gbs, "--bandwidth-gbs", lambda hw: hw.link_gb_s)
+            if args.bytes is not None:
+                if args.model is not None or args.kv_heads is not None or args.head_dim is not None:
+                    raise calc.CalcInputError("give --bytes or the KV flags (--model or dimensions), not both.")
+                report = calc.transfer_report(args.bytes, bw, args.layers or 1, args.compute_ms_per_layer)
+            else:
+                if args.tokens is None:
+                    raise calc.CalcInputError("give --bytes B, or the KV flags with --tokens N.")
+                d, _ = dims()
+                nbytes = calc.kv_bytes_per_token(d, args.dtype) * args.tokens
+                report = calc.transfer_report(nbytes, bw, d.layers, args.compute_ms_per_layer)
+        elif args.calc == "latency":
+            report = calc.latency_report(args.ttft_ms, args.tpot_ms, args.tokens)
+        else:  # roofline
+            bw = figure(args.bandwidth_gbs, "--bandwidth-gbs", lambda hw: hw.memory_gb_s)
+            tflops = figure(args.tflops, "--tflops", lambda hw: hw.tflops)
+            if (args.model is None) == (args.params_b is None):
+                raise calc.CalcInputError("give --model M or --params-b P (billions of weights), one of them.")
+            kv_token, attn, arch = 0, 0, None
+            if args.model is not None or args.context_tokens:  # the KV each request reads per step
+                if args.model is None and args.layers is None:
+                    raise calc.CalcInputError("--context-tokens with --params-b needs the KV dimensions: "
+                                              "--layers, --kv-heads and --head-dim.")
+                d, arch = dims()
+                kv_token = calc.kv_bytes_per_token(d, args.kv_dtype)
+                attn = calc.attention_flops_per_context_token(arch) if arch is not None else 0
+            weights = calc.weights_read_per_token(arch) if arch is not None else args.params_b * 1e9
+            report = calc.roofline_report(weights, args.weight_bits, args.batch, bw, tflops,
+                                          context_tokens=args.context_tokens, kv_bytes_token=kv_token,
+                                          attn_flops_per_context_token=attn,
+                                          inputs={"model": args.model, "hardware": args.hardware})
+    except SpecServeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
+    return 0
+
+
+def _add_calc_parser(sub: argparse._SubParsersAction) -> None:
+    """`specserve calc` and its subcommands (the formulas in specserve.ops.calc)."""
+    from specserve.ops.calc import KV_DTYPE_BYTES
+    from specserve.ops.hardware import HARDWARE
+
+    calc = sub.add_parser("calc", help="the operator's formulas: speedup, alpha, best K, KV size, transfer, "
+                          "latency, roofline", description="Exit status 2 on out-of-range input.")
+    cs = calc.add_subparsers(dest="calc", required=True)
+
+    def common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--json", action="store_true", help="print the result as JSON")
+        return p
+
+    def kv_dims(p: argparse.ArgumentParser, dtype_flag: str = "--dtype") -> None:
+        g = p.add_argument_group("KV dimensions (a model, or the three numbers)")
+        g.add_argument("--model", default=None, help="bundled name, GGUF file or HF directory (reads its config only)")
+        g.add_argument("--layers", type=int, default=None, help="transformer layers")
+        g.add_argument("--kv-heads", type=int, default=None, help="key/value heads per layer")
+        g.add_argument("--head-dim", type=int, default=None, help="dimension of one head")
+        g.add_argument(dtype_flag, choices=list(KV_DTYPE_BYTES), default="fp16",
+                       help="KV element type (int8: specserve's int8 cache, float32 scales included)")
+
+    hw_help = f"published figures by name: {', '.join(HARDWARE)} (explicit flags override)"
+
+    p = common(cs.add_parser("speedup", help="S = alpha / (1 + K*c), and its high-batch form"))
+    p.add_argument("--alpha", type=float, required=True, help="expected tokens per target step (1..K+1)")
+    p.add_argument("--k", type=int, required=True, help="draft tokens per step")
+    p.add_argument("--cost-ratio", type=float, default=0.0,
+                   help="T_draft / T_target: one draft pass over one target step (default 0: free drafts)")
+
+    p = common(cs.add_parser("alpha", help="tokens per step from per-token acceptance, or the inverse"))
+    p.add_argument("--k", type=int, required=True, help="draft tokens per step")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--acceptance", type=float, help="per-token acceptance b -> alpha")
+    g.add_argument("--alpha", type=float, help="tokens per step -> per-token acceptance b")
+
+    p = common(cs.add_parser("best-k", help="the K with the highest speedup, with S for every K"))
+    p.add_argument("--acceptance", type=float, required=True, help="per-token acceptance b")
+    p.add_argument("--cost-ratio", type=float, required=True, help="T_draft / T_target")
+    p.add_argument("--max-k", type=int, default=16, help="largest K to consider")
+
+    p = common(cs.add_parser("kv", help="KV bytes per token and per request"))
+    kv_dims(p)
+    p.add_argument("--tokens", type=int, default=None, help="tokens per request (prompt + output)")
+
+    p = common(cs.add_parser("transfer", help="KV transfer time and how much layer pipelining hides"))
+    kv_dims(p)
+    p.add_argument("--tokens", type=int, default=None, help="tokens whose KV moves (with the KV flags)")
+    p.add_argument("--bytes", type=float, default=None, help="bytes to move (instead of the KV flags)")
+    p.add_argument("--bandwidth-gbs", type=float, default=None, help="link bandwidth in GB/s (10^9 bytes/s)")
+    p.add_argument("--hardware", default=None, help=f"link bandwidth from {hw_help}")
+    p.add_argument("--compute-ms-per-layer", type=float, default=None,
+                   help="prefill compute per layer, ms (default: assume it keeps ahead of the link)")
+
+    p = common(cs.add_parser("latency", help="latency = TTFT + (N - 1) * TPOT"))
+    p.add_argument("--ttft-ms", type=float, required=True, help="time to first token, ms")
+    p.add_argument("--tpot-ms", type=float, required=True, help="time per output token after the first, ms")
+    p.add_argument("--tokens", type=int, required=True, help="output tokens N")
+
+    p = common(cs.add_parser("roofline", help="bytes per decode step, tokens/s ceiling, ridge batch"))
+    kv_dims(p, "--kv-dtype")
+    p.add_argument("--params-b", type=float, default=None, help="billions of weights read per step (instead of --model)")
+    p.add_argument("--weight-bits", type=float, default=16, help="bits per stored weight (e.g. 4.5 for Q4_K)")
+    p.add_argument("--batch", type=int, default=1, help="requests decoding in one step")
+    p.add_argument("--context-tokens", type=int, default=0, help="KV context each request reads per step")
+    p.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth in GB/s")
+    p.add_argument("--tflops", type=float, default=None, help="peak dense TFLOP/s")
+    p.add_argument("--hardware", default=None, help=hw_help)
+
+
 # ---------------------------------------------------------------------- serve
 def cmd_audit(args: argparse.Namespace) -> int:
     """specserve audit: run the audits, print a table (or JSON); exit 3 when one fails."""
@@ -255,6 +402,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "models": cmd_models,
     "generate": cmd_generate,
     "audit": cmd_audit,
+    "calc": cmd_calc,
     "serve": cmd_serve,
 }
 
@@ -300,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=1e-3, help="significance of the speculation audit")
     p.add_argument("--max-kl", type=float, default=0.1, help="largest mean KL (nats) a precision may show")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+    _add_calc_parser(sub)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(p)

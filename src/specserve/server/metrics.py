@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from specserve.engine.engine import LLMEngine
 from specserve.outputs import RequestOutput
+from specserve.spec.policy import StepTimer
 
 RECENT_REQUESTS = 200  # finished requests kept for /stats
 SERIES_POINTS = 600  # sampled gauge points kept for /stats (10 minutes at one per second)
@@ -19,6 +22,95 @@ SERIES_EVERY_S = 1.0
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+# Request classes (the `request_class` a client may set): a label on the per-class series. The
+# first MAX_REQUEST_CLASSES distinct names keep their own series, later ones fold into "other",
+# so clients cannot grow the label set without bound.
+DEFAULT_REQUEST_CLASS = "default"
+OTHER_REQUEST_CLASS = "other"
+MAX_REQUEST_CLASSES = 32
+MAX_TAGGED_REQUESTS = 65_536  # request id -> class entries kept for requests not yet finished
+CLASS_WINDOW = 100  # finished requests per class behind the per-class gauges
+BASELINE_MARKS = 16_384  # engine steps remembered to find the batch a request decoded at
+
+
+class RequestClasses:
+    """Request id -> class label for the per-class metrics, with the number of labels capped."""
+
+    def __init__(self, max_classes: int = MAX_REQUEST_CLASSES, max_tagged: int = MAX_TAGGED_REQUESTS) -> None:
+        self.max_classes = max_classes
+        self.max_tagged = max_tagged
+        self.known: set[str] = {DEFAULT_REQUEST_CLASS}
+        self._by_request: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def label(self, request_class: str | None) -> str:
+        """The label a class name is exported under ("other" once the cap is reached)."""
+        name = request_class or DEFAULT_REQUEST_CLASS
+        if name not in self.known:
+            if len(self.known) >= self.max_classes - 1:  # keep one label for "other"
+                return OTHER_REQUEST_CLASS
+            self.known.add(name)
+        return name
+
+    def tag(self, request_ids: Iterable[str], request_class: str | None) -> None:
+        """Remember the class of requests about to be submitted (the oldest tags go past the bound:
+        requests that never finished, e.g. refused with 429)."""
+        label = self.label(request_class)
+        for rid in request_ids:
+            self._by_request[rid] = label
+            if len(self._by_request) > self.max_tagged:
+                self._by_request.popitem(last=False)
+
+    def pop(self, request_id: str) -> str:
+        """The class of a finished request (the default one when it was never tagged)."""
+        return self._by_request.pop(request_id, DEFAULT_REQUEST_CLASS)
+
+
+class PlainBaseline:
+    """Seconds a plain (non-speculative) decode step takes at the batch a request decoded at.
+
+    The source is the engine's own cost model: the speculation policy's StepTimer, forward time
+    by tokens in the step, timed at start-up (`profile_costs`) and refined from every step. A
+    plain decode step of b requests carries b tokens, so it costs T(b). The batch a request ran
+    at is the time-average of the number of decoding requests over its decode window, kept here
+    as a running integral sampled once per engine step. Nothing is reported until the engine has
+    timed a one-token step (T(1)): extrapolating from prompt chunks would invent a baseline. The
+    timer holds forward time only, so scheduling and sampling overhead make a plain request read
+    slightly below 1x.
+    """
+
+    def __init__(self, max_marks: int = BASELINE_MARKS) -> None:
+        self.timer: StepTimer | None = None
+        self._times: collections.deque[float] = collections.deque(maxlen=max_marks)
+        self._areas: collections.deque[float] = collections.deque(maxlen=max_marks)  # integral of batch dt
+        self._batch = 0
+
+    def observe(self, now: float, num_decoding: int, timer: StepTimer) -> None:
+        """An engine step ended at `now` with num_decoding requests decoding."""
+        self.timer = timer
+        area = self._area_at(now) if self._times else 0.0
+        self._times.append(now)
+        self._areas.append(area)
+        self._batch = num_decoding
+
+    def _area_at(self, t: float) -> float:
+        """Integral of the decoding batch size from the first mark to t (clamped to the marks kept)."""
+        times, areas = self._times, self._areas
+        if t >= times[-1]:
+            return areas[-1] + self._batch * (t - times[-1])
+        i = bisect.bisect_right(times, t)  # deque indexing is O(n) in the middle; n is bounded
+        if i == 0:
+            return areas[0]
+        t0, a0, t1, a1 = times[i - 1], areas[i - 1], times[i], areas[i]
+        return a0 + (a1 - a0) * (t - t0) / (t1 - t0) if t1 > t0 else a1
+
+    def step_seconds(self, start: float, end: float) -> float | None:
+        """T(mean decoding batch over [start, end]), or None without a measured one-token step."""
+        timer = self.timer
+        if timer is None or 1 not in timer.points or not self._times or end <= start:
+            return None
+        batch = max(1.0, (self._area_at(end) - self._area_at(start)) / (end - start))
+        return timer(batch)
 
 
 class ServerMetrics:
@@ -73,6 +165,27 @@ class ServerMetrics:
                                     ["model", "position"], registry=r)
         self.spec_time = Counter("specserve_spec_time_seconds", "Engine time by phase (draft, verify, decode).",
                                  ["model", "phase"], registry=r)
+        # Per request class (the request body's `request_class`), observed when a request finishes.
+        cl = ["model", "request_class"]
+        self.class_draft_tokens = Counter("specserve_request_draft_tokens", "Draft tokens (tree nodes) verified "
+                                          "for finished requests, by request class.", cl, registry=r)
+        self.class_accepted_tokens = Counter("specserve_request_accepted_tokens", "Draft tokens accepted for "
+                                             "finished requests, by request class (over "
+                                             "specserve_request_draft_tokens: the acceptance rate).", cl, registry=r)
+        self.class_acceptance = Gauge("specserve_acceptance_rate", "Accepted over verified draft tokens of the "
+                                      f"class's last {CLASS_WINDOW} finished requests (absent when none drafted).",
+                                      cl, registry=r)
+        self.class_tokens_per_s = Gauge("specserve_effective_tokens_per_second", "Tokens per second a request "
+                                        f"receives after its first, over the class's last {CLASS_WINDOW} requests.",
+                                        cl, registry=r)
+        self.class_speedup = Gauge("specserve_effective_speedup", "Effective tokens/s over the plain-decoding "
+                                   "baseline: the engine's measured forward time of a plain step at the batch the "
+                                   "requests decoded at (absent until the engine has timed a one-token step).",
+                                   cl, registry=r)
+        self.classes = RequestClasses()
+        self.baseline = PlainBaseline()
+        # Per class: (drafted, accepted, decode tokens, decode seconds, plain seconds or None) per request.
+        self._class_window: dict[str, collections.deque[tuple[int, int, int, float, float | None]]] = {}
         self._last: dict[str, float] = {}
         self._last_pos: dict[tuple[str, int], int] = {}
         self._lock = threading.Lock()
@@ -101,6 +214,8 @@ class ServerMetrics:
             self._sample_series(engine, usage.num_used_blocks / max(usage.num_blocks, 1))
             self.hit_rate.labels(m).set(usage.prefix_hit_rate)
             self.spec_enabled.labels(m).set(1 if engine.speculation_enabled else 0)
+            self.baseline.observe(time.perf_counter(), sum(1 for r in engine.scheduler.running if r.is_decoding),
+                                  engine.policy.target_time)
             c = engine.spec_counters
             self._inc_to("prompt", self.prompt_tokens, engine.num_prompt_tokens)
             self._inc_to("gen", self.generation_tokens, engine.num_generated_tokens)
@@ -163,6 +278,38 @@ class ServerMetrics:
             self.e2e.labels(label).observe(m.e2e_s)
         if m.queue_s is not None:
             self.queue.labels(label).observe(m.queue_s)
+        self._observe_class(out)
+
+    def tag_requests(self, request_ids: Iterable[str], request_class: str | None) -> None:
+        """Label requests about to be submitted with the client's request class (HTTP thread)."""
+        with self._lock:
+            self.classes.tag(request_ids, request_class)
+
+    def _observe_class(self, out: RequestOutput) -> None:
+        """Per-class acceptance and effective decode rate of a finished request."""
+        m = out.metrics
+        now = time.perf_counter()  # on_finished runs right after the step that finished the request
+        with self._lock:
+            cls = self.classes.pop(out.request_id)
+            drafted, accepted = int(m.extra.get("num_draft_tokens") or 0), int(m.extra.get("num_accepted_tokens") or 0)
+            decode_tokens = m.num_generated_tokens - 1
+            decode_s = m.tpot_s * decode_tokens if m.tpot_s is not None and decode_tokens > 0 else 0.0
+            plain_s = None
+            if decode_s > 0:
+                step_s = self.baseline.step_seconds(now - decode_s, now)
+                plain_s = None if step_s is None else step_s * decode_tokens  # one token per plain step
+            window = self._class_window.setdefault(cls, collections.deque(maxlen=CLASS_WINDOW))
+            window.append((drafted, accepted, max(decode_tokens, 0), decode_s, plain_s))
+            sum_drafted, sum_accepted = sum(w[0] for w in window), sum(w[1] for w in window)
+            sum_tokens, sum_s = sum(w[2] for w in window), sum(w[3] for w in window)
+            timed_s = sum(w[3] for w in window if w[4] is not None)
+            plain_total_s = sum(w[4] for w in window if w[4] is not None)
+        labels = {"model": self.model, "request_class": cls}
+        self.class_draft_tokens.labels(**labels).inc(drafted)
+        self.class_accepted_tokens.labels(**labels).inc(accepted)
+        _set_or_remove(self.class_acceptance, labels, sum_accepted / sum_drafted if sum_drafted else None)
+        _set_or_remove(self.class_tokens_per_s, labels, sum_tokens / sum_s if sum_s > 0 else None)
+        _set_or_remove(self.class_speedup, labels, plain_total_s / timed_s if timed_s > 0 else None)
 
     def observe_token_event(self, gap_s: float, num_tokens: int) -> None:
         """A streamed event carrying num_tokens new tokens arrived gap_s after the previous one."""
@@ -174,6 +321,15 @@ class ServerMetrics:
     def render(self) -> bytes:
         """Prometheus text exposition."""
         return generate_latest(self.registry)
+
+
+def _set_or_remove(gauge: Gauge, labels: dict[str, str], value: float | None) -> None:
+    """Set a labelled gauge, or drop its series when there is no value (a stale one would mislead)."""
+    if value is not None:
+        gauge.labels(**labels).set(value)
+    else:
+        with contextlib.suppress(KeyError):
+            gauge.remove(*labels.values())
 
 
 class TokenClock:
