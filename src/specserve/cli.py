@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
+import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from specserve.errors import SpecServeError
+from specserve.errors import ConfigError, SpecServeError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -330,16 +330,44 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if all(r["passed"] for r in rows) else 3
 
 
+API_KEY_ENV = "SPECSERVE_API_KEY"
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The API key from --api-key-file, --api-key or $SPECSERVE_API_KEY (the first given)."""
+    import logging
+
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ConfigError("give --api-key or --api-key-file, not both.")
+    if args.api_key_file is not None:
+        try:
+            key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read --api-key-file {args.api_key_file}: {e}; give a readable UTF-8 file.") from None
+        if not key:
+            raise ConfigError(f"--api-key-file {args.api_key_file} is empty; write the key into it.")
+        return key
+    if args.api_key is not None:
+        logging.getLogger("specserve.cli").warning(
+            "--api-key shows the key to anyone who can list processes; prefer $%s or --api-key-file.", API_KEY_ENV)
+        return args.api_key or None
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the OpenAI-compatible server until SIGTERM/SIGINT (then drain and exit)."""
     import logging
 
-    import uvicorn
-
     from specserve import LLM
-    from specserve.server.app import OpenAIServer, build_app
+    from specserve.server.app import OpenAIServer
+    from specserve.server.lifecycle import run_server
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = resolve_api_key(args)
+    if args.protect_metrics and not api_key:
+        raise ConfigError(f"--protect-metrics needs an API key: give --api-key-file, ${API_KEY_ENV} or --api-key.")
+    access = dict(api_key=api_key, protect_metrics=args.protect_metrics,
+                  **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
     name = args.served_model_name or args.model
     if args.disagg:
         from specserve.disagg.launch import launch
@@ -355,14 +383,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
 
         server = OpenAIServer(None, name, max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
-                              api_key=args.api_key, router_factory=make_router)
+                              router_factory=make_router, **access)
         layout = f"disaggregated: {args.prefill_workers} prefill + {args.decode_workers} decode workers"
     else:
         llm = LLM(args.model, **engine_kwargs(args))
         server = OpenAIServer(llm.engine, name, max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
-                              api_key=args.api_key)
+                              **access)
         layout = "co-located"
-    app = build_app(server)
     url = f"http://{args.host}:{args.port}"
     lines = {"serving": f"{name!r} ({layout})"}
     if server.engine is not None and hasattr(server.engine, "describe"):
@@ -374,28 +401,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lines["ready in"] = f"{time.perf_counter() - _STARTED:.1f} s"
     width = max(len(k) for k in lines)
     print("specserve " + "\n  ".join(["ready"] + [f"{k:<{width}}  {v}" for k, v in lines.items()]), file=sys.stderr, flush=True)
-    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal against the handlers that were
-    # installed before it started.  A drained shutdown is a clean exit, so those handlers turn the
-    # re-raised signal into status 0 instead of death-by-signal (-15) or a KeyboardInterrupt trace.
-    previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=int(args.drain_timeout) + 1, access_log=args.access_log)
-    except _DrainedExit:
-        pass
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    # SIGTERM/SIGINT drain with the listener open (new requests get 503), then exit with status 0.
+    run_server(server, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
     print("specserve: drained and stopped", file=sys.stderr)
     return 0
-
-
-class _DrainedExit(Exception):
-    """Raised by the post-drain signal handler to leave `uvicorn.run` normally."""
-
-
-def _exit_cleanly(signum: int, frame: object) -> None:
-    raise _DrainedExit(signum)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -458,7 +467,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: --model)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which clients get 429")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /admin")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 and /admin (visible in the process list: "
+                        f"prefer --api-key-file or ${API_KEY_ENV})")
+    p.add_argument("--api-key-file", default=None, help="read the API key from this file (surrounding whitespace dropped)")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="also require the API key on /metrics, /stats and the API docs (/docs, /redoc, /openapi.json)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body accepted; larger ones get 413 before they are read (default 8 MiB)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     d = p.add_argument_group("disaggregated serving (prefill and decode workers on Ray)")

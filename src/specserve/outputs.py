@@ -91,6 +91,8 @@ class CompletionOutput:
     logprobs: list[float] | None = None
     delta_text: str = ""  # new text since the previous output of this request (streaming)
     delta_token_ids: list[int] = field(default_factory=list)
+    # With SamplingParams.top_logprobs: per token, the most likely (token id, logprob) pairs.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -88,6 +88,7 @@ class Request:
         self.priority = priority
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []  # per output token: (id, logprob) pairs
         self.num_computed_tokens = 0
         # Tokens of the prompt found in the prefix cache when first admitted.
         self.num_cached_tokens = -1
@@ -171,11 +172,14 @@ class Request:
         """True when every token but the last sampled one has KV: the next step decodes."""
         return self.num_computed_tokens == self.num_tokens - 1 and self.num_output_tokens > 0
 
-    def append_output_tokens(self, token_ids: list[int], logprobs: list[float] | None = None) -> None:
+    def append_output_tokens(self, token_ids: list[int], logprobs: list[float] | None = None,
+                             top_logprobs: list[list[tuple[int, float]]] | None = None) -> None:
         """Append accepted tokens (one per step without speculation, up to K+1 with it)."""
         self.all_token_ids.extend(token_ids)
         if logprobs is not None:
             self.output_logprobs.extend(logprobs)
+        if top_logprobs is not None:
+            self.output_top_logprobs.extend(top_logprobs)
 
     def __repr__(self) -> str:
         return (

@@ -13,6 +13,7 @@ from specserve.errors import InvalidRequestError
 GREEDY_EPS = 1e-5
 MAX_TOP_K = 1 << 30  # larger values would overflow the int64 tensors; any k >= vocab means "off"
 MAX_SEED = (1 << 63) - 1
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 
 
 StructuredKind = Literal["json_object", "json_schema", "regex", "grammar", "choice"]
@@ -132,6 +133,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: also this many most likely tokens at each position
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
@@ -177,6 +179,11 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.reference_token_ids
         ):
             raise bad("reference_token_ids must be non-negative integers.")
+        if (not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool)
+                or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}.")
+        if self.top_logprobs and not self.logprobs:
+            raise bad("top_logprobs needs logprobs=True.")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise bad(f"stop_token_ids must be non-negative integers, got {t!r}.")

@@ -14,6 +14,7 @@ import torch
 
 from specserve import LLM
 from specserve.server.app import OpenAIServer, build_app
+from specserve.server.lifecycle import DrainingServer
 
 
 def free_port() -> int:
@@ -51,7 +52,7 @@ def serve(llm: LLM, name: str = "smollm2", **kw) -> Iterator[LiveServer]:  # noq
     app = build_app(server)
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    uv = uvicorn.Server(config)
+    uv = DrainingServer(config, server)  # uv.handle_exit(SIGTERM, None) drains as a signal would
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30

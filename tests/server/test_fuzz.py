@@ -1,8 +1,11 @@
-"""Hypothesis-generated bodies against the live API: never a 5xx, the server stays healthy."""
+"""Hypothesis-generated bodies and headers against the live API: never a 5xx, the server stays
+healthy and leaks no KV block. Strings hold any code point, lone surrogates included (JSON's
+\\ud800-\\udfff escapes can carry them); headers hold any bytes but line breaks."""
 
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import pytest
@@ -13,18 +16,29 @@ from specserve import LLM
 
 from .conftest import serve
 
+KEY = "fuzz-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ANY_CHAR = st.characters(exclude_categories=())  # every code point, surrogates included
+LONE_SURROGATE = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF, exclude_categories=())
+
+
+def text(max_size: int) -> st.SearchStrategy[str]:
+    """Ordinary text, or text of any code points with lone surrogates mixed in."""
+    return st.one_of(st.text(max_size=max_size), st.text(st.one_of(ANY_CHAR, LONE_SURROGATE), max_size=max_size))
+
+
 SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=40),
+    st.floats(allow_nan=True, allow_infinity=True), text(40),
 )
 VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                        st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                                                        st.dictionaries(text(8), inner, max_size=4)),
                       max_leaves=12)
 
 NON_FINITE = st.sampled_from([float("nan"), float("inf"), float("-inf")])
 SMALL_INT = st.integers(min_value=-3, max_value=40)
 COMMON = {
-    "model": st.one_of(st.just("tiny"), st.text(max_size=10), SCALARS),
+    "model": st.one_of(st.just("tiny"), text(10), SCALARS),
     "max_tokens": st.one_of(SMALL_INT, VALUES),
     "temperature": st.one_of(st.floats(min_value=-1, max_value=3), NON_FINITE, VALUES),
     "top_p": st.one_of(st.floats(min_value=-0.5, max_value=1.5), NON_FINITE, VALUES),
@@ -32,22 +46,29 @@ COMMON = {
     "n": st.one_of(st.integers(min_value=-1, max_value=20), VALUES),
     "stream": st.one_of(st.booleans(), VALUES),
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), VALUES),
-    "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=20), VALUES),
+    "stop": st.one_of(text(5), st.lists(text(5), max_size=20), VALUES),
     "seed": st.one_of(st.integers(min_value=-(2**64), max_value=2**64), VALUES),
     "logprobs": st.one_of(st.booleans(), SMALL_INT, VALUES),
     "priority": st.one_of(SMALL_INT, VALUES),
     "speculative": st.one_of(st.booleans(), VALUES),
-    "reference_text": st.one_of(st.text(max_size=30), VALUES),
+    "reference_text": st.one_of(text(30), VALUES),
     "ignore_eos": st.one_of(st.booleans(), VALUES),
     "presence_penalty": st.one_of(st.floats(min_value=-3, max_value=3), VALUES),
-    "logit_bias": st.one_of(st.dictionaries(st.text(max_size=3), st.floats(-5, 5), max_size=2), VALUES),
+    "logit_bias": st.one_of(st.dictionaries(text(3), st.floats(-5, 5), max_size=2), VALUES),
+    "user": st.one_of(text(20), VALUES),
+    "response_format": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "xml"])}),
+                                 VALUES),
+    "tools": st.one_of(st.just([]), VALUES),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto"]), VALUES),
 }
-PROMPT = st.one_of(st.text(max_size=60), st.lists(st.text(max_size=20), max_size=3),
+PROMPT = st.one_of(text(60), st.lists(text(20), max_size=3),
                    st.lists(st.integers(min_value=-5, max_value=60000), max_size=20),
                    st.lists(st.lists(st.integers(min_value=0, max_value=50000), max_size=5), max_size=3), VALUES)
 MESSAGE = st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "bot"]),
-                           "content": st.one_of(st.text(max_size=40), VALUES)}),
+                           "content": st.one_of(text(40), st.lists(st.fixed_dictionaries(
+                               {"type": st.just("text"), "text": text(10)}), max_size=2), VALUES)},
+                          optional={"name": st.one_of(text(8), VALUES)}),
     VALUES,
 )
 
@@ -55,7 +76,7 @@ MESSAGE = st.one_of(
 def _body(extra: dict) -> st.SearchStrategy[dict]:
     fields = {**COMMON, **extra}
     return st.fixed_dictionaries({}, optional=fields).flatmap(
-        lambda d: st.dictionaries(st.text(max_size=6), VALUES, max_size=2).map(lambda junk: {**junk, **d})
+        lambda d: st.dictionaries(text(6), VALUES, max_size=2).map(lambda junk: {**junk, **d})
     )
 
 
@@ -63,12 +84,12 @@ def _body(extra: dict) -> st.SearchStrategy[dict]:
 def fuzz_server(tiny_tok_checkpoint):
     llm = LLM("tiny", dtype="float32", checkpoint=tiny_tok_checkpoint, max_model_len=64, max_num_seqs=16,
               spec_method="ngram", spec_policy="always", profile_spec_costs=False)
-    with serve(llm, "tiny", max_waiting=8) as live:
+    with serve(llm, "tiny", max_waiting=8, api_key=KEY, protect_metrics=True, max_request_bytes=1 << 16) as live:
         yield live
 
 
 def _post(live, path: str, payload: bytes) -> httpx.Response:
-    return httpx.post(live.base_url + path, content=payload, headers={"content-type": "application/json"},
+    return httpx.post(live.base_url + path, content=payload, headers={"content-type": "application/json", **AUTH},
                       timeout=60)
 
 
@@ -102,8 +123,45 @@ def test_fuzz_raw_bytes(fuzz_server, raw):
         assert r.status_code < 500, (path, raw, r.text)
 
 
+HEADER_VALUE = st.one_of(
+    st.binary(max_size=40),
+    text(20).map(lambda s: s.encode("utf-8", "surrogatepass")),  # UTF-8, and lone surrogates as CESU bytes
+    st.just(f"Bearer {KEY}".encode()),
+).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))
+# Header names that do not change the framing (Content-Length, Transfer-Encoding stay the client's).
+HEADER_NAME = st.one_of(
+    st.sampled_from([b"Authorization", b"Content-Type", b"Accept", b"User-Agent", b"X-Request-Id", b"Cookie"]),
+    st.from_regex(rb"\Ax-[a-z0-9-]{1,10}\Z"),
+)
+
+
+def _raw_status(port: int, request: bytes) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(request)
+        data = b""
+        while b"\r\n" not in data:
+            chunk = s.recv(4096)
+            assert chunk, "the server closed the connection without an answer"
+            data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+@FUZZ_SETTINGS
+@given(headers=st.lists(st.tuples(HEADER_NAME, HEADER_VALUE), max_size=4),
+       path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/metrics", "/v1/models"]))
+def test_fuzz_headers(fuzz_server, headers, path):
+    body = json.dumps({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    if "completions" not in path:
+        body = b""
+    head = [f"{'POST' if body else 'GET'} {path} HTTP/1.1".encode(), b"Host: x", b"Content-Type: application/json",
+            b"Content-Length: " + str(len(body)).encode()]
+    head += [name + b": " + value for name, value in headers]
+    status = _raw_status(fuzz_server.port, b"\r\n".join(head) + b"\r\n\r\n" + body)
+    assert status < 500, (headers, status)
+
+
 def test_server_healthy_after_fuzz(fuzz_server):
-    r = httpx.post(fuzz_server.base_url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+    r = httpx.post(fuzz_server.base_url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, headers=AUTH)
     assert r.status_code == 200
     assert httpx.get(fuzz_server.base_url + "/health").json()["status"] == "ok"
     fuzz_server.wait_idle()

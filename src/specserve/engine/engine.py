@@ -577,6 +577,7 @@ class LLMEngine:
             logprobs=list(req.output_logprobs) if req.sampling_params.logprobs else None,
             delta_text=delta_text,
             delta_token_ids=delta_ids,
+            top_logprobs=list(req.output_top_logprobs) if req.sampling_params.top_logprobs else None,
         )
         if finished:
             del self._states[req.request_id]

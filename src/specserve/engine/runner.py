@@ -33,7 +33,7 @@ from specserve.models.llama import KVCache, LayerHooks, RMSNorm, RotaryEmbedding
 from specserve.models.registry import build_model
 from specserve.sampling.grammar import apply_masks
 from specserve.sampling.rejection import SpecBatch, rejection_sample
-from specserve.sampling.sampler import Sampler, SamplingMetadata
+from specserve.sampling.sampler import Sampler, SamplingMetadata, top_logprobs
 from specserve.sampling.tree_rejection import verify_trees
 from specserve.spec.tree import DraftTree, SiblingDraw
 
@@ -323,11 +323,38 @@ class ModelRunner:
             tokens, logprobs = self.sampler(logits, meta)
             tokens_l = tokens.tolist()
             lp_l = logprobs.tolist() if logprobs is not None else None
-            return {sr.request_id: SampledTokens([tokens_l[i]], [lp_l[i]] if lp_l is not None else None)
-                    for i, sr in enumerate(sampled_reqs)}
-        if all(d is None or d.is_chain for d in drafts):
-            return self._verify_chains(logits, sampled_reqs, meta)
-        return self._verify_trees(logits, sampled_reqs, meta)
+            sampled = {sr.request_id: SampledTokens([tokens_l[i]], [lp_l[i]] if lp_l is not None else None)
+                       for i, sr in enumerate(sampled_reqs)}
+        elif all(d is None or d.is_chain for d in drafts):
+            sampled = self._verify_chains(logits, sampled_reqs, meta)
+        else:
+            sampled = self._verify_trees(logits, sampled_reqs, meta)
+        if any(sr.sampling_params.top_logprobs for sr in sampled_reqs):
+            sampled = self._with_top_logprobs(logits, sampled_reqs, sampled)
+        return sampled
+
+    def _with_top_logprobs(
+        self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest], sampled: dict[str, SampledTokens]  # logits: [sum(1 + K_i), V]
+    ) -> dict[str, SampledTokens]:
+        """Attach the most likely tokens at each emitted position of the requests that ask for them.
+        A request's rows start after the 1 + K_i rows of those before it; its t-th emitted token was
+        drawn from its root row (t = 0) or from the row of the t-th accepted node."""
+        rows: list[int] = []
+        spans: list[tuple[ScheduledRequest, int, int]] = []  # (request, first entry in rows, count)
+        at = 0
+        for sr in sampled_reqs:
+            if sr.sampling_params.top_logprobs:
+                mine = [at] + [at + 1 + node for node in sampled[sr.request_id].accepted_nodes]
+                spans.append((sr, len(rows), len(mine)))
+                rows += mine
+            at += 1 + sr.num_spec_tokens
+        tops = top_logprobs(logits, rows, max(sr.sampling_params.top_logprobs for sr, _, _ in spans))
+        out = dict(sampled)
+        for sr, first, count in spans:
+            k = sr.sampling_params.top_logprobs
+            out[sr.request_id] = sampled[sr.request_id]._replace(
+                top_logprobs=[pairs[:k] for pairs in tops[first : first + count]])
+        return out
 
     def _apply_grammars(self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]
         """Structured output: forbid, in every row a request samples or verifies from, the tokens

@@ -69,6 +69,7 @@ class SampledTokens(NamedTuple):
     num_accepted_tokens: int = 0  # of those, how many were accepted (one path through the tree)
     accepted_nodes: tuple[int, ...] = ()  # the accepted path's node indices, depth 1 first
     node_argmax: tuple[int, ...] = ()  # with a draft: the target's argmax at its root, then at each node
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per emitted token: most likely (id, logprob)
 
 
 def _queue_key(r: Request) -> tuple[int, float]:
@@ -283,7 +284,8 @@ class Scheduler:
         params = req.sampling_params
         accepted: list[int] = []
         for j, tok in enumerate(out.token_ids):
-            req.append_output_tokens([tok], [out.logprobs[j]] if out.logprobs is not None else None)
+            req.append_output_tokens([tok], [out.logprobs[j]] if out.logprobs is not None else None,
+                                     [out.top_logprobs[j]] if out.top_logprobs is not None else None)
             accepted.append(tok)
             status = self._token_stop_status(req, tok, params)
             if status is not None:

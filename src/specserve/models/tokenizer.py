@@ -59,6 +59,10 @@ _SYMBOLS_THEN_NEWLINES = r" ?[^\s\p{L}\p{N}]+[\r\n]*"
 _WHITESPACE_TAIL = r"\s*[\r\n]+|\s+(?!\S)|\s+"
 
 
+# Texts longer than this are tokenized without holding the GIL (see Tokenizer.encode).
+LONG_TEXT_CHARS = 4096
+
+
 def _alternatives(*parts: str) -> str:
     return "|".join(parts)
 
@@ -365,7 +369,12 @@ class Tokenizer:
         (``add_bos_token``), unless the text already starts with the BOS token (as rendered chat
         templates often do), so a prompt never carries two.
         """
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if len(text) > LONG_TEXT_CHARS:
+            # encode_batch releases the GIL while it works (encode does not): a long prompt
+            # tokenized in a server thread leaves the event loop free to answer meanwhile.
+            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)

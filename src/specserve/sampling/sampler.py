@@ -135,6 +135,17 @@ def sample_from_probs(
     return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
+def top_logprobs(
+    logits: torch.Tensor,  # [N, V] float32
+    rows: list[int],
+    k: int,
+) -> list[list[tuple[int, float]]]:  # per row: k (token id, logprob) pairs, most likely first
+    """The k most likely tokens at each of `rows`, with logprobs of the model's own distribution
+    (as the sampled tokens' logprobs: before temperature / truncation)."""
+    values, ids = torch.log_softmax(logits[rows].float(), dim=-1).topk(k, dim=-1)
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
 class Sampler:
     """Turns the logits of the rows that need a token into token ids (and logprobs)."""
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import html
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,8 +19,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.engine.engine import LLMEngine, PreparedRequest
-from specserve.errors import InvalidRequestError, SpecServeError
+from specserve.errors import ConfigError, InvalidRequestError, SpecServeError
 from specserve.llm import _nth_sample_params
+from specserve.models.tokenizer import Tokenizer
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams, structured_output_from_openai
 from specserve.server.async_engine import (
@@ -31,6 +31,7 @@ from specserve.server.async_engine import (
     RequestStream,
 )
 from specserve.server.metrics import ServerMetrics, TokenClock
+from specserve.server.middleware import AccessGate, body_too_large
 from specserve.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -48,6 +49,7 @@ from specserve.server.protocol import (
     ModelCard,
     ModelList,
     SpeculationToggle,
+    TopLogprob,
     UsageInfo,
     error_body,
 )
@@ -56,6 +58,13 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 RETRY_AFTER_S = 1
+# Default --max-request-bytes. The largest body worth reading is a prompt that fills the context:
+# 8192 tokens (the default context cap) of SmolLM2's or Qwen2.5's longest token (81 characters),
+# JSON-escaped at up to 6 bytes a character, is 4 MiB; 8 MiB adds room for chat framing and a
+# structured-output schema (at most 1 MiB). Ordinary text is ~4 bytes a token: 32k tokens, 128 KiB.
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+
+T = TypeVar("T")
 
 
 class APIError(Exception):
@@ -74,12 +83,31 @@ def _error_response(status: int, message: str, type_: str = "invalid_request_err
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
+def longest_token_chars(tokenizer: Tokenizer) -> int | None:
+    """Most characters one token of the vocabulary stands for, or None when the tokenizer
+    normalizes text first (a normalizer may drop characters, so no bound follows).
+
+    Every character of a text starts inside some token, and a token decodes alone to at least as
+    many characters as start inside it (a split UTF-8 sequence decodes to U+FFFD), so a text of
+    c characters is at least c / longest tokens long."""
+    backend = tokenizer.backend
+    if backend.normalizer is not None:
+        return None
+    vocab = range(backend.get_vocab_size(with_added_tokens=True))
+    return max(map(len, backend.decode_batch([[i] for i in vocab], skip_special_tokens=False)), default=None)
+
+
 class OpenAIServer:
     """Request handling between the HTTP routes and the AsyncEngine."""
 
     def __init__(self, engine: LLMEngine | None, served_model_name: str, max_waiting: int = 256,
                  drain_timeout_s: float = 30.0, api_key: str | None = None,
-                 router_factory: Callable[[ServerMetrics], Any] | None = None) -> None:
+                 router_factory: Callable[[ServerMetrics], Any] | None = None, protect_metrics: bool = False,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        if protect_metrics and not api_key:
+            raise ConfigError("protect_metrics puts /metrics and the docs behind the API key; give an api_key too.")
+        if max_request_bytes < 1024:
+            raise ConfigError(f"max_request_bytes={max_request_bytes} is too small for any request; use at least 1024.")
         self.model_name = served_model_name
         self.metrics = ServerMetrics(served_model_name)
         if router_factory is not None:
@@ -93,7 +121,28 @@ class OpenAIServer:
                                             on_output=self.metrics.on_finished)
         self.drain_timeout_s = drain_timeout_s
         self.api_key = api_key
+        self.protect_metrics = protect_metrics
+        self.max_request_bytes = max_request_bytes
         self.tokenizer = self.engine.tokenizer
+        self.draining = False
+        self._drain_task: asyncio.Future[None] | None = None
+        # The most tokens one request may reach, prompt and output: the context window, or the
+        # whole KV cache when that is smaller (a longer request could only be cut short).
+        preparer = self.engine.preparer
+        self.max_request_tokens = min(preparer.max_model_len, preparer.capacity_tokens)
+        # A prompt of more characters than this is certainly too long: refused before tokenizing.
+        self.token_chars = longest_token_chars(self.tokenizer) if self.tokenizer is not None else None
+        self.max_prompt_chars = self.max_request_tokens * self.token_chars if self.token_chars else None
+        self._token_texts: dict[int, str] = {}
+
+    async def drain(self) -> None:
+        """Stop admitting (new API requests get 503 + Retry-After; the listener stays open), let
+        in-flight requests finish for up to drain_timeout_s, then abort the rest: their responses
+        still end properly, a stream with a final event and [DONE]. Idempotent."""
+        if self._drain_task is None:
+            self.draining = True
+            self._drain_task = asyncio.ensure_future(self.async_engine.shutdown(self.drain_timeout_s))
+        await asyncio.shield(self._drain_task)
 
     # ------------------------------------------------------------------ validation
     def _check_model(self, model: str | None) -> None:
@@ -109,8 +158,27 @@ class OpenAIServer:
             if getattr(req, name):
                 raise APIError(400, f"{name} other than 0 is not supported by specserve; remove it.", param=name)
 
+    def _check_admissible(self, num_sequences: int) -> None:
+        """A request of more engine requests (prompts x n) than the server holds at once could never
+        be admitted: 400, not 429 + Retry-After, which would invite endless retries."""
+        capacity = self.async_engine.capacity
+        if num_sequences > capacity:
+            raise APIError(400, f"This request asks for {num_sequences} sequences (prompts x n) but this server holds "
+                           f"at most {capacity} at once (--max-num-seqs + --max-waiting); send fewer prompts or a "
+                           "smaller n per request.", param="n")
+
+    def _check_prompt_chars(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing it, a prompt with too many characters to fit in any request."""
+        if self.max_prompt_chars is None or len(text) <= self.max_prompt_chars:
+            return
+        assert self.token_chars is not None
+        raise APIError(400, f"The prompt has {len(text):,} characters, so at least {-(-len(text) // self.token_chars):,} "
+                       f"tokens (one token of this model spans at most {self.token_chars} characters), but a request "
+                       f"holds at most {self.max_request_tokens:,} tokens. Shorten the prompt.",
+                       param=param, code="context_length_exceeded")
+
     def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                         logprobs: bool) -> SamplingParams:
+                         logprobs: bool, top_logprobs: int = 0) -> SamplingParams:
         try:
             return SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else 1,
@@ -121,6 +189,7 @@ class OpenAIServer:
                 stop=req.stop,
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                top_logprobs=top_logprobs,
                 reference_text=req.reference_text,
                 speculative=req.speculative,
                 structured_output=structured_output_from_openai(
@@ -132,30 +201,51 @@ class OpenAIServer:
             raise APIError(400, str(e)) from e
 
     def _prepare(self, prompts: list[str | list[int]], base: SamplingParams, n: int, priority: int,
-                 max_tokens: int | None) -> tuple[list[PreparedRequest], list[int]]:
-        """Tokenize + validate every (prompt, sample) pair; all or nothing."""
+                 max_tokens: int | None, default_max_tokens: int | None = None,
+                 ) -> tuple[list[PreparedRequest], list[int]]:
+        """Tokenize (once per prompt) and validate every (prompt, sample) pair; all or nothing.
+
+        A request must fit whole, prompt plus max_tokens, in one request's room (context window and
+        KV cache): one that cannot is refused here, before any work, instead of being preempted
+        over and over and cut short with finish_reason 'length'. Without max_tokens a request gets
+        default_max_tokens (None: as many as fit), capped at what fits, as vLLM does."""
         prepared: list[PreparedRequest] = []
         prompt_lens: list[int] = []
         arrival = time.perf_counter()
         for prompt in prompts:
+            tokens: str | list[int] = prompt
             for j in range(n):
                 params = base if n == 1 else _nth_sample_params(base, j)
                 try:
-                    p = self.engine.prepare_request(prompt, params, priority=priority, arrival_time=arrival)
+                    p = self.engine.prepare_request(tokens, params, priority=priority, arrival_time=arrival)
                 except SpecServeError as e:
                     raise APIError(400, str(e), param="prompt") from e
-                room = self.engine.max_model_len - p.request.num_prompt_tokens
+                if isinstance(prompt, str):  # the other samples reuse the first one's token ids
+                    tokens, p = p.request.prompt_token_ids, p._replace(prompt=prompt)
+                num_prompt = p.request.num_prompt_tokens
+                room = self.max_request_tokens - num_prompt
                 if max_tokens is None:
-                    p.request.sampling_params = replace(p.request.sampling_params, max_tokens=room)
+                    want = room if default_max_tokens is None else min(default_max_tokens, room)
+                    p.request.sampling_params = replace(p.request.sampling_params, max_tokens=want)
                 elif max_tokens > room:
-                    raise APIError(
-                        400,
-                        f"This model's maximum context length is {self.engine.max_model_len} tokens; the prompt "
-                        f"has {p.request.num_prompt_tokens} and max_tokens asks for {max_tokens}. Reduce the "
-                        "prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")
+                    raise self._too_long(num_prompt, max_tokens)
                 prepared.append(p)
             prompt_lens.append(prepared[-1].request.num_prompt_tokens)
         return prepared, prompt_lens
+
+    def _too_long(self, num_prompt: int, max_tokens: int) -> APIError:
+        pre = self.engine.preparer
+        if pre.max_model_len <= pre.capacity_tokens:
+            why = f"the context window (--max-model-len) is {pre.max_model_len:,} tokens"
+        else:
+            why = (f"the whole KV cache holds {pre.capacity_tokens:,} tokens (--kv-cache-gib), fewer than the "
+                   f"context window of {pre.max_model_len:,}")
+        return APIError(
+            400, f"This request needs {num_prompt:,} prompt + {max_tokens:,} max_tokens = {num_prompt + max_tokens:,} "
+            f"tokens, but one request holds at most {self.max_request_tokens:,}: {why}. Lower max_tokens to at most "
+            f"{self.max_request_tokens - num_prompt:,} (or leave it out to get as many as fit), shorten the prompt, or "
+            "restart the server with a larger --kv-cache-gib / --max-model-len.",
+            param="max_tokens", code="context_length_exceeded")
 
     def _submit(self, prepared: list[PreparedRequest]) -> RequestStream:
         try:
@@ -164,7 +254,16 @@ class OpenAIServer:
             raise APIError(429, str(e), type_="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e
         except EngineStoppedError as e:
-            raise APIError(503, str(e), type_="service_unavailable", code="draining") from e
+            raise APIError(503, str(e), type_="service_unavailable", code="draining",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+
+    def _drain_error(self) -> dict[str, Any]:
+        return error_body(f"The server shut down before this request finished (its drain timeout is "
+                          f"{self.drain_timeout_s:g} s); retry it on another replica or after the restart.",
+                          "service_unavailable", code="draining")
+
+    def _aborted_by_drain(self, finals: list[RequestOutput]) -> bool:
+        return self.draining and any(o.outputs[0].finish_reason == "abort" for o in finals)
 
     # ------------------------------------------------------------------ completions
     async def completions(self, req: CompletionRequest, http: Request) -> Response:
@@ -177,9 +276,15 @@ class OpenAIServer:
             raise APIError(400, "best_of must equal n (or be omitted); specserve returns every sample.",
                            param="best_of")
         prompts = _normalize_prompts(req.prompt)
-        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-        base = self._sampling_params(req, max_tokens, logprobs=req.logprobs is not None)
-        prepared, prompt_lens = await run_in_threadpool(self._prepare, prompts, base, req.n, req.priority, max_tokens)
+        self._check_admissible(len(prompts) * req.n)
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self._check_prompt_chars(prompt, "prompt")
+        base = self._sampling_params(req, req.max_tokens, logprobs=req.logprobs is not None,
+                                     top_logprobs=req.logprobs or 0)
+        prepared, prompt_lens = await run_in_threadpool(self._prepare, prompts, base, req.n, req.priority,
+                                                        req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+        self.metrics.tag_requests([p.request.request_id for p in prepared], req.request_class)
         stream = self._submit(prepared)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -195,7 +300,8 @@ class OpenAIServer:
                 text = (prepared[i].prompt or self._decode(out.prompt_token_ids)) + text
             choices.append(CompletionChoice(
                 index=i, text=text, finish_reason=_finish(c.finish_reason), stop_reason=c.stop_reason,
-                logprobs=self._completion_logprobs(c.token_ids, c.logprobs) if req.logprobs is not None else None,
+                logprobs=(self._completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, req.logprobs)
+                          if req.logprobs is not None else None),
             ))
         body = CompletionResponse(model=self.model_name, choices=choices,
                                   usage=self._usage(prompt_lens, finals))
@@ -222,7 +328,8 @@ class OpenAIServer:
                 lp = None
                 if req.logprobs is not None and c.logprobs is not None:
                     n_new = len(c.delta_token_ids)
-                    lp = self._completion_logprobs(c.delta_token_ids, c.logprobs[len(c.logprobs) - n_new:])
+                    lp = self._completion_logprobs(c.delta_token_ids, _last(c.logprobs, n_new),
+                                                   _last(c.top_logprobs, n_new), req.logprobs)
                 choice = CompletionChoice(index=idx, text=c.delta_text, logprobs=lp,
                                           finish_reason=_finish(c.finish_reason) if out.finished else None,
                                           stop_reason=c.stop_reason if out.finished else None)
@@ -230,6 +337,8 @@ class OpenAIServer:
                     finals[idx] = out
                 yield _event(CompletionResponse(id=rid, created=created, model=self.model_name,
                                                 choices=[choice]).model_dump())
+            if self._aborted_by_drain(list(finals.values())):
+                yield _event(self._drain_error())
             if include_usage:
                 usage = self._usage(prompt_lens, [finals[i] for i in sorted(finals)])
                 yield _event(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
@@ -240,6 +349,7 @@ class OpenAIServer:
             raise
         except EngineStoppedError as e:
             yield _event(error_body(str(e), "service_unavailable"))
+            yield "data: [DONE]\n\n"
         finally:
             stream.abort()  # no-op when everything finished; frees KV at once on disconnect
 
@@ -248,21 +358,24 @@ class OpenAIServer:
         """POST /v1/chat/completions."""
         self._check_model(req.model)
         self._check_unsupported(req)
-        if req.tools:
-            raise APIError(400, "tools are not supported by specserve yet; remove them.", param="tools")
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
+        self._check_admissible(req.n)
         if self.tokenizer is None:
             raise APIError(400, "This model has no tokenizer, hence no chat template; use /v1/completions.")
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                    for m in req.messages]
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
+                     **({"name": m.name} if m.name else {})} for m in req.messages]
         try:
             prompt = await run_in_threadpool(self.tokenizer.apply_chat_template, messages, req.add_generation_prompt)
         except SpecServeError as e:
             raise APIError(400, str(e), param="messages") from e
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception in jinja) are client errors
             raise APIError(400, f"The chat template rejected these messages: {e}", param="messages") from e
+        self._check_prompt_chars(prompt, "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        base = self._sampling_params(req, max_tokens, logprobs=req.logprobs)
+        base = self._sampling_params(req, max_tokens, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
         prepared, prompt_lens = await run_in_threadpool(self._prepare, [prompt], base, req.n, req.priority, max_tokens)
+        self.metrics.tag_requests([p.request.request_id for p in prepared], req.request_class)
         stream = self._submit(prepared)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -276,7 +389,8 @@ class OpenAIServer:
             choices.append(ChatChoice(
                 index=i, message=ChatResponseMessage(content=c.text), finish_reason=_finish(c.finish_reason),
                 stop_reason=c.stop_reason,
-                logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if req.logprobs else None,
+                logprobs=(self._chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, req.top_logprobs or 0)
+                          if req.logprobs else None),
             ))
         body = ChatCompletionResponse(model=self.model_name, choices=choices,
                                       usage=self._usage(prompt_lens, finals))
@@ -300,18 +414,22 @@ class OpenAIServer:
             async for idx, out in stream:
                 c = out.outputs[0]
                 self._tick(clock, c.delta_token_ids)
-                if not c.delta_text and not out.finished:
-                    continue
-                lp = None
-                if req.logprobs and c.logprobs is not None:
-                    n_new = len(c.delta_token_ids)
-                    lp = self._chat_logprobs(c.delta_token_ids, c.logprobs[len(c.logprobs) - n_new:])
-                if c.delta_text or lp is not None:
+                # A token whose text is held back (a partial character, a possible stop string)
+                # still has a logprob entry: it goes out now, with empty content.
+                with_logprobs = req.logprobs and c.logprobs is not None and bool(c.delta_token_ids)
+                if c.delta_text or with_logprobs:
+                    lp = None
+                    if with_logprobs:
+                        n_new = len(c.delta_token_ids)
+                        lp = self._chat_logprobs(c.delta_token_ids, _last(c.logprobs, n_new),
+                                                 _last(c.top_logprobs, n_new), req.top_logprobs or 0)
                     yield chunk([ChatChunkChoice(index=idx, delta=DeltaMessage(content=c.delta_text), logprobs=lp)])
                 if out.finished:
                     finals[idx] = out
                     yield chunk([ChatChunkChoice(index=idx, delta=DeltaMessage(),
                                                  finish_reason=_finish(c.finish_reason))])
+            if self._aborted_by_drain(list(finals.values())):
+                yield _event(self._drain_error())
             if include_usage:
                 yield chunk([], self._usage(prompt_lens, [finals[i] for i in sorted(finals)]))
             yield "data: [DONE]\n\n"
@@ -320,6 +438,7 @@ class OpenAIServer:
             raise
         except EngineStoppedError as e:
             yield _event(error_body(str(e), "service_unavailable"))
+            yield "data: [DONE]\n\n"
         finally:
             stream.abort()
 
@@ -354,9 +473,14 @@ class OpenAIServer:
         exc = main.exception()
         if exc is not None:
             if isinstance(exc, EngineStoppedError):
-                raise APIError(503, str(exc), type_="service_unavailable")
+                raise APIError(503, str(exc), type_="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
             raise exc
-        return [finals[i] for i in sorted(finals)]
+        outs = [finals[i] for i in sorted(finals)]
+        if self._aborted_by_drain(outs):  # partial output is no answer: the client should retry
+            err = self._drain_error()["error"]
+            raise APIError(503, err["message"], type_=err["type"], code=err["code"],
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        return outs
 
     def _tick(self, clock: TokenClock, new_ids: list[int]) -> None:
         if new_ids:
@@ -370,22 +494,36 @@ class OpenAIServer:
     def _token_text(self, tid: int) -> str:
         if self.tokenizer is None:
             return f"<{tid}>"
-        return self.tokenizer.decode([tid], skip_special_tokens=False)
+        text = self._token_texts.get(tid)
+        if text is None:
+            text = self._token_texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+        return text
 
-    def _completion_logprobs(self, ids: list[int], lps: list[float] | None) -> CompletionLogprobs:
+    def _completion_logprobs(self, ids: list[int], lps: list[float | None] | None,
+                             tops: list[list[tuple[int, float]] | None] | None, k: int) -> CompletionLogprobs:
+        """Legacy block: every token's text and logprob, and with k > 0 its k likeliest as {text: logprob}."""
         tokens = [self._token_text(t) for t in ids]
         offsets, at = [], 0
         for t in tokens:
             offsets.append(at)
             at += len(t)
-        return CompletionLogprobs(tokens=tokens, token_logprobs=list(lps or [None] * len(ids)),
-                                  top_logprobs=None, text_offset=offsets)
+        top = None
+        if k:
+            top = [{self._token_text(tid): v for tid, v in pairs or []} for pairs in _last(tops, len(ids))]
+        return CompletionLogprobs(tokens=tokens, token_logprobs=_last(lps, len(ids)), top_logprobs=top,
+                                  text_offset=offsets)
 
-    def _chat_logprobs(self, ids: list[int], lps: list[float] | None) -> ChatLogprobs:
+    def _chat_logprobs(self, ids: list[int], lps: list[float | None] | None,
+                       tops: list[list[tuple[int, float]] | None] | None, k: int) -> ChatLogprobs:
+        """Chat block: every token's text, logprob and bytes, with its k likeliest alternatives."""
         content = []
-        for t, lp in zip(ids, lps or [0.0] * len(ids)):
+        for t, lp, pairs in zip(ids, _last(lps, len(ids)), _last(tops, len(ids))):
             text = self._token_text(t)
-            content.append(ChatLogprobToken(token=text, logprob=lp, bytes=list(text.encode("utf-8"))))
+            alternatives = [TopLogprob(token=self._token_text(tid), logprob=v,
+                                       bytes=list(self._token_text(tid).encode("utf-8")))
+                            for tid, v in (pairs or [])[:k]]
+            content.append(ChatLogprobToken(token=text, logprob=lp if lp is not None else 0.0,
+                                            bytes=list(text.encode("utf-8")), top_logprobs=alternatives))
         return ChatLogprobs(content=content)
 
     @staticmethod
@@ -408,6 +546,12 @@ def _normalize_prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
+def _last(values: list[T] | None, n: int) -> list[T | None]:
+    """The entries of an output's last n tokens, None where it carries fewer (or none at all)."""
+    have = values[max(len(values) - n, 0):] if values is not None and n else []
+    return [None] * (n - len(have)) + have
+
+
 def _finish(reason: str | None) -> str | None:
     return {"abort": "abort", "error": "error"}.get(reason or "", reason)
 
@@ -428,19 +572,14 @@ def build_app(server: OpenAIServer) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server.async_engine.start(asyncio.get_running_loop())
         yield
-        await server.async_engine.shutdown(server.drain_timeout_s)
+        await server.drain()
 
     app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan)
     app.state.server = server
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next):  # noqa: ANN001, ANN202
-        if server.api_key and request.url.path.startswith(("/v1", "/admin")):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given, f"Bearer {server.api_key}"):
-                return _error_response(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
-                                       "authentication_error", code="invalid_api_key")
-        return await call_next(request)
+    # Pure ASGI (see specserve.server.middleware): never add an @app.middleware("http") here.
+    app.add_middleware(AccessGate, api_key=server.api_key, protect_metrics=server.protect_metrics,
+                       is_draining=lambda: server.draining, retry_after_s=RETRY_AFTER_S,
+                       max_body_bytes=server.max_request_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -452,15 +591,19 @@ def build_app(server: OpenAIServer) -> FastAPI:
         parts = []
         for e in errs[:5]:
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
+            msg = e.get("msg", "invalid")
+            parts.append(f"{loc}: {msg}" if loc else msg)
         param = None
-        if errs:
+        if errs:  # the field a client should look at; our own checks name it in their context
             loc = [str(x) for x in errs[0].get("loc", ()) if x != "body"]
-            param = loc[0] if loc else None
+            named = (errs[0].get("ctx") or {}).get("param")
+            param = ".".join(loc + [str(named)]) if named else (loc[0] if loc else None)
         return _error_response(400, "Invalid request: " + "; ".join(parts), param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 413:
+            return JSONResponse(body_too_large(server.max_request_bytes), status_code=413)
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error_response(exc.status_code, str(exc.detail), type_, headers=getattr(exc, "headers", None))
 

@@ -23,6 +23,10 @@ from specserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
+# After the drain deadline: how long aborted requests may take to deliver their final outputs
+# (the engine thread applies the abort after the step it is running).
+ABORT_GRACE_S = 10.0
+
 
 def take_commands(commands: queue.Queue, timeout: float | None) -> list:
     """Everything queued; with a timeout, first wait up to that long for something to arrive."""
@@ -112,8 +116,17 @@ class AsyncEngine:
         """Engine requests submitted and not finished."""
         return self._num_in_flight
 
+    @property
+    def capacity(self) -> int:
+        """Engine requests that may be in flight at once (running plus waiting); a single HTTP
+        request with more can never be admitted."""
+        return self.engine.config.scheduler.max_num_seqs + self.max_waiting
+
     async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
-        """Stop admitting, let in-flight requests finish (up to the timeout), abort the rest."""
+        """Stop admitting, let in-flight requests finish (up to the timeout), abort the rest; every
+        stream gets its final output (or an error) before the engine thread stops. Idempotent."""
+        if self._stop.is_set():
+            return
         self.accepting = False
         deadline = time.monotonic() + drain_timeout_s
         while self._num_in_flight and time.monotonic() < deadline and self.is_alive:
@@ -123,11 +136,16 @@ class AsyncEngine:
         if leftover:
             logger.warning("aborting %d requests still running at shutdown", len(leftover))
             self.abort(leftover)
-            await asyncio.sleep(0.2)
+            deadline = time.monotonic() + ABORT_GRACE_S
+            while self._num_in_flight and time.monotonic() < deadline and self.is_alive:
+                await asyncio.sleep(0.02)
         self._stop.set()
         self._commands.put(("noop", None))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
+        with self._lock:
+            stuck = list(self._streams)
+        self._fail(stuck, EngineStoppedError("The server shut down before this request finished; retry it."))
         if self.error is None and not (self._thread is not None and self._thread.is_alive()):
             try:
                 self.engine.check_integrity()
@@ -142,8 +160,7 @@ class AsyncEngine:
             raise EngineStoppedError(
                 "The server is shutting down or its engine stopped; retry on another replica."
             )
-        sched = self.engine.config.scheduler
-        capacity = sched.max_num_seqs + self.max_waiting
+        capacity = self.capacity
         stream = RequestStream(self, [p.request.request_id for p in prepared])
         with self._lock:
             if self._num_in_flight + len(prepared) > capacity:

@@ -5,15 +5,41 @@ Extras accepted in the body (the OpenAI client's `extra_body`): `top_k`, `specul
 medium batch sizes), `reference_text` (for the reference proposer), `ignore_eos`, and vLLM's
 structured-output extras `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (OpenAI's
 `response_format` json_object / json_schema is standard).
+
+Nothing is silently ignored: a field this module does not declare is refused with a 400 that
+names it, unless it is null or one of the values below that ask for nothing (clients such as
+LangChain send some of them at their defaults):
+
+- both endpoints: `store` false, `metadata` {}, `service_tier` "auto" / "default", `tools` [],
+  `tool_choice` "none", `parallel_tool_calls` true / false, `functions` [], `function_call`
+  "none", `modalities` ["text"]; vLLM's `repetition_penalty` 1, `min_p` 0, `min_tokens` 0,
+  `use_beam_search` false, `length_penalty` 1, `skip_special_tokens` true,
+  `include_stop_str_in_output` false, `stop_token_ids` [];
+- a chat message: `tool_calls` [] (`refusal`, `audio`, `function_call` only as null);
+- `stream_options`: `include_obfuscation` true / false (there is nothing to pad).
+
+Declared fields that specserve does not implement (`logit_bias`, non-zero penalties, `suffix`,
+`best_of` other than n) are refused by the server. Every string, object key included, must be
+valid Unicode: JSON's \\ud800-\\udfff escapes can encode lone surrogates, which are refused
+with a 400 that names the field (see `find_invalid_text`).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 MAX_N = 16
 MAX_STOP = 16
@@ -23,17 +49,95 @@ def _id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-class StreamOptions(BaseModel):
+def _printable(text: str) -> str:
+    """`text` safe to put in a response: lone surrogates written as \\udXXX escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _is_valid_text(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no UTF-8 text holds one
+        return False
+    return True
+
+
+def find_invalid_text(value: Any) -> str | None:
+    """Path (`messages[0].content`) of the first string or object key in a parsed JSON value that
+    is not valid Unicode, or None. Iterative: JSON nesting must not exhaust Python's stack."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not _is_valid_text(item):
+                return path or "body"
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                name = f"{path}.{_printable(str(key))}" if path else _printable(str(key))
+                if isinstance(key, str) and not _is_valid_text(key):
+                    return name
+                stack.append((sub, name))
+        elif isinstance(item, list):
+            stack.extend((sub, f"{path}[{i}]") for i, sub in enumerate(item))
+    return None
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    if isinstance(value, bool) or isinstance(allowed, bool):
+        return value is allowed
+    if isinstance(value, (int, float)) and isinstance(allowed, (int, float)):
+        return value == allowed
+    return type(value) is type(allowed) and value == allowed
+
+
+class _Body(BaseModel):
+    """A request body or a part of one: an undeclared field is refused unless it is null or one of
+    the values its `NOOP_VALUES` entry lists (values that ask for nothing)."""
+
+    model_config = ConfigDict(extra="allow")
+    NOOP_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _Body:
+        refused: list[tuple[str, str]] = []  # (field, why)
+        for name, value in (self.model_extra or {}).items():
+            allowed = self.NOOP_VALUES.get(name)
+            if value is None or (allowed is not None and any(_same(value, a) for a in allowed)):
+                continue
+            why = "unknown field" if allowed is None else f"only {' or '.join(map(repr, allowed))} or null is accepted"
+            refused.append((_printable(name), why))
+        if refused:
+            raise PydanticCustomError(
+                "unsupported_field",
+                "unsupported field(s): {fields}; leave them out of the request",
+                {"fields": ", ".join(f"{name} ({why})" for name, why in refused), "param": refused[0][0]},
+            )
+        return self
+
+
+class StreamOptions(_Body):
     """`stream_options` of the OpenAI API."""
 
-    model_config = ConfigDict(extra="ignore")
+    NOOP_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {"include_obfuscation": (True, False)}
     include_usage: StrictBool = False
 
 
-class _SamplingFields(BaseModel):
+# OpenAI and vLLM fields specserve does not implement, at the values that ask for nothing.
+_NOOP_SAMPLING_VALUES: dict[str, tuple[Any, ...]] = {
+    "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"), "tools": ([],),
+    "tool_choice": ("none",), "parallel_tool_calls": (True, False), "functions": ([],),
+    "function_call": ("none",), "modalities": (["text"],), "repetition_penalty": (1.0,), "min_p": (0.0,),
+    "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1.0,), "skip_special_tokens": (True,),
+    "include_stop_str_in_output": (False,), "stop_token_ids": ([],),
+}
+
+
+class _SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    NOOP_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = _NOOP_SAMPLING_VALUES
 
     model: str | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -54,6 +158,8 @@ class _SamplingFields(BaseModel):
     priority: StrictInt = Field(default=0, ge=-1000, le=1000)
     reference_text: str | None = None
     ignore_eos: StrictBool = False
+    # The label of this request's series in /metrics (acceptance, effective tokens/s by class).
+    request_class: str = Field(default="default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     # Structured output (specserve.sampling.grammar): OpenAI's response_format, or vLLM's extras.
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -73,6 +179,19 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop sequence must be non-empty")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        path = find_invalid_text(data)
+        if path is not None:
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "{param} is not valid Unicode: it holds a lone surrogate (an unpaired \\ud800-\\udfff "
+                "escape); send text that encodes as UTF-8",
+                {"param": path},
+            )
+        return data
+
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
@@ -84,18 +203,17 @@ class CompletionRequest(_SamplingFields):
     best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
 
 
-class ContentPart(BaseModel):
+class ContentPart(_Body):
     """A text part of a chat message (images are not supported)."""
 
-    model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Body):
     """One message of a conversation."""
 
-    model_config = ConfigDict(extra="ignore")
+    NOOP_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {"tool_calls": ([],)}
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -117,7 +235,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: StrictBool = True
-    tools: list[Any] | None = None
 
 
 class UsageInfo(BaseModel):
@@ -130,7 +247,8 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs block (chosen tokens only)."""
+    """Legacy completions logprobs block: per token its text, logprob, and (with `logprobs: k`)
+    the k most likely tokens as {text: logprob}."""
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -159,13 +277,21 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class ChatLogprobToken(BaseModel):
-    """One token's logprob in a chat response."""
+class TopLogprob(BaseModel):
+    """One of the most likely tokens at a position (chat `top_logprobs`)."""
 
     token: str
     logprob: float
     bytes: list[int] | None = None
-    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatLogprobToken(BaseModel):
+    """One token's logprob in a chat response, with the `top_logprobs` most likely alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChatLogprobs(BaseModel):
@@ -255,5 +381,6 @@ class SpeculationToggle(BaseModel):
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
-    """OpenAI's error JSON shape."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    """OpenAI's error JSON shape (text that could not be encoded is escaped: an error always renders)."""
+    return {"error": {"message": _printable(message), "type": type_,
+                      "param": None if param is None else _printable(param), "code": code}}

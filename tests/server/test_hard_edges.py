@@ -1,0 +1,616 @@
+"""Hard edges of the HTTP server, one class of failure at a time: text that is not Unicode, clients
+that leave, requests that can never fit, bodies too large to read, data lost or ignored, draining,
+and secrets. Each test failed on the server before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from specserve import LLM
+from specserve.cli import build_parser, main, resolve_api_key
+from specserve.errors import ConfigError
+
+from .conftest import serve
+
+KEY = "sekret-ключ"  # a non-ASCII key: compared as UTF-8 bytes
+AUTH = {"Authorization": f"Bearer {KEY}".encode()}
+# Tiny model: 512 bytes of KV per token, so this budget holds 1,024 tokens, half the context.
+KV_TOKENS = 1024
+MAX_MODEL_LEN = 2048
+BODY_LIMIT = 2 << 20
+
+
+@pytest.fixture(scope="module")
+def edge(tiny_tok_checkpoint):
+    """Tiny model, KV smaller than the context, few slots, an API key, metrics protected."""
+    llm = LLM(
+        "tiny",
+        dtype="float32",
+        checkpoint=tiny_tok_checkpoint,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_gib=KV_TOKENS * 512 / (1 << 30),
+        max_num_seqs=4,
+        spec_method="ngram",
+        spec_policy="always",
+        profile_spec_costs=False,
+    )
+    assert llm.engine.kv_manager.capacity_tokens == KV_TOKENS
+    with serve(
+        llm, "tiny", max_waiting=2, api_key=KEY, protect_metrics=True, max_request_bytes=BODY_LIMIT
+    ) as live:
+        yield live
+
+
+def _post(live, path: str, body: dict | bytes, **kw) -> httpx.Response:  # noqa: ANN001
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json", **AUTH, **kw.pop("headers", {})}
+    return httpx.post(live.base_url + path, content=content, headers=headers, timeout=60, **kw)
+
+
+def _assert_clean(live) -> None:  # noqa: ANN001
+    live.wait_idle()
+    eng = live.engine
+    assert eng.check_integrity()
+    assert all(b.ref_cnt == 0 for b in eng.kv_manager.pool.blocks)
+
+
+def _raw_request(
+    port: int, head: bytes, body: bytes = b"", timeout: float = 10.0
+) -> tuple[int, bytes]:
+    """Send bytes as they are (headers httpx would refuse to send); the status and the rest."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(head + b"\r\n\r\n" + body)
+        data = b""
+        while True:
+            header, _, rest = data.partition(b"\r\n\r\n")
+            length = re.search(rb"(?i)content-length: (\d+)", header)
+            if length and len(rest) >= int(length.group(1)):
+                break
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return int(data.split(b"\r\n", 1)[0].split()[1]), data
+
+
+# ---------------------------------------------------------------------- 1. text that is not Unicode
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+SURROGATE = "@@LONE@@"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": SURROGATE, "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", "a" + SURROGATE], "max_tokens": 2}, "prompt[1]"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": SURROGATE}]},
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}],
+            },
+            "messages[0].content[0].text",
+        ),
+        ("/v1/chat/completions", {**CHAT, "model": SURROGATE}, "model"),
+        ("/v1/completions", {"prompt": "x", "stop": SURROGATE}, "stop"),
+        ("/v1/completions", {"prompt": "x", "stop": ["ok", SURROGATE]}, "stop[1]"),
+        ("/v1/completions", {"prompt": "x", "reference_text": SURROGATE}, "reference_text"),
+        ("/v1/chat/completions", {**CHAT, "user": SURROGATE}, "user"),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {SURROGATE: {"type": "string"}}},
+                    },
+                },
+            },
+            "response_format.json_schema.schema.properties.\\ud800",
+        ),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {SURROGATE: 1}}, "logit_bias.\\ud800"),
+    ],
+)
+def test_lone_surrogates_are_400_naming_the_field(edge, path, body, param):
+    raw = json.dumps(body).replace(SURROGATE, "\\ud800").encode()
+    r = _post(edge, path, raw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "Unicode" in err["message"], err
+    _assert_clean(edge)
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["Bearer ключ".encode(), b"Bearer \xff\xfe", b"\xc3\x28", "Bearer sekret-ключ!".encode()],
+)
+def test_non_ascii_authorization_is_401(edge, value):
+    body = json.dumps(CHAT).encode()
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: " + value + b"\r\nContent-Length: " + str(len(body)).encode()
+    )
+    status, data = _raw_request(edge.port, head, body)
+    assert status == 401, data
+    assert b"invalid_api_key" in data
+
+
+def test_odd_headers_are_never_5xx(edge):
+    body = json.dumps(CHAT).encode()
+    for extra in (
+        b"X-Whatever: \xff\xfe\xfd",
+        b"Content-Type: application/json; charset=\xe9\xe9",
+        b"User-Agent: \xf0\x9f\x98\x80",
+        b"Accept: \x80\x81",
+    ):
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
+            + AUTH["Authorization"]
+            + b"\r\n"
+            + extra
+            + b"\r\nContent-Length: "
+            + str(len(body)).encode()
+        )
+        status, data = _raw_request(edge.port, head, body)
+        assert status < 500, (extra, data)
+    _assert_clean(edge)
+
+
+# ---------------------------------------------------------------------- 2. a client that leaves
+def _metric(live, name: str, labels: str = "") -> float:  # noqa: ANN001
+    text = httpx.get(live.base_url + "/metrics", headers=AUTH).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and labels in line
+    )
+
+
+def test_non_streaming_request_is_aborted_when_its_client_leaves(edge):
+    edge.wait_idle()
+    aborted = _metric(edge, "specserve_requests_total", 'finish_reason="abort"')
+    body = json.dumps(
+        {"prompt": "Count:", "max_tokens": 1000, "ignore_eos": True, "temperature": 1.0}
+    ).encode()
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
+        + AUTH["Authorization"]
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+    )
+    eng = edge.engine
+    with socket.create_connection(("127.0.0.1", edge.port)) as s:
+        s.sendall(head + b"\r\n\r\n" + body)
+        deadline = time.time() + 30
+        while not any(r.num_output_tokens >= 8 for r in list(eng.scheduler.running)):
+            assert time.time() < deadline, "the request never started"
+            time.sleep(0.01)
+    gone = time.time()
+    while eng.has_unfinished_requests() or edge.server.async_engine.num_in_flight:
+        assert time.time() - gone < 2.0, "the engine kept working for a client that left"
+        time.sleep(0.02)
+    _assert_clean(edge)
+    assert _metric(edge, "specserve_requests_total", 'finish_reason="abort"') == aborted + 1
+
+
+# ---------------------------------------------------------------------- 3. requests that can never fit
+def test_prompt_plus_max_tokens_beyond_the_kv_cache_is_400_before_any_work(edge):
+    steps = edge.engine.num_steps
+    # 1,500 tokens fit the context (2,048) but not the KV cache (1,024).
+    r = _post(edge, "/v1/completions", {"prompt": "hello", "max_tokens": 1500})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+    assert "KV cache holds 1,024 tokens" in err["message"] and "--kv-cache-gib" in err["message"]
+    assert edge.engine.num_steps == steps
+
+
+def test_omitted_max_tokens_is_capped_at_what_fits(edge):
+    r = _post(
+        edge,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "go"}], "ignore_eos": True},
+    )
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert (
+        usage["total_tokens"] == KV_TOKENS and r.json()["choices"][0]["finish_reason"] == "length"
+    )
+    _assert_clean(edge)
+
+
+def test_more_sequences_than_the_server_holds_is_400_not_429(edge):
+    r = _post(edge, "/v1/completions", {"prompt": ["a", "b"], "n": 4, "max_tokens": 2})  # 8 > 4 + 2
+    assert r.status_code == 400, r.text
+    assert "retry-after" not in r.headers
+    assert "--max-num-seqs" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------- 4. cost before refusal
+def test_body_over_the_limit_is_413_from_content_length_before_it_is_sent(edge):
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
+        + AUTH["Authorization"]
+        + b"\r\nContent-Length: "
+        + str(10 * BODY_LIMIT).encode()
+    )
+    status, data = _raw_request(edge.port, head, b'{"prompt": "')  # the rest never comes
+    assert status == 413, data
+    assert b"--max-request-bytes" in data
+
+
+def test_chunked_body_over_the_limit_is_413(edge):
+    def chunks():  # noqa: ANN202 - no Content-Length: the limit is enforced while reading
+        yield b'{"prompt": "'
+        for _ in range(BODY_LIMIT // 65536):
+            yield b"a" * 65536
+        yield b'a"}'  # one byte over (more could be refused unread and reset the connection)
+
+    r = httpx.post(
+        edge.base_url + "/v1/completions",
+        content=chunks(),
+        timeout=60,
+        headers={"content-type": "application/json", **AUTH},
+    )
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_prompt_with_too_many_characters_is_refused_before_tokenizing(edge):
+    chars = edge.server.max_prompt_chars
+    assert chars == KV_TOKENS * edge.server.token_chars
+    t0 = time.perf_counter()
+    r = _post(edge, "/v1/completions", {"prompt": "ab " * (chars // 3 + 1), "max_tokens": 1})
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_health_answers_within_a_second_while_big_prompts_are_handled(edge):
+    # ~1.5 MB each, refused by their length; and prompts just under that bound, tokenized.
+    big = [
+        {"prompt": f"{i} " + "lorem ipsum dolor sit amet " * 55_000, "max_tokens": 1}
+        for i in range(3)
+    ]
+    words = "lorem ipsum " * (edge.server.max_prompt_chars // 12 - 1)
+    near = [{"prompt": f"{i} {words}", "max_tokens": 1} for i in range(3)]
+    latencies: list[float] = []
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
+
+            async def probe(stop: asyncio.Event) -> None:
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    assert (await c.get(edge.base_url + "/health")).status_code == 200
+                    latencies.append(time.perf_counter() - t0)
+                    await asyncio.sleep(0.05)
+
+            stop = asyncio.Event()
+            prober = asyncio.create_task(probe(stop))
+            await asyncio.sleep(0.1)
+            rs = await asyncio.gather(
+                *[c.post(edge.base_url + "/v1/completions", json=b) for b in big + near]
+            )
+            stop.set()
+            await prober
+            return [r.status_code for r in rs]
+
+    assert asyncio.run(run()) == [400] * 6
+    assert max(latencies) < 1.0, latencies
+
+
+def test_long_prompts_tokenize_without_holding_the_gil(edge):
+    tok = edge.engine.tokenizer
+    text = "the quick brown fox jumps over the lazy dog " * 20_000
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def ticker() -> None:
+        while not done.is_set():
+            t0 = time.perf_counter()
+            time.sleep(0.001)
+            gaps.append(time.perf_counter() - t0)
+
+    th = threading.Thread(target=ticker)
+    th.start()
+    t0 = time.perf_counter()
+    ids = tok.encode(text)
+    took = time.perf_counter() - t0
+    done.set()
+    th.join()
+    assert len(ids) > 100_000
+    assert max(gaps) < max(0.1, took / 3), (max(gaps), took)
+
+
+# ---------------------------------------------------------------------- 5. data lost or ignored
+def _stream(live, path: str, body: dict) -> list[dict]:  # noqa: ANN001
+    events = []
+    with httpx.stream(
+        "POST", live.base_url + path, json={**body, "stream": True}, headers=AUTH, timeout=60
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def test_streamed_chat_logprobs_cover_every_token(edge):
+    # A long stop string holds text back, so early tokens have empty text deltas.
+    body = {
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 24,
+        "temperature": 1.0,
+        "seed": 3,
+        "ignore_eos": True,
+        "logprobs": True,
+        "stop": ["@@@@@@@@@@@@@@@@"],
+        "stream_options": {"include_usage": True},
+    }
+    events = _stream(edge, "/v1/chat/completions", body)
+    entries = [
+        e
+        for ev in events
+        for ch in ev["choices"]
+        if ch.get("logprobs")
+        for e in ch["logprobs"]["content"]
+    ]
+    usage = next(ev["usage"] for ev in events if ev.get("usage"))
+    assert len(entries) == usage["completion_tokens"] == 24
+    full = _post(
+        edge, "/v1/chat/completions", {k: v for k, v in body.items() if k != "stream_options"}
+    ).json()
+    assert [e["token"] for e in full["choices"][0]["logprobs"]["content"]] == [
+        e["token"] for e in entries
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_top_logprobs_chat(edge, stream):
+    body = {
+        "messages": [{"role": "user", "content": "abc abc abc"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 5,
+    }
+    if stream:
+        entries = [
+            e
+            for ev in _stream(edge, "/v1/chat/completions", body)
+            for ch in ev["choices"]
+            if ch.get("logprobs")
+            for e in ch["logprobs"]["content"]
+        ]
+    else:
+        r = _post(edge, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        entries = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(entries) == 12
+    for e in entries:
+        top = e["top_logprobs"]
+        assert len(top) == 5
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        # Greedy: the chosen token is the most likely one.
+        assert top[0]["token"] == e["token"] and top[0]["logprob"] == pytest.approx(
+            e["logprob"], abs=1e-4
+        )
+        assert all(t["bytes"] == list(t["token"].encode()) for t in top)
+    _assert_clean(edge)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_top_logprobs_completions(edge, stream):
+    body = {
+        "prompt": "one two one two one two",
+        "max_tokens": 10,
+        "temperature": 0.8,
+        "seed": 5,
+        "logprobs": 3,
+    }
+    if stream:
+        blocks = [
+            ch["logprobs"] for ev in _stream(edge, "/v1/completions", body) for ch in ev["choices"]
+        ]
+        tops = [t for b in blocks if b for t in b["top_logprobs"]]
+        chosen = [lp for b in blocks if b for lp in b["token_logprobs"]]
+    else:
+        r = _post(edge, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        tops, chosen = lp["top_logprobs"], lp["token_logprobs"]
+    assert len(tops) == len(chosen) == 10
+    for top, mine in zip(tops, chosen):
+        assert 1 <= len(top) <= 3  # texts of distinct tokens may coincide
+        assert max(top.values()) >= mine - 1e-4
+
+
+@pytest.mark.parametrize("path", ["plain", "chain", "tree"])
+def test_top_logprobs_from_every_sampling_path(tiny_tok_checkpoint, path):
+    """Plain decoding, verified chains and verified trees each give every emitted token its k
+    likeliest tokens; greedy, the chosen token heads the list with its own logprob."""
+    from specserve import SamplingParams
+    from specserve.spec.tree import DraftTree
+
+    def make(**spec) -> LLM:  # noqa: ANN003
+        return LLM(
+            "tiny",
+            dtype="float32",
+            checkpoint=tiny_tok_checkpoint,
+            max_model_len=256,
+            spec_policy="always",
+            profile_spec_costs=False,
+            **spec,
+        )
+
+    prompt = ["a b a b a b a b a b a b"]
+    params = SamplingParams(
+        max_tokens=40, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=4
+    )
+    greedy = make().generate(prompt, params)[0].outputs[0].token_ids
+    llm = make(**({} if path == "plain" else {"spec_method": "ngram", "spec_tree": path}))
+    if (
+        path == "tree"
+    ):  # branching drafts: a wrong first sibling, then the right path under the second
+
+        def propose(requests, ks):  # noqa: ANN001, ANN202
+            out = {}
+            for req in requests:
+                nxt = greedy[req.num_output_tokens : req.num_output_tokens + 3]
+                if len(nxt) == 3:
+                    wrong = (nxt[0] + 1) % llm.engine.arch.vocab_size
+                    out[req.request_id] = DraftTree((wrong, *nxt), (-1, -1, 1, 2))
+            return out
+
+        llm.engine.proposer.propose = propose
+    out = llm.generate(prompt, params)[0].outputs[0]
+    assert out.token_ids == greedy
+    assert len(out.top_logprobs) == len(out.logprobs) == 40
+    for tid, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+        assert len(top) == 4 and top[0][0] == tid and top[0][1] == pytest.approx(lp, abs=1e-4)
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+    if path != "plain":
+        assert (
+            llm.engine.spec_counters["num_accepted_tokens"] > 0
+        )  # drafts were verified and accepted
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"frobnicate": 1, "store": True}, "frobnicate"),
+        (
+            {"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "1"}]}]},
+            "tool_calls",
+        ),
+        ({"stream_options": {"include_usage": True, "chunky": 3}}, "chunky"),
+    ],
+)
+def test_unknown_or_unsupported_fields_are_400_naming_them(edge, extra, named):
+    r = _post(edge, "/v1/chat/completions", {**CHAT, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert named in err["message"] and named in err["param"], err
+    if "store" in extra:
+        assert "store" in err["message"]
+
+
+def test_fields_sent_at_their_defaults_are_accepted(edge):
+    defaults = {
+        "tools": [],
+        "tool_choice": "none",
+        "parallel_tool_calls": True,
+        "store": False,
+        "metadata": {},
+        "frobnicate": None,
+        "functions": None,
+        "logit_bias": {},
+        "presence_penalty": 0,
+        "stream_options": None,
+        "service_tier": "auto",
+        "repetition_penalty": 1.0,
+    }
+    r = _post(edge, "/v1/chat/completions", {**CHAT, **defaults})
+    assert r.status_code == 200, r.text
+    r = _post(edge, "/v1/chat/completions", {**CHAT, "top_logprobs": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+# ---------------------------------------------------------------------- 6. draining
+def test_drain_answers_503_with_the_listener_open_and_ends_streams_properly(tiny_tok_checkpoint):
+    llm = LLM(
+        "tiny",
+        dtype="float32",
+        checkpoint=tiny_tok_checkpoint,
+        max_model_len=4096,
+        max_num_seqs=4,
+        profile_spec_costs=False,
+    )
+    with serve(llm, "tiny", drain_timeout_s=0.5) as live:
+        body = {"prompt": "Once", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        lines: list[str] = []
+        with httpx.stream("POST", live.base_url + "/v1/completions", json=body, timeout=60) as resp:
+            it = resp.iter_lines()
+            lines.append(next(line for line in it if line.startswith("data: ")))
+            live.uv.handle_exit(signal.SIGTERM, None)  # what the signal handler does
+            deadline = time.time() + 5
+            while not live.server.draining:
+                assert time.time() < deadline
+                time.sleep(0.01)
+            late = httpx.post(
+                live.base_url + "/v1/completions",
+                json={"prompt": "hi", "max_tokens": 2},
+                timeout=10,
+            )
+            assert late.status_code == 503, late.text
+            assert late.headers["retry-after"] and late.json()["error"]["code"] == "draining"
+            assert httpx.get(live.base_url + "/health", timeout=10).json()["status"] == "draining"
+            lines += [line for line in it if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        events = [json.loads(line[6:]) for line in lines[:-1]]
+        assert events[-1]["error"]["code"] == "draining"
+        assert events[-2]["choices"][0]["finish_reason"] == "abort"
+        live.thread.join(timeout=30)
+        assert not live.thread.is_alive()
+        assert llm.engine.check_integrity()
+        assert all(b.ref_cnt == 0 for b in llm.engine.kv_manager.pool.blocks)
+
+
+# ---------------------------------------------------------------------- 7. secrets
+@pytest.mark.parametrize(
+    "path", ["/metrics", "/stats", "/docs", "/openapi.json", "/redoc", "/v1/models"]
+)
+def test_protect_metrics_puts_metrics_and_docs_behind_the_key(edge, path):
+    assert httpx.get(edge.base_url + path).status_code == 401
+    assert (
+        httpx.get(edge.base_url + path, headers={"Authorization": "Bearer wrong"}).status_code
+        == 401
+    )
+    assert httpx.get(edge.base_url + path, headers=AUTH).status_code == 200
+    assert httpx.get(edge.base_url + "/health").status_code == 200  # load balancers need no key
+
+
+def test_api_key_from_env_file_or_flag(tmp_path, monkeypatch):
+    def parse(*extra: str):  # noqa: ANN202
+        return build_parser().parse_args(["serve", "--model", "m", *extra])
+
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
+    assert resolve_api_key(parse()) is None
+    monkeypatch.setenv("SPECSERVE_API_KEY", "from-env")
+    assert resolve_api_key(parse()) == "from-env"
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert resolve_api_key(parse("--api-key-file", str(key_file))) == "from-file"
+    assert resolve_api_key(parse("--api-key", "from-flag")) == "from-flag"
+    with pytest.raises(ConfigError, match="not both"):
+        resolve_api_key(parse("--api-key", "a", "--api-key-file", str(key_file)))
+    key_file.write_text("  \n")
+    with pytest.raises(ConfigError, match="empty"):
+        resolve_api_key(parse("--api-key-file", str(key_file)))
+    with pytest.raises(ConfigError, match="cannot read"):
+        resolve_api_key(parse("--api-key-file", str(tmp_path / "missing")))
+
+
+def test_protect_metrics_without_a_key_is_refused_before_loading(monkeypatch, capsys):
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
+    assert main(["serve", "--model", "no-such-model", "--protect-metrics"]) == 1
+    assert "--protect-metrics needs an API key" in capsys.readouterr().err
