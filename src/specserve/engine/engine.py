@@ -500,9 +500,13 @@ class LLMEngine:
         self._forced_drafts.clear()
         if self.tokenizer is None:
             return
+        running = self.scheduler.running
+        forced_reqs = [r for r in running if r.grammar is not None and r.is_decoding
+                       and r.sampling_params.speculative is not False]
+        if not forced_reqs:  # the common step: no constrained request, nothing more to look at
+            return
         cap = max(self.config.spec.num_spec_tokens, MIN_FORCED_DRAFT)
-        decoding = [r for r in self.scheduler.running if r.is_decoding]
-        forced_reqs = [r for r in decoding if r.grammar is not None and r.sampling_params.speculative is not False]
+        num_decoding = sum(1 for r in running if r.is_decoding)
         picks: list[tuple[Request, DraftTree]] = []
         for req in forced_reqs:
             assert req.grammar is not None
@@ -519,7 +523,7 @@ class LLMEngine:
                 continue
             picks.append((req, forced))
         extra = sum(len(f) - (len(r.draft) if r.draft is not None else 0) for r, f in picks)
-        if not picks or not self._forced_drafts_pay(len(decoding), max(extra, 1)):
+        if not picks or not self._forced_drafts_pay(num_decoding, max(extra, 1)):
             return
         for req, forced in picks:
             req.draft = forced
