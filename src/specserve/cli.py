@@ -64,6 +64,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--lookahead-window", type=int, default=6, help="lookahead: Jacobi window length")
     s.add_argument("--spec-on-batch", type=int, default=8, help="speculate freely at batch <= this")
     s.add_argument("--spec-off-batch", type=int, default=32, help="never speculate at batch >= this")
+    s.add_argument("--spec-release-after", type=float, default=300.0, metavar="SECONDS",
+                   help="speculation switched off (POST /admin/speculation) this long frees the drafter's weights "
+                        "and KV cache; switching on reloads them (default 300; a negative value keeps them)")
     g.add_argument("--seed", type=int, default=None,
                    help="random seed (generate: per-request sampling seed, reproducible output)")
 
@@ -82,6 +85,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         spec_policy=args.spec_policy, spec_tree=args.spec_tree, max_draft_nodes=args.max_draft_nodes, draft_num_layers=args.draft_num_layers,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, lookahead_window=args.lookahead_window,
         spec_on_batch=args.spec_on_batch, spec_off_batch=args.spec_off_batch,
+        spec_release_after_s=None if args.spec_release_after < 0 else args.spec_release_after,
         **({} if args.draft_p_min is None else {"draft_p_min": args.draft_p_min}),
     )
 

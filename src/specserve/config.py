@@ -179,6 +179,9 @@ class SpecConfig:
     on_batch: int = 8
     off_batch: int = 32
     profile_on_start: bool = True  # time target/draft forwards at start-up to seed the cost model
+    # Speculation switched off at run time for this many seconds frees the drafter's weights and
+    # KV cache (switching it on reloads them); None keeps them loaded.
+    release_after_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -209,6 +212,8 @@ class SpecConfig:
             raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}.")
         if not 0 <= self.on_batch <= self.off_batch:
             raise ConfigError("need 0 <= on_batch <= off_batch for the speculation thresholds.")
+        if self.release_after_s is not None and not self.release_after_s >= 0:
+            raise ConfigError(f"release_after_s must be >= 0 seconds (or None: never), got {self.release_after_s}.")
 
     @property
     def enabled(self) -> bool:

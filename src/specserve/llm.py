@@ -60,6 +60,7 @@ class LLM:
         lookahead_window: int = 6,
         spec_on_batch: int = 8,
         spec_off_batch: int = 32,
+        spec_release_after_s: float | None = 300.0,
         profile_spec_costs: bool = True,
         checkpoint: Any = None,
         draft_checkpoint: Any = None,
@@ -87,7 +88,7 @@ class LLM:
                 draft_quantization=draft_quantization, draft_vocab_size=draft_vocab_size,
                 draft_p_min=draft_p_min, ngram_min=ngram_min, ngram_max=ngram_max,
                 lookahead_window=lookahead_window, on_batch=spec_on_batch, off_batch=spec_off_batch,
-                profile_on_start=profile_spec_costs,
+                profile_on_start=profile_spec_costs, release_after_s=spec_release_after_s,
             ),
             num_threads=num_threads,
         )

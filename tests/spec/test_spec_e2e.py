@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import random
+import sys
+import time
+import weakref
 
 import numpy as np
 import pytest
@@ -361,6 +366,64 @@ def test_runtime_switch_and_per_request_opt_out(smollm_checkpoint):
     assert on.metrics.extra["num_draft_tokens"] > 0 and on.token_ids == off.token_ids
     opt_out = llm.generate(prompt, _greedy(16, speculative=False))[0]
     assert opt_out.metrics.extra["num_draft_tokens"] == 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_drafter_memory_is_released_while_speculation_is_off_and_reloaded_when_on(smollm_path):
+    """Off for longer than release_after_s frees the draft model's weights and KV cache (in the
+    loop, while requests run); switching on reloads it and speculation resumes, output unchanged."""
+    llm = LLM(smollm_path, draft_model=smollm_path, spec_policy="always", profile_spec_costs=False,
+              kv_cache_gib=0.25, spec_release_after_s=60.0)
+    eng = llm.engine
+    prompt = f"Repeat: {CODE}\nAgain: {CODE[:60]}"
+    on = llm.generate(prompt, _greedy(24))[0]
+    assert on.metrics.extra["num_draft_tokens"] > 0
+    held = eng.drafter_memory_bytes
+    kv_bytes = eng.proposer.runner.kv_cache_bytes
+    assert held > kv_bytes > 0  # weights and KV cache both counted
+    gone = [weakref.ref(eng.proposer), weakref.ref(eng.proposer.runner.kv_caches[0][0]),
+            weakref.ref(next(iter(eng.proposer.runner.model.buffers())))]
+
+    eng.set_speculation(False)
+    t_off = time.monotonic()
+    assert eng.release_idle_drafter(now=t_off + 30) == 0 and eng.proposer is not None  # not off long enough
+    # The loop frees it while a request runs: pretend 61 s have passed since the switch.
+    eng._spec_off_since = t_off - 61  # noqa: SLF001 - stands in for a minute of wall time
+    rss_before = _rss_bytes()
+    eng.add_request(prompt, _greedy(24), request_id="during")
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert eng.proposer is None and eng.drafter_released and eng.drafter_memory_bytes == 0
+    gc.collect()
+    assert all(ref() is None for ref in gone), "the drafter's tensors are still referenced"
+    # Back to the OS: at least half the weights (KV pages count only where they were written).
+    assert rss_before - _rss_bytes() > 0.5 * (held - kv_bytes), "the freed memory did not go back to the OS"
+    off = [o for o in outs if o.finished][0].outputs[0]
+    assert off.token_ids == on.token_ids
+    assert eng.check_integrity()
+    assert "drafter released" in eng.describe()["speculation"]
+    assert eng.release_idle_drafter(now=time.monotonic() + 1e6) == 0  # nothing left to free
+
+    eng.set_speculation(True)  # reloads it
+    assert eng.proposer is not None and not eng.drafter_released and eng.drafter_memory_bytes == held
+    again = llm.generate(prompt, _greedy(24))[0]
+    assert again.metrics.extra["num_draft_tokens"] > 0 and again.token_ids == on.token_ids
+    assert eng.check_integrity()
+
+
+def test_model_free_proposers_are_kept_while_speculation_is_off(smollm_checkpoint):
+    llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, spec_method="ngram", profile_spec_costs=False,
+              spec_release_after_s=0.0)
+    eng = llm.engine
+    eng.set_speculation(False)
+    assert eng.release_idle_drafter(now=time.monotonic() + 1e6) == 0
+    assert eng.proposer is not None and not eng.drafter_released
 
 
 def test_draft_tokenizer_mismatch_is_refused(smollm_checkpoint):

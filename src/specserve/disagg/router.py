@@ -120,7 +120,7 @@ class DisaggFrontend:
         self.tokenizer = preparer.tokenizer
         self.max_model_len = preparer.max_model_len
         self.config = config
-        self.proposer = object() if has_proposer else None
+        self.can_speculate = has_proposer
         self.speculation_enabled = has_proposer
 
     def prepare_request(self, prompt: Any, params: Any = None, *, request_id: str | None = None,
@@ -329,7 +329,7 @@ class DisaggRouter:
         for w in self.decode:
             if w.alive:
                 w.actor.set_speculation.remote(enabled)
-        self.engine.speculation_enabled = bool(enabled) and self.engine.proposer is not None
+        self.engine.speculation_enabled = bool(enabled) and self.engine.can_speculate
 
     # ------------------------------------------------------------------ routing
     def _hashes(self, tokens: list[int]) -> list[int]:
@@ -531,7 +531,7 @@ class DisaggRouter:
                 if self.metrics is not None:
                     self.metrics.worker_alive.labels(fresh.role, fresh.name).set(1)
                 if fresh.role == "decode":
-                    if self.engine.proposer is not None:
+                    if self.engine.can_speculate:
                         fresh.actor.set_speculation.remote(self.engine.speculation_enabled)
                     self._spawn(self._poll(fresh))
                 else:

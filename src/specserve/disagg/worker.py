@@ -118,7 +118,7 @@ class WorkerCore:
             "max_num_seqs": eng.config.scheduler.max_num_seqs,
             "spec": {"method": eng.config.spec.method, "policy": eng.config.spec.policy,
                      "num_spec_tokens": eng.config.spec.num_spec_tokens},
-            "has_proposer": eng.proposer is not None,
+            "has_proposer": eng.can_speculate,
         }
 
     def stats(self) -> dict[str, Any]:
@@ -298,6 +298,8 @@ class WorkerCore:
                     self._handle(*cmd)
                 if eng.has_unfinished_requests() and not self.paused:
                     self._emit(eng.step())
+                else:
+                    eng.release_idle_drafter()  # step() checks while busy
             except Exception as exc:  # noqa: BLE001 - a broken engine: fail loudly, stop
                 logger.exception("%s: engine loop crashed", self.name)
                 self.error = f"{type(exc).__name__}: {exc}"

@@ -6,6 +6,7 @@ plus output processing (incremental detokenization, stop strings, metrics).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -212,11 +213,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ speculation set-up
     def _init_speculation(self, draft_checkpoint: object | None) -> None:
         spec = self.config.spec
-        self.proposer: Proposer | None = build_proposer(ProposerContext(
-            spec=spec, model=self.config.model, cache=self.config.cache, max_model_len=self.max_model_len,
-            tokenizer=self.tokenizer, target_vocab_size=self.arch.vocab_size,
-            target_num_blocks=self.runner.num_blocks, draft_checkpoint=draft_checkpoint,
-        ))
+        # A checkpoint handed in by the caller stays alive in the caller anyway; kept to reload from.
+        self._draft_checkpoint = draft_checkpoint
+        self._spec_off_since: float | None = None  # monotonic time speculation was switched off
+        self.drafter_released = False  # the proposer was freed while off; switching on rebuilds it
+        self.proposer: Proposer | None = self._build_proposer()
         traits = self.proposer.traits if self.proposer is not None else None
         self.policy = SpecPolicy(
             spec,
@@ -270,10 +271,24 @@ class LLMEngine:
         self.connector = connector
         self.runner.attach_connector(connector)
 
+    def _build_proposer(self) -> Proposer | None:
+        return build_proposer(ProposerContext(
+            spec=self.config.spec, model=self.config.model, cache=self.config.cache,
+            max_model_len=self.max_model_len, tokenizer=self.tokenizer, target_vocab_size=self.arch.vocab_size,
+            target_num_blocks=self.runner.num_blocks, draft_checkpoint=self._draft_checkpoint,
+        ))
+
     def set_speculation(self, enabled: bool) -> None:
-        """Turn speculation off or on at run time (takes effect from the next step)."""
+        """Turn speculation off or on at run time (takes effect from the next step). Switching on
+        reloads a drafter released while off (`release_idle_drafter`)."""
+        if enabled and self.drafter_released:
+            self._reload_drafter()
         self.policy.enabled = bool(enabled) and self.proposer is not None
-        if not self.policy.enabled:
+        if self.policy.enabled:
+            self._spec_off_since = None
+        else:
+            if self._spec_off_since is None:
+                self._spec_off_since = time.monotonic()
             for req in self.scheduler.running:
                 req.draft = None
 
@@ -281,6 +296,45 @@ class LLMEngine:
     def speculation_enabled(self) -> bool:
         """Whether the policy may currently speculate."""
         return self.policy.enabled
+
+    @property
+    def can_speculate(self) -> bool:
+        """A proposer is configured (loaded, or released while speculation is off)."""
+        return self.proposer is not None or self.drafter_released
+
+    @property
+    def drafter_memory_bytes(self) -> int:
+        """Bytes the proposer holds now (a draft model's weights and KV cache; 0 when released)."""
+        return self.proposer.memory_bytes() if self.proposer is not None else 0
+
+    def release_idle_drafter(self, now: float | None = None) -> int:
+        """Free the proposer's weights and KV cache once speculation has been switched off for
+        `spec.release_after_s` seconds; returns the bytes freed (0: nothing to do yet).
+
+        Called by the engine loop every step and, when idle, by the server's engine thread.
+        Only proposers that hold memory are freed (a draft model; n-gram tables are small and
+        hold per-request state worth keeping)."""
+        after = self.config.spec.release_after_s
+        if self.proposer is None or self.policy.enabled or after is None or self._spec_off_since is None:
+            return 0
+        held = self.proposer.memory_bytes()
+        if held == 0 or (time.monotonic() if now is None else now) - self._spec_off_since < after:
+            return 0
+        self.proposer = None
+        self.drafter_released = True
+        gc.collect()
+        logger.info("speculation off for %.0f s: released the drafter (%.1f MiB of weights and KV cache)",
+                    after, held / (1 << 20))
+        return held
+
+    def _reload_drafter(self) -> None:
+        t0 = time.perf_counter()
+        self.proposer = self._build_proposer()
+        self.drafter_released = False
+        if self.proposer is not None:
+            for req in [*self.scheduler.running, *self.scheduler.waiting]:
+                self.proposer.add_request(req)
+        logger.info("speculation on: reloaded the drafter in %.1f s", time.perf_counter() - t0)
 
     def _resolve_max_model_len(self, config: EngineConfig) -> int:
         native = self.arch.max_position_embeddings
@@ -389,6 +443,8 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.pump()
             pending, self._pending_outputs = self._pending_outputs, []
+        if self._spec_off_since is not None:
+            self.release_idle_drafter()
         sched_out = self.scheduler.schedule()
         for rid in sched_out.preempted_ids:
             if self.proposer is not None:
@@ -637,7 +693,9 @@ class LLMEngine:
                         f"context up to {self.max_model_len:,}",
         }
         spec = cfg.spec
-        if self.proposer is None:
+        if self.drafter_released:
+            out["speculation"] = f"{spec.method}: switched off, drafter released (switching on reloads it)"
+        elif self.proposer is None:
             out["speculation"] = "off (--spec-method draft | ngram | reference | lookahead, or --draft-model auto)"
         else:
             what = f"{spec.method} {spec.draft_model}" if spec.draft_model else spec.method

@@ -218,6 +218,15 @@ class ModelRunner:
         """Bytes held by the KV cache tensors."""
         return sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
 
+    def resident_bytes(self) -> int:
+        """Bytes this runner keeps alive: every storage behind the model's parameters and
+        buffers (a shared huge-page buffer counted once) plus the KV cache."""
+        storages: dict[int, int] = {}
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+        return sum(storages.values()) + self.kv_cache_bytes
+
     # ------------------------------------------------------------------ inputs
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """Flatten scheduled requests into one token batch plus attention metadata.

@@ -665,11 +665,13 @@ def build_app(server: OpenAIServer) -> FastAPI:
     async def get_speculation() -> dict[str, Any]:
         eng = server.engine
         return {"enabled": eng.speculation_enabled, "method": eng.config.spec.method,
-                "policy": eng.config.spec.policy, "num_spec_tokens": eng.config.spec.num_spec_tokens}
+                "policy": eng.config.spec.policy, "num_spec_tokens": eng.config.spec.num_spec_tokens,
+                "drafter_memory_bytes": getattr(eng, "drafter_memory_bytes", 0),
+                "drafter_released": getattr(eng, "drafter_released", False)}
 
     @app.post("/admin/speculation")
     async def set_speculation(body: SpeculationToggle) -> dict[str, Any]:
-        if body.enabled and server.engine.proposer is None:
+        if body.enabled and not server.engine.can_speculate:
             raise APIError(400, "This server was started without a proposer; restart it with --spec-method.")
         server.async_engine.set_speculation(body.enabled)
         return {"enabled": body.enabled}

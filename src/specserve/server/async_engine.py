@@ -242,6 +242,8 @@ class AsyncEngine:
                 if eng.has_unfinished_requests():
                     self._deliver(eng.step())
                     self.last_step_time = time.time()
+                else:
+                    eng.release_idle_drafter()  # step() checks while busy
                 if self.on_step is not None:
                     self.on_step(eng)
             except Exception as exc:  # noqa: BLE001 - the engine is broken: fail everyone loudly

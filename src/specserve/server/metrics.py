@@ -144,6 +144,8 @@ class ServerMetrics:
                               "over prompt tokens looked up.", labels, registry=r)
         self.spec_enabled = Gauge("specserve_speculation_enabled", "1 when speculation may run.", labels,
                                   registry=r)
+        self.drafter_bytes = Gauge("specserve_drafter_memory_bytes", "Bytes of drafter weights and KV cache "
+                                   "loaded (0 once released while speculation is off).", labels, registry=r)
         self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of admitted requests.", labels,
                                      registry=r)
         self.generation_tokens = Counter("specserve_generation_tokens", "Generated tokens.", labels, registry=r)
@@ -214,6 +216,7 @@ class ServerMetrics:
             self._sample_series(engine, usage.num_used_blocks / max(usage.num_blocks, 1))
             self.hit_rate.labels(m).set(usage.prefix_hit_rate)
             self.spec_enabled.labels(m).set(1 if engine.speculation_enabled else 0)
+            self.drafter_bytes.labels(m).set(getattr(engine, "drafter_memory_bytes", 0))
             self.baseline.observe(time.perf_counter(), sum(1 for r in engine.scheduler.running if r.is_decoding),
                                   engine.policy.target_time)
             c = engine.spec_counters

@@ -240,6 +240,7 @@ class DraftModelProposer(Proposer):
         )
         self.device = self.runner.device
         self._seqs: dict[str, _DraftSeq] = {}
+        self._memory_bytes: int | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(model_config.seed + 1)
         self.num_forwards = 0
@@ -268,6 +269,12 @@ class DraftModelProposer(Proposer):
         head = getattr(self.runner.model, "lm_head", None)
         vocab = f", {len(head.token_ids):,}-token head" if hasattr(head, "token_ids") else ""
         return f"{self.runner.quantization}{vocab}"
+
+    def memory_bytes(self) -> int:
+        """The draft's weights and KV cache (both fixed once built)."""
+        if self._memory_bytes is None:
+            self._memory_bytes = self.runner.resident_bytes()
+        return self._memory_bytes
 
     def live_request_ids(self) -> list[str]:
         """Requests holding draft KV blocks."""

@@ -77,6 +77,11 @@ class Proposer(ABC):
         """Settings worth showing in the start-up summary (empty: none)."""
         return ""
 
+    def memory_bytes(self) -> int:
+        """Memory the proposer holds (a drafter's weights and KV cache); the engine frees a
+        proposer that holds any after speculation has been off for `release_after_s`."""
+        return 0
+
 
 def longest_suffix_match(
     haystack: Sequence[int], context: Sequence[int], n_min: int, n_max: int,
