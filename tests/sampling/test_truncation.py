@@ -1,0 +1,72 @@
+"""Top-k / top-p truncation: the candidate fast path keeps the tokens the plain definition keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.sampling import sampler
+from specserve.sampling.sampler import TRUNCATE_CANDIDATES, logits_to_probs
+
+V = 5000
+
+
+def _by_full_sort(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+    """The kept-token mask the plain definition gives: sort the row, keep its top-k, then the
+    shortest prefix of what is left whose mass reaches top_p (in float64); and per row whether
+    the cut sits within float32 rounding of top_p (either side of it is then right)."""
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    close = []
+    for i in range(logits.shape[0]):
+        vals, order = logits[i].double().sort(descending=True)
+        k = int(top_k[i]) if int(top_k[i]) > 0 else len(vals)
+        p = torch.softmax(vals[:k], dim=0)
+        before = p.cumsum(0) - p
+        n = int((before < top_p[i]).sum()) if top_p[i] < 1 else k
+        keep[i, order[: max(n, 1)]] = True
+        edge = before[max(n - 1, 0) : n + 1]
+        close.append(bool(top_p[i] < 1 and ((edge - float(top_p[i])).abs() < 1e-5).any()))
+    return keep, close
+
+
+def _rows(seed: int) -> torch.Tensor:
+    """Flat to peaked random rows, LM-like (Zipf) rows, and rows of many equal logits (last 4)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randn(4, V, generator=g) * scale for scale in (0.3, 1.0, 3.0, 10.0)]
+    zipf = -1.1 * torch.arange(1, V + 1).double().log().float() * 3
+    rows.append(torch.stack([zipf[torch.randperm(V, generator=g)] + 0.3 * torch.randn(V, generator=g) for _ in range(4)]))
+    rows.append(torch.randint(0, 4, (4, V), generator=g).float())
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_candidate_path_keeps_the_tokens_a_full_sort_keeps(seed):
+    logits = _rows(seed)
+    n = logits.shape[0]
+    g = torch.Generator().manual_seed(100 + seed)
+    choices_k = torch.tensor([0, 1, 5, 50, TRUNCATE_CANDIDATES, TRUNCATE_CANDIDATES + 1, 2000, V])
+    choices_p = torch.tensor([1.0, 0.999, 0.95, 0.9, 0.5, 0.1])
+    top_k = choices_k[torch.randint(0, len(choices_k), (n,), generator=g)]
+    top_p = choices_p[torch.randint(0, len(choices_p), (n,), generator=g)]
+    out = sampler._truncate(logits, top_k, top_p, True, True)
+    kept = torch.isfinite(out)
+    assert torch.equal(out[kept], logits[kept])  # kept logits are unchanged
+    ref, close = _by_full_sort(logits, top_k, top_p)
+    for i in range(n):
+        if i >= n - 4:  # equal logits at the edge may be cut in either order: compare counts
+            assert kept[i].sum() == ref[i].sum()
+        elif not close[i]:
+            assert torch.equal(kept[i], ref[i]), (i, int(top_k[i]), float(top_p[i]))
+    assert sum(close) < n // 4  # the comparison is not vacuous
+    # Rows through the candidates and rows sorted in full both occur, and a row's result does
+    # not depend on the other rows of the batch.
+    for i in range(n):
+        alone = sampler._truncate(logits[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], True, True)
+        assert torch.equal(alone[0], out[i])
+
+
+def test_top_p_one_keeps_every_token_and_probabilities_sum_to_one():
+    logits = torch.randn(3, V) * 20  # so peaked that float mass reaches 1.0 long before the tail
+    probs = logits_to_probs(logits, torch.ones(3), torch.zeros(3, dtype=torch.long), torch.ones(3))
+    assert (probs > 0).sum(1).tolist() == [int((torch.softmax(r, 0) > 0).sum()) for r in logits]
+    assert torch.allclose(probs.sum(1), torch.ones(3))
