@@ -127,6 +127,73 @@ def test_health_tells_degraded_from_stopped_and_forgets_dead_workers():
         r.submit([])
 
 
+class _Remote:
+    """A Ray method stand-in: `.remote(...)` calls the function."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.remote = fn
+
+
+class _FakePrefillActor:
+    """Holds a prefill open until it is aborted, as a busy prefill worker does."""
+
+    def __init__(self) -> None:
+        import concurrent.futures
+
+        self.aborted: list[str] = []
+        self.pending: concurrent.futures.Future = concurrent.futures.Future()
+        self.prefill = _Remote(lambda rid, tokens, desc: type("Ref", (), {"future": lambda _: self.pending})())
+        self.abort = _Remote(self._abort)
+
+    def _abort(self, ids: list[str]) -> None:
+        from specserve.disagg.kv_transfer import KVTransferError
+
+        self.aborted += ids
+        if not self.pending.done():  # what the worker answers: its prefill ended by the abort
+            self.pending.set_exception(KVTransferError("prefill-0: aborted"))
+
+
+class _FakeDecodeActor:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+        async def added() -> None:
+            return None
+
+        self.add_decode = _Remote(lambda req, desc, chars: added())
+        self.abort = _Remote(lambda ids: self.aborted.extend(ids))
+
+
+def test_abort_during_prefill_stops_the_prefill_worker_and_is_no_failure(caplog):
+    """A client leaving while its prompt is prefilled: the prefill worker is told to stop (no
+    compute for nobody), and the prefill that ends that way counts as no failure of the worker."""
+    import asyncio
+
+    r = _router(num_prefill=1, num_decode=1)
+    pre_actor, dec_actor = _FakePrefillActor(), _FakeDecodeActor()
+    r.prefill[0].actor, r.decode[0].actor = pre_actor, dec_actor
+    prepared = r.engine.prepare_request([1, 2, 3, 4, 5, 6, 7, 8] * 5, SamplingParams(max_tokens=4))
+    rid = prepared.request.request_id
+
+    async def scenario() -> None:
+        r._loop = asyncio.get_running_loop()
+        r.submit([prepared])
+        _deadline = time.monotonic() + 5
+        while r._jobs[rid].prefill_worker is None:  # the prefill is running
+            assert time.monotonic() < _deadline, "the prefill never started"
+            await asyncio.sleep(0.01)
+        r.abort([rid])
+        await asyncio.sleep(0.1)  # the router's attempt sees the prefill end
+
+    with caplog.at_level("WARNING", logger="specserve.disagg.router"):
+        asyncio.run(scenario())
+    internal = f"{rid}#1"
+    assert pre_actor.aborted == [internal] and set(dec_actor.aborted) == {internal}
+    assert r.prefill[0].num_failures == 0 and r.prefill[0].alive
+    assert not [rec for rec in caplog.records if "failed" in rec.getMessage()]
+    assert not _our_channel_files()
+
+
 def test_channel_files_are_deleted_when_prefill_ends_a_worker_dies_or_at_shutdown():
     layout = KVLayout(2, 1, 4, "float32")
     files = ChannelFiles()

@@ -98,6 +98,7 @@ class _Job:
     emitted_chars: int = 0
     internal_id: str | None = None
     worker: WorkerHandle | None = None
+    prefill_worker: WorkerHandle | None = None  # while its prefill runs there
     attempts: int = 0
     finished: bool = False
     aborted: bool = False
@@ -320,8 +321,9 @@ class DisaggRouter:
             if job is None or job.finished:
                 continue
             job.aborted = True
-            if job.worker is not None and job.internal_id is not None and job.worker.alive:
-                job.worker.actor.abort.remote([job.internal_id])
+            for w in (job.worker, job.prefill_worker):  # no one computes for a client that left
+                if w is not None and job.internal_id is not None and w.alive:
+                    w.actor.abort.remote([job.internal_id])
             self._finish(job, "abort", None)
 
     def set_speculation(self, enabled: bool) -> None:
@@ -457,6 +459,7 @@ class DisaggRouter:
             self._index(hashes, dec.name)
             return True
         pre.pending_tokens += m
+        job.prefill_worker = pre
         try:
             ref = pre.actor.prefill.remote(internal, tokens[:m], desc)
             budget = self.transfer_timeout_s + 0.05 * m
@@ -464,6 +467,8 @@ class DisaggRouter:
         except Exception as exc:  # noqa: BLE001 - dead, hung, or a failed transfer
             if isinstance(exc, ray.exceptions.RayActorError):
                 self._worker_failed(pre, exc)
+            elif job.aborted:  # its client left: the decode side closed the channel, nothing failed
+                logger.debug("prefill of %s on %s ended by abort: %s", internal, pre.name, exc)
             else:
                 pre.num_failures += 1
                 bad_prefill.add(pre.name)
@@ -477,6 +482,7 @@ class DisaggRouter:
         finally:
             pre.pending_tokens -= m
             dec.reserved_blocks -= blocks
+            job.prefill_worker = None
         st["decode_worker"] = dec.name
         st["transport"] = desc.transport if desc else None
         self.prefills.append(st)
