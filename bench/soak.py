@@ -98,8 +98,10 @@ def _short_name(cmd: str) -> str:
     for key in ("specserve.cli", "gcs_server", "raylet", "dashboard", "log_monitor", "runtime_env", "monitor.py"):
         if key in cmd:
             return "server (router)" if key == "specserve.cli" else key
-    if "ray::" in cmd or "default_worker" in cmd:
-        return cmd.split()[0] if cmd.startswith("ray::") else "ray worker"
+    if cmd.startswith("ray::"):  # Ray retitles a worker with the method it runs: keep the actor
+        return cmd.split()[0].split(".")[0]
+    if "default_worker" in cmd:
+        return "ray worker"
     return cmd.split()[0].rsplit("/", 1)[-1] if cmd else "?"
 
 
@@ -255,8 +257,9 @@ async def sample(client: httpx.AsyncClient, base: str, root: int, t0: float) -> 
     procs = []
     for pid in process_tree(root):
         got = rss_and_name(pid)
-        if got is not None:
-            procs.append({"pid": pid, "name": got[1], "rss": got[0]})
+        if got is not None:  # two workers are both "ray::EngineWorkerActor": tell them by pid
+            name = f"{got[1]} [{pid}]" if got[1].startswith("ray::") else got[1]
+            procs.append({"pid": pid, "name": name, "rss": got[0]})
     s: dict[str, Any] = {"t": time.time() - t0, "rss_total": sum(p["rss"] for p in procs), "procs": procs,
                          "channel_files": len(channel_files())}
     try:
