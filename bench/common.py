@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
-import os
-import platform
 import subprocess
 import time
 from pathlib import Path
@@ -28,36 +25,10 @@ def git_commit() -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on."""
-    cpu = platform.processor() or "unknown"
-    flags = ""
-    ids: dict[str, str] = {}  # family / model / stepping: VMs often report only "Intel(R) Xeon(R) Processor"
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
-            for line in f:
-                key = line.split(":", 1)[0].strip()
-                if key == "model name":
-                    cpu = line.split(":", 1)[1].strip()
-                elif key in ("cpu family", "model", "stepping") and key not in ids:
-                    ids[key] = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line
-    except OSError:
-        pass
-    isa = [x for x in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f" {x}" in flags]
-    info: dict[str, Any] = {
-        "cpu": cpu,
-        "cpu_family_model_stepping": "/".join(ids.get(k, "?") for k in ("cpu family", "model", "stepping")),
-        "cpu_isa": isa,
-        "logical_cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "commit": git_commit(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-    return info
+    """What the numbers were measured on (specserve.ops.profile.machine_info) and the commit."""
+    from specserve.ops.profile import machine_info as package_machine_info
+
+    return {**package_machine_info(), "commit": git_commit()}
 
 
 def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5, device: str = "cpu") -> float:

@@ -95,7 +95,8 @@ async def drive(ae: Any, frontend: Any, reqs: list[dict[str, Any]]) -> list[dict
             stamps += [now] * len(out.outputs[0].delta_token_ids)
             error = error or out.error
         gaps = list(np.diff(stamps)) if len(stamps) > 1 else []
-        return {"kind": r["kind"], "prompt_tokens": p.request.num_prompt_tokens, "tokens": len(stamps),
+        return {"kind": r["kind"], "arrival_s": arrival - t0, "prompt_tokens": p.request.num_prompt_tokens,
+                "tokens": len(stamps),
                 "ttft_s": stamps[0] - arrival if stamps else None,
                 "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None,
                 "gaps_s": gaps, "e2e_s": (stamps[-1] if stamps else time.perf_counter()) - arrival,

@@ -73,7 +73,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict[s
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
-    tokens = 0
+    tokens = prompt_tokens = cached_tokens = 0
     status = 0
     try:
         async with client.stream("POST", url, json=body) as resp:
@@ -88,6 +88,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict[s
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
+                    prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 for ch in chunk.get("choices", []):
                     if ch.get("delta", {}).get("content"):
                         first = first or now
@@ -97,7 +99,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict[s
     end = time.perf_counter()
     ttft = (first or end) - t0
     tpot = (last - first) / (tokens - 1) if first and last and tokens > 1 else None
-    return {"ok": True, "status": 200, "ttft": ttft, "tpot": tpot, "e2e": end - t0, "tokens": tokens}
+    return {"ok": True, "status": 200, "ttft": ttft, "tpot": tpot, "e2e": end - t0, "tokens": tokens,
+            "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens}
 
 
 async def run_point(base: str, bodies: list[dict], rate: float, seed: int) -> dict[str, Any]:
@@ -105,14 +108,31 @@ async def run_point(base: str, bodies: list[dict], rate: float, seed: int) -> di
     gaps = rng.exponential(1.0 / rate, size=len(bodies))
     url = base + "/v1/chat/completions"
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=512)) as client:
-        tasks = []
+        tasks, arrivals = [], []
         t0 = time.perf_counter()
         for gap, body in zip(gaps, bodies):
             await asyncio.sleep(gap)
+            arrivals.append(time.perf_counter() - t0)
             tasks.append(asyncio.create_task(one_request(client, url, body)))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
+    for r, at in zip(results, arrivals):
+        r["arrival_s"] = at  # the request's trace for bench/plan_check.py: when it was sent
     return {"results": results, "wall_s": wall}
+
+
+SPEC_COUNTERS = {"drafts": "specserve_spec_drafts_total", "draft_tokens": "specserve_spec_draft_tokens_total",
+                 "accepted_tokens": "specserve_spec_accepted_tokens_total"}
+
+
+def spec_counters(base: str) -> dict[str, float]:
+    """The server's speculation counters (verify steps, draft tokens verified, accepted), from /metrics."""
+    out = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        for key, name in SPEC_COUNTERS.items():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def summarise(point: dict[str, Any], slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
@@ -233,9 +253,13 @@ def main() -> int:
                     # so the second mode gets no prefix-cache hits from the first mode's prompts
                     # (the chat template's system part is still shared, as in real traffic).
                     tagged = [_tag(body, f"{workload}-{rate}-{spec}-{i}") for i, body in enumerate(bodies)]
+                    before = spec_counters(base)
                     point = asyncio.run(run_point(base, tagged, rate, seed=int(rate * 100)))
+                    after = spec_counters(base)
                     summ = summarise(point, args.slo_ttft, args.slo_tpot)
-                    summ.update(workload=workload, rate=rate, speculation=spec)
+                    summ.update(workload=workload, rate=rate, speculation=spec,
+                                # per request: arrival, tokens, latencies; the point's drafts and acceptance
+                                requests=point["results"], spec_counters={k: after[k] - before[k] for k in after})
                     points.append(summ)
                     print(f"{workload:5s} rate {rate:5.2f} spec {spec:8s}: TTFT p50 {summ['ttft_p50']:.2f}s "
                           f"p99 {summ['ttft_p99']:.2f}s | TPOT p50 {1e3 * (summ['tpot_p50'] or 0):.0f}ms "

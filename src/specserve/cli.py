@@ -294,6 +294,30 @@ def _add_calc_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", default=None, help=hw_help)
 
 
+# ---------------------------------------------------------------------- profile, plan
+def cmd_profile(args: argparse.Namespace) -> int:
+    """specserve profile: time this machine running the model; write the profile JSON."""
+    from specserve import LLM
+    from specserve.ops.profile import describe, record_profile, write_profile
+    from specserve.progress import spinner
+
+    with spinner(f"loading {args.model}"):
+        llm = LLM(args.model, **engine_kwargs(args), profile_spec_costs=False)
+    kwargs = {k: getattr(args, k) for k in ("batches", "contexts") if getattr(args, k) is not None}
+    profile = record_profile(llm.engine, repeats=args.repeats, **kwargs)
+    path = write_profile(profile, args.out)
+    print(describe(profile))
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """specserve plan: rank deployments of a workload mix by goodput within the SLO."""
+    from specserve.ops.plan import run
+
+    return run(args)
+
+
 # ---------------------------------------------------------------------- serve
 def cmd_audit(args: argparse.Namespace) -> int:
     """specserve audit: run the audits, print a table (or JSON); exit 3 when one fails."""
@@ -416,6 +440,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": cmd_generate,
     "audit": cmd_audit,
     "calc": cmd_calc,
+    "profile": cmd_profile,
+    "plan": cmd_plan,
     "serve": cmd_serve,
 }
 
@@ -463,6 +489,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
     _add_calc_parser(sub)
+
+    p = sub.add_parser("profile", help="time this machine running a model: the step costs `specserve plan` uses")
+    add_engine_args(p)
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (default 1 2 4 8 16 32)")
+    p.add_argument("--contexts", type=int, nargs="+", default=None, help="decode contexts (default 128 1024)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per point per round (the fastest is kept)")
+
+    from specserve.ops.plan import add_arguments as add_plan_arguments
+
+    p = sub.add_parser("plan", help="the deployment with the most goodput within the SLO for a workload mix",
+                       description="Exit status 2 on a bad workload file, SLO or profile.")
+    add_plan_arguments(p)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(p)

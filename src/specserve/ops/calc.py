@@ -246,8 +246,29 @@ def attention_flops_per_context_token(arch: ArchConfig) -> int:
     return 4 * arch.num_layers * arch.q_size
 
 
+# Published dimensions of models specserve does not ship, for planning on paper (`--model NAME`
+# in `specserve calc` and `specserve plan`): the models' config.json files on the Hugging Face hub.
+MODEL_PRESETS: dict[str, ArchConfig] = {
+    arch.name: arch
+    for arch in (
+        ArchConfig("llama", vocab_size=128_256, hidden_size=8192, intermediate_size=28_672, num_layers=80,
+                   num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500_000.0, rms_norm_eps=1e-5,
+                   max_position_embeddings=8192, tie_word_embeddings=False, name="llama-3-70b"),
+        ArchConfig("llama", vocab_size=128_256, hidden_size=4096, intermediate_size=14_336, num_layers=32,
+                   num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500_000.0, rms_norm_eps=1e-5,
+                   max_position_embeddings=8192, tie_word_embeddings=False, name="llama-3-8b"),
+        ArchConfig("llama", vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                   num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500_000.0, rms_norm_eps=1e-5,
+                   max_position_embeddings=131_072, tie_word_embeddings=True, name="llama-3.2-1b"),
+    )
+}
+
+
 def load_arch(model: str) -> ArchConfig:
-    """A model's architecture (bundled name, GGUF file or HF directory) without reading its weights."""
+    """A model's architecture (a preset name, bundled name, GGUF file or HF directory) without reading its weights."""
+    preset = MODEL_PRESETS.get(model.lower())
+    if preset is not None:
+        return preset
     from specserve.models.bundled import resolve_model
     from specserve.models.loader import load_model_metadata
 

@@ -1,0 +1,196 @@
+"""The planner's simulator against measurement: replay benchmark traces, compare TTFT and TPOT p50.
+
+Each point of bench/serve.py (a workload at a rate, speculation adaptive or off) and each run of
+bench/disagg.py (co-located or disaggregated, per request kind) saved its requests: when each
+arrived, its prompt and output tokens, and for speculation the server's draft counters. This
+replays every trace through `specserve.ops.simulate` with the step costs of a profile of the
+same machine (`specserve profile`), and writes measured vs predicted TTFT p50 and TPOT p50 and
+their ratio (the acceptance bar: within 20%).
+
+    specserve profile --model smollm2-135m-instruct --spec-method ngram --out bench/results/profile.json
+    specserve profile --model smollm2-135m-instruct --threads 1 --out bench/results/profile-1thread.json
+    python bench/plan_check.py --profile bench/results/profile.json \
+        --worker-profile bench/results/profile-1thread.json \
+        --results bench/results/serve.json bench/results/disagg.json
+
+--worker-profile: disaggregated workers run one thread each in bench/disagg.py (default: --profile).
+Speculation: the point's verify steps D, draft tokens verified T and accepted tokens A give
+K = round(T / D) drafts per verify step; its requests' decode steps S (output tokens after the
+first, less A) give the per-token acceptance b with 1 + A / S = (1 - b^(K+1)) / (1 - b): the
+tokens a decode step yields on average, steps where the proposer found nothing to draft included.
+
+Writes bench/results/plan_check.json and plan_check.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, machine_info, write_json  # noqa: E402
+
+from specserve.ops.calc import acceptance_for  # noqa: E402
+from specserve.ops.costmodel import CostModel, MeasuredCostModel  # noqa: E402
+from specserve.ops.simulate import SLO, Deployment, SpecSetting, TraceRequest, simulate, summarize  # noqa: E402
+
+TOLERANCE = 0.2
+NO_SLO = SLO(float("inf"), float("inf"))
+SERVE_MAX_NUM_SEQS = 64  # bench/serve.py starts the server with --max-num-seqs 64
+
+
+def speculation(counters: dict[str, float] | None, output_tokens: int) -> tuple[int, float]:
+    """(K, per-token acceptance) that reproduce a point's drafts per verify step and tokens per decode step."""
+    if not counters or counters.get("drafts", 0) <= 0:
+        return 0, 0.0
+    accepted = counters["accepted_tokens"]
+    k = max(1, round(counters["draft_tokens"] / counters["drafts"]))
+    steps = max(output_tokens - accepted, 1.0)
+    alpha = min(1 + accepted / steps, k + 1 - 1e-9)
+    return k, acceptance_for(alpha, k) if alpha > 1 else 0.0
+
+
+def _ratio(predicted: float | None, measured: float | None) -> float | None:
+    return predicted / measured if predicted is not None and measured else None
+
+
+def _row(source: str, label: str, kind: str, measured: dict[str, float | None], predicted: Any,
+         deployment: Deployment, n: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"source": source, "point": label, "kind": kind, "requests": n,
+                           "deployment": deployment.label, "speculation": deployment.spec.label}
+    for key, pred in (("ttft_p50", predicted.ttft_p50), ("tpot_p50", predicted.tpot_p50)):
+        out[key] = {"measured": measured[key], "predicted": pred, "ratio": _ratio(pred, measured[key])}
+    return out
+
+
+def check_serve(payload: dict[str, Any], cost: MeasuredCostModel, seed: int) -> list[dict[str, Any]]:
+    """One row per bench/serve.py point: one co-located server, the point's requests replayed."""
+    rows = []
+    for p in payload["points"]:
+        reqs = [r for r in p.get("requests", []) if r.get("ok")]
+        if not reqs or "arrival_s" not in reqs[0]:
+            raise SystemExit("the serve results hold no request traces: rerun bench/serve.py (it saves them now).")
+        decoded = sum(max(r["tokens"] - 1, 0) for r in reqs)
+        k, a = speculation(p.get("spec_counters"), decoded) if p["speculation"] == "adaptive" else (0, 0.0)
+        label = f"{p['workload']} {p['rate']:g} req/s, spec {p['speculation']}"
+        trace = [TraceRequest(r["arrival_s"], r["prompt_tokens"], max(r["tokens"], 1), label, a,
+                              r.get("cached_tokens", 0)) for r in reqs]
+        dep = Deployment(max_num_batched_tokens=cost.max_num_batched_tokens, max_num_seqs=SERVE_MAX_NUM_SEQS,
+                         spec=SpecSetting(k))
+        pred = summarize(simulate(trace, dep, cost, seed=seed), NO_SLO).overall
+        rows.append(_row("serve", label, "all", {"ttft_p50": p["ttft_p50"], "tpot_p50": p["tpot_p50"]}, pred, dep,
+                         len(trace)))
+    return rows
+
+
+def check_disagg(payload: dict[str, Any], cost: CostModel, worker_cost: CostModel, seed: int) -> list[dict[str, Any]]:
+    """Rows per bench/disagg.py run and request kind: co-located (one engine) or 1 prefill + 1 decode worker."""
+    chunk = payload["settings"]["chunk"]
+    rows = []
+    for config, by_workload in payload["runs"].items():
+        disagg = config == "disaggregated"
+        dep = Deployment(colocated=0, prefill=1, decode=1, max_num_batched_tokens=chunk) if disagg else \
+            Deployment(max_num_batched_tokens=chunk)
+        for workload, run in by_workload.items():
+            reqs = [r for r in run["requests"] if not r.get("error") and r["tokens"]]
+            if not reqs or "arrival_s" not in reqs[0]:
+                raise SystemExit("the disagg results hold no arrival times: rerun bench/disagg.py (it saves them now).")
+            trace = [TraceRequest(r["arrival_s"], r["prompt_tokens"], r["tokens"], r["kind"]) for r in reqs]
+            sim = summarize(simulate(trace, dep, worker_cost if disagg else cost, seed=seed), NO_SLO)
+            for kind, pred in sim.by_class.items():
+                m = run["summary"][kind]
+                rows.append(_row("disagg", f"{config} {workload}", kind,
+                                 {"ttft_p50": m["ttft_p50_s"], "tpot_p50": m["tpot_p50_s"]}, pred, dep, pred.requests))
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Predicted against measured TTFT p50 and TPOT p50, with the 20% band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
+    for ax, key, unit in ((axes[0], "ttft_p50", "s"), (axes[1], "tpot_p50", "s")):
+        pts = [(r[key]["measured"], r[key]["predicted"], r) for r in rows
+               if r[key]["measured"] and r[key]["predicted"]]
+        if not pts:
+            continue
+        lo = min(min(m, p) for m, p, _ in pts) * 0.7
+        hi = max(max(m, p) for m, p, _ in pts) * 1.4
+        ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+        ax.fill_between([lo, hi], [lo * (1 - TOLERANCE), hi * (1 - TOLERANCE)],
+                        [lo * (1 + TOLERANCE), hi * (1 + TOLERANCE)], color="green", alpha=0.12, label="within 20%")
+        for source, marker in (("serve", "o"), ("disagg", "s")):
+            sel = [(m, p) for m, p, r in pts if r["source"] == source]
+            if sel:
+                ax.scatter([m for m, _ in sel], [p for _, p in sel], marker=marker, label=f"bench/{source}.py")
+        for m, p, r in pts:
+            ax.annotate(f"{r['point']} / {r['kind']}", (m, p), fontsize=6, alpha=0.7)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"measured {key.replace('_', ' ')} ({unit})")
+        ax.set_ylabel(f"simulated {key.replace('_', ' ')} ({unit})")
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", required=True, help="profile JSON of this machine (specserve profile)")
+    ap.add_argument("--worker-profile", default=None,
+                    help="profile for bench/disagg.py's one-thread workers (default: --profile)")
+    ap.add_argument("--results", nargs="+", required=True, help="bench/serve.py and/or bench/disagg.py JSON")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="plan_check")
+    args = ap.parse_args()
+
+    profile = json.loads(Path(args.profile).read_text())
+    worker_profile = json.loads(Path(args.worker_profile).read_text()) if args.worker_profile else profile
+    # bench/serve.py streams over HTTP (the overhead measured behind the server); bench/disagg.py
+    # drives its engines in-process (the engine's own overhead).
+    served = MeasuredCostModel.from_profile(profile, served=True)
+    engine = MeasuredCostModel.from_profile(profile)
+    worker = MeasuredCostModel.from_profile(worker_profile)
+    rows: list[dict[str, Any]] = []
+    for path in args.results:
+        payload = json.loads(Path(path).read_text())
+        rows += check_serve(payload, served, args.seed) if "points" in payload else \
+            check_disagg(payload, engine, worker, args.seed)
+    ratios = [r[k]["ratio"] for r in rows for k in ("ttft_p50", "tpot_p50") if r[k]["ratio"] is not None]
+    within = sum(1 for x in ratios if abs(x - 1) <= TOLERANCE)
+    print(f"{'source':7} {'point':36} {'kind':7} {'TTFT p50 meas/pred s':>22} {'ratio':>6} "
+          f"{'TPOT p50 meas/pred ms':>22} {'ratio':>6}")
+
+    def pair(r: dict[str, Any], key: str, scale: float) -> str:
+        m, p = r[key]["measured"], r[key]["predicted"]
+        return "-" if m is None or p is None else f"{m * scale:.3g} / {p * scale:.3g}"
+
+    def ratio(r: dict[str, Any], key: str) -> str:
+        x = r[key]["ratio"]
+        return "-" if x is None else f"{x:.2f}"
+
+    for r in rows:
+        print(f"{r['source']:7} {r['point']:36} {r['kind']:7} {pair(r, 'ttft_p50', 1):>22} {ratio(r, 'ttft_p50'):>6} "
+              f"{pair(r, 'tpot_p50', 1e3):>22} {ratio(r, 'tpot_p50'):>6}")
+    print(f"{within} of {len(ratios)} predictions within {TOLERANCE:.0%} of the measurement")
+    payload = {"benchmark": "planner simulator vs measurement", "machine": machine_info(),
+               "profile": args.profile, "worker_profile": args.worker_profile, "results": args.results,
+               "tolerance": TOLERANCE, "within_tolerance": within, "predictions": len(ratios), "rows": rows}
+    out = write_json(f"{args.out}.json", payload)
+    plot(rows, RESULTS_DIR / f"{args.out}.png",
+         f"simulator ({Path(args.profile).name}) vs bench measurements: {within}/{len(ratios)} within 20%")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,475 @@
+"""How long an engine step takes, for the deployment simulator: from a measured profile or a roofline.
+
+A step's cost depends only on its shape (`StepShape`): how many requests decode and with how
+many draft tokens, over how much context, and which prompt chunks it prefills. Two models:
+
+- `MeasuredCostModel` interpolates the tables `specserve profile` recorded on a machine
+  (decode step by batch and context, verify step by tokens per request, prefill chunk by size
+  and by the context before it, engine overhead per step, drafter passes, KV transfer bandwidth);
+- `RooflineCostModel` bounds each step by published hardware figures (`HardwareSpec`) and a
+  model's dimensions: max(bytes / bandwidth, FLOPs / peak), each at an efficiency, plus
+  tensor-parallel all-reduces and a fixed overhead per step. It plans models this machine
+  cannot run (a Llama-3-70B on H100s).
+
+Pure Python (no torch): plans run anywhere.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from specserve.errors import SpecServeError
+from specserve.models.arch import ArchConfig
+from specserve.ops.calc import (
+    KVDims,
+    attention_flops_per_context_token,
+    kv_bytes_per_token,
+    weights_read_per_token,
+)
+from specserve.ops.hardware import HardwareSpec
+
+PROFILE_FORMAT = "specserve-profile/1"
+ACTIVATION_BYTES = 2  # bf16 / fp16 activations, what a tensor-parallel all-reduce moves per element
+
+
+class ProfileError(SpecServeError, ValueError):
+    """A profile file is not one `specserve profile` wrote, or lacks a table; the message names it."""
+
+
+class StepShape(NamedTuple):
+    """What one engine step carries; its cost depends on nothing else."""
+
+    decode_seqs: int = 0  # requests decoding: one new token each, plus draft tokens
+    decode_tokens: int = 0  # their tokens in the step: decode_seqs + verified draft tokens
+    decode_context: int = 0  # KV tokens those requests attend to, summed over them
+    decode_max_context: int = 0  # the longest of those contexts
+    prefill: tuple[tuple[int, int], ...] = ()  # per prompt chunk: (its tokens, tokens before it)
+
+    @property
+    def num_seqs(self) -> int:
+        """Requests in the step."""
+        return self.decode_seqs + len(self.prefill)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the forward pass computes."""
+        return self.decode_tokens + sum(p for p, _ in self.prefill)
+
+
+class CostModel(Protocol):
+    """Step times and capacities of one worker (an engine on its devices)."""
+
+    @property
+    def description(self) -> str:
+        """What the costs come from, for reports."""
+        ...
+
+    @property
+    def num_layers(self) -> int:
+        """Layers the KV streams through (layer-pipelined transfer)."""
+        ...
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token, all layers."""
+        ...
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """KV tokens one worker holds."""
+        ...
+
+    @property
+    def link_gb_s(self) -> float | None:
+        """KV transfer bandwidth between two workers in GB/s (None: unknown)."""
+        ...
+
+    def step_s(self, shape: StepShape) -> float:
+        """Seconds of one engine step of this shape (the forward pass and the engine's own work)."""
+        ...
+
+    def draft_s(self, batch: int, k: int) -> float:
+        """Seconds of the draft model's passes for k tokens for each of `batch` requests (0 when k == 0)."""
+        ...
+
+    def spec_step_s(self, batch: int) -> float:
+        """Seconds speculation adds to every step of `batch` requests while it is switched on, drafting
+        or not (the policy, a model-free proposer, verification outside the forward)."""
+        ...
+
+
+# ---------------------------------------------------------------------- interpolation
+def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear y(x) through the points, extended linearly past both ends (xs ascending)."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
+
+
+def non_decreasing(ys: Sequence[float]) -> list[float]:
+    """Each value replaced by the smallest at or after it: a cost table made monotone.
+
+    A step never gets cheaper with more tokens, so a point above a later one was slowed by
+    something else (on a shared machine, another process); noise only ever adds time.
+    """
+    out = list(ys)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
+def _least_squares_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through the points."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+# ---------------------------------------------------------------------- measured
+class Curve(NamedTuple):
+    """y(x) through measured points (x ascending), piecewise linear."""
+
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+
+    def __call__(self, x: float) -> float:
+        return interp(self.xs, self.ys, x)
+
+
+class Surface(NamedTuple):
+    """z(row, col) through a measured grid, piecewise linear along both axes."""
+
+    rows: tuple[float, ...]
+    cols: tuple[float, ...]
+    values: tuple[tuple[float, ...], ...]  # [row][col]
+
+    def __call__(self, row: float, col: float) -> float:
+        return interp(self.rows, [interp(self.cols, r, col) for r in self.values], row)
+
+
+class _ProfileReader:
+    """Typed access to a profile dict; every problem raises a ProfileError naming the field."""
+
+    def __init__(self, profile: Mapping[str, Any]) -> None:
+        if not isinstance(profile, Mapping) or profile.get("format") != PROFILE_FORMAT:
+            raise ProfileError(f"not a specserve profile (its `format` must be {PROFILE_FORMAT!r}); "
+                               "record one with `specserve profile --model M --out P.json`.")
+        self.profile = profile
+
+    def get(self, path: str) -> Any:
+        node: Any = self.profile
+        for key in path.split("."):
+            if not isinstance(node, Mapping) or key not in node:
+                raise ProfileError(f"the profile has no {path}; record it again with `specserve profile`.")
+            node = node[key]
+        return node
+
+    def whole(self, path: str) -> int:
+        value = self.get(path)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ProfileError(f"profile field {path} must be a whole number >= 1, got {value!r}.")
+        return value
+
+    def number(self, path: str) -> float:
+        value = self.get(path)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+            raise ProfileError(f"profile field {path} must be a number > 0, got {value!r}.")
+        return float(value)
+
+    def numbers(self, path: str, *, length: int | None = None, ascending: bool = False,
+                minimum: float = 0.0, strict: bool = True) -> tuple[float, ...]:
+        values = self.get(path)
+        ok = isinstance(values, list) and bool(values) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and (v > minimum if strict else v >= minimum) for v in values)
+        if not ok:
+            bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+            raise ProfileError(f"profile field {path} must be a non-empty list of numbers {bound}, got {values!r}.")
+        if length is not None and len(values) != length:
+            raise ProfileError(f"profile field {path} must hold {length} values (one per point), got {len(values)}.")
+        if ascending and any(b <= a for a, b in zip(values, values[1:])):
+            raise ProfileError(f"profile field {path} must be strictly ascending, got {values}.")
+        return tuple(float(v) for v in values)
+
+    def curve(self, xs_path: str, ys_path: str, *, monotone: bool = True, strict: bool = True) -> Curve:
+        xs = self.numbers(xs_path, ascending=True)
+        ys = self.numbers(ys_path, length=len(xs), strict=strict)
+        return Curve(xs, tuple(non_decreasing(ys)) if monotone else ys)
+
+    def surface(self, rows_path: str, cols_path: str, values_path: str) -> Surface:
+        rows = self.numbers(rows_path, ascending=True)
+        cols = self.numbers(cols_path, ascending=True)
+        grid = self.get(values_path)
+        if not isinstance(grid, list) or len(grid) != len(rows):
+            raise ProfileError(f"profile field {values_path} must hold {len(rows)} rows (one per {rows_path}).")
+        values = []
+        for i, row in enumerate(grid):
+            if not isinstance(row, list) or len(row) != len(cols) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v) for v in row
+            ):
+                raise ProfileError(f"profile field {values_path}[{i}] must hold {len(cols)} numbers > 0 "
+                                   f"(one per {cols_path}), got {row!r}.")
+            values.append(tuple(non_decreasing([float(v) for v in row])))
+        return Surface(rows, cols, tuple(values))
+
+
+@dataclass(frozen=True)
+class MeasuredCostModel:
+    """Step times interpolated from a `specserve profile` of one machine and model.
+
+    A step of d decoding requests (n tokens each on average, context L) and prompt chunks
+    (p tokens after o others) costs
+
+        overhead(d + chunks) + D(d, L) + [V(d, n) - V(d, 1)] + sum P(p, o) - (parts - 1) * f0 (+ c * pad)
+
+    D: the decode table by batch and context; V: the verify table by batch and tokens per
+    request (its growth over n = 1 is what the drafts add); P(p, o) = P(p) + c * p * o: the
+    prefill table by chunk size, plus attention over the o earlier tokens at c seconds per
+    (query, key) pair, fitted on chunks timed after a context. A forward's fixed cost f0 (the
+    intercept of the prefill line: the weights read once) is counted once however many parts
+    share the step. overhead(b) is the engine's own per-step work; for a served deployment
+    (`served=True`) it is what the profile's steps behind the OpenAI server took beyond the
+    decode table at their batch (HTTP streaming shares the CPU with the engine).
+
+    Attention comes in two kinds (the profile's `engine.attention`): the native kernels attend
+    each token to its own keys only ("per_token": L is the decodes' mean context), while torch's
+    SDPA path pads every request of a step to its longest query run and context ("padded",
+    specserve/attention.py: L is the longest context, and a step that mixes a prompt chunk with
+    decodes also pays c for each padded (query, key) pair). Noise on a shared machine only adds
+    time, so each table is made monotone by keeping, at every point, the smallest time at or
+    after it.
+    """
+
+    description: str
+    num_layers: int
+    kv_bytes_per_token: int
+    kv_capacity_tokens: int
+    link_gb_s: float | None
+    max_num_batched_tokens: int  # the profiled engine's scheduler settings (the plan's defaults)
+    max_num_seqs: int
+    decode: Surface  # [context][batch] seconds
+    verify: Surface  # [batch][tokens per request] seconds, at one context
+    prefill: Curve  # chunk tokens -> seconds, nothing before the chunk
+    padded_attention: bool  # attention pads each request to the step's longest query and context
+    fixed_s: float  # f0
+    pair_s: float  # c: seconds per (query, key) pair of multi-token attention
+    overhead: Curve  # batch -> seconds per step outside the forward (the engine's, or served)
+    drafter_pass: Curve | None  # a draft model: batch -> seconds of one drafting pass
+    spec_step: Curve | None  # a model-free proposer: batch -> seconds speculation adds to each step
+
+    @classmethod
+    def from_profile(cls, profile: Mapping[str, Any], *, served: bool = False) -> MeasuredCostModel:
+        """The model of a profile dict (as `specserve profile` writes it); ProfileError if malformed.
+
+        served: steps pay the overhead measured behind the OpenAI server (HTTP clients streaming),
+        else the engine's own (an engine driven in-process).
+        """
+        r = _ProfileReader(profile)
+        decode = r.surface("decode.contexts", "decode.batches", "decode.step_s")
+        # A longer context never makes a step cheaper either.
+        rows = [list(v) for v in decode.values]
+        for i in range(len(rows) - 2, -1, -1):
+            rows[i] = [min(a, b) for a, b in zip(rows[i], rows[i + 1])]
+        decode = decode._replace(values=tuple(tuple(v) for v in rows))
+        verify = r.surface("verify.batches", "verify.tokens", "verify.step_s")
+        if verify.cols[0] == 1:  # one token per request is a decode step: the faster of the two timings
+            context = float(r.get("verify.context"))
+            verify = verify._replace(values=tuple(
+                (min(row[0], decode(context, b)), *row[1:]) for b, row in zip(verify.rows, verify.values)))
+        one_token = decode(decode.rows[0], 1)  # a one-token prompt chunk is a decode step
+        prefill = r.curve("prefill.chunks", "prefill.step_s")
+        if prefill.xs[0] > 1:
+            prefill = Curve((1.0, *prefill.xs), (min(one_token, prefill.ys[0]), *prefill.ys))
+        intercept, _ = _least_squares_line(prefill.xs[1:], prefill.ys[1:])
+
+        chunk = r.number("prefill_context.chunk")
+        offsets = r.numbers("prefill_context.offsets", ascending=True, strict=False)
+        times = r.numbers("prefill_context.step_s", length=len(offsets))
+        if offsets[0] != 0:
+            raise ProfileError("profile field prefill_context.offsets must start at 0 (the chunk alone).")
+        # Least squares through the origin: the extra seconds against chunk * offset (query, key) pairs.
+        pairs = [(chunk * o, t - times[0]) for o, t in zip(offsets[1:], times[1:])]
+        sxx = sum(x * x for x, _ in pairs)
+        pair_s = max(0.0, sum(x * y for x, y in pairs) / sxx) if sxx else 0.0
+
+        drafter_pass = spec_step = None
+        if profile.get("drafter") is not None:
+            drafter_cost = r.get("drafter.cost")
+            if drafter_cost == "per_pass":
+                drafter_pass = r.curve("drafter.batches", "drafter.pass_s")
+            elif drafter_cost == "flat":
+                spec_step = r.curve("drafter.batches", "drafter.step_s", monotone=False)
+            else:
+                raise ProfileError(f"profile field drafter.cost must be 'per_pass' or 'flat', got {drafter_cost!r}.")
+        attention = r.get("engine.attention")
+        if attention not in ("padded", "per_token"):
+            raise ProfileError(f"profile field engine.attention must be 'padded' or 'per_token', got {attention!r}.")
+        link = r.get("kv_transfer.bandwidth_gb_s")
+        overhead = r.curve("engine_overhead.batches", "engine_overhead.step_s", monotone=False, strict=False)
+        if served:
+            steps = r.curve("served.batches", "served.step_s", monotone=False)
+            context = r.number("served.context")
+            overhead = Curve(steps.xs, tuple(max(overhead(b), t - decode(context, b)) for b, t in zip(steps.xs, steps.ys)))
+        return cls(
+            description=f"measured profile of {r.get('model.name')} on {r.get('machine.cpu')}",
+            num_layers=r.whole("model.num_layers"),
+            kv_bytes_per_token=r.whole("model.kv_bytes_per_token"),
+            kv_capacity_tokens=r.whole("model.kv_capacity_tokens"),
+            link_gb_s=None if link is None else r.number("kv_transfer.bandwidth_gb_s"),
+            max_num_batched_tokens=r.whole("engine.max_num_batched_tokens"),
+            max_num_seqs=r.whole("engine.max_num_seqs"),
+            decode=decode,
+            verify=verify,
+            prefill=prefill,
+            padded_attention=attention == "padded",
+            fixed_s=min(max(intercept, 0.0), one_token),
+            pair_s=pair_s,
+            overhead=overhead,
+            drafter_pass=drafter_pass,
+            spec_step=spec_step,
+        )
+
+    def _verify_extra_s(self, batch: float, tokens: float) -> float:
+        """What n tokens per request cost over one, at this batch."""
+        if tokens <= 1:
+            return 0.0
+        v = self.verify
+        by_batch = [interp(v.cols, row, tokens) - interp(v.cols, row, 1) for row in v.values]
+        return max(0.0, interp(v.rows, by_batch, batch))
+
+    def _prefill_s(self, tokens: float, before: float) -> float:
+        return max(self.prefill(tokens), 1e-6) + self.pair_s * tokens * before
+
+    def step_s(self, shape: StepShape) -> float:
+        """Seconds of one step (see the class docstring for the formula)."""
+        d = shape.decode_seqs
+        t, parts = 0.0, 0
+        if d:
+            context = shape.decode_max_context if self.padded_attention else shape.decode_context / d
+            t += max(self.decode(context + 1, d), 1e-6)
+            t += self._verify_extra_s(d, shape.decode_tokens / d)
+            parts += 1
+        for p, o in shape.prefill:
+            t += self._prefill_s(p, o)
+            parts += 1
+        if parts > 1:
+            t -= (parts - 1) * self.fixed_s
+        if parts > 1 and self.padded_attention:
+            n = math.ceil(shape.decode_tokens / d) if d else 0
+            query = max([n, *(p for p, _ in shape.prefill)])
+            keys = max([shape.decode_max_context + n if d else 0, *(p + o for p, o in shape.prefill)])
+            counted = shape.decode_tokens * (shape.decode_max_context + n) + sum(p * (p + o) for p, o in shape.prefill)
+            t += self.pair_s * max(0, shape.num_seqs * query * keys - counted)
+        return t + max(0.0, self.overhead(shape.num_seqs))
+
+    def draft_s(self, batch: int, k: int) -> float:
+        """k passes of the draft model over `batch` requests (none for a model-free proposer)."""
+        if k <= 0 or batch <= 0 or self.drafter_pass is None:
+            return 0.0
+        return k * max(0.0, self.drafter_pass(batch))
+
+    def spec_step_s(self, batch: int) -> float:
+        """What a model-free proposer's speculation adds to each step, as measured at this batch."""
+        return 0.0 if self.spec_step is None else max(0.0, self.spec_step(batch))
+
+
+# ---------------------------------------------------------------------- roofline
+@dataclass(frozen=True)
+class RooflineCostModel:
+    """Step times bounded by published hardware figures, for models this machine cannot run.
+
+    A worker is `tp` devices running the model tensor-parallel. A step reads every weight once
+    and each request's KV context, and computes 2 FLOPs per weight per token plus attention;
+    it takes max(bytes / (tp * bandwidth * memory_efficiency), FLOPs / (tp * peak *
+    compute_efficiency)), the same bound as `calc.roofline` extended to steps that mix prompt
+    chunks with decodes. With tp > 1 each layer adds two all-reduces of the step's activations
+    (ring: 2 (tp - 1) / tp of the bytes each way over the link, plus a latency). The
+    efficiencies and the per-step overhead are assumptions, not measurements: kernels reach
+    some fraction of a datasheet's peaks, and an engine spends time outside the forward.
+    """
+
+    hardware: HardwareSpec
+    arch: ArchConfig
+    tp: int = 1
+    weight_bits: float = 16.0
+    kv_dtype: str = "fp16"
+    draft_arch: ArchConfig | None = None  # a draft model on the same devices; None: a model-free drafter
+    memory_efficiency: float = 0.8
+    compute_efficiency: float = 0.6
+    step_overhead_s: float = 0.002  # scheduling, sampling, launches: one step's work outside the forward
+    allreduce_latency_s: float = 8e-6  # one small all-reduce over NVLink, order of magnitude
+    memory_usable: float = 0.9  # share of device memory for weights and KV (the rest: activations, runtime)
+    num_layers: int = field(init=False)
+    kv_bytes_per_token: int = field(init=False)
+    kv_capacity_tokens: int = field(init=False)
+    link_gb_s: float | None = field(init=False)
+    description: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp (devices per worker) must be a whole number >= 1, got {self.tp!r}.")
+        if not self.weight_bits > 0:
+            raise ValueError(f"weight_bits must be > 0, got {self.weight_bits}.")
+        for name in ("memory_efficiency", "compute_efficiency", "memory_usable"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must lie in (0, 1], got {getattr(self, name)}.")
+        put = object.__setattr__
+        put(self, "num_layers", self.arch.num_layers)
+        put(self, "kv_bytes_per_token", kv_bytes_per_token(KVDims.from_arch(self.arch), self.kv_dtype))
+        free = self.tp * self.hardware.memory_gb * 1e9 * self.memory_usable - self.weight_bytes
+        if self.draft_arch is not None:
+            free -= weights_read_per_token(self.draft_arch) * self.weight_bits / 8
+        put(self, "kv_capacity_tokens", max(0, int(free // self.kv_bytes_per_token)))
+        # Each of the tp devices sends its shard of the KV over its own link, one direction.
+        link = self.hardware.link_gb_s
+        put(self, "link_gb_s", None if link is None else link / 2 * self.tp)
+        put(self, "description", f"roofline of {self.arch.name or self.arch.architecture} on "
+                                 f"{self.tp} x {self.hardware.description}")
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of the target's weights (all devices together)."""
+        return weights_read_per_token(self.arch) * self.weight_bits / 8
+
+    def _forward_s(self, arch: ArchConfig, tokens: int, kv_tokens_read: float, attention_pairs: float) -> float:
+        weights = weights_read_per_token(arch)
+        nbytes = weights * self.weight_bits / 8 + kv_tokens_read * kv_bytes_per_token(
+            KVDims.from_arch(arch), self.kv_dtype)
+        flops = 2 * weights * tokens + attention_flops_per_context_token(arch) * attention_pairs
+        memory_s = nbytes / (self.tp * self.hardware.memory_gb_s * 1e9 * self.memory_efficiency)
+        compute_s = flops / (self.tp * self.hardware.tflops * 1e12 * self.compute_efficiency)
+        comm_s = 0.0
+        if self.tp > 1:
+            link = (self.hardware.link_gb_s or self.hardware.memory_gb_s) / 2 * 1e9  # one direction
+            activation_bytes = tokens * arch.hidden_size * ACTIVATION_BYTES
+            per_allreduce = self.allreduce_latency_s + 2 * (self.tp - 1) / self.tp * activation_bytes / link
+            comm_s = 2 * arch.num_layers * per_allreduce
+        return max(memory_s, compute_s) + comm_s
+
+    def step_s(self, shape: StepShape) -> float:
+        """Seconds of one step: the bound above plus the fixed overhead."""
+        d = shape.decode_seqs
+        # Each decode token attends to its request's context; a chunk of p tokens after o
+        # attends to o + (its own causal half) p / 2 on average. Every context is read once.
+        pairs = (shape.decode_tokens * shape.decode_context / d if d else 0.0) + sum(
+            p * (o + p / 2) for p, o in shape.prefill)
+        kv_read = shape.decode_context + sum(o + p for p, o in shape.prefill)
+        return self._forward_s(self.arch, shape.num_tokens, kv_read, pairs) + self.step_overhead_s
+
+    def draft_s(self, batch: int, k: int) -> float:
+        """k passes of the draft model over `batch` tokens (a model-free drafter: free)."""
+        if k <= 0 or batch <= 0 or self.draft_arch is None:
+            return 0.0
+        return k * self._forward_s(self.draft_arch, batch, 0.0, 0.0)
+
+    def spec_step_s(self, batch: int) -> float:
+        """The policy's own work per step: part of step_overhead_s on paper."""
+        return 0.0

@@ -1,0 +1,405 @@
+"""`specserve profile`: time this machine running one model, for the planner's measured cost model.
+
+Records, into one JSON file (`PROFILE_FORMAT`, read back by `ops/costmodel.MeasuredCostModel`):
+
+- `decode`: the target's step time by batch (one new token per request) and context;
+- `verify`: the step time by tokens per request n (one plus n - 1 drafts) at a few batches;
+- `prefill` / `prefill_context`: one prompt chunk's step time by chunk size (prefill tokens/s),
+  and the chunk of the scheduler's token budget after longer contexts (attention's share);
+- `engine_overhead`: what a step of the full engine costs beyond its forward pass (scheduling,
+  sampling, outputs) at a few batches;
+- `served`: the engine's step time behind the OpenAI server, with that many requests streaming
+  over loopback HTTP from clients on this machine (what a served deployment pays per step:
+  the HTTP layer and its clients take CPU time from the engine);
+- `drafter`: one drafting pass by batch (a draft model); for a model-free proposer, what having
+  speculation on adds to each step outside the forward (policy, proposals, verification);
+- `kv_transfer`: bytes per second through the shared-memory channel of disaggregated serving
+  (paged cache -> channel -> paged cache, as `disagg/kv_transfer.py` moves a prompt's KV);
+- the model's KV bytes per token and capacity, the scheduler's settings, the machine.
+
+Forward times come from the runner's own timing (`ModelRunner.time_decode_step` and the
+forward it times steps with); each point is the best of `repeats` runs over three rounds, each
+round in a different order, so a burst of other work on a shared machine does not bend the tables.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specserve.engine.engine import LLMEngine
+from specserve.engine.runner import kv_bytes_per_token
+from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from specserve.ops.costmodel import PROFILE_FORMAT
+from specserve.progress import bar, spinner
+from specserve.sampling_params import SamplingParams
+
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
+DECODE_CONTEXTS = (128, 1024)
+VERIFY_BATCHES = (1, 4, 16)
+VERIFY_TOKENS = (1, 2, 3, 5, 9)
+PREFILL_CHUNKS = (16, 64, 128, 256)  # plus the scheduler's token budget
+PREFILL_OFFSETS = (0, 1024, 2048)  # contexts before a budget-sized chunk
+OVERHEAD_BATCHES = (1, 8)
+SERVED_BATCHES = (1, 4, 8)
+SERVED_TOKENS = 48  # tokens each streamed request generates
+KV_TRANSFER_TOKENS = 2048
+ROUNDS = 3
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on: CPU (model, family/model/stepping, ISA), threads, GPU,
+    versions, date. (VMs often name the CPU only "AMD EPYC": the ids tell the generation.)"""
+    cpu = platform.processor() or "unknown"
+    flags = ""
+    ids: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key == "model name":
+                    cpu = line.split(":", 1)[1].strip()
+                elif key in ("cpu family", "model", "stepping") and key not in ids:
+                    ids[key] = line.split(":", 1)[1].strip()
+                elif key == "flags" and not flags:
+                    flags = line
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_family_model_stepping": "/".join(ids.get(k, "?") for k in ("cpu family", "model", "stepping")),
+        "cpu_isa": [x for x in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f" {x}" in flags],
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+class _Timings:
+    """Best-of timings of named points, measured over rounds in shuffled orders."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
+        self.points: list[tuple[tuple[Any, ...], Callable[[], float]]] = []
+        self.best: dict[tuple[Any, ...], float] = {}
+
+    def add(self, key: tuple[Any, ...], measure: Callable[[], float]) -> None:
+        """A point to time: `measure` returns seconds."""
+        self.points.append((key, measure))
+
+    def run(self, desc: str) -> None:
+        """Time every point once per round, keeping each one's fastest. Each round visits the points
+        in its own order, so a slow spell of the machine does not hit the same points every round."""
+        rng = random.Random(0)
+        order = []
+        for _ in range(self.rounds):
+            order += rng.sample(self.points, len(self.points))
+        for key, measure in bar(order, desc=desc, unit="point"):
+            self.best[key] = min(self.best.get(key, float("inf")), measure())
+
+
+def _time_prefill(engine: LLMEngine, tokens: int, before: int, repeats: int) -> float:
+    """Seconds of one forward over a prompt chunk of `tokens` after `before` tokens of context
+    (logits of its last row only, as a prefill step); blocks no request owns, as at start-up."""
+    runner = engine.runner
+    table = list(range(-(-(before + tokens) // runner.block_size)))
+    sr = ScheduledRequest("profile-prefill", [1] * tokens, before, table, None, True, SamplingParams(), 0)
+    inputs = runner.prepare_inputs(SchedulerOutput([sr], tokens, []))
+    best = float("inf")
+    for _ in range(repeats):
+        runner.forward_logits(inputs)
+        best = min(best, runner.last_forward_time_s)
+    return best
+
+
+def _engine_overhead(engine: LLMEngine, batch: int, speculate: bool, steps: int = 8) -> float:
+    """Median seconds per step outside the forward pass with `batch` requests decoding, speculation
+    on (as configured: the policy, proposals, verification) or off."""
+    was_on = engine.speculation_enabled
+    engine.set_speculation(speculate)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    # Repetitive prompts, so a prompt-lookup proposer finds something to draft.
+    ids = [engine.add_request([100 + i] + [7, 8, 9, 10] * 4, params, request_id=f"profile-{speculate}-{batch}-{i}")
+           for i in range(batch)]
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
+        engine.step()
+    overheads = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        overheads.append(time.perf_counter() - t0 - engine.runner.last_forward_time_s)
+    engine.abort_request(ids)
+    engine.set_speculation(was_on)
+    return max(0.0, statistics.median(overheads))
+
+
+# A streaming client in its own process, as real clients are: it takes CPU time beside the server.
+_CLIENT = """
+import asyncio, json, sys
+import httpx
+url, batch, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+async def one(client, i):
+    body = {"messages": [{"role": "user", "content": f"[{i}] Tell me a long story about the sea."}],
+            "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url, json=body) as resp:
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                json.loads(line[6:])
+async def main():
+    async with httpx.AsyncClient(timeout=300) as client:
+        await asyncio.gather(*(one(client, i) for i in range(batch)))
+asyncio.run(main())
+"""
+
+
+def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int) -> dict[str, Any]:
+    """Step times of the engine behind the OpenAI server (uvicorn on loopback, in this process)
+    while `batch` chat completions streamed to a client process all decode; speculation off."""
+    import uvicorn
+
+    from specserve.server.app import OpenAIServer, build_app
+    from specserve.server.lifecycle import DrainingServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = OpenAIServer(engine, "profile")
+    uv = DrainingServer(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"), server)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    was_on = engine.speculation_enabled
+    engine.set_speculation(False)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not uv.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the profiling server did not start")
+        time.sleep(0.02)
+
+    def mark() -> tuple[float, int, float]:
+        return time.perf_counter(), engine.num_steps, engine.runner.forward_time_s
+
+    def measure(batch: int) -> tuple[float, float]:
+        """(seconds per step, forward seconds per step) while every request decodes."""
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        client = subprocess.Popen([sys.executable, "-c", _CLIENT, url, str(batch), str(tokens)])
+        try:
+            start = end = None
+            while client.poll() is None:  # the engine's state, read between its steps
+                running = list(engine.scheduler.running)
+                decoding = len(running) == batch and all(r.num_output_tokens > 0 for r in running)
+                if start is None and decoding:
+                    start = mark()
+                elif start is not None and not decoding:
+                    end = mark()
+                    break
+                time.sleep(0.002)
+            client.wait(timeout=300)
+        finally:
+            if client.poll() is None:
+                client.kill()
+        if start is None or end is None or client.returncode:
+            raise RuntimeError(f"the profiling client at batch {batch} failed (exit status {client.returncode}).")
+        steps = max(end[1] - start[1], 1)
+        return (end[0] - start[0]) / steps, (end[2] - start[2]) / steps
+
+    best: dict[int, tuple[float, float]] = {}
+    try:
+        for b in bar(list(batches) * 2, desc="profiling steps behind the server", unit="batch"):
+            best[b] = min(best.get(b, (float("inf"), 0.0)), measure(b))
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=60)
+        engine.set_speculation(was_on)
+    return {"batches": list(batches), "context": 48 + tokens // 2,  # the chat prompt is ~48 tokens
+            "step_s": [best[b][0] for b in batches], "forward_s": [best[b][1] for b in batches]}
+
+
+def _kv_transfer(engine: LLMEngine, tokens: int, repeats: int) -> dict[str, Any]:
+    """Seconds to write `tokens` of KV from the paged cache into a shared-memory channel and to
+    read them back into other pages, layer by layer; the bandwidth of the two copies in turn."""
+    from specserve.disagg.kv_transfer import (
+        TransferDescriptor,
+        kv_layout_of,
+        new_transfer_id,
+        open_receiver,
+        open_sink,
+        slot_indices,
+    )
+
+    runner = engine.runner
+    bs = runner.block_size
+    m = min(tokens, (runner.num_blocks // 2) * bs)
+    layout = kv_layout_of(engine)
+    src = slot_indices(list(range(runner.num_blocks // 2)), 0, m, bs).to(runner.device)
+    dst = slot_indices(list(range(runner.num_blocks // 2, runner.num_blocks)), 0, m, bs).to(runner.device)
+    desc = TransferDescriptor(new_transfer_id(), "shm", m, layout)
+    receiver = open_receiver(desc)
+    sink = open_sink(desc)
+    write_s = read_s = float("inf")
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for i, layer in enumerate(runner.kv_caches):
+                kc, vc = layer[0], layer[1]
+                n_kv, d = kc.shape[-2:]
+                sink.write(i, 0, kc.view(-1, n_kv, d).index_select(0, src).to(layout.torch_dtype),
+                           vc.view(-1, n_kv, d).index_select(0, src).to(layout.torch_dtype))
+            write_s = min(write_s, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for i, layer in enumerate(runner.kv_caches):
+                kc, vc = layer[0], layer[1]
+                n_kv, d = kc.shape[-2:]
+                kc.view(-1, n_kv, d).index_copy_(0, dst, receiver.data[i, 0].to(kc.device, kc.dtype))
+                vc.view(-1, n_kv, d).index_copy_(0, dst, receiver.data[i, 1].to(vc.device, vc.dtype))
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize()  # the copies into the cache run asynchronously
+            read_s = min(read_s, time.perf_counter() - t0)
+    finally:
+        sink.finish()
+        receiver.close()
+    nbytes = m * layout.bytes_per_token()
+    return {"transport": "shm", "tokens": m, "bytes": nbytes, "write_s": write_s, "read_s": read_s,
+            "bandwidth_gb_s": nbytes / (write_s + read_s) / 1e9}
+
+
+def record_profile(
+    engine: LLMEngine,
+    *,
+    batches: Sequence[int] = DECODE_BATCHES,
+    contexts: Sequence[int] = DECODE_CONTEXTS,
+    repeats: int = 2,
+) -> dict[str, Any]:
+    """Time the engine's model (and drafter) and return the profile dict."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}.")
+    t_start = time.perf_counter()
+    runner, cfg = engine.runner, engine.config
+    budget = cfg.scheduler.max_num_batched_tokens
+    max_len = engine.max_model_len
+    contexts = sorted({c for c in contexts if c + max(VERIFY_TOKENS) < max_len})
+    batches = sorted({b for b in batches if b <= cfg.scheduler.max_num_seqs})
+    if not contexts or not batches:
+        raise ValueError(f"no context below max_model_len {max_len} or no batch within max_num_seqs "
+                         f"{cfg.scheduler.max_num_seqs}: give smaller --contexts / --batches.")
+    chunks = sorted({c for c in (*PREFILL_CHUNKS, budget) if c <= budget})
+    offsets = [o for o in PREFILL_OFFSETS if o + budget <= max_len]
+    verify_batches = [b for b in VERIFY_BATCHES if b <= cfg.scheduler.max_num_seqs]
+    runner.time_decode_step(1)  # warm-up
+
+    timings = _Timings(rounds=ROUNDS)
+    for c in contexts:
+        for b in batches:
+            timings.add(("decode", c, b), partial(runner.time_decode_step, b, repeats=repeats, context=c))
+    for b in verify_batches:
+        for n in VERIFY_TOKENS:
+            timings.add(("verify", b, n), partial(runner.time_decode_step, b, tokens_per_req=n, repeats=repeats,
+                                                  context=contexts[0]))
+    for p in chunks:
+        timings.add(("prefill", p), partial(_time_prefill, engine, p, 0, repeats))
+    for o in offsets[1:]:
+        timings.add(("prefill_context", o), partial(_time_prefill, engine, budget, o, repeats))
+    timings.run("profiling target steps")
+    t = timings.best
+
+    proposer = engine.proposer
+    drafter: dict[str, Any] | None = None
+    overhead_batches = [b for b in OVERHEAD_BATCHES if b <= cfg.scheduler.max_num_seqs]
+    overhead = [_engine_overhead(engine, b, speculate=False) for b in bar(
+        overhead_batches, desc="profiling engine overhead", unit="batch")]
+    if proposer is not None and proposer.traits.cost == "per_pass":
+        proposer.time_pass(1)  # warm-up
+        draft_batches = [b for b in batches if b <= cfg.spec.off_batch]
+        drafter = {"cost": "per_pass", "batches": draft_batches,
+                   "pass_s": [min(proposer.time_pass(b) for _ in range(repeats)) for b in draft_batches]}
+    elif proposer is not None:
+        # A model-free proposer costs no forward; what speculation adds is the policy, the proposals
+        # and the verification outside the forward, on every step while it is switched on.
+        on = [_engine_overhead(engine, b, speculate=True) for b in overhead_batches]
+        drafter = {"cost": "flat", "batches": overhead_batches,
+                   "step_s": [max(a - b, 1e-6) for a, b in zip(on, overhead)]}
+    served = _served_steps(engine, [b for b in SERVED_BATCHES if b <= cfg.scheduler.max_num_seqs], SERVED_TOKENS)
+    with spinner("profiling the KV transfer channel"):  # last: it writes into pages no request owns
+        transfer = _kv_transfer(engine, KV_TRANSFER_TOKENS, repeats + 1)
+
+    spec = cfg.spec
+    return {
+        "format": PROFILE_FORMAT,
+        "machine": machine_info(),
+        "model": {
+            "name": cfg.model.model, "architecture": engine.arch.architecture, "num_layers": engine.arch.num_layers,
+            "dtype": str(runner.dtype).removeprefix("torch."), "quantization": cfg.model.quantization,
+            "weight_bytes": runner.weight_bytes_per_step(),
+            "kv_bytes_per_token": kv_bytes_per_token(engine.arch, cfg.cache, runner.dtype),
+            "kv_capacity_tokens": engine.kv_manager.capacity_tokens,
+        },
+        "engine": {"device": cfg.model.device, "threads": torch.get_num_threads(),
+                   # the native kernels attend each token to its own keys; torch's SDPA pads the batch
+                   "attention": "per_token" if runner.native_ops else "padded",
+                   "max_num_batched_tokens": budget, "max_num_seqs": cfg.scheduler.max_num_seqs,
+                   "block_size": cfg.cache.block_size, "max_model_len": max_len},
+        "speculation": {"method": spec.method, "draft_model": spec.draft_model, "num_spec_tokens": spec.num_spec_tokens,
+                        "policy": spec.policy},
+        "decode": {"contexts": contexts, "batches": batches,
+                   "step_s": [[t[("decode", c, b)] for b in batches] for c in contexts]},
+        "verify": {"context": contexts[0], "batches": verify_batches, "tokens": list(VERIFY_TOKENS),
+                   "step_s": [[t[("verify", b, n)] for n in VERIFY_TOKENS] for b in verify_batches]},
+        "prefill": {"chunks": chunks, "step_s": [t[("prefill", p)] for p in chunks],
+                    "tokens_per_s": [p / t[("prefill", p)] for p in chunks]},
+        "prefill_context": {"chunk": budget, "offsets": offsets,
+                            "step_s": [t[("prefill", budget)] if o == 0 else t[("prefill_context", o)]
+                                       for o in offsets]},
+        "engine_overhead": {"batches": overhead_batches, "step_s": overhead},
+        "served": served,
+        "drafter": drafter,
+        "kv_transfer": transfer,
+        "duration_s": time.perf_counter() - t_start,
+    }
+
+
+def write_profile(profile: dict[str, Any], path: str | Path) -> Path:
+    """Write the profile as JSON (creating the folder)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=2))
+    return out
+
+
+def describe(profile: dict[str, Any]) -> str:
+    """A few lines on what the profile holds, for the command line."""
+    d, p, kv = profile["decode"], profile["prefill"], profile["kv_transfer"]
+    step1 = d["step_s"][0][0]
+    lines = [
+        f"{profile['model']['name']} on {profile['machine']['cpu']} ({profile['engine']['threads']} threads), "
+        f"recorded in {profile['duration_s']:.0f} s",
+        f"  decode step at batch 1: {step1 * 1e3:.1f} ms; at batch {d['batches'][-1]}: "
+        f"{d['step_s'][0][-1] * 1e3:.1f} ms (context {d['contexts'][0]})",
+        f"  prefill: {p['tokens_per_s'][-1]:.0f} tokens/s in chunks of {p['chunks'][-1]}",
+        f"  engine overhead per step: {profile['engine_overhead']['step_s'][0] * 1e3:.2f} ms; behind the "
+        f"server at batch {profile['served']['batches'][-1]}: {profile['served']['step_s'][-1] * 1e3:.1f} ms a step",
+        f"  KV transfer (shared memory): {kv['bandwidth_gb_s']:.2f} GB/s",
+    ]
+    dr = profile["drafter"]
+    if dr is not None and dr["cost"] == "per_pass":
+        lines.append(f"  draft pass: {dr['pass_s'][0] * 1e3:.2f} ms at batch {dr['batches'][0]}")
+    elif dr is not None:
+        lines.append(f"  speculation on adds {dr['step_s'][0] * 1e3:.2f} ms a step at batch {dr['batches'][0]}")
+    return "\n".join(lines)

@@ -1,0 +1,446 @@
+"""The planner: cost models, the deployment simulator's invariants, workload files, `specserve plan`."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from specserve.cli import main
+from specserve.ops import calc
+from specserve.ops.costmodel import (
+    PROFILE_FORMAT,
+    MeasuredCostModel,
+    ProfileError,
+    RooflineCostModel,
+    StepShape,
+)
+from specserve.ops.hardware import get_hardware
+from specserve.ops.plan import WorkloadError, load_workload, parse_slo, parse_workload
+from specserve.ops.simulate import (
+    SLO,
+    Deployment,
+    RequestClass,
+    RequestResult,
+    SimResult,
+    SpecSetting,
+    TokenRange,
+    TraceRequest,
+    Workload,
+    percentile,
+    simulate,
+    summarize,
+)
+
+BASE_S, PER_TOKEN_S = 0.05, 0.001  # synthetic machine: a step costs 50 ms + 1 ms per token
+BATCHES, CONTEXTS, NS, CHUNKS = [1, 2, 4, 8, 16, 32], [128, 1024], [1, 2, 3, 5, 9], [64, 128, 256, 512]
+
+
+def step(tokens: float) -> float:
+    """The synthetic machine's forward time for a step of `tokens` tokens."""
+    return BASE_S + PER_TOKEN_S * tokens
+
+
+def synthetic_profile(*, link_gb_s: float = 1.0, drafter: dict | None = None, overhead_s: float = 0.0) -> dict:
+    """A profile as `specserve profile` writes it, of a machine whose steps cost step(tokens)."""
+    return {
+        "format": PROFILE_FORMAT,
+        "machine": {"cpu": "synthetic"},
+        "model": {"name": "tiny", "num_layers": 4, "kv_bytes_per_token": 1000, "kv_capacity_tokens": 200_000},
+        "engine": {"max_num_batched_tokens": 512, "max_num_seqs": 64, "attention": "per_token"},
+        "decode": {"contexts": CONTEXTS, "batches": BATCHES, "step_s": [[step(b) for b in BATCHES] for _ in CONTEXTS]},
+        "verify": {"context": 128, "batches": [1, 4, 16], "tokens": NS,
+                   "step_s": [[step(b * n) for n in NS] for b in [1, 4, 16]]},
+        "prefill": {"chunks": CHUNKS, "step_s": [step(p) for p in CHUNKS]},
+        "prefill_context": {"chunk": 512, "offsets": [0, 1024], "step_s": [step(512), step(512)]},
+        "engine_overhead": {"batches": [1, 8], "step_s": [overhead_s, overhead_s]},
+        "served": {"batches": [1, 8], "context": 32, "step_s": [step(1) + 0.002, step(8) + 0.010]},
+        "drafter": drafter,
+        "kv_transfer": {"bandwidth_gb_s": link_gb_s},
+    }
+
+
+@pytest.fixture
+def cost() -> MeasuredCostModel:
+    return MeasuredCostModel.from_profile(synthetic_profile())
+
+
+# ---------------------------------------------------------------------- cost models
+def test_measured_cost_interpolates_the_tables(cost):
+    assert cost.step_s(StepShape(1, 1, 100, 100)) == pytest.approx(step(1))
+    assert cost.step_s(StepShape(6, 6, 600, 100)) == pytest.approx(step(6))  # between measured batches
+    assert cost.step_s(StepShape(4, 20, 400, 100)) == pytest.approx(step(20))  # verify: 4 requests x 5 tokens
+    assert cost.step_s(StepShape(prefill=((300, 0),))) == pytest.approx(step(300))
+    # A prompt chunk sharing a step with decodes: the weights' fixed cost counted once.
+    assert cost.step_s(StepShape(4, 4, 400, 100, ((300, 0),))) == pytest.approx(step(304), rel=1e-6)
+    assert cost.fixed_s == pytest.approx(BASE_S)
+
+
+def test_served_overhead():
+    served = MeasuredCostModel.from_profile(synthetic_profile(), served=True)
+    assert served.step_s(StepShape(1, 1, 32, 32)) == pytest.approx(step(1) + 0.002)
+    assert served.step_s(StepShape(8, 8, 8 * 32, 32)) == pytest.approx(step(8) + 0.010)
+    p = synthetic_profile()
+    del p["served"]
+    with pytest.raises(ProfileError, match="served"):
+        MeasuredCostModel.from_profile(p, served=True)
+
+
+def test_measured_cost_context_and_noise():
+    p = synthetic_profile()
+    p["decode"]["step_s"][1] = [step(b) + 0.01 * b for b in BATCHES]  # context 1024: +10 ms per request
+    p["decode"]["step_s"][0][2] = 5.0  # a noisy point (another process ran): above later ones
+    p["verify"]["step_s"][0][0] = 3.0  # one token per request: the decode step measured it faster
+    p["prefill_context"]["step_s"] = [step(512), step(512) + 0.5]
+    m = MeasuredCostModel.from_profile(p)
+    assert m.step_s(StepShape(2, 2, 2 * 1023, 1023)) == pytest.approx(step(2) + 0.02)
+    assert m.step_s(StepShape(4, 4, 4 * 127, 127)) == pytest.approx(step(8))  # the noisy point repaired
+    assert m.step_s(StepShape(1, 3, 127, 127)) == pytest.approx(step(3))
+    assert m.pair_s == pytest.approx(0.5 / (512 * 1024))
+    assert m.step_s(StepShape(prefill=((512, 2048),))) == pytest.approx(step(512) + 1.0)
+
+
+def test_profile_round_trip(tmp_path, cost):
+    from specserve.ops.profile import write_profile
+
+    path = write_profile(synthetic_profile(), tmp_path / "sub" / "p.json")
+    again = MeasuredCostModel.from_profile(json.loads(path.read_text()))
+    assert again == cost
+    for shape in (StepShape(3, 9, 300, 120), StepShape(prefill=((200, 64),)), StepShape(2, 2, 50, 30, ((40, 0),))):
+        assert again.step_s(shape) == cost.step_s(shape)
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    (lambda p: p.update(format="other"), "format"),
+    (lambda p: p.pop("decode"), "decode"),
+    (lambda p: p["verify"].update(batches=[4, 1, 16]), "verify.batches"),
+    (lambda p: p["prefill"].update(step_s=[0.1, 0.2]), "prefill.step_s"),
+    (lambda p: p["decode"]["step_s"].__setitem__(0, [0.1, -1, 0.1, 0.1, 0.1, 0.1]), "decode.step_s[0]"),
+    (lambda p: p["model"].update(kv_bytes_per_token=0), "kv_bytes_per_token"),
+    (lambda p: p["engine"].update(attention="flash"), "engine.attention"),
+    (lambda p: p.update(drafter={"cost": "cheap", "batches": [1], "pass_s": [0.1]}), "drafter.cost"),
+])
+def test_malformed_profiles_name_the_field(edit, field):
+    p = synthetic_profile()
+    edit(p)
+    with pytest.raises(ProfileError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        MeasuredCostModel.from_profile(p)
+
+
+def test_roofline_cost_of_a_70b_on_h100s():
+    arch, h100 = calc.load_arch("llama-3-70b"), get_hardware("h100")
+    tp4 = RooflineCostModel(h100, arch, tp=4)
+    weights = calc.weights_read_per_token(arch) * 2
+    memory_bound = weights / (4 * h100.memory_gb_s * 1e9 * tp4.memory_efficiency)
+    one = tp4.step_s(StepShape(1, 1, 512, 512))
+    assert memory_bound + tp4.step_overhead_s < one < memory_bound + tp4.step_overhead_s + 0.003  # + all-reduces
+    assert tp4.step_s(StepShape(32, 32, 32 * 512, 512)) < 1.5 * one  # decode stays memory-bound
+    assert tp4.step_s(StepShape(prefill=((8192, 0),))) > 10 * one  # a long prompt is compute-bound
+    assert RooflineCostModel(h100, arch, tp=1).kv_capacity_tokens == 0  # 139 GB of weights: no room
+    assert tp4.kv_capacity_tokens == int((4 * 80e9 * 0.9 - weights) // 327_680)
+    assert tp4.link_gb_s == 900 / 2 * 4
+    assert tp4.draft_s(8, 4) == 0.0  # model-free drafts
+    with_draft = RooflineCostModel(h100, arch, tp=4, draft_arch=calc.load_arch("llama-3.2-1b"))
+    assert 0 < with_draft.draft_s(8, 4) < one
+
+
+# ---------------------------------------------------------------------- simulator invariants
+def test_one_request_on_an_idle_engine(cost):
+    [r] = simulate([TraceRequest(1.0, 300, 40)], Deployment(), cost).requests
+    assert r.ttft_s == pytest.approx(step(300))  # one prefill step
+    assert r.tpot_s == pytest.approx(step(1))  # one decode step per token at batch 1
+    assert r.e2e_s == pytest.approx(step(300) + 39 * step(1))
+
+
+def test_chunked_prefill_and_prefix_cache(cost):
+    [r] = simulate([TraceRequest(0.0, 1200, 2)], Deployment(max_num_batched_tokens=512), cost).requests
+    assert r.ttft_s == pytest.approx(step(512) + step(512) + step(176))
+    [r] = simulate([TraceRequest(0.0, 1200, 2, cached_tokens=1000)], Deployment(), cost).requests
+    assert r.ttft_s == pytest.approx(step(200))
+
+
+def test_speculation_tpot_is_step_cost_over_expected_tokens(cost):
+    a, k = 0.8, 4
+    [r] = simulate([TraceRequest(0.0, 100, 6000, acceptance=a)], Deployment(spec=SpecSetting(k)), cost).requests
+    expected = step(k + 1) / calc.expected_tokens(a, k)  # (1 - a^(K+1)) / (1 - a) tokens per verify step
+    assert r.tpot_s == pytest.approx(expected, rel=0.03)
+    # The threshold is the policy's rule: with a 10x bar speculation never runs.
+    [plain] = simulate([TraceRequest(0.0, 100, 200, acceptance=a)],
+                       Deployment(spec=SpecSetting(k, threshold=10.0)), cost).requests
+    assert plain.tpot_s == pytest.approx(step(1))
+
+
+def test_speculation_pays_for_drafts_and_stops_when_they_do_not_pay():
+    # A draft model whose pass costs as much as a target step: K drafts cost K steps, never worth it.
+    costly = MeasuredCostModel.from_profile(synthetic_profile(
+        drafter={"cost": "per_pass", "batches": [1, 8], "pass_s": [step(1), step(8)]}))
+    res = simulate([TraceRequest(0.0, 100, 100, acceptance=0.5)], Deployment(spec=SpecSetting(4)), costly)
+    assert res.num_spec_steps == 0
+    assert res.requests[0].tpot_s == pytest.approx(step(1))
+
+
+def test_speculation_switched_on_costs_every_step_with_a_model_free_proposer():
+    m = MeasuredCostModel.from_profile(synthetic_profile(
+        drafter={"cost": "flat", "batches": [1, 8], "step_s": [0.005, 0.012]}))
+    for k, expected in ((0, step(1)), (4, step(1) + 0.005)):
+        [r] = simulate([TraceRequest(0.0, 100, 50)], Deployment(spec=SpecSetting(k)), m).requests  # nothing to draft
+        assert r.tpot_s == pytest.approx(expected)
+
+
+def test_queueing_grows_ttft_with_rate(cost):
+    cls = (RequestClass("c", 1.0, TokenRange(400, 600), TokenRange(50, 80)),)
+    ttfts = []
+    for rate in (0.2, 2.0, 6.0):
+        res = simulate(Workload(rate, cls).trace(200, seed=3), Deployment(), cost)
+        ttfts.append(summarize(res, SLO(1.0, 0.2)).overall.ttft_p50)
+    assert ttfts[0] == pytest.approx(step(512) + step(1), rel=0.5)  # mostly alone
+    assert ttfts[0] < ttfts[1] < ttfts[2]
+    assert ttfts[2] > 5 * ttfts[0]
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_disaggregated_ttft_includes_the_exposed_transfer(pipelining):
+    cost = MeasuredCostModel.from_profile(synthetic_profile(link_gb_s=512 * 1000 / 0.2 / 1e9))  # 0.2 s per 512 tokens
+    dep = Deployment(colocated=0, prefill=1, decode=1, layer_pipelining=pipelining)
+    [r] = simulate([TraceRequest(0.0, 513, 10)], dep, cost).requests
+    prefill = step(512)  # the prefill worker computes m = n - 1 = 512 tokens: one chunk
+    # Layer streaming: 4 layers of 50 ms of transfer each, compute per layer (140 ms) keeps ahead
+    # of the link, so one layer's share is left once the prefill ends; without it, all of it.
+    exposed = 0.2 / 4 if pipelining else 0.2
+    assert calc.transfer_time(512 * 1000, cost.link_gb_s, 4, prefill / 4).exposed_s == pytest.approx(0.2 / 4)
+    first_step = cost.step_s(StepShape(prefill=((1, 512),)))  # the decode worker's last prompt token
+    assert r.ttft_s == pytest.approx(prefill + exposed + first_step)
+    assert r.tpot_s == pytest.approx(step(1))
+
+
+def test_disaggregated_short_prompts_prefill_on_the_decode_worker(cost):
+    dep = Deployment(colocated=0, prefill=1, decode=1, local_prefill_tokens=32)
+    [r] = simulate([TraceRequest(0.0, 20, 5)], dep, cost).requests
+    assert r.ttft_s == pytest.approx(step(20))
+
+
+def test_disaggregation_keeps_long_prompts_out_of_decode_steps(cost):
+    trace = [TraceRequest(0.1 * i, 30, 200) for i in range(4)] + [TraceRequest(1.0 + i, 3000, 8) for i in range(4)]
+    slo = SLO(60.0, 1.0)
+    co = summarize(simulate(trace, Deployment(colocated=2), cost), slo)
+    dis = summarize(simulate(trace, Deployment(colocated=0, prefill=1, decode=1), cost), slo)
+    assert dis.overall.tpot_p99 < co.overall.tpot_p99
+
+
+def test_simulation_is_deterministic_with_a_seed(cost):
+    w = Workload(3.0, (RequestClass("a", 0.6, TokenRange(50, 400), TokenRange(20, 90), acceptance=0.7),
+                       RequestClass("b", 0.4, TokenRange(800, 900), TokenRange(10, 20))))
+    dep = Deployment(colocated=0, prefill=1, decode=2, spec=SpecSetting(4))
+    assert w.trace(100, seed=5) == w.trace(100, seed=5)
+    assert w.trace(100, seed=5) != w.trace(100, seed=6)
+    trace = w.trace(100, seed=5)
+    assert simulate(trace, dep, cost, seed=1) == simulate(trace, dep, cost, seed=1)
+    assert simulate(trace, dep, cost, seed=1) != simulate(trace, dep, cost, seed=2)  # draft acceptance draws
+
+
+def test_goodput_counts_only_requests_within_their_slo():
+    def req(cls: str, ttft: float, tpot: float | None) -> RequestResult:
+        return RequestResult(cls, 0.0, 10, 10, ttft, tpot, ttft + 1.0)
+
+    result = SimResult((req("a", 0.5, 0.05), req("a", 3.0, 0.05), req("a", 0.5, 0.5), req("b", 2.5, None),
+                        req("b", 2.5, 0.2)), duration_s=10.0, num_steps=10, num_spec_steps=0)
+    s = summarize(result, {"a": SLO(1.0, 0.1), "b": SLO(3.0, 0.3)})
+    assert s.overall.within_slo == 3  # a's first; both b's
+    assert s.goodput_req_s == pytest.approx(0.3)
+    assert s.slo_attainment == pytest.approx(0.6)
+    assert s.by_class["a"].within_slo == 1 and s.by_class["b"].within_slo == 2
+    assert summarize(result, SLO(10.0, 1.0)).overall.within_slo == 5
+    with pytest.raises(ValueError, match="no SLO for request class"):
+        summarize(result, {"a": SLO(1.0, 0.1)})
+
+
+def test_percentile_matches_numpy():
+    np = pytest.importorskip("numpy")
+    xs = [0.3, 5.0, 1.2, 9.9, 2.2, 0.01, 7.7]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert percentile([], 50) is None
+
+
+def test_bad_deployments_and_requests_are_refused(cost):
+    with pytest.raises(ValueError, match="co-located engines"):
+        Deployment(colocated=1, prefill=1, decode=1)
+    with pytest.raises(ValueError, match="K must be"):
+        SpecSetting(k=-1)
+    with pytest.raises(ValueError, match="more KV than a worker holds"):
+        simulate([TraceRequest(0.0, 300_000, 10)], Deployment(), cost)
+    no_link = RooflineCostModel(get_hardware("cpu-2core"), calc.load_arch("llama-3.2-1b"), weight_bits=4)
+    with pytest.raises(ValueError, match="no KV transfer bandwidth"):
+        simulate([TraceRequest(0.0, 100, 10)], Deployment(colocated=0, prefill=1, decode=1), no_link)
+
+
+# ---------------------------------------------------------------------- workload files
+GOOD = {"rate": 2.0, "slo": {"ttft": 2.0, "tpot": 0.1},
+        "classes": [{"name": "chat", "share": 0.7, "prompt_tokens": [100, 200], "output_tokens": 50,
+                     "acceptance": 0.6, "slo": {"ttft": 1.0}},
+                    {"name": "long", "share": 0.3, "prompt_tokens": 2000, "output_tokens": 20}]}
+
+
+def test_workload_parses_with_per_class_slos():
+    plan = parse_workload(GOOD)
+    assert plan.workload.rate == 2.0
+    assert plan.workload.classes[0].prompt_tokens == TokenRange(100, 200)
+    assert plan.slos == {"chat": SLO(1.0, 0.1), "long": SLO(2.0, 0.1)}
+    assert parse_workload(GOOD, parse_slo("tpot=0.05")).slos["long"] == SLO(2.0, 0.05)  # --slo overrides the file
+    assert plan.requests == 240  # two minutes at 2 req/s
+
+
+def _with(path: str, value):
+    doc = json.loads(json.dumps(GOOD))
+    *parents, last = path.split(".")
+    node = doc
+    for key in parents:
+        node = node[int(key)] if key.isdigit() else node[key]
+    if value is KeyError:
+        del node[int(last) if last.isdigit() else last]
+    elif last.isdigit():
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return doc
+
+
+@pytest.mark.parametrize(("doc", "field"), [
+    (_with("classes.0.share", "abc"), "classes[0].share"),
+    (_with("classes.1.share", 0.5), "add up to 1"),
+    (_with("rate", KeyError), "rate"),
+    (_with("rate", -1), "rate"),
+    (_with("classes.1.output_tokens", 0), "classes[1].output_tokens"),
+    (_with("classes.0.prompt_tokens", [300, 100]), "classes[0].prompt_tokens"),
+    (_with("classes.0.acceptance", 1.5), "classes[0].acceptance"),
+    (_with("classes.0.promt_tokens", 5), "promt_tokens"),
+    (_with("classes.1.name", "chat"), "used twice"),
+    (_with("classes.0.slo", {"ttft": "soon"}), "classes[0].slo.ttft"),
+    (_with("slo", {"ttft": 2.0}), "no tpot target"),
+    (_with("classes", []), "classes"),
+    ([1, 2], "mapping"),
+])
+def test_workload_errors_name_the_field(doc, field):
+    with pytest.raises(WorkloadError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        parse_workload(doc)
+
+
+def test_slo_flag_errors():
+    assert parse_slo("ttft=2.0,tpot=0.1") == {"ttft": 2.0, "tpot": 0.1}
+    for bad in ("ttft=soon", "foo=1", "ttft", "", "tpot=-1"):
+        with pytest.raises(WorkloadError):
+            parse_slo(bad)
+
+
+def test_workload_file_errors(tmp_path):
+    with pytest.raises(WorkloadError, match="cannot read"):
+        load_workload(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rate: [unclosed\n")
+    with pytest.raises(WorkloadError, match="not valid YAML"):
+        load_workload(bad)
+
+
+def test_the_example_workload_file_is_valid():
+    from pathlib import Path
+
+    plan = load_workload(Path(__file__).resolve().parents[2] / "deploy" / "workloads" / "three-class-70b.yaml")
+    assert [c.name for c in plan.workload.classes] == ["chat", "code", "summarize"]
+    assert plan.workload.classes[1].acceptance == 0.8
+
+
+# ---------------------------------------------------------------------- the command line
+@pytest.fixture
+def workload_file(tmp_path):
+    import yaml
+
+    path = tmp_path / "mix.yaml"
+    path.write_text(yaml.safe_dump({**GOOD, "requests": 60}))
+    return path
+
+
+def _table(out: str) -> list[list[str]]:
+    """The ranked table's rows as cells (columns are two or more spaces apart)."""
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#"))
+    rows = []
+    for line in lines[head + 1:]:
+        if not line.strip():
+            break
+        rows.append(re.split(r"\s{2,}", line.strip()))
+    return rows
+
+
+def test_plan_cli_on_published_hardware(workload_file, tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    rc = main(["plan", "--workload", str(workload_file), "--hardware", "h100", "--model", "llama-3-8b",
+               "--gpus", "2", "--png", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = _table(out)
+    # TP1 (2 co-located, 1P:1D) and TP2 (1 co-located); speculation off and at 3 K x 2 thresholds.
+    assert len(rows) == 3 * 7
+    assert {(r[1], r[2]) for r in rows} == {("2 x TP1", "2 co-located"), ("2 x TP1", "1P:1D"),
+                                            ("1 x TP2", "1 co-located")}
+    rank, workers, layout, spec, goodput = rows[0][:5]
+    assert rank == "1"
+    assert all(float(r[4]) <= float(goodput) for r in rows)
+    best = next(line for line in out.splitlines() if line.startswith("Best:"))
+    assert f"{goodput} req/s within the SLO" in best
+    assert ("co-located" in best) == (layout.endswith("co-located"))
+    assert png.stat().st_size > 10_000
+
+
+def test_plan_cli_json_with_a_profile(workload_file, tmp_path, capsys):
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps(synthetic_profile()))
+    rc = main(["plan", "--workload", str(workload_file), "--profile", str(profile), "--gpus", "2",
+               "--slo", "ttft=5,tpot=0.5", "--json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    layouts = {r["layout"] for r in data["rows"]}
+    assert layouts == {"2 co-located", "1P:1D"}
+    goodputs = [r["goodput_req_s"] for r in data["rows"]]
+    assert goodputs == sorted(goodputs, reverse=True)
+    assert data["slo"]["chat"] == {"ttft_s": 1.0, "tpot_s": 0.5}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--hardware", "h100"], "--model"),
+    ([], "--profile"),
+    (["--hardware", "h100", "--model", "llama-3-8b", "--slo", "ttft=x"], "--slo.ttft"),
+    (["--hardware", "tpu9", "--model", "llama-3-8b"], "Unknown hardware"),
+    (["--profile", "/nonexistent/p.json"], "cannot read the profile"),
+    (["--hardware", "h100", "--model", "llama-3-70b", "--gpus", "1"], "does not fit"),
+])
+def test_plan_cli_bad_input_exits_2(workload_file, capsys, args, message):
+    assert main(["plan", "--workload", str(workload_file), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_cli_bad_workload_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rate: 2\nclasses:\n  - {name: a, share: 1.0, prompt_tokens: 10, output_tokens: zero}\n")
+    assert main(["plan", "--workload", str(bad), "--hardware", "h100", "--model", "llama-3-8b",
+                 "--slo", "ttft=1,tpot=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "classes[0].output_tokens" in err and str(bad) in err
+
+
+# ---------------------------------------------------------------------- a real profile
+@pytest.mark.slow
+def test_profile_smollm2_round_trips(tmp_path, capsys):
+    out = tmp_path / "smol.json"
+    rc = main(["profile", "--model", "smollm2-135m-instruct", "--spec-method", "ngram", "--out", str(out),
+               "--batches", "1", "4", "--contexts", "64", "--repeats", "1", "--max-num-batched-tokens", "64",
+               "--max-model-len", "2048"])
+    assert rc == 0
+    profile = json.loads(out.read_text())
+    model = MeasuredCostModel.from_profile(profile)
+    assert profile["model"]["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2-135M, float32 KV
+    assert profile["drafter"]["cost"] == "flat"
+    assert model.link_gb_s > 0 and model.max_num_batched_tokens == 64
+    assert 0 < model.step_s(StepShape(1, 1, 64, 64)) < model.step_s(StepShape(prefill=((64, 0),))) * 10
+    assert math.isfinite(model.step_s(StepShape(4, 12, 256, 64, ((30, 100),))))
