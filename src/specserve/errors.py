@@ -35,5 +35,9 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt does not fit in the model's context window."""
 
 
+class RequestTooLongError(PromptTooLongError):
+    """Prompt plus max_tokens does not fit in one request's room (context window and KV cache)."""
+
+
 class ConfigError(SpecServeError, ValueError):
     """An engine configuration value is invalid."""

@@ -194,6 +194,64 @@ def test_abort_during_prefill_stops_the_prefill_worker_and_is_no_failure(caplog)
     assert not _our_channel_files()
 
 
+class _RecordingDecodeActor:
+    """Takes requests and keeps them (as a decode worker that has not stepped yet)."""
+
+    def __init__(self) -> None:
+        self.added: list = []
+
+        async def added(req) -> None:
+            self.added.append(req)
+
+        self.add_decode = _Remote(lambda req, desc, chars: added(req))
+        self.abort = _Remote(lambda ids: None)
+
+
+def test_request_resumed_after_its_decode_worker_died_keeps_every_logprob():
+    """A request moved to another decode worker mid-generation carries what it already
+    streamed: its tokens, their logprobs and their top_logprobs, and its sampling parameters."""
+    import asyncio
+
+    from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    r = _router(num_prefill=1, num_decode=2)
+    r.local_prefill_tokens = 64  # a short prompt: its decode worker prefills it
+    first, second = _RecordingDecodeActor(), _RecordingDecodeActor()
+    r.decode[0].actor, r.decode[1].actor = first, second
+    params = SamplingParams(max_tokens=8, temperature=0.7, seed=3, logprobs=True, top_logprobs=2)
+    prepared = r.engine.prepare_request([1, 2, 3], params)
+    rid = prepared.request.request_id
+    tops = [[(5, -0.1), (6, -2.5)], [(7, -0.3), (5, -1.4)]]
+
+    async def scenario() -> None:
+        r._loop = asyncio.get_running_loop()
+        r.submit([prepared])
+        deadline = time.monotonic() + 5
+        while not (first.added or second.added):
+            assert time.monotonic() < deadline, "never routed"
+            await asyncio.sleep(0.01)
+        holder = first if first.added else second
+        internal = holder.added[0].request_id
+        c = CompletionOutput(0, "ab", [5, 7], logprobs=[-0.1, -0.3], delta_text="ab",
+                             delta_token_ids=[5, 7], top_logprobs=tops)
+        r._on_output(RequestOutput(internal, None, [1, 2, 3], [c], False, RequestMetrics()))
+        dead = r.decode[0] if holder is first else r.decode[1]
+        r._worker_failed(dead, RuntimeError("killed"))
+        other = second if holder is first else first
+        while not other.added:
+            assert time.monotonic() < deadline, "never resumed"
+            await asyncio.sleep(0.01)
+        moved = other.added[0]
+        assert moved.request_id.endswith("#2")
+        assert moved.output_token_ids == [5, 7]
+        assert moved.output_logprobs == [-0.1, -0.3]
+        assert moved.output_top_logprobs == tops
+        assert moved.sampling_params == params
+        r.abort([rid])
+
+    asyncio.run(scenario())
+
+
 def test_channel_files_are_deleted_when_prefill_ends_a_worker_dies_or_at_shutdown():
     layout = KVLayout(2, 1, 4, "float32")
     files = ChannelFiles()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.errors import InvalidRequestError, PromptTooLongError
+from specserve.errors import InvalidRequestError, PromptTooLongError, RequestTooLongError
 
 PROMPTS = [
     "Hi",
@@ -125,6 +125,14 @@ def test_bad_requests_change_nothing(smollm_checkpoint):
         eng.add_request([])
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         eng.add_request([1, 2, 10**9])
+    # Prompt + max_tokens beyond the context window: refused before any work, not cut short
+    # with finish_reason 'length' (the server answers the same with a 400).
+    with pytest.raises(RequestTooLongError, match=r"10 prompt \+ 60 max_tokens = 70 tokens.*at most 54"):
+        eng.add_request(list(range(1, 11)), SamplingParams(max_tokens=60))
+    with pytest.raises(InvalidRequestError, match="reference_token_ids"):  # would index past the embedding
+        eng.add_request("Hi", SamplingParams(reference_token_ids=[1, 10**9]))
+    with pytest.raises(RequestTooLongError):  # one bad request in a batch: none of them runs
+        llm.generate([[1, 2, 3], list(range(1, 11))], [SamplingParams(max_tokens=8), SamplingParams(max_tokens=60)])
     assert not eng.has_unfinished_requests() and eng.kv_manager.num_free_blocks == free
     # A good request afterwards still works, and aborting mid-way frees its blocks.
     rid = eng.add_request("Hello there", SamplingParams(max_tokens=50, ignore_eos=True))
@@ -134,6 +142,16 @@ def test_bad_requests_change_nothing(smollm_checkpoint):
     (out,) = eng.abort_request(rid)
     assert out.finish_reason == "abort"
     assert eng.kv_manager.num_free_blocks == free and eng.check_integrity()
+
+
+def test_reference_text_is_tokenized_when_prepared(smollm_llm: LLM):
+    """The reference proposer's text is tokenized by prepare_request (on the caller's thread:
+    the server's tokenizer pool), never on the engine thread."""
+    text = "def add(a, b):\n    return a + b\n"
+    prepared = smollm_llm.engine.prepare_request("Hi", SamplingParams(reference_text=text))
+    params = prepared.request.sampling_params
+    assert params.reference_token_ids == smollm_llm.tokenizer.encode(text, add_special_tokens=False)
+    assert params.reference_text == text
 
 
 def test_metrics_fields(smollm_llm: LLM):

@@ -95,6 +95,7 @@ class _Job:
     index: int
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     emitted_chars: int = 0
     internal_id: str | None = None
     worker: WorkerHandle | None = None
@@ -125,13 +126,14 @@ class DisaggFrontend:
         self.speculation_enabled = has_proposer
 
     def prepare_request(self, prompt: Any, params: Any = None, *, request_id: str | None = None,
-                        priority: int = 0, arrival_time: float | None = None, index: int = 0) -> PreparedRequest:
+                        priority: int = 0, arrival_time: float | None = None, index: int = 0,
+                        check_max_tokens: bool = True) -> PreparedRequest:
         """Tokenize and validate (as LLMEngine.prepare_request)."""
         import uuid
 
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
-        return self.preparer.prepare(prompt, params, request_id=rid, priority=priority,
-                                     arrival_time=arrival_time, index=index)
+        return self.preparer.prepare(prompt, params, request_id=rid, priority=priority, arrival_time=arrival_time,
+                                     index=index, check_max_tokens=check_max_tokens)
 
 
 class DisaggRouter:
@@ -496,7 +498,10 @@ class DisaggRouter:
         req = Request(internal, orig.prompt_token_ids, orig.sampling_params, eos_token_ids=orig.eos_token_ids,
                       priority=orig.priority, arrival_time=None)
         if job.output_ids:
-            req.append_output_tokens(list(job.output_ids), list(job.logprobs) if job.logprobs else None)
+            # Everything already streamed goes with it, so the resumed request reports every
+            # token's logprob and top_logprobs (not just those sampled after the move).
+            req.append_output_tokens(list(job.output_ids), list(job.logprobs) if job.logprobs else None,
+                                     list(job.top_logprobs) if job.top_logprobs else None)
         return req
 
     # ------------------------------------------------------------------ worker failure
@@ -623,6 +628,7 @@ class DisaggRouter:
         now = time.perf_counter()
         job.output_ids = list(c.token_ids)
         job.logprobs = list(c.logprobs) if c.logprobs is not None else None
+        job.top_logprobs = list(c.top_logprobs) if c.top_logprobs is not None else None
         job.emitted_chars += len(c.delta_text)
         if job.first_token_at is None and c.token_ids:
             job.first_token_at = now

@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
 import torch
@@ -20,7 +20,7 @@ from specserve.config import EngineConfig
 from specserve.defaults import resolve_defaults
 from specserve.engine.runner import ModelRunner, StepConnector
 from specserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
-from specserve.errors import InvalidRequestError, PromptTooLongError
+from specserve.errors import InvalidRequestError, PromptTooLongError, RequestTooLongError
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -105,20 +105,59 @@ class RequestPreparer:
         priority: int = 0,
         arrival_time: float | None = None,
         index: int = 0,
+        check_max_tokens: bool = True,
     ) -> PreparedRequest:
-        """A validated Request; raises InvalidRequestError / PromptTooLongError otherwise."""
+        """A validated Request; raises InvalidRequestError / PromptTooLongError otherwise.
+
+        The whole request, prompt plus max_tokens, must fit in one request's room
+        (max_request_tokens): one that cannot is refused here (RequestTooLongError) instead of
+        being preempted over and over and cut short with finish_reason 'length'. Callers that
+        size max_tokens themselves afterwards (the server, when a client leaves it out) pass
+        check_max_tokens=False."""
         params = params or SamplingParams()
         prompt_text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
+        if check_max_tokens and len(token_ids) + params.max_tokens > self.max_request_tokens:
+            raise self.too_long(len(token_ids), params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none, use stop_token_ids.")
         if params.structured_output is not None:
             self.grammars.compile(params.structured_output)  # refuse a bad schema before queueing
+        if params.reference_text and params.reference_token_ids is None and self.tokenizer is not None:
+            # Tokenized here, on the caller's thread (the server's tokenizer pool), not on the
+            # engine thread when the reference proposer first sees the request.
+            params = replace(params, reference_token_ids=self.tokenizer.encode(params.reference_text,
+                                                                               add_special_tokens=False))
+        ref = params.reference_token_ids
+        if ref is not None and any(t >= self.vocab_size for t in ref):
+            raise InvalidRequestError(
+                f"reference_token_ids holds ids outside the vocabulary [0, {self.vocab_size}); check the tokenizer."
+            )
         req = Request(
             request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
             priority=priority, arrival_time=arrival_time,
         )
         return PreparedRequest(req, prompt_text, index)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens one request may reach, prompt and output: the context window, or the
+        whole KV cache when that is smaller (a longer request could only be cut short)."""
+        return min(self.max_model_len, self.capacity_tokens)
+
+    def too_long(self, num_prompt: int, max_tokens: int) -> RequestTooLongError:
+        """The error for a request of num_prompt + max_tokens tokens that cannot fit."""
+        if self.max_model_len <= self.capacity_tokens:
+            why = f"the context window (--max-model-len / max_model_len=) is {self.max_model_len:,} tokens"
+        else:
+            why = (f"the whole KV cache holds {self.capacity_tokens:,} tokens (--kv-cache-gib / kv_cache_gib=), "
+                   f"fewer than the context window of {self.max_model_len:,}")
+        most = self.max_request_tokens
+        return RequestTooLongError(
+            f"This request needs {num_prompt:,} prompt + {max_tokens:,} max_tokens = {num_prompt + max_tokens:,} "
+            f"tokens, but one request holds at most {most:,}: {why}. Lower max_tokens to at most "
+            f"{max(most - num_prompt, 0):,}, shorten the prompt, or give the engine a larger KV cache / context window."
+        )
 
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -374,11 +413,12 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         index: int = 0,
+        check_max_tokens: bool = True,
     ) -> PreparedRequest:
         """Tokenize and validate without touching engine state (safe from any thread)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return self.preparer.prepare(prompt, params, request_id=rid, priority=priority,
-                                     arrival_time=arrival_time, index=index)
+                                     arrival_time=arrival_time, index=index, check_max_tokens=check_max_tokens)
 
     def add_prepared(self, prepared: PreparedRequest) -> str:
         """Queue a request made by prepare_request (engine thread only)."""

@@ -129,7 +129,7 @@ class OpenAIServer:
         # The most tokens one request may reach, prompt and output: the context window, or the
         # whole KV cache when that is smaller (a longer request could only be cut short).
         preparer = self.engine.preparer
-        self.max_request_tokens = min(preparer.max_model_len, preparer.capacity_tokens)
+        self.max_request_tokens = preparer.max_request_tokens
         # A prompt of more characters than this is certainly too long: refused before tokenizing.
         self.token_chars = longest_token_chars(self.tokenizer) if self.tokenizer is not None else None
         self.max_prompt_chars = self.max_request_tokens * self.token_chars if self.token_chars else None
@@ -216,12 +216,15 @@ class OpenAIServer:
             tokens: str | list[int] = prompt
             for j in range(n):
                 params = base if n == 1 else _nth_sample_params(base, j)
-                try:
-                    p = self.engine.prepare_request(tokens, params, priority=priority, arrival_time=arrival)
+                try:  # prompt + max_tokens is checked below, where an omitted max_tokens is sized
+                    p = self.engine.prepare_request(tokens, params, priority=priority, arrival_time=arrival,
+                                                    check_max_tokens=False)
                 except SpecServeError as e:
                     raise APIError(400, str(e), param="prompt") from e
                 if isinstance(prompt, str):  # the other samples reuse the first one's token ids
                     tokens, p = p.request.prompt_token_ids, p._replace(prompt=prompt)
+                if base.reference_token_ids is None and base.reference_text:  # and its reference's
+                    base = replace(base, reference_token_ids=p.request.sampling_params.reference_token_ids)
                 num_prompt = p.request.num_prompt_tokens
                 room = self.max_request_tokens - num_prompt
                 if max_tokens is None:
@@ -234,18 +237,9 @@ class OpenAIServer:
         return prepared, prompt_lens
 
     def _too_long(self, num_prompt: int, max_tokens: int) -> APIError:
-        pre = self.engine.preparer
-        if pre.max_model_len <= pre.capacity_tokens:
-            why = f"the context window (--max-model-len) is {pre.max_model_len:,} tokens"
-        else:
-            why = (f"the whole KV cache holds {pre.capacity_tokens:,} tokens (--kv-cache-gib), fewer than the "
-                   f"context window of {pre.max_model_len:,}")
-        return APIError(
-            400, f"This request needs {num_prompt:,} prompt + {max_tokens:,} max_tokens = {num_prompt + max_tokens:,} "
-            f"tokens, but one request holds at most {self.max_request_tokens:,}: {why}. Lower max_tokens to at most "
-            f"{self.max_request_tokens - num_prompt:,} (or leave it out to get as many as fit), shorten the prompt, or "
-            "restart the server with a larger --kv-cache-gib / --max-model-len.",
-            param="max_tokens", code="context_length_exceeded")
+        err = self.engine.preparer.too_long(num_prompt, max_tokens)
+        return APIError(400, f"{err} (leave max_tokens out to get as many as fit)", param="max_tokens",
+                        code="context_length_exceeded")
 
     def _submit(self, prepared: list[PreparedRequest]) -> RequestStream:
         try:
