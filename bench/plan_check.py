@@ -13,7 +13,9 @@ their ratio (the acceptance bar: within 20%).
         --worker-profile bench/results/profile-1thread.json \
         --results bench/results/serve.json bench/results/disagg.json
 
---worker-profile: disaggregated workers run one thread each in bench/disagg.py (default: --profile).
+--worker-profile: disaggregated workers run one thread each in bench/disagg.py (default: --profile);
+its `co_run` (recorded where a second one-thread worker fits) is how much the prefill and decode
+workers slow each other down on this machine's two cores.
 Speculation: the point's verify steps D, draft tokens verified T and accepted tokens A give
 K = round(T / D) drafts per verify step; its requests' decode steps S (output tokens after the
 first, less A) give the per-token acceptance b with 1 + A / S = (1 - b^(K+1)) / (1 - b): the
@@ -155,16 +157,17 @@ def main() -> int:
 
     profile = json.loads(Path(args.profile).read_text())
     worker_profile = json.loads(Path(args.worker_profile).read_text()) if args.worker_profile else profile
-    # bench/serve.py streams over HTTP (the overhead measured behind the server); bench/disagg.py
-    # drives its engines in-process (the engine's own overhead).
+    # Every engine here streams its outputs to consumers on the same machine: HTTP clients
+    # (bench/serve.py), the in-process driver (bench/disagg.py co-located) or the router polling a
+    # worker (disaggregated): steps pay the overhead measured behind the server, not the bare
+    # engine's. Disaggregated workers also slow each other down (the profile's co_run).
     served = MeasuredCostModel.from_profile(profile, served=True)
-    engine = MeasuredCostModel.from_profile(profile)
-    worker = MeasuredCostModel.from_profile(worker_profile)
+    worker = MeasuredCostModel.from_profile(worker_profile, served=True)
     rows: list[dict[str, Any]] = []
     for path in args.results:
         payload = json.loads(Path(path).read_text())
         rows += check_serve(payload, served, args.seed) if "points" in payload else \
-            check_disagg(payload, engine, worker, args.seed)
+            check_disagg(payload, served, worker, args.seed)
     ratios = [r[k]["ratio"] for r in rows for k in ("ttft_p50", "tpot_p50") if r[k]["ratio"] is not None]
     within = sum(1 for x in ratios if abs(x - 1) <= TOLERANCE)
     print(f"{'source':7} {'point':36} {'kind':7} {'TTFT p50 meas/pred s':>22} {'ratio':>6} "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 
 import pytest
@@ -121,6 +122,8 @@ def test_profile_round_trip(tmp_path, cost):
     (lambda p: p["model"].update(kv_bytes_per_token=0), "kv_bytes_per_token"),
     (lambda p: p["engine"].update(attention="flash"), "engine.attention"),
     (lambda p: p.update(drafter={"cost": "cheap", "batches": [1], "pass_s": [0.1]}), "drafter.cost"),
+    (lambda p: p.update(co_run={"slowdown": {"decode": -1.0, "prefill": 1.2}}), "co_run.slowdown.decode"),
+    (lambda p: p.update(co_run={"slowdown": {"decode": 1.5}}), "co_run.slowdown.prefill"),
 ])
 def test_malformed_profiles_name_the_field(edit, field):
     p = synthetic_profile()
@@ -227,6 +230,26 @@ def test_disaggregation_keeps_long_prompts_out_of_decode_steps(cost):
     co = summarize(simulate(trace, Deployment(colocated=2), cost), slo)
     dis = summarize(simulate(trace, Deployment(colocated=0, prefill=1, decode=1), cost), slo)
     assert dis.overall.tpot_p99 < co.overall.tpot_p99
+
+
+def test_disaggregated_workers_on_one_machine_slow_each_other_by_the_profiled_factor(cost):
+    """A decode step that starts while the prefill worker computes takes co_run.slowdown.decode
+    times as long (and a prefill chunk beside decoding, .prefill); alone, or co-located, nothing."""
+    profile = synthetic_profile()
+    profile["co_run"] = {"slowdown": {"decode": 1.6, "prefill": 1.25}}
+    shared = MeasuredCostModel.from_profile(profile)
+    assert shared.co_run_slowdown("decode") == 1.6 and cost.co_run_slowdown("decode") == 1.0
+    dep = Deployment(colocated=0, prefill=1, decode=1, local_prefill_tokens=32)
+    decode_only = [TraceRequest(0.0, 20, 40)]
+    assert simulate(decode_only, dep, shared).requests == simulate(decode_only, dep, cost).requests
+    # One long decode with a long prompt prefilled beside it.
+    mixed = [TraceRequest(0.0, 20, 60, "decode"), TraceRequest(0.2, 2000, 2, "long")]
+    alone = {r.request_class: r for r in simulate(mixed, dep, cost).requests}
+    beside = {r.request_class: r for r in simulate(mixed, dep, shared).requests}
+    assert beside["decode"].tpot_s > alone["decode"].tpot_s * 1.05
+    assert beside["long"].ttft_s > alone["long"].ttft_s * 1.1  # its chunks ran beside decoding
+    co = Deployment(colocated=1)
+    assert simulate(mixed, co, shared).requests == simulate(mixed, co, cost).requests
 
 
 def test_simulation_is_deterministic_with_a_seed(cost):
@@ -435,7 +458,7 @@ def test_profile_smollm2_round_trips(tmp_path, capsys):
     out = tmp_path / "smol.json"
     rc = main(["profile", "--model", "smollm2-135m-instruct", "--spec-method", "ngram", "--out", str(out),
                "--batches", "1", "4", "--contexts", "64", "--repeats", "1", "--max-num-batched-tokens", "64",
-               "--max-model-len", "2048"])
+               "--max-model-len", "2048", "--threads", "1"])
     assert rc == 0
     profile = json.loads(out.read_text())
     model = MeasuredCostModel.from_profile(profile)
@@ -444,3 +467,11 @@ def test_profile_smollm2_round_trips(tmp_path, capsys):
     assert model.link_gb_s > 0 and model.max_num_batched_tokens == 64
     assert 0 < model.step_s(StepShape(1, 1, 64, 64)) < model.step_s(StepShape(prefill=((64, 0),))) * 10
     assert math.isfinite(model.step_s(StepShape(4, 12, 256, 64, ((30, 100),))))
+    co = profile["co_run"]
+    if len(os.sched_getaffinity(0)) >= 2:  # a second one-thread worker fits beside this one
+        assert co["threads"] == 1 and co["decode_batch"] == 4 and co["prefill_chunk"] == 64
+        for role in ("decode", "prefill"):
+            assert co[f"{role}_alone_s"] > 0 and co[f"{role}_beside_s"] > 0
+            assert model.co_run_slowdown(role) == co["slowdown"][role] >= 1.0
+    else:
+        assert co is None and model.co_run_slowdown("decode") == 1.0

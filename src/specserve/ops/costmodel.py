@@ -101,6 +101,11 @@ class CostModel(Protocol):
         or not (the policy, a model-free proposer, verification outside the forward)."""
         ...
 
+    def co_run_slowdown(self, role: str) -> float:
+        """How many times longer a step of a worker in `role` ("prefill" or "decode") takes while
+        another worker of the deployment computes beside it (1.0: workers share nothing)."""
+        ...
+
 
 # ---------------------------------------------------------------------- interpolation
 def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -239,6 +244,12 @@ class MeasuredCostModel:
     (`served=True`) it is what the profile's steps behind the OpenAI server took beyond the
     decode table at their batch (HTTP streaming shares the CPU with the engine).
 
+    Workers of one deployment on one machine (disaggregated prefill and decode workers on its
+    cores) slow each other down: they share memory bandwidth, the last-level cache and, on a
+    VM, perhaps the physical cores behind the vCPUs. The profile's `co_run` measures a decode
+    step beside a prefill and a prefill chunk beside a decode; `co_run_slowdown(role)` is that
+    factor (1.0 when the profile has none: it ran with no core to spare).
+
     Attention comes in two kinds (the profile's `engine.attention`): the native kernels attend
     each token to its own keys only ("per_token": L is the decodes' mean context), while torch's
     SDPA path pads every request of a step to its longest query run and context ("padded",
@@ -264,6 +275,7 @@ class MeasuredCostModel:
     overhead: Curve  # batch -> seconds per step outside the forward (the engine's, or served)
     drafter_pass: Curve | None  # a draft model: batch -> seconds of one drafting pass
     spec_step: Curve | None  # a model-free proposer: batch -> seconds speculation adds to each step
+    co_run: Mapping[str, float] = field(default_factory=dict)  # role -> slowdown beside another worker
 
     @classmethod
     def from_profile(cls, profile: Mapping[str, Any], *, served: bool = False) -> MeasuredCostModel:
@@ -318,6 +330,9 @@ class MeasuredCostModel:
             steps = r.curve("served.batches", "served.step_s", monotone=False)
             context = r.number("served.context")
             overhead = Curve(steps.xs, tuple(max(overhead(b), t - decode(context, b)) for b, t in zip(steps.xs, steps.ys)))
+        co_run: dict[str, float] = {}
+        if profile.get("co_run") is not None:
+            co_run = {role: max(1.0, r.number(f"co_run.slowdown.{role}")) for role in ("decode", "prefill")}
         return cls(
             description=f"measured profile of {r.get('model.name')} on {r.get('machine.cpu')}",
             num_layers=r.whole("model.num_layers"),
@@ -335,6 +350,7 @@ class MeasuredCostModel:
             overhead=overhead,
             drafter_pass=drafter_pass,
             spec_step=spec_step,
+            co_run=co_run,
         )
 
     def _verify_extra_s(self, batch: float, tokens: float) -> float:
@@ -379,6 +395,10 @@ class MeasuredCostModel:
     def spec_step_s(self, batch: int) -> float:
         """What a model-free proposer's speculation adds to each step, as measured at this batch."""
         return 0.0 if self.spec_step is None else max(0.0, self.spec_step(batch))
+
+    def co_run_slowdown(self, role: str) -> float:
+        """The profile's slowdown of a `role` step beside another worker (1.0 if not measured)."""
+        return self.co_run.get(role, 1.0)
 
 
 # ---------------------------------------------------------------------- roofline
@@ -473,3 +493,7 @@ class RooflineCostModel:
     def spec_step_s(self, batch: int) -> float:
         """The policy's own work per step: part of step_overhead_s on paper."""
         return 0.0
+
+    def co_run_slowdown(self, role: str) -> float:
+        """Workers on separate devices: none (host-side contention is not modelled on paper)."""
+        return 1.0

@@ -15,6 +15,10 @@ Records, into one JSON file (`PROFILE_FORMAT`, read back by `ops/costmodel.Measu
   speculation on adds to each step outside the forward (policy, proposals, verification);
 - `kv_transfer`: bytes per second through the shared-memory channel of disaggregated serving
   (paged cache -> channel -> paged cache, as `disagg/kv_transfer.py` moves a prompt's KV);
+- `co_run`: when the machine has cores for a second worker of this many threads, how much
+  longer a decode step takes while a prefill computes on the other cores, and a prefill chunk
+  while a decode streams its weights there (disaggregated workers on one host share memory
+  bandwidth, caches and, on a VM, perhaps the physical cores behind its vCPUs);
 - the model's KV bytes per token and capacity, the scheduler's settings, the machine.
 
 Forward times come from the runner's own timing (`ModelRunner.time_decode_step` and the
@@ -58,6 +62,8 @@ PREFILL_OFFSETS = (0, 1024, 2048)  # contexts before a budget-sized chunk
 OVERHEAD_BATCHES = (1, 8)
 SERVED_BATCHES = (1, 4, 8)
 SERVED_TOKENS = 48  # tokens each streamed request generates
+CO_RUN_BATCH = 4  # decode batch timed beside a neighbour worker
+CO_RUN_REPEATS = 9
 KV_TRANSFER_TOKENS = 2048
 ROUNDS = 3
 
@@ -128,6 +134,60 @@ def _time_prefill(engine: LLMEngine, tokens: int, before: int, repeats: int) -> 
         runner.forward_logits(inputs)
         best = min(best, runner.last_forward_time_s)
     return best
+
+
+class _Neighbour:
+    """Another worker's work on the remaining cores, as a torch loop on a second thread: a prefill
+    (matmuls of the model's shape over a prompt chunk: compute-bound) or a decode (one row
+    through a weight matrix larger than the last-level cache: bandwidth-bound). torch releases
+    the GIL inside each op, and both threads run torch's intra-op pool of the same size."""
+
+    def __init__(self, kind: str, hidden: int, intermediate: int, chunk: int) -> None:
+        if kind == "prefill":
+            self.a, self.b = torch.randn(chunk, hidden), torch.randn(hidden, intermediate)
+        else:
+            cols = max(intermediate, (96 << 20) // (4 * hidden))  # ~96 MiB of float32 weights
+            self.a, self.b = torch.randn(1, hidden), torch.randn(hidden, cols)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            torch.mm(self.a, self.b)
+
+    def __enter__(self) -> _Neighbour:
+        self._thread.start()
+        time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _co_run(engine: LLMEngine, batch: int, chunk: int, repeats: int) -> dict[str, Any] | None:
+    """Slowdown of a decode step beside a prefill and of a prefill chunk beside a decode, each
+    the median of `repeats` timings with the neighbour running over the median alone; None when
+    the machine has no cores for a neighbour of this many threads."""
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if 2 * threads > cores:
+        return None
+    runner, arch = engine.runner, engine.arch
+    decode = partial(runner.time_decode_step, batch, repeats=1, context=DECODE_CONTEXTS[0])
+    prefill = partial(_time_prefill, engine, chunk, 0, 1)
+
+    def median(measure: Callable[[], float]) -> float:
+        return statistics.median(measure() for _ in range(repeats))
+
+    out: dict[str, Any] = {"threads": threads, "cores": cores, "decode_batch": batch, "prefill_chunk": chunk}
+    for role, measure, neighbour in (("decode", decode, "prefill"), ("prefill", prefill, "decode")):
+        alone = median(measure)
+        with _Neighbour(neighbour, arch.hidden_size, arch.intermediate_size, chunk):
+            beside = median(measure)
+        out[f"{role}_alone_s"], out[f"{role}_beside_s"] = alone, beside
+    out["slowdown"] = {role: max(1.0, out[f"{role}_beside_s"] / out[f"{role}_alone_s"]) for role in ("decode", "prefill")}
+    return out
 
 
 def _engine_overhead(engine: LLMEngine, batch: int, speculate: bool, steps: int = 8) -> float:
@@ -337,6 +397,8 @@ def record_profile(
         drafter = {"cost": "flat", "batches": overhead_batches,
                    "step_s": [max(a - b, 1e-6) for a, b in zip(on, overhead)]}
     served = _served_steps(engine, [b for b in SERVED_BATCHES if b <= cfg.scheduler.max_num_seqs], SERVED_TOKENS)
+    with spinner("profiling a step beside another worker"):
+        co_run = _co_run(engine, min(CO_RUN_BATCH, cfg.scheduler.max_num_seqs), budget, CO_RUN_REPEATS)
     with spinner("profiling the KV transfer channel"):  # last: it writes into pages no request owns
         transfer = _kv_transfer(engine, KV_TRANSFER_TOKENS, repeats + 1)
 
@@ -371,6 +433,7 @@ def record_profile(
         "served": served,
         "drafter": drafter,
         "kv_transfer": transfer,
+        "co_run": co_run,
         "duration_s": time.perf_counter() - t_start,
     }
 
@@ -402,4 +465,8 @@ def describe(profile: dict[str, Any]) -> str:
         lines.append(f"  draft pass: {dr['pass_s'][0] * 1e3:.2f} ms at batch {dr['batches'][0]}")
     elif dr is not None:
         lines.append(f"  speculation on adds {dr['step_s'][0] * 1e3:.2f} ms a step at batch {dr['batches'][0]}")
+    co = profile.get("co_run")
+    if co:
+        lines.append(f"  beside another worker: decode steps x{co['slowdown']['decode']:.2f}, "
+                     f"prefill chunks x{co['slowdown']['prefill']:.2f}")
     return "\n".join(lines)

@@ -27,6 +27,10 @@ What it models, each piece as specserve does it:
   speculation is on, every step also pays what the policy and a model-free proposer cost
   (`CostModel.spec_step_s`), drafting or not: the real policy runs every step.
 
+- **workers sharing a machine**: a disaggregated worker's step that starts while another
+  worker is computing takes `CostModel.co_run_slowdown(role)` times as long (measured by
+  `specserve profile` where the workers share a host's memory and cores; 1 on paper).
+
 Step times come from a `CostModel` (`ops/costmodel.py`). Deterministic: one seed gives one
 run. Pure Python: no torch.
 """
@@ -285,6 +289,8 @@ class _Engine:
         dt = sim.cost.step_s(shape) + (sim.cost.draft_s(len(drafts), max(drafts)) if drafts else 0.0)
         if sim.deployment.spec.k and self.role != "prefill":
             dt += sim.cost.spec_step_s(shape.num_seqs)  # the policy runs every step while speculation is on
+        if self.role != "colocated" and any(e.busy for e in sim.workers if e is not self):
+            dt *= sim.cost.co_run_slowdown(self.role)  # another worker computes beside this one
         sim.num_steps += 1
         sim.num_spec_steps += bool(drafts)
         self.busy = True
@@ -404,6 +410,7 @@ class _Simulation:
         else:
             self.prefill = []
             self.decode = [_Engine(self, "colocated") for _ in range(deployment.colocated)]
+        self.workers = self.prefill + self.decode
 
     def push(self, t: float, kind: int, payload: Any) -> None:
         """Schedule an event."""
