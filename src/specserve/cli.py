@@ -34,6 +34,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=64, help="max concurrently running requests")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--kv-host-gib", type=float, default=0.0, metavar="G",
+                   help="prefix cache host-memory tier: blocks leaving the KV cache are kept in G GiB of RAM "
+                        "and loaded back on a prefix hit (default 0: off)")
+    g.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="prefix cache disk tier: every cached block is also written to DIR (verified on load; "
+                        "a server restarted on the same DIR starts warm)")
+    g.add_argument("--kv-disk-gib", type=float, default=16.0, metavar="G", help="disk tier size (default 16)")
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     s = p.add_argument_group("speculative decoding")
@@ -79,6 +86,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         draft_vocab_size=args.draft_vocab_size,
         max_model_len=args.max_model_len, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_host_gib=args.kv_host_gib, kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=not args.no_chunked_prefill, num_threads=args.threads, seed=args.seed or 0,
         draft_model=args.draft_model, spec_method=args.spec_method, num_spec_tokens=args.num_spec_tokens,

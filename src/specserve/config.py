@@ -109,6 +109,15 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None  # tests: an exact block count instead of a budget
     kv_cache_dtype: str = "auto"  # auto: the model dtype | int8: per-(token, head) scaled int8
+    # Lower tiers of the prefix cache (kv_cache/tiers.py): host memory, then local disk.
+    kv_host_gib: float = 0.0  # 0: no host tier
+    kv_disk_dir: str | None = None  # None: no disk tier
+    kv_disk_gib: float = 16.0  # disk tier size when kv_disk_dir is given
+
+    @property
+    def has_tiers(self) -> bool:
+        """True when blocks leaving the pool are kept in a lower tier."""
+        return self.enable_prefix_caching and (self.kv_host_gib > 0 or self.kv_disk_dir is not None)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -119,6 +128,12 @@ class CacheConfig:
             raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}.")
         if self.kv_cache_gib <= 0:
             raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}.")
+        if not self.kv_host_gib >= 0:
+            raise ConfigError(f"kv_host_gib must be >= 0 (0: no host tier), got {self.kv_host_gib}.")
+        if not self.kv_disk_gib > 0:
+            raise ConfigError(f"kv_disk_gib must be > 0, got {self.kv_disk_gib}.")
+        if self.kv_disk_dir is not None and not str(self.kv_disk_dir).strip():
+            raise ConfigError("kv_disk_dir is empty; give a directory for the disk tier or leave it out.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ConfigError("num_gpu_blocks_override must be >= 1 when given.")
 

@@ -35,6 +35,9 @@ class LLM:
         max_model_len: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        kv_host_gib: float = 0.0,
+        kv_disk_dir: str | None = None,
+        kv_disk_gib: float = 16.0,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
         enable_chunked_prefill: bool = True,
@@ -75,7 +78,8 @@ class LLM:
             cache=CacheConfig(
                 block_size=block_size, kv_cache_gib=kv_cache_gib,
                 enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_kv_blocks,
-                kv_cache_dtype=kv_cache_dtype,
+                kv_cache_dtype=kv_cache_dtype, kv_host_gib=kv_host_gib,
+                kv_disk_dir=None if kv_disk_dir is None else str(kv_disk_dir), kv_disk_gib=kv_disk_gib,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

@@ -25,6 +25,20 @@ def test_chained_hash_depends_on_prefix():
     assert hash_block_tokens(None, [1, 2, 3, 4]) == a
 
 
+def test_block_hashes_are_the_same_in_every_process():
+    """The disk tier and the router compare hashes made by other processes: the first block of a
+    chain must not hash its missing parent as None (hash(None) is an address before 3.12)."""
+    import subprocess
+    import sys
+
+    code = ("from specserve.kv_cache.block_pool import hash_block_tokens as h; "
+            "print(h(h(None, [1, 2, 3, 4]), [5, 6, 7, 8]).value)")
+    here = hash_block_tokens(hash_block_tokens(None, [1, 2, 3, 4]), [5, 6, 7, 8]).value
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert int(out.stdout) == here
+
+
 def test_pool_lru_eviction_order_and_double_free():
     pool = BlockPool(4)
     blocks = pool.allocate(4)

@@ -22,6 +22,7 @@ from specserve.engine.runner import ModelRunner, StepConnector
 from specserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from specserve.errors import InvalidRequestError, PromptTooLongError, RequestTooLongError
 from specserve.kv_cache.manager import KVCacheManager
+from specserve.kv_cache.tiers import TieredKVStore
 from specserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specserve.progress import bar
@@ -224,9 +225,11 @@ class LLMEngine:
             checkpoint.arch, checkpoint.weights, config.model, config.cache, self.max_model_len,
             packed=checkpoint.packed,
         )
+        source = path if path is not None else checkpoint.source
         del checkpoint  # the runner holds converted copies; let the float32 originals go
         self.kv_manager = KVCacheManager(
-            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            tiers=self._build_tiers(config, source),
         )
         sched = config.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
@@ -375,6 +378,52 @@ class LLMEngine:
                 self.proposer.add_request(req)
         logger.info("speculation on: reloaded the drafter in %.1f s", time.perf_counter() - t0)
 
+    def _build_tiers(self, config: EngineConfig, path: object | None) -> TieredKVStore | None:
+        """The prefix cache's host and disk tiers, when configured. Their blocks are keyed by a
+        fingerprint of everything that decides a block's bytes (model file, precision, KV dtype
+        and layout, specserve's version), so a directory never serves another model's KV."""
+        cache = config.cache
+        if not cache.has_tiers:
+            return None
+        import hashlib
+        import json
+        import os
+        import sys
+
+        from specserve import __version__
+
+        runner, arch = self.runner, self.arch
+        ident: dict[str, object] = {
+            "model": config.model.model, "quantization": config.model.quantization, "dtype": str(runner.dtype),
+            "kv_cache_dtype": cache.kv_cache_dtype, "block_size": cache.block_size, "layers": arch.num_layers,
+            "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab": arch.vocab_size,
+            "specserve": __version__, "python": list(sys.version_info[:2]),  # block hashes are Python's hash()
+        }
+        if path is not None and os.path.exists(str(path)):
+            st = os.stat(str(path))
+            ident |= {"path": os.path.realpath(str(path)), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        fingerprint = hashlib.blake2b(json.dumps(ident, sort_keys=True).encode(), digest_size=16).hexdigest()
+        gib = 1 << 30
+        store = TieredKVStore(fingerprint, runner.block_payload_bytes(), host_bytes=int(cache.kv_host_gib * gib),
+                              disk_dir=cache.kv_disk_dir, disk_bytes=int(cache.kv_disk_gib * gib))
+        if store.disk is not None:
+            logger.info("KV disk tier %s: %d blocks from earlier runs", store.disk.dir, len(store.disk))
+        return store
+
+    def _save_to_tiers(self) -> None:
+        """Copy the blocks the prefix cache registered this step into its lower tiers (their
+        content is final and nothing has reused them since the step's forward)."""
+        kv = self.kv_manager
+        if kv.tiers is None:
+            return
+        for block_id, block_hash in kv.take_pending_saves():
+            kv.tiers.save(block_hash, self.runner.read_block(block_id))
+
+    def close(self) -> None:
+        """Finish background work (the disk tier's writes). The engine is not used afterwards."""
+        if self.kv_manager.tiers is not None:
+            self.kv_manager.tiers.close()
+
     def _resolve_max_model_len(self, config: EngineConfig) -> int:
         native = self.arch.max_position_embeddings
         want = config.model.max_model_len
@@ -506,6 +555,7 @@ class LLMEngine:
         self.num_steps += 1
         self._account_step(sched_out, sampled)
         results = self.scheduler.update_from_output(sched_out, sampled)
+        self._save_to_tiers()
         if self.proposer is not None and self.proposer.traits.needs_verify_outputs:
             by_id = {req.request_id: req for req, _ in results}
             for sr in sched_out.scheduled:
@@ -773,6 +823,7 @@ class LLMEngine:
             "kv_blocks_free": usage.num_free_blocks,
             "kv_blocks_used": usage.num_used_blocks,
             "prefix_cache_hit_rate": usage.prefix_hit_rate,
+            **({f"kv_tier_{k}": v for k, v in self.kv_manager.tiers.stats().items()} if self.kv_manager.tiers else {}),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "time": time.time(),

@@ -7,6 +7,7 @@ step happens here; the scheduler only ever sees ids and counts.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -15,6 +16,7 @@ from specserve.attention import AttentionMetadata, build_attention_metadata
 from specserve.config import CacheConfig, ModelConfig
 from specserve.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
+from specserve.kv_cache.manager import KVLoad
 from specserve.models.arch import ArchConfig
 from specserve.models.block_linear import (
     BlockQuantLinear,
@@ -307,6 +309,7 @@ class ModelRunner:
         After verification the KV of an accepted tree path is moved into the request's next
         consecutive slots, so the cache holds exactly the verified sequence.
         """
+        self.load_blocks(out.kv_loads)  # before anything reads the cache, even a step that fails
         if out.is_empty:
             return {}
         inputs = self.prepare_inputs(out)
@@ -434,6 +437,30 @@ class ModelRunner:
     def slot(self, block_ids: list[int], index: int) -> int:
         """Flat cache slot of a request's index-th token slot."""
         return block_ids[index // self.block_size] * self.block_size + index % self.block_size
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """One block's K/V (and int8 scales) of every layer, packed into one uint8 tensor on the
+        host: what the prefix cache's lower tiers keep (kv_cache/tiers.py)."""
+        parts = [t[block_id].reshape(-1).view(torch.uint8) for layer in self.kv_caches for t in layer]
+        return torch.cat(parts).cpu()
+
+    def block_payload_bytes(self) -> int:
+        """Bytes of one block as read_block packs it."""
+        return sum(t[0].numel() * t.element_size() for layer in self.kv_caches for t in layer)
+
+    def load_blocks(self, loads: Sequence[KVLoad]) -> None:
+        """Write packed blocks (read_block's format) into their pool blocks."""
+        for load in loads:
+            payload = load.payload
+            if not isinstance(payload, torch.Tensor) or payload.numel() != self.block_payload_bytes():
+                raise RuntimeError(f"a KV block load for block {load.block_id} does not match this cache's layout")
+            offset = 0
+            for layer in self.kv_caches:
+                for t in layer:
+                    dst = t[load.block_id]
+                    n = dst.numel() * t.element_size()
+                    dst.copy_(payload[offset:offset + n].view(t.dtype).view(dst.shape))
+                    offset += n
 
     def move_kv(self, moves: list[tuple[int, int]]) -> None:
         """Copy every layer's K/V (and int8 scales) from slot a to slot b for each (a, b); all

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from specserve.config import SchedulerConfig
-from specserve.kv_cache.manager import KVCacheManager
+from specserve.kv_cache.manager import KVCacheManager, KVLoad
 from specserve.request import Request, RequestStatus
 from specserve.sampling_params import SamplingParams
 from specserve.spec.tree import DraftTree
@@ -53,6 +53,9 @@ class SchedulerOutput(NamedTuple):
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     preempted_ids: list[str]
+    # Prefix blocks found in a lower tier (host memory, disk): written into their pool blocks
+    # before the forward that reads them.
+    kv_loads: Sequence[KVLoad] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -184,15 +187,16 @@ class Scheduler:
                     break
                 self.kv.allocate_slots(req, num_new)
             else:
-                hits, num_hit = self.kv.get_computed_blocks(req)
+                hit = self.kv.find_prefix(req)  # the pool's blocks, then the lower tiers'
+                num_hit = hit.num_tokens
                 num_new = req.num_tokens - num_hit
                 if num_new > budget:
                     if not self.config.enable_chunked_prefill:
                         break
                     num_new = budget
-                if not self.kv.can_allocate(req, num_new, hits):
+                if not self.kv.can_allocate(req, num_new, hit.blocks, loaded=hit.loaded):
                     break
-                self.kv.allocate_slots(req, num_new, hits)
+                self.kv.allocate_slots(req, num_new, hit.blocks, loaded=hit.loaded)
             self.waiting.pop(w)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
@@ -206,7 +210,7 @@ class Scheduler:
             budget -= num_new
 
         used = self.config.max_num_batched_tokens - budget
-        return SchedulerOutput(scheduled, used, preempted)
+        return SchedulerOutput(scheduled, used, preempted, self.kv.take_pending_loads())
 
     def _make_scheduled(self, req: Request, num_new: int, num_spec: int) -> ScheduledRequest:
         start = req.num_computed_tokens

@@ -22,15 +22,24 @@ class BlockHash(NamedTuple):
     token_ids: tuple[int, ...]
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Iterable[int]) -> BlockHash:
-    """Hash one full block's tokens chained to the hash of the block before it.
+_ROOT = 0x5EC5E12FE0F1A5E  # stands for "no parent": hash(None) differs between processes before Python 3.12
 
-    Python's hash of a tuple of ints is deterministic across processes (no hash
-    randomisation for ints), so the same prefix hashes the same on every worker.
+
+def chain_hash(parent_value: int | None, tokens: tuple[int, ...]) -> int:
+    """The chained hash of a block's tokens after the block whose hash is parent_value.
+
+    Python's hash of a tuple of ints is deterministic across processes (no hash randomisation
+    for ints), so the same prefix hashes the same on every worker and in every run (the disk
+    tier relies on it); the first block hashes with an int in place of its missing parent.
     """
+    return hash((_ROOT if parent_value is None else parent_value, tokens))
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Iterable[int]) -> BlockHash:
+    """Hash one full block's tokens chained to the hash of the block before it (chain_hash)."""
     tokens = tuple(token_ids)
     parent_value = parent.value if parent is not None else None
-    return BlockHash(hash((parent_value, tokens)), parent_value, tokens)
+    return BlockHash(chain_hash(parent_value, tokens), parent_value, tokens)
 
 
 @dataclass(eq=False)

@@ -11,6 +11,7 @@ from typing import NamedTuple, Protocol
 
 from specserve.kv_cache.block_pool import BlockHash, BlockPool, KVBlock
 from specserve.kv_cache.prefix_cache import PREFIX_CACHES, PrefixCache
+from specserve.kv_cache.tiers import TierBlock, TieredKVStore
 
 
 class KVCacheIntegrityError(AssertionError):
@@ -35,6 +36,28 @@ class KVCacheUsage(NamedTuple):
     prefix_hit_rate: float
 
 
+class PrefixHit(NamedTuple):
+    """Where a request's cached prefix lives: blocks of the working pool, then blocks found in
+    the lower tiers (verified, in host memory, to be loaded into fresh pool blocks)."""
+
+    blocks: list[KVBlock]
+    loaded: list[TierBlock]
+    num_tokens: int
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the prefix, both kinds."""
+        return len(self.blocks) + len(self.loaded)
+
+
+class KVLoad(NamedTuple):
+    """A lower tier's block to be written into a pool block before the step that reads it."""
+
+    block_id: int
+    payload: object  # torch.Tensor (uint8); typed loosely so this module stays tensor-free
+    tier: str
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division."""
     return -(-a // b)
@@ -49,9 +72,16 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         name: str = "target",
+        tiers: TieredKVStore | None = None,
     ) -> None:
         self.block_size = block_size
         self.name = name
+        # Host and disk tiers below the pool (prefix caching only): blocks registered here are
+        # saved to them after their step (pending_saves, by the engine, which reads the KV), and
+        # prefix hits found in them are loaded into fresh blocks (pending_loads, by the runner).
+        self.tiers = tiers if enable_prefix_caching else None
+        self.pending_saves: list[tuple[int, BlockHash]] = []
+        self.pending_loads: list[KVLoad] = []
         self.pool = BlockPool(num_blocks)
         cache_cls = PREFIX_CACHES["hash" if enable_prefix_caching else "none"]
         self.prefix_cache: PrefixCache = cache_cls(self.pool, block_size)
@@ -106,6 +136,32 @@ class KVCacheManager:
         self.prefix_cache.num_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
+    def find_prefix(self, request: SequenceLike) -> PrefixHit:
+        """The request's cached prefix: the working pool's run of hits, continued from the lower
+        tiers where the pool's run ends (at most num_tokens - 1 tokens, as get_computed_blocks)."""
+        hits, num_hit = self.get_computed_blocks(request)
+        loaded: list[TierBlock] = []
+        if self.tiers is not None:
+            tokens = request.all_token_ids
+            max_blocks = (len(tokens) - 1) // self.block_size
+            for block_hash in self._hashes(request, len(tokens))[len(hits):max_blocks]:
+                found = self.tiers.fetch(block_hash)
+                if found is None:
+                    break
+                loaded.append(found)
+            self.prefix_cache.num_hit_tokens += len(loaded) * self.block_size
+        return PrefixHit(hits, loaded, num_hit + len(loaded) * self.block_size)
+
+    def take_pending_loads(self) -> list[KVLoad]:
+        """Tier blocks to write into the pool before the next forward (the scheduler's step data)."""
+        out, self.pending_loads = self.pending_loads, []
+        return out
+
+    def take_pending_saves(self) -> list[tuple[int, BlockHash]]:
+        """Blocks registered since the last call that the tiers do not hold yet: (block id, hash)."""
+        out, self.pending_saves = self.pending_saves, []
+        return out
+
     def cache_blocks(self, request: SequenceLike, num_verified_tokens: int) -> None:
         """Register the request's full blocks within its first num_verified_tokens tokens.
 
@@ -123,6 +179,12 @@ class KVCacheManager:
         hashes = self._hashes(request, n_full * self.block_size)
         self.prefix_cache.insert_prefix(blocks[start:n_full], hashes[start:n_full])
         self.req_num_cached_blocks[rid] = n_full
+        if self.tiers is not None:
+            for block, block_hash in zip(blocks[start:n_full], hashes[start:n_full]):
+                # Only blocks that now hold this content for the cache (not duplicates of a block
+                # registered elsewhere), and only content the tiers lack.
+                if block.block_hash == block_hash and not self.tiers.contains(block_hash):
+                    self.pending_saves.append((block.block_id, block_hash))
 
     def _hashes(self, request: SequenceLike, upto: int) -> list[BlockHash]:
         known = self.req_hashes.setdefault(request.request_id, [])
@@ -132,11 +194,13 @@ class KVCacheManager:
     def num_blocks_needed(
         self, request: SequenceLike, num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] = (), num_lookahead_tokens: int = 0,
+        loaded: Sequence[TierBlock] = (),
     ) -> int:
-        """Fresh blocks an allocate_slots call with these arguments would take from the pool."""
+        """Fresh blocks an allocate_slots call with these arguments would take from the pool
+        (blocks loaded from a lower tier are fresh blocks too)."""
         held = len(self.req_blocks.get(request.request_id, ())) + len(new_computed_blocks)
         total = (
-            request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+            request.num_computed_tokens + (len(new_computed_blocks) + len(loaded)) * self.block_size
             + num_new_tokens + num_lookahead_tokens
         )
         return max(0, cdiv(total, self.block_size) - held)
@@ -144,9 +208,10 @@ class KVCacheManager:
     def can_allocate(
         self, request: SequenceLike, num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] = (), num_lookahead_tokens: int = 0,
+        loaded: Sequence[TierBlock] = (),
     ) -> bool:
         """Whether allocate_slots would succeed right now."""
-        need = self.num_blocks_needed(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens)
+        need = self.num_blocks_needed(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens, loaded)
         # Reviving a prefix hit that sits in the free queue takes it out of the free count.
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         return need <= self.pool.num_free_blocks - revived
@@ -154,26 +219,33 @@ class KVCacheManager:
     def allocate_slots(
         self, request: SequenceLike, num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] = (), num_lookahead_tokens: int = 0,
+        loaded: Sequence[TierBlock] = (),
     ) -> bool:
         """Make room for num_new_tokens (+ look-ahead) beyond the computed and prefix-hit tokens.
 
         new_computed_blocks are prefix-cache hits for a request with no blocks yet; they are
-        referenced and put at the head of its block table. Returns False, changing nothing,
-        when the pool cannot supply the blocks.
+        referenced and put at the head of its block table. `loaded` (hits in a lower tier, after
+        those) get the next fresh blocks, registered under their hashes at once, with a KVLoad
+        each in pending_loads: the runner writes them before the step's forward. Returns False,
+        changing nothing, when the pool cannot supply the blocks.
         """
-        if not self.can_allocate(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens):
+        if not self.can_allocate(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens, loaded):
             return False
-        need = self.num_blocks_needed(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens)
+        need = self.num_blocks_needed(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens, loaded)
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        if new_computed_blocks:
+        if new_computed_blocks or loaded:
             if blocks:
                 raise RuntimeError("prefix hits can only seed a request that holds no blocks")
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
             # Hit blocks are registered already; do not register them a second time.
-            self.req_num_cached_blocks[request.request_id] = len(new_computed_blocks)
+            self.req_num_cached_blocks[request.request_id] = len(new_computed_blocks) + len(loaded)
         if need:
-            blocks.extend(self.pool.allocate(need))
+            fresh = self.pool.allocate(need)
+            for block, hit in zip(fresh, loaded):
+                self.pool.register(block, hit.block_hash)
+                self.pending_loads.append(KVLoad(block.block_id, hit.payload, hit.tier))
+            blocks.extend(fresh)
         return True
 
     def rollback(self, request: SequenceLike, num_tokens: int) -> int:
@@ -211,7 +283,11 @@ class KVCacheManager:
         self.req_hashes.pop(rid, None)
 
     def reset_prefix_cache(self) -> int:
-        """Forget all unreferenced cached content; returns the number of blocks dropped."""
+        """Forget all unreferenced cached content, the lower tiers' included; returns the number
+        of pool blocks dropped."""
+        if self.tiers is not None:
+            self.tiers.clear()
+            self.pending_saves.clear()
         return self.prefix_cache.evict()
 
     # ---------------------------------------------------------------- checks

@@ -146,6 +146,9 @@ class AsyncEngine:
         with self._lock:
             stuck = list(self._streams)
         self._fail(stuck, EngineStoppedError("The server shut down before this request finished; retry it."))
+        close = getattr(self.engine, "close", None)
+        if close is not None and not (self._thread is not None and self._thread.is_alive()):
+            await asyncio.to_thread(close)  # the disk tier's queued writes
         if self.error is None and not (self._thread is not None and self._thread.is_alive()):
             try:
                 self.engine.check_integrity()

@@ -1,0 +1,441 @@
+"""Lower tiers of the prefix cache: host memory, then local disk.
+
+The working pool (`block_pool.py`) holds the KV the model reads; when its free blocks are
+handed out again their cached prefixes are gone. The tiers keep them:
+
+- **Write-through, inclusive.** Every block the prefix cache registers (full, verified KV:
+  never a draft's) is copied once, after the step that completed it, into the host tier and
+  queued for the disk tier. A block is immutable while it is registered, so the copy needs no
+  coordination with eviction: when the pool later reuses the block, the tiers already have it.
+- **Host tier**: an LRU of payloads in process memory, bounded in bytes (`--kv-host-gib`).
+- **Disk tier**: one self-verifying file per block under `--kv-disk-dir`, in a folder per
+  model fingerprint, LRU by last use, bounded in bytes (`--kv-disk-gib`). A background thread
+  writes each file to a temporary name and renames it into place, so a crash (kill -9) leaves
+  at worst a temporary file, deleted at the next start. The directory is its own index: the
+  next process scans the file headers and starts warm.
+- **Verified on every use.** A disk file holds its block's chained hash, parent hash and token
+  ids and a BLAKE2b digest over all of that and the payload; a hit must match the requested
+  block exactly (hash, parent and tokens) and its digest, else it is counted as corrupt,
+  deleted and treated as a miss, never served. Payload sizes are checked against the layout.
+
+A hit in a lower tier becomes a fresh pool block registered under its hash; the runner writes
+the payload into it at the start of the step that first uses it (`SchedulerOutput.kv_loads`),
+so the request counts those tokens as computed and prefills only the rest.
+
+Why files rather than a database for the disk index: a block file names and checks itself, so
+there is nothing that can disagree with the data after a crash; SQLite (or diskcache on top of
+it) would add a second record that a kill -9 can leave out of step with the files.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from specserve.kv_cache.block_pool import BlockHash, chain_hash
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"SPECSERVE-KV\x01"
+SUFFIX = ".kvb"
+_HEADER_LEN = struct.Struct("<I")
+_WRITE_QUEUE = 4096  # blocks waiting for the disk writer; beyond it new saves skip the disk
+
+
+class TierBlock(NamedTuple):
+    """A prefix block found in a lower tier, verified and in host memory."""
+
+    block_hash: BlockHash
+    payload: torch.Tensor  # uint8, the block's K/V (and scales) of every layer, as the runner packs them
+    tier: str  # "host" or "disk": where it was found
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier (blocks and bytes found, time spent loading)."""
+
+    hits: int = 0
+    hit_bytes: int = 0
+    load_s: float = 0.0
+    saved: int = 0
+
+
+@dataclass
+class TierCounters:
+    """What the tiers did, for metrics and benchmarks."""
+
+    host: TierStats = field(default_factory=TierStats)
+    disk: TierStats = field(default_factory=TierStats)
+    corrupt: int = 0  # disk files refused (digest, header or size wrong, or another block's content)
+    disk_dropped: int = 0  # saves that skipped the disk because its writer fell behind
+
+
+def _digest(header: dict, payload: memoryview | bytes) -> str:
+    h = hashlib.blake2b(digest_size=32)
+    h.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+    h.update(payload)
+    return h.hexdigest()
+
+
+def _file_name(block_hash: BlockHash) -> str:
+    return f"{block_hash.value & 0xFFFFFFFFFFFFFFFF:016x}{SUFFIX}"
+
+
+class HostTier:
+    """Payloads in process memory, least recently used dropped first beyond `capacity_bytes`."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._blocks: OrderedDict[int, tuple[BlockHash, torch.Tensor]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        """True if this exact block is held."""
+        entry = self._blocks.get(block_hash.value)
+        return entry is not None and entry[0] == block_hash
+
+    def get(self, block_hash: BlockHash) -> torch.Tensor | None:
+        """The payload of this exact block (marked most recently used), or None."""
+        entry = self._blocks.get(block_hash.value)
+        if entry is None or entry[0] != block_hash:
+            return None
+        self._blocks.move_to_end(block_hash.value)
+        return entry[1]
+
+    def put(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
+        """Keep a payload, dropping the least recently used ones to stay within capacity."""
+        size = payload.numel()
+        if size > self.capacity_bytes:
+            return
+        old = self._blocks.pop(block_hash.value, None)
+        if old is not None:
+            self.used_bytes -= old[1].numel()
+        self._blocks[block_hash.value] = (block_hash, payload)
+        self.used_bytes += size
+        while self.used_bytes > self.capacity_bytes:
+            _, (_, dropped) = self._blocks.popitem(last=False)
+            self.used_bytes -= dropped.numel()
+
+    def clear(self) -> int:
+        """Drop everything; returns how many blocks were held."""
+        n = len(self._blocks)
+        self._blocks.clear()
+        self.used_bytes = 0
+        return n
+
+
+class _DiskEntry(NamedTuple):
+    block_hash: BlockHash
+    path: Path
+    size: int
+
+
+class DiskTier:
+    """One verified file per block under root/<fingerprint>/, LRU within `capacity_bytes`."""
+
+    def __init__(self, root: str | Path, fingerprint: str, capacity_bytes: int, payload_bytes: int,
+                 counters: TierCounters) -> None:
+        self.dir = Path(root) / fingerprint[:24]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = fingerprint
+        self.capacity_bytes = capacity_bytes
+        self.payload_bytes = payload_bytes
+        self.counters = counters
+        self.used_bytes = 0
+        self._lock = threading.Lock()
+        self._index: OrderedDict[int, _DiskEntry] = OrderedDict()  # least recently used first
+        self._queue: queue.Queue[tuple[BlockHash, torch.Tensor] | None] = queue.Queue(_WRITE_QUEUE)
+        self._queued: set[int] = set()
+        self._scan()
+        self._writer = threading.Thread(target=self._write_loop, name="specserve-kv-disk", daemon=True)
+        self._writer.start()
+        atexit.register(self.close)  # queued blocks reach the disk when the process exits normally
+
+    # ------------------------------------------------------------------ start-up
+    def _scan(self) -> None:
+        """Index the files a previous process left (oldest use first); delete temporaries and
+        files whose header does not read back."""
+        found: list[tuple[float, _DiskEntry]] = []
+        for path in self.dir.iterdir():
+            if path.name.endswith(".tmp"):  # a write cut off by a crash
+                path.unlink(missing_ok=True)
+                continue
+            if not path.name.endswith(SUFFIX):
+                continue
+            try:
+                header = self._read_header(path)
+                st = path.stat()
+            except (OSError, ValueError) as exc:
+                logger.warning("KV disk tier: ignoring unreadable %s (%s)", path.name, exc)
+                self.counters.corrupt += 1
+                path.unlink(missing_ok=True)
+                continue
+            bh = BlockHash(header["value"], header["parent"], tuple(header["tokens"]))
+            if chain_hash(bh.parent_value, bh.token_ids) != bh.value or path.name != _file_name(bh):  # not the block it names
+                logger.warning("KV disk tier: %s holds tokens that do not hash to its block; deleted", path.name)
+                self.counters.corrupt += 1
+                path.unlink(missing_ok=True)
+                continue
+            found.append((st.st_mtime, _DiskEntry(bh, path, st.st_size)))
+        for _, entry in sorted(found, key=lambda x: x[0]):
+            self._index[entry.block_hash.value] = entry
+            self.used_bytes += entry.size
+        self._shrink()
+
+    def _read_header(self, path: Path) -> dict:
+        """The header of a block file (its first bytes only)."""
+        with path.open("rb") as f:
+            head = f.read(len(MAGIC) + _HEADER_LEN.size)
+            n = self._header_length(head)
+            return self._check_header(f.read(n))
+
+    @staticmethod
+    def _header_length(head: bytes) -> int:
+        if len(head) < len(MAGIC) + _HEADER_LEN.size or not head.startswith(MAGIC):
+            raise ValueError("not a specserve KV block file")
+        (n,) = _HEADER_LEN.unpack_from(head, len(MAGIC))
+        if n > 1 << 24:
+            raise ValueError("header too long")
+        return n
+
+    def _check_header(self, raw: bytes) -> dict:
+        header = json.loads(raw)
+        if not isinstance(header, dict) or header.get("fingerprint") != self.fingerprint:
+            raise ValueError("written for another model or layout")
+        for key in ("value", "parent", "tokens", "digest", "payload_bytes"):
+            if key not in header:
+                raise ValueError(f"header lacks {key}")
+        return header
+
+    # ------------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        """True if a file claims this exact block (verified only when read)."""
+        with self._lock:
+            entry = self._index.get(block_hash.value)
+        return entry is not None and entry.block_hash == block_hash
+
+    def read(self, block_hash: BlockHash) -> torch.Tensor | None:
+        """The verified payload of this exact block, or None (missing, or corrupt: then deleted)."""
+        with self._lock:
+            entry = self._index.get(block_hash.value)
+            if entry is None or entry.block_hash != block_hash:
+                return None
+            self._index.move_to_end(block_hash.value)
+        try:
+            blob = entry.path.read_bytes()
+            offset = len(MAGIC) + _HEADER_LEN.size
+            n = self._header_length(blob)
+            header = self._check_header(blob[offset:offset + n])
+            data = memoryview(blob)[offset + n:]
+            claimed = header.pop("digest")
+            ok = (header["value"] == block_hash.value and header["parent"] == block_hash.parent_value
+                  and tuple(header["tokens"]) == block_hash.token_ids
+                  and header["payload_bytes"] == self.payload_bytes == len(data)
+                  and _digest(header, data) == claimed)
+        except (OSError, ValueError, KeyError) as exc:
+            logger.warning("KV disk tier: %s unreadable (%s)", entry.path.name, exc)
+            ok, data = False, b""
+        if not ok:
+            self.counters.corrupt += 1
+            logger.warning("KV disk tier: %s failed verification; deleted, the prefix is recomputed",
+                           entry.path.name)
+            self._remove(block_hash.value, entry)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(entry.path)  # its last use, for the next start's LRU order
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a writable copy of its own
+
+    # ------------------------------------------------------------------ writes
+    def save(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
+        """Queue a block for writing (nothing if it is on disk or queued already)."""
+        with self._lock:
+            if block_hash.value in self._queued:
+                return
+            entry = self._index.get(block_hash.value)
+            if entry is not None and entry.block_hash == block_hash:
+                return
+            self._queued.add(block_hash.value)
+        try:
+            self._queue.put_nowait((block_hash, payload))
+        except queue.Full:
+            with self._lock:
+                self._queued.discard(block_hash.value)
+            self.counters.disk_dropped += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except Exception:  # noqa: BLE001 - a full or broken disk must not stop the engine
+                logger.exception("KV disk tier: writing a block failed")
+            finally:
+                if item is not None:
+                    with self._lock:
+                        self._queued.discard(item[0].value)
+                self._queue.task_done()
+
+    def _write(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
+        data = memoryview(payload.contiguous().numpy()).cast("B")
+        header = {"fingerprint": self.fingerprint, "value": block_hash.value, "parent": block_hash.parent_value,
+                  "tokens": list(block_hash.token_ids), "payload_bytes": len(data)}
+        header["digest"] = _digest(header, data)
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        path = self.dir / _file_name(block_hash)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with tmp.open("wb") as f:
+            f.write(MAGIC)
+            f.write(_HEADER_LEN.pack(len(blob)))
+            f.write(blob)
+            f.write(data)
+        os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
+        size = len(MAGIC) + _HEADER_LEN.size + len(blob) + len(data)
+        with self._lock:
+            old = self._index.pop(block_hash.value, None)
+            if old is not None:
+                self.used_bytes -= old.size
+            self._index[block_hash.value] = _DiskEntry(block_hash, path, size)
+            self.used_bytes += size
+        self.counters.disk.saved += 1
+        self._shrink()
+
+    def _shrink(self) -> None:
+        while True:
+            with self._lock:
+                if self.used_bytes <= self.capacity_bytes or not self._index:
+                    return
+                value, entry = next(iter(self._index.items()))
+            self._remove(value, entry)
+
+    def _remove(self, value: int, entry: _DiskEntry) -> None:
+        with self._lock:
+            if self._index.get(value) is entry:
+                del self._index[value]
+                self.used_bytes -= entry.size
+        entry.path.unlink(missing_ok=True)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued block is written; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def clear(self) -> int:
+        """Delete every block file of this fingerprint; returns how many."""
+        self.flush()
+        with self._lock:
+            entries = list(self._index.values())
+            self._index.clear()
+            self.used_bytes = 0
+        for e in entries:
+            e.path.unlink(missing_ok=True)
+        return len(entries)
+
+    def close(self) -> None:
+        """Finish queued writes and stop the writer (idempotent)."""
+        atexit.unregister(self.close)
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join(timeout=60)
+
+
+class TieredKVStore:
+    """The host and disk tiers behind the working pool (either may be absent)."""
+
+    def __init__(self, fingerprint: str, payload_bytes: int, *, host_bytes: int = 0,
+                 disk_dir: str | Path | None = None, disk_bytes: int = 0) -> None:
+        self.fingerprint = fingerprint
+        self.payload_bytes = payload_bytes
+        self.counters = TierCounters()
+        self.host = HostTier(host_bytes) if host_bytes > 0 else None
+        self.disk = (DiskTier(disk_dir, fingerprint, disk_bytes, payload_bytes, self.counters)
+                     if disk_dir is not None and disk_bytes > 0 else None)
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        """True if some tier holds (or claims) this exact block."""
+        return bool((self.host and self.host.contains(block_hash)) or (self.disk and self.disk.contains(block_hash)))
+
+    def fetch(self, block_hash: BlockHash) -> TierBlock | None:
+        """This exact block from the highest tier holding it, verified; a disk hit is promoted."""
+        t0 = time.perf_counter()
+        if self.host is not None:
+            payload = self.host.get(block_hash)
+            if payload is not None:
+                self._count(self.counters.host, payload, t0)
+                return TierBlock(block_hash, payload, "host")
+        if self.disk is not None:
+            payload = self.disk.read(block_hash)
+            if payload is not None:
+                if self.host is not None:
+                    self.host.put(block_hash, payload)
+                self._count(self.counters.disk, payload, t0)
+                return TierBlock(block_hash, payload, "disk")
+        return None
+
+    @staticmethod
+    def _count(stats: TierStats, payload: torch.Tensor, t0: float) -> None:
+        stats.hits += 1
+        stats.hit_bytes += payload.numel()
+        stats.load_s += time.perf_counter() - t0
+
+    def save(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
+        """Keep a newly registered block in every tier."""
+        if payload.numel() != self.payload_bytes:
+            raise ValueError(f"a KV block payload of {payload.numel()} bytes, expected {self.payload_bytes}")
+        if self.host is not None:
+            self.host.put(block_hash, payload)
+            self.counters.host.saved += 1
+        if self.disk is not None:
+            self.disk.save(block_hash, payload)
+
+    def stats(self) -> dict[str, float]:
+        """Flat counters and sizes for metrics."""
+        c = self.counters
+        out: dict[str, float] = {"corrupt_blocks": c.corrupt, "disk_dropped_blocks": c.disk_dropped}
+        for name, tier, st in (("host", self.host, c.host), ("disk", self.disk, c.disk)):
+            if tier is None:
+                continue
+            out |= {f"{name}_hits": st.hits, f"{name}_hit_bytes": st.hit_bytes, f"{name}_load_s": st.load_s,
+                    f"{name}_saved": st.saved, f"{name}_blocks": len(tier), f"{name}_used_bytes": tier.used_bytes,
+                    f"{name}_capacity_bytes": tier.capacity_bytes}
+        return out
+
+    def clear(self) -> int:
+        """Forget every block of every tier (disk files deleted); returns how many were held."""
+        n = self.host.clear() if self.host is not None else 0
+        return n + (self.disk.clear() if self.disk is not None else 0)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait for queued disk writes."""
+        return self.disk.flush(timeout_s) if self.disk is not None else True
+
+    def close(self) -> None:
+        """Finish disk writes; the store is not used afterwards."""
+        if self.disk is not None:
+            self.disk.close()
