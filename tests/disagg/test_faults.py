@@ -252,6 +252,45 @@ def test_request_resumed_after_its_decode_worker_died_keeps_every_logprob():
     asyncio.run(scenario())
 
 
+def test_router_forgets_prefixes_a_worker_evicted_and_sends_no_request_to_a_stale_full_hit():
+    r = _router(num_prefill=1, num_decode=2)
+    tokens = list(range(1, 9)) * 3  # 6 full blocks of 4
+    hashes = r._hashes(tokens)
+    for w, free in zip(r.decode, (10, 90)):
+        w.stats = {"kv_free_blocks": free}
+    r._index(hashes, "prefill-0", "decode-0")
+    assert r.pick_decode(hashes) == (r.decode[0], True)  # the cached worker, though it has less room
+    # decode-0's pool reuses one of those blocks (its report arrives with its next poll).
+    r._observe(r.decode[0], {"kv_free_blocks": 10, "evicted": [hashes[3]]})
+    assert r.pick_decode(hashes) == (r.decode[1], False)  # no stale full hit: the roomiest worker
+    assert r._matched(hashes, "decode-0") == 3 and r._matched(hashes, "prefill-0") == 6
+    r._observe(r.prefill[0], {"evicted": hashes})
+    r._observe(r.decode[0], {"kv_free_blocks": 10, "evicted": hashes})
+    assert r._prefix_index == {}  # nothing left behind: the index does not grow for ever
+
+
+def test_a_worker_reports_the_blocks_its_pool_evicts(smollm_checkpoint):
+    from specserve import LLM
+    from specserve.disagg.worker import WorkerCore
+    from specserve.kv_cache.block_pool import hash_block_tokens
+
+    llm = LLM(MODEL, dtype="float32", checkpoint=smollm_checkpoint, num_kv_blocks=12, num_threads=1)
+    core = WorkerCore("decode", llm.engine, "decode-t")
+    try:
+        pool = llm.engine.kv_manager.pool
+        blocks = pool.allocate(2)
+        hs = [hash_block_tokens(None, list(range(16))), hash_block_tokens(None, list(range(1, 17)))]
+        for b, h in zip(blocks, hs):
+            pool.register(b, h)
+        pool.release(blocks)
+        assert core.stats()["evicted"] == []
+        pool.allocate(12)  # reuses every block, the cached two included
+        assert sorted(core.stats()["evicted"]) == sorted(h.value for h in hs)
+        assert core.stats()["evicted"] == []  # each eviction reported once
+    finally:
+        core.shutdown()
+
+
 def test_channel_files_are_deleted_when_prefill_ends_a_worker_dies_or_at_shutdown():
     layout = KVLayout(2, 1, 4, "float32")
     files = ChannelFiles()

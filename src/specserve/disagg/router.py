@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -355,6 +355,16 @@ class DisaggRouter:
         for h in hashes:
             self._prefix_index.setdefault(h, set()).update(names)
 
+    def _forget(self, hashes: Iterable[int], name: str) -> None:
+        """A worker's pool dropped these blocks: it no longer holds those prefixes."""
+        index = self._prefix_index
+        for h in hashes:
+            names = index.get(h)
+            if names is not None:
+                names.discard(name)
+                if not names:
+                    del index[h]
+
     def pick_decode(self, hashes: list[int]) -> tuple[WorkerHandle | None, bool]:
         """(worker, full prefix hit): a worker caching every full block of the prompt, else most free blocks."""
         live = [w for w in self.decode if w.alive]
@@ -515,8 +525,8 @@ class DisaggRouter:
         for job in list(self._jobs.values()):
             if job.worker is w and not job.finished:
                 job.changed.set()
-        for names in self._prefix_index.values():
-            names.discard(w.name)
+        for h in [h for h, names in self._prefix_index.items() if w.name in names]:
+            self._forget((h,), w.name)
         self.channel_files.release_worker(w.name)
         if self.metrics is not None:
             self.metrics.worker_gone(w.role, w.name)
@@ -613,6 +623,7 @@ class DisaggRouter:
                 ray.kill(w.actor)
             return
         w.stats = st
+        self._forget(st.get("evicted", ()), w.name)
         if self.metrics is not None:
             self.metrics.observe_worker(w.role, w.name, st)
 

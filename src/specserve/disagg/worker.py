@@ -12,6 +12,8 @@ recomputes its own prompt KV on its first proposal, see `docs/architecture.md`).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import os
 import queue
@@ -98,6 +100,11 @@ class WorkerCore:
         self._stop = threading.Event()
         self.error: str | None = None
         self.paused = False  # tests: a worker that stops stepping (a hang)
+        # Hashes of cached prefix blocks this worker's pool dropped since the last report: the
+        # router's prefix index forgets them, so it never sends a "full hit" to a worker that
+        # would recompute the whole prompt.
+        self._evicted: collections.deque[int] = collections.deque()
+        engine.kv_manager.pool.on_evict = lambda h: self._evicted.append(h.value)
         self._thread = threading.Thread(target=self._run, name=f"specserve-{self.name}", daemon=True)
         self._thread.start()
 
@@ -137,7 +144,15 @@ class WorkerCore:
             "spec_enabled": eng.speculation_enabled,
             "alive": self.error is None and self._thread.is_alive(),
             "error": self.error,  # why the engine loop stopped: the router replaces such a worker
+            "evicted": self._take_evicted(),
         }
+
+    def _take_evicted(self) -> list[int]:
+        out = []
+        with contextlib.suppress(IndexError):  # the engine thread appends while this drains
+            while True:
+                out.append(self._evicted.popleft())
+        return out
 
     # ------------------------------------------------------------------ prefill role
     def prefill(self, request_id: str, token_ids: list[int], desc: TransferDescriptor) -> dict[str, Any]:

@@ -9,7 +9,7 @@ evicted first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -67,6 +67,9 @@ class BlockPool:
         # Content hash value -> the block holding that content.
         self._cached: dict[int, KVBlock] = {}
         self.num_evictions = 0
+        # Called with the hash of every cached content the pool drops (reuse or reset): whoever
+        # indexes this pool's content from outside (a disaggregated router) learns of it.
+        self.on_evict: Callable[[BlockHash], None] | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -141,8 +144,11 @@ class BlockPool:
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
-            if self._cached.get(block.block_hash.value) is block:
-                del self._cached[block.block_hash.value]
+            dropped = block.block_hash
+            if self._cached.get(dropped.value) is block:
+                del self._cached[dropped.value]
+                if self.on_evict is not None:
+                    self.on_evict(dropped)
             block.block_hash = None
             self.num_evictions += 1
 
