@@ -295,3 +295,27 @@ def test_kill_9_while_writing_blocks_never_serves_a_corrupt_block(smollm_checkpo
     assert served >= 39 and llm.engine.kv_manager.tiers.counters.corrupt == 1
     assert _outputs(llm) == reference
     llm.engine.close()
+
+
+def test_served_tiers_export_metrics_and_flush_the_disk_at_shutdown(smollm_checkpoint, reference, tmp_path):
+    import httpx
+
+    from tests.server.conftest import serve
+
+    llm = _engine(smollm_checkpoint, kv_host_gib=0.25, kv_disk_dir=str(tmp_path))
+    with serve(llm, "smollm2") as live:
+        for _ in range(2):
+            for prompt, want in zip(PROMPTS, reference):
+                body = {"prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+                r = httpx.post(live.base_url + "/v1/completions", json=body, timeout=120)
+                assert r.status_code == 200
+                assert llm.tokenizer.encode(r.json()["choices"][0]["text"], add_special_tokens=False) == want
+        text = httpx.get(live.base_url + "/metrics").text
+    hits = [ln for ln in text.splitlines() if ln.startswith('specserve_kv_tier_hit_blocks_total{model="smollm2",tier="host"}')]
+    assert hits and float(hits[0].split()[-1]) > 20
+    for name in ("specserve_kv_tier_hit_bytes_total", "specserve_kv_tier_load_seconds_total",
+                 "specserve_kv_tier_used_bytes", "specserve_kv_tier_corrupt_blocks_total"):
+        assert name in text, name
+    disk = llm.engine.kv_manager.tiers.disk
+    assert not disk._writer.is_alive() and disk._queue.unfinished_tasks == 0  # shutdown wrote every block
+    assert len(list(tmp_path.rglob(f"*{SUFFIX}"))) == len(disk) > 0

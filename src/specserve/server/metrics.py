@@ -184,6 +184,16 @@ class ServerMetrics:
                                    "baseline: the engine's measured forward time of a plain step at the batch the "
                                    "requests decoded at (absent until the engine has timed a one-token step).",
                                    cl, registry=r)
+        tl = ["model", "tier"]
+        self.tier_hits = Counter("specserve_kv_tier_hit_blocks", "Prefix blocks found in a lower tier of the "
+                                 "prefix cache (host memory, disk) and loaded back.", tl, registry=r)
+        self.tier_hit_bytes = Counter("specserve_kv_tier_hit_bytes", "KV bytes loaded back from a lower tier.",
+                                      tl, registry=r)
+        self.tier_load_s = Counter("specserve_kv_tier_load_seconds", "Time spent finding, reading and verifying "
+                                   "blocks of a lower tier.", tl, registry=r)
+        self.tier_used = Gauge("specserve_kv_tier_used_bytes", "Bytes a lower tier holds.", tl, registry=r)
+        self.tier_corrupt = Counter("specserve_kv_tier_corrupt_blocks", "Disk-tier blocks that failed verification "
+                                    "(skipped and deleted, never served).", labels, registry=r)
         self.classes = RequestClasses()
         self.baseline = PlainBaseline()
         # Per class: (drafted, accepted, decode tokens, decode seconds, plain seconds or None) per request.
@@ -236,6 +246,17 @@ class ServerMetrics:
             for j, (d, a) in enumerate(zip(engine.drafted_per_position, engine.accepted_per_position)):
                 self._inc_to(f"dpos{j}", self.drafted_pos, d, position=str(j))
                 self._inc_to(f"apos{j}", self.accepted_pos, a, position=str(j))
+            tiers = getattr(engine.kv_manager, "tiers", None)
+            if tiers is not None:
+                st = tiers.stats()
+                self._inc_to("tier_corrupt", self.tier_corrupt, st["corrupt_blocks"])
+                for tier in ("host", "disk"):
+                    if f"{tier}_hits" not in st:
+                        continue
+                    self._inc_to(f"tier_hits_{tier}", self.tier_hits, st[f"{tier}_hits"], tier=tier)
+                    self._inc_to(f"tier_bytes_{tier}", self.tier_hit_bytes, st[f"{tier}_hit_bytes"], tier=tier)
+                    self._inc_to(f"tier_load_{tier}", self.tier_load_s, st[f"{tier}_load_s"], tier=tier)
+                    self.tier_used.labels(m, tier).set(st[f"{tier}_used_bytes"])
 
     def _sample_series(self, engine: LLMEngine, usage_ratio: float) -> None:
         """Every SERIES_EVERY_S: tokens/s and acceptance since the last sample, KV usage, queue."""
