@@ -142,8 +142,13 @@ class _FakePrefillActor:
 
         self.aborted: list[str] = []
         self.pending: concurrent.futures.Future = concurrent.futures.Future()
-        self.prefill = _Remote(lambda rid, tokens, desc: type("Ref", (), {"future": lambda _: self.pending})())
+        self.priorities: list[int] = []
+        self.prefill = _Remote(self._prefill)
         self.abort = _Remote(self._abort)
+
+    def _prefill(self, rid: str, tokens: list[int], desc: object, priority: int = 0) -> object:
+        self.priorities.append(priority)
+        return type("Ref", (), {"future": lambda _: self.pending})()
 
     def _abort(self, ids: list[str]) -> None:
         from specserve.disagg.kv_transfer import KVTransferError
@@ -172,7 +177,7 @@ def test_abort_during_prefill_stops_the_prefill_worker_and_is_no_failure(caplog)
     r = _router(num_prefill=1, num_decode=1)
     pre_actor, dec_actor = _FakePrefillActor(), _FakeDecodeActor()
     r.prefill[0].actor, r.decode[0].actor = pre_actor, dec_actor
-    prepared = r.engine.prepare_request([1, 2, 3, 4, 5, 6, 7, 8] * 5, SamplingParams(max_tokens=4))
+    prepared = r.engine.prepare_request([1, 2, 3, 4, 5, 6, 7, 8] * 5, SamplingParams(max_tokens=4), priority=-2)
     rid = prepared.request.request_id
 
     async def scenario() -> None:
@@ -188,6 +193,7 @@ def test_abort_during_prefill_stops_the_prefill_worker_and_is_no_failure(caplog)
     with caplog.at_level("WARNING", logger="specserve.disagg.router"):
         asyncio.run(scenario())
     internal = f"{rid}#1"
+    assert pre_actor.priorities == [-2]  # the prompt keeps its priority on the prefill pool
     assert pre_actor.aborted == [internal] and set(dec_actor.aborted) == {internal}
     assert r.prefill[0].num_failures == 0 and r.prefill[0].alive
     assert not [rec for rec in caplog.records if "failed" in rec.getMessage()]

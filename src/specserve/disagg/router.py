@@ -473,7 +473,7 @@ class DisaggRouter:
         pre.pending_tokens += m
         job.prefill_worker = pre
         try:
-            ref = pre.actor.prefill.remote(internal, tokens[:m], desc)
+            ref = pre.actor.prefill.remote(internal, tokens[:m], desc, job.request.priority)
             budget = self.transfer_timeout_s + 0.05 * m
             st = await asyncio.wait_for(asyncio.wrap_future(ref.future()), budget)
         except Exception as exc:  # noqa: BLE001 - dead, hung, or a failed transfer

@@ -155,9 +155,11 @@ class WorkerCore:
         return out
 
     # ------------------------------------------------------------------ prefill role
-    def prefill(self, request_id: str, token_ids: list[int], desc: TransferDescriptor) -> dict[str, Any]:
-        """Compute KV of token_ids and send it through desc; return when it has all been sent."""
-        req = Request(request_id, token_ids, SamplingParams(max_tokens=1, temperature=0.0))
+    def prefill(self, request_id: str, token_ids: list[int], desc: TransferDescriptor,
+                priority: int = 0) -> dict[str, Any]:
+        """Compute KV of token_ids and send it through desc; return when it has all been sent.
+        The prompt queues on this worker by its request's priority (lower first), then arrival."""
+        req = Request(request_id, token_ids, SamplingParams(max_tokens=1, temperature=0.0), priority=priority)
         done = threading.Event()
         holder: dict[str, Any] = {}
         t0 = time.perf_counter()
@@ -362,9 +364,10 @@ class EngineWorkerActor:
         """See WorkerCore.stats."""
         return self.core.stats()
 
-    def prefill(self, request_id: str, token_ids: list[int], desc: TransferDescriptor) -> dict[str, Any]:
+    def prefill(self, request_id: str, token_ids: list[int], desc: TransferDescriptor,
+                priority: int = 0) -> dict[str, Any]:
         """See WorkerCore.prefill."""
-        return self.core.prefill(request_id, token_ids, desc)
+        return self.core.prefill(request_id, token_ids, desc, priority)
 
     def add_decode(self, request: Request, desc: TransferDescriptor | None, emitted_chars: int = 0) -> None:
         """See WorkerCore.add_decode."""
