@@ -414,7 +414,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 args.model, engine_kwargs(args), args.prefill_workers, args.decode_workers,
                 ray_address=args.ray_address, transport=args.kv_transport, transfer_timeout_s=args.transfer_timeout,
                 threads_per_worker=args.worker_threads, pin_cpus=args.pin_cpus, max_waiting=args.max_waiting,
-                local_prefill_tokens=args.local_prefill_tokens,
+                local_prefill_tokens=args.local_prefill_tokens, role_engine_kwargs=role_engine_kwargs(args),
                 metrics=DisaggMetrics(metrics.registry), on_output=metrics.on_finished,
             )
 
@@ -542,7 +542,23 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--local-prefill-tokens", type=int, default=32,
                    help="prompts shorter than this are prefilled on their decode worker (0: always use a prefill worker)")
     d.add_argument("--pin-cpus", action="store_true", help="pin worker i to core i (local Ray only)")
+    for role in ("prefill", "decode"):
+        d.add_argument(f"--{role}-max-num-batched-tokens", type=int, default=None, metavar="N",
+                       help=f"token budget per step of the {role} workers (default: --max-num-batched-tokens)")
+        d.add_argument(f"--{role}-max-num-seqs", type=int, default=None, metavar="N",
+                       help=f"running requests per {role} worker (default: --max-num-seqs)")
     return parser
+
+
+def role_engine_kwargs(args: argparse.Namespace) -> dict[str, dict[str, int]]:
+    """Per-pool engine overrides of a disaggregated server (only the flags given)."""
+    out: dict[str, dict[str, int]] = {}
+    for role in ("prefill", "decode"):
+        for key in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(args, f"{role}_{key}")
+            if value is not None:
+                out.setdefault(role, {})[key] = value
+    return out
 
 
 _STARTED = time.perf_counter()  # process start, for the time to first request

@@ -539,3 +539,22 @@ def test_killed_decode_worker_leaves_no_channel_files_or_frozen_gauges(local_ray
         client.close()
         _kill_all(router)
     assert _our_channel_files() <= before
+
+
+def test_prefill_and_decode_pools_are_tuned_on_their_own():
+    from specserve.cli import build_parser, engine_kwargs, role_engine_kwargs
+    from specserve.disagg.launch import worker_specs
+    from specserve.errors import ConfigError
+
+    args = build_parser().parse_args(["serve", "--model", MODEL, "--disagg", "--decode-workers", "2",
+                                      "--max-num-seqs", "32", "--prefill-max-num-batched-tokens", "2048",
+                                      "--decode-max-num-seqs", "128"])
+    specs = worker_specs(MODEL, engine_kwargs(args), 1, 2, role_engine_kwargs=role_engine_kwargs(args))
+    assert sorted(specs) == ["decode-0", "decode-1", "prefill-0"]
+    pre, dec = specs["prefill-0"].engine_kwargs, specs["decode-1"].engine_kwargs
+    assert (pre["max_num_batched_tokens"], pre["max_num_seqs"]) == (2048, 32)
+    assert (dec["max_num_batched_tokens"], dec["max_num_seqs"]) == (512, 128)
+    with pytest.raises(ConfigError, match="'prefill' and 'decode'"):
+        worker_specs(MODEL, {}, role_engine_kwargs={"router": {"max_num_seqs": 4}})
+    with pytest.raises(ConfigError, match="not supported with --disagg"):
+        worker_specs(MODEL, {"kv_disk_dir": "/tmp/x"})

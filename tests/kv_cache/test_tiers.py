@@ -239,14 +239,6 @@ def test_engine_with_tiers_is_exact_and_serves_evicted_prefixes(smollm_checkpoin
     again.engine.close()
 
 
-def test_tiers_are_refused_with_disaggregation():
-    from specserve.disagg.launch import launch
-    from specserve.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="not supported with --disagg"):
-        launch("smollm2-135m-instruct", {"kv_host_gib": 1.0}, 1, 1)
-
-
 _WRITER = textwrap.dedent("""
     import sys
     from specserve import LLM, SamplingParams

@@ -124,12 +124,19 @@ def connect(model: str, actors: list[Any], *, transport: str = "auto", transfer_
                         on_output=on_output, restart=restart, max_restarts=max_restarts)
 
 
-def launch(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1, num_decode: int = 1, *,
-           ray_address: str | None = None, transport: str = "auto", transfer_timeout_s: float = 60.0,
-           threads_per_worker: int | None = None, pin_cpus: bool = False, max_waiting: int = 256,
-           local_prefill_tokens: int = 32, metrics: Any = None, on_output: Any = None,
-           max_restarts: int = 3) -> DisaggRouter:
-    """Start Ray (or join it), the worker actors, and the router (which restarts dead workers)."""
+def worker_specs(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1, num_decode: int = 1, *,
+                 ray_address: str | None = None, transfer_timeout_s: float = 60.0,
+                 threads_per_worker: int | None = None, pin_cpus: bool = False,
+                 role_engine_kwargs: dict[str, dict[str, Any]] | None = None) -> dict[str, WorkerSpec]:
+    """How each worker of a deployment starts, by name; ConfigError for settings that cannot run.
+
+    role_engine_kwargs: per role ("prefill", "decode"), engine settings that override
+    engine_kwargs on that pool's workers (each pool tuned on its own: a prefill pool wants a
+    large token budget, a decode pool many sequences)."""
+    roles = role_engine_kwargs or {}
+    unknown = set(roles) - set(ROLES)
+    if unknown:
+        raise ConfigError(f"role_engine_kwargs takes 'prefill' and 'decode', got {sorted(unknown)}.")
     if num_prefill < 1 or num_decode < 1:
         raise ConfigError("--disagg needs --prefill-workers >= 1 and --decode-workers >= 1.")
     if engine_kwargs.get("kv_host_gib") or engine_kwargs.get("kv_disk_dir"):
@@ -137,7 +144,6 @@ def launch(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1, num_
         # tiers' copy-after-the-step rule does not hold yet.
         raise ConfigError("the prefix cache's host and disk tiers (--kv-host-gib, --kv-disk-dir) are not "
                           "supported with --disagg yet; leave them out or serve co-located.")
-    init_ray(ray_address)
     ncpu = os.cpu_count() or 1
     total = num_prefill + num_decode
     kwargs = dict(engine_kwargs)
@@ -149,8 +155,22 @@ def launch(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1, num_
         index = i if role == "prefill" else i - num_prefill
         # On a cluster, spread the workers over the nodes; locally they all share this host.
         strategy = "SPREAD" if ray_address else None
-        spec = WorkerSpec(role, index, model, kwargs, transfer_timeout_s, cpus, strategy)
+        spec = WorkerSpec(role, index, model, kwargs | roles.get(role, {}), transfer_timeout_s, cpus, strategy)
         specs[spec.name] = spec
+    return specs
+
+
+def launch(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1, num_decode: int = 1, *,
+           ray_address: str | None = None, transport: str = "auto", transfer_timeout_s: float = 60.0,
+           threads_per_worker: int | None = None, pin_cpus: bool = False, max_waiting: int = 256,
+           local_prefill_tokens: int = 32, metrics: Any = None, on_output: Any = None,
+           max_restarts: int = 3, role_engine_kwargs: dict[str, dict[str, Any]] | None = None) -> DisaggRouter:
+    """Start Ray (or join it), the worker actors (`worker_specs`), and the router (which restarts
+    dead workers)."""
+    specs = worker_specs(model, engine_kwargs, num_prefill, num_decode, ray_address=ray_address,
+                         transfer_timeout_s=transfer_timeout_s, threads_per_worker=threads_per_worker,
+                         pin_cpus=pin_cpus, role_engine_kwargs=role_engine_kwargs)
+    init_ray(ray_address)
     actors = [spec.start() for spec in specs.values()]
     return connect(model, actors, transport=transport, transfer_timeout_s=transfer_timeout_s,
                    max_waiting=max_waiting, local_prefill_tokens=local_prefill_tokens, metrics=metrics,
