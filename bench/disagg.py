@@ -89,14 +89,16 @@ async def drive(ae: Any, frontend: Any, reqs: list[dict[str, Any]]) -> list[dict
         p = frontend.prepare_request(r["prompt"], r["params"], arrival_time=arrival)
         stream = ae.submit([p])
         stamps: list[float] = []
+        ids: list[int] = []
         error = None
         async for _, out in stream:
             now = time.perf_counter()
             stamps += [now] * len(out.outputs[0].delta_token_ids)
+            ids += out.outputs[0].delta_token_ids
             error = error or out.error
         gaps = list(np.diff(stamps)) if len(stamps) > 1 else []
         return {"kind": r["kind"], "arrival_s": arrival - t0, "prompt_tokens": p.request.num_prompt_tokens,
-                "tokens": len(stamps),
+                "tokens": len(stamps), "token_ids": ids,
                 "ttft_s": stamps[0] - arrival if stamps else None,
                 "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None,
                 "gaps_s": gaps, "e2e_s": (stamps[-1] if stamps else time.perf_counter()) - arrival,
@@ -158,7 +160,7 @@ async def run_colocated(args: argparse.Namespace, kinds: list[str], slo: dict[st
     from specserve.server.async_engine import AsyncEngine
 
     llm = LLM(MODEL, dtype="float32", kv_cache_gib=1.0, max_model_len=4096, num_threads=2,
-              max_num_batched_tokens=args.chunk)
+              max_num_batched_tokens=args.chunk, kv_cache_dtype=args.kv_cache_dtype)
     ae = AsyncEngine(llm.engine)
     ae.start(asyncio.get_running_loop())
     res = {}
@@ -179,7 +181,7 @@ async def run_disagg(args: argparse.Namespace, kinds: list[str], slo: dict[str, 
     from specserve.disagg.launch import launch
 
     router = launch(MODEL, dict(dtype="float32", kv_cache_gib=1.0, max_model_len=4096,
-                                max_num_batched_tokens=args.chunk),
+                                max_num_batched_tokens=args.chunk, kv_cache_dtype=args.kv_cache_dtype),
                     1, 1, threads_per_worker=1, pin_cpus=True)
     router.start(asyncio.get_running_loop())
     tok = router.engine.tokenizer
@@ -291,6 +293,9 @@ def main() -> int:
     ap.add_argument("--slo-ttft-long", type=float, default=20.0)
     ap.add_argument("--slo-ttft-decode", type=float, default=2.0)
     ap.add_argument("--slo-tpot", type=float, default=0.1)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                    help="KV cache of every engine (int8: the transfers carry int8 K/V and their scales)")
+    ap.add_argument("--out", default="disagg", help="results name under bench/results/")
     args = ap.parse_args()
     slo = {"ttft_long_s": args.slo_ttft_long, "ttft_decode_s": args.slo_ttft_decode, "tpot_s": args.slo_tpot}
     runs = {"co-located": asyncio.run(run_colocated(args, args.workloads, slo)),
@@ -310,8 +315,13 @@ def main() -> int:
             "throughput_ratio_disagg_over_coloc": d["output_tokens_per_s"] / c["output_tokens_per_s"],
         }
     payload["verdict"] = verdict
-    out = write_json("disagg.json", payload)
-    plot(payload, RESULTS_DIR / "disagg.png")
+    # Greedy and the same KV precision everywhere: every request's tokens must match co-located.
+    payload["outputs_identical"] = all(
+        [r["token_ids"] for r in runs["co-located"][kind]["requests"]]
+        == [r["token_ids"] for r in runs["disaggregated"][kind]["requests"]] for kind in args.workloads)
+    log(f"greedy outputs identical to co-located: {payload['outputs_identical']}")
+    out = write_json(f"{args.out}.json", payload)
+    plot(payload, RESULTS_DIR / f"{args.out}.png")
     log(f"wrote {out}")
     return 0
 

@@ -162,11 +162,12 @@ def main() -> int:
     # worker (disaggregated): steps pay the overhead measured behind the server, not the bare
     # engine's. Disaggregated workers also slow each other down (the profile's co_run).
     served = MeasuredCostModel.from_profile(profile, served=True)
+    http = MeasuredCostModel.from_profile(profile, served=True, http=True)  # bench/serve.py's clients use HTTP
     worker = MeasuredCostModel.from_profile(worker_profile, served=True)
     rows: list[dict[str, Any]] = []
     for path in args.results:
         payload = json.loads(Path(path).read_text())
-        rows += check_serve(payload, served, args.seed) if "points" in payload else \
+        rows += check_serve(payload, http, args.seed) if "points" in payload else \
             check_disagg(payload, served, worker, args.seed)
     ratios = [r[k]["ratio"] for r in rows for k in ("ttft_p50", "tpot_p50") if r[k]["ratio"] is not None]
     within = sum(1 for x in ratios if abs(x - 1) <= TOLERANCE)

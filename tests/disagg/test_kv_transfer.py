@@ -40,13 +40,13 @@ def test_local_channel_ready_stops_at_first_gap():
     layout = KVLayout(2, 1, 4, "float32")
     ch = LocalKVChannel(TransferDescriptor("t", "ray", 10, layout))
     piece = torch.ones(3, 1, 4)
-    ch.receive(0, 3, piece, piece)  # tokens 3..5 before 0..2
+    ch.receive(0, 3, [piece, piece])  # tokens 3..5 before 0..2
     assert ch.ready(0) == 0
-    ch.receive(0, 0, piece, piece)
+    ch.receive(0, 0, [piece, piece])
     assert ch.ready(0) == 6
-    ch.receive(0, 6, torch.ones(4, 1, 4), torch.ones(4, 1, 4))
+    ch.receive(0, 6, [torch.ones(4, 1, 4), torch.ones(4, 1, 4)])
     assert ch.ready(0) == 10 and ch.ready(1) == 0 and not ch.all_written
-    ch.receive(1, 0, torch.ones(10, 1, 4), torch.ones(10, 1, 4))
+    ch.receive(1, 0, [torch.ones(10, 1, 4), torch.ones(10, 1, 4)])
     assert ch.all_written
 
 
@@ -197,3 +197,48 @@ def test_transfer_that_never_arrives_times_out_without_leaking(pair, smollm_llm)
     assert dec.check_integrity()
     assert dec.engine.kv_manager.num_free_blocks == dec.engine.kv_manager.num_blocks
     assert _shm_files() <= before
+
+
+def test_int8_kv_travels_as_int8_with_its_scales_and_decodes_as_colocated(smollm_checkpoint):
+    """An int8 KV cache is sent as it is held (int8 K/V + float32 scales per token and head):
+    about a quarter of float32's bytes, and the decode worker's pages equal the prefill worker's,
+    so greedy output equals a co-located int8 engine's."""
+    def engine(**kw):
+        return LLM("smollm2-135m-instruct", dtype="float32", checkpoint=smollm_checkpoint, kv_cache_gib=0.25,
+                   kv_cache_dtype="int8", num_threads=1, **kw).engine
+
+    layout = kv_layout_of(engine())
+    assert [dt for _, dt in layout.parts()] == [torch.int8, torch.int8, torch.float32, torch.float32]
+    float_layout = KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, "float32")
+    assert layout.bytes_per_token() / float_layout.bytes_per_token() == pytest.approx(
+        (layout.head_dim + 4) / (4 * layout.head_dim))  # 68 / 256 for head_dim 64
+
+    colocated = LLM("smollm2-135m-instruct", dtype="float32", checkpoint=smollm_checkpoint, kv_cache_gib=0.25,
+                    kv_cache_dtype="int8", num_threads=1)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in colocated.generate(PROMPTS, params, use_tqdm=False)]
+    pre = WorkerCore("prefill", engine(max_num_batched_tokens=32), "p-int8")
+    dec = WorkerCore("decode", engine(), "d-int8", transfer_timeout_s=5.0)
+    try:
+        tok, eos = colocated.tokenizer, colocated.engine.eos_token_ids
+        sent = 0
+        for i, prompt in enumerate(PROMPTS):
+            out, stats = _decode_via(pre, dec, tok, eos, prompt, params, f"i{i}")
+            assert out.error is None and out.outputs[0].token_ids == want[i], prompt
+            m = len(tok.encode(prompt)) - 1
+            sent += m
+            assert all(t["bytes"] <= m * layout.bytes_per_token() for t in stats.get("transfers", []))
+        assert pre.check_integrity() and dec.check_integrity()
+    finally:
+        pre.shutdown()
+        dec.shutdown()
+
+
+def test_local_channel_carries_every_part_of_an_int8_layer():
+    layout = KVLayout(2, 3, 8, "float32", "int8")
+    ch = LocalKVChannel(TransferDescriptor("t8", "ray", 5, layout))
+    parts = [torch.randint(-128, 127, (5, 3, 8), dtype=torch.int8), torch.randint(-128, 127, (5, 3, 8), dtype=torch.int8),
+             torch.rand(5, 3), torch.rand(5, 3)]
+    ch.receive(1, 0, parts)
+    assert ch.ready(1) == 5 and ch.ready(0) == 0
+    assert all(torch.equal(a, b) for a, b in zip(ch.read(1, 0, 5), parts))

@@ -232,6 +232,23 @@ def test_disaggregation_keeps_long_prompts_out_of_decode_steps(cost):
     assert dis.overall.tpot_p99 < co.overall.tpot_p99
 
 
+def test_http_front_end_time_is_added_to_every_first_token(cost):
+    """served.ttft_s (a lone request through the server, as its client saw it) less the step
+    that prefilled its prompt is the front end's time, added to every request's TTFT only when
+    the deployment is asked to include HTTP."""
+    profile = synthetic_profile()
+    profile["served"] |= {"ttft_s": step(40) + 0.002 + 0.030, "prompt_tokens": 40}  # 30 ms outside steps
+    http = MeasuredCostModel.from_profile(profile, served=True, http=True)
+    assert http.request_overhead_s == pytest.approx(0.030, abs=1e-6)
+    assert MeasuredCostModel.from_profile(profile, served=True).request_overhead_s == 0.0
+    trace = [TraceRequest(0.0, 40, 4), TraceRequest(5.0, 40, 4)]
+    plain = simulate(trace, Deployment(), MeasuredCostModel.from_profile(profile, served=True)).requests
+    front = simulate(trace, Deployment(), http).requests
+    assert [b.ttft_s - a.ttft_s for a, b in zip(plain, front)] == pytest.approx([0.030, 0.030])
+    with pytest.raises(ProfileError, match="served.ttft_s"):
+        MeasuredCostModel.from_profile(synthetic_profile(), served=True, http=True)
+
+
 def test_disaggregated_workers_on_one_machine_slow_each_other_by_the_profiled_factor(cost):
     """A decode step that starts while the prefill worker computes takes co_run.slowdown.decode
     times as long (and a prefill chunk beside decoding, .prefill); alone, or co-located, nothing."""
@@ -467,6 +484,8 @@ def test_profile_smollm2_round_trips(tmp_path, capsys):
     assert model.link_gb_s > 0 and model.max_num_batched_tokens == 64
     assert 0 < model.step_s(StepShape(1, 1, 64, 64)) < model.step_s(StepShape(prefill=((64, 0),))) * 10
     assert math.isfinite(model.step_s(StepShape(4, 12, 256, 64, ((30, 100),))))
+    assert 0 < profile["served"]["ttft_s"] < 5 and profile["served"]["prompt_tokens"] > 10
+    assert MeasuredCostModel.from_profile(profile, served=True, http=True).request_overhead_s >= 0
     co = profile["co_run"]
     if len(os.sched_getaffinity(0)) >= 2:  # a second one-thread worker fits beside this one
         assert co["threads"] == 1 and co["decode_batch"] == 4 and co["prefill_chunk"] == 64

@@ -27,11 +27,13 @@ ready up to its first gap.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,22 +54,35 @@ class KVTransferError(SpecServeError):
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of one model's KV per token: must match on both sides of a transfer."""
+    """Shape of one model's KV per token: must match on both sides of a transfer.
+
+    A layer's KV travels as the parts its paged cache holds (ModelRunner.kv_caches): K and V in
+    the model's dtype, or with an int8 cache K and V in int8 plus their per-(token, head) float32
+    scales, so an int8 cache moves ~1/4 of a float32 cache's bytes and lands bit for bit."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # torch dtype name, e.g. "float32"
+    dtype: str  # torch dtype name of the model's activations, e.g. "float32"
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "int8"
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The element type as a torch dtype."""
         return getattr(torch, self.dtype)
 
+    def parts(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(per-token shape, dtype) of each tensor of one layer, in the cache's order."""
+        kv = (self.num_kv_heads, self.head_dim)
+        if self.kv_cache_dtype == "int8":
+            return [(kv, torch.int8), (kv, torch.int8), ((self.num_kv_heads,), torch.float32),
+                    ((self.num_kv_heads,), torch.float32)]
+        return [(kv, self.torch_dtype), (kv, self.torch_dtype)]
+
     def bytes_per_token(self) -> int:
         """KV bytes of one token over all layers."""
-        elem = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        per_layer = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in self.parts())
+        return self.num_layers * per_layer
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,17 @@ def slot_indices(block_ids: list[int], start: int, end: int, block_size: int) ->
     return torch.tensor(block_ids, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
 
 
+def gather_layer(kv: tuple[torch.Tensor, ...], slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One layer's cache tensors (pages [blocks, block_size, ...]) at these flat slots, each [n, ...]."""
+    return tuple(t.view(-1, *t.shape[2:]).index_select(0, slots) for t in kv)
+
+
+def scatter_layer(kv: tuple[torch.Tensor, ...], slots: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """Write gathered parts (gather_layer's order) into one layer's pages at these flat slots."""
+    for t, part in zip(kv, parts):
+        t.view(-1, *t.shape[2:]).index_copy_(0, slots, part.to(t.device, t.dtype))
+
+
 def new_transfer_id() -> str:
     """A unique id for one transfer (also names its shared-memory file)."""
     return f"{os.getpid()}-{uuid.uuid4().hex[:16]}"
@@ -99,13 +125,13 @@ def new_transfer_id() -> str:
 
 # ---------------------------------------------------------------------- channels
 class KVChannel:
-    """One transfer's buffer: per-layer K/V of m tokens and per-layer ready counters."""
+    """One transfer's buffer: per-layer KV parts of m tokens and per-layer ready counters."""
 
-    def __init__(self, layout: KVLayout, num_tokens: int, header: torch.Tensor, data: torch.Tensor) -> None:
+    def __init__(self, layout: KVLayout, num_tokens: int, header: torch.Tensor, data: list[torch.Tensor]) -> None:
         self.layout = layout
         self.num_tokens = num_tokens
         self.header = header  # int64 [num_layers + _HEADER_SLOTS]
-        self.data = data  # [num_layers, 2, m, kv_heads, head_dim]
+        self.data = data  # per part of layout.parts(): [num_layers, m, *shape]
 
     @staticmethod
     def nbytes(layout: KVLayout, num_tokens: int) -> tuple[int, int]:
@@ -128,11 +154,15 @@ class KVChannel:
         n = self.layout.num_layers
         return bool((self.header[:n] >= self.num_tokens).all())
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Sender: store tokens [start, start + len(k)) of one layer, then publish them."""
-        end = start + k.shape[0]
-        self.data[layer, 0, start:end].copy_(k)
-        self.data[layer, 1, start:end].copy_(v)
+    def read(self, layer: int, start: int, end: int) -> list[torch.Tensor]:
+        """Tokens [start, end) of one layer, one tensor per part."""
+        return [d[layer, start:end] for d in self.data]
+
+    def write(self, layer: int, start: int, parts: Sequence[torch.Tensor]) -> None:
+        """Sender: store tokens [start, start + n) of one layer (gather_layer's parts), then publish them."""
+        end = start + parts[0].shape[0]
+        for d, part in zip(self.data, parts):
+            d[layer, start:end].copy_(part)
         # Data first, counter second: a reader that sees the counter sees the data (x86 keeps
         # store order; the counter is one aligned 8-byte store).
         if end > self.ready(layer):
@@ -172,10 +202,13 @@ class ShmKVChannel(KVChannel):
         finally:
             os.close(fd)
         header = torch.frombuffer(self._mm, dtype=torch.int64, count=layout.num_layers + _HEADER_SLOTS)
-        count = m * layout.bytes_per_token() // torch.empty((), dtype=layout.torch_dtype).element_size()
-        data = torch.frombuffer(self._mm, dtype=layout.torch_dtype, offset=head_bytes, count=count) if m else \
-            torch.empty(0, dtype=layout.torch_dtype)
-        super().__init__(layout, m, header, data.view(layout.num_layers, 2, m, layout.num_kv_heads, layout.head_dim))
+        data, offset = [], head_bytes
+        for shape, dt in layout.parts():  # each part one region: [num_layers, m, *shape]
+            count = layout.num_layers * m * math.prod(shape)
+            part = torch.frombuffer(self._mm, dtype=dt, offset=offset, count=count) if count else torch.empty(0, dtype=dt)
+            data.append(part.view(layout.num_layers, m, *shape))
+            offset += count * part.element_size()
+        super().__init__(layout, m, header, data)
         self.owner = create
 
     def close(self) -> None:
@@ -199,16 +232,16 @@ class LocalKVChannel(KVChannel):
     def __init__(self, desc: TransferDescriptor) -> None:
         layout, m = desc.layout, desc.num_tokens
         header = torch.zeros(layout.num_layers + _HEADER_SLOTS, dtype=torch.int64)
-        data = torch.empty(layout.num_layers, 2, m, layout.num_kv_heads, layout.head_dim, dtype=layout.torch_dtype)
+        data = [torch.empty(layout.num_layers, m, *shape, dtype=dt) for shape, dt in layout.parts()]
         super().__init__(layout, m, header, data)
         self._ranges: list[list[tuple[int, int]]] = [[] for _ in range(layout.num_layers)]
         self._lock = threading.Lock()
 
-    def receive(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def receive(self, layer: int, start: int, parts: Sequence[torch.Tensor]) -> None:
         """Store one (layer, token range) that may arrive out of order; advance to the first gap."""
-        end = start + k.shape[0]
-        self.data[layer, 0, start:end].copy_(k)
-        self.data[layer, 1, start:end].copy_(v)
+        end = start + parts[0].shape[0]
+        for d, part in zip(self.data, parts):
+            d[layer, start:end].copy_(part)
         with self._lock:
             ranges = self._ranges[layer]
             ranges.append((start, end))
@@ -231,9 +264,9 @@ class ShmSink:
     def __init__(self, desc: TransferDescriptor) -> None:
         self.channel = ShmKVChannel(desc, create=False)
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, start: int, parts: Sequence[torch.Tensor]) -> None:
         """Publish one layer's tokens."""
-        self.channel.write(layer, start, k, v)
+        self.channel.write(layer, start, parts)
 
     def finish(self, ok: bool = True) -> None:
         """Mark the transfer done (or failed) and unmap."""
@@ -249,9 +282,9 @@ class RaySink:
         self.timeout_s = timeout_s
         self._refs: list[Any] = []
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, start: int, parts: Sequence[torch.Tensor]) -> None:
         """Send one layer's tokens without waiting (the object store moves the bytes)."""
-        self._refs.append(self.desc.receiver.receive_kv.remote(self.desc.transfer_id, layer, start, k, v))
+        self._refs.append(self.desc.receiver.receive_kv.remote(self.desc.transfer_id, layer, start, list(parts)))
 
     def finish(self, ok: bool = True) -> None:
         """Wait until every piece has landed, then mark the transfer done (or failed)."""
@@ -361,13 +394,10 @@ class PrefillConnector:
 
     def _send(self, t: _Outgoing, layer: int, kv: tuple[torch.Tensor, ...], start: int, slots: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        kc, vc = kv[0], kv[1]
-        n_kv, d = kc.shape[-2:]
-        k = kc.view(-1, n_kv, d).index_select(0, slots)
-        v = vc.view(-1, n_kv, d).index_select(0, slots)
-        t.sink.write(layer, start, k, v)
+        parts = gather_layer(kv, slots)
+        t.sink.write(layer, start, parts)
         t.stats.send_s += time.perf_counter() - t0
-        t.stats.bytes += 2 * k.numel() * k.element_size()
+        t.stats.bytes += sum(p.numel() * p.element_size() for p in parts)
 
     def begin_step(self, out: SchedulerOutput) -> None:
         """Pick this step's requests with a transfer; send prefix-cache hits up front."""
@@ -506,13 +536,10 @@ class DecodeConnector:
             if hi <= lo:
                 continue
             t0 = time.perf_counter()
-            slots = inc.slots[lo:hi]
-            kc, vc = caches[i][0], caches[i][1]
-            n_kv, d = kc.shape[-2:]
-            kc.view(-1, n_kv, d).index_copy_(0, slots, ch.data[i, 0, lo:hi].to(kc.dtype))
-            vc.view(-1, n_kv, d).index_copy_(0, slots, ch.data[i, 1, lo:hi].to(vc.dtype))
+            parts = ch.read(i, lo, hi)
+            scatter_layer(caches[i], inc.slots[lo:hi], parts)
             inc.stats.load_s += time.perf_counter() - t0
-            nbytes = 2 * (hi - lo) * n_kv * d * kc.element_size()
+            nbytes = sum(p.numel() * p.element_size() for p in parts)
             inc.stats.bytes += nbytes
             if before_done:
                 inc.stats.loaded_before_done += nbytes
@@ -575,5 +602,6 @@ class DecodeConnector:
 def kv_layout_of(engine: Any) -> KVLayout:
     """The KV layout of an engine's target model."""
     arch = engine.arch
-    return KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, str(engine.runner.dtype).replace("torch.", ""))
+    return KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, str(engine.runner.dtype).replace("torch.", ""),
+                    engine.config.cache.kv_cache_dtype)
 

@@ -79,8 +79,6 @@ class WorkerCore:
     def __init__(self, role: str, engine: LLMEngine, name: str = "", transfer_timeout_s: float = 60.0) -> None:
         if role not in ROLES:
             raise ConfigError(f"unknown worker role {role!r}; use prefill or decode.")
-        if engine.config.cache.kv_cache_dtype != "auto":
-            raise ConfigError("disaggregated serving moves float KV only; drop --kv-cache-dtype int8 with --disagg.")
         if role == "prefill" and engine.proposer is not None:
             raise ConfigError("speculation runs on decode workers only; start prefill workers without it.")
         self.role = role
@@ -194,11 +192,11 @@ class WorkerCore:
             self.connector.channels[desc.transfer_id] = channel  # type: ignore[union-attr]
         self._commands.put(("decode", (request, desc, channel, emitted_chars)))
 
-    def receive_kv(self, transfer_id: str, layer: int, start: int, k: Any, v: Any) -> None:
-        """Cross-host transport: one (layer, token range) of a transfer arrives."""
+    def receive_kv(self, transfer_id: str, layer: int, start: int, parts: list[Any]) -> None:
+        """Cross-host transport: one (layer, token range) of a transfer arrives (its KV parts)."""
         ch = self.connector.channels.get(transfer_id)  # type: ignore[union-attr]
         if ch is not None and ch.data is not None:
-            ch.receive(layer, start, k, v)  # type: ignore[attr-defined]
+            ch.receive(layer, start, parts)  # type: ignore[attr-defined]
 
     def finish_kv(self, transfer_id: str, ok: bool) -> None:
         """Cross-host transport: the sender is done (or gave up)."""
@@ -373,9 +371,9 @@ class EngineWorkerActor:
         """See WorkerCore.add_decode."""
         self.core.add_decode(request, desc, emitted_chars)
 
-    def receive_kv(self, transfer_id: str, layer: int, start: int, k: Any, v: Any) -> None:
+    def receive_kv(self, transfer_id: str, layer: int, start: int, parts: list[Any]) -> None:
         """See WorkerCore.receive_kv."""
-        self.core.receive_kv(transfer_id, layer, start, k, v)
+        self.core.receive_kv(transfer_id, layer, start, parts)
 
     def finish_kv(self, transfer_id: str, ok: bool) -> None:
         """See WorkerCore.finish_kv."""

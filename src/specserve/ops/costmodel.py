@@ -106,6 +106,12 @@ class CostModel(Protocol):
         another worker of the deployment computes beside it (1.0: workers share nothing)."""
         ...
 
+    @property
+    def request_overhead_s(self) -> float:
+        """Seconds a request spends in the front end outside engine steps (HTTP, tokenizing, the
+        first chunk's way back), added to its time to first token."""
+        ...
+
 
 # ---------------------------------------------------------------------- interpolation
 def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -276,13 +282,16 @@ class MeasuredCostModel:
     drafter_pass: Curve | None  # a draft model: batch -> seconds of one drafting pass
     spec_step: Curve | None  # a model-free proposer: batch -> seconds speculation adds to each step
     co_run: Mapping[str, float] = field(default_factory=dict)  # role -> slowdown beside another worker
+    request_overhead_s: float = 0.0  # the HTTP front end's time per request (http=True)
 
     @classmethod
-    def from_profile(cls, profile: Mapping[str, Any], *, served: bool = False) -> MeasuredCostModel:
+    def from_profile(cls, profile: Mapping[str, Any], *, served: bool = False, http: bool = False) -> MeasuredCostModel:
         """The model of a profile dict (as `specserve profile` writes it); ProfileError if malformed.
 
         served: steps pay the overhead measured behind the OpenAI server (HTTP clients streaming),
-        else the engine's own (an engine driven in-process).
+        else the engine's own (an engine driven in-process). http: requests also pay the front
+        end's time measured there (the served time to first token of a lone request less what its
+        prefill step costs), as clients of an HTTP server do.
         """
         r = _ProfileReader(profile)
         decode = r.surface("decode.contexts", "decode.batches", "decode.step_s")
@@ -330,6 +339,12 @@ class MeasuredCostModel:
             steps = r.curve("served.batches", "served.step_s", monotone=False)
             context = r.number("served.context")
             overhead = Curve(steps.xs, tuple(max(overhead(b), t - decode(context, b)) for b, t in zip(steps.xs, steps.ys)))
+        request_overhead_s = 0.0
+        if http:
+            ttft = r.number("served.ttft_s")
+            prompt = r.number("served.prompt_tokens")
+            lone_step = max(prefill(prompt), 1e-6) + max(0.0, overhead(1))  # the engine's part of that TTFT
+            request_overhead_s = max(0.0, ttft - lone_step)
         co_run: dict[str, float] = {}
         if profile.get("co_run") is not None:
             co_run = {role: max(1.0, r.number(f"co_run.slowdown.{role}")) for role in ("decode", "prefill")}
@@ -351,6 +366,7 @@ class MeasuredCostModel:
             drafter_pass=drafter_pass,
             spec_step=spec_step,
             co_run=co_run,
+            request_overhead_s=request_overhead_s,
         )
 
     def _verify_extra_s(self, batch: float, tokens: float) -> float:
@@ -497,3 +513,8 @@ class RooflineCostModel:
     def co_run_slowdown(self, role: str) -> float:
         """Workers on separate devices: none (host-side contention is not modelled on paper)."""
         return 1.0
+
+    @property
+    def request_overhead_s(self) -> float:
+        """The front end's time per request: part of step_overhead_s on paper."""
+        return 0.0

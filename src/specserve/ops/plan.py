@@ -444,7 +444,8 @@ def _workers(args: argparse.Namespace, plan: PlanInput) -> tuple[list[WorkerOpti
             raise ProfileError(f"cannot read the profile {args.profile}: {e}.") from None
         # Plan served engines: with the step overhead measured behind the OpenAI server where recorded.
         served = isinstance(data, dict) and "served" in data
-        cost = MeasuredCostModel.from_profile(data, served=served)
+        http = served and isinstance(data["served"], dict) and "ttft_s" in data["served"]
+        cost = MeasuredCostModel.from_profile(data, served=served, http=http)
         _check_fits(cost, plan)
         notes = [] if served else ["the profile has no steps measured behind the server: engine overhead only."]
         return [WorkerOption("profiled", 1, cost)], notes, cost.max_num_batched_tokens, cost.max_num_seqs, \

@@ -16,9 +16,10 @@ Records, into one JSON file (`PROFILE_FORMAT`, read back by `ops/costmodel.Measu
 - `kv_transfer`: bytes per second through the shared-memory channel of disaggregated serving
   (paged cache -> channel -> paged cache, as `disagg/kv_transfer.py` moves a prompt's KV);
 - `co_run`: when the machine has cores for a second worker of this many threads, how much
-  longer a decode step takes while a prefill computes on the other cores, and a prefill chunk
-  while a decode streams its weights there (disaggregated workers on one host share memory
-  bandwidth, caches and, on a VM, perhaps the physical cores behind its vCPUs);
+  longer a served decode step takes while a prefill computes on the other cores (the processes
+  relaying its outputs then take their CPU time from its core), and a prefill chunk while a
+  decode streams its weights there (memory bandwidth, caches and, on a VM, perhaps the physical
+  cores behind its vCPUs);
 - the model's KV bytes per token and capacity, the scheduler's settings, the machine.
 
 Forward times come from the runner's own timing (`ModelRunner.time_decode_step` and the
@@ -166,26 +167,32 @@ class _Neighbour:
 
 
 def _co_run(engine: LLMEngine, batch: int, chunk: int, repeats: int) -> dict[str, Any] | None:
-    """Slowdown of a decode step beside a prefill and of a prefill chunk beside a decode, each
-    the median of `repeats` timings with the neighbour running over the median alone; None when
-    the machine has no cores for a neighbour of this many threads."""
+    """Slowdown of a served decode step beside a prefill, and of a prefill chunk beside a decode;
+    None when the machine has no cores for a neighbour of this many threads.
+
+    The decode side is timed as `served` times it (requests streaming to a client process through
+    the HTTP server), alone and with a prefill computing on the other cores: a disaggregated decode
+    worker's outputs are relayed by other processes (Ray, the router, its clients) whose CPU time
+    comes from whichever core is free, and beside a busy prefill worker only the decode worker's
+    core is. The prefill side is the median of `repeats` chunk forwards, alone and beside a decode's
+    weight streaming."""
     threads = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if 2 * threads > cores:
         return None
-    runner, arch = engine.runner, engine.arch
-    decode = partial(runner.time_decode_step, batch, repeats=1, context=DECODE_CONTEXTS[0])
-    prefill = partial(_time_prefill, engine, chunk, 0, 1)
+    arch = engine.arch
 
-    def median(measure: Callable[[], float]) -> float:
-        return statistics.median(measure() for _ in range(repeats))
+    def neighbour(kind: str) -> _Neighbour:
+        return _Neighbour(kind, arch.hidden_size, arch.intermediate_size, chunk)
 
     out: dict[str, Any] = {"threads": threads, "cores": cores, "decode_batch": batch, "prefill_chunk": chunk}
-    for role, measure, neighbour in (("decode", decode, "prefill"), ("prefill", prefill, "decode")):
-        alone = median(measure)
-        with _Neighbour(neighbour, arch.hidden_size, arch.intermediate_size, chunk):
-            beside = median(measure)
-        out[f"{role}_alone_s"], out[f"{role}_beside_s"] = alone, beside
+    out["decode_alone_s"] = _served_steps(engine, [batch], SERVED_TOKENS, rounds=1)["step_s"][0]
+    with neighbour("prefill"):
+        out["decode_beside_s"] = _served_steps(engine, [batch], SERVED_TOKENS, rounds=1)["step_s"][0]
+    prefill = partial(_time_prefill, engine, chunk, 0, 1)
+    out["prefill_alone_s"] = statistics.median(prefill() for _ in range(repeats))
+    with neighbour("decode"):
+        out["prefill_beside_s"] = statistics.median(prefill() for _ in range(repeats))
     out["slowdown"] = {role: max(1.0, out[f"{role}_beside_s"] / out[f"{role}_alone_s"]) for role in ("decode", "prefill")}
     return out
 
@@ -213,25 +220,31 @@ def _engine_overhead(engine: LLMEngine, batch: int, speculate: bool, steps: int 
 
 # A streaming client in its own process, as real clients are: it takes CPU time beside the server.
 _CLIENT = """
-import asyncio, json, sys
+import asyncio, json, sys, time
 import httpx
-url, batch, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+url, batch, tokens, salt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 async def one(client, i):
-    body = {"messages": [{"role": "user", "content": f"[{i}] Tell me a long story about the sea."}],
+    body = {"messages": [{"role": "user", "content": f"[{salt}.{i}] Tell me a long story about the sea."}],
             "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    t0, ttft, prompt = time.perf_counter(), None, None
     async with client.stream("POST", url, json=body) as resp:
         async for line in resp.aiter_lines():
             if line.startswith("data: {"):
-                json.loads(line[6:])
+                chunk = json.loads(line[6:])
+                if ttft is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    ttft = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    prompt = chunk["usage"]["prompt_tokens"]
+    return {"ttft_s": ttft, "prompt_tokens": prompt}
 async def main():
     async with httpx.AsyncClient(timeout=300) as client:
-        await asyncio.gather(*(one(client, i) for i in range(batch)))
+        print(json.dumps(await asyncio.gather(*(one(client, i) for i in range(batch)))))
 asyncio.run(main())
 """
 
 
-def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int) -> dict[str, Any]:
+def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds: int = 2) -> dict[str, Any]:
     """Step times of the engine behind the OpenAI server (uvicorn on loopback, in this process)
     while `batch` chat completions streamed to a client process all decode; speculation off."""
     import uvicorn
@@ -257,10 +270,14 @@ def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int) -> dic
     def mark() -> tuple[float, int, float]:
         return time.perf_counter(), engine.num_steps, engine.runner.forward_time_s
 
+    lone: list[dict[str, Any]] = []  # the client's view of batch-1 requests: TTFT, prompt tokens
+
     def measure(batch: int) -> tuple[float, float]:
         """(seconds per step, forward seconds per step) while every request decodes."""
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        client = subprocess.Popen([sys.executable, "-c", _CLIENT, url, str(batch), str(tokens)])
+        salt = f"{os.getpid()}.{time.monotonic_ns()}"  # no measurement finds another's prompt in the cache
+        client = subprocess.Popen([sys.executable, "-c", _CLIENT, url, str(batch), str(tokens), salt],
+                                  stdout=subprocess.PIPE, text=True)
         try:
             start = end = None
             while client.poll() is None:  # the engine's state, read between its steps
@@ -272,25 +289,31 @@ def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int) -> dic
                     end = mark()
                     break
                 time.sleep(0.002)
-            client.wait(timeout=300)
+            report, _ = client.communicate(timeout=300)
         finally:
             if client.poll() is None:
                 client.kill()
         if start is None or end is None or client.returncode:
             raise RuntimeError(f"the profiling client at batch {batch} failed (exit status {client.returncode}).")
+        if batch == 1:
+            lone.extend(r for r in json.loads(report) if r["ttft_s"] is not None)
         steps = max(end[1] - start[1], 1)
         return (end[0] - start[0]) / steps, (end[2] - start[2]) / steps
 
     best: dict[int, tuple[float, float]] = {}
     try:
-        for b in bar(list(batches) * 2, desc="profiling steps behind the server", unit="batch"):
+        for b in bar(list(batches) * rounds, desc="profiling steps behind the server", unit="batch"):
             best[b] = min(best.get(b, (float("inf"), 0.0)), measure(b))
     finally:
         uv.should_exit = True
         thread.join(timeout=60)
         engine.set_speculation(was_on)
-    return {"batches": list(batches), "context": 48 + tokens // 2,  # the chat prompt is ~48 tokens
-            "step_s": [best[b][0] for b in batches], "forward_s": [best[b][1] for b in batches]}
+    out = {"batches": list(batches), "context": 48 + tokens // 2,  # the chat prompt is ~48 tokens
+           "step_s": [best[b][0] for b in batches], "forward_s": [best[b][1] for b in batches]}
+    if lone:  # a lone request's time to first token as its client saw it (HTTP and tokenizing included)
+        first = min(lone, key=lambda r: r["ttft_s"])
+        out |= {"ttft_s": first["ttft_s"], "prompt_tokens": first["prompt_tokens"]}
+    return out
 
 
 def _kv_transfer(engine: LLMEngine, tokens: int, repeats: int) -> dict[str, Any]:
@@ -298,10 +321,12 @@ def _kv_transfer(engine: LLMEngine, tokens: int, repeats: int) -> dict[str, Any]
     read them back into other pages, layer by layer; the bandwidth of the two copies in turn."""
     from specserve.disagg.kv_transfer import (
         TransferDescriptor,
+        gather_layer,
         kv_layout_of,
         new_transfer_id,
         open_receiver,
         open_sink,
+        scatter_layer,
         slot_indices,
     )
 
@@ -319,17 +344,11 @@ def _kv_transfer(engine: LLMEngine, tokens: int, repeats: int) -> dict[str, Any]
         for _ in range(repeats):
             t0 = time.perf_counter()
             for i, layer in enumerate(runner.kv_caches):
-                kc, vc = layer[0], layer[1]
-                n_kv, d = kc.shape[-2:]
-                sink.write(i, 0, kc.view(-1, n_kv, d).index_select(0, src).to(layout.torch_dtype),
-                           vc.view(-1, n_kv, d).index_select(0, src).to(layout.torch_dtype))
+                sink.write(i, 0, [p.cpu() for p in gather_layer(layer, src)])
             write_s = min(write_s, time.perf_counter() - t0)
             t0 = time.perf_counter()
             for i, layer in enumerate(runner.kv_caches):
-                kc, vc = layer[0], layer[1]
-                n_kv, d = kc.shape[-2:]
-                kc.view(-1, n_kv, d).index_copy_(0, dst, receiver.data[i, 0].to(kc.device, kc.dtype))
-                vc.view(-1, n_kv, d).index_copy_(0, dst, receiver.data[i, 1].to(vc.device, vc.dtype))
+                scatter_layer(layer, dst, receiver.read(i, 0, m))
             if runner.device.type == "cuda":
                 torch.cuda.synchronize()  # the copies into the cache run asynchronously
             read_s = min(read_s, time.perf_counter() - t0)

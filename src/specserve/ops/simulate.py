@@ -27,6 +27,9 @@ What it models, each piece as specserve does it:
   speculation is on, every step also pays what the policy and a model-free proposer cost
   (`CostModel.spec_step_s`), drafting or not: the real policy runs every step.
 
+- **the front end**: a request reaches the engine `CostModel.request_overhead_s` after it
+  arrives (HTTP, chat template, tokenizing, streaming the first chunk back; measured behind the
+  OpenAI server, 0 on paper and for engines driven in-process);
 - **workers sharing a machine**: a disaggregated worker's step that starts while another
   worker is computing takes `CostModel.co_run_slowdown(role)` times as long (measured by
   `specserve profile` where the workers share a host's memory and cores; 1 on paper).
@@ -494,7 +497,9 @@ class _Simulation:
             if r.trace.prompt_tokens < 1 or r.trace.output_tokens < 1:
                 raise SimulationError(f"request {r.index}: prompt and output need >= 1 token each, "
                                       f"got {r.trace.prompt_tokens} and {r.trace.output_tokens}.")
-            self.push(r.trace.arrival_s, _ARRIVAL, r)
+            # The front end's own time per request (HTTP, chat template, tokenizing, the first
+            # chunk's way back) before the engine sees it: 0 unless measured behind the server.
+            self.push(r.trace.arrival_s + self.cost.request_overhead_s, _ARRIVAL, r)
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
             if kind == _ARRIVAL:
