@@ -247,6 +247,10 @@ def test_http_front_end_time_is_added_to_every_first_token(cost):
     assert [b.ttft_s - a.ttft_s for a, b in zip(plain, front)] == pytest.approx([0.030, 0.030])
     with pytest.raises(ProfileError, match="served.ttft_s"):
         MeasuredCostModel.from_profile(synthetic_profile(), served=True, http=True)
+    # The chat template's start found in the prefix cache: only the rest was prefilled.
+    profile["served"] |= {"ttft_s": step(25) + 0.002 + 0.030, "prompt_tokens": 40, "cached_tokens": 15}
+    assert MeasuredCostModel.from_profile(profile, served=True, http=True).request_overhead_s == pytest.approx(
+        0.030, abs=1e-6)
 
 
 def test_disaggregated_workers_on_one_machine_slow_each_other_by_the_profiled_factor(cost):

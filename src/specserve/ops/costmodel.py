@@ -343,7 +343,9 @@ class MeasuredCostModel:
         if http:
             ttft = r.number("served.ttft_s")
             prompt = r.number("served.prompt_tokens")
-            lone_step = max(prefill(prompt), 1e-6) + max(0.0, overhead(1))  # the engine's part of that TTFT
+            cached = min(float(profile["served"].get("cached_tokens") or 0), prompt - 1)
+            # The engine's part of that TTFT: one step prefilling what the prefix cache lacked.
+            lone_step = max(prefill(prompt - cached), 1e-6) + pair_s * (prompt - cached) * cached + max(0.0, overhead(1))
             request_overhead_s = max(0.0, ttft - lone_step)
         co_run: dict[str, float] = {}
         if profile.get("co_run") is not None:

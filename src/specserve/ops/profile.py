@@ -63,6 +63,7 @@ PREFILL_OFFSETS = (0, 1024, 2048)  # contexts before a budget-sized chunk
 OVERHEAD_BATCHES = (1, 8)
 SERVED_BATCHES = (1, 4, 8)
 SERVED_TOKENS = 48  # tokens each streamed request generates
+LONE_REQUESTS = 7  # short requests on an idle server: the median one's time to first token
 CO_RUN_BATCH = 4  # decode batch timed beside a neighbour worker
 CO_RUN_REPEATS = 9
 KV_TRANSFER_TOKENS = 2048
@@ -186,9 +187,9 @@ def _co_run(engine: LLMEngine, batch: int, chunk: int, repeats: int) -> dict[str
         return _Neighbour(kind, arch.hidden_size, arch.intermediate_size, chunk)
 
     out: dict[str, Any] = {"threads": threads, "cores": cores, "decode_batch": batch, "prefill_chunk": chunk}
-    out["decode_alone_s"] = _served_steps(engine, [batch], SERVED_TOKENS, rounds=1)["step_s"][0]
+    out["decode_alone_s"] = _served_steps(engine, [batch], SERVED_TOKENS, rounds=1, lone_ttft=False)["step_s"][0]
     with neighbour("prefill"):
-        out["decode_beside_s"] = _served_steps(engine, [batch], SERVED_TOKENS, rounds=1)["step_s"][0]
+        out["decode_beside_s"] = _served_steps(engine, [batch], SERVED_TOKENS, rounds=1, lone_ttft=False)["step_s"][0]
     prefill = partial(_time_prefill, engine, chunk, 0, 1)
     out["prefill_alone_s"] = statistics.median(prefill() for _ in range(repeats))
     with neighbour("decode"):
@@ -227,7 +228,7 @@ async def one(client, i):
     body = {"messages": [{"role": "user", "content": f"[{salt}.{i}] Tell me a long story about the sea."}],
             "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    t0, ttft, prompt = time.perf_counter(), None, None
+    t0, ttft, prompt, cached = time.perf_counter(), None, None, 0
     async with client.stream("POST", url, json=body) as resp:
         async for line in resp.aiter_lines():
             if line.startswith("data: {"):
@@ -236,7 +237,8 @@ async def one(client, i):
                     ttft = time.perf_counter() - t0
                 if chunk.get("usage"):
                     prompt = chunk["usage"]["prompt_tokens"]
-    return {"ttft_s": ttft, "prompt_tokens": prompt}
+                    cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"ttft_s": ttft, "prompt_tokens": prompt, "cached_tokens": cached}
 async def main():
     async with httpx.AsyncClient(timeout=300) as client:
         print(json.dumps(await asyncio.gather(*(one(client, i) for i in range(batch)))))
@@ -244,7 +246,8 @@ asyncio.run(main())
 """
 
 
-def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds: int = 2) -> dict[str, Any]:
+def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds: int = 2,
+                  lone_ttft: bool = True) -> dict[str, Any]:
     """Step times of the engine behind the OpenAI server (uvicorn on loopback, in this process)
     while `batch` chat completions streamed to a client process all decode; speculation off."""
     import uvicorn
@@ -300,19 +303,30 @@ def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds
         steps = max(end[1] - start[1], 1)
         return (end[0] - start[0]) / steps, (end[2] - start[2]) / steps
 
+    def lone_request() -> None:
+        """One short request on an idle server, for its time to first token."""
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        salt = f"{os.getpid()}.{time.monotonic_ns()}"
+        report = subprocess.run([sys.executable, "-c", _CLIENT, url, "1", "4", salt], capture_output=True,
+                                text=True, timeout=300, check=True).stdout
+        lone.extend(r for r in json.loads(report) if r["ttft_s"] is not None)
+
     best: dict[int, tuple[float, float]] = {}
     try:
         for b in bar(list(batches) * rounds, desc="profiling steps behind the server", unit="batch"):
             best[b] = min(best.get(b, (float("inf"), 0.0)), measure(b))
+        for _ in range(LONE_REQUESTS if lone_ttft else 0):
+            lone_request()
     finally:
         uv.should_exit = True
         thread.join(timeout=60)
         engine.set_speculation(was_on)
     out = {"batches": list(batches), "context": 48 + tokens // 2,  # the chat prompt is ~48 tokens
            "step_s": [best[b][0] for b in batches], "forward_s": [best[b][1] for b in batches]}
-    if lone:  # a lone request's time to first token as its client saw it (HTTP and tokenizing included)
-        first = min(lone, key=lambda r: r["ttft_s"])
-        out |= {"ttft_s": first["ttft_s"], "prompt_tokens": first["prompt_tokens"]}
+    if lone_ttft and lone:  # a lone request's time to first token as its client saw it (HTTP, tokenizing)
+        first = sorted(lone, key=lambda r: r["ttft_s"])[len(lone) // 2]  # the median request
+        out |= {"ttft_s": first["ttft_s"], "prompt_tokens": first["prompt_tokens"],
+                "cached_tokens": first["cached_tokens"]}  # the chat template's start, found in the prefix cache
     return out
 
 
