@@ -111,6 +111,46 @@ def test_full_prefix_hit_skips_prefill(deployment, smollm_llm):
     _integrity(deployment)
 
 
+def test_workers_sharing_a_disk_tier_are_one_kv_store(deployment, smollm_llm, tmp_path):
+    """Prefill and decode workers given the same --kv-disk-dir write every prefix block there; a
+    prompt whose blocks are all stored goes to a decode worker without any prefill worker, and
+    that worker loads them (verified) from the store: same tokens, no second prefill."""
+    engine = ENGINE | {"kv_disk_dir": str(tmp_path)}
+    actors = [start_worker("prefill", 0, MODEL, engine, transfer_timeout_s=20),
+              start_worker("decode", 0, MODEL, engine, transfer_timeout_s=20),
+              start_worker("decode", 1, MODEL, engine, transfer_timeout_s=20)]
+    router = connect(MODEL, actors, transfer_timeout_s=20, local_prefill_tokens=0)
+    client = DisaggClient(router)
+    try:
+        assert router.kv_store is not None and router.kv_store.startswith(str(tmp_path)), \
+            [w.info.get("kv_store") for w in router.prefill + router.decode]
+        prompt = PROMPTS[-1] * 3  # ~150 tokens: several full blocks
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        (want,) = _tokens(smollm_llm.generate([prompt], params, use_tqdm=False))
+        (first,) = client.generate([prompt], params)
+        assert first.outputs[0].token_ids == want and len(router.prefills) == 1
+        for w in router.prefill + router.decode:  # every worker's writes reach the store
+            ray.get(w.actor.check_integrity.remote())
+        import time
+
+        time.sleep(1.0)
+        router._prefix_index.clear()  # no worker's pool counts: only the store can answer
+        # The other decode worker, which never saw the prompt, gets it: it must load the blocks.
+        served = first.metrics.extra["decode_worker"]
+        other = next(w for w in router.decode if w.name != served)
+        for w in router.decode:
+            w.alive = w is other
+        (again,) = client.generate([prompt], params)
+        assert again.outputs[0].token_ids == want and again.metrics.extra["decode_worker"] == other.name
+        assert len(router.prefills) == 1  # the prompt was not prefilled a second time
+        tier = ray.get(other.actor.stats.remote())["kv_tier"]
+        assert tier["disk_hits"] >= 5 and tier["corrupt_blocks"] == 0
+    finally:
+        client.close()
+        for a in actors:
+            ray.kill(a)
+
+
 def test_killing_a_decode_worker_mid_stream_loses_no_request(deployment, smollm_llm):
     """Really SIGKILL a decode worker's process while it streams; every request still completes."""
     router = deployment.router

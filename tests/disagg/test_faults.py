@@ -556,5 +556,44 @@ def test_prefill_and_decode_pools_are_tuned_on_their_own():
     assert (dec["max_num_batched_tokens"], dec["max_num_seqs"]) == (512, 128)
     with pytest.raises(ConfigError, match="'prefill' and 'decode'"):
         worker_specs(MODEL, {}, role_engine_kwargs={"router": {"max_num_seqs": 4}})
-    with pytest.raises(ConfigError, match="not supported with --disagg"):
-        worker_specs(MODEL, {"kv_disk_dir": "/tmp/x"})
+
+
+def test_a_prompt_whose_blocks_are_all_in_the_shared_store_skips_the_prefill_worker(tmp_path):
+    """Workers sharing a disk tier form one KV store: the router sends a prompt whose every full
+    block is stored straight to a decode worker, which loads them (verified) instead of waiting
+    for a prefill worker to recompute them."""
+    import asyncio
+
+    import torch
+
+    from specserve.kv_cache.block_pool import hash_block_tokens
+    from specserve.kv_cache.tiers import TieredKVStore
+
+    r = _router(num_prefill=1, num_decode=1)
+    r.local_prefill_tokens = 4
+    pre_actor, dec_actor = _FakePrefillActor(), _RecordingDecodeActor()
+    r.prefill[0].actor, r.decode[0].actor = pre_actor, dec_actor
+    tokens = list(range(1, 10)) * 3 + [5]  # 28 tokens: 6 full blocks of 4 in its first 27
+    store = TieredKVStore("fp", 8, disk_dir=tmp_path, disk_bytes=1 << 20)
+    parent = None
+    for i in range(6):
+        parent = hash_block_tokens(parent, tokens[4 * i:4 * i + 4])
+        store.save(parent, torch.zeros(8, dtype=torch.uint8))
+    assert store.flush()
+    r.kv_store = str(store.disk.dir)
+    hashes = r._hashes(tokens[:27])
+    assert r._stored(hashes) and not r._stored(r._hashes([7] * 27))
+    prepared = r.engine.prepare_request(tokens, SamplingParams(max_tokens=4))
+
+    async def scenario() -> None:
+        r._loop = asyncio.get_running_loop()
+        r.submit([prepared])
+        deadline = time.monotonic() + 5
+        while not dec_actor.added:
+            assert time.monotonic() < deadline, "never routed"
+            await asyncio.sleep(0.01)
+        r.abort([prepared.request.request_id])
+
+    asyncio.run(scenario())
+    assert pre_actor.priorities == []  # no prefill worker was asked
+    store.close()

@@ -131,6 +131,23 @@ def test_start_up_removes_interrupted_writes_and_ignores_other_models(tmp_path):
     again.close()
 
 
+def test_workers_sharing_a_directory_find_each_others_blocks(tmp_path):
+    """A directory shared by several processes is one store: a block another process wrote after
+    this one started is found (and verified) on lookup; one it deleted is a miss, not corruption."""
+    writer, reader = _store(tmp_path), _store(tmp_path)  # both started on an empty directory
+    hs = _chain(2)
+    writer.save(hs[0], _payload(3))
+    writer.save(hs[1], _payload(4))
+    assert writer.flush()
+    found = reader.fetch(hs[0])
+    assert found is not None and found.tier == "disk" and torch.equal(found.payload, _payload(3))
+    assert reader.contains(hs[1])
+    writer.disk.clear()  # the writer's size limit (or a reset) removed its files
+    assert reader.fetch(hs[1]) is None and reader.counters.corrupt == 0
+    writer.close()
+    reader.close()
+
+
 def test_a_payload_of_the_wrong_size_is_refused(tmp_path):
     store = _store(tmp_path)
     with pytest.raises(ValueError, match="expected 64"):

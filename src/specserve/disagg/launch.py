@@ -139,11 +139,6 @@ def worker_specs(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1
         raise ConfigError(f"role_engine_kwargs takes 'prefill' and 'decode', got {sorted(unknown)}.")
     if num_prefill < 1 or num_decode < 1:
         raise ConfigError("--disagg needs --prefill-workers >= 1 and --decode-workers >= 1.")
-    if engine_kwargs.get("kv_host_gib") or engine_kwargs.get("kv_disk_dir"):
-        # A decode worker writes arriving KV into blocks outside the scheduler's step, where the
-        # tiers' copy-after-the-step rule does not hold yet.
-        raise ConfigError("the prefix cache's host and disk tiers (--kv-host-gib, --kv-disk-dir) are not "
-                          "supported with --disagg yet; leave them out or serve co-located.")
     ncpu = os.cpu_count() or 1
     total = num_prefill + num_decode
     kwargs = dict(engine_kwargs)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,7 @@ from specserve.disagg.kv_transfer import ChannelFiles, KVLayout, TransferDescrip
 from specserve.disagg.worker import check_pairable
 from specserve.engine.engine import PreparedRequest, RequestPreparer
 from specserve.kv_cache.block_pool import hash_block_tokens
+from specserve.kv_cache.tiers import block_file_name
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specserve.request import Request
 from specserve.server.async_engine import EngineOverloadedError, EngineStoppedError, RequestStream
@@ -174,6 +176,11 @@ class DisaggRouter:
         self.local_prefill_tokens = local_prefill_tokens
         self.block_size = self.decode[0].info["block_size"]
         self.layout = KVLayout(**self.decode[0].info["fingerprint"]["layout"])
+        # The KV store every worker shares (their disk tier's folder on this host), if they do:
+        # a prompt whose full blocks are all there needs no prefill worker, its decode worker
+        # loads them (verified) instead.
+        stores = {w.info.get("kv_store") for w in workers}
+        self.kv_store: str | None = stores.pop() if len(stores) == 1 else None
         self.capacity = sum(w.info.get("max_num_seqs", 64) for w in self.decode) + max_waiting
         self.metrics = metrics
         self.on_output = on_output
@@ -355,6 +362,12 @@ class DisaggRouter:
         for h in hashes:
             self._prefix_index.setdefault(h, set()).update(names)
 
+    def _stored(self, hashes: list[int]) -> bool:
+        """Every full block of the prompt is in the shared KV store (as far as a file says)."""
+        if self.kv_store is None or not hashes:
+            return False
+        return all(os.path.exists(os.path.join(self.kv_store, block_file_name(h))) for h in hashes)
+
     def _forget(self, hashes: Iterable[int], name: str) -> None:
         """A worker's pool dropped these blocks: it no longer holds those prefixes."""
         index = self._prefix_index
@@ -418,7 +431,7 @@ class DisaggRouter:
             if dec is None:
                 self._finish(job, "error", self._no_decode_message())
                 return
-            need_prefill = m > 0 and m >= self.local_prefill_tokens and not full_hit
+            need_prefill = m > 0 and m >= self.local_prefill_tokens and not full_hit and not self._stored(hashes)
             # No healthy prefill worker (all dead, restarting, or failed on this request): the
             # decode worker prefills the prompt itself.
             pre = self.pick_prefill(hashes, m, bad_prefill) if need_prefill else None

@@ -124,6 +124,10 @@ class WorkerCore:
             "spec": {"method": eng.config.spec.method, "policy": eng.config.spec.policy,
                      "num_spec_tokens": eng.config.spec.num_spec_tokens},
             "has_proposer": eng.can_speculate,
+            # The prefix cache's disk tier (its fingerprinted folder), shared by every worker given
+            # the same --kv-disk-dir on this host: the deployment's KV store.
+            "kv_store": str(tiers.disk.dir) if (tiers := eng.kv_manager.tiers) is not None and tiers.disk is not None
+            else None,
         }
 
     def stats(self) -> dict[str, Any]:
@@ -143,6 +147,7 @@ class WorkerCore:
             "alive": self.error is None and self._thread.is_alive(),
             "error": self.error,  # why the engine loop stopped: the router replaces such a worker
             "evicted": self._take_evicted(),
+            "kv_tier": tiers.stats() if (tiers := eng.kv_manager.tiers) is not None else None,
         }
 
     def _take_evicted(self) -> list[int]:

@@ -91,8 +91,13 @@ def _digest(header: dict, payload: memoryview | bytes) -> str:
     return h.hexdigest()
 
 
+def block_file_name(value: int) -> str:
+    """The disk tier's file name of the block whose chained hash is `value`."""
+    return f"{value & 0xFFFFFFFFFFFFFFFF:016x}{SUFFIX}"
+
+
 def _file_name(block_hash: BlockHash) -> str:
-    return f"{block_hash.value & 0xFFFFFFFFFFFFFFFF:016x}{SUFFIX}"
+    return block_file_name(block_hash.value)
 
 
 class HostTier:
@@ -229,21 +234,49 @@ class DiskTier:
         with self._lock:
             return len(self._index)
 
-    def contains(self, block_hash: BlockHash) -> bool:
-        """True if a file claims this exact block (verified only when read)."""
+    def _entry(self, block_hash: BlockHash) -> _DiskEntry | None:
+        """The index entry of this exact block; a file another process sharing the directory
+        wrote since this one started is picked up here (its content is verified when read)."""
         with self._lock:
             entry = self._index.get(block_hash.value)
-        return entry is not None and entry.block_hash == block_hash
+        if entry is None:
+            path = self.dir / _file_name(block_hash)
+            try:
+                size = path.stat().st_size
+            except OSError:
+                return None
+            entry = _DiskEntry(block_hash, path, size)
+            with self._lock:
+                if block_hash.value not in self._index:
+                    self._index[block_hash.value] = entry
+                    self.used_bytes += size
+                entry = self._index[block_hash.value]
+        return entry if entry.block_hash == block_hash else None
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        """True if a file claims this exact block (verified only when read)."""
+        return self._entry(block_hash) is not None
 
     def read(self, block_hash: BlockHash) -> torch.Tensor | None:
         """The verified payload of this exact block, or None (missing, or corrupt: then deleted)."""
+        entry = self._entry(block_hash)
+        if entry is None:
+            return None
         with self._lock:
-            entry = self._index.get(block_hash.value)
-            if entry is None or entry.block_hash != block_hash:
-                return None
-            self._index.move_to_end(block_hash.value)
+            if block_hash.value in self._index:
+                self._index.move_to_end(block_hash.value)
         try:
             blob = entry.path.read_bytes()
+        except FileNotFoundError:  # another process sharing the directory evicted it: a miss
+            with self._lock:
+                if self._index.get(block_hash.value) is entry:
+                    del self._index[block_hash.value]
+                    self.used_bytes -= entry.size
+            return None
+        except OSError as exc:
+            logger.warning("KV disk tier: %s unreadable (%s)", entry.path.name, exc)
+            blob = b""
+        try:
             offset = len(MAGIC) + _HEADER_LEN.size
             n = self._header_length(blob)
             header = self._check_header(blob[offset:offset + n])
@@ -379,7 +412,8 @@ class TieredKVStore:
 
     def contains(self, block_hash: BlockHash) -> bool:
         """True if some tier holds (or claims) this exact block."""
-        return bool((self.host and self.host.contains(block_hash)) or (self.disk and self.disk.contains(block_hash)))
+        return ((self.host is not None and self.host.contains(block_hash))
+                or (self.disk is not None and self.disk.contains(block_hash)))
 
     def fetch(self, block_hash: BlockHash) -> TierBlock | None:
         """This exact block from the highest tier holding it, verified; a disk hit is promoted."""
