@@ -91,6 +91,23 @@ def _digest(header: dict, payload: memoryview | bytes) -> str:
     return h.hexdigest()
 
 
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process that names this temporary file (NAME.kvb.PID.THREAD.tmp) still runs."""
+    try:
+        pid = int(tmp_name.split(".")[-3])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False  # this process is only starting: nothing of its own is in flight
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    return True
+
+
 def block_file_name(value: int) -> str:
     """The disk tier's file name of the block whose chained hash is `value`."""
     return f"{value & 0xFFFFFFFFFFFFFFFF:016x}{SUFFIX}"
@@ -179,9 +196,10 @@ class DiskTier:
         files whose header does not read back."""
         found: list[tuple[float, _DiskEntry]] = []
         for path in self.dir.iterdir():
-            if path.name.endswith(".tmp"):  # a write cut off by a crash
-                path.unlink(missing_ok=True)
-                continue
+            if path.name.endswith(".tmp"):
+                if not _writer_alive(path.name):  # a write cut off by a crash
+                    path.unlink(missing_ok=True)
+                continue  # another live process sharing the directory is writing it
             if not path.name.endswith(SUFFIX):
                 continue
             try:
