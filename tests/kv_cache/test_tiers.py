@@ -210,6 +210,17 @@ def test_a_failed_allocation_of_a_tier_hit_changes_nothing():
     assert kv.take_pending_loads() == [] and kv.num_free_blocks == 4 and kv.pool.num_cached_blocks == 0
 
 
+def test_a_request_waiting_for_room_reads_no_more_tier_blocks_than_the_pool_can_take():
+    store = TieredKVStore("fp", PAYLOAD, host_bytes=1 << 20)
+    kv = KVCacheManager(num_blocks=4, block_size=4, tiers=store)
+    for h in _chain(4):
+        store.save(h, _payload(1))
+    holder = Seq("x", list(range(100, 109)))
+    assert kv.allocate_slots(holder, 9)  # 3 of the 4 blocks taken
+    hit = kv.find_prefix(Seq("a", list(range(16)) + [1]))
+    assert len(hit.loaded) == 1 and store.counters.host.hits == 1  # one free block: one block read
+
+
 # ---------------------------------------------------------------------- the engine
 SYSTEM = "You are a careful assistant who answers in full sentences. " * 12
 PROMPTS = [SYSTEM + f"Conversation {i}: " + f"tell me about item {i} and why it matters. " * (8 + i) for i in range(8)]

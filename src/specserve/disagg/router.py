@@ -538,8 +538,7 @@ class DisaggRouter:
         for job in list(self._jobs.values()):
             if job.worker is w and not job.finished:
                 job.changed.set()
-        for h in [h for h, names in self._prefix_index.items() if w.name in names]:
-            self._forget((h,), w.name)
+        self._forget([h for h, names in self._prefix_index.items() if w.name in names], w.name)
         self.channel_files.release_worker(w.name)
         if self.metrics is not None:
             self.metrics.worker_gone(w.role, w.name)

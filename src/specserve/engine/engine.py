@@ -823,7 +823,8 @@ class LLMEngine:
             "kv_blocks_free": usage.num_free_blocks,
             "kv_blocks_used": usage.num_used_blocks,
             "prefix_cache_hit_rate": usage.prefix_hit_rate,
-            **({f"kv_tier_{k}": v for k, v in self.kv_manager.tiers.stats().items()} if self.kv_manager.tiers else {}),
+            **({f"kv_tier_{k}": v for k, v in self.kv_manager.tiers.stats().items()}
+               if self.kv_manager.tiers is not None else {}),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "time": time.time(),

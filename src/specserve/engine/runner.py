@@ -450,9 +450,10 @@ class ModelRunner:
 
     def load_blocks(self, loads: Sequence[KVLoad]) -> None:
         """Write packed blocks (read_block's format) into their pool blocks."""
+        size = self.block_payload_bytes() if loads else 0
         for load in loads:
             payload = load.payload
-            if not isinstance(payload, torch.Tensor) or payload.numel() != self.block_payload_bytes():
+            if not isinstance(payload, torch.Tensor) or payload.numel() != size:
                 raise RuntimeError(f"a KV block load for block {load.block_id} does not match this cache's layout")
             offset = 0
             for layer in self.kv_caches:

@@ -44,18 +44,12 @@ class PrefixHit(NamedTuple):
     loaded: list[TierBlock]
     num_tokens: int
 
-    @property
-    def num_blocks(self) -> int:
-        """Blocks of the prefix, both kinds."""
-        return len(self.blocks) + len(self.loaded)
-
 
 class KVLoad(NamedTuple):
     """A lower tier's block to be written into a pool block before the step that reads it."""
 
     block_id: int
     payload: object  # torch.Tensor (uint8); typed loosely so this module stays tensor-free
-    tier: str
 
 
 def cdiv(a: int, b: int) -> int:
@@ -144,6 +138,10 @@ class KVCacheManager:
         if self.tiers is not None:
             tokens = request.all_token_ids
             max_blocks = (len(tokens) - 1) // self.block_size
+            # Never read more than the pool could take now: a request that waits for room looks
+            # again every step, and a block it could not place would only be read again then.
+            room = self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
+            max_blocks = min(max_blocks, len(hits) + max(room, 0))
             for block_hash in self._hashes(request, len(tokens))[len(hits):max_blocks]:
                 found = self.tiers.fetch(block_hash)
                 if found is None:
@@ -244,7 +242,7 @@ class KVCacheManager:
             fresh = self.pool.allocate(need)
             for block, hit in zip(fresh, loaded):
                 self.pool.register(block, hit.block_hash)
-                self.pending_loads.append(KVLoad(block.block_id, hit.payload, hit.tier))
+                self.pending_loads.append(KVLoad(block.block_id, hit.payload))
             blocks.extend(fresh)
         return True
 
