@@ -256,7 +256,9 @@ def section_batchsweep(b: Bench) -> list[dict]:
     prompts = [p for p, _ in b.coding]
     for batch in b.args.batches:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-        for policy in ["none", "always", "adaptive"]:
+        # Plain runs first and again last: the baseline is the faster of the two, so a
+        # configuration is never flattered by a slow first run at a new batch size.
+        for policy in ["none", "always", "adaptive", "none"]:
             if policy == "none":
                 eng.set_speculation(False)
             else:
@@ -273,7 +275,10 @@ def section_batchsweep(b: Bench) -> list[dict]:
                          "generated_tokens": gen, "draft_tokens": drafted,
                          "accepted_tokens": sum(o.metrics.extra["num_accepted_tokens"] for o in outs)})
             log(f"batchsweep B={batch:2d} {policy:8s}: {gen / dt:.2f} tok/s (drafted {drafted})")
-    base = {r["batch"]: r["tokens_per_s"] for r in rows if r["policy"] == "none"}
+    base: dict[int, float] = {}
+    for r in rows:
+        if r["policy"] == "none":
+            base[r["batch"]] = max(base.get(r["batch"], 0.0), r["tokens_per_s"])
     for r in rows:
         r["speedup_vs_none"] = r["tokens_per_s"] / base[r["batch"]]
     del llm
@@ -374,8 +379,11 @@ def plot(payload: dict, path: Path) -> None:
     ax = axes[1][0]
     if bs:
         for pol, style in [("none", "o-"), ("always", "s--"), ("adaptive", "^-")]:
-            rows = [r for r in bs if r["policy"] == pol]
-            ax.plot([r["batch"] for r in rows], [r["tokens_per_s"] for r in rows], style, label=pol)
+            best: dict[int, float] = {}  # plain ran twice per batch: its better run is the baseline
+            for r in bs:
+                if r["policy"] == pol:
+                    best[r["batch"]] = max(best.get(r["batch"], 0.0), r["tokens_per_s"])
+            ax.plot(list(best), list(best.values()), style, label=pol)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
         ax.set_ylabel("generated tokens/s")

@@ -105,6 +105,41 @@ def test_held_back_position_is_probed_and_recovers():
     assert p.choose([r])[0] >= 2
 
 
+def test_switched_off_request_probes_only_where_a_typical_request_would_draft():
+    """A request held at K = 0 (its own estimate unlucky) probes every PROBE_EVERY steps while
+    the pooled acceptance says drafting pays at this batch size; at a batch size where it does
+    not (verify as dear as decoding), probing would only cost, and no probe is made."""
+    from specserve.spec.policy import PROBE_EVERY
+
+    p = _policy(CHEAP_VERIFY, {1: 0.01, 8: 0.01}, acceptance=0.9)
+    r = _req("a", [1], max_tokens=1000)
+    p.stats("a").rates = [0.01] * 4
+    ks = [p.choose([r])[0] for _ in range(PROBE_EVERY)]
+    assert ks[:-1] == [0] * (PROBE_EVERY - 1) and ks[-1] == 1
+
+    p = _policy(COSTLY_VERIFY, {1: 0.01, 8: 0.01}, acceptance=0.9)
+    reqs = [_req(str(i), [1], max_tokens=1000) for i in range(8)]
+    for i in range(8):
+        p.stats(str(i)).rates = [0.01] * 4
+    steps = [p.choose(reqs) for _ in range(3 * PROBE_EVERY)]
+    assert all(k == 0 for ks in steps for k in ks)
+
+
+def test_catch_up_is_charged_over_the_steps_a_request_has_left():
+    """A draft model must first feed a request's backlog (its prompt, or what was generated while
+    it did not draft). Spread over many remaining tokens that is cheap; for a request about to
+    end it is not, and that request is not drafted for while a caught-up one still is."""
+    p = _policy(CHEAP_VERIFY, {1: 0.01}, acceptance=0.8)
+    p.catchup_s_per_token = 0.002
+    long_run = _req("long", [1] * 500, max_tokens=1000)
+    assert p.choose([long_run], catchup=[500])[0] > 0
+    ending = _req("ending", [1] * 500, max_tokens=3)
+    assert p.choose([ending], catchup=[500]) == [0]
+    assert p.choose([ending], catchup=[1])[0] > 0  # caught up: drafting pays again
+    free = _policy(CHEAP_VERIFY, {1: 0.01}, acceptance=0.8)  # no catch-up cost measured: as before
+    assert free.choose([_req("e", [1] * 500, max_tokens=3)], catchup=[500])[0] > 0
+
+
 def test_new_requests_start_from_pooled_acceptance():
     """A new request's estimate starts where earlier requests left the pooled one, not at the
     fixed prior: after many requests with poor first drafts a newcomer is not speculated for."""

@@ -159,6 +159,33 @@ def test_adaptive_policy_learns_the_draft_cost_without_the_catch_up_pass(tiny):
     assert max(llm.engine.policy.draft_time.points.values()) < 0.02
 
 
+def test_draft_catch_up_is_measured_and_counted_per_request(tiny):
+    """The policy charges a draft model's catch-up: start-up measures its cost per token, and the
+    proposer says how far its cache is behind each request (the prompt less what its prefix
+    cache holds before the first draft, a token or two while drafting every step)."""
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="draft", spec_policy="always",
+              draft_checkpoint=tiny, draft_num_layers=1, num_spec_tokens=3, block_size=16)
+    eng, prop = llm.engine, llm.engine.proposer
+    eng.profile_costs(max_batch=2)  # what policy "adaptive" does at start-up
+    assert eng.policy.catchup_s_per_token > 0
+    prompt = list(range(5, 45))  # 40 tokens
+    eng.add_request(prompt, _greedy(12), request_id="a")
+    req = eng.scheduler.requests["a"]
+    assert prop.catchup_tokens(req) == 40
+    behind = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        if "a" in eng.scheduler.requests and req.num_output_tokens:
+            behind.append(prop.catchup_tokens(req))
+    assert behind and max(behind) <= 3, behind  # drafting every step (policy always): never far behind
+    # A second request with the same prompt finds two full blocks in the draft's prefix cache.
+    eng.add_request(prompt, _greedy(4), request_id="b")
+    assert prop.catchup_tokens(eng.scheduler.requests["b"]) == 40 - 32
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert prop.live_request_ids() == [] and not prop._cached and prop.check_integrity()
+
+
 @pytest.mark.parametrize(("which", "draft_quant"), [("ngram", None), ("draft-truncated", "int8"),
                                                     ("draft-truncated", "w8a8")])
 def test_tiny_quantized_greedy_spec_equals_quantized_plain(tiny, which, draft_quant):

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 MIN_FORCED_DRAFT = 8
 # Without measured step times, forced text is drafted only up to this many decoding requests.
 FORCED_DRAFT_MAX_BATCH = 4
+CATCHUP_PROFILE_TOKENS = 64  # one request's tokens in the pass that times a proposer's catch-up
 # When the model declares a longer context than this, default to it (KV memory stays modest).
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
@@ -304,6 +305,8 @@ class LLMEngine:
             for b in sorted({1, 2, 4, 8, 16, 32}):
                 if b <= limit:
                     self.policy.draft_time.points[b] = self.proposer.time_pass(b)
+            # What catching a request up costs per token (a prompt, a backlog): one pass over many.
+            self.policy.catchup_s_per_token = self.proposer.time_catchup(CATCHUP_PROFILE_TOKENS) / CATCHUP_PROFILE_TOKENS
         else:
             self.policy.draft_time.points[1] = 1e-4  # a table lookup: negligible next to a forward
         return {"target": dict(self.policy.target_time.points), "draft": dict(self.policy.draft_time.points)}
@@ -605,7 +608,7 @@ class LLMEngine:
             return
         prefill_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.running if not r.is_decoding)
         other = min(prefill_tokens, self.config.scheduler.max_num_batched_tokens)
-        ks = self.policy.choose(decoding, other)
+        ks = self.policy.choose(decoding, other, [self.proposer.catchup_tokens(r) for r in decoding])  # type: ignore[union-attr]
         for i, req in enumerate(decoding):
             if ks[i]:
                 # Never draft past the context window or past the last token max_tokens allows.

@@ -130,6 +130,13 @@ class KVCacheManager:
         self.prefix_cache.num_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
+    def num_cached_tokens(self, request: SequenceLike) -> int:
+        """Tokens of the request's prefix the pool could serve now: a lookup only (nothing is
+        held, counted or remembered for the request)."""
+        tokens = request.all_token_ids
+        hashes = PrefixCache.hash_blocks(tokens, self.block_size, list(self.req_hashes.get(request.request_id, ())), len(tokens))
+        return len(self.prefix_cache.match_prefix(hashes, (len(tokens) - 1) // self.block_size)) * self.block_size
+
     def find_prefix(self, request: SequenceLike) -> PrefixHit:
         """The request's cached prefix: the working pool's run of hits, continued from the lower
         tiers where the pool's run ends (at most num_tokens - 1 tokens, as get_computed_blocks)."""

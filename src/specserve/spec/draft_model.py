@@ -240,6 +240,7 @@ class DraftModelProposer(Proposer):
         )
         self.device = self.runner.device
         self._seqs: dict[str, _DraftSeq] = {}
+        self._cached: dict[str, int] = {}  # prefix-cache hits of requests not yet drafting
         self._memory_bytes: int | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(model_config.seed + 1)
@@ -257,9 +258,25 @@ class DraftModelProposer(Proposer):
         """Seconds of one single-token draft pass over `batch` requests (start-up profiling)."""
         return self.runner.time_decode_step(batch)
 
+    def time_catchup(self, tokens: int) -> float:
+        """Seconds to feed one request `tokens` tokens in one pass (its prompt, or a backlog)."""
+        return self.runner.time_decode_step(1, tokens_per_req=tokens)
+
+    def catchup_tokens(self, request: Request) -> int:
+        """Tokens the draft cache is behind `request` (fed drafts may be kept: not counted)."""
+        seq = self._seqs.get(request.request_id)
+        if seq is None:  # the prompt, less what the draft's prefix cache holds (looked up once)
+            hit = self._cached.get(request.request_id)
+            if hit is None:
+                hit = self._cached[request.request_id] = self.kv.num_cached_tokens(request)
+            return max(0, len(request.all_token_ids) - hit)
+        fed = len(seq.fed) if seq.fed is not None else 0
+        return max(0, len(request.all_token_ids) - seq.num_computed_tokens - fed)
+
     # ------------------------------------------------------------------ lifecycle
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Free the request's draft KV (a preempted request catches up again later)."""
+        self._cached.pop(request_id, None)
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.kv.forget(seq) if finished else self.kv.free(seq)

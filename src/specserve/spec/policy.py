@@ -16,11 +16,22 @@ the acceptance, and E_i(k) counts only delivered positions. Hard limits follow t
 thresholds: speculate at batch <= on_batch, never at batch >= off_batch, only priority
 requests between.
 
+A proposer with state (a draft model's own KV cache) must first catch up on what a request
+generated while it did not draft, and on its prompt the first time: one pass over all of those
+tokens that stalls the whole batch. That one-off cost is charged spread over the steps the
+request has left (its max_tokens): a request near its end, or with a long prompt and a short
+answer, does not start drafting. (Measured on a 2-vCPU Zen 4 EPYC, Qwen2.5-Coder 1.5B + 0.5B
+draft, batch 8 x 32 tokens: before this, the periodic probe below made all eight requests catch
+up on their prompts in one 0.67 s draft pass, 0.87x plain.)
+
 A position's acceptance is only learned when it is drafted, so an estimate that one unlucky
 rejection pushed below the break-even point would never be corrected: the policy stops
 drafting there and the estimate stays stale. Two things keep the estimates honest: a new
 request starts from the acceptance pooled over earlier requests (not a fixed prior), and a
-request held below K = num_spec_tokens drafts one position more every PROBE_EVERY steps.
+request held below K = num_spec_tokens drafts one position more every PROBE_EVERY steps. A
+request held at K = 0 probes only where drafting would pay for it with the pooled acceptance
+(catch-up included): at a batch size where speculation loses for a typical request, probing
+would buy nothing but its cost.
 (Measured on a 2-vCPU Xeon, Qwen2.5-Coder 1.5B + 0.5B draft, coding prompts: before this the
 policy settled on K = 1 for most steps, 26.2 tok/s; a fixed K = 3 gave 28.6.)
 """
@@ -41,6 +52,7 @@ EWMA = 0.15  # weight of the newest observation in acceptance and timing estimat
 POOLED_EWMA = 0.05  # the same for the acceptance pooled over requests (a new request's prior)
 TREE_NODES_PER_K = 2  # a tree may hold this many nodes per draft position the chain model affords
 PROBE_EVERY = 16  # re-try k=1 (or k+1) this often for a request the cost model held back
+CATCHUP_FREE = 2  # tokens a drafting request's proposer processes every step anyway (not a catch-up)
 
 
 class StepTimer:
@@ -139,6 +151,7 @@ class SpecPolicy:
     draft_time: StepTimer = field(default_factory=StepTimer)  # seconds per draft pass, by batch size
     draft_cost_is_per_token: bool = True  # model drafts: one pass per draft position
     prior_acceptance: float = 0.7
+    catchup_s_per_token: float = 0.0  # seconds per token of a proposer catching a request up (0: free)
     enabled: bool = True
     trees: bool = False  # the proposer drafts trees: budgets are node counts, pruned after drafting
     _stats: dict[str, AcceptanceStats] = field(default_factory=dict)
@@ -182,11 +195,14 @@ class SpecPolicy:
             st.update(asked, num_accepted)
             self.pooled.update(asked, num_accepted, POOLED_EWMA)
 
-    def choose(self, requests: Sequence[Request], num_other_tokens: int = 0) -> list[int]:
+    def choose(self, requests: Sequence[Request], num_other_tokens: int = 0,
+               catchup: Sequence[int] | None = None) -> list[int]:
         """K for each request (0 = no speculation this step).
 
         `requests` are the decoding requests of the next step; num_other_tokens counts prompt
-        tokens the step will also carry (they make the verify tokens relatively cheaper).
+        tokens the step will also carry (they make the verify tokens relatively cheaper);
+        catchup[i] the tokens the proposer must process for request i before drafting for it
+        (Proposer.catchup_tokens).
         """
         kmax = self.config.num_spec_tokens
         n = len(requests)
@@ -196,7 +212,7 @@ class SpecPolicy:
             ks = [0 if r.sampling_params.speculative is False else kmax for r in requests]
         else:
             eligible = [self._eligible(r, n) for r in requests]
-            ks = self._cost_model_choice(requests, eligible, num_other_tokens)
+            ks = self._cost_model_choice(requests, eligible, num_other_tokens, catchup or [0] * n)
         if self.trees:
             # K says how deep speculation pays for a request (the chain model); a tree proposer
             # may draft twice that many nodes (alternatives where it is unsure, at most
@@ -279,7 +295,17 @@ class SpecPolicy:
             return req.priority < 0
         return True
 
-    def _cost_model_choice(self, requests: Sequence[Request], eligible: list[bool], other: int) -> list[int]:
+    def _catchup_cost(self, req: Request, behind: int, accepted: float) -> float:
+        """Seconds per step of catching the proposer up on `behind` tokens of `req`, spread over
+        the steps it has left (max_tokens still to go, 1 + `accepted` tokens per step)."""
+        extra = behind - CATCHUP_FREE
+        if extra <= 0 or self.catchup_s_per_token <= 0:
+            return 0.0
+        left = max(1, req.sampling_params.max_tokens - req.num_output_tokens)
+        return extra * self.catchup_s_per_token * (1.0 + accepted) / left
+
+    def _cost_model_choice(self, requests: Sequence[Request], eligible: list[bool], other: int,
+                           catchup: Sequence[int]) -> list[int]:
         """Maximise expected tokens per second of the step over the K of every request.
 
         The draft pass has a fixed cost shared by everyone who speculates, so the objective is
@@ -289,7 +315,8 @@ class SpecPolicy:
         a time, adding or removing wherever that raises the rate, until nothing does.
 
         K is a cap: a proposer may deliver fewer (see AcceptanceStats.reach), so the step's cost
-        counts the expected delivered drafts, and the draft passes those of the longest request.
+        counts the expected delivered drafts, and the draft passes those of the longest request;
+        a request that starts drafting adds its catch-up, spread over its remaining steps.
         """
         kmax = self.config.num_spec_tokens
         n = len(requests)
@@ -297,22 +324,25 @@ class SpecPolicy:
         # Tabulated once: expected accepted and expected delivered drafts of request i asking for k.
         gains = [[st.expected_accepted(k) for k in range(kmax + 1)] for st in stats]
         sizes = [[st.expected_proposed(k) for k in range(kmax + 1)] for st in stats]
+        catch = [[0.0] + [self._catchup_cost(r, c, g[k]) for k in range(1, kmax + 1)]
+                 for r, c, g in zip(requests, catchup, gains)]
         verify = n + other
 
-        def rate(tokens: float, drafted: float, passes: float, n_spec: int) -> float:
-            return tokens / self._cost(verify + drafted, passes, n_spec)
+        def rate(tokens: float, drafted: float, passes: float, n_spec: int, caught: float) -> float:
+            return tokens / (self._cost(verify + drafted, passes, n_spec) + caught)
 
-        ks, best = [0] * n, rate(n, 0, 0, 0)
+        ks, best = [0] * n, rate(n, 0, 0, 0, 0.0)
         idx = [i for i in range(n) if eligible[i]]
         for k in range(1, kmax + 1) if idx else ():
             r = rate(n + sum(gains[i][k] for i in idx), sum(sizes[i][k] for i in idx),
-                     max(sizes[i][k] for i in idx), len(idx))
+                     max(sizes[i][k] for i in idx), len(idx), sum(catch[i][k] for i in idx))
             if r > best:
                 ks, best = [k if eligible[i] else 0 for i in range(n)], r
         # Running totals make each candidate move O(1); the two largest delivered-draft counts
         # give the passes when any one request changes.
         tokens = n + sum(gains[i][k] for i, k in enumerate(ks))
         drafted = sum(sizes[i][k] for i, k in enumerate(ks))
+        caught = sum(catch[i][k] for i, k in enumerate(ks))
         n_spec = sum(1 for k in ks if k)
         for _ in range(2 * n * kmax):  # each move strictly improves the rate; this bounds the loop
             order = sorted(range(n), key=lambda i: sizes[i][ks[i]], reverse=True)[:2]
@@ -326,7 +356,8 @@ class SpecPolicy:
                         continue
                     old = ks[i]
                     r = rate(tokens + gains[i][new] - gains[i][old], drafted + sizes[i][new] - sizes[i][old],
-                             max(others, sizes[i][new]), n_spec + (new > 0) - (old > 0))
+                             max(others, sizes[i][new]), n_spec + (new > 0) - (old > 0),
+                             caught + catch[i][new] - catch[i][old])
                     if r > best * (1 + 1e-9) and (move is None or r > move[2]):
                         move = (i, new, r)
             if move is None:
@@ -335,15 +366,25 @@ class SpecPolicy:
             old = ks[i]
             tokens += gains[i][new] - gains[i][old]
             drafted += sizes[i][new] - sizes[i][old]
+            caught += catch[i][new] - catch[i][old]
             n_spec += (new > 0) - (old > 0)
             ks[i] = new
         # Give held-back requests an occasional probe one position further, so an estimate
-        # that fell below break-even can recover (switched off: k = 1; short: k + 1).
+        # that fell below break-even can recover (switched off: k = 1; short: k + 1). A request
+        # at k = 0 probes only where a typical one (the pooled acceptance) would draft now.
+        pooled_gain, pooled_size = self.pooled.expected_accepted(1), self.pooled.expected_proposed(1)
+        passes = max((sizes[i][k] for i, k in enumerate(ks)), default=0.0)
         for i, st in enumerate(stats):
             if eligible[i] and ks[i] == 0:
                 st.steps_off += 1
                 if st.steps_off >= PROBE_EVERY:
-                    ks[i], st.steps_off = 1, 0
+                    cost = self._catchup_cost(requests[i], catchup[i], pooled_gain)
+                    r = rate(tokens + pooled_gain, drafted + pooled_size, max(passes, pooled_size), n_spec + 1,
+                             caught + cost)
+                    if r > best:
+                        ks[i], st.steps_off, best = 1, 0, r
+                        tokens, drafted, caught, n_spec = tokens + pooled_gain, drafted + pooled_size, caught + cost, n_spec + 1
+                        passes = max(passes, pooled_size)
                 continue
             st.steps_off = 0
             if eligible[i] and ks[i] < kmax:

@@ -65,6 +65,16 @@ class Proposer(ABC):
         proposers; model-free ones cost nothing to speak of)."""
         return 1e-4
 
+    def catchup_tokens(self, request: Request) -> int:
+        """Tokens of `request` the proposer must still process before it can draft for it (a
+        draft model's cache behind the request: its prompt on first use, everything generated
+        while it did not draft). The policy charges that one-off cost; 0 for stateless proposers."""
+        return 0
+
+    def time_catchup(self, tokens: int) -> float:
+        """Seconds to catch one request up on `tokens` tokens (start-up profiling; 0: no cost)."""
+        return 0.0
+
     def check_integrity(self) -> bool:
         """Proposer-side resource bookkeeping holds (draft KV cache, if any)."""
         return True
