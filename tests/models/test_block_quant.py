@@ -50,7 +50,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", sorted(NAMES))
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 9])
-@pytest.mark.parametrize("rows", [40, 44])  # 40 rows are interleaved by 8 (all but Q4_1), 44 stay rows
+@pytest.mark.parametrize("rows", [40, 44])  # 40 rows are interleaved by 8, 44 stay rows
 def test_kernel_matches_decoded_weight(qtype, m, rows):
     pw = random_blocks(qtype, rows=rows, cols=512, seed=qtype)
     w = pw.dequantize()

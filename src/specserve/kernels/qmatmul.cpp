@@ -56,6 +56,7 @@ constexpr int64_t kQ6_K = 14;
 // The same K-quants with 8 rows interleaved (see "Interleaved K-quants" below); specserve's own
 // layouts, built at load time by specserve.models.block_linear.interleave_rows.
 constexpr int64_t kQ4_0_X8 = 102;
+constexpr int64_t kQ4_1_X8 = 103;
 constexpr int64_t kQ5_0_X8 = 106;
 constexpr int64_t kQ8_0_X8 = 108;
 constexpr int64_t kQ4_K_X8 = 112;
@@ -79,6 +80,7 @@ TypeInfo type_info(int64_t qtype) {
     case kQ4_K: return {256, 144, 256};
     case kQ6_K: return {256, 210, 256};
     case kQ4_0_X8: return {32, 144, 32, 8};
+    case kQ4_1_X8: return {32, 160, 32, 8};
     case kQ5_0_X8: return {32, 176, 32, 8};
     case kQ8_0_X8: return {32, 272, 32, 8};
     case kQ4_K_X8: return {256, 1184, 256, 8};
@@ -427,6 +429,8 @@ void dot_q6_k(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
 //   qs[i][r][k] (128): low 4 bits of value 8i+k (low nibble) and 8i+4+k (high nibble),
 //   qh[r][k] (32): bit v = fifth bit of value 4v+k
 // Q4_0 x8 group block (144 bytes, as in the file): Q5_0's first 144 bytes (no fifth bits)
+// Q4_1 x8 group block (160 bytes, as in the file): d of rows 0..7 (float16), m of rows 0..7
+//   (float16), then qs as Q4_0's
 //
 // Integer ranges: a maddubs lane is at most 2 * 15 * 127 (Q4_K) or 2 * 63 * 127 (Q6_K), so 8
 // (Q4_K sub-block) or 2 (Q6_K) of them are summed in int16 without overflow before the scale.
@@ -604,12 +608,12 @@ template <int MT>
 void dot_q8_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
-#if !SPECSERVE_VNNI
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
   alignas(32) float acc[kRows * 8];
   for (int m = 0; m < M; ++m) _mm256_store_ps(acc + 8 * m, _mm256_setzero_ps());
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+#if !SPECSERVE_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = grp + b * 272;
     prefetch_ahead(blk, 272, ahead);
@@ -640,6 +644,31 @@ void dot_q8_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* o
 
 // Q5_0 and Q4_0 (which is Q5_0 without the fifth bits: 4.5 bits per weight; specserve
 // requantizes a draft's 32-value blocks to it under --quantization int4) share one kernel.
+// One 32-value block of 8 interleaved rows against one activation row: v[2i + h] holds values
+// 8i + 4h + k (k = 0..3) of each row as unsigned bytes below 32; returns the 8 rows' int32 dots.
+inline __m256i dot_x8_block32(const __m256i* v, const int8_t* x) {
+#if SPECSERVE_VNNI
+  __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();  // two chains (see dot_q4_k_x8)
+  for (int i = 0; i < 8; i += 2) {
+    d0 = _mm256_dpbusd_epi32(d0, v[i], bcast4(x + 4 * i));
+    d1 = _mm256_dpbusd_epi32(d1, v[i + 1], bcast4(x + 4 * i + 4));
+  }
+  return _mm256_add_epi32(d0, d1);
+#else
+  // a maddubs lane is at most 2 * 31 * 127: four of them still fit in int16
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i p0 = _mm256_maddubs_epi16(v[0], bcast4(x));
+  __m256i p1 = _mm256_maddubs_epi16(v[4], bcast4(x + 16));
+  p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(v[1], bcast4(x + 4)));
+  p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(v[5], bcast4(x + 20)));
+  p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(v[2], bcast4(x + 8)));
+  p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(v[6], bcast4(x + 24)));
+  p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(v[3], bcast4(x + 12)));
+  p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(v[7], bcast4(x + 28)));
+  return _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+#endif
+}
+
 template <int MT, int kBits>
 void dot_q5_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
@@ -647,9 +676,6 @@ void dot_q5_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* o
   constexpr int64_t kBytes = kBits == 5 ? 176 : 144;
   constexpr int32_t kZero = kBits == 5 ? 16 : 8;  // value = q - kZero
   const __m256i low = _mm256_set1_epi8(0x0F);
-#if !SPECSERVE_VNNI
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
   alignas(32) float acc[kRows * 8];
   for (int m = 0; m < M; ++m) _mm256_store_ps(acc + 8 * m, _mm256_setzero_ps());
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
@@ -676,29 +702,44 @@ void dot_q5_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* o
       v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(H, 3), bit));
     }
     for (int m = 0; m < M; ++m) {
-      const int8_t* x = a[m].q + b * 32;
-#if SPECSERVE_VNNI
-      __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();  // two chains (see dot_q4_k_x8)
-      for (int i = 0; i < 8; i += 2) {
-        d0 = _mm256_dpbusd_epi32(d0, v[i], bcast4(x + 4 * i));
-        d1 = _mm256_dpbusd_epi32(d1, v[i + 1], bcast4(x + 4 * i + 4));
-      }
-      const __m256i dot = _mm256_add_epi32(d0, d1);
-#else
-      // a maddubs lane is at most 2 * 31 * 127: four of them still fit in int16
-      __m256i p0 = _mm256_maddubs_epi16(v[0], bcast4(x));
-      __m256i p1 = _mm256_maddubs_epi16(v[4], bcast4(x + 16));
-      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(v[1], bcast4(x + 4)));
-      p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(v[5], bcast4(x + 20)));
-      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(v[2], bcast4(x + 8)));
-      p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(v[6], bcast4(x + 24)));
-      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(v[3], bcast4(x + 12)));
-      p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(v[7], bcast4(x + 28)));
-      const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
-#endif
+      const __m256i dot = dot_x8_block32(v, a[m].q + b * 32);
       const __m256i sumi = _mm256_sub_epi32(dot, _mm256_set1_epi32(kZero * a[m].s32[b]));
       _mm256_store_ps(acc + 8 * m, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])),
                                                    _mm256_load_ps(acc + 8 * m)));
+    }
+  }
+  std::memcpy(out, acc, sizeof(float) * 8 * M);
+}
+
+// Q4_1: value = d * q + m with q = 0..15 (no fixed zero point). The block sum is
+// d * dx * sum(q * xq) + m * dx * sum(xq): the integer dot as for Q4_0, plus the activation
+// block's sum (s32) times the row's min. Layout per 8-row block (160 bytes): d of rows 0-7
+// (fp16), m of rows 0-7 (fp16), then the nibbles as Q4_0's interleaved layout.
+template <int MT>
+void dot_q4_1_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
+  constexpr int kRows = MT > 0 ? MT : kPassRows;
+  const int M = MT > 0 ? MT : M_;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  alignas(32) float acc[kRows * 8];
+  for (int m = 0; m < M; ++m) _mm256_store_ps(acc + 8 * m, _mm256_setzero_ps());
+  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = grp + b * 160;
+    prefetch_ahead(blk, 160, ahead);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    __m256i v[8];  // v[2i + h]: values 8i + 4h + k of each row, 0..15
+    for (int i = 0; i < 4; ++i) {
+      const __m256i L = load32(blk + 32 + 32 * i);
+      v[2 * i] = _mm256_and_si256(L, low);
+      v[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(L, 4), low);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m256i dot = dot_x8_block32(v, a[m].q + b * 32);
+      const __m256 dx = _mm256_set1_ps(a[m].d[b]);
+      __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, dx), _mm256_load_ps(acc + 8 * m));
+      r = _mm256_fmadd_ps(_mm256_set1_ps(static_cast<float>(a[m].s32[b])), _mm256_mul_ps(mn, dx), r);
+      _mm256_store_ps(acc + 8 * m, r);
     }
   }
   std::memcpy(out, acc, sizeof(float) * 8 * M);
@@ -826,6 +867,7 @@ void dot_x8_t(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, int 
     case kQ6_K_X8: return dot_q6_k_x8<MT>(grp, nb, a, M, out);
     case kQ8_0_X8: return dot_q8_0_x8<MT>(grp, nb, a, M, out);
     case kQ4_0_X8: return dot_q5_0_x8<MT, 4>(grp, nb, a, M, out);
+    case kQ4_1_X8: return dot_q4_1_x8<MT>(grp, nb, a, M, out);
     default: return dot_q5_0_x8<MT, 5>(grp, nb, a, M, out);
   }
 }
@@ -1262,10 +1304,10 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   return out;
 }
 
-// The 8-row interleaved layout of Q4_K / Q6_K / Q8_0 / Q5_0 / Q4_0 rows (see "Interleaved K-quants" above).
+// The 8-row interleaved layout of Q4_K / Q6_K / Q8_0 / Q5_0 / Q4_0 / Q4_1 rows (see "Interleaved K-quants" above).
 torch::Tensor interleave_rows(const torch::Tensor& w, int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4_K || qtype == kQ6_K || qtype == kQ8_0 || qtype == kQ5_0 || qtype == kQ4_0,
-              "interleave_rows: Q4_K, Q6_K, Q8_0, Q5_0 or Q4_0");
+  TORCH_CHECK(qtype == kQ4_K || qtype == kQ6_K || qtype == kQ8_0 || qtype == kQ5_0 || qtype == kQ4_0 || qtype == kQ4_1,
+              "interleave_rows: Q4_K, Q6_K, Q8_0, Q5_0, Q4_0 or Q4_1");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(0) % 8 == 0,
               "interleave_rows: contiguous uint8 [N, row_bytes] with N a multiple of 8");
   const TypeInfo in = type_info(qtype), out_info = type_info(qtype + 100);
@@ -1281,14 +1323,17 @@ torch::Tensor interleave_rows(const torch::Tensor& w, int64_t qtype) {
         const uint8_t* src[8];
         for (int r = 0; r < 8; ++r) src[r] = src_base + (8 * g + r) * row_bytes + b * in.block_bytes;
         uint8_t* dst = out_base + (g * nb + b) * out_info.block_bytes;
-        if (qtype == kQ8_0 || qtype == kQ5_0 || qtype == kQ4_0) {
+        if (qtype == kQ8_0 || qtype == kQ5_0 || qtype == kQ4_0 || qtype == kQ4_1) {
           for (int r = 0; r < 8; ++r) std::memcpy(dst + 2 * r, src[r], 2);
+          if (qtype == kQ4_1)
+            for (int r = 0; r < 8; ++r) std::memcpy(dst + 16 + 2 * r, src[r] + 2, 2);
           if (qtype == kQ8_0) {
             for (int i = 0; i < 8; ++i)
               for (int r = 0; r < 8; ++r) std::memcpy(dst + 16 + 32 * i + 4 * r, src[r] + 2 + 4 * i, 4);
             continue;
           }
-          const int qs = qtype == kQ4_0 ? 2 : 6;
+          const int qs = qtype == kQ4_0 ? 2 : qtype == kQ4_1 ? 4 : 6;
+          const int64_t at = qtype == kQ4_1 ? 32 : 16;  // where the interleaved nibbles start
           for (int r = 0; r < 8; ++r) {
             uint32_t qh = 0;
             if (qtype == kQ5_0) std::memcpy(&qh, src[r] + 2, 4);
@@ -1300,9 +1345,9 @@ torch::Tensor interleave_rows(const torch::Tensor& w, int64_t qtype) {
           for (int i = 0; i < 4; ++i)
             for (int r = 0; r < 8; ++r)
               for (int k = 0; k < 4; ++k)
-                dst[16 + 32 * i + 4 * r + k] =
+                dst[at + 32 * i + 4 * r + k] =
                     static_cast<uint8_t>((vals[r][8 * i + k] & 0xF) | ((vals[r][8 * i + 4 + k] & 0xF) << 4));
-          if (qtype == kQ4_0) continue;
+          if (qtype != kQ5_0) continue;
           for (int r = 0; r < 8; ++r)
             for (int k = 0; k < 4; ++k) {
               int byte = 0;

@@ -7,7 +7,7 @@ reads those blocks directly: a Q4_K_M 1.5B model reads ~1.1 GB per decoded token
 decoding them to float; `--quantization int4` turns float weights into Q4_K blocks
 (`quantize_q4_k`), the same format llama.cpp's Q4_K_M files use for most matrices.
 
-Q4_K, Q6_K, Q8_0 and Q5_0 matrices whose row count is a multiple of 8 are rearranged at load
+Q4_K, Q6_K, Q8_0, Q5_0, Q4_0 and Q4_1 matrices whose row count is a multiple of 8 are rearranged at load
 time into an 8-row interleaved layout (same information; +2.8% bytes for Q4_K, whose scales are
 stored unpacked, same bytes otherwise; see qmatmul.cpp) that lets the kernel treat 8 rows per
 vector step; `packed()` converts back.
@@ -37,7 +37,7 @@ Q4_1 = 3
 FOUR_BIT = (Q4_K, Q4_0, Q4_1)  # what --quantization int4 keeps as the file has it
 # specserve's 8-row interleaved layouts (see qmatmul.cpp): same information, laid out so the
 # kernel handles 8 rows per vector step. Built at load time, never written to disk.
-INTERLEAVED = {Q4_0: 102, Q5_0: 106, Q8_0: 108, Q4_K: 112, Q6_K: 114}
+INTERLEAVED = {Q4_0: 102, Q4_1: 103, Q5_0: 106, Q8_0: 108, Q4_K: 112, Q6_K: 114}
 
 
 class PackedWeight(NamedTuple):
@@ -212,10 +212,13 @@ def deinterleave_rows(qtype: int, data: torch.Tensor, shape: tuple[int, int]) ->
     if qtype == Q8_0:
         qs = r[..., 16:272].reshape(g, nb, 8, 8, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, 8, 32)
         rows = np.concatenate([r[..., 0:16].reshape(g, nb, 8, 2), qs], axis=-1)
-    elif qtype in (Q5_0, Q4_0):  # Q4_0: Q5_0 without the fifth bits
-        q = r[..., 16:144].reshape(g, nb, 4, 8, 1, 4).transpose(0, 1, 3, 2, 4, 5)  # [.., row, i, 1, k]
+    elif qtype in (Q5_0, Q4_0, Q4_1):  # Q4_0: Q5_0 without the fifth bits; Q4_1: Q4_0 plus a min
+        at = 32 if qtype == Q4_1 else 16
+        q = r[..., at : at + 128].reshape(g, nb, 4, 8, 1, 4).transpose(0, 1, 3, 2, 4, 5)  # [.., row, i, 1, k]
         vals = np.concatenate([q & 0xF, q >> 4], axis=-2).reshape(g, nb, 8, 32)  # value 8i + 4h + k
         fields = [r[..., 0:16].reshape(g, nb, 8, 2)]
+        if qtype == Q4_1:
+            fields.append(r[..., 16:32].reshape(g, nb, 8, 2))
         if qtype == Q5_0:
             qh = r[..., 144:176].reshape(g, nb, 8, 1, 4)
             top = ((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(g, nb, 8, 32)  # value 4v + k
