@@ -191,6 +191,35 @@ def test_native_paged_attention_matches_sdpa_path():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_native_attention_of_a_token_does_not_depend_on_its_step():
+    """Tokens of a prefill or a draft go through their keys in tiles (and a prefill's items in
+    another order than a decode batch's): every token's output must still be bit-identical to
+    the same token computed alone (its own mask row, one-token step), whatever the head size."""
+    from specserve.attention import build_attention_metadata, write_kv
+
+    torch.manual_seed(1)
+    for d, heads, n_kv in [(16, 6, 2), (64, 9, 3), (128, 12, 2)]:
+        bs, nblocks = 16, 48
+        kc, vc = torch.zeros(nblocks, bs, n_kv, d), torch.zeros(nblocks, bs, n_kv, d)
+        query_lens, starts = [37, 5, 1, 300], [0, 20, 41, 40]  # prefill, draft tree, decode, long chunk
+        tables = [[3, 7, 1], [2, 5], [8, 9, 10, 11], list(range(12, 35))]
+        tree = torch.ones(5, 5, dtype=torch.bool).tril()
+        tree[3, 1] = tree[4, 1] = False  # a branch that must not see node 1
+        meta = build_attention_metadata(query_lens, starts, tables, bs, torch.device("cpu"), tail_masks=[None, tree, None, None])
+        for s0, table in zip(starts, tables):
+            slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(s0)], dtype=torch.long)
+            write_kv(torch.randn(s0, n_kv, d), torch.randn(s0, n_kv, d), kc, vc, slots, None)
+        t = sum(query_lens)
+        write_kv(torch.randn(t, n_kv, d), torch.randn(t, n_kv, d), kc, vc, meta.slot_mapping, None)
+        q = torch.randn(t, heads, d)
+        step = kernels().paged_attention(q, kc, vc, meta.block_tables, meta.attn_mask, meta.query_index, d**-0.5)
+        for i in list(range(0, t, 7)) + [t - 1]:
+            b, r = divmod(int(meta.query_index[i]), meta.attn_mask.shape[2])
+            alone = kernels().paged_attention(q[i : i + 1], kc, vc, meta.block_tables[b : b + 1],
+                                              meta.attn_mask[b : b + 1, :, r : r + 1], torch.zeros(1, dtype=torch.long), d**-0.5)
+            assert torch.equal(alone[0], step[i]), (d, i)
+
+
 # ----------------------------------------------------------------------------- models
 
 
