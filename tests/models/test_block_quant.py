@@ -167,25 +167,31 @@ def test_native_rms_norm_and_rope_match_torch():
     torch.testing.assert_close(kk, rk, rtol=1e-5, atol=1e-6)
 
 
-def test_native_paged_attention_matches_sdpa_path():
-    """Decode and verify shapes, GQA, several requests, a tree mask: same as the gather + SDPA path."""
-    from specserve.attention import build_attention_metadata, paged_attention, write_kv
+def _attention_step(query_lens, starts, tables, tail_masks, bs, nblocks, n_kv, heads, d):
+    """A paged cache holding each request's earlier context and this step's keys, the step's
+    metadata and random queries: (q, k_cache, v_cache, meta)."""
+    from specserve.attention import build_attention_metadata, write_kv
 
-    torch.manual_seed(0)
-    bs, nblocks, n_kv, heads, d = 4, 32, 2, 6, 16
     kc, vc = torch.zeros(nblocks, bs, n_kv, d), torch.zeros(nblocks, bs, n_kv, d)
-    query_lens, starts = [1, 5, 3], [9, 0, 14]
-    tables = [[3, 7, 1], [2, 5], [8, 9, 10, 11, 12]]
-    tree = torch.ones(5, 5, dtype=torch.bool).tril()
-    tree[3, 1] = False  # a draft branch that must not see token 1
-    meta = build_attention_metadata(query_lens, starts, tables, bs, torch.device("cpu"), tail_masks=[None, tree, None])
-    # fill the earlier context of every request, then this step's keys
-    for s, table in zip(starts, tables):
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(s)], dtype=torch.long)
-        write_kv(torch.randn(s, n_kv, d), torch.randn(s, n_kv, d), kc, vc, slots, None)
+    meta = build_attention_metadata(query_lens, starts, tables, bs, torch.device("cpu"), tail_masks=tail_masks)
+    for s0, table in zip(starts, tables):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(s0)], dtype=torch.long)
+        write_kv(torch.randn(s0, n_kv, d), torch.randn(s0, n_kv, d), kc, vc, slots, None)
     t = sum(query_lens)
     write_kv(torch.randn(t, n_kv, d), torch.randn(t, n_kv, d), kc, vc, meta.slot_mapping, None)
-    q = torch.randn(t, heads, d)
+    return torch.randn(t, heads, d), kc, vc, meta
+
+
+def test_native_paged_attention_matches_sdpa_path():
+    """Decode and verify shapes, GQA, several requests, a tree mask: same as the gather + SDPA path."""
+    from specserve.attention import paged_attention
+
+    torch.manual_seed(0)
+    d = 16
+    tree = torch.ones(5, 5, dtype=torch.bool).tril()
+    tree[3, 1] = False  # a draft branch that must not see token 1
+    q, kc, vc, meta = _attention_step([1, 5, 3], [9, 0, 14], [[3, 7, 1], [2, 5], [8, 9, 10, 11, 12]],
+                                      [None, tree, None], bs=4, nblocks=32, n_kv=2, heads=6, d=d)
     ref = paged_attention(q, kc, vc, meta, d**-0.5)
     out = kernels().paged_attention(q, kc, vc, meta.block_tables, meta.attn_mask, meta.query_index, d**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -195,23 +201,15 @@ def test_native_attention_of_a_token_does_not_depend_on_its_step():
     """Tokens of a prefill or a draft go through their keys in tiles (and a prefill's items in
     another order than a decode batch's): every token's output must still be bit-identical to
     the same token computed alone (its own mask row, one-token step), whatever the head size."""
-    from specserve.attention import build_attention_metadata, write_kv
-
     torch.manual_seed(1)
+    tree = torch.ones(5, 5, dtype=torch.bool).tril()
+    tree[3, 1] = tree[4, 1] = False  # a branch that must not see node 1
     for d, heads, n_kv in [(16, 6, 2), (64, 9, 3), (128, 12, 2)]:
-        bs, nblocks = 16, 48
-        kc, vc = torch.zeros(nblocks, bs, n_kv, d), torch.zeros(nblocks, bs, n_kv, d)
-        query_lens, starts = [37, 5, 1, 300], [0, 20, 41, 40]  # prefill, draft tree, decode, long chunk
-        tables = [[3, 7, 1], [2, 5], [8, 9, 10, 11], list(range(12, 35))]
-        tree = torch.ones(5, 5, dtype=torch.bool).tril()
-        tree[3, 1] = tree[4, 1] = False  # a branch that must not see node 1
-        meta = build_attention_metadata(query_lens, starts, tables, bs, torch.device("cpu"), tail_masks=[None, tree, None, None])
-        for s0, table in zip(starts, tables):
-            slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(s0)], dtype=torch.long)
-            write_kv(torch.randn(s0, n_kv, d), torch.randn(s0, n_kv, d), kc, vc, slots, None)
-        t = sum(query_lens)
-        write_kv(torch.randn(t, n_kv, d), torch.randn(t, n_kv, d), kc, vc, meta.slot_mapping, None)
-        q = torch.randn(t, heads, d)
+        # a prefill, a draft tree, a decode and a long chunk after some context
+        q, kc, vc, meta = _attention_step([37, 5, 1, 300], [0, 20, 41, 40],
+                                          [[3, 7, 1], [2, 5], [8, 9, 10, 11], list(range(12, 35))],
+                                          [None, tree, None, None], bs=16, nblocks=48, n_kv=n_kv, heads=heads, d=d)
+        t = q.shape[0]
         step = kernels().paged_attention(q, kc, vc, meta.block_tables, meta.attn_mask, meta.query_index, d**-0.5)
         for i in list(range(0, t, 7)) + [t - 1]:
             b, r = divmod(int(meta.query_index[i]), meta.attn_mask.shape[2])

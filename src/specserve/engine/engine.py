@@ -608,7 +608,10 @@ class LLMEngine:
             return
         prefill_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.running if not r.is_decoding)
         other = min(prefill_tokens, self.config.scheduler.max_num_batched_tokens)
-        ks = self.policy.choose(decoding, other, [self.proposer.catchup_tokens(r) for r in decoding])  # type: ignore[union-attr]
+        # How far a stateful drafter is behind each request: asked only where catching up costs.
+        catchup = ([self.proposer.catchup_tokens(r) for r in decoding]  # type: ignore[union-attr]
+                   if self.policy.catchup_s_per_token > 0 and self.policy.config.policy == "adaptive" else None)
+        ks = self.policy.choose(decoding, other, catchup)
         for i, req in enumerate(decoding):
             if ks[i]:
                 # Never draft past the context window or past the last token max_tokens allows.

@@ -669,12 +669,20 @@ inline __m256i dot_x8_block32(const __m256i* v, const int8_t* x) {
 #endif
 }
 
-template <int MT, int kBits>
-void dot_q5_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
+// The 32-value formats with 4-bit nibbles in Q4_0's interleaved layout: Q4_0 (value = q - 8),
+// Q5_0 (a fifth bit, value = q - 16) and Q4_1 (value = d * q + m, q = 0..15, no fixed zero point).
+// A block's sum is d * dx * (sum(q * xq) - zero * sum(xq)), or for Q4_1
+// d * dx * sum(q * xq) + m * dx * sum(xq): the same integer dot, then the activation block's sum
+// (s32) times the zero point or the row's min. Q4_1's 8-row block (160 bytes) is d of rows 0-7
+// (fp16), m of rows 0-7 (fp16), then the nibbles as Q4_0's.
+template <int MT, int64_t kType>
+void dot_q4_q5_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
-  constexpr int64_t kBytes = kBits == 5 ? 176 : 144;
-  constexpr int32_t kZero = kBits == 5 ? 16 : 8;  // value = q - kZero
+  constexpr bool kMin = kType == kQ4_1_X8;
+  constexpr int64_t kBytes = kType == kQ5_0_X8 ? 176 : kMin ? 160 : 144;
+  constexpr int64_t kNibbles = kMin ? 32 : 16;  // where the interleaved nibbles start
+  constexpr int32_t kZero = kType == kQ5_0_X8 ? 16 : 8;  // value = q - kZero (Q4_0, Q5_0)
   const __m256i low = _mm256_set1_epi8(0x0F);
   alignas(32) float acc[kRows * 8];
   for (int m = 0; m < M; ++m) _mm256_store_ps(acc + 8 * m, _mm256_setzero_ps());
@@ -683,13 +691,14 @@ void dot_q5_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* o
     const uint8_t* blk = grp + b * kBytes;
     prefetch_ahead(blk, kBytes, ahead);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    __m256i v[8];  // v[2i + h]: values 8i + 4h + k of each row, 0..2^kBits - 1
+    const __m256 mn = kMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16))) : _mm256_setzero_ps();
+    __m256i v[8];  // v[2i + h]: values 8i + 4h + k of each row, 0..2^bits - 1
     for (int i = 0; i < 4; ++i) {
-      const __m256i L = load32(blk + 16 + 32 * i);
+      const __m256i L = load32(blk + kNibbles + 32 * i);
       v[2 * i] = _mm256_and_si256(L, low);
       v[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(L, 4), low);
     }
-    if constexpr (kBits == 5) {
+    if constexpr (kType == kQ5_0_X8) {
       const __m256i bit = _mm256_set1_epi8(0x10);
       const __m256i H = load32(blk + 144);
       v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(H, 4), bit));
@@ -703,43 +712,15 @@ void dot_q5_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* o
     }
     for (int m = 0; m < M; ++m) {
       const __m256i dot = dot_x8_block32(v, a[m].q + b * 32);
-      const __m256i sumi = _mm256_sub_epi32(dot, _mm256_set1_epi32(kZero * a[m].s32[b]));
-      _mm256_store_ps(acc + 8 * m, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])),
-                                                   _mm256_load_ps(acc + 8 * m)));
-    }
-  }
-  std::memcpy(out, acc, sizeof(float) * 8 * M);
-}
-
-// Q4_1: value = d * q + m with q = 0..15 (no fixed zero point). The block sum is
-// d * dx * sum(q * xq) + m * dx * sum(xq): the integer dot as for Q4_0, plus the activation
-// block's sum (s32) times the row's min. Layout per 8-row block (160 bytes): d of rows 0-7
-// (fp16), m of rows 0-7 (fp16), then the nibbles as Q4_0's interleaved layout.
-template <int MT>
-void dot_q4_1_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
-  constexpr int kRows = MT > 0 ? MT : kPassRows;
-  const int M = MT > 0 ? MT : M_;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  alignas(32) float acc[kRows * 8];
-  for (int m = 0; m < M; ++m) _mm256_store_ps(acc + 8 * m, _mm256_setzero_ps());
-  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = grp + b * 160;
-    prefetch_ahead(blk, 160, ahead);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-    __m256i v[8];  // v[2i + h]: values 8i + 4h + k of each row, 0..15
-    for (int i = 0; i < 4; ++i) {
-      const __m256i L = load32(blk + 32 + 32 * i);
-      v[2 * i] = _mm256_and_si256(L, low);
-      v[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(L, 4), low);
-    }
-    for (int m = 0; m < M; ++m) {
-      const __m256i dot = dot_x8_block32(v, a[m].q + b * 32);
       const __m256 dx = _mm256_set1_ps(a[m].d[b]);
-      __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, dx), _mm256_load_ps(acc + 8 * m));
-      r = _mm256_fmadd_ps(_mm256_set1_ps(static_cast<float>(a[m].s32[b])), _mm256_mul_ps(mn, dx), r);
-      _mm256_store_ps(acc + 8 * m, r);
+      if constexpr (kMin) {
+        __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, dx), _mm256_load_ps(acc + 8 * m));
+        r = _mm256_fmadd_ps(_mm256_set1_ps(static_cast<float>(a[m].s32[b])), _mm256_mul_ps(mn, dx), r);
+        _mm256_store_ps(acc + 8 * m, r);
+      } else {
+        const __m256i sumi = _mm256_sub_epi32(dot, _mm256_set1_epi32(kZero * a[m].s32[b]));
+        _mm256_store_ps(acc + 8 * m, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(d, dx), _mm256_load_ps(acc + 8 * m)));
+      }
     }
   }
   std::memcpy(out, acc, sizeof(float) * 8 * M);
@@ -866,9 +847,9 @@ void dot_x8_t(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, int 
     case kQ4_K_X8: return dot_q4_k_x8<MT>(grp, nb, a, M, out);
     case kQ6_K_X8: return dot_q6_k_x8<MT>(grp, nb, a, M, out);
     case kQ8_0_X8: return dot_q8_0_x8<MT>(grp, nb, a, M, out);
-    case kQ4_0_X8: return dot_q5_0_x8<MT, 4>(grp, nb, a, M, out);
-    case kQ4_1_X8: return dot_q4_1_x8<MT>(grp, nb, a, M, out);
-    default: return dot_q5_0_x8<MT, 5>(grp, nb, a, M, out);
+    case kQ4_0_X8: return dot_q4_q5_x8<MT, kQ4_0_X8>(grp, nb, a, M, out);
+    case kQ4_1_X8: return dot_q4_q5_x8<MT, kQ4_1_X8>(grp, nb, a, M, out);
+    default: return dot_q4_q5_x8<MT, kQ5_0_X8>(grp, nb, a, M, out);
   }
 }
 
