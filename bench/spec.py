@@ -69,6 +69,8 @@ class Bench:
         quant = self.args.quantization
         if method == "none-int8":  # the plain baseline on the int8 weight-only target, for reference
             method, quant = "none", "int8"
+        if method == "eagle":
+            kw.setdefault("draft_model", self.args.eagle_head or "auto")
         if method == "draft":
             if self.args.draft_quantization:
                 kw.setdefault("draft_quantization", self.args.draft_quantization)
@@ -166,10 +168,12 @@ def section_trees(b: Bench) -> list[dict]:
                     ids = out.outputs[0].token_ids
                     plain_ids = ids if mode == "plain" else plain_ids
                     a["same"] += ids == plain_ids  # greedy speculation must reproduce plain decoding
+            pol = eng.policy
+            pass_ratio = pol.draft_time(1) / pol.target_time(1) if eng.proposer.traits.cost == "per_pass" else 0.0
             for mode in TREE_MODES:
                 a = acc[mode]
                 rows.append({
-                    "method": method, "mode": mode, "prompt_set": set_name,
+                    "method": method, "mode": mode, "prompt_set": set_name, "draft_pass_over_target_step": pass_ratio,
                     "decode_tokens_per_s": a["gen"] / a["t"], "tokens_per_step": a["gen"] / max(a["steps"], 1),
                     "draft_nodes_per_step": a["drafted"] / max(a["steps"], 1), "accepted_tokens": a["accepted"],
                     "accepted_length_histogram": _histogram(a["lengths"]),
@@ -433,6 +437,7 @@ def main() -> int:
     ap.add_argument("--draft-quantization", default=None,
                     help="draft weights (default: the engine's, int4 under a target on auto); only moves acceptance")
     ap.add_argument("--draft-vocab", type=int, default=65536, help="draft LM head vocabulary (0: full)")
+    ap.add_argument("--eagle-head", default=None, help="EAGLE head file for --tree-methods eagle (default: the cache's)")
     ap.add_argument("--extra-baselines", nargs="*", default=[],
                     help="extra batch-1 rows: none-int8 = plain decoding of the int8 target")
     ap.add_argument("--tree-methods", nargs="+", default=["draft", "ngram", "reference", "lookahead"])

@@ -44,10 +44,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--spec-method", choices=["none", "draft", "ngram", "reference", "lookahead"], default=None,
+    s.add_argument("--spec-method", choices=["none", "draft", "ngram", "reference", "lookahead", "eagle"], default=None,
                    help="proposer (default: draft when --draft-model is given, else none)")
     s.add_argument("--draft-model", default=None,
-                   help="draft model (bundled name, GGUF or HF dir; auto: the bundled smaller sibling of a bundled target)")
+                   help="draft model (bundled name, GGUF or HF dir; auto: the bundled smaller sibling of a bundled target); "
+                        "with --spec-method eagle: a head file from `specserve train-draft` (default: the one trained "
+                        "for this model in the cache)")
     s.add_argument("--num-spec-tokens", type=int, default=8, help="maximum draft tokens K per step (the policy picks <= this)")
     s.add_argument("--spec-policy", choices=["adaptive", "always", "off"], default="adaptive",
                    help="adaptive: cost model decides K per request per step")
@@ -319,6 +321,22 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    """specserve train-draft: self-distil a drafter head for a model on this CPU."""
+    from specserve.spec.train import TrainConfig, train_draft
+
+    fields = ("model", "method", "out", "corpus", "tokens", "heldout_tokens", "generated_share", "seq_len", "epochs", "batch_tokens", "lr",
+              "depth", "intermediate_size", "head_vocab", "max_minutes", "fresh", "seed", "quantization", "threads")
+    card = train_draft(TrainConfig(**{f: getattr(args, f) for f in fields}))
+    done = "" if card["complete"] else f" (stopped at step {card['steps']} of {card['total_steps']}: rerun to resume)"
+    print(f"wrote {card['path']}{done}")
+    print(f"  trained on {card['tokens_seen']:,} tokens ({card['train_tokens']:,} distinct) in {card['wall_s']:.0f} s; "
+          f"held-out top-1 agreement by depth: {', '.join(f'{a:.2f}' for a in card['heldout_accept_by_depth'])}")
+    print(f"  serve it: specserve serve --model {args.model} --spec-method {card['method']}"
+          + ("" if args.out is None else f" --draft-model {card['path']}"))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """specserve plan: rank deployments of a workload mix by goodput within the SLO."""
     from specserve.ops.plan import run
@@ -450,6 +468,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "calc": cmd_calc,
     "profile": cmd_profile,
     "plan": cmd_plan,
+    "train-draft": cmd_train_draft,
     "serve": cmd_serve,
 }
 
@@ -481,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Exit status 0 when every audit passes, 3 when one fails (for CI and canaries).")
     p.add_argument("--model", required=True, help="bundled name, GGUF file or HF directory")
     p.add_argument("--prompts", required=True, help="prompt file: one per line, or JSON lines with a \"prompt\"")
-    p.add_argument("--spec-method", default="none", choices=["none", "ngram", "reference", "lookahead", "draft"],
+    p.add_argument("--spec-method", default="none", choices=["none", "ngram", "reference", "lookahead", "draft", "eagle"],
                    help="audit speculation: model-free methods draft one-hot tokens; draft needs --draft-model")
     p.add_argument("--draft-model", default=None, help="draft model whose distribution proposes (auto: the bundled sibling)")
     p.add_argument("--precisions", default="",
@@ -506,6 +525,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2, help="runs per point per round (the fastest is kept)")
 
     from specserve.ops.plan import add_arguments as add_plan_arguments
+
+    p = sub.add_parser("train-draft", help="train a drafter head (EAGLE) on the target's own features, on this CPU",
+                       description="Self-distillation over a local corpus (default: the Python standard library's "
+                                   "sources). Resumable: a rerun continues from the last checkpoint.")
+    p.add_argument("--model", required=True, help="target model (bundled name, GGUF or HF dir)")
+    p.add_argument("--method", default="eagle", choices=["eagle"], help="drafter kind")
+    p.add_argument("--out", default=None, help="head file to write (default: the cache, where --draft-model auto finds it)")
+    p.add_argument("--corpus", default=None, help="directory of text files (default: the Python standard library)")
+    p.add_argument("--tokens", type=int, default=200_000, help="training tokens (target features extracted once)")
+    p.add_argument("--heldout-tokens", type=int, default=8192, help="held-out tokens (files never trained on)")
+    p.add_argument("--generated-share", type=float, default=0.5,
+                   help="share of --tokens from conversations the target writes itself, greedy (prompts built from "
+                        "the corpus's functions and everyday topics); the rest is corpus text")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
+    p.add_argument("--epochs", type=float, default=2.0, help="passes over the training tokens")
+    p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, warm-up then cosine)")
+    p.add_argument("--depth", type=int, default=2, help="unrolled passes per step (the head reads its own predictions)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the target's)")
+    p.add_argument("--head-vocab", type=int, default=None, help="ids the head's LM head reads (default 16k / 32k)")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop after this long (a rerun resumes)")
+    p.add_argument("--fresh", action="store_true", help="discard a previous run's features and checkpoint")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", default=None, help="the target's precision (default: as it is served)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
     p = sub.add_parser("plan", help="the deployment with the most goodput within the SLO for a workload mix",
                        description="Exit status 2 on a bad workload file, SLO or profile.")

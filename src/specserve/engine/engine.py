@@ -317,11 +317,14 @@ class LLMEngine:
         self.runner.attach_connector(connector)
 
     def _build_proposer(self) -> Proposer | None:
-        return build_proposer(ProposerContext(
+        proposer = build_proposer(ProposerContext(
             spec=self.config.spec, model=self.config.model, cache=self.config.cache,
             max_model_len=self.max_model_len, tokenizer=self.tokenizer, target_vocab_size=self.arch.vocab_size,
-            target_num_blocks=self.runner.num_blocks, draft_checkpoint=self._draft_checkpoint,
+            target_num_blocks=self.runner.num_blocks, draft_checkpoint=self._draft_checkpoint, target_runner=self.runner,
         ))
+        # Feature-level drafters read the target's hidden states of every verified token.
+        self.runner.capture_hidden = proposer is not None and proposer.traits.needs_hidden_states
+        return proposer
 
     def set_speculation(self, enabled: bool) -> None:
         """Turn speculation off or on at run time (takes effect from the next step). Switching on
@@ -366,6 +369,7 @@ class LLMEngine:
         if held == 0 or (time.monotonic() if now is None else now) - self._spec_off_since < after:
             return 0
         self.proposer = None
+        self.runner.capture_hidden = False
         self.drafter_released = True
         gc.collect()
         logger.info("speculation off for %.0f s: released the drafter (%.1f MiB of weights and KV cache)",
@@ -559,6 +563,8 @@ class LLMEngine:
         self._account_step(sched_out, sampled)
         results = self.scheduler.update_from_output(sched_out, sampled)
         self._save_to_tiers()
+        if self.runner.capture_hidden and self.proposer is not None:
+            self.proposer.observe_hidden(self.runner.take_hidden())
         if self.proposer is not None and self.proposer.traits.needs_verify_outputs:
             by_id = {req.request_id: req for req, _ in results}
             for sr in sched_out.scheduled:

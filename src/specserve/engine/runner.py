@@ -53,6 +53,14 @@ class StepInputs(NamedTuple):
     row_spans: list[tuple[int, int]]  # per entry: its rows in logits_index
 
 
+class HiddenRows(NamedTuple):
+    """The target's last hidden states (after the final norm) of one request's tokens that a step
+    verified, for proposers that read them (`ProposerTraits.needs_hidden_states`)."""
+
+    start_pos: int  # position of rows[0]; the others follow consecutively
+    rows: torch.Tensor  # [n, hidden]
+
+
 class FeedEntry(NamedTuple):
     """One request's tokens in one forward pass, as the model sees them."""
 
@@ -171,6 +179,10 @@ class ModelRunner:
         self.sampler = Sampler(self.device, model_config.seed)
         self.keep_logits = False  # tests: keep the last step's logits in self.last_logits
         self.last_logits: torch.Tensor | None = None
+        # Feature-level proposers: keep each step's hidden states of the verified tokens (take_hidden).
+        self.capture_hidden = False
+        self._hidden: dict[str, HiddenRows] = {}
+        self._last_hidden_states: torch.Tensor | None = None
         self.connector: StepConnector | None = None  # disaggregation: KV in or out per layer
         self.num_steps = 0
         self.forward_time_s = 0.0
@@ -293,6 +305,7 @@ class ModelRunner:
         """Run the decoder over the step's tokens; return logits of the rows that need them."""
         t0 = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        self._last_hidden_states = hidden if self.capture_hidden else None
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_index))
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # honest step times for the cost model
@@ -300,6 +313,13 @@ class ModelRunner:
         self.forward_time_s += self.last_forward_time_s
         self.num_steps += 1
         return logits
+
+    @torch.inference_mode()
+    def hidden_states(self, entries: list[FeedEntry]) -> torch.Tensor:  # [sum of tokens, hidden]
+        """The last hidden states (after the final norm) of every token of the entries: what a
+        feature-level drafter is trained on. The entries' blocks must be the caller's to write."""
+        inputs = self.feed_inputs(entries)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledTokens]:
@@ -320,6 +340,38 @@ class ModelRunner:
             self.connector.end_step(out)
         if self.keep_logits:
             self.last_logits = logits.clone()
+        sampled = self._sample_and_verify(out, logits)
+        if self._last_hidden_states is not None:
+            self._keep_verified_hidden(out, self._last_hidden_states, sampled)
+            self._last_hidden_states = None
+        return sampled
+
+    def take_hidden(self) -> dict[str, HiddenRows]:
+        """The hidden states of the tokens verified since the last call, per request (capture_hidden)."""
+        out, self._hidden = self._hidden, {}
+        return out
+
+    def _keep_verified_hidden(self, out: SchedulerOutput, hidden: torch.Tensor, sampled: dict[str, SampledTokens]) -> None:
+        """Per request: the rows of its new tokens (a prompt chunk, the last sampled token) and of
+        its accepted draft nodes, in position order; rejected nodes' rows are dropped."""
+        rows: list[int] = []
+        spans: list[tuple[str, int, int, int]] = []  # (request, start position, first row, count)
+        base = 0
+        for sr in out.scheduled:
+            n, k = len(sr.token_ids), sr.num_spec_tokens
+            first = len(rows)
+            rows.extend(range(base, base + n - k))
+            st = sampled.get(sr.request_id)
+            if k and st is not None:
+                rows.extend(base + n - k + node for node in st.accepted_nodes)
+            spans.append((sr.request_id, sr.start_pos, first, len(rows) - first))
+            base += n
+        picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device))
+        for rid, start, first, count in spans:
+            self._hidden[rid] = HiddenRows(start, picked[first : first + count])
+
+    def _sample_and_verify(self, out: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampledTokens]:
+        """Sample one token per finishing request, or verify its draft (chains or trees)."""
         sampled_reqs = [sr for sr in out.scheduled if sr.sample]
         if not sampled_reqs:
             return {}

@@ -152,15 +152,18 @@ class _TreeDraft:
         """The picked nodes as one request's share of a draft pass: slots after the nodes fed
         before them, positions root + depth, each seeing the prefix and its fed ancestors."""
         root = len(self.seq.all_token_ids) - 1
-        m = len(self.fed)
-        tail = torch.zeros(len(picked), m, dtype=torch.bool)
+        start = len(self.seq.all_token_ids) + len(self.fed) - len(picked)
+        return FeedEntry([self.cands[c].token for c in picked], [root + self.depth(c) for c in picked], start, block_ids,
+                         self.tail_mask(picked), range(len(picked)))
+
+    def tail_mask(self, picked: list[int]) -> torch.Tensor:  # [len(picked), len(fed)]
+        """Which fed nodes each picked node sees: its fed ancestors and itself."""
+        tail = torch.zeros(len(picked), len(self.fed), dtype=torch.bool)
         for r, c in enumerate(picked):
             while c >= 0:
                 tail[r, self.cands[c].fed] = True
                 c = self.cands[c].parent
-        start = len(self.seq.all_token_ids) + m - len(picked)
-        return FeedEntry([self.cands[c].token for c in picked], [root + self.depth(c) for c in picked], start, block_ids,
-                         tail, range(len(picked)))
+        return tail
 
     def select(self) -> DraftTree | None:
         """The budget best nodes; a node enters only after its parent and its earlier siblings."""
@@ -197,6 +200,32 @@ class _TreeDraft:
                          tuple(self.cands[self.cands[c].parent].fed if self.cands[c].parent >= 0 else -1 for c in self.fed))
 
 
+def expand_candidates(t: _TreeDraft, parent: int, logits: torch.Tensor, generator: torch.Generator,
+                      device: torch.device, children: int = CHILDREN) -> None:  # logits: [V]
+    """Give candidate `parent` (-1: the root) of tree `t` its children from the drafter's
+    next-token logits: the `children` most likely tokens for a greedy request (deterministic
+    candidates), else draws without replacement from the processed distribution (seeded requests
+    draw from a stream of their own, so the draft does not depend on the batch)."""
+    params = t.req.sampling_params
+    depth = t.depth(parent) + 1
+    if params.is_greedy:
+        p = logits.float().softmax(-1)
+        top = p.topk(children)
+        picks = list(zip(top.indices.tolist(), top.values.tolist()))
+    else:
+        meta = SamplingMetadata.build([params], [t.req.num_output_tokens + depth - 1], device)
+        p = logits_to_probs(logits[None].float(), meta.temperature, meta.top_k, meta.top_p, meta.any_top_k,
+                            meta.any_top_p)[0]
+        n = min(children, int((p > 0).sum()))
+        g = generator
+        if params.seed is not None:  # the same draft wherever the request is batched
+            g = request_generator(params.seed + STREAM_DRAFT + 7919 * (parent + 2), t.req.num_output_tokens + depth,
+                                  device)
+        toks = torch.multinomial(p, n, replacement=False, generator=g).tolist()
+        picks = [(x, float(p[x])) for x in toks]
+    t.add_children(parent, p, picks)
+
+
 def truncate_layers(
     arch: ArchConfig, weights: dict[str, torch.Tensor], num_layers: int
 ) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
@@ -211,8 +240,28 @@ def truncate_layers(
     return dataclasses.replace(arch, num_layers=num_layers, name=f"{arch.name}[:{num_layers}]"), kept
 
 
+class PassTimer:
+    """Timing a per-pass drafter reports to the engine's policy."""
+
+    time_s = 0.0  # all propose() calls
+    last_time_s = 0.0
+    # Seconds of one draft pass after the first in the last propose() (None if it made only the
+    # catch-up pass): what each extra draft position costs. The first pass also catches the
+    # drafter up on the prompt or on tokens generated while speculation was off, a one-off cost
+    # that would make the policy believe drafting is slower than it is.
+    last_pass_time_s: float | None = None
+    last_batch = 0
+
+    def record_timing(self, t0: float, later: list[float], batch: int) -> None:
+        """One propose() that began at t0 made passes `later` after its first, over `batch` requests."""
+        self.last_time_s = time.perf_counter() - t0
+        self.last_pass_time_s = sum(later) / len(later) if later else None
+        self.last_batch = batch
+        self.time_s += self.last_time_s
+
+
 @register_proposer("draft")
-class DraftModelProposer(Proposer):
+class DraftModelProposer(PassTimer, Proposer):
     """Autoregressive drafting with a smaller model over its own paged KV cache."""
 
     # Chains by default: trees accept as many tokens per step as chains (3.0 vs 3.1, coding
@@ -245,14 +294,6 @@ class DraftModelProposer(Proposer):
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(model_config.seed + 1)
         self.num_forwards = 0
-        self.time_s = 0.0
-        self.last_time_s = 0.0
-        self.last_batch = 0
-        # Seconds of one single-token draft pass in the last propose() (None if it made only the
-        # catch-up pass): what each extra draft position costs. The first pass also catches the
-        # draft up on the prompt or on tokens generated while speculation was off, a one-off cost
-        # that would make the policy believe drafting is slower than it is.
-        self.last_pass_time_s: float | None = None
 
     def time_pass(self, batch: int) -> float:
         """Seconds of one single-token draft pass over `batch` requests (start-up profiling)."""
@@ -378,10 +419,7 @@ class DraftModelProposer(Proposer):
             rid = req.request_id
             p = torch.stack(probs[rid]) if probs[rid] else None
             out[rid] = DraftTree.chain(drafts[rid], p)
-        self.last_time_s = time.perf_counter() - t0
-        self.last_pass_time_s = sum(later_passes) / len(later_passes) if later_passes else None
-        self.last_batch = len(active)
-        self.time_s += self.last_time_s
+        self.record_timing(t0, later_passes, len(active))
         return out
 
     def _admit(self, req: Request, k: int, extra: int) -> tuple[_DraftSeq, list[int]] | None:
@@ -463,32 +501,11 @@ class DraftModelProposer(Proposer):
             t.seq.fed = t.fed_tree()
             if draft is not None:
                 out[t.req.request_id] = draft
-        self.last_time_s = time.perf_counter() - t0
-        self.last_pass_time_s = sum(later) / len(later) if later else None
-        self.last_batch = len(trees)
-        self.time_s += self.last_time_s
+        self.record_timing(t0, later, len(trees))
         return out
 
     def _expand(self, t: _TreeDraft, parent: int, logits: torch.Tensor) -> None:  # logits: [V]
-        """Give candidate `parent` (-1: the root) its children from the draft's next-token logits."""
-        params = t.req.sampling_params
-        depth = t.depth(parent) + 1
-        if params.is_greedy:
-            p = logits.float().softmax(-1)
-            top = p.topk(CHILDREN)
-            picks = list(zip(top.indices.tolist(), top.values.tolist()))
-        else:
-            meta = SamplingMetadata.build([params], [t.req.num_output_tokens + depth - 1], self.device)
-            p = logits_to_probs(logits[None].float(), meta.temperature, meta.top_k, meta.top_p, meta.any_top_k,
-                                meta.any_top_p)[0]
-            n = min(CHILDREN, int((p > 0).sum()))
-            g = self.generator
-            if params.seed is not None:  # the same draft wherever the request is batched
-                g = request_generator(params.seed + STREAM_DRAFT + 7919 * (parent + 2), t.req.num_output_tokens + depth,
-                                      self.device)
-            toks = torch.multinomial(p, n, replacement=False, generator=g).tolist()
-            picks = [(x, float(p[x])) for x in toks]
-        t.add_children(parent, p, picks)
+        expand_candidates(t, parent, logits, self.generator, self.device)
 
     def _entry(self, req: Request, tokens: list[int], start: int) -> ScheduledRequest:
         return ScheduledRequest(

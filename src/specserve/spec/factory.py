@@ -9,7 +9,7 @@ import torch
 
 from specserve.config import CacheConfig, ModelConfig, SpecConfig
 from specserve.defaults import default_draft_vocab
-from specserve.errors import TokenizerMismatchError
+from specserve.errors import ConfigError, TokenizerMismatchError
 from specserve.models.tokenizer import Tokenizer
 from specserve.spec.proposer import Proposer
 
@@ -26,6 +26,7 @@ class ProposerContext:
     target_vocab_size: int
     target_num_blocks: int
     draft_checkpoint: object | None = None  # tests: an already loaded draft checkpoint
+    target_runner: object | None = None  # the target's ModelRunner (feature-level drafters share its embedding and head)
 
 
 def _build_ngram(ctx: ProposerContext) -> Proposer:
@@ -78,6 +79,23 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
         subset = frequent_token_subset(ckpt.tokenizer, arch.vocab_size, vocab)
     return DraftModelProposer(arch, weights, model, cache, ctx.max_model_len, vocab_subset=subset, packed=packed,
                               p_min=ctx.spec.draft_p_min, tree=ctx.spec.use_trees(DraftModelProposer.traits.tree_by_default))
+
+
+def _build_eagle(ctx: ProposerContext) -> Proposer:
+    from specserve.engine.runner import ROPE_SLACK
+    from specserve.spec.eagle import build_eagle, default_head_path, target_fingerprint
+
+    runner = ctx.target_runner
+    if runner is None:
+        raise ConfigError("--spec-method eagle needs the target model's runner (an engine builds it).")
+    fp = target_fingerprint(runner.arch, ctx.tokenizer.fingerprint() if ctx.tokenizer is not None else None,
+                            runner.model.model.embed_tokens.weight)
+    path = ctx.spec.draft_model
+    if path in (None, "auto"):
+        path = default_head_path(fp, "eagle")
+    quantize = ctx.model.quantization in ("auto", "int4") and getattr(runner, "native_ops", False)
+    return build_eagle(path, runner, fp, ctx.cache.block_size, ctx.target_num_blocks, ctx.max_model_len + ROPE_SLACK,
+                       p_min=ctx.spec.draft_p_min, tree=ctx.spec.use_trees(True), seed=ctx.model.seed, quantize=quantize)
 
 
 def default_draft_quantization(draft: str | None, target: str | None) -> str:
@@ -136,6 +154,7 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerContext], Proposer]] = {
     "reference": _build_reference,
     "draft": _build_draft,
     "lookahead": _build_lookahead,
+    "eagle": _build_eagle,
 }
 
 

@@ -60,6 +60,10 @@ class Proposer(ABC):
         """After verification (traits.needs_verify_outputs): the draft and what the target did
         with it (result.node_argmax: the target's argmax at the root and at every node)."""
 
+    def observe_hidden(self, hidden: dict) -> None:  # noqa: B027 - optional hook
+        """After every step (traits.needs_hidden_states): request id -> HiddenRows, the target's
+        last hidden states of the tokens that step verified (specserve.engine.runner)."""
+
     def time_pass(self, batch: int) -> float:
         """Seconds of one drafting pass over `batch` requests (start-up profiling of per-pass
         proposers; model-free ones cost nothing to speak of)."""

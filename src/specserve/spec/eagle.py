@@ -1,0 +1,504 @@
+"""EAGLE: a one-layer drafter that reads the target's own hidden states.
+
+The target's last hidden state f_i (after its final norm: what its LM head reads) at position i
+already says most of what token i+1 will be. The head predicts the *next feature* from the pair
+(f_i, embedding of x_{i+1}):
+
+    h_i = DecoderLayer(fc([embed(x_{i+1}); f_i]))    trained so that h_i ~ f_{i+1}
+
+and the target's own LM head turns h_i into the distribution of x_{i+2} (restricted to the most
+frequent ids, like a draft model's head). One layer over features costs a few percent of a
+target step; embedding and LM head are the target's (no copy).
+
+Serving: the head keeps a small paged KV cache of its own, slot i holding (f_i, x_{i+1}) with
+true features from the target. After each target step the features of the verified tokens
+arrive (`observe_hidden`); the next `propose` feeds them (one pass: the catch-up, whose last
+row predicts the root's children) and then grows a tree as EAGLE-2 does: each pass feeds the
+most promising unexpanded nodes, a node's feature being the head's own prediction h of its
+parent. Tree nodes' KV is dropped after verification: the accepted ones come back next step
+with the target's true features.
+
+Exactness never depends on the head: its proposals are verified like any draft model's.
+
+A head file (safetensors) holds fc / layer weights in Hugging Face names, the head's token ids,
+and metadata: the method, the layer's shape, and the fingerprint of the target it was trained
+for (a head trained for another target is refused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.attention import build_attention_metadata
+from specserve.errors import ConfigError
+from specserve.kv_cache.manager import KVCacheManager
+from specserve.models.arch import ArchConfig
+from specserve.models.llama import DecoderLayer, RestrictedLMHead, RotaryEmbedding
+from specserve.request import Request
+from specserve.spec.draft_model import (
+    CHILDREN,
+    EXPAND_WIDTH,
+    MAX_PASSES,
+    PassTimer,
+    _TreeDraft,
+    expand_candidates,
+)
+from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
+from specserve.spec.tree import DraftTree
+
+HEAD_FORMAT = "specserve-head-1"
+# Features kept for a request the head has not consumed (a long prompt waiting for its first
+# draft, or a request that does not speculate): beyond this the oldest are dropped and the head
+# attends to the most recent window only (a drafter's context, never the output's).
+PENDING_CAP = 4096
+
+
+# ----------------------------------------------------------------------------- the head
+def head_arch(target: ArchConfig, intermediate_size: int | None = None) -> ArchConfig:
+    """The head's decoder layer: the target's layer shape (one layer), optionally a narrower MLP."""
+    return dataclasses.replace(target, num_layers=1, intermediate_size=intermediate_size or target.intermediate_size,
+                               name=f"eagle[{target.name}]")
+
+
+class EagleHead(nn.Module):
+    """fc([embedding; feature]) -> one decoder layer -> the predicted next feature."""
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        h = arch.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(arch)
+
+    def forward_paged(
+        self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+        kv: tuple[torch.Tensor, ...], meta: object,
+    ) -> torch.Tensor:  # [n, hidden]
+        """Serving: new rows over the head's paged cache (tree masks as for any drafter)."""
+        x = self.fc(torch.cat((emb, feat), dim=-1))
+        return self.layer(x, positions, rope, kv, meta)
+
+    def forward_unrolled(self, emb: torch.Tensor, feat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         depth: int = 1) -> list[torch.Tensor]:
+        """Training: `depth` passes over whole sequences, the way serving sees them.
+
+        emb [B, S, H] embeds x_{i+1}, feat [B, S, H] is f_i. Pass 1 reads the true features; pass
+        d > 1 reads pass d-1's prediction of f_i (its output at i-1) and attends, as a tree node
+        at depth d does when serving, to the true prefix up to i-d+1 and to its own path: pass k's
+        key at i-d+k. Returns each pass's output [B, S, H] (row i predicts f_{i+1}).
+        """
+        b, s, _ = emb.shape
+        layer, a = self.layer, self.layer.self_attn
+        outs: list[torch.Tensor] = []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        inp = feat
+        idx = torch.arange(s)
+        for d in range(1, depth + 1):
+            x = self.fc(torch.cat((emb, inp), dim=-1))
+            hn = layer.input_layernorm(x)
+            q = a.q_proj(hn).view(b, s, a.num_heads, a.head_dim)
+            k = a.k_proj(hn).view(b, s, a.num_kv_heads, a.head_dim)
+            v = a.v_proj(hn).view(b, s, a.num_kv_heads, a.head_dim)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            keys.append(k)
+            values.append(v)
+            # Mask [S, d*S]: pass-1 keys j <= i-d+1, pass-k keys (k >= 2) at i-d+k exactly.
+            parts = [idx[None, :] <= (idx[:, None] - d + 1)]
+            parts += [idx[None, :] == (idx[:, None] - d + kk) for kk in range(2, d + 1)]
+            mask = torch.cat(parts, dim=1)
+            kk_ = torch.cat(keys, dim=1).repeat_interleave(a.num_heads // a.num_kv_heads, dim=2)
+            vv_ = torch.cat(values, dim=1).repeat_interleave(a.num_heads // a.num_kv_heads, dim=2)
+            att = F.scaled_dot_product_attention(q.transpose(1, 2), kk_.transpose(1, 2), vv_.transpose(1, 2),
+                                                 attn_mask=mask, scale=a.scale)
+            x = x + a.o_proj(att.transpose(1, 2).reshape(b, s, a.q_size))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            outs.append(x)
+            # The next pass at i reads this pass's prediction of f_i: its output at i-1.
+            inp = torch.cat((feat[:, :1], x[:, :-1]), dim=1)
+        return outs
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [B, S, h, d], cos [S, d/2]
+    half = x.shape[-1] // 2
+    c, s_ = cos[None, :, None, :], sin[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * c - x2 * s_, x2 * c + x1 * s_), dim=-1)
+
+
+# ----------------------------------------------------------------------------- files
+def target_fingerprint(arch: ArchConfig, tokenizer_fp: str | None, embed_weight: torch.Tensor) -> str:
+    """What identifies a target for its heads: shape, vocabulary and the embedding table's first rows
+    (the same model at any precision has the same float embedding; another model does not)."""
+    rows = embed_weight[:64].detach().float().cpu().half().numpy().tobytes()
+    ident = json.dumps([arch.architecture, arch.vocab_size, arch.hidden_size, arch.num_layers, tokenizer_fp],
+                       sort_keys=True).encode()
+    return hashlib.blake2b(ident + rows, digest_size=12).hexdigest()
+
+
+def save_head(path: str | Path, head: nn.Module, token_ids: torch.Tensor, meta: dict) -> None:
+    """Write a head: its weights, its token ids, and metadata (method, shape, target) as JSON."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    tensors["token_ids"] = token_ids.to(torch.int64).contiguous()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": HEAD_FORMAT, "card": json.dumps(meta, sort_keys=True)})
+    tmp.replace(path)
+
+
+def load_head_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, card) of a head file, refusing what is not one."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"No drafter head at {path}; train one with `specserve train-draft --method eagle --model M "
+                          f"--out {path}`.")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    except Exception as exc:  # noqa: BLE001 - a torn or foreign file
+        raise ConfigError(f"{path} is not a readable safetensors head file ({exc}).") from exc
+    if meta.get("format") != HEAD_FORMAT:
+        raise ConfigError(f"{path} is not a specserve drafter head (format {meta.get('format')!r}).")
+    return tensors, json.loads(meta["card"])
+
+
+def float_rows(linear: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of any linear layer's weight in float32: nn.Linear, quantized layers (which can
+    dequantize), or a packed backend (recovered as linear(I)^T, exact for a bias-free layer)."""
+    if isinstance(linear, nn.Linear):
+        return linear.weight.detach().float().index_select(0, ids)
+    if hasattr(linear, "dequantized_weight"):
+        return linear.dequantized_weight().float().index_select(0, ids)
+    eye = torch.eye(linear.in_features)
+    bias = getattr(linear, "bias", None)
+    w = (linear(eye) - (bias if bias is not None else 0)).T
+    return w.float().index_select(0, ids).contiguous()
+
+
+def default_head_path(fingerprint: str, method: str) -> Path:
+    """Where `train-draft` puts a head by default, and where `--draft-model auto` looks for it."""
+    from specserve.models.bundled import cache_dir
+
+    return cache_dir() / "heads" / fingerprint / f"{method}.safetensors"
+
+
+# ----------------------------------------------------------------------------- serving
+class _HeadSeq:
+    """A request as the head sees it: head slots filled with true features, then features waiting."""
+
+    __slots__ = ("request_id", "all_token_ids", "base", "num_computed_tokens", "pending")
+
+    def __init__(self, request_id: str, base: int) -> None:
+        self.request_id = request_id
+        self.all_token_ids: list[int] = []  # the manager's protocol; the head cache keeps no prefix hashes
+        self.base = base  # position of head slot 0 (earlier positions came without features)
+        self.num_computed_tokens = 0  # head slots holding (f_p, x_{p+1}) for p = base, base + 1, ...
+        self.pending: list[torch.Tensor] = []  # features of the positions after those, in order
+
+    @property
+    def num_pending(self) -> int:
+        return sum(int(t.shape[0]) for t in self.pending)
+
+    @property
+    def next_pos(self) -> int:
+        """The position whose feature is expected next."""
+        return self.base + self.num_computed_tokens + self.num_pending
+
+
+class _EagleTree(_TreeDraft):
+    """A tree being grown by the head: each distribution row also keeps the head output h that
+    produced it (a child's input feature)."""
+
+    def __init__(self, req: Request, seq: _HeadSeq, budget: int, cap: int) -> None:
+        super().__init__(req, seq, budget, cap)  # type: ignore[arg-type]
+        self.hid: list[torch.Tensor] = []
+
+    def feed(self, picked: list[int]) -> tuple[list[int], torch.Tensor, list[int], int, torch.Tensor]:
+        """(tokens, features, positions, first slot, tail mask) of the picked nodes: a node at depth d
+        sits at head position root - 1 + d and sees the head's prefix, its fed ancestors and itself."""
+        root = len(self.req.all_token_ids) - 1
+        start = self.seq.num_computed_tokens + len(self.fed) - len(picked)
+        feats = torch.stack([self.hid[self.cands[c].row] for c in picked])
+        return ([self.cands[c].token for c in picked], feats, [root - 1 + self.depth(c) for c in picked], start,
+                self.tail_mask(picked))
+
+
+@register_proposer("eagle")
+class EagleProposer(PassTimer, Proposer):
+    """Trees from a one-layer head over the target's features (see the module docstring)."""
+
+    traits = ProposerTraits(cost="per_pass", trees=True, tree_by_default=True, needs_hidden_states=True,
+                            prior_acceptance=0.6)
+
+    def __init__(self, head: EagleHead, embed: nn.Module, lm_head: nn.Module, num_blocks: int, block_size: int,
+                 max_positions: int, p_min: float = 0.0, tree: bool = True, seed: int = 0,
+                 card: dict | None = None) -> None:
+        self.head = head.eval()
+        self.embed = embed
+        self.lm_head = lm_head
+        self.card = card or {}
+        arch = head.arch
+        self.device = embed.weight.device
+        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions)
+        self.block_size = block_size
+        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_cache = (torch.zeros(shape, device=self.device), torch.zeros(shape, device=self.device))
+        self.kv = KVCacheManager(num_blocks, block_size, False, name="eagle")
+        self.p_min = p_min
+        self.children = CHILDREN if tree else 1
+        self._seqs: dict[str, _HeadSeq] = {}
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed + 2)
+        self.num_forwards = 0
+
+    @property
+    def tree(self) -> bool:
+        """Trees (CHILDREN candidates per expanded node) or chains (one)."""
+        return self.children > 1
+
+    @tree.setter
+    def tree(self, value: bool) -> None:
+        self.children = CHILDREN if value else 1
+
+    # ------------------------------------------------------------------ features in
+    def observe_hidden(self, hidden: dict) -> None:
+        """The target's hidden states of the tokens each request just verified (HiddenRows)."""
+        for rid, hr in hidden.items():
+            rows, start = hr.rows, hr.start_pos
+            if rows.shape[0] == 0:
+                continue
+            seq = self._seqs.get(rid)
+            if seq is None:
+                seq = self._seqs[rid] = _HeadSeq(rid, start)
+            expected = seq.next_pos
+            if start < expected:  # already seen (cannot happen in order; keep only what is new)
+                rows = rows[expected - start :]
+                start = expected
+                if rows.shape[0] == 0:
+                    continue
+            if start > expected:  # a gap (features never computed here): the head restarts at start
+                self.kv.free(seq)
+                seq = self._seqs[rid] = _HeadSeq(rid, start)
+            seq.pending.append(rows.float())
+            if seq.num_pending > PENDING_CAP:  # keep a recent window; the head's older KV is dropped
+                tail = torch.cat(seq.pending)[-PENDING_CAP // 2 :]
+                self.kv.free(seq)
+                seq = self._seqs[rid] = _HeadSeq(rid, start + rows.shape[0] - tail.shape[0])
+                seq.pending = [tail]
+
+    def catchup_tokens(self, request: Request) -> int:
+        """Features the head has not fed yet (at least the root's each step; a prompt at first)."""
+        seq = self._seqs.get(request.request_id)
+        return seq.num_pending if seq is not None else 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def remove_request(self, request_id: str, finished: bool = True) -> None:
+        """Drop the request's head KV and features (a preempted request's come back with its recompute)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq)
+
+    def live_request_ids(self) -> list[str]:
+        """Requests the head holds KV or features for."""
+        return list(self._seqs)
+
+    def check_integrity(self) -> bool:
+        """The head cache's blocks are free or held by a live request."""
+        return self.kv.check_integrity([rid for rid in self._seqs])
+
+    def describe(self) -> str:
+        """The head's shape and training, for the start-up summary."""
+        arch = self.head.arch
+        head_vocab = len(self.lm_head.token_ids) if hasattr(self.lm_head, "token_ids") else arch.vocab_size
+        acc = self.card.get("heldout_accept_depth1")
+        trained = f", trained on {self.card['tokens_seen']:,} tokens" if "tokens_seen" in self.card else ""
+        held = f", held-out top-1 {acc:.2f}" if isinstance(acc, (int, float)) else ""
+        return f"1 layer (MLP {arch.intermediate_size}), {head_vocab:,}-token head{trained}{held}"
+
+    def memory_bytes(self) -> int:
+        """The head's own weights (embedding and most of the LM head are the target's) and KV cache."""
+        own = sum(t.untyped_storage().nbytes() for t in [*self.head.parameters(), *self.head.buffers()])
+        head = sum(t.untyped_storage().nbytes() for t in [*self.lm_head.parameters(), *self.lm_head.buffers()])
+        return own + head + sum(t.numel() * t.element_size() for t in self.kv_cache)
+
+    # ------------------------------------------------------------------ passes
+    def _pass(self, tokens: list[int], feats: torch.Tensor, positions: list[int], starts: list[int],
+              counts: list[int], tables: list[list[int]], tails: list[torch.Tensor | None]) -> torch.Tensor:
+        """One head pass over several requests' rows: the head outputs h [rows, hidden]."""
+        meta = build_attention_metadata(counts, starts, tables, self.block_size, self.device,
+                                        tails if any(t is not None for t in tails) else None)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        emb = self.embed(ids).float()
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        self.num_forwards += 1
+        return self.head.forward_paged(emb, feats, pos, self.rope, self.kv_cache, meta)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        return self.lm_head(h).float()
+
+    @torch.inference_mode()
+    def time_pass(self, batch: int, tokens_per_req: int = 1) -> float:
+        """Seconds of one head pass over `batch` requests (start-up profiling, cache empty)."""
+        context = 32
+        n_blocks = -(-(context + tokens_per_req) // self.block_size)
+        if n_blocks > self.kv.num_blocks:
+            return float("nan")
+        table = list(range(n_blocks))
+        n = batch * tokens_per_req
+        feats = torch.zeros(n, self.head.arch.hidden_size)
+        positions = [context + j for _ in range(batch) for j in range(tokens_per_req)]
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            h = self._pass([1] * n, feats, positions, [context] * batch, [tokens_per_req] * batch, [table] * batch,
+                           [None] * batch)
+            self._logits(h[tokens_per_req - 1 :: tokens_per_req])
+            best = min(best, time.perf_counter() - t0)
+        self.num_forwards -= 3
+        return best
+
+    def time_catchup(self, tokens: int) -> float:
+        """Seconds to feed one request `tokens` features in one pass."""
+        return self.time_pass(1, tokens)
+
+    # ------------------------------------------------------------------ drafting
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
+        """Catch every request's head cache up on its new features (one batched pass whose last
+        row per request gives the root's children), then grow trees (EAGLE-2's dynamic
+        expansion, see draft_model._TreeDraft) with the head's own predicted features."""
+        t0 = time.perf_counter()
+        trees: list[_EagleTree] = []
+        tokens: list[int] = []
+        feats: list[torch.Tensor] = []
+        positions: list[int] = []
+        starts, counts, tables = [], [], []
+        for req, k in zip(requests, num_tokens):
+            seq = self._seqs.get(req.request_id)
+            if k <= 0 or seq is None:
+                continue
+            self.kv.rollback(seq, seq.num_computed_tokens)  # last step's tree nodes
+            all_ids = req.all_token_ids
+            n_new = seq.num_pending
+            # Every feature up to the root's parent (position len - 2) must be here: slot p pairs f_p
+            # with x_{p+1}, and the newest slot's output predicts the root's children.
+            if n_new == 0 or seq.next_pos != len(all_ids) - 1:
+                continue
+            cap = min(k, EXPAND_WIDTH * MAX_PASSES)
+            if not self.kv.allocate_slots(seq, n_new, num_lookahead_tokens=cap):
+                continue
+            first = seq.base + seq.num_computed_tokens
+            tokens += all_ids[first + 1 : first + 1 + n_new]
+            feats += seq.pending
+            positions += range(first, first + n_new)
+            starts.append(seq.num_computed_tokens)
+            counts.append(n_new)
+            tables.append(self.kv.block_ids(seq.request_id))
+            trees.append(_EagleTree(req, seq, k, cap))  # type: ignore[arg-type]
+        if not trees:
+            return {}
+        h = self._pass(tokens, torch.cat(feats), positions, starts, counts, tables, [None] * len(trees))
+        last = torch.tensor([sum(counts[: i + 1]) - 1 for i in range(len(counts))])
+        h_root = h.index_select(0, last)
+        logits = self._logits(h_root)
+        for i, t in enumerate(trees):
+            seq = t.seq
+            seq.num_computed_tokens += counts[i]
+            seq.pending = []
+            self._expand(t, -1, logits[i], h_root[i])
+        later = []
+        for passes in range(1, min(MAX_PASSES, max(t.budget for t in trees)) + 1):
+            tp = time.perf_counter()
+            step: list[tuple[_EagleTree, list[int]]] = []
+            tokens, fl, positions, starts, counts, tables, tails = [], [], [], [], [], [], []
+            for t in trees:
+                picked = t.pick(passes, self.pass_cost_ratio, self.p_min)
+                if not picked:
+                    continue
+                toks, f, pos, start, tail = t.feed(picked)
+                step.append((t, picked))
+                tokens += toks
+                fl.append(f)
+                positions += pos
+                starts.append(start)
+                counts.append(len(picked))
+                tables.append(self.kv.block_ids(t.req.request_id))
+                tails.append(tail)
+            if not step:
+                break
+            h = self._pass(tokens, torch.cat(fl), positions, starts, counts, tables, tails)
+            logits = self._logits(h)
+            row = 0
+            for t, picked in step:
+                for c in picked:
+                    self._expand(t, c, logits[row], h[row])
+                    row += 1
+            later.append(time.perf_counter() - tp)
+        out = {}
+        for t in trees:
+            draft = t.select()
+            if draft is not None:
+                out[t.req.request_id] = draft
+        self.record_timing(t0, later, len(trees))
+        return out
+
+    def _expand(self, t: _EagleTree, parent: int, logits: torch.Tensor, h: torch.Tensor) -> None:
+        expand_candidates(t, parent, logits, self.generator, self.device, self.children)
+        t.hid.append(h)
+
+
+# ----------------------------------------------------------------------------- building
+def build_eagle(path: str | Path, target_runner: object, target_fp: str, cache_block_size: int, num_blocks: int,
+                max_positions: int, p_min: float, tree: bool, seed: int, quantize: bool) -> EagleProposer:
+    """Load a head file for the target behind `target_runner`; quantize its matrices to Q8_0
+    blocks for the native kernels when the target runs them."""
+    tensors, card = load_head_file(path)
+    if card.get("method") != "eagle":
+        raise ConfigError(f"{path} is a {card.get('method')!r} head, not an EAGLE head.")
+    if card.get("target") != target_fp:
+        raise ConfigError(
+            f"The head {path} was trained for another target ({card.get('target_name', '?')}, fingerprint "
+            f"{card.get('target')}); this model's fingerprint is {target_fp}. Train one for it: "
+            "`specserve train-draft --method eagle --model MODEL`."
+        )
+    tarch = target_runner.arch
+    arch = head_arch(tarch, int(card["intermediate_size"]))
+    token_ids = tensors.pop("token_ids")
+    with torch.device("meta"):
+        head = EagleHead(arch)
+    head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True, assign=True)
+    model = target_runner.model
+    lm = model.lm_head
+    # The restricted LM head: the target's rows for the head's ids (blocks kept as they are).
+    from specserve.models.block_linear import BlockQuantLinear, enable_native_ops, quantize_q8_0
+
+    if isinstance(lm, BlockQuantLinear):
+        pw = lm.packed()
+        rows = pw.data.index_select(0, token_ids)
+        proj: nn.Module | torch.Tensor = BlockQuantLinear(pw._replace(data=rows, shape=(rows.shape[0], pw.shape[1])))
+    else:
+        proj = float_rows(lm, token_ids)
+    lm_head = RestrictedLMHead(proj, token_ids, tarch.vocab_size)
+    if quantize:
+        for mod in [head, head.layer.self_attn, head.layer.mlp]:
+            for name, child in list(mod.named_children()):
+                if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
+                    setattr(mod, name, BlockQuantLinear(quantize_q8_0(child.weight), child.bias))
+        enable_native_ops(head)
+    return EagleProposer(head, model.model.embed_tokens, lm_head, num_blocks, cache_block_size, max_positions,
+                         p_min=p_min, tree=tree, seed=seed, card=card)

@@ -1,0 +1,557 @@
+"""`specserve train-draft`: train a feature-level drafter head by self-distillation, on the CPU.
+
+1. Corpus: text files (default: the Python standard library's own sources, which every Python
+   install carries, so nothing is downloaded), split by file into train and held-out, tokenized
+   and cut into sequences of `seq_len` tokens.
+2. Features: the target runs over every sequence (its own kernels, as when serving) and its last
+   hidden states are kept (float16 shards in the work directory; a rerun skips shards it has).
+3. Training (EAGLE): the head reads (f_i, x_{i+1}) and learns f_{i+1}: smooth-L1 on the feature
+   plus cross-entropy against the target's own next-token distribution (its LM head on f_{i+1},
+   over the head's vocabulary), for `depth` unrolled passes that feed the head its own predicted
+   features as serving does (EAGLE-3's training-time test). AdamW, warm-up then cosine decay.
+   Checkpoints every minute and at the end; a rerun resumes (more --tokens or --epochs extend).
+4. Output: the head (safetensors), a JSON card (method, target fingerprint, tokens seen, held-out
+   top-1 agreement per depth, timings) and a PNG of the loss and agreement curves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specserve.errors import ConfigError
+
+METHODS = ("eagle",)
+CHECKPOINT_EVERY_S = 60.0
+
+
+@dataclass
+class TrainConfig:
+    """What `specserve train-draft` was asked for."""
+
+    model: str
+    method: str = "eagle"
+    out: str | None = None  # default: the cache's head path for this target
+    corpus: str | None = None  # a directory of text files; default: the Python standard library
+    tokens: int = 200_000  # training tokens to extract features for
+    heldout_tokens: int = 8_192
+    generated_share: float = 0.5  # of --tokens: conversations the target writes itself (rest: corpus text)
+    generate_max_tokens: int = 256  # longest answer the target writes per conversation
+    work_dir: str | None = None  # features, conversations, checkpoint (default: the cache)
+    seq_len: int = 256
+    epochs: float = 2.0
+    batch_tokens: int = 2048
+    lr: float = 1e-3
+    depth: int = 2  # unrolled passes per training step
+    ce_weight: float = 0.1  # cross-entropy against the target's distribution, beside the feature loss (weight 1)
+    noise: float = 0.05  # uniform noise on the input features (robustness to the head's own predictions)
+    intermediate_size: int | None = None  # the head's MLP width (default: the target's)
+    head_vocab: int | None = None  # the head's LM-head ids (default: see default_head_vocab)
+    max_minutes: float | None = None  # stop (resumable) after this much wall time
+    fresh: bool = False  # ignore a previous run's features and checkpoint
+    seed: int = 0
+    quantization: str | None = None  # the target's precision (default: as served)
+    threads: int | None = None
+
+
+@dataclass
+class _History:
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    eval_acc: list[list[float]] = field(default_factory=list)  # per depth
+
+
+def default_head_vocab(vocab_size: int) -> int:
+    """The head's LM head reads this many of the most frequent ids: one layer costs a few
+    percent of a target step, a full 150k-row head would cost ten; 98-99% of the target's
+    argmax tokens on code and prose fall in the first 16-32k ids of a byte-level BPE."""
+    return min(vocab_size, 16_384 if vocab_size <= 65_536 else 32_768)
+
+
+def corpus_files(corpus: str | None) -> list[Path]:
+    """The corpus's text files in a fixed order (default: the standard library's .py files)."""
+    if corpus is None:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
+    else:
+        root = Path(corpus)
+        if not root.is_dir():
+            raise ConfigError(f"--corpus {corpus} is not a directory.")
+        files = [p for p in root.rglob("*") if p.is_file() and p.suffix in (".py", ".txt", ".md", ".rst", ".json", "")]
+    files = sorted(files)
+    if not files:
+        raise ConfigError(f"No text files under {root}.")
+    return files
+
+
+# Everyday subjects and asks for the prose half of the self-generated conversations (the code half
+# asks about the corpus's own functions): the head learns the text the target itself writes.
+TOPICS = ("the sea", "a lighthouse", "rain in a city", "a robot learning to paint", "coffee", "the moon landing",
+          "photosynthesis", "a small bakery", "friendship", "mountains in winter", "the history of Rome", "volcanoes",
+          "a train journey", "learning a language", "the internet", "bees", "a thunderstorm", "chess", "gardening",
+          "the solar system", "a library at night", "electric cars", "the Renaissance", "a lost key", "jazz",
+          "climate and weather", "a first day at school", "the human heart", "deserts", "a birthday party",
+          "recycling", "the ocean floor", "a detective", "time management", "dinosaurs", "a market in Morocco",
+          "sleep", "bridges", "the printing press", "a cat and a dog", "healthy breakfast", "the stock market",
+          "a haunted house", "penguins", "video games", "a letter to a friend", "the water cycle", "kindness")
+PROSE_ASKS = ("Write a short story about {t}.", "Explain {t} to a ten-year-old.", "Write three facts about {t}.",
+              "Write a short poem about {t}.", "Write an email to a colleague about {t}.",
+              "What are the pros and cons of {t}?", "Describe {t} in one paragraph.", "Give me a list of tips about {t}.")
+CODE_ASKS = ("Write a Python function `{name}({args})` that does this: {doc}",
+             "Explain what this Python code does:\n\n```python\n{src}\n```",
+             "Write a docstring and comments for this code:\n\n```python\n{src}\n```",
+             "How would I {doc_lower} in Python? Show an example.",
+             "Rewrite this function to be clearer:\n\n```python\n{src}\n```")
+
+
+def chat_prompts(files: list[Path], n: int, seed: int) -> list[str]:
+    """n user messages: half about the corpus's functions (write, explain, comment, rewrite one),
+    half everyday prose asks; a seeded order."""
+    import ast
+
+    rng = random.Random(seed)
+    funcs = []
+    for path in rng.sample(files, min(len(files), 400)):
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError, RecursionError):
+            continue
+        lines = text.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) and node.end_lineno:
+                doc = ast.get_docstring(node).strip().splitlines()[0].rstrip(".")
+                src = "\n".join(lines[node.lineno - 1 : min(node.end_lineno, node.lineno + 30)])
+                if 10 < len(doc) < 120 and len(src) < 1500:
+                    funcs.append((node.name, ", ".join(a.arg for a in node.args.args), doc, src))
+    out = []
+    for i in range(n):
+        if i % 2 == 0 and funcs:
+            name, args, doc, src = rng.choice(funcs)
+            ask = rng.choice(CODE_ASKS)
+            out.append(ask.format(name=name, args=args, doc=doc, doc_lower=doc[0].lower() + doc[1:], src=src))
+        else:
+            out.append(rng.choice(PROSE_ASKS).format(t=rng.choice(TOPICS)))
+    return out
+
+
+def _generated_sequences(llm, files: list[Path], want: int, seq_len: int, seed: int, work: Path,  # noqa: ANN001
+                         max_tokens: int) -> list[list[int]]:
+    """Conversations the target writes itself (greedy, as most serving is), chat template and
+    all, concatenated and cut into seq_len windows; kept in work/ so a rerun does not regenerate."""
+    from specserve import SamplingParams
+
+    path = work / f"generated-{seed}.json"
+    stream: list[int] = []
+    if path.is_file():
+        try:
+            stream = json.loads(path.read_text())
+        except ValueError:
+            stream = []
+    rounds = 0
+    while len(stream) < want and rounds < 8:  # a conversation's length is known only once written
+        n = max(4, -(-(want - len(stream)) // max_tokens))  # prompt + answer: about max_tokens or more each
+        prompts = chat_prompts(files, n, seed + 7919 * rounds + len(stream))
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
+                        SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=True)
+        for o in outs:
+            stream += list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        path.write_text(json.dumps(stream))
+        rounds += 1
+    usable = min(len(stream), want) // seq_len * seq_len
+    return [stream[i : i + seq_len] for i in range(0, usable, seq_len)]
+
+
+def split_files(files: list[Path], seed: int) -> tuple[list[Path], list[Path]]:
+    """(train, held-out): every 20th file of a seeded shuffle is held out, never trained on."""
+    order = list(range(len(files)))
+    random.Random(seed).shuffle(order)
+    held = {i for n, i in enumerate(order) if n % 20 == 0}
+    return [f for i, f in enumerate(files) if i not in held], [f for i, f in enumerate(files) if i in held]
+
+
+def _sequences(files: list[Path], encode, seq_len: int, want: int, seed: int) -> list[list[int]]:  # noqa: ANN001
+    """Sequences of seq_len tokens from the files (in a seeded order) until `want` tokens."""
+    files = list(files)
+    random.Random(seed).shuffle(files)
+    out: list[list[int]] = []
+    have = 0
+    for path in files:
+        if have >= want:
+            break
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        ids = encode(text)
+        for s in range(0, len(ids) - seq_len + 1, seq_len):
+            out.append(ids[s : s + seq_len])
+            have += seq_len
+            if have >= want:
+                break
+    return out
+
+
+class _Extractor:
+    """Runs the target over sequences and returns its hidden states (float16)."""
+
+    def __init__(self, engine) -> None:  # noqa: ANN001 - LLMEngine
+        self.engine = engine
+        self.runner = engine.runner
+
+    @torch.inference_mode()
+    def __call__(self, seqs: list[list[int]]) -> torch.Tensor:  # [n, S, H] float16
+        from specserve.engine.runner import FeedEntry
+
+        kv = self.engine.kv_manager
+        entries, owners = [], []
+        for j, ids in enumerate(seqs):
+            owner = _Owner(f"train-draft-{j}", len(ids))
+            if not kv.allocate_slots(owner, len(ids)):
+                raise RuntimeError("the KV pool cannot hold a training batch; lower --batch-tokens")
+            owners.append(owner)
+            entries.append(FeedEntry(ids, list(range(len(ids))), 0, kv.block_ids(owner.request_id), None, []))
+        try:
+            h = self.runner.hidden_states(entries)
+        finally:
+            for o in owners:
+                kv.free(o)
+        return h.view(len(seqs), len(seqs[0]), -1).half()
+
+
+class _Owner:
+    """A stand-in request that owns the blocks of one extraction sequence."""
+
+    def __init__(self, rid: str, n: int) -> None:
+        self.request_id = rid
+        self.all_token_ids = [0] * n
+        self.num_computed_tokens = 0
+
+
+def _bar(total: int, desc: str, unit: str):  # noqa: ANN202
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=True)
+
+
+def _extract(cfg: TrainConfig, engine, seqs: list[list[int]], work: Path, name: str) -> list[Path]:  # noqa: ANN001
+    """Feature shards of `seqs` under work/ (name-NNNNN.pt), reusing those already there."""
+    per_batch = max(1, cfg.batch_tokens // cfg.seq_len)
+    shard_seqs = per_batch * 8
+    paths = []
+    ex = _Extractor(engine)
+    todo = []
+    for k in range(0, len(seqs), shard_seqs):
+        path = work / f"{name}-{k // shard_seqs:05d}.pt"
+        paths.append(path)
+        chunk = seqs[k : k + shard_seqs]
+        if path.is_file():
+            try:
+                old = torch.load(path, weights_only=True)
+                if old["tokens"].tolist() == chunk:
+                    continue
+            except Exception:  # noqa: BLE001 - a torn shard is redone
+                pass
+        todo.append((path, chunk))
+    if not todo:
+        return paths
+    bar = _bar(sum(len(c) * cfg.seq_len for _, c in todo), f"target features ({name})", "tok")
+    for path, chunk in todo:
+        feats = torch.cat([ex(chunk[b : b + per_batch]) for b in range(0, len(chunk), per_batch)])
+        for _ in chunk:
+            bar.update(cfg.seq_len)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"tokens": torch.tensor(chunk, dtype=torch.int32), "feats": feats}, tmp)
+        tmp.replace(path)
+    bar.close()
+    return paths
+
+
+def _load_shards(paths: list[Path]) -> tuple[torch.Tensor, torch.Tensor]:
+    toks, feats = [], []
+    for p in paths:
+        d = torch.load(p, weights_only=True)
+        toks.append(d["tokens"].long())
+        feats.append(d["feats"])
+    return torch.cat(toks), torch.cat(feats)
+
+
+class _Frozen:
+    """The target's pieces the head trains against: embedding and the head's LM-head rows."""
+
+    def __init__(self, engine, token_ids: torch.Tensor) -> None:  # noqa: ANN001
+        model = engine.runner.model
+        self.embed = model.model.embed_tokens.weight.detach().float()
+        from specserve.spec.eagle import float_rows
+
+        self.head_w = float_rows(model.lm_head, token_ids)  # [Vh, H]
+        self.token_ids = token_ids
+
+
+def _losses(head, frozen: _Frozen, toks: torch.Tensor, feats: torch.Tensor, cos, sin, depth: int,  # noqa: ANN001
+            noise: float, ce_weight: float = 0.1) -> tuple[torch.Tensor, list[float]]:
+    """Training loss over a batch [B, S] and the top-1 agreement per depth."""
+    f = feats.float()
+    emb = frozen.embed[toks[:, 1:]]  # x_{i+1} for i = 0 .. S-2
+    inp = f[:, :-1]
+    if noise > 0:
+        inp = inp + (torch.rand_like(inp) - 0.5) * (2 * noise)
+    target = f[:, 1:]  # f_{i+1}
+    outs = head.forward_unrolled(emb, inp, cos[: emb.shape[1]], sin[: emb.shape[1]], depth)
+    with torch.no_grad():
+        p = torch.softmax(target @ frozen.head_w.T, dim=-1)
+        want = p.argmax(-1)
+    total = torch.zeros(())
+    accs = []
+    for d, h in enumerate(outs, start=1):
+        sl = slice(d - 1, None)  # rows whose path starts inside the sequence
+        hd, td = h[:, sl], target[:, sl]
+        reg = F.smooth_l1_loss(hd, td)
+        logq = torch.log_softmax(hd @ frozen.head_w.T, dim=-1)
+        ce = -(p[:, sl] * logq).sum(-1).mean()
+        total = total + (0.8 ** (d - 1)) * (reg + ce_weight * ce)
+        accs.append(float((logq.argmax(-1) == want[:, sl]).float().mean()))
+    return total, accs
+
+
+def _fast_dtype(hidden: int, vocab: int) -> torch.dtype:
+    """bfloat16 where this CPU multiplies it faster than float32 (AVX512-BF16 / AMX: 2x and more),
+    else float32 (an AVX2-only CPU emulates bfloat16): timed, not guessed."""
+    a32, w32 = torch.randn(512, hidden), torch.randn(min(vocab, 8192), hidden)
+    best = {}
+    for dt in (torch.float32, torch.bfloat16):
+        a, w = a32.to(dt), w32.to(dt)
+        a @ w.T
+        t0 = time.perf_counter()
+        for _ in range(3):
+            a @ w.T
+        best[dt] = time.perf_counter() - t0
+    return torch.bfloat16 if best[torch.bfloat16] < 0.7 * best[torch.float32] else torch.float32
+
+
+def train_draft(cfg: TrainConfig) -> dict:
+    """Train (or resume) a head for cfg.model; returns its card."""
+    from specserve import LLM
+    from specserve.engine.runner import ROPE_SLACK
+    from specserve.models.bundled import cache_dir
+    from specserve.models.llama import RotaryEmbedding
+    from specserve.spec.eagle import (
+        EagleHead,
+        default_head_path,
+        head_arch,
+        save_head,
+        target_fingerprint,
+    )
+
+    if cfg.method not in METHODS:
+        raise ConfigError(f"--method {cfg.method!r} is not trainable here; use one of {', '.join(METHODS)}.")
+    if cfg.seq_len < 16 or cfg.tokens < cfg.seq_len:
+        raise ConfigError("--tokens must cover at least one sequence of --seq-len (>= 16) tokens.")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    t_start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    llm = LLM(cfg.model, spec_method="none", quantization=cfg.quantization, max_model_len=max(cfg.seq_len, 2048),
+              max_num_batched_tokens=max(cfg.batch_tokens, cfg.seq_len))
+    engine = llm.engine
+    tok = engine.tokenizer
+    if tok is None:
+        raise ConfigError(f"{cfg.model} has no tokenizer; train-draft tokenizes a text corpus.")
+    arch = engine.arch
+    fp = target_fingerprint(arch, tok.fingerprint(), engine.runner.model.model.embed_tokens.weight)
+    out = Path(cfg.out) if cfg.out else default_head_path(fp, cfg.method)
+    work = Path(cfg.work_dir) if cfg.work_dir else cache_dir() / "train" / f"{fp}-{cfg.method}"
+    work.mkdir(parents=True, exist_ok=True)
+    if cfg.fresh:
+        for p in work.glob("*"):
+            p.unlink()
+
+    from specserve.spec.factory import frequent_token_subset
+
+    head_vocab = cfg.head_vocab or default_head_vocab(arch.vocab_size)
+    token_ids = frequent_token_subset(tok, arch.vocab_size, head_vocab)
+
+    files = corpus_files(cfg.corpus)
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    t0 = time.perf_counter()
+    n_gen = int(cfg.tokens * cfg.generated_share)
+    train_files, held_files = split_files(files, cfg.seed)
+    if not held_files or not train_files:
+        raise ConfigError(f"The corpus needs at least 2 files (train and held-out); it has {len(files)}.")
+    n_held_text = cfg.heldout_tokens - (cfg.heldout_tokens // 2 if n_gen else 0)
+    train_seqs = _sequences(train_files, encode, cfg.seq_len, cfg.tokens - n_gen, cfg.seed)
+    held_seqs = _sequences(held_files, encode, cfg.seq_len, n_held_text, cfg.seed)
+    if n_gen:
+        train_seqs += _generated_sequences(llm, train_files, n_gen, cfg.seq_len, cfg.seed, work, cfg.generate_max_tokens)
+        held_seqs += _generated_sequences(llm, held_files, cfg.heldout_tokens // 2, cfg.seq_len, cfg.seed + 1000, work,
+                                          cfg.generate_max_tokens)
+    if not train_seqs or not held_seqs:
+        raise ConfigError(f"The corpus has too little text for --seq-len {cfg.seq_len} (train {len(train_seqs)}, "
+                          f"held-out {len(held_seqs)} sequences).")
+    train_paths = _extract(cfg, engine, train_seqs, work, "train")
+    held_paths = _extract(cfg, engine, held_seqs, work, "heldout")
+    extract_s = time.perf_counter() - t0
+    toks, feats = _load_shards(train_paths)
+    htoks, hfeats = _load_shards(held_paths)
+    frozen = _Frozen(engine, token_ids)
+    inside = float(torch.isin(htoks[:, 1:], token_ids).float().mean())  # held-out text the head can draft
+
+    harch = head_arch(arch, cfg.intermediate_size)
+    head = EagleHead(harch)
+    rope = RotaryEmbedding(harch.head_dim, harch.rope_theta, cfg.seq_len + ROPE_SLACK)
+    cos, sin = rope.cos, rope.sin
+    per_step = max(1, cfg.batch_tokens // cfg.seq_len)
+    steps_per_epoch = max(1, len(toks) // per_step)
+    total_steps = max(1, int(cfg.epochs * steps_per_epoch))
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    warm = max(1, min(100, total_steps // 20))
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return cfg.lr * (step + 1) / warm
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total_steps - warm)))))
+
+    amp = _fast_dtype(arch.hidden_size, head_vocab)
+    hist = _History()
+    step = 0
+    train_s = 0.0
+    state_path = work / "state.pt"
+    ident = {"arch": asdict(harch), "vocab": head_vocab, "seq_len": cfg.seq_len, "depth": cfg.depth,
+             "ce_weight": cfg.ce_weight, "lr": cfg.lr}
+    if state_path.is_file() and not cfg.fresh:
+        st = torch.load(state_path, weights_only=False)
+        if st.get("ident") == ident:
+            head.load_state_dict(st["head"])
+            opt.load_state_dict(st["opt"])
+            step, train_s = st["step"], st["train_s"]
+            hist = _History(**st["hist"])
+
+    def evaluate() -> list[float]:
+        head.eval()
+        accs = []
+        with torch.no_grad():
+            for b in range(0, len(htoks), per_step):
+                with torch.autocast("cpu", dtype=amp, enabled=amp != torch.float32):
+                    _, a = _losses(head, frozen, htoks[b : b + per_step], hfeats[b : b + per_step], cos, sin, cfg.depth, 0.0)
+                accs.append(a)
+        head.train()
+        return [sum(a[d] for a in accs) / len(accs) for d in range(cfg.depth)]
+
+    def save_state() -> None:
+        tmp = state_path.with_name("state.pt.tmp")
+        torch.save({"ident": ident, "head": head.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "train_s": train_s, "hist": asdict(hist)}, tmp)
+        tmp.replace(state_path)
+
+    deadline = None if cfg.max_minutes is None else t_start + 60 * cfg.max_minutes
+    perm: torch.Tensor | None = None
+    head.train()
+    bar = _bar(total_steps, f"training {cfg.method} head", "step")
+    bar.update(step)
+    last_ckpt = time.perf_counter()
+    eval_every = max(1, total_steps // 10)
+    while step < total_steps:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        ts = time.perf_counter()
+        epoch_pos = step % steps_per_epoch
+        if epoch_pos == 0 or perm is None:
+            perm = torch.randperm(len(toks), generator=torch.Generator().manual_seed(cfg.seed + step // steps_per_epoch))
+        idx = perm[epoch_pos * per_step : (epoch_pos + 1) * per_step]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        with torch.autocast("cpu", dtype=amp, enabled=amp != torch.float32):
+            loss, accs = _losses(head, frozen, toks[idx], feats[idx], cos, sin, cfg.depth, noise=cfg.noise,
+                                 ce_weight=cfg.ce_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        step += 1
+        train_s += time.perf_counter() - ts
+        hist.steps.append(step)
+        hist.loss.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{hist.loss[-1]:.3f}", top1=f"{accs[0]:.2f}")
+        bar.update(1)
+        if step % eval_every == 0 or step == total_steps:
+            hist.eval_steps.append(step)
+            hist.eval_acc.append(evaluate())
+        if time.perf_counter() - last_ckpt > CHECKPOINT_EVERY_S:
+            save_state()
+            last_ckpt = time.perf_counter()
+    bar.close()
+    save_state()
+    if not hist.eval_steps or hist.eval_steps[-1] != step:
+        hist.eval_steps.append(step)
+        hist.eval_acc.append(evaluate())
+    final = hist.eval_acc[-1]
+    card = {
+        "method": cfg.method,
+        "target": fp,
+        "target_name": cfg.model,
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": harch.intermediate_size,
+        "head_vocab": int(len(token_ids)),
+        "heldout_tokens_in_head_vocab": round(inside, 4),
+        "corpus": cfg.corpus or "python-stdlib",
+        "seq_len": cfg.seq_len,
+        "depth": cfg.depth,
+        "train_tokens": int(toks.numel()),
+        "heldout_tokens": int(htoks.numel()),
+        "steps": step,
+        "total_steps": total_steps,
+        "complete": step >= total_steps,
+        "tokens_seen": int(step * per_step * cfg.seq_len),
+        "heldout_accept_depth1": round(final[0], 4),
+        "heldout_accept_by_depth": [round(a, 4) for a in final],
+        "train_dtype": str(amp).removeprefix("torch."),
+        "extract_s": round(extract_s, 1),
+        "train_s": round(train_s, 1),
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
+    save_head(out, head, token_ids, card)
+    out.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
+    _plot(hist, out.with_suffix(".png"), f"{cfg.method} head for {cfg.model}")
+    card["path"] = str(out)
+    return card
+
+
+def _plot(hist: _History, path: Path, title: str) -> None:
+    """Loss (smoothed) and held-out top-1 agreement per depth against training steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    if hist.loss:
+        w = max(1, len(hist.loss) // 50)
+        sm = [sum(hist.loss[max(0, i - w + 1) : i + 1]) / len(hist.loss[max(0, i - w + 1) : i + 1])
+              for i in range(len(hist.loss))]
+        a.plot(hist.steps, sm)
+    a.set_xlabel("step")
+    a.set_ylabel("training loss")
+    a.set_title("loss")
+    for d in range(len(hist.eval_acc[0]) if hist.eval_acc else 0):
+        b.plot(hist.eval_steps, [acc[d] for acc in hist.eval_acc], marker="o", label=f"depth {d + 1}")
+    b.set_xlabel("step")
+    b.set_ylabel("held-out top-1 agreement with the target")
+    b.set_ylim(0, 1)
+    b.legend()
+    b.set_title("held-out agreement")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,134 @@
+"""EAGLE heads: the training forward is the serving forward, features reach the head, heads are
+checked against their target, and `specserve train-draft` runs end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.attention import build_attention_metadata
+from specserve.errors import ConfigError
+from specserve.models.llama import RotaryEmbedding
+from specserve.spec.eagle import EagleHead, head_arch
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from conftest import tiny_checkpoint
+
+    _, ckpt = tiny_checkpoint("llama", seed=5, vocab=256, layers=2)
+    return ckpt
+
+
+def _paged(head, rope, emb, feat, positions, starts, counts, tables, tails, kv):
+    meta = build_attention_metadata(counts, starts, tables, 16, torch.device("cpu"), tails)
+    return head.forward_paged(emb, feat, torch.tensor(positions), rope, kv, meta)
+
+
+def test_unrolled_training_forward_is_the_serving_forward(tiny):
+    """Pass 1 of training == the catch-up pass over the head's paged cache; pass 2 at row i ==
+    a depth-1 tree node at position i fed pass 1's output at i - 1, seeing the prefix up to i - 1
+    and itself. So what the head is trained on is what it does when serving."""
+    torch.manual_seed(0)
+    arch = head_arch(tiny.arch)
+    head = EagleHead(arch).eval()
+    s, h = 24, arch.hidden_size
+    emb, feat = torch.randn(1, s, h), torch.randn(1, s, h)
+    rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, 128)
+    with torch.no_grad():
+        p1, p2 = head.forward_unrolled(emb, feat, rope.cos[:s], rope.sin[:s], depth=2)
+        kv = tuple(torch.zeros(4, 16, arch.num_kv_heads, arch.head_dim) for _ in range(2))
+        out = _paged(head, rope, emb[0], feat[0], list(range(s)), [0], [s], [[0, 1, 2, 3]], None, kv)
+        torch.testing.assert_close(out, p1[0], atol=1e-5, rtol=1e-4)
+        for i in (1, 7, s - 1):  # a depth-1 node after the true prefix 0 .. i-1
+            kv_i = tuple(torch.zeros(4, 16, arch.num_kv_heads, arch.head_dim) for _ in range(2))
+            _paged(head, rope, emb[0, :i], feat[0, :i], list(range(i)), [0], [i], [[0, 1, 2, 3]], None, kv_i)
+            node = _paged(head, rope, emb[0, i : i + 1], p1[0, i - 1 : i], [i], [i], [1], [[0, 1, 2, 3]],
+                          [torch.ones(1, 1, dtype=torch.bool)], kv_i)
+            torch.testing.assert_close(node[0], p2[0, i], atol=1e-5, rtol=1e-4)
+
+
+def test_the_head_receives_the_targets_features_of_verified_tokens_only(tiny, tmp_path):
+    """Every feature the engine hands the head equals the target's hidden state of that token in
+    a plain prefill of the final sequence: rejected tree nodes' rows never reach it."""
+    from conftest import make_head_file
+
+    path = make_head_file(tiny, tmp_path / "h.safetensors")
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="eagle", draft_model=str(path),
+              spec_policy="always", num_spec_tokens=4, profile_spec_costs=False)
+    eng = llm.engine
+    seen: dict[str, dict[int, torch.Tensor]] = {}
+    orig = eng.proposer.observe_hidden
+
+    def spy(hidden):
+        for rid, hr in hidden.items():
+            for j in range(hr.rows.shape[0]):
+                seen.setdefault(rid, {})[hr.start_pos + j] = hr.rows[j].clone()
+        orig(hidden)
+
+    eng.proposer.observe_hidden = spy
+    prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [40, 41, 42]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert eng.spec_counters["num_draft_tokens"] > 0
+    assert eng.spec_counters["num_draft_tokens"] > eng.spec_counters["num_accepted_tokens"]  # some rejected
+    ref = LLM("tiny", dtype="float32", checkpoint=tiny)
+    runner = ref.engine.runner
+    from specserve.engine.runner import FeedEntry
+
+    for o in outs:
+        full = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        n = len(full) - 1  # the last token is never fed
+        hid = runner.hidden_states([FeedEntry(full[:n], list(range(n)), 0, list(range(8)), None, [])])
+        rows = seen[o.request_id]
+        assert set(range(n)) <= set(rows)  # (a final step may verify past max_tokens; those are cut)
+        for pos in range(n):
+            torch.testing.assert_close(rows[pos], hid[pos], atol=1e-4, rtol=1e-4)
+    assert not eng.proposer.live_request_ids()
+    assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
+
+
+def test_a_head_for_another_target_or_no_head_is_refused(tiny, tmp_path):
+    from conftest import make_head_file, tiny_checkpoint
+
+    _, other = tiny_checkpoint("llama", seed=6, vocab=256, layers=2)
+    path = make_head_file(other, tmp_path / "other.safetensors")
+    with pytest.raises(ConfigError, match="trained for another target"):
+        LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="eagle", draft_model=str(path))
+    with pytest.raises(ConfigError, match="train-draft"):
+        LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="eagle", draft_model=str(tmp_path / "none.safetensors"))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ConfigError, match="not a readable"):
+        LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="eagle", draft_model=str(bad))
+
+
+def test_train_draft_end_to_end_on_smollm2_resumes_and_serves(smollm_path, tmp_path):
+    """A tiny budget: features, a few steps, the card, the plot; a rerun with more epochs resumes
+    from the checkpoint; the head serves with greedy output equal to plain decoding."""
+    from specserve.spec.train import TrainConfig, train_draft
+
+    out = tmp_path / "eagle.safetensors"
+    cfg = dict(model="smollm2-135m-instruct", out=str(out), tokens=1536, heldout_tokens=512, seq_len=128,
+               batch_tokens=512, generated_share=0.5, work_dir=str(tmp_path / "work"), generate_max_tokens=48)
+    card = train_draft(TrainConfig(epochs=1, **cfg))
+    assert card["method"] == "eagle" and card["complete"]
+    assert card["steps"] == card["total_steps"] == 3
+    assert card["tokens_seen"] == 3 * 512
+    assert 0 <= card["heldout_accept_depth1"] <= 1 and len(card["heldout_accept_by_depth"]) == 2
+    assert json.loads(out.with_suffix(".json").read_text())["target"] == card["target"]
+    assert out.with_suffix(".png").stat().st_size > 1000
+    again = train_draft(TrainConfig(epochs=2, **cfg))  # resumes at step 3: features are not recomputed
+    assert again["steps"] == again["total_steps"] == 6
+    assert again["extract_s"] < card["extract_s"]
+
+    prompts = ["def add(a, b):", "The capital of France is"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    base = LLM("smollm2-135m-instruct").generate(prompts, params)
+    llm = LLM("smollm2-135m-instruct", spec_method="eagle", draft_model=str(out), spec_policy="always")
+    spec = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    assert llm.engine.spec_counters["num_draft_tokens"] > 0
+    assert llm.engine.check_integrity()
