@@ -1,4 +1,4 @@
-"""Prompt sets shared by the benchmarks: coding requests and "edit this code" requests."""
+"""Prompt sets shared by the benchmarks: coding requests, "edit this code" requests, prose requests."""
 
 from __future__ import annotations
 
@@ -73,3 +73,16 @@ _EDITS = [
 
 EDIT = [(f"{_EDITS[i % len(_EDITS)]}\n\n```python\n{_SNIPPETS[i % len(_SNIPPETS)]}```", _SNIPPETS[i % len(_SNIPPETS)])
         for i in range(8)]
+
+# Prose asks, none of them among the subjects or wordings `specserve train-draft` generates its
+# conversations from (held out for drafter heads trained here).
+PROSE = [
+    "Tell me about the history of the bicycle in a few paragraphs.",
+    "Why do leaves change colour in autumn? Explain it simply.",
+    "Write a friendly note inviting my neighbours to a street picnic on Saturday.",
+    "Summarise the plot of a heist movie you invent, in about 150 words.",
+    "What should a beginner know before adopting a rabbit?",
+    "Describe a quiet morning in a fishing village.",
+    "Give advice to someone preparing for their first job interview.",
+    "Compare tea and hot chocolate as winter drinks.",
+]

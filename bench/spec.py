@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, machine_info, write_json  # noqa: E402
-from prompts import CODING, EDIT  # noqa: E402
+from prompts import CODING, EDIT, PROSE  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.models.bundled import resolve_model  # noqa: E402
@@ -63,6 +63,8 @@ class Bench:
                        for p in CODING[: args.prompts]]
         self.edit = [(tok.apply_chat_template([{"role": "user", "content": p}]), ref)
                      for p, ref in EDIT[: args.prompts]]
+        self.prose = [(tok.apply_chat_template([{"role": "user", "content": p}]), None)
+                      for p in PROSE[: args.prompts]]
 
     def llm(self, method: str, policy: str = "adaptive", k: int = 4, **kw: Any) -> LLM:
         gc.collect()
@@ -146,8 +148,9 @@ def section_trees(b: Bench) -> list[dict]:
     for method in b.args.tree_methods:
         llm = b.llm(method, "adaptive", 8, spec_tree="tree")  # built for trees (profiles tree shapes); modes switch below
         eng = llm.engine
-        for set_name, prompts in [("coding", b.coding), ("edit", b.edit)]:
-            if method == "reference" and set_name == "coding":
+        sets = {"coding": b.coding, "edit": b.edit, "prose": b.prose}
+        for set_name, prompts in [(n, sets[n]) for n in b.args.tree_sets]:
+            if method == "reference" and set_name != "edit":
                 continue  # nothing to copy from
             acc = {m: {"gen": 0, "t": 0.0, "steps": 0, "accepted": 0, "drafted": 0, "lengths": [], "same": 0}
                    for m in TREE_MODES}
@@ -442,6 +445,8 @@ def main() -> int:
                     help="extra batch-1 rows: none-int8 = plain decoding of the int8 target")
     ap.add_argument("--tree-methods", nargs="+", default=["draft", "ngram", "reference", "lookahead"])
     ap.add_argument("--sections", nargs="+", default=["trees", "batch1", "ksweep", "batchsweep", "hf"])
+    ap.add_argument("--tree-sets", nargs="+", default=["coding", "edit"], choices=["coding", "edit", "prose"],
+                    help="prompt sets of the trees section")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per set")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])

@@ -540,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the corpus's functions and everyday topics); the rest is corpus text")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the training tokens")
-    p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimizer step")
+    p.add_argument("--batch-tokens", type=int, default=512, help="tokens per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, warm-up then cosine)")
     p.add_argument("--depth", type=int, default=2, help="unrolled passes per step (the head reads its own predictions)")
     p.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the target's)")
