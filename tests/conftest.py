@@ -89,15 +89,23 @@ def smollm_llm(smollm_checkpoint):
     return LLM("smollm2-135m-instruct", dtype="float32", checkpoint=smollm_checkpoint, kv_cache_gib=0.5)
 
 
-def make_head_file(ckpt, path, seed: int = 0, **card):
-    """A randomly initialised EAGLE head file for the target `ckpt` (its fingerprint, every id)."""
+def make_head_file(ckpt, path, seed: int = 0, method: str = "eagle", **card):
+    """A randomly initialised EAGLE (or Medusa, 3 heads) head file for the target `ckpt` (its
+    fingerprint, every id)."""
     from specserve.spec.eagle import EagleHead, head_arch, save_head, target_fingerprint
+    from specserve.spec.medusa import MedusaHeads
 
     torch.manual_seed(seed)
-    head = EagleHead(head_arch(ckpt.arch))
+    if method == "medusa":
+        head = MedusaHeads(ckpt.arch.hidden_size, 3)
+        for p in head.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+    else:
+        head = EagleHead(head_arch(ckpt.arch))
     emb = ckpt.weights["model.embed_tokens.weight"]
     fp = target_fingerprint(ckpt.arch, ckpt.tokenizer.fingerprint() if ckpt.tokenizer is not None else None, emb)
-    meta = {"method": "eagle", "target": fp, "target_name": "tiny", "intermediate_size": ckpt.arch.intermediate_size}
+    meta = {"method": method, "target": fp, "target_name": "tiny", "intermediate_size": ckpt.arch.intermediate_size,
+            "num_heads": 3}
     meta.update(card)
     save_head(path, head, torch.arange(ckpt.arch.vocab_size), meta)
     return path

@@ -44,11 +44,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--spec-method", choices=["none", "draft", "ngram", "reference", "lookahead", "eagle"], default=None,
+    s.add_argument("--spec-method", choices=["none", "draft", "ngram", "reference", "lookahead", "eagle", "medusa"], default=None,
                    help="proposer (default: draft when --draft-model is given, else none)")
     s.add_argument("--draft-model", default=None,
                    help="draft model (bundled name, GGUF or HF dir; auto: the bundled smaller sibling of a bundled target); "
-                        "with --spec-method eagle: a head file from `specserve train-draft` (default: the one trained "
+                        "with --spec-method eagle | medusa: a head file from `specserve train-draft` (default: the one trained "
                         "for this model in the cache)")
     s.add_argument("--num-spec-tokens", type=int, default=8, help="maximum draft tokens K per step (the policy picks <= this)")
     s.add_argument("--spec-policy", choices=["adaptive", "always", "off"], default="adaptive",
@@ -500,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Exit status 0 when every audit passes, 3 when one fails (for CI and canaries).")
     p.add_argument("--model", required=True, help="bundled name, GGUF file or HF directory")
     p.add_argument("--prompts", required=True, help="prompt file: one per line, or JSON lines with a \"prompt\"")
-    p.add_argument("--spec-method", default="none", choices=["none", "ngram", "reference", "lookahead", "draft", "eagle"],
+    p.add_argument("--spec-method", default="none", choices=["none", "ngram", "reference", "lookahead", "draft", "eagle", "medusa"],
                    help="audit speculation: model-free methods draft one-hot tokens; draft needs --draft-model")
     p.add_argument("--draft-model", default=None, help="draft model whose distribution proposes (auto: the bundled sibling)")
     p.add_argument("--precisions", default="",
@@ -530,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Self-distillation over a local corpus (default: the Python standard library's "
                                    "sources). Resumable: a rerun continues from the last checkpoint.")
     p.add_argument("--model", required=True, help="target model (bundled name, GGUF or HF dir)")
-    p.add_argument("--method", default="eagle", choices=["eagle"], help="drafter kind")
+    p.add_argument("--method", default="eagle", choices=["eagle", "medusa"], help="drafter kind")
     p.add_argument("--out", default=None, help="head file to write (default: the cache, where --draft-model auto finds it)")
     p.add_argument("--corpus", default=None, help="directory of text files (default: the Python standard library)")
     p.add_argument("--tokens", type=int, default=200_000, help="training tokens (target features extracted once)")
@@ -542,7 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the training tokens")
     p.add_argument("--batch-tokens", type=int, default=512, help="tokens per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, warm-up then cosine)")
-    p.add_argument("--depth", type=int, default=2, help="unrolled passes per step (the head reads its own predictions)")
+    p.add_argument("--depth", type=int, default=None,
+                   help="eagle: unrolled passes per step, the head reading its own predictions (default 2); "
+                        "medusa: heads, one per draft depth (default 3)")
     p.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the target's)")
     p.add_argument("--head-vocab", type=int, default=None, help="ids the head's LM head reads (default 16k / 32k)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop after this long (a rerun resumes)")

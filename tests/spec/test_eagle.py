@@ -132,3 +132,13 @@ def test_train_draft_end_to_end_on_smollm2_resumes_and_serves(smollm_path, tmp_p
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
     assert llm.engine.spec_counters["num_draft_tokens"] > 0
     assert llm.engine.check_integrity()
+
+    medusa_out = tmp_path / "medusa.safetensors"
+    mcard = train_draft(TrainConfig(epochs=1, method="medusa", **{**cfg, "out": str(medusa_out)}))
+    assert mcard["method"] == "medusa" and mcard["num_heads"] == 3 and mcard["complete"]
+    assert mcard["extract_s"] < card["extract_s"]  # the same features, not extracted again
+    llm = LLM("smollm2-135m-instruct", spec_method="medusa", draft_model=str(medusa_out), spec_policy="always")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == [o.outputs[0].token_ids for o in base]
+    assert llm.engine.spec_counters["num_draft_tokens"] > 0
+    with pytest.raises(ConfigError, match="not a 'eagle' head"):
+        LLM("smollm2-135m-instruct", spec_method="eagle", draft_model=str(medusa_out))

@@ -51,19 +51,20 @@ def _greedy(n=20, **kw):
 
 
 PROPOSERS = ["ngram", "reference", "reference-chain", "lookahead", "draft-truncated", "draft-full", "draft-restricted",
-             "draft-pmin", "eagle", "eagle-chain"]
-_HEADS: dict[int, str] = {}
+             "draft-pmin", "eagle", "eagle-chain", "medusa"]
+_HEADS: dict[tuple[int, str], str] = {}
 
 
-def _eagle_head(ckpt) -> str:
-    """A random EAGLE head file for this tiny target (one per checkpoint per session)."""
+def _head(ckpt, method: str) -> str:
+    """A random EAGLE or Medusa head file for this tiny target (one per checkpoint per session)."""
     import tempfile
 
     from conftest import make_head_file
 
-    if id(ckpt) not in _HEADS:
-        _HEADS[id(ckpt)] = str(make_head_file(ckpt, f"{tempfile.mkdtemp(prefix='eagle-')}/head.safetensors"))
-    return _HEADS[id(ckpt)]
+    if (id(ckpt), method) not in _HEADS:
+        path = f"{tempfile.mkdtemp(prefix=method)}/head.safetensors"
+        _HEADS[id(ckpt), method] = str(make_head_file(ckpt, path, method=method))
+    return _HEADS[id(ckpt), method]
 
 
 def _spec_llm(ckpt, which, policy="always", **kw):
@@ -83,7 +84,9 @@ def _spec_llm(ckpt, which, policy="always", **kw):
     if which.startswith("eagle"):
         kw.setdefault("spec_tree", "chain" if which == "eagle-chain" else "tree")
         kw.setdefault("draft_p_min", 0.0)  # a random head is unsure of everything
-        return _llm(ckpt, "eagle", policy, draft_model=_eagle_head(ckpt), **kw)
+        return _llm(ckpt, "eagle", policy, draft_model=_head(ckpt, "eagle"), **kw)
+    if which == "medusa":
+        return _llm(ckpt, "medusa", policy, draft_model=_head(ckpt, "medusa"), **kw)
     return _llm(ckpt, which, policy, **kw)
 
 
@@ -115,8 +118,9 @@ def test_tiny_greedy_spec_equals_plain_batched_and_alone(tiny, which):
         assert eng.spec_counters["num_accepted_tokens"] == eng.spec_counters["num_draft_tokens"]
     assert eng.check_integrity()
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
-    if which.startswith(("draft", "eagle")):
+    if which.startswith(("draft", "eagle", "medusa")):
         assert not eng.proposer.live_request_ids()
+    if which.startswith(("draft", "eagle")):
         assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
 
 
@@ -255,7 +259,8 @@ def _tv_permutation_test(a: np.ndarray, b: np.ndarray, n_perm: int = 200, seed: 
     return observed, p
 
 
-@pytest.mark.parametrize("which", ["draft-truncated", "ngram", "lookahead", "draft-restricted", "draft-pmin", "eagle"])
+@pytest.mark.parametrize("which", ["draft-truncated", "ngram", "lookahead", "draft-restricted", "draft-pmin", "eagle",
+                                   "medusa"])
 def test_tiny_sampled_distribution_matches(which):
     """First 4 generated tokens with speculation vs without: same joint distribution.
 

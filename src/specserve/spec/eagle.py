@@ -463,42 +463,60 @@ class EagleProposer(PassTimer, Proposer):
 
 
 # ----------------------------------------------------------------------------- building
-def build_eagle(path: str | Path, target_runner: object, target_fp: str, cache_block_size: int, num_blocks: int,
-                max_positions: int, p_min: float, tree: bool, seed: int, quantize: bool) -> EagleProposer:
-    """Load a head file for the target behind `target_runner`; quantize its matrices to Q8_0
-    blocks for the native kernels when the target runs them."""
+def load_head_for(path: str | Path, method: str, target_fp: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, card) of a `method` head file trained for the target with fingerprint target_fp."""
     tensors, card = load_head_file(path)
-    if card.get("method") != "eagle":
-        raise ConfigError(f"{path} is a {card.get('method')!r} head, not an EAGLE head.")
+    if card.get("method") != method:
+        raise ConfigError(f"{path} is a {card.get('method')!r} head, not a {method!r} head; use --spec-method "
+                          f"{card.get('method')}.")
     if card.get("target") != target_fp:
         raise ConfigError(
             f"The head {path} was trained for another target ({card.get('target_name', '?')}, fingerprint "
             f"{card.get('target')}); this model's fingerprint is {target_fp}. Train one for it: "
-            "`specserve train-draft --method eagle --model MODEL`."
+            f"`specserve train-draft --method {method} --model MODEL`."
         )
-    tarch = target_runner.arch
-    arch = head_arch(tarch, int(card["intermediate_size"]))
-    token_ids = tensors.pop("token_ids")
-    with torch.device("meta"):
-        head = EagleHead(arch)
-    head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True, assign=True)
-    model = target_runner.model
-    lm = model.lm_head
-    # The restricted LM head: the target's rows for the head's ids (blocks kept as they are).
-    from specserve.models.block_linear import BlockQuantLinear, enable_native_ops, quantize_q8_0
+    return tensors, card
 
+
+def restricted_lm_head(target_runner: object, token_ids: torch.Tensor) -> RestrictedLMHead:
+    """The target's LM head over token_ids only: its rows, blocks kept as they are (no dequantizing)."""
+    from specserve.models.block_linear import BlockQuantLinear
+
+    lm = target_runner.model.lm_head
     if isinstance(lm, BlockQuantLinear):
         pw = lm.packed()
         rows = pw.data.index_select(0, token_ids)
         proj: nn.Module | torch.Tensor = BlockQuantLinear(pw._replace(data=rows, shape=(rows.shape[0], pw.shape[1])))
     else:
         proj = float_rows(lm, token_ids)
-    lm_head = RestrictedLMHead(proj, token_ids, tarch.vocab_size)
+    return RestrictedLMHead(proj, token_ids, target_runner.arch.vocab_size)
+
+
+def quantize_linears(modules: list[nn.Module]) -> None:
+    """Every nn.Linear child of `modules` whose rows split into 32-value blocks -> Q8_0 blocks."""
+    from specserve.models.block_linear import BlockQuantLinear, quantize_q8_0
+
+    for mod in modules:
+        for name, child in list(mod.named_children()):
+            if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
+                setattr(mod, name, BlockQuantLinear(quantize_q8_0(child.weight), child.bias))
+
+
+def build_eagle(path: str | Path, target_runner: object, target_fp: str, cache_block_size: int, num_blocks: int,
+                max_positions: int, p_min: float, tree: bool, seed: int, quantize: bool) -> EagleProposer:
+    """Load an EAGLE head file for the target behind `target_runner`; quantize its matrices to
+    Q8_0 blocks for the native kernels when the target runs them."""
+    tensors, card = load_head_for(path, "eagle", target_fp)
+    arch = head_arch(target_runner.arch, int(card["intermediate_size"]))
+    token_ids = tensors.pop("token_ids")
+    with torch.device("meta"):
+        head = EagleHead(arch)
+    head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True, assign=True)
+    lm_head = restricted_lm_head(target_runner, token_ids)
     if quantize:
-        for mod in [head, head.layer.self_attn, head.layer.mlp]:
-            for name, child in list(mod.named_children()):
-                if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
-                    setattr(mod, name, BlockQuantLinear(quantize_q8_0(child.weight), child.bias))
+        from specserve.models.block_linear import enable_native_ops
+
+        quantize_linears([head, head.layer.self_attn, head.layer.mlp])
         enable_native_ops(head)
-    return EagleProposer(head, model.model.embed_tokens, lm_head, num_blocks, cache_block_size, max_positions,
-                         p_min=p_min, tree=tree, seed=seed, card=card)
+    return EagleProposer(head, target_runner.model.model.embed_tokens, lm_head, num_blocks, cache_block_size,
+                         max_positions, p_min=p_min, tree=tree, seed=seed, card=card)

@@ -81,21 +81,37 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
                               p_min=ctx.spec.draft_p_min, tree=ctx.spec.use_trees(DraftModelProposer.traits.tree_by_default))
 
 
-def _build_eagle(ctx: ProposerContext) -> Proposer:
-    from specserve.engine.runner import ROPE_SLACK
-    from specserve.spec.eagle import build_eagle, default_head_path, target_fingerprint
+def _head_for_target(ctx: ProposerContext, method: str) -> tuple[object, str, object, bool]:
+    """(target runner, its fingerprint, the head file, whether to quantize the head) for a
+    feature-level drafter: --draft-model FILE, or (None / auto) the head train-draft left in the cache."""
+    from specserve.spec.eagle import default_head_path, target_fingerprint
 
     runner = ctx.target_runner
     if runner is None:
-        raise ConfigError("--spec-method eagle needs the target model's runner (an engine builds it).")
+        raise ConfigError(f"--spec-method {method} needs the target model's runner (an engine builds it).")
     fp = target_fingerprint(runner.arch, ctx.tokenizer.fingerprint() if ctx.tokenizer is not None else None,
                             runner.model.model.embed_tokens.weight)
     path = ctx.spec.draft_model
     if path in (None, "auto"):
-        path = default_head_path(fp, "eagle")
+        path = default_head_path(fp, method)
     quantize = ctx.model.quantization in ("auto", "int4") and getattr(runner, "native_ops", False)
+    return runner, fp, path, quantize
+
+
+def _build_eagle(ctx: ProposerContext) -> Proposer:
+    from specserve.engine.runner import ROPE_SLACK
+    from specserve.spec.eagle import build_eagle
+
+    runner, fp, path, quantize = _head_for_target(ctx, "eagle")
     return build_eagle(path, runner, fp, ctx.cache.block_size, ctx.target_num_blocks, ctx.max_model_len + ROPE_SLACK,
                        p_min=ctx.spec.draft_p_min, tree=ctx.spec.use_trees(True), seed=ctx.model.seed, quantize=quantize)
+
+
+def _build_medusa(ctx: ProposerContext) -> Proposer:
+    from specserve.spec.medusa import build_medusa
+
+    runner, fp, path, quantize = _head_for_target(ctx, "medusa")
+    return build_medusa(path, runner, fp, tree=ctx.spec.use_trees(True), seed=ctx.model.seed, quantize=quantize)
 
 
 def default_draft_quantization(draft: str | None, target: str | None) -> str:
@@ -155,6 +171,7 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerContext], Proposer]] = {
     "draft": _build_draft,
     "lookahead": _build_lookahead,
     "eagle": _build_eagle,
+    "medusa": _build_medusa,
 }
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from specserve.errors import ConfigError
 
-METHODS = ("eagle",)
+METHODS = ("eagle", "medusa")
 CHECKPOINT_EVERY_S = 60.0
 
 
@@ -50,7 +50,7 @@ class TrainConfig:
     epochs: float = 2.0
     batch_tokens: int = 512  # per optimizer step: smaller steps learned more per second (SmolLM2: 0.43 vs 0.39 top-1 at 2048)
     lr: float = 1e-3
-    depth: int = 2  # unrolled passes per training step
+    depth: int | None = None  # eagle: unrolled passes per step (default 2); medusa: heads (default 3)
     # Cross-entropy against the target's distribution, beside the feature loss (weight 1). EAGLE's
     # 0.1 suits long runs; in a CPU budget 1.0 gave 0.39 held-out top-1 vs 0.25 (5.0: 0.39).
     ce_weight: float = 1.0
@@ -299,9 +299,9 @@ class _Frozen:
         self.token_ids = token_ids
 
 
-def _losses(head, frozen: _Frozen, toks: torch.Tensor, feats: torch.Tensor, cos, sin, depth: int,  # noqa: ANN001
-            noise: float, ce_weight: float = 0.1) -> tuple[torch.Tensor, list[float]]:
-    """Training loss over a batch [B, S] and the top-1 agreement per depth."""
+def _eagle_losses(head, frozen: _Frozen, toks: torch.Tensor, feats: torch.Tensor, cos, sin, depth: int,  # noqa: ANN001
+                  noise: float, ce_weight: float) -> tuple[torch.Tensor, list[float]]:
+    """EAGLE's loss over a batch [B, S] and the top-1 agreement with the target per depth."""
     f = feats.float()
     emb = frozen.embed[toks[:, 1:]]  # x_{i+1} for i = 0 .. S-2
     inp = f[:, :-1]
@@ -325,6 +325,74 @@ def _losses(head, frozen: _Frozen, toks: torch.Tensor, feats: torch.Tensor, cos,
     return total, accs
 
 
+def _medusa_losses(heads, frozen: _Frozen, feats: torch.Tensor) -> tuple[torch.Tensor, list[float]]:  # noqa: ANN001
+    """Medusa's loss: head d on f_t against the target's distribution of x_{t+1+d} (its LM head on
+    f_{t+d}); top-1 agreement per head."""
+    f = feats.float()
+    s = f.shape[1]
+    with torch.no_grad():
+        p_all = torch.softmax(f @ frozen.head_w.T, dim=-1)
+        want_all = p_all.argmax(-1)
+    total = torch.zeros(())
+    accs = []
+    for d, head in enumerate(heads.heads, start=1):
+        h = head(f[:, : s - d])
+        logq = torch.log_softmax(h @ frozen.head_w.T, dim=-1)
+        total = total + (0.8 ** (d - 1)) * -(p_all[:, d:] * logq).sum(-1).mean()
+        accs.append(float((logq.argmax(-1) == want_all[:, d:]).float().mean()))
+    return total, accs
+
+
+class _EagleTrainer:
+    """EAGLE's head, its loss and what its card and checkpoint record."""
+
+    def __init__(self, cfg: TrainConfig, arch, frozen: _Frozen) -> None:  # noqa: ANN001
+        from specserve.engine.runner import ROPE_SLACK
+        from specserve.models.llama import RotaryEmbedding
+        from specserve.spec.eagle import EagleHead, head_arch
+
+        self.cfg, self.frozen = cfg, frozen
+        self.depth = cfg.depth or 2
+        self.arch = head_arch(arch, cfg.intermediate_size)
+        self.module = EagleHead(self.arch)
+        rope = RotaryEmbedding(self.arch.head_dim, self.arch.rope_theta, cfg.seq_len + ROPE_SLACK)
+        self.cos, self.sin = rope.cos, rope.sin
+
+    def losses(self, toks: torch.Tensor, feats: torch.Tensor, noise: float) -> tuple[torch.Tensor, list[float]]:
+        return _eagle_losses(self.module, self.frozen, toks, feats, self.cos, self.sin, self.depth, noise,
+                             self.cfg.ce_weight)
+
+    def ident(self) -> dict:
+        return {"arch": asdict(self.arch), "depth": self.depth, "ce_weight": self.cfg.ce_weight}
+
+    def card(self) -> dict:
+        return {"intermediate_size": self.arch.intermediate_size, "depth": self.depth}
+
+
+class _MedusaTrainer:
+    """Medusa's heads (one per depth) and their loss."""
+
+    def __init__(self, cfg: TrainConfig, arch, frozen: _Frozen) -> None:  # noqa: ANN001
+        from specserve.spec.medusa import MedusaHeads
+
+        self.frozen = frozen
+        self.depth = cfg.depth or 3
+        self.module = MedusaHeads(arch.hidden_size, self.depth)
+
+    def losses(self, toks: torch.Tensor, feats: torch.Tensor, noise: float) -> tuple[torch.Tensor, list[float]]:
+        del toks, noise  # a Medusa head reads the feature alone, never a fed prediction
+        return _medusa_losses(self.module, self.frozen, feats)
+
+    def ident(self) -> dict:
+        return {"num_heads": self.depth}
+
+    def card(self) -> dict:
+        return {"num_heads": self.depth, "depth": self.depth}
+
+
+TRAINERS = {"eagle": _EagleTrainer, "medusa": _MedusaTrainer}
+
+
 def _fast_dtype(hidden: int, vocab: int) -> torch.dtype:
     """bfloat16 where this CPU multiplies it faster than float32 (AVX512-BF16 / AMX: 2x and more),
     else float32 (an AVX2-only CPU emulates bfloat16): timed, not guessed."""
@@ -343,16 +411,8 @@ def _fast_dtype(hidden: int, vocab: int) -> torch.dtype:
 def train_draft(cfg: TrainConfig) -> dict:
     """Train (or resume) a head for cfg.model; returns its card."""
     from specserve import LLM
-    from specserve.engine.runner import ROPE_SLACK
     from specserve.models.bundled import cache_dir
-    from specserve.models.llama import RotaryEmbedding
-    from specserve.spec.eagle import (
-        EagleHead,
-        default_head_path,
-        head_arch,
-        save_head,
-        target_fingerprint,
-    )
+    from specserve.spec.eagle import default_head_path, save_head, target_fingerprint
 
     if cfg.method not in METHODS:
         raise ConfigError(f"--method {cfg.method!r} is not trainable here; use one of {', '.join(METHODS)}.")
@@ -371,8 +431,10 @@ def train_draft(cfg: TrainConfig) -> dict:
     arch = engine.arch
     fp = target_fingerprint(arch, tok.fingerprint(), engine.runner.model.model.embed_tokens.weight)
     out = Path(cfg.out) if cfg.out else default_head_path(fp, cfg.method)
-    work = Path(cfg.work_dir) if cfg.work_dir else cache_dir() / "train" / f"{fp}-{cfg.method}"
+    # Features and conversations are the target's, shared by every method; checkpoints are per method.
+    work = Path(cfg.work_dir) if cfg.work_dir else cache_dir() / "train" / fp
     work.mkdir(parents=True, exist_ok=True)
+    state_path = work / f"state-{cfg.method}.pt"
     if cfg.fresh:
         for p in work.glob("*"):
             p.unlink()
@@ -410,10 +472,8 @@ def train_draft(cfg: TrainConfig) -> dict:
     frozen = _Frozen(engine, token_ids)
     inside = float(torch.isin(htoks[:, 1:], token_ids).float().mean())  # held-out text the head can draft
 
-    harch = head_arch(arch, cfg.intermediate_size)
-    head = EagleHead(harch)
-    rope = RotaryEmbedding(harch.head_dim, harch.rope_theta, cfg.seq_len + ROPE_SLACK)
-    cos, sin = rope.cos, rope.sin
+    trainer = TRAINERS[cfg.method](cfg, arch, frozen)
+    head = trainer.module
     per_step = max(1, cfg.batch_tokens // cfg.seq_len)
     steps_per_epoch = max(1, len(toks) // per_step)
     total_steps = max(1, int(cfg.epochs * steps_per_epoch))
@@ -429,9 +489,7 @@ def train_draft(cfg: TrainConfig) -> dict:
     hist = _History()
     step = 0
     train_s = 0.0
-    state_path = work / "state.pt"
-    ident = {"arch": asdict(harch), "vocab": head_vocab, "seq_len": cfg.seq_len, "depth": cfg.depth,
-             "ce_weight": cfg.ce_weight, "lr": cfg.lr}
+    ident = {"method": cfg.method, "vocab": head_vocab, "seq_len": cfg.seq_len, "lr": cfg.lr, **trainer.ident()}
     if state_path.is_file() and not cfg.fresh:
         st = torch.load(state_path, weights_only=False)
         if st.get("ident") == ident:
@@ -446,13 +504,13 @@ def train_draft(cfg: TrainConfig) -> dict:
         with torch.no_grad():
             for b in range(0, len(htoks), per_step):
                 with torch.autocast("cpu", dtype=amp, enabled=amp != torch.float32):
-                    _, a = _losses(head, frozen, htoks[b : b + per_step], hfeats[b : b + per_step], cos, sin, cfg.depth, 0.0)
+                    _, a = trainer.losses(htoks[b : b + per_step], hfeats[b : b + per_step], 0.0)
                 accs.append(a)
         head.train()
-        return [sum(a[d] for a in accs) / len(accs) for d in range(cfg.depth)]
+        return [sum(a[d] for a in accs) / len(accs) for d in range(trainer.depth)]
 
     def save_state() -> None:
-        tmp = state_path.with_name("state.pt.tmp")
+        tmp = state_path.with_name(state_path.name + ".tmp")
         torch.save({"ident": ident, "head": head.state_dict(), "opt": opt.state_dict(), "step": step,
                     "train_s": train_s, "hist": asdict(hist)}, tmp)
         tmp.replace(state_path)
@@ -475,8 +533,7 @@ def train_draft(cfg: TrainConfig) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=amp, enabled=amp != torch.float32):
-            loss, accs = _losses(head, frozen, toks[idx], feats[idx], cos, sin, cfg.depth, noise=cfg.noise,
-                                 ce_weight=cfg.ce_weight)
+            loss, accs = trainer.losses(toks[idx], feats[idx], cfg.noise)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -504,12 +561,11 @@ def train_draft(cfg: TrainConfig) -> dict:
         "target": fp,
         "target_name": cfg.model,
         "hidden_size": arch.hidden_size,
-        "intermediate_size": harch.intermediate_size,
+        **trainer.card(),
         "head_vocab": int(len(token_ids)),
         "heldout_tokens_in_head_vocab": round(inside, 4),
         "corpus": cfg.corpus or "python-stdlib",
         "seq_len": cfg.seq_len,
-        "depth": cfg.depth,
         "train_tokens": int(toks.numel()),
         "heldout_tokens": int(htoks.numel()),
         "steps": step,
