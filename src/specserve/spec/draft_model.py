@@ -260,6 +260,21 @@ class PassTimer:
         self.time_s += self.last_time_s
 
 
+class CandidateWidth:
+    """Children per expanded node of a head drafter's tree: CHILDREN (trees) or 1 (chains)."""
+
+    children = CHILDREN
+
+    @property
+    def tree(self) -> bool:
+        """Trees (CHILDREN candidates per expanded node) or chains (one)."""
+        return self.children > 1
+
+    @tree.setter
+    def tree(self, value: bool) -> None:
+        self.children = CHILDREN if value else 1
+
+
 @register_proposer("draft")
 class DraftModelProposer(PassTimer, Proposer):
     """Autoregressive drafting with a smaller model over its own paged KV cache."""

@@ -48,6 +48,7 @@ from specserve.spec.draft_model import (
     CHILDREN,
     EXPAND_WIDTH,
     MAX_PASSES,
+    CandidateWidth,
     PassTimer,
     _TreeDraft,
     expand_candidates,
@@ -239,7 +240,7 @@ class _EagleTree(_TreeDraft):
 
 
 @register_proposer("eagle")
-class EagleProposer(PassTimer, Proposer):
+class EagleProposer(PassTimer, CandidateWidth, Proposer):
     """Trees from a one-layer head over the target's features (see the module docstring)."""
 
     traits = ProposerTraits(cost="per_pass", trees=True, tree_by_default=True, needs_hidden_states=True,
@@ -265,15 +266,6 @@ class EagleProposer(PassTimer, Proposer):
         self.generator = torch.Generator()
         self.generator.manual_seed(seed + 2)
         self.num_forwards = 0
-
-    @property
-    def tree(self) -> bool:
-        """Trees (CHILDREN candidates per expanded node) or chains (one)."""
-        return self.children > 1
-
-    @tree.setter
-    def tree(self, value: bool) -> None:
-        self.children = CHILDREN if value else 1
 
     # ------------------------------------------------------------------ features in
     def observe_hidden(self, hidden: dict) -> None:

@@ -21,7 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.request import Request
-from specserve.spec.draft_model import CHILDREN, PassTimer, _TreeDraft, expand_candidates
+from specserve.spec.draft_model import (
+    CHILDREN,
+    CandidateWidth,
+    PassTimer,
+    _TreeDraft,
+    expand_candidates,
+)
 from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
 from specserve.spec.tree import DraftTree
 
@@ -68,7 +74,7 @@ class _Seq:
 
 
 @register_proposer("medusa")
-class MedusaProposer(PassTimer, Proposer):
+class MedusaProposer(PassTimer, CandidateWidth, Proposer):
     """Trees from M heads on the target's newest hidden state (see the module docstring)."""
 
     traits = ProposerTraits(cost="per_pass", trees=True, tree_by_default=True, needs_hidden_states=True,
@@ -85,15 +91,6 @@ class MedusaProposer(PassTimer, Proposer):
         self.generator = torch.Generator()
         self.generator.manual_seed(seed + 3)
         self.num_forwards = 0
-
-    @property
-    def tree(self) -> bool:
-        """Trees (several candidates per depth) or chains (each head's most likely token)."""
-        return self.children > 1
-
-    @tree.setter
-    def tree(self, value: bool) -> None:
-        self.children = CHILDREN if value else 1
 
     # ------------------------------------------------------------------ features in
     def observe_hidden(self, hidden: dict) -> None:
