@@ -146,7 +146,7 @@ def section_trees(b: Bench) -> list[dict]:
     """Batch 1, greedy: plain / chain / tree per proposer, the modes interleaved prompt by prompt."""
     rows = []
     for method in b.args.tree_methods:
-        llm = b.llm(method, "adaptive", 8, spec_tree="tree")  # built for trees (profiles tree shapes); modes switch below
+        llm = b.llm(method, b.args.tree_policy, 8, spec_tree="tree")  # built for trees (profiles tree shapes); modes switch below
         eng = llm.engine
         sets = {"coding": b.coding, "edit": b.edit, "prose": b.prose}
         for set_name, prompts in [(n, sets[n]) for n in b.args.tree_sets]:
@@ -172,7 +172,9 @@ def section_trees(b: Bench) -> list[dict]:
                     plain_ids = ids if mode == "plain" else plain_ids
                     a["same"] += ids == plain_ids  # greedy speculation must reproduce plain decoding
             pol = eng.policy
-            pass_ratio = pol.draft_time(1) / pol.target_time(1) if eng.proposer.traits.cost == "per_pass" else 0.0
+            # From the policy's start-up timings (made by the adaptive policy only).
+            profiled = b.args.tree_policy == "adaptive" and eng.proposer.traits.cost == "per_pass"
+            pass_ratio = pol.draft_time(1) / pol.target_time(1) if profiled else None
             for mode in TREE_MODES:
                 a = acc[mode]
                 rows.append({
@@ -445,6 +447,8 @@ def main() -> int:
                     help="extra batch-1 rows: none-int8 = plain decoding of the int8 target")
     ap.add_argument("--tree-methods", nargs="+", default=["draft", "ngram", "reference", "lookahead"])
     ap.add_argument("--sections", nargs="+", default=["trees", "batch1", "ksweep", "batchsweep", "hf"])
+    ap.add_argument("--tree-policy", default="adaptive", choices=["adaptive", "always"],
+                    help="trees section: the policy (always: every step drafts, to measure acceptance)")
     ap.add_argument("--tree-sets", nargs="+", default=["coding", "edit"], choices=["coding", "edit", "prose"],
                     help="prompt sets of the trees section")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per set")

@@ -533,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="eagle", choices=["eagle", "medusa"], help="drafter kind")
     p.add_argument("--out", default=None, help="head file to write (default: the cache, where --draft-model auto finds it)")
     p.add_argument("--corpus", default=None, help="directory of text files (default: the Python standard library)")
-    p.add_argument("--tokens", type=int, default=200_000, help="training tokens (target features extracted once)")
+    p.add_argument("--tokens", type=int, default=150_000, help="training tokens (target features extracted once)")
     p.add_argument("--heldout-tokens", type=int, default=8192, help="held-out tokens (files never trained on)")
     p.add_argument("--generated-share", type=float, default=0.5,
                    help="share of --tokens from conversations the target writes itself, greedy (prompts built from "
