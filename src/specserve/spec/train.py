@@ -413,6 +413,32 @@ def _fast_dtype(hidden: int, vocab: int) -> torch.dtype:
     return torch.bfloat16 if best[torch.bfloat16] < 0.7 * best[torch.float32] else torch.float32
 
 
+def _features(cfg: TrainConfig, llm, work: Path) -> tuple[list[Path], list[Path]]:  # noqa: ANN001 - LLM
+    """Feature shards (train, held-out) of corpus text and of the target's own conversations,
+    reusing whatever an earlier run left in `work`."""
+    tok = llm.engine.tokenizer
+    files = corpus_files(cfg.corpus)
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    n_gen = int(cfg.tokens * cfg.generated_share)
+    train_files, held_files = split_files(files, cfg.seed)
+    if not held_files or not train_files:
+        raise ConfigError(f"The corpus needs at least 2 files (train and held-out); it has {len(files)}.")
+    n_held_text = cfg.heldout_tokens - (cfg.heldout_tokens // 2 if n_gen else 0)
+    train_seqs = _sequences(train_files, encode, cfg.seq_len, cfg.tokens - n_gen, cfg.seed)
+    held_seqs = _sequences(held_files, encode, cfg.seq_len, n_held_text, cfg.seed)
+    if n_gen:
+        train_seqs += _generated_sequences(llm, train_files, n_gen, cfg.seq_len, cfg.seed, work, cfg.generate_max_tokens)
+        held_seqs += _generated_sequences(llm, held_files, cfg.heldout_tokens // 2, cfg.seq_len, cfg.seed + 1000, work,
+                                          cfg.generate_max_tokens)
+    if not train_seqs or not held_seqs:
+        raise ConfigError(f"The corpus has too little text for --seq-len {cfg.seq_len} (train {len(train_seqs)}, "
+                          f"held-out {len(held_seqs)} sequences).")
+    return _extract(cfg, llm.engine, train_seqs, work, "train"), _extract(cfg, llm.engine, held_seqs, work, "heldout")
+
+
 def train_draft(cfg: TrainConfig) -> dict:
     """Train (or resume) a head for cfg.model; returns its card."""
     from specserve import LLM
@@ -449,28 +475,8 @@ def train_draft(cfg: TrainConfig) -> dict:
     head_vocab = cfg.head_vocab or default_head_vocab(arch.vocab_size)
     token_ids = frequent_token_subset(tok, arch.vocab_size, head_vocab)
 
-    files = corpus_files(cfg.corpus)
-
-    def encode(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False)
-
     t0 = time.perf_counter()
-    n_gen = int(cfg.tokens * cfg.generated_share)
-    train_files, held_files = split_files(files, cfg.seed)
-    if not held_files or not train_files:
-        raise ConfigError(f"The corpus needs at least 2 files (train and held-out); it has {len(files)}.")
-    n_held_text = cfg.heldout_tokens - (cfg.heldout_tokens // 2 if n_gen else 0)
-    train_seqs = _sequences(train_files, encode, cfg.seq_len, cfg.tokens - n_gen, cfg.seed)
-    held_seqs = _sequences(held_files, encode, cfg.seq_len, n_held_text, cfg.seed)
-    if n_gen:
-        train_seqs += _generated_sequences(llm, train_files, n_gen, cfg.seq_len, cfg.seed, work, cfg.generate_max_tokens)
-        held_seqs += _generated_sequences(llm, held_files, cfg.heldout_tokens // 2, cfg.seq_len, cfg.seed + 1000, work,
-                                          cfg.generate_max_tokens)
-    if not train_seqs or not held_seqs:
-        raise ConfigError(f"The corpus has too little text for --seq-len {cfg.seq_len} (train {len(train_seqs)}, "
-                          f"held-out {len(held_seqs)} sequences).")
-    train_paths = _extract(cfg, engine, train_seqs, work, "train")
-    held_paths = _extract(cfg, engine, held_seqs, work, "heldout")
+    train_paths, held_paths = _features(cfg, llm, work)
     extract_s = time.perf_counter() - t0
     toks, feats = _load_shards(train_paths)
     htoks, hfeats = _load_shards(held_paths)
