@@ -326,7 +326,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from specserve.spec.train import TrainConfig, train_draft
 
     fields = ("model", "method", "out", "corpus", "tokens", "heldout_tokens", "generated_share", "seq_len", "epochs", "batch_tokens", "lr",
-              "depth", "intermediate_size", "head_vocab", "max_minutes", "fresh", "seed", "quantization", "threads")
+              "depth", "intermediate_size", "head_vocab", "max_minutes", "fresh", "seed", "quantization", "threads", "work_dir")
     card = train_draft(TrainConfig(**{f: getattr(args, f) for f in fields}))
     done = "" if card["complete"] else f" (stopped at step {card['steps']} of {card['total_steps']}: rerun to resume)"
     print(f"wrote {card['path']}{done}")
@@ -549,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-vocab", type=int, default=None, help="ids the head's LM head reads (default 16k / 32k)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop after this long (a rerun resumes)")
     p.add_argument("--fresh", action="store_true", help="discard a previous run's features and checkpoint")
+    p.add_argument("--work-dir", default=None,
+                   help="features, conversations and checkpoints (default: $SPECSERVE_CACHE/train/<target>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantization", default=None, help="the target's precision (default: as it is served)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
