@@ -167,7 +167,9 @@ class MedusaProposer(PassTimer, CandidateWidth, Proposer):
             draft = t.select()
             if draft is not None:
                 out[req.request_id] = draft
-        self.record_timing(t0, [], len(active))
+        # Charged per depth, as the policy prices a drafter (the whole call: heads and tree building).
+        depth = max((d.max_depth for d in out.values()), default=1)
+        self.record_timing(t0, [(time.perf_counter() - t0) / depth] * depth, len(active))
         return out
 
 
