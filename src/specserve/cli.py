@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from specserve.config import SPEC_METHODS
 from specserve.errors import ConfigError, SpecServeError
 
 
@@ -44,12 +45,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--spec-method", choices=["none", "draft", "ngram", "reference", "lookahead", "eagle", "medusa"], default=None,
+    s.add_argument("--spec-method", choices=list(SPEC_METHODS), default=None,
                    help="proposer (default: draft when --draft-model is given, else none)")
     s.add_argument("--draft-model", default=None,
                    help="draft model (bundled name, GGUF or HF dir; auto: the bundled smaller sibling of a bundled target); "
-                        "with --spec-method eagle | medusa: a head file from `specserve train-draft` (default: the one trained "
-                        "for this model in the cache)")
+                        "with --spec-method eagle | medusa | layerskip: a head or exit file from `specserve train-draft` (default: the "
+                        "one trained for this model in the cache)")
     s.add_argument("--num-spec-tokens", type=int, default=8, help="maximum draft tokens K per step (the policy picks <= this)")
     s.add_argument("--spec-policy", choices=["adaptive", "always", "off"], default="adaptive",
                    help="adaptive: cost model decides K per request per step")
@@ -58,7 +59,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "auto: whichever measured faster for the proposer (trees: ngram, lookahead)")
     s.add_argument("--max-draft-nodes", type=int, default=16,
                    help="trees: most nodes per draft (the policy prunes to what pays each step)")
-    s.add_argument("--draft-num-layers", type=int, default=None, help="use only the draft's first N layers")
+    s.add_argument("--draft-num-layers", type=int, default=None, help="use only the draft's first N layers; layerskip: the target layer its draft exits after "
+                        "(default: the fitted exit's, else three quarters of the layers)")
     s.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "auto", "w8a8"],
                    help="draft model quantization (default: int4 when --quantization is auto, else as "
                         "--quantization); a draft's precision changes its acceptance rate, never the output")
@@ -326,12 +328,22 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from specserve.spec.train import TrainConfig, train_draft
 
     fields = ("model", "method", "out", "corpus", "tokens", "heldout_tokens", "generated_share", "seq_len", "epochs", "batch_tokens", "lr",
-              "depth", "intermediate_size", "head_vocab", "max_minutes", "fresh", "seed", "quantization", "threads", "work_dir")
+              "depth", "intermediate_size", "head_vocab", "max_minutes", "fresh", "seed", "quantization", "threads", "work_dir", "layers")
     card = train_draft(TrainConfig(**{f: getattr(args, f) for f in fields}))
-    done = "" if card["complete"] else f" (stopped at step {card['steps']} of {card['total_steps']}: rerun to resume)"
-    print(f"wrote {card['path']}{done}")
-    print(f"  trained on {card['tokens_seen']:,} tokens ({card['train_tokens']:,} distinct) in {card['wall_s']:.0f} s; "
-          f"held-out top-1 agreement by depth: {', '.join(f'{a:.2f}' for a in card['heldout_accept_by_depth'])}")
+    if card["method"] == "layerskip":
+        done = "" if card["complete"] else " (stopped early: rerun to resume)"
+        print(f"wrote {card['path']}{done}")
+        print(f"  fitted on {card['tokens_seen']:,} tokens in {card['wall_s']:.0f} s; exit after layer {card['num_layers']} of "
+              f"{card['target_layers']}: held-out top-1 {card['heldout_accept_depth1']:.2f}, predicted speedup "
+              f"{card['predicted_speedup']:.2f}x (layer share as the draft's cost)")
+        for r in card["candidates"]:
+            print(f"    layer {r['layer']:3d}: top-1 {r['heldout_top1']:.2f} (untrained {r['raw_top1']:.2f}), "
+                  f"predicted {r['predicted_speedup']:.2f}x at K = {r['best_k']}")
+    else:
+        done = "" if card["complete"] else f" (stopped at step {card['steps']} of {card['total_steps']}: rerun to resume)"
+        print(f"wrote {card['path']}{done}")
+        print(f"  trained on {card['tokens_seen']:,} tokens ({card['train_tokens']:,} distinct) in {card['wall_s']:.0f} s; "
+              f"held-out top-1 agreement by depth: {', '.join(f'{a:.2f}' for a in card['heldout_accept_by_depth'])}")
     print(f"  serve it: specserve serve --model {args.model} --spec-method {card['method']}"
           + ("" if args.out is None else f" --draft-model {card['path']}"))
     return 0
@@ -500,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Exit status 0 when every audit passes, 3 when one fails (for CI and canaries).")
     p.add_argument("--model", required=True, help="bundled name, GGUF file or HF directory")
     p.add_argument("--prompts", required=True, help="prompt file: one per line, or JSON lines with a \"prompt\"")
-    p.add_argument("--spec-method", default="none", choices=["none", "ngram", "reference", "lookahead", "draft", "eagle", "medusa"],
+    p.add_argument("--spec-method", default="none", choices=list(SPEC_METHODS),
                    help="audit speculation: model-free methods draft one-hot tokens; draft needs --draft-model")
     p.add_argument("--draft-model", default=None, help="draft model whose distribution proposes (auto: the bundled sibling)")
     p.add_argument("--precisions", default="",
@@ -530,10 +542,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Self-distillation over a local corpus (default: the Python standard library's "
                                    "sources). Resumable: a rerun continues from the last checkpoint.")
     p.add_argument("--model", required=True, help="target model (bundled name, GGUF or HF dir)")
-    p.add_argument("--method", default="eagle", choices=["eagle", "medusa"], help="drafter kind")
+    p.add_argument("--method", default="eagle", choices=["eagle", "medusa", "layerskip"],
+                   help="drafter kind (layerskip: an exit for the target's own first layers, fitted by least squares)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="layerskip: the exit layer (default: the best of several, by predicted speedup)")
     p.add_argument("--out", default=None, help="head file to write (default: the cache, where --draft-model auto finds it)")
     p.add_argument("--corpus", default=None, help="directory of text files (default: the Python standard library)")
-    p.add_argument("--tokens", type=int, default=150_000, help="training tokens (target features extracted once)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="training tokens (target features extracted once; default 150k, layerskip 32k)")
     p.add_argument("--heldout-tokens", type=int, default=8192, help="held-out tokens (files never trained on)")
     p.add_argument("--generated-share", type=float, default=0.5,
                    help="share of --tokens from conversations the target writes itself, greedy (prompts built from "

@@ -156,7 +156,9 @@ class SchedulerConfig:
             raise ConfigError("max_waiting must be >= 0 when given.")
 
 
-SPEC_METHODS = ("none", "draft", "ngram", "reference", "lookahead", "eagle", "medusa")
+SPEC_METHODS = ("none", "draft", "ngram", "reference", "lookahead", "eagle", "medusa", "layerskip")
+# Methods whose --draft-model is a file `specserve train-draft` fits for the target (auto: the cached one).
+HEAD_METHODS = ("eagle", "medusa", "layerskip")
 # A draft stops after a token it gives a probability below this (the token is still proposed).
 # Measured on Qwen2.5-Coder 1.5B + 0.5B (2-vCPU Xeon, coding prompts): 0.8 +5-7% tok/s over 0.
 DEFAULT_DRAFT_P_MIN = 0.8
@@ -171,7 +173,7 @@ SPEC_TREES = ("auto", "tree", "chain")
 class SpecConfig:
     """Speculative decoding: which proposer, how many tokens, and when to speculate."""
 
-    method: str = "none"  # none | draft | ngram | reference | lookahead | eagle | medusa
+    method: str = "none"  # none | draft | ngram | reference | lookahead | eagle | medusa | layerskip
     # Maximum K per request per step (chain length; for trees: how deep speculation pays). The
     # policy picks K <= this each step; 8 measured 3-4% faster than 4 with the Qwen 0.5B draft.
     num_spec_tokens: int = 8
@@ -179,7 +181,8 @@ class SpecConfig:
     policy: str = "adaptive"  # adaptive | always | off
     tree: str = "auto"  # auto | tree | chain (see SPEC_TREES)
     draft_model: str | None = None
-    draft_num_layers: int | None = None  # keep only the first N layers of the draft (layer-skip draft)
+    # draft: keep only the draft model's first N layers; layerskip: the target layer the draft exits after
+    draft_num_layers: int | None = None
     draft_kv_cache_gib: float | None = None  # default: a share of the target's budget
     draft_quantization: str | None = None  # None: int4 under a target on auto, else the target's
     # Restrict the draft LM head to the N most frequent token ids (0: the whole vocabulary; None:

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from specserve.config import EngineConfig
+from specserve.config import HEAD_METHODS, EngineConfig
 from specserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def resolve_defaults(config: EngineConfig, model_path: Path | None, has_blocks: 
     if model.quantization is None:
         is_gguf = has_blocks if has_blocks is not None else (model_path is not None and model_path.suffix == ".gguf")
         model = dataclasses.replace(model, quantization=default_quantization(model.device, bool(is_gguf)))
-    if spec.draft_model == "auto" and spec.method not in ("eagle", "medusa"):  # heads: the one trained here (factory)
+    if spec.draft_model == "auto" and spec.method not in HEAD_METHODS:  # heads: the one trained here (factory)
         spec = dataclasses.replace(spec, draft_model=bundled_draft(config.model.model))
     return dataclasses.replace(config, model=model, spec=spec)
 

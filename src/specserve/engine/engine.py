@@ -29,7 +29,7 @@ from specserve.progress import bar
 from specserve.request import Request, RequestStatus
 from specserve.sampling.grammar import GrammarCompiler
 from specserve.sampling_params import SamplingParams
-from specserve.spec.factory import ProposerContext, build_proposer
+from specserve.spec.factory import ProposerContext, build_proposer, reserved_kv_blocks
 from specserve.spec.policy import SpecPolicy
 from specserve.spec.proposer import Proposer
 from specserve.spec.tree import DraftTree
@@ -225,6 +225,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             checkpoint.arch, checkpoint.weights, config.model, config.cache, self.max_model_len,
             packed=checkpoint.packed,
+            reserved_blocks=reserved_kv_blocks(config.spec, config.scheduler.max_num_seqs, config.cache.block_size),
         )
         source = path if path is not None else checkpoint.source
         del checkpoint  # the runner holds converted copies; let the float32 originals go
@@ -321,6 +322,7 @@ class LLMEngine:
             spec=self.config.spec, model=self.config.model, cache=self.config.cache,
             max_model_len=self.max_model_len, tokenizer=self.tokenizer, target_vocab_size=self.arch.vocab_size,
             target_num_blocks=self.runner.num_blocks, draft_checkpoint=self._draft_checkpoint, target_runner=self.runner,
+            target_block_ids=self.kv_manager.block_ids,
         ))
         # Feature-level drafters read the target's hidden states of every verified token.
         self.runner.capture_hidden = proposer is not None and proposer.traits.needs_hidden_states

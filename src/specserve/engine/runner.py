@@ -127,6 +127,7 @@ class ModelRunner:
         max_model_len: int,
         vocab_subset: torch.Tensor | None = None,
         packed: dict[str, PackedWeight] | None = None,
+        reserved_blocks: int = 0,
     ) -> None:
         self.arch = arch
         self.device = model_config.torch_device
@@ -157,14 +158,19 @@ class ModelRunner:
         else:
             self.linear_backend = resolve_linear_backend(model_config.linear_backend, self.device, self.dtype)
             apply_linear_backend(self.model, self.linear_backend)
+        # Blocks the pool hands out, then `reserved_blocks` outside it, from the same budget: a
+        # layer-skip drafter's scratch for its draft tokens (reserved_block_ids), never the pool's.
         self.num_blocks = num_kv_blocks(arch, cache_config, self.dtype)
+        if cache_config.num_gpu_blocks_override is None:
+            self.num_blocks -= reserved_blocks
         if self.num_blocks < 1:
             raise ConfigError(
                 f"kv_cache_gib={cache_config.kv_cache_gib} holds no KV block for this model "
-                f"({kv_bytes_per_token(arch, cache_config, self.dtype) * self.block_size} bytes per block); "
-                "raise --kv-cache-gib."
+                f"({kv_bytes_per_token(arch, cache_config, self.dtype) * self.block_size} bytes per block"
+                + (f", {reserved_blocks} reserved for the drafter" if reserved_blocks else "") + "); raise --kv-cache-gib."
             )
-        shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        self.reserved_block_ids = list(range(self.num_blocks, self.num_blocks + reserved_blocks))
+        shape = (self.num_blocks + reserved_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         # Zero-filled: masked-out slots are still multiplied by a zero weight, so they must be finite.
         # An int8 cache adds per-(slot, head) k and v scales; zero scales make never-written
         # slots dequantize to exact zeros too.

@@ -306,12 +306,13 @@ def _weights_into_huge_pages(model: nn.Module) -> None:
         m.qweight = w
 
 
-def _decoder_stack(model: nn.Module, native: object) -> object | None:
-    """A native DecoderStack over every layer of `model`, or None when a layer has a float projection."""
+def _decoder_stack(model: nn.Module, native: object, layers: range | None = None) -> object | None:
+    """A native DecoderStack over the layers of `model` (all, or the range given; the weights are
+    the model's own tensors, not copies), or None when a layer has a float projection."""
     weights: list[torch.Tensor] = []
     qtypes: list[int] = []
     biases: list[torch.Tensor | None] = []
-    for layer in model.layers:
+    for layer in (model.layers if layers is None else [model.layers[i] for i in layers]):
         attn, mlp = layer.self_attn, layer.mlp
         projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -321,6 +322,17 @@ def _decoder_stack(model: nn.Module, native: object) -> object | None:
         weights += [norms[0].weight.detach(), q, k, v, o, norms[1].weight.detach(), gate, up, down]
         qtypes += [p.kernel_qtype for p in projs]
         biases += [None if p.bias is None else p.bias.detach() for p in projs[:3]]
+    if not weights:
+        return None
     a = model.layers[0].self_attn
     return native.DecoderStack(weights, qtypes, biases, a.num_heads, a.num_kv_heads, a.head_dim, model.norm.eps)
 
+
+def partial_decoder_stack(model: nn.Module, layers: range) -> object | None:
+    """A native DecoderStack over `layers` of a LlamaModel whose full stack is native (layer-skip
+    drafting, early-exit features), sharing its weights; None when the model has no native stack."""
+    if getattr(model, "native_stack", None) is None:
+        return None
+    from specserve.kernels import kernels
+
+    return _decoder_stack(model, kernels(), layers)

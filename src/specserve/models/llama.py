@@ -216,6 +216,20 @@ class LlamaModel(nn.Module):
                 hooks.after_layer(i, kv)
         return self.norm(x)
 
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata,
+                   layers: range, stack: object | None = None) -> torch.Tensor:  # [num_tokens, hidden], before any norm
+        """The residual stream after `layers` (a contiguous range) starting from x: a layer-skip
+        draft's first layers, or early-exit features. `stack`: a native DecoderStack over exactly
+        those layers (block_linear.partial_decoder_stack), used when the KV cache is float."""
+        caches = kv_caches[layers.start : layers.stop]
+        if stack is not None and len(caches[0]) == 2:
+            kv = [t for pair in caches for t in pair]
+            return stack.forward(x, positions, self.rotary.cos, self.rotary.sin, kv, meta.slot_mapping, meta.block_tables,
+                                 meta.attn_mask, meta.query_index, self.layers[0].self_attn.scale)
+        for i, kv in zip(layers, caches):
+            x = self.layers[i](x, positions, self.rotary, kv, meta)
+        return x
+
 
 class RestrictedLMHead(nn.Module):
     """An LM head over a subset of the vocabulary; every other token gets logit -inf.

@@ -27,6 +27,7 @@ class ProposerContext:
     target_num_blocks: int
     draft_checkpoint: object | None = None  # tests: an already loaded draft checkpoint
     target_runner: object | None = None  # the target's ModelRunner (feature-level drafters share its embedding and head)
+    target_block_ids: Callable[[str], list[int]] | None = None  # a request's target block table (read only)
 
 
 def _build_ngram(ctx: ProposerContext) -> Proposer:
@@ -114,6 +115,33 @@ def _build_medusa(ctx: ProposerContext) -> Proposer:
     return build_medusa(path, runner, fp, tree=ctx.spec.use_trees(True), seed=ctx.model.seed, quantize=quantize)
 
 
+def _build_layerskip(ctx: ProposerContext) -> Proposer:
+    from specserve.spec.layerskip import build_layerskip
+
+    runner, fp, path, quantize = _head_for_target(ctx, "layerskip")
+    if ctx.target_block_ids is None:
+        raise ConfigError("--spec-method layerskip reads the target's block tables; an engine provides them.")
+    if ctx.spec.draft_model in (None, "auto") and not path.is_file():  # type: ignore[attr-defined]
+        path = None  # no exit fitted for this model: the target's final norm
+    subset = None
+    vocab = default_draft_vocab(ctx.spec.draft_vocab_size, runner.arch.vocab_size)
+    if vocab is not None:
+        subset = frequent_token_subset(ctx.tokenizer, runner.arch.vocab_size, vocab)
+    return build_layerskip(runner, ctx.target_block_ids, ctx.spec.draft_num_layers, path, fp, subset,
+                           p_min=ctx.spec.draft_p_min, tree=ctx.spec.use_trees(False), seed=ctx.model.seed,
+                           quantize=quantize)
+
+
+def reserved_kv_blocks(spec: SpecConfig, max_num_seqs: int, block_size: int) -> int:
+    """KV blocks the target runner keeps outside its pool for the drafter (layer-skip scratch)."""
+    if spec.method != "layerskip":
+        return 0
+    from specserve.spec.layerskip import reserved_blocks
+
+    # The policy drafts for fewer than off_batch requests at a time.
+    return reserved_blocks(min(max_num_seqs, max(1, spec.off_batch)), block_size)
+
+
 def default_draft_quantization(draft: str | None, target: str | None) -> str:
     """--draft-quantization, else int4 when the target keeps its file's blocks (auto), else the
     target's. A draft's precision moves only its acceptance rate, never the output, and decode
@@ -172,6 +200,7 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerContext], Proposer]] = {
     "lookahead": _build_lookahead,
     "eagle": _build_eagle,
     "medusa": _build_medusa,
+    "layerskip": _build_layerskip,
 }
 
 

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from specserve.errors import ConfigError
 
-METHODS = ("eagle", "medusa")
+METHODS = ("eagle", "medusa", "layerskip")
+LAYERSKIP_TOKENS = 32_768  # default --tokens for an exit: a least-squares fit of hidden x hidden needs far fewer than a head
 CHECKPOINT_EVERY_S = 60.0
 
 
@@ -41,7 +42,7 @@ class TrainConfig:
     method: str = "eagle"
     out: str | None = None  # default: the cache's head path for this target
     corpus: str | None = None  # a directory of text files; default: the Python standard library
-    tokens: int = 150_000  # training tokens to extract features for (SmolLM2: ~9 min in all on 2 cores)
+    tokens: int | None = None  # training tokens to extract features for (default 150k; layerskip 32k)
     heldout_tokens: int = 8_192
     generated_share: float = 0.5  # of --tokens: conversations the target writes itself (rest: corpus text)
     generate_max_tokens: int = 256  # longest answer the target writes per conversation
@@ -62,6 +63,11 @@ class TrainConfig:
     seed: int = 0
     quantization: str | None = None  # the target's precision (default: as served)
     threads: int | None = None
+    layers: int | None = None  # layerskip: the exit layer (default: the best of several candidates)
+
+    def __post_init__(self) -> None:
+        if self.tokens is None:
+            self.tokens = LAYERSKIP_TOKENS if self.method == "layerskip" else 150_000
 
 
 @dataclass
@@ -416,6 +422,13 @@ def _fast_dtype(hidden: int, vocab: int) -> torch.dtype:
 def _features(cfg: TrainConfig, llm, work: Path) -> tuple[list[Path], list[Path]]:  # noqa: ANN001 - LLM
     """Feature shards (train, held-out) of corpus text and of the target's own conversations,
     reusing whatever an earlier run left in `work`."""
+    train_seqs, held_seqs = _training_sequences(cfg, llm, work)
+    return _extract(cfg, llm.engine, train_seqs, work, "train"), _extract(cfg, llm.engine, held_seqs, work, "heldout")
+
+
+def _training_sequences(cfg: TrainConfig, llm, work: Path) -> tuple[list[list[int]], list[list[int]]]:  # noqa: ANN001
+    """(train, held-out) token sequences: corpus text split by file, and the target's own
+    conversations (generated once, kept in `work`)."""
     tok = llm.engine.tokenizer
     files = corpus_files(cfg.corpus)
 
@@ -436,7 +449,7 @@ def _features(cfg: TrainConfig, llm, work: Path) -> tuple[list[Path], list[Path]
     if not train_seqs or not held_seqs:
         raise ConfigError(f"The corpus has too little text for --seq-len {cfg.seq_len} (train {len(train_seqs)}, "
                           f"held-out {len(held_seqs)} sequences).")
-    return _extract(cfg, llm.engine, train_seqs, work, "train"), _extract(cfg, llm.engine, held_seqs, work, "heldout")
+    return train_seqs, held_seqs
 
 
 def train_draft(cfg: TrainConfig) -> dict:
@@ -475,6 +488,8 @@ def train_draft(cfg: TrainConfig) -> dict:
     head_vocab = cfg.head_vocab or default_head_vocab(arch.vocab_size)
     token_ids = frequent_token_subset(tok, arch.vocab_size, head_vocab)
 
+    if cfg.method == "layerskip":
+        return _fit_exit(cfg, llm, work, fp, out, token_ids, t_start)
     t0 = time.perf_counter()
     train_paths, held_paths = _features(cfg, llm, work)
     extract_s = time.perf_counter() - t0
@@ -621,6 +636,197 @@ def _plot(hist: _History, path: Path, title: str) -> None:
     b.set_ylim(0, 1)
     b.legend()
     b.set_title("held-out agreement")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- layer-skip exits
+def exit_candidates(num_layers: int, asked: int | None) -> list[int]:
+    """Exit layers to fit: the one asked for, else 1/4 .. 7/8 of the way up in eighths."""
+    if asked is not None:
+        if not 1 <= asked < num_layers:
+            raise ConfigError(f"--layers must be in [1, {num_layers - 1}] (the target has {num_layers} layers), got {asked}.")
+        return [asked]
+    return sorted({max(1, round(num_layers * f / 8)) for f in range(2, 8)} - {num_layers})
+
+
+class _LayerStates:
+    """The target's residual stream after each candidate layer and its final feature (after the
+    norm), one pass per batch of sequences: partial native stacks between the candidates."""
+
+    def __init__(self, engine, cands: list[int]) -> None:  # noqa: ANN001 - LLMEngine
+        from specserve.models.block_linear import partial_decoder_stack
+
+        self.engine, self.runner = engine, engine.runner
+        self.model = self.runner.model.model
+        bounds = [0, *cands, len(self.model.layers)]
+        self.segments = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+        self.stacks = [partial_decoder_stack(self.model, seg) for seg in self.segments]
+
+    @torch.inference_mode()
+    def __call__(self, seqs: list[list[int]]) -> tuple[list[torch.Tensor], torch.Tensor]:  # per candidate [n, H]; [n, H]
+        from specserve.engine.runner import FeedEntry
+
+        kv = self.engine.kv_manager
+        owners, entries = [], []
+        try:
+            for j, ids in enumerate(seqs):
+                owner = _Owner(f"train-exit-{j}", len(ids))
+                if not kv.allocate_slots(owner, len(ids)):
+                    raise RuntimeError("the KV pool cannot hold a fitting batch; lower --batch-tokens")
+                owners.append(owner)
+                entries.append(FeedEntry(ids, list(range(len(ids))), 0, kv.block_ids(owner.request_id), None, []))
+            inputs = self.runner.feed_inputs(entries)
+            x = self.model.embed_tokens(inputs.input_ids)
+            states = []
+            for seg, stack in zip(self.segments, self.stacks):
+                x = self.model.run_layers(x, inputs.positions, self.runner.kv_caches, inputs.meta, seg, stack)
+                states.append(x.float())
+            return states[:-1], self.model.norm(x).float()
+        finally:
+            for o in owners:
+                kv.free(o)
+
+
+def _unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """[x / rms(x), 1] in float64: the exit's input with a bias column."""
+    x = x.double()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1)
+
+
+def _fit_exit(cfg: TrainConfig, llm, work: Path, fp: str, out: Path, token_ids: torch.Tensor,  # noqa: ANN001
+              t_start: float) -> dict:
+    """Fit a layer-skip exit (spec/layerskip.py: f = W (x / rms(x)) + b ~ the final feature) at
+    each candidate layer by ridge least squares over the target's own states, score each on
+    held-out text (top-1 agreement with the target in the head's vocabulary, and the speedup
+    that predicts at the layer's cost), keep the best. Resumable: the normal equations are
+    checkpointed."""
+    from specserve.ops.calc import best_k
+    from specserve.spec.eagle import float_rows, save_head
+    from specserve.spec.layerskip import ExitHead
+
+    engine = llm.engine
+    arch = engine.arch
+    n_layers, hidden = arch.num_layers, arch.hidden_size
+    cands = exit_candidates(n_layers, cfg.layers)
+    train_seqs, held_seqs = _training_sequences(cfg, llm, work)
+    states = _LayerStates(engine, cands)
+    per_batch = max(1, cfg.batch_tokens // cfg.seq_len)
+    state_path = work / "state-layerskip.pt"
+    ident = {"cands": cands, "seq_len": cfg.seq_len, "seqs": len(train_seqs), "first": train_seqs[0][:16]}
+    gram = torch.zeros(len(cands), hidden + 1, hidden + 1, dtype=torch.float64)
+    cross = torch.zeros(len(cands), hidden + 1, hidden, dtype=torch.float64)
+    done = 0
+    if state_path.is_file() and not cfg.fresh:
+        st = torch.load(state_path, weights_only=False)
+        if st.get("ident") == ident:
+            gram, cross, done = st["gram"], st["cross"], st["done"]
+
+    def save_state() -> None:
+        tmp = state_path.with_name(state_path.name + ".tmp")
+        torch.save({"ident": ident, "gram": gram, "cross": cross, "done": done}, tmp)
+        tmp.replace(state_path)
+
+    deadline = None if cfg.max_minutes is None else t_start + 60 * cfg.max_minutes
+    bar = _bar(len(train_seqs) * cfg.seq_len, "fitting layer-skip exits (target states)", "tok")
+    bar.update(done * cfg.seq_len)
+    last_ckpt = time.perf_counter()
+    while done < len(train_seqs) and (deadline is None or time.perf_counter() < deadline):
+        batch = train_seqs[done : done + per_batch]
+        xs, final = states(batch)
+        target = final.double()
+        for j, x in enumerate(xs):
+            u = _unit_rows(x)
+            gram[j] += u.T @ u
+            cross[j] += u.T @ target
+        done += len(batch)
+        bar.update(len(batch) * cfg.seq_len)
+        if time.perf_counter() - last_ckpt > CHECKPOINT_EVERY_S:
+            save_state()
+            last_ckpt = time.perf_counter()
+    bar.close()
+    save_state()
+    if done == 0:
+        raise ConfigError("No training sequence was fitted before --max-minutes ran out; raise it.")
+
+    head_w = float_rows(engine.runner.model.lm_head, token_ids)  # [Vh, H]
+    norm = engine.runner.model.model.norm
+    solved = []
+    for j in range(len(cands)):
+        ridge = 1e-4 * float(gram[j].diagonal().mean())
+        solved.append(torch.linalg.solve(gram[j] + ridge * torch.eye(hidden + 1, dtype=torch.float64), cross[j]))
+    hits = [0] * len(cands)
+    raw_hits = [0] * len(cands)
+    seen = 0
+    with torch.inference_mode():
+        for b in range(0, len(held_seqs), per_batch):
+            xs, final = states(held_seqs[b : b + per_batch])
+            label = (final @ head_w.T).argmax(-1)
+            for j, x in enumerate(xs):
+                fitted = (_unit_rows(x) @ solved[j]).float()
+                hits[j] += int(((fitted @ head_w.T).argmax(-1) == label).sum())
+                raw_hits[j] += int(((norm(x) @ head_w.T).argmax(-1) == label).sum())
+            seen += label.numel()
+    rows = []
+    for j, layer in enumerate(cands):
+        acc = hits[j] / seen
+        cost = layer / n_layers  # the draft pass's share of the target's layers
+        k = best_k(min(acc, 0.999), cost, 8)
+        rows.append({"layer": layer, "heldout_top1": round(acc, 4), "raw_top1": round(raw_hits[j] / seen, 4),
+                     "cost_ratio": round(cost, 4), "best_k": k.k, "predicted_speedup": round(k.speedup, 3)})
+    best = max(range(len(cands)), key=lambda j: (rows[j]["predicted_speedup"], rows[j]["heldout_top1"]))
+    exit_head = ExitHead(hidden)
+    with torch.no_grad():
+        exit_head.proj.weight.copy_(solved[best][:hidden].T.float())
+        exit_head.proj.bias.copy_(solved[best][hidden].float())
+    card = {
+        "method": "layerskip",
+        "target": fp,
+        "target_name": cfg.model,
+        "hidden_size": hidden,
+        "num_layers": cands[best],
+        "target_layers": n_layers,
+        "candidates": rows,
+        "head_vocab": int(len(token_ids)),
+        "corpus": cfg.corpus or "python-stdlib",
+        "seq_len": cfg.seq_len,
+        "train_tokens": len(train_seqs) * cfg.seq_len,
+        "heldout_tokens": seen,
+        "tokens_seen": done * cfg.seq_len,
+        "complete": done >= len(train_seqs),
+        "heldout_accept_depth1": rows[best]["heldout_top1"],
+        "predicted_speedup": rows[best]["predicted_speedup"],
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
+    save_head(out, exit_head, token_ids, card)
+    out.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
+    _plot_exits(rows, out.with_suffix(".png"), f"layer-skip exits for {cfg.model}")
+    card["path"] = str(out)
+    return card
+
+
+def _plot_exits(rows: list[dict], path: Path, title: str) -> None:
+    """Held-out agreement (untrained and fitted exit) and predicted speedup by exit layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = [r["layer"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(layers, [r["raw_top1"] for r in rows], marker="o", label="final norm (untrained)")
+    a.plot(layers, [r["heldout_top1"] for r in rows], marker="o", label="fitted exit")
+    a.set_xlabel("exit layer")
+    a.set_ylabel("held-out top-1 agreement with the target")
+    a.set_ylim(0, 1)
+    a.legend()
+    b.plot(layers, [r["predicted_speedup"] for r in rows], marker="o")
+    b.axhline(1.0, color="grey", lw=0.8)
+    b.set_xlabel("exit layer")
+    b.set_ylabel("predicted speedup (best K, cost = layer share)")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
