@@ -51,7 +51,7 @@ def _greedy(n=20, **kw):
 
 
 PROPOSERS = ["ngram", "reference", "reference-chain", "lookahead", "draft-truncated", "draft-full", "draft-restricted",
-             "draft-pmin", "eagle", "eagle-chain", "medusa"]
+             "draft-pmin", "eagle", "eagle-chain", "medusa", "layerskip", "layerskip-chain"]
 _HEADS: dict[tuple[int, str], str] = {}
 
 
@@ -87,6 +87,10 @@ def _spec_llm(ckpt, which, policy="always", **kw):
         return _llm(ckpt, "eagle", policy, draft_model=_head(ckpt, "eagle"), **kw)
     if which == "medusa":
         return _llm(ckpt, "medusa", policy, draft_model=_head(ckpt, "medusa"), **kw)
+    if which.startswith("layerskip"):  # the tiny target's first layer, its final norm and head
+        kw.setdefault("spec_tree", "chain" if which == "layerskip-chain" else "tree")
+        kw.setdefault("draft_p_min", 0.0)
+        return _llm(ckpt, "layerskip", policy, **kw)
     return _llm(ckpt, which, policy, **kw)
 
 
@@ -260,7 +264,7 @@ def _tv_permutation_test(a: np.ndarray, b: np.ndarray, n_perm: int = 200, seed: 
 
 
 @pytest.mark.parametrize("which", ["draft-truncated", "ngram", "lookahead", "draft-restricted", "draft-pmin", "eagle",
-                                   "medusa"])
+                                   "medusa", "layerskip"])
 def test_tiny_sampled_distribution_matches(which):
     """First 4 generated tokens with speculation vs without: same joint distribution.
 
