@@ -16,9 +16,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from specserve.config import EngineConfig
+from specserve.config import CacheConfig, EngineConfig
 from specserve.defaults import resolve_defaults
-from specserve.engine.runner import ModelRunner, StepConnector
+from specserve.engine.runner import ModelRunner, StepConnector, kv_bytes_per_token
 from specserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from specserve.errors import InvalidRequestError, PromptTooLongError, RequestTooLongError
 from specserve.kv_cache.manager import KVCacheManager
@@ -29,7 +29,12 @@ from specserve.progress import bar
 from specserve.request import Request, RequestStatus
 from specserve.sampling.grammar import GrammarCompiler
 from specserve.sampling_params import SamplingParams
-from specserve.spec.factory import ProposerContext, build_proposer, reserved_kv_blocks
+from specserve.spec.factory import (
+    ProposerContext,
+    build_proposer,
+    drafter_kv_bytes_per_token,
+    reserved_kv_blocks,
+)
 from specserve.spec.policy import SpecPolicy
 from specserve.spec.proposer import Proposer
 from specserve.spec.tree import DraftTree
@@ -222,8 +227,9 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         self.model_name = config.model.model
         self.max_model_len = self._resolve_max_model_len(config)
+        target_cache = self._split_kv_budget(config, checkpoint.arch, draft_checkpoint)
         self.runner = ModelRunner(
-            checkpoint.arch, checkpoint.weights, config.model, config.cache, self.max_model_len,
+            checkpoint.arch, checkpoint.weights, config.model, target_cache, self.max_model_len,
             packed=checkpoint.packed,
             reserved_blocks=reserved_kv_blocks(config.spec, config.scheduler.max_num_seqs, config.cache.block_size),
         )
@@ -253,6 +259,22 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self._init_speculation(draft_checkpoint)
+
+    def _split_kv_budget(self, config: EngineConfig, arch: object, draft_checkpoint: object | None) -> CacheConfig:
+        """The target's share of --kv-cache-gib: a drafter with KV of its own (a draft model, an
+        EAGLE head) holds as many tokens as the target, out of the same budget."""
+        cache = config.cache
+        self.drafter_kv_gib = 0.0
+        if cache.num_gpu_blocks_override is not None or not config.spec.enabled:
+            return cache
+        dtype = config.model.torch_dtype
+        drafter = drafter_kv_bytes_per_token(config.spec, arch, cache, dtype, getattr(draft_checkpoint, "arch", None))
+        if not drafter:
+            return cache
+        target = kv_bytes_per_token(arch, cache, dtype)  # type: ignore[arg-type]
+        share = target / (target + drafter)
+        self.drafter_kv_gib = cache.kv_cache_gib * (1 - share)
+        return replace(cache, kv_cache_gib=cache.kv_cache_gib * share)
 
     # ------------------------------------------------------------------ speculation set-up
     def _init_speculation(self, draft_checkpoint: object | None) -> None:
@@ -794,7 +816,8 @@ class LLMEngine:
             "model": f"{self.model_name} ({arch.architecture}, {arch.num_layers} layers, vocabulary {arch.vocab_size})",
             "precision": precision,
             "KV cache": f"{kv_gib:.2f} GiB = {self.kv_manager.capacity_tokens:,} tokens ({cfg.cache.kv_cache_dtype}), "
-                        f"context up to {self.max_model_len:,}",
+                        + (f"the drafter's {self.drafter_kv_gib:.2f} GiB beside it in the same budget, " if self.drafter_kv_gib else "")
+                        + f"context up to {self.max_model_len:,}",
         }
         spec = cfg.spec
         if self.drafter_released:

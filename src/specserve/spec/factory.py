@@ -132,6 +132,28 @@ def _build_layerskip(ctx: ProposerContext) -> Proposer:
                            quantize=quantize)
 
 
+def drafter_kv_bytes_per_token(spec: SpecConfig, target_arch: object, cache: CacheConfig, dtype: torch.dtype,
+                               draft_arch: object | None = None) -> int:
+    """KV bytes per token a drafter keeps beside the target's, for as many tokens as the target
+    holds: the engine splits --kv-cache-gib between them (one budget). 0 for drafters without
+    KV of their own, and for a draft model given its own --draft-kv-cache-gib."""
+    import dataclasses
+
+    if spec.method == "eagle":  # one float32 layer of the target's K/V shape
+        return 2 * target_arch.num_kv_heads * target_arch.head_dim * 4  # type: ignore[attr-defined]
+    if spec.method == "draft" and spec.draft_kv_cache_gib is None:
+        from specserve.engine.runner import kv_bytes_per_token
+
+        if draft_arch is None:
+            from specserve.ops.calc import load_arch
+
+            draft_arch = load_arch(str(spec.draft_model or ""))
+        if spec.draft_num_layers is not None:
+            draft_arch = dataclasses.replace(draft_arch, num_layers=min(spec.draft_num_layers, draft_arch.num_layers))
+        return kv_bytes_per_token(draft_arch, cache, dtype)  # type: ignore[arg-type]
+    return 0
+
+
 def reserved_kv_blocks(spec: SpecConfig, max_num_seqs: int, block_size: int) -> int:
     """KV blocks the target runner keeps outside its pool for the drafter (layer-skip scratch)."""
     if spec.method != "layerskip":
