@@ -90,9 +90,9 @@ def smollm_llm(smollm_checkpoint):
 
 
 def make_head_file(ckpt, path, seed: int = 0, method: str = "eagle", **card):
-    """A randomly initialised EAGLE (or Medusa, 3 heads) head file for the target `ckpt` (its
+    """A randomly initialised EAGLE (or Medusa, 3 heads, or MTP) head file for the target `ckpt` (its
     fingerprint, every id)."""
-    from specserve.spec.eagle import EagleHead, head_arch, save_head, target_fingerprint
+    from specserve.spec.eagle import EagleHead, MTPModule, head_arch, save_head, target_fingerprint
     from specserve.spec.medusa import MedusaHeads
 
     torch.manual_seed(seed)
@@ -100,6 +100,8 @@ def make_head_file(ckpt, path, seed: int = 0, method: str = "eagle", **card):
         head = MedusaHeads(ckpt.arch.hidden_size, 3)
         for p in head.parameters():
             torch.nn.init.normal_(p, std=0.2)
+    elif method == "mtp":
+        head = MTPModule(head_arch(ckpt.arch))
     else:
         head = EagleHead(head_arch(ckpt.arch))
     emb = ckpt.weights["model.embed_tokens.weight"]

@@ -49,7 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="proposer (default: draft when --draft-model is given, else none)")
     s.add_argument("--draft-model", default=None,
                    help="draft model (bundled name, GGUF or HF dir; auto: the bundled smaller sibling of a bundled target); "
-                        "with --spec-method eagle | medusa | layerskip: a head or exit file from `specserve train-draft` (default: the "
+                        "with --spec-method eagle | medusa | mtp | layerskip: a head or exit file from `specserve train-draft` (default: the "
                         "one trained for this model in the cache)")
     s.add_argument("--num-spec-tokens", type=int, default=8, help="maximum draft tokens K per step (the policy picks <= this)")
     s.add_argument("--spec-policy", choices=["adaptive", "always", "off"], default="adaptive",
@@ -542,8 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Self-distillation over a local corpus (default: the Python standard library's "
                                    "sources). Resumable: a rerun continues from the last checkpoint.")
     p.add_argument("--model", required=True, help="target model (bundled name, GGUF or HF dir)")
-    p.add_argument("--method", default="eagle", choices=["eagle", "medusa", "layerskip"],
-                   help="drafter kind (layerskip: an exit for the target's own first layers, fitted by least squares)")
+    p.add_argument("--method", default="eagle", choices=["eagle", "medusa", "mtp", "layerskip"],
+                   help="drafter kind (mtp: DeepSeek-V3's multi-token-prediction module; layerskip: an exit for the "
+                        "target's own first layers, fitted by least squares)")
     p.add_argument("--layers", type=int, default=None,
                    help="layerskip: the exit layer (default: the best of several, by predicted speedup)")
     p.add_argument("--out", default=None, help="head file to write (default: the cache, where --draft-model auto finds it)")

@@ -156,9 +156,9 @@ class SchedulerConfig:
             raise ConfigError("max_waiting must be >= 0 when given.")
 
 
-SPEC_METHODS = ("none", "draft", "ngram", "reference", "lookahead", "eagle", "medusa", "layerskip")
+SPEC_METHODS = ("none", "draft", "ngram", "reference", "lookahead", "eagle", "medusa", "mtp", "layerskip")
 # Methods whose --draft-model is a file `specserve train-draft` fits for the target (auto: the cached one).
-HEAD_METHODS = ("eagle", "medusa", "layerskip")
+HEAD_METHODS = ("eagle", "medusa", "mtp", "layerskip")
 # A draft stops after a token it gives a probability below this (the token is still proposed).
 # Measured on Qwen2.5-Coder 1.5B + 0.5B (2-vCPU Xeon, coding prompts): 0.8 +5-7% tok/s over 0.
 DEFAULT_DRAFT_P_MIN = 0.8
@@ -173,7 +173,7 @@ SPEC_TREES = ("auto", "tree", "chain")
 class SpecConfig:
     """Speculative decoding: which proposer, how many tokens, and when to speculate."""
 
-    method: str = "none"  # none | draft | ngram | reference | lookahead | eagle | medusa | layerskip
+    method: str = "none"  # none | draft | ngram | reference | lookahead | eagle | medusa | mtp | layerskip
     # Maximum K per request per step (chain length; for trees: how deep speculation pays). The
     # policy picks K <= this each step; 8 measured 3-4% faster than 4 with the Qwen 0.5B draft.
     num_spec_tokens: int = 8

@@ -142,3 +142,48 @@ def test_train_draft_end_to_end_on_smollm2_resumes_and_serves(smollm_path, tmp_p
     assert llm.engine.spec_counters["num_draft_tokens"] > 0
     with pytest.raises(ConfigError, match="not a 'eagle' head"):
         LLM("smollm2-135m-instruct", spec_method="eagle", draft_model=str(medusa_out))
+
+    mtp_out = tmp_path / "mtp.safetensors"  # DeepSeek-V3's MTP module, cross-entropy alone, same features
+    tcard = train_draft(TrainConfig(epochs=1, method="mtp", **{**cfg, "out": str(mtp_out)}))
+    assert tcard["method"] == "mtp" and tcard["complete"] and tcard["extract_s"] < card["extract_s"]
+    llm = LLM("smollm2-135m-instruct", spec_method="mtp", draft_model=str(mtp_out), spec_policy="always")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == [o.outputs[0].token_ids for o in base]
+    assert llm.engine.spec_counters["num_draft_tokens"] > 0
+    assert "MTP module" in llm.engine.describe()["speculation"]
+
+
+def test_an_mtp_module_shipped_in_deepseek_names_is_imported(tiny, tmp_path):
+    """A checkpoint's own MTP layer (eh_proj / enorm / hnorm / shared_head.norm and a block, under
+    its layer prefix, beside the embedding and head it shares) serves as --spec-method mtp with
+    greedy output equal to plain; one made for another hidden size is refused."""
+    from safetensors.torch import save_file
+
+    from specserve.spec.eagle import MTPModule, head_arch
+
+    torch.manual_seed(3)
+    module = MTPModule(head_arch(tiny.arch))
+    h = tiny.arch.hidden_size
+    theirs = {}
+    for name, t in module.state_dict().items():
+        for ours, deepseek in MTPModule.DEEPSEEK_NAMES.items():
+            if name.startswith(ours):
+                name = deepseek + name.removeprefix(ours)
+                break
+        theirs[f"model.layers.2.{name}"] = t.contiguous()
+    theirs["model.layers.2.embed_tokens.weight"] = torch.zeros(tiny.arch.vocab_size, h)
+    theirs["model.layers.2.shared_head.head.weight"] = torch.zeros(tiny.arch.vocab_size, h)
+    path = tmp_path / "mtp.safetensors"
+    save_file(theirs, str(path))
+    prompts = [[5, 9, 11, 13] * 4, list(range(3, 30))]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    base = LLM("tiny", dtype="float32", checkpoint=tiny).generate(prompts, params)
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="mtp", draft_model=str(path), spec_policy="always",
+              draft_p_min=0.0, profile_spec_costs=False)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in base]
+    assert llm.engine.spec_counters["num_draft_tokens"] > 0
+    assert "imported from a checkpoint" in llm.engine.describe()["speculation"]
+    bad = {k: (v[:, :h].contiguous() if k.endswith("eh_proj.weight") else v) for k, v in theirs.items()}
+    save_file(bad, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ConfigError, match="another model"):
+        LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="mtp", draft_model=str(tmp_path / "bad.safetensors"),
+            profile_spec_costs=False)

@@ -51,7 +51,7 @@ def _greedy(n=20, **kw):
 
 
 PROPOSERS = ["ngram", "reference", "reference-chain", "lookahead", "draft-truncated", "draft-full", "draft-restricted",
-             "draft-pmin", "eagle", "eagle-chain", "medusa", "layerskip", "layerskip-chain"]
+             "draft-pmin", "eagle", "eagle-chain", "medusa", "mtp", "layerskip", "layerskip-chain"]
 _HEADS: dict[tuple[int, str], str] = {}
 
 
@@ -87,6 +87,9 @@ def _spec_llm(ckpt, which, policy="always", **kw):
         return _llm(ckpt, "eagle", policy, draft_model=_head(ckpt, "eagle"), **kw)
     if which == "medusa":
         return _llm(ckpt, "medusa", policy, draft_model=_head(ckpt, "medusa"), **kw)
+    if which == "mtp":
+        kw.setdefault("draft_p_min", 0.0)
+        return _llm(ckpt, "mtp", policy, draft_model=_head(ckpt, "mtp"), **kw)
     if which.startswith("layerskip"):  # the tiny target's first layer, its final norm and head
         kw.setdefault("spec_tree", "chain" if which == "layerskip-chain" else "tree")
         kw.setdefault("draft_p_min", 0.0)
@@ -122,9 +125,9 @@ def test_tiny_greedy_spec_equals_plain_batched_and_alone(tiny, which):
         assert eng.spec_counters["num_accepted_tokens"] == eng.spec_counters["num_draft_tokens"]
     assert eng.check_integrity()
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
-    if which.startswith(("draft", "eagle", "medusa")):
+    if which.startswith(("draft", "eagle", "medusa", "mtp")):
         assert not eng.proposer.live_request_ids()
-    if which.startswith(("draft", "eagle")):
+    if which.startswith(("draft", "eagle", "mtp")):
         assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
 
 
@@ -264,7 +267,7 @@ def _tv_permutation_test(a: np.ndarray, b: np.ndarray, n_perm: int = 200, seed: 
 
 
 @pytest.mark.parametrize("which", ["draft-truncated", "ngram", "lookahead", "draft-restricted", "draft-pmin", "eagle",
-                                   "medusa", "layerskip"])
+                                   "medusa", "mtp", "layerskip"])
 def test_tiny_sampled_distribution_matches(which):
     """First 4 generated tokens with speculation vs without: same joint distribution.
 

@@ -42,7 +42,7 @@ from specserve.attention import build_attention_metadata
 from specserve.errors import ConfigError
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.models.arch import ArchConfig
-from specserve.models.llama import DecoderLayer, RestrictedLMHead, RotaryEmbedding
+from specserve.models.llama import DecoderLayer, RestrictedLMHead, RMSNorm, RotaryEmbedding
 from specserve.request import Request
 from specserve.spec.draft_model import (
     CHILDREN,
@@ -85,8 +85,15 @@ class EagleHead(nn.Module):
         kv: tuple[torch.Tensor, ...], meta: object,
     ) -> torch.Tensor:  # [n, hidden]
         """Serving: new rows over the head's paged cache (tree masks as for any drafter)."""
-        x = self.fc(torch.cat((emb, feat), dim=-1))
-        return self.layer(x, positions, rope, kv, meta)
+        return self.layer(self.project(emb, feat), positions, rope, kv, meta)
+
+    def project(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """The layer's input from the token's embedding and the feature."""
+        return self.fc(torch.cat((emb, feat), dim=-1))
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads from the head's output (EAGLE: the predicted feature itself)."""
+        return h
 
     def forward_unrolled(self, emb: torch.Tensor, feat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          depth: int = 1) -> list[torch.Tensor]:
@@ -105,7 +112,7 @@ class EagleHead(nn.Module):
         inp = feat
         idx = torch.arange(s)
         for d in range(1, depth + 1):
-            x = self.fc(torch.cat((emb, inp), dim=-1))
+            x = self.project(emb, inp)
             hn = layer.input_layernorm(x)
             q = a.q_proj(hn).view(b, s, a.num_heads, a.head_dim)
             k = a.k_proj(hn).view(b, s, a.num_kv_heads, a.head_dim)
@@ -127,6 +134,60 @@ class EagleHead(nn.Module):
             # The next pass at i reads this pass's prediction of f_i: its output at i-1.
             inp = torch.cat((feat[:, :1], x[:, :-1]), dim=1)
         return outs
+
+
+class MTPModule(EagleHead):
+    """DeepSeek-V3's multi-token-prediction module: eh_proj([enorm(embedding); hnorm(feature)]) ->
+    one decoder layer -> its own final norm -> the target's (shared) LM head. Trained on
+    cross-entropy alone; at depth d > 1 it reads its own previous output as the feature, as
+    DeepSeek-V3's chained modules do (one module here, applied recursively)."""
+
+    # A checkpoint that ships the module names it as DeepSeek-V3 does; ours -> theirs.
+    DEEPSEEK_NAMES = {"fc.": "eh_proj.", "norm.": "shared_head.norm.", "layer.": ""}
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__(arch)
+        h = arch.hidden_size
+        self.enorm = RMSNorm(h, arch.rms_norm_eps)
+        self.hnorm = RMSNorm(h, arch.rms_norm_eps)
+        self.norm = RMSNorm(h, arch.rms_norm_eps)
+
+    def project(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """eh_proj([enorm(embedding); hnorm(feature)])."""
+        return self.fc(torch.cat((self.enorm(emb), self.hnorm(feat)), dim=-1))
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """The module's own final norm (DeepSeek-V3's shared_head.norm)."""
+        return self.norm(h)
+
+
+def import_mtp_tensors(tensors: dict[str, torch.Tensor], hidden_size: int) -> dict[str, torch.Tensor]:
+    """MTPModule's state from a checkpoint's MTP layer in DeepSeek-V3's names (`eh_proj`, `enorm`,
+    `hnorm`, `shared_head.norm`, and the block's own `self_attn.*` / `mlp.*` / norms), under any
+    prefix (`model.layers.61.`, `mtp.`); the embedding and output head are the target's and are
+    not read. Refuses a file without one or with another hidden size."""
+    anchor = [k for k in tensors if k.endswith("eh_proj.weight")]
+    if len(anchor) != 1:
+        raise ConfigError(f"Not an MTP checkpoint: expected one '*eh_proj.weight', found {len(anchor)}.")
+    prefix = anchor[0].removesuffix("eh_proj.weight")
+    ours: dict[str, torch.Tensor] = {}
+    theirs = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+    for name, t in theirs.items():
+        if name.startswith(("embed_tokens.", "shared_head.head.")):
+            continue
+        if name.startswith("eh_proj."):
+            ours["fc." + name.removeprefix("eh_proj.")] = t
+        elif name.startswith("shared_head.norm."):
+            ours["norm." + name.removeprefix("shared_head.norm.")] = t
+        elif name.startswith(("enorm.", "hnorm.")):
+            ours[name] = t
+        else:
+            ours["layer." + name] = t
+    w = ours["fc.weight"]
+    if tuple(w.shape) != (hidden_size, 2 * hidden_size):
+        raise ConfigError(f"The MTP module's eh_proj is {tuple(w.shape)}; this target needs ({hidden_size}, "
+                          f"{2 * hidden_size}): it was made for another model.")
+    return ours
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [B, S, h, d], cos [S, d/2]
@@ -174,6 +235,8 @@ def load_head_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     except Exception as exc:  # noqa: BLE001 - a torn or foreign file
         raise ConfigError(f"{path} is not a readable safetensors head file ({exc}).") from exc
     if meta.get("format") != HEAD_FORMAT:
+        if any(k.endswith("eh_proj.weight") for k in tensors):  # a checkpoint's own MTP module
+            return tensors, {"method": "mtp", "imported": True}
         raise ConfigError(f"{path} is not a specserve drafter head (format {meta.get('format')!r}).")
     return tensors, json.loads(meta["card"])
 
@@ -341,7 +404,7 @@ class EagleProposer(PassTimer, CandidateWidth, Proposer):
         return self.head.forward_paged(emb, feats, pos, self.rope, self.kv_cache, meta)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
-        return self.lm_head(h).float()
+        return self.lm_head(self.head.readout(h)).float()
 
     @torch.inference_mode()
     def time_pass(self, batch: int, tokens_per_req: int = 1) -> float:
@@ -457,10 +520,24 @@ class EagleProposer(PassTimer, CandidateWidth, Proposer):
         t.hid.append(h)
 
 
+@register_proposer("mtp")
+class MTPProposer(EagleProposer):
+    """Trees from a multi-token-prediction module (DeepSeek-V3's form, MTPModule) over the target's
+    features: the same serving path as EAGLE, the module's own norms around it."""
+
+    def describe(self) -> str:
+        """The module's origin and shape, for the start-up summary."""
+        origin = "imported from a checkpoint" if self.card.get("imported") else "trained here"
+        return f"MTP module (DeepSeek-V3 form, {origin}): " + super().describe()
+
+
 # ----------------------------------------------------------------------------- building
 def load_head_for(path: str | Path, method: str, target_fp: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, card) of a `method` head file trained for the target with fingerprint target_fp."""
+    """(tensors, card) of a `method` head file trained for the target with fingerprint target_fp
+    (or, for mtp, a checkpoint's own MTP module: its shapes are checked, it carries no fingerprint)."""
     tensors, card = load_head_file(path)
+    if card.get("imported") and method == "mtp":
+        return tensors, card
     if card.get("method") != method:
         raise ConfigError(f"{path} is a {card.get('method')!r} head, not a {method!r} head; use --spec-method "
                           f"{card.get('method')}.")
@@ -498,20 +575,32 @@ def quantize_linears(modules: list[nn.Module]) -> None:
 
 
 def build_eagle(path: str | Path, target_runner: object, target_fp: str, cache_block_size: int, num_blocks: int,
-                max_positions: int, p_min: float, tree: bool, seed: int, quantize: bool) -> EagleProposer:
-    """Load an EAGLE head file for the target behind `target_runner`; quantize its matrices to
-    Q8_0 blocks for the native kernels when the target runs them."""
-    tensors, card = load_head_for(path, "eagle", target_fp)
+                max_positions: int, p_min: float, tree: bool, seed: int, quantize: bool, method: str = "eagle",
+                default_ids: torch.Tensor | None = None) -> EagleProposer:
+    """Load an EAGLE head (or an MTP module) file for the target behind `target_runner`; quantize
+    its matrices to Q8_0 blocks for the native kernels when the target runs them. default_ids: the
+    LM-head rows for an imported MTP module (None: every id)."""
+    tensors, card = load_head_for(path, method, target_fp)
+    if card.get("imported"):
+        tensors = import_mtp_tensors(tensors, target_runner.arch.hidden_size)
+        inter = tensors["layer.mlp.gate_proj.weight"].shape[0] if "layer.mlp.gate_proj.weight" in tensors else None
+        card = {**card, "intermediate_size": inter or target_runner.arch.intermediate_size}
+        token_ids = default_ids if default_ids is not None else torch.arange(target_runner.arch.vocab_size)
+    else:
+        token_ids = tensors.pop("token_ids")
     arch = head_arch(target_runner.arch, int(card["intermediate_size"]))
-    token_ids = tensors.pop("token_ids")
     with torch.device("meta"):
-        head = EagleHead(arch)
-    head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True, assign=True)
+        head = (MTPModule if method == "mtp" else EagleHead)(arch)
+    try:
+        head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True, assign=True)
+    except RuntimeError as exc:  # missing / extra / misshapen tensors
+        raise ConfigError(f"{path} does not hold a {method} module for this target: {str(exc)[:300]}") from exc
     lm_head = restricted_lm_head(target_runner, token_ids)
     if quantize:
         from specserve.models.block_linear import enable_native_ops
 
         quantize_linears([head, head.layer.self_attn, head.layer.mlp])
         enable_native_ops(head)
-    return EagleProposer(head, target_runner.model.model.embed_tokens, lm_head, num_blocks, cache_block_size,
-                         max_positions, p_min=p_min, tree=tree, seed=seed, card=card)
+    cls = MTPProposer if method == "mtp" else EagleProposer
+    return cls(head, target_runner.model.model.embed_tokens, lm_head, num_blocks, cache_block_size,
+               max_positions, p_min=p_min, tree=tree, seed=seed, card=card)

@@ -108,6 +108,18 @@ def _build_eagle(ctx: ProposerContext) -> Proposer:
                        p_min=ctx.spec.draft_p_min, tree=ctx.spec.use_trees(True), seed=ctx.model.seed, quantize=quantize)
 
 
+def _build_mtp(ctx: ProposerContext) -> Proposer:
+    from specserve.engine.runner import ROPE_SLACK
+    from specserve.spec.eagle import build_eagle
+
+    runner, fp, path, quantize = _head_for_target(ctx, "mtp")
+    vocab = default_draft_vocab(ctx.spec.draft_vocab_size, runner.arch.vocab_size)
+    ids = frequent_token_subset(ctx.tokenizer, runner.arch.vocab_size, vocab) if vocab is not None else None
+    return build_eagle(path, runner, fp, ctx.cache.block_size, ctx.target_num_blocks, ctx.max_model_len + ROPE_SLACK,
+                       p_min=ctx.spec.draft_p_min, tree=ctx.spec.use_trees(True), seed=ctx.model.seed, quantize=quantize,
+                       method="mtp", default_ids=ids)
+
+
 def _build_medusa(ctx: ProposerContext) -> Proposer:
     from specserve.spec.medusa import build_medusa
 
@@ -139,7 +151,7 @@ def drafter_kv_bytes_per_token(spec: SpecConfig, target_arch: object, cache: Cac
     KV of their own, and for a draft model given its own --draft-kv-cache-gib."""
     import dataclasses
 
-    if spec.method == "eagle":  # one float32 layer of the target's K/V shape
+    if spec.method in ("eagle", "mtp"):  # one float32 layer of the target's K/V shape
         return 2 * target_arch.num_kv_heads * target_arch.head_dim * 4  # type: ignore[attr-defined]
     if spec.method == "draft" and spec.draft_kv_cache_gib is None:
         from specserve.engine.runner import kv_bytes_per_token
@@ -223,6 +235,7 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerContext], Proposer]] = {
     "eagle": _build_eagle,
     "medusa": _build_medusa,
     "layerskip": _build_layerskip,
+    "mtp": _build_mtp,
 }
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from specserve.errors import ConfigError
 
-METHODS = ("eagle", "medusa", "layerskip")
+METHODS = ("eagle", "medusa", "mtp", "layerskip")
 LAYERSKIP_TOKENS = 32_768  # default --tokens for an exit: a least-squares fit of hidden x hidden needs far fewer than a head
 CHECKPOINT_EVERY_S = 60.0
 
@@ -307,8 +307,9 @@ class _Frozen:
 
 
 def _eagle_losses(head, frozen: _Frozen, toks: torch.Tensor, feats: torch.Tensor, cos, sin, depth: int,  # noqa: ANN001
-                  noise: float, ce_weight: float) -> tuple[torch.Tensor, list[float]]:
-    """EAGLE's loss over a batch [B, S] and the top-1 agreement with the target per depth.
+                  noise: float, ce_weight: float, feature_weight: float = 1.0) -> tuple[torch.Tensor, list[float]]:
+    """EAGLE's loss over a batch [B, S] and the top-1 agreement with the target per depth (MTP's
+    with feature_weight 0: cross-entropy alone, through the module's own readout norm).
 
     The feature loss is taken on features divided by their RMS over the training set: a target
     whose hidden states are large (Qwen2.5's after the final norm: ~10x SmolLM2's) would
@@ -328,10 +329,10 @@ def _eagle_losses(head, frozen: _Frozen, toks: torch.Tensor, feats: torch.Tensor
     for d, h in enumerate(outs, start=1):
         sl = slice(d - 1, None)  # rows whose path starts inside the sequence
         hd, td = h[:, sl], target[:, sl]
-        reg = F.smooth_l1_loss(hd / frozen.feat_rms, td / frozen.feat_rms)
-        logq = torch.log_softmax(hd @ frozen.head_w.T, dim=-1)
+        reg = F.smooth_l1_loss(hd / frozen.feat_rms, td / frozen.feat_rms) if feature_weight else 0.0
+        logq = torch.log_softmax(head.readout(hd) @ frozen.head_w.T, dim=-1)
         ce = -(p[:, sl] * logq).sum(-1).mean()
-        total = total + (0.8 ** (d - 1)) * (reg + ce_weight * ce)
+        total = total + (0.8 ** (d - 1)) * (feature_weight * reg + ce_weight * ce)
         accs.append(float((logq.argmax(-1) == want[:, sl]).float().mean()))
     return total, accs
 
@@ -380,6 +381,23 @@ class _EagleTrainer:
         return {"intermediate_size": self.arch.intermediate_size, "depth": self.depth}
 
 
+class _MTPTrainer(_EagleTrainer):
+    """DeepSeek-V3's MTP module (spec/eagle.py MTPModule): EAGLE's unrolled training, CE alone."""
+
+    def __init__(self, cfg: TrainConfig, arch, frozen: _Frozen) -> None:  # noqa: ANN001
+        from specserve.spec.eagle import MTPModule
+
+        super().__init__(cfg, arch, frozen)
+        self.module = MTPModule(self.arch)
+
+    def losses(self, toks: torch.Tensor, feats: torch.Tensor, noise: float) -> tuple[torch.Tensor, list[float]]:
+        return _eagle_losses(self.module, self.frozen, toks, feats, self.cos, self.sin, self.depth, noise,
+                             1.0, feature_weight=0.0)
+
+    def ident(self) -> dict:
+        return {"arch": asdict(self.arch), "depth": self.depth, "objective": "ce"}
+
+
 class _MedusaTrainer:
     """Medusa's heads (one per depth) and their loss."""
 
@@ -401,7 +419,7 @@ class _MedusaTrainer:
         return {"num_heads": self.depth, "depth": self.depth}
 
 
-TRAINERS = {"eagle": _EagleTrainer, "medusa": _MedusaTrainer}
+TRAINERS = {"eagle": _EagleTrainer, "medusa": _MedusaTrainer, "mtp": _MTPTrainer}
 
 
 def _fast_dtype(hidden: int, vocab: int) -> torch.dtype:
