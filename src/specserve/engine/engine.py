@@ -200,6 +200,22 @@ class RequestPreparer:
             )
 
 
+def _trim_heap() -> None:
+    """Hand memory freed into the C allocator's arenas back to the OS. glibc serves allocations
+    below its (adaptive, up to 32 MiB) mmap threshold from arenas and keeps them after free: in a
+    process that has freed large buffers before, a released drafter's tensors would stay resident
+    (measured: 3 MB of 200 MB returned). No-op without glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 class LLMEngine:
     """Continuous-batching engine over one model; not thread-safe (drive it from one loop)."""
 
@@ -396,6 +412,7 @@ class LLMEngine:
         self.runner.capture_hidden = False
         self.drafter_released = True
         gc.collect()
+        _trim_heap()
         logger.info("speculation off for %.0f s: released the drafter (%.1f MiB of weights and KV cache)",
                     after, held / (1 << 20))
         return held
