@@ -93,11 +93,10 @@ def test_train_draft_layerskip_fits_an_exit_that_serves(smollm_path, tmp_path):
     from specserve.spec.train import TrainConfig, exit_candidates, train_draft
 
     out = tmp_path / "layerskip.safetensors"
-    cfg = dict(model="smollm2-135m-instruct", method="layerskip", out=str(out), tokens=4096, heldout_tokens=1024,
-               seq_len=128, batch_tokens=512, generated_share=0.25, work_dir=str(tmp_path / "work"),
-               generate_max_tokens=48)
+    cfg = dict(model="smollm2-135m-instruct", method="layerskip", out=str(out), tokens=3072, heldout_tokens=1024,
+               seq_len=128, batch_tokens=512, generated_share=0.0, work_dir=str(tmp_path / "work"))
     card = train_draft(TrainConfig(**cfg))
-    assert card["complete"] and card["tokens_seen"] == 4096
+    assert card["complete"] and card["tokens_seen"] == 3072
     rows = {r["layer"]: r for r in card["candidates"]}
     assert sorted(rows) == exit_candidates(30, None)
     for layer in (22, 26):
