@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -226,6 +226,28 @@ def expand_candidates(t: _TreeDraft, parent: int, logits: torch.Tensor, generato
     t.add_children(parent, p, picks)
 
 
+def grow_trees(trees: Sequence[_TreeDraft], cost_ratio: float, p_min: float,
+               run_pass: Callable[[list[tuple[_TreeDraft, list[int]]]], None]) -> list[float]:
+    """EAGLE-2's expansion passes, shared by every tree drafter: each pass picks every tree's
+    nodes to feed (_TreeDraft.pick, in tree order), then `run_pass(step)` over the trees that have
+    any, [(tree, picked)], feeds them and expands each picked node. Passes end when no tree has a
+    node to grow (the main path may take up to budget levels). Returns each pass's seconds."""
+    later = []
+    for passes in range(1, min(MAX_PASSES, max(t.budget for t in trees)) + 1):
+        tp = time.perf_counter()
+        step = [(t, picked) for t in trees if (picked := t.pick(passes, cost_ratio, p_min))]
+        if not step:
+            break
+        run_pass(step)
+        later.append(time.perf_counter() - tp)
+    return later
+
+
+def picked_rows(step: list[tuple[_TreeDraft, list[int]]]) -> list[tuple[_TreeDraft, int]]:
+    """(tree, candidate) of a pass's output rows, in feed order."""
+    return [(t, c) for t, picked in step for c in picked]
+
+
 def truncate_layers(
     arch: ArchConfig, weights: dict[str, torch.Tensor], num_layers: int
 ) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
@@ -251,6 +273,17 @@ class PassTimer:
     # that would make the policy believe drafting is slower than it is.
     last_pass_time_s: float | None = None
     last_batch = 0
+
+    def best_of(self, run: Callable[[], object], repeats: int = 3) -> float:
+        """The fastest of `repeats` timed calls of run() (start-up profiling; its passes are not
+        counted as drafting)."""
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t0)
+        self.num_forwards -= repeats
+        return best
 
     def record_timing(self, t0: float, later: list[float], batch: int) -> None:
         """One propose() that began at t0 made passes `later` after its first, over `batch` requests."""
@@ -490,26 +523,15 @@ class DraftModelProposer(PassTimer, Proposer):
         for i, t in enumerate(trees):
             t.seq.num_computed_tokens = len(t.seq.all_token_ids)
             self._expand(t, -1, logits[i])
-        later = []
-        # The main path may take up to budget levels; passes end when no tree has a node to grow.
-        for passes in range(1, min(MAX_PASSES, max(t.budget for t in trees)) + 1):
-            tp = time.perf_counter()
-            step, entries = [], []
-            for t in trees:
-                picked = t.pick(passes, self.pass_cost_ratio, self.p_min)
-                if picked:
-                    step.append((t, picked))
-                    entries.append(t.entry(picked, self.kv.block_ids(t.req.request_id)))
-            if not step:
-                break
+
+        def run_pass(step: list[tuple[_TreeDraft, list[int]]]) -> None:
+            entries = [t.entry(picked, self.kv.block_ids(t.req.request_id)) for t, picked in step]
             logits = self.runner.forward_logits(self.runner.feed_inputs(entries))  # [sum picked, V]
             self.num_forwards += 1
-            row = 0
-            for t, picked in step:
-                for c in picked:
-                    self._expand(t, c, logits[row])
-                    row += 1
-            later.append(time.perf_counter() - tp)
+            for row, (t, c) in enumerate(picked_rows(step)):
+                self._expand(t, c, logits[row])
+
+        later = grow_trees(trees, self.pass_cost_ratio, self.p_min, run_pass)
         out = {}
         for t in trees:
             draft = t.select()

@@ -52,6 +52,8 @@ from specserve.spec.draft_model import (
     PassTimer,
     _TreeDraft,
     expand_candidates,
+    grow_trees,
+    picked_rows,
 )
 from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
 from specserve.spec.tree import DraftTree
@@ -417,15 +419,13 @@ class EagleProposer(PassTimer, CandidateWidth, Proposer):
         n = batch * tokens_per_req
         feats = torch.zeros(n, self.head.arch.hidden_size)
         positions = [context + j for _ in range(batch) for j in range(tokens_per_req)]
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
+
+        def run() -> None:
             h = self._pass([1] * n, feats, positions, [context] * batch, [tokens_per_req] * batch, [table] * batch,
                            [None] * batch)
             self._logits(h[tokens_per_req - 1 :: tokens_per_req])
-            best = min(best, time.perf_counter() - t0)
-        self.num_forwards -= 3
-        return best
+
+        return self.best_of(run)
 
     def time_catchup(self, tokens: int) -> float:
         """Seconds to feed one request `tokens` features in one pass."""
@@ -476,34 +476,17 @@ class EagleProposer(PassTimer, CandidateWidth, Proposer):
             seq.num_computed_tokens += counts[i]
             seq.pending = []
             self._expand(t, -1, logits[i], h_root[i])
-        later = []
-        for passes in range(1, min(MAX_PASSES, max(t.budget for t in trees)) + 1):
-            tp = time.perf_counter()
-            step: list[tuple[_EagleTree, list[int]]] = []
-            tokens, fl, positions, starts, counts, tables, tails = [], [], [], [], [], [], []
-            for t in trees:
-                picked = t.pick(passes, self.pass_cost_ratio, self.p_min)
-                if not picked:
-                    continue
-                toks, f, pos, start, tail = t.feed(picked)
-                step.append((t, picked))
-                tokens += toks
-                fl.append(f)
-                positions += pos
-                starts.append(start)
-                counts.append(len(picked))
-                tables.append(self.kv.block_ids(t.req.request_id))
-                tails.append(tail)
-            if not step:
-                break
-            h = self._pass(tokens, torch.cat(fl), positions, starts, counts, tables, tails)
+
+        def run_pass(step: list[tuple[_EagleTree, list[int]]]) -> None:
+            toks, feats, pos, starts, tails = zip(*(t.feed(picked) for t, picked in step))
+            h = self._pass([x for ts in toks for x in ts], torch.cat(feats), [x for ps in pos for x in ps], list(starts),
+                           [len(picked) for _, picked in step], [self.kv.block_ids(t.req.request_id) for t, _ in step],
+                           list(tails))
             logits = self._logits(h)
-            row = 0
-            for t, picked in step:
-                for c in picked:
-                    self._expand(t, c, logits[row], h[row])
-                    row += 1
-            later.append(time.perf_counter() - tp)
+            for row, (t, c) in enumerate(picked_rows(step)):
+                self._expand(t, c, logits[row], h[row])
+
+        later = grow_trees(trees, self.pass_cost_ratio, self.p_min, run_pass)
         out = {}
         for t in trees:
             draft = t.select()

@@ -47,6 +47,8 @@ from specserve.spec.draft_model import (
     PassTimer,
     _TreeDraft,
     expand_candidates,
+    grow_trees,
+    picked_rows,
 )
 from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
 from specserve.spec.tree import DraftTree
@@ -66,6 +68,11 @@ def reserved_blocks(max_drafting_requests: int, block_size: int) -> int:
     return max(1, max_drafting_requests) * scratch_blocks_per_request(block_size)
 
 
+def unit_rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / rms(x), row by row: the exit's input (the same in fitting and serving)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class ExitHead(nn.Module):
     """Layer L's residual stream -> the target's final feature space: W (x / rms(x)) + b."""
 
@@ -76,8 +83,7 @@ class ExitHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         """The predicted final feature of each row."""
-        x = x.float()
-        return self.proj(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        return self.proj(unit_rms(x.float(), self.eps))
 
 
 @register_proposer("layerskip")
@@ -185,13 +191,7 @@ class LayerSkipProposer(PassTimer, CandidateWidth, Proposer):
         table = self.scratch[:n_blocks]
         entries = [FeedEntry([1] * tokens_per_req, list(range(context, context + tokens_per_req)), context, table, None,
                              [tokens_per_req - 1]) for _ in range(batch)]
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            self._logits(entries)
-            best = min(best, time.perf_counter() - t0)
-        self.num_forwards -= 3
-        return best
+        return self.best_of(lambda: self._logits(entries))
 
     def time_catchup(self, tokens: int) -> float:
         """Seconds to feed one request `tokens` tokens in one pass."""
@@ -206,7 +206,7 @@ class LayerSkipProposer(PassTimer, CandidateWidth, Proposer):
         t0 = time.perf_counter()
         free = list(self.scratch)
         trees: list[_TreeDraft] = []
-        tables: list[list[int]] = []
+        tables: dict[str, list[int]] = {}  # request -> its draft block table
         entries: list[FeedEntry] = []
         for req, k in zip(requests, num_tokens):
             if k <= 0:
@@ -218,31 +218,20 @@ class LayerSkipProposer(PassTimer, CandidateWidth, Proposer):
             first = req.num_computed_tokens
             n = len(ids) - first
             trees.append(_TreeDraft(req, req, k, min(k, FEED_CAP)))  # type: ignore[arg-type]
-            tables.append(table)
+            tables[req.request_id] = table
             entries.append(FeedEntry(ids[first:], list(range(first, len(ids))), first, table, None, [n - 1]))
         if not trees:
             return {}
         logits = self._logits(entries)
         for i, t in enumerate(trees):
             expand_candidates(t, -1, logits[i], self.generator, self.device, self.children)
-        later = []
-        for passes in range(1, min(MAX_PASSES, max(t.budget for t in trees)) + 1):
-            tp = time.perf_counter()
-            step, entries = [], []
-            for t, table in zip(trees, tables):
-                picked = t.pick(passes, self.pass_cost_ratio, self.p_min)
-                if picked:
-                    step.append((t, picked))
-                    entries.append(t.entry(picked, table))
-            if not step:
-                break
-            logits = self._logits(entries)
-            row = 0
-            for t, picked in step:
-                for c in picked:
-                    expand_candidates(t, c, logits[row], self.generator, self.device, self.children)
-                    row += 1
-            later.append(time.perf_counter() - tp)
+
+        def run_pass(step: list[tuple[_TreeDraft, list[int]]]) -> None:
+            logits = self._logits([t.entry(picked, tables[t.req.request_id]) for t, picked in step])
+            for row, (t, c) in enumerate(picked_rows(step)):
+                expand_candidates(t, c, logits[row], self.generator, self.device, self.children)
+
+        later = grow_trees(trees, self.pass_cost_ratio, self.p_min, run_pass)
         out = {}
         for t in trees:
             draft = t.select()

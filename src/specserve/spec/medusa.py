@@ -129,13 +129,7 @@ class MedusaProposer(PassTimer, CandidateWidth, Proposer):
     def time_pass(self, batch: int) -> float:
         """Seconds of the heads over `batch` requests, per depth (the policy charges a pass per depth)."""
         feats = torch.zeros(batch, self.heads.hidden_size)
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            self._distributions(feats)
-            best = min(best, time.perf_counter() - t0)
-        self.num_forwards -= 3
-        return best / len(self.heads.heads)
+        return self.best_of(lambda: self._distributions(feats)) / len(self.heads.heads)
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:

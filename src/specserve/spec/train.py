@@ -21,6 +21,8 @@ import math
 import random
 import sysconfig
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -218,22 +220,37 @@ class _Extractor:
 
     @torch.inference_mode()
     def __call__(self, seqs: list[list[int]]) -> torch.Tensor:  # [n, S, H] float16
-        from specserve.engine.runner import FeedEntry
+        with _owned_entries(self.engine, seqs) as entries:
+            h = self.runner.hidden_states(entries)
+        return h.view(len(seqs), len(seqs[0]), -1).half()
 
-        kv = self.engine.kv_manager
-        entries, owners = [], []
+
+@contextmanager
+def _owned_entries(engine, seqs: list[list[int]]) -> Iterator[list]:  # noqa: ANN001 - LLMEngine
+    """Feed entries of whole sequences over blocks taken from the engine's pool for the duration
+    (every block back afterwards, also when the pool runs out part-way)."""
+    from specserve.engine.runner import FeedEntry
+
+    kv = engine.kv_manager
+    owners, entries = [], []
+    try:
         for j, ids in enumerate(seqs):
             owner = _Owner(f"train-draft-{j}", len(ids))
             if not kv.allocate_slots(owner, len(ids)):
                 raise RuntimeError("the KV pool cannot hold a training batch; lower --batch-tokens")
             owners.append(owner)
             entries.append(FeedEntry(ids, list(range(len(ids))), 0, kv.block_ids(owner.request_id), None, []))
-        try:
-            h = self.runner.hidden_states(entries)
-        finally:
-            for o in owners:
-                kv.free(o)
-        return h.view(len(seqs), len(seqs[0]), -1).half()
+        yield entries
+    finally:
+        for o in owners:
+            kv.free(o)
+
+
+def _save_atomic(obj: object, path: Path) -> None:
+    """torch.save through a temporary file, so a crash never leaves a torn file at `path`."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
 
 
 class _Owner:
@@ -277,9 +294,7 @@ def _extract(cfg: TrainConfig, engine, seqs: list[list[int]], work: Path, name: 
         feats = torch.cat([ex(chunk[b : b + per_batch]) for b in range(0, len(chunk), per_batch)])
         for _ in chunk:
             bar.update(cfg.seq_len)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save({"tokens": torch.tensor(chunk, dtype=torch.int32), "feats": feats}, tmp)
-        tmp.replace(path)
+        _save_atomic({"tokens": torch.tensor(chunk, dtype=torch.int32), "feats": feats}, path)
     bar.close()
     return paths
 
@@ -474,7 +489,7 @@ def train_draft(cfg: TrainConfig) -> dict:
     """Train (or resume) a head for cfg.model; returns its card."""
     from specserve import LLM
     from specserve.models.bundled import cache_dir
-    from specserve.spec.eagle import default_head_path, save_head, target_fingerprint
+    from specserve.spec.eagle import default_head_path, target_fingerprint
 
     if cfg.method not in METHODS:
         raise ConfigError(f"--method {cfg.method!r} is not trainable here; use one of {', '.join(METHODS)}.")
@@ -555,10 +570,8 @@ def train_draft(cfg: TrainConfig) -> dict:
         return [sum(a[d] for a in accs) / len(accs) for d in range(trainer.depth)]
 
     def save_state() -> None:
-        tmp = state_path.with_name(state_path.name + ".tmp")
-        torch.save({"ident": ident, "head": head.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "train_s": train_s, "hist": asdict(hist)}, tmp)
-        tmp.replace(state_path)
+        _save_atomic({"ident": ident, "head": head.state_dict(), "opt": opt.state_dict(), "step": step,
+                      "train_s": train_s, "hist": asdict(hist)}, state_path)
 
     deadline = None if cfg.max_minutes is None else t_start + 60 * cfg.max_minutes
     perm: torch.Tensor | None = None
@@ -624,11 +637,18 @@ def train_draft(cfg: TrainConfig) -> dict:
         "train_s": round(train_s, 1),
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
-    save_head(out, head, token_ids, card)
+    return _write_head(out, head, token_ids, card, lambda png: _plot(hist, png, f"{cfg.method} head for {cfg.model}"))
+
+
+def _write_head(out: Path, module: torch.nn.Module, token_ids: torch.Tensor, card: dict,
+                plot: Callable[[Path], None]) -> dict:
+    """The head file, its JSON card and its PNG beside it; returns the card with the file's path."""
+    from specserve.spec.eagle import save_head
+
+    save_head(out, module, token_ids, card)
     out.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
-    _plot(hist, out.with_suffix(".png"), f"{cfg.method} head for {cfg.model}")
-    card["path"] = str(out)
-    return card
+    plot(out.with_suffix(".png"))
+    return {**card, "path": str(out)}
 
 
 def _plot(hist: _History, path: Path, title: str) -> None:
@@ -685,17 +705,7 @@ class _LayerStates:
 
     @torch.inference_mode()
     def __call__(self, seqs: list[list[int]]) -> tuple[list[torch.Tensor], torch.Tensor]:  # per candidate [n, H]; [n, H]
-        from specserve.engine.runner import FeedEntry
-
-        kv = self.engine.kv_manager
-        owners, entries = [], []
-        try:
-            for j, ids in enumerate(seqs):
-                owner = _Owner(f"train-exit-{j}", len(ids))
-                if not kv.allocate_slots(owner, len(ids)):
-                    raise RuntimeError("the KV pool cannot hold a fitting batch; lower --batch-tokens")
-                owners.append(owner)
-                entries.append(FeedEntry(ids, list(range(len(ids))), 0, kv.block_ids(owner.request_id), None, []))
+        with _owned_entries(self.engine, seqs) as entries:
             inputs = self.runner.feed_inputs(entries)
             x = self.model.embed_tokens(inputs.input_ids)
             states = []
@@ -703,15 +713,13 @@ class _LayerStates:
                 x = self.model.run_layers(x, inputs.positions, self.runner.kv_caches, inputs.meta, seg, stack)
                 states.append(x.float())
             return states[:-1], self.model.norm(x).float()
-        finally:
-            for o in owners:
-                kv.free(o)
 
 
 def _unit_rows(x: torch.Tensor) -> torch.Tensor:
     """[x / rms(x), 1] in float64: the exit's input with a bias column."""
-    x = x.double()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    from specserve.spec.layerskip import unit_rms
+
+    x = unit_rms(x.double())
     return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1)
 
 
@@ -723,7 +731,7 @@ def _fit_exit(cfg: TrainConfig, llm, work: Path, fp: str, out: Path, token_ids: 
     that predicts at the layer's cost), keep the best. Resumable: the normal equations are
     checkpointed."""
     from specserve.ops.calc import best_k
-    from specserve.spec.eagle import float_rows, save_head
+    from specserve.spec.eagle import float_rows
     from specserve.spec.layerskip import ExitHead
 
     engine = llm.engine
@@ -744,9 +752,7 @@ def _fit_exit(cfg: TrainConfig, llm, work: Path, fp: str, out: Path, token_ids: 
             gram, cross, done = st["gram"], st["cross"], st["done"]
 
     def save_state() -> None:
-        tmp = state_path.with_name(state_path.name + ".tmp")
-        torch.save({"ident": ident, "gram": gram, "cross": cross, "done": done}, tmp)
-        tmp.replace(state_path)
+        _save_atomic({"ident": ident, "gram": gram, "cross": cross, "done": done}, state_path)
 
     deadline = None if cfg.max_minutes is None else t_start + 60 * cfg.max_minutes
     bar = _bar(len(train_seqs) * cfg.seq_len, "fitting layer-skip exits (target states)", "tok")
@@ -819,11 +825,7 @@ def _fit_exit(cfg: TrainConfig, llm, work: Path, fp: str, out: Path, token_ids: 
         "predicted_speedup": rows[best]["predicted_speedup"],
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
-    save_head(out, exit_head, token_ids, card)
-    out.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
-    _plot_exits(rows, out.with_suffix(".png"), f"layer-skip exits for {cfg.model}")
-    card["path"] = str(out)
-    return card
+    return _write_head(out, exit_head, token_ids, card, lambda png: _plot_exits(rows, png, f"layer-skip exits for {cfg.model}"))
 
 
 def _plot_exits(rows: list[dict], path: Path, title: str) -> None:
