@@ -53,14 +53,26 @@ def tiny_checkpoints() -> tuple[Any, Any]:
     out = []
     for seed, layers in ((5, 2), (6, 1)):
         cfg = transformers.LlamaConfig(
-            vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            rms_norm_eps=1e-6, initializer_range=0.15, tie_word_embeddings=False,
-            bos_token_id=1, eos_token_id=2, pad_token_id=0, rope_theta=10000.0,
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            rms_norm_eps=1e-6,
+            initializer_range=0.15,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            rope_theta=10000.0,
         )
         torch.manual_seed(seed)
         d = tempfile.mkdtemp(prefix="tiny-")
-        transformers.LlamaForCausalLM(cfg).float().eval().save_pretrained(d, safe_serialization=True)
+        transformers.LlamaForCausalLM(cfg).float().eval().save_pretrained(
+            d, safe_serialization=True
+        )
         out.append(load_model_files(Path(d)))
     return out[0], out[1]
 
@@ -85,42 +97,70 @@ def run_case(results: list[dict], name: str, fn) -> None:
         row = fn()
         row["ok"] = row.get("ok", True)
     except Exception as e:  # noqa: BLE001 - the point is to report every failure
-        row = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        row = {
+            "ok": False,
+            "error": f"{type(e).__name__}: {e}",
+            "traceback": traceback.format_exc()[-3000:],
+        }
     row["case"] = name
     row["seconds"] = round(time.perf_counter() - t0, 2)
     results.append(row)
     status = "ok" if row["ok"] else f"FAILED {row.get('error', '')}"
-    log(f"  {name}: {status} ({row['seconds']}s) {', '.join(f'{k}={v}' for k, v in row.items() if k in SHOW)}")
+    log(
+        f"  {name}: {status} ({row['seconds']}s) {', '.join(f'{k}={v}' for k, v in row.items() if k in SHOW)}"
+    )
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-SHOW = ("matched", "of", "first_mismatch", "tokens_per_s", "speedup", "mean_accepted", "prompt_tokens_per_s")
+SHOW = (
+    "matched",
+    "of",
+    "first_mismatch",
+    "tokens_per_s",
+    "speedup",
+    "mean_accepted",
+    "prompt_tokens_per_s",
+)
 
 
-def compare_exact(build, base_ids: list[list[int]], prompts: list, params: list[SamplingParams],
-                  alone_every: int = 4) -> dict:
+def compare_exact(
+    build,
+    base_ids: list[list[int]],
+    prompts: list,
+    params: list[SamplingParams],
+    alone_every: int = 4,
+) -> dict:
     """Greedy outputs of `build()` against the plain ones, batched and every `alone_every`th alone."""
     llm = build()
     batched = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     matched = sum(a == b for a, b in zip(batched, base_ids))
     alone_idx = list(range(0, len(prompts), alone_every))
     alone_matched = sum(
-        llm.generate([prompts[i]], [params[i]], use_tqdm=False)[0].token_ids == base_ids[i] for i in alone_idx
+        llm.generate([prompts[i]], [params[i]], use_tqdm=False)[0].token_ids == base_ids[i]
+        for i in alone_idx
     )
     first = next((i for i, (a, b) in enumerate(zip(batched, base_ids)) if a != b), None)
     mismatch = None
     if first is not None:
         a, b = batched[first], base_ids[first]
-        mismatch = {"prompt": first, "token": next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))}
+        mismatch = {
+            "prompt": first,
+            "token": next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))),
+        }
     c = llm.engine.spec_counters
     eng = llm.engine
     whole = eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
     return {
-        "matched": matched, "of": len(prompts), "alone_matched": alone_matched, "alone_of": len(alone_idx),
-        "first_mismatch": mismatch, "pool_whole": whole,
-        "draft_tokens": c["num_draft_tokens"], "accepted_tokens": c["num_accepted_tokens"],
+        "matched": matched,
+        "of": len(prompts),
+        "alone_matched": alone_matched,
+        "alone_of": len(alone_idx),
+        "first_mismatch": mismatch,
+        "pool_whole": whole,
+        "draft_tokens": c["num_draft_tokens"],
+        "accepted_tokens": c["num_accepted_tokens"],
         "ok": matched == len(prompts) and alone_matched == len(alone_idx) and whole,
     }
 
@@ -135,29 +175,64 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(prompts)
     kw = dict(device=args.device, dtype="float32", checkpoint=target, profile_spec_costs=False)
     log(f"exact: tiny random Llama on {args.device}")
-    base = [o.token_ids for o in LLM("tiny", spec_method="none", **kw).generate(prompts, params, use_tqdm=False)]
+    base = [
+        o.token_ids
+        for o in LLM("tiny", spec_method="none", **kw).generate(prompts, params, use_tqdm=False)
+    ]
     cases = {
         "tiny ngram chain": dict(spec_method="ngram", spec_tree="chain"),
         "tiny ngram tree": dict(spec_method="ngram", spec_tree="auto"),
-        "tiny ngram tree int8 KV": dict(spec_method="ngram", spec_tree="auto", kv_cache_dtype="int8"),
+        "tiny ngram tree int8 KV": dict(
+            spec_method="ngram", spec_tree="auto", kv_cache_dtype="int8"
+        ),
         "tiny lookahead": dict(spec_method="lookahead"),
-        "tiny draft model chain": dict(spec_method="draft", draft_checkpoint=draft, spec_tree="chain"),
-        "tiny draft model tree": dict(spec_method="draft", draft_checkpoint=draft, spec_tree="auto"),
+        "tiny draft model chain": dict(
+            spec_method="draft", draft_checkpoint=draft, spec_tree="chain"
+        ),
+        "tiny draft model tree": dict(
+            spec_method="draft", draft_checkpoint=draft, spec_tree="auto"
+        ),
     }
     # int8 KV is compared with plain decoding on int8 KV (the quantization changes the numbers).
-    base_int8 = [o.token_ids for o in LLM("tiny", spec_method="none", kv_cache_dtype="int8", **kw)
-                 .generate(prompts, params, use_tqdm=False)]
+    base_int8 = [
+        o.token_ids
+        for o in LLM("tiny", spec_method="none", kv_cache_dtype="int8", **kw).generate(
+            prompts, params, use_tqdm=False
+        )
+    ]
     for name, extra in cases.items():
         ref = base_int8 if extra.get("kv_cache_dtype") == "int8" else base
-        run_case(results, name, lambda extra=extra, ref=ref: compare_exact(
-            lambda: LLM("tiny", spec_policy="always", num_spec_tokens=6, **kw, **extra), ref, prompts, params))
+        run_case(
+            results,
+            name,
+            lambda extra=extra, ref=ref: compare_exact(
+                lambda: LLM("tiny", spec_policy="always", num_spec_tokens=6, **kw, **extra),
+                ref,
+                prompts,
+                params,
+            ),
+        )
     if real is not None:
         log(f"exact: {args.model} on {args.device}, float32")
-        rkw = dict(device=args.device, dtype="float32", checkpoint=real, quantization="none", profile_spec_costs=False)
+        rkw = dict(
+            device=args.device,
+            dtype="float32",
+            checkpoint=real,
+            quantization="none",
+            profile_spec_costs=False,
+        )
         rp = real_prompts["prose"] + real_prompts["coding"] + real_prompts["edit"]
-        rparams = [SamplingParams(max_tokens=args.max_tokens, temperature=0, reference_text=ref) for _, ref in rp]
+        rparams = [
+            SamplingParams(max_tokens=args.max_tokens, temperature=0, reference_text=ref)
+            for _, ref in rp
+        ]
         rprompts = [p for p, _ in rp]
-        rbase = [o.token_ids for o in LLM(args.model, spec_method="none", **rkw).generate(rprompts, rparams, use_tqdm=False)]
+        rbase = [
+            o.token_ids
+            for o in LLM(args.model, spec_method="none", **rkw).generate(
+                rprompts, rparams, use_tqdm=False
+            )
+        ]
         rcases = {
             "real ngram tree": dict(spec_method="ngram"),
             "real reference tree": dict(spec_method="reference"),
@@ -165,17 +240,34 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
         }
         if args.eagle:
             rcases["real eagle tree"] = dict(spec_method="eagle", draft_model=args.eagle)
-            rcases["real eagle chain"] = dict(spec_method="eagle", draft_model=args.eagle, spec_tree="chain")
+            rcases["real eagle chain"] = dict(
+                spec_method="eagle", draft_model=args.eagle, spec_tree="chain"
+            )
         for name, extra in rcases.items():
-            run_case(results, name, lambda extra=extra: compare_exact(
-                lambda: LLM(args.model, spec_policy="always", **rkw, **extra), rbase, rprompts, rparams))
+            run_case(
+                results,
+                name,
+                lambda extra=extra: compare_exact(
+                    lambda: LLM(args.model, spec_policy="always", **rkw, **extra),
+                    rbase,
+                    rprompts,
+                    rparams,
+                ),
+            )
     return results
 
 
 def decode_rate(llm: LLM, prompts: list, max_tokens: int, refs: list | None = None) -> dict:
     """Generated tokens/s over the prompts run together, and per-step speculation counters."""
-    params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                             reference_text=None if refs is None else refs[i]) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0,
+            ignore_eos=True,
+            reference_text=None if refs is None else refs[i],
+        )
+        for i in range(len(prompts))
+    ]
     llm.engine.kv_manager.reset_prefix_cache()
     before = dict(llm.engine.spec_counters)
     t0 = time.perf_counter()
@@ -185,7 +277,9 @@ def decode_rate(llm: LLM, prompts: list, max_tokens: int, refs: list | None = No
     c = {k: llm.engine.spec_counters[k] - before.get(k, 0) for k in llm.engine.spec_counters}
     steps = c["num_drafts"]
     return {
-        "tokens_per_s": round(gen / wall, 1), "generated": gen, "wall_s": round(wall, 3),
+        "tokens_per_s": round(gen / wall, 1),
+        "generated": gen,
+        "wall_s": round(wall, 3),
         "mean_accepted": round(c["num_accepted_tokens"] / steps, 2) if steps else None,
         "token_ids": [o.token_ids for o in outs],
     }
@@ -195,8 +289,15 @@ def section_speed(args: argparse.Namespace, real: Any, real_prompts: dict) -> li
     results: list[dict] = []
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
-    kw = dict(device=args.device, dtype=args.dtype, checkpoint=real, quantization=args.quantization,
-              max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_gib=args.kv_cache_gib)
+    kw = dict(
+        device=args.device,
+        dtype=args.dtype,
+        checkpoint=real,
+        quantization=args.quantization,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        kv_cache_gib=args.kv_cache_gib,
+    )
     log(f"speed: {args.model} on {args.device}, dtype {args.dtype}")
     plain = LLM(args.model, spec_method="none", **kw)
     warm = real_prompts["prose"][0][0]
@@ -210,6 +311,7 @@ def section_speed(args: argparse.Namespace, real: Any, real_prompts: dict) -> li
             r.pop("token_ids")
             r["batch"] = batch
             return r
+
         run_case(results, f"plain decode batch {batch}", one)
 
     def prefill() -> dict:
@@ -220,39 +322,73 @@ def section_speed(args: argparse.Namespace, real: Any, real_prompts: dict) -> li
         t0 = time.perf_counter()
         out = plain.generate([ids], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
         ttft = out.metrics.ttft_s or (time.perf_counter() - t0)
-        return {"prompt_tokens": len(ids), "ttft_s": round(ttft, 4), "prompt_tokens_per_s": round(len(ids) / ttft, 1)}
+        return {
+            "prompt_tokens": len(ids),
+            "ttft_s": round(ttft, 4),
+            "prompt_tokens_per_s": round(len(ids) / ttft, 1),
+        }
+
     run_case(results, "prefill", prefill)
 
-    sets = {"coding": real_prompts["coding"], "edit": real_prompts["edit"], "prose": real_prompts["prose"]}
+    sets = {
+        "coding": real_prompts["coding"],
+        "edit": real_prompts["edit"],
+        "prose": real_prompts["prose"],
+    }
     base_rates = {}
     for set_name, rows in sets.items():
+
         def base(rows=rows, set_name=set_name) -> dict:
             rates = [decode_rate(plain, [p], args.max_tokens) for p, _ in rows]
             r = _merge(rates)
             base_rates[set_name] = r
             return {"set": set_name, "tokens_per_s": r["tokens_per_s"]}
+
         run_case(results, f"plain batch 1 {set_name}", base)
-    del plain
+    plain = None  # free its KV before the speculative engines start
     gc.collect()
-    methods = [("ngram", "auto", "edit"), ("ngram", "chain", "edit"), ("reference", "auto", "edit"),
-               ("lookahead", "auto", "coding")]
+    methods = [
+        ("ngram", "auto", "edit"),
+        ("ngram", "chain", "edit"),
+        ("reference", "auto", "edit"),
+        ("lookahead", "auto", "coding"),
+    ]
     if args.eagle:
-        methods += [("eagle", "auto", "coding"), ("eagle", "chain", "coding"), ("eagle", "auto", "prose")]
+        methods += [
+            ("eagle", "auto", "coding"),
+            ("eagle", "chain", "coding"),
+            ("eagle", "auto", "prose"),
+        ]
     for policy in ("always", "adaptive"):
         for method, tree, set_name in methods:
+
             def spec(method=method, tree=tree, set_name=set_name, policy=policy) -> dict:
                 extra = {"draft_model": args.eagle} if method == "eagle" else {}
-                llm = LLM(args.model, spec_method=method, spec_policy=policy, spec_tree=tree, **kw, **extra)
+                llm = LLM(
+                    args.model,
+                    spec_method=method,
+                    spec_policy=policy,
+                    spec_tree=tree,
+                    **kw,
+                    **extra,
+                )
                 llm.generate(warm, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
                 rows = sets[set_name]
                 rates = [decode_rate(llm, [p], args.max_tokens, refs=[ref]) for p, ref in rows]
                 r = _merge(rates)
                 b = base_rates.get(set_name)
                 same = b is not None and r["token_ids"] == b["token_ids"]
-                return {"method": method, "tree": tree, "policy": policy, "set": set_name,
-                        "tokens_per_s": r["tokens_per_s"], "mean_accepted": r["mean_accepted"],
-                        "speedup": round(r["tokens_per_s"] / b["tokens_per_s"], 3) if b else None,
-                        "greedy_same_as_plain": same}
+                return {
+                    "method": method,
+                    "tree": tree,
+                    "policy": policy,
+                    "set": set_name,
+                    "tokens_per_s": r["tokens_per_s"],
+                    "mean_accepted": r["mean_accepted"],
+                    "speedup": round(r["tokens_per_s"] / b["tokens_per_s"], 3) if b else None,
+                    "greedy_same_as_plain": same,
+                }
+
             run_case(results, f"{method} {tree} {policy} on {set_name}", spec)
     return results
 
@@ -261,9 +397,13 @@ def _merge(rates: list[dict]) -> dict:
     gen = sum(r["generated"] for r in rates)
     wall = sum(r["wall_s"] for r in rates)
     acc = [r["mean_accepted"] for r in rates if r["mean_accepted"] is not None]
-    return {"tokens_per_s": round(gen / wall, 1), "generated": gen, "wall_s": wall,
-            "mean_accepted": round(sum(acc) / len(acc), 2) if acc else None,
-            "token_ids": [t for r in rates for t in r["token_ids"]]}
+    return {
+        "tokens_per_s": round(gen / wall, 1),
+        "generated": gen,
+        "wall_s": wall,
+        "mean_accepted": round(sum(acc) / len(acc), 2) if acc else None,
+        "token_ids": [t for r in rates for t in r["token_ids"]],
+    }
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -284,23 +424,34 @@ def plot(payload: dict, path: Path) -> None:
     spec = [r for r in speed if "speedup" in r and r["speedup"]]
     if spec:
         names = [f"{r['method']} {r['tree']}\n{r['policy']} ({r['set']})" for r in spec]
-        axes[1].barh(range(len(spec)), [r["speedup"] for r in spec], color=["C1" if r["policy"] == "always" else "C2" for r in spec])
+        axes[1].barh(
+            range(len(spec)),
+            [r["speedup"] for r in spec],
+            color=["C1" if r["policy"] == "always" else "C2" for r in spec],
+        )
         axes[1].set_yticks(range(len(spec)), names, fontsize=7)
         axes[1].axvline(1.0, color="k", lw=0.8)
         axes[1].set_xlabel("speedup over own plain, batch 1 greedy")
     exact = payload["exact"]
     ok = sum(r["ok"] for r in exact)
     m = payload["machine"]
-    fig.suptitle(f"{payload['model']} on {m.get('gpu') or m.get('cpu')} ({payload['device']}), "
-                 f"exactness {ok}/{len(exact)} cases, commit {m.get('commit')}", fontsize=9)
+    fig.suptitle(
+        f"{payload['model']} on {m.get('gpu') or m.get('cpu')} ({payload['device']}), "
+        f"exactness {ok}/{len(exact)} cases, commit {m.get('commit')}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--model", default=None, help="a bundled name or a model path (omit: the tiny model only)")
+    ap.add_argument(
+        "--model", default=None, help="a bundled name or a model path (omit: the tiny model only)"
+    )
     ap.add_argument("--eagle", default=None, help="an EAGLE head trained for --model")
     ap.add_argument("--sections", nargs="+", default=["exact", "speed"], choices=["exact", "speed"])
     ap.add_argument("--dtype", default="auto")
@@ -327,8 +478,15 @@ def main() -> int:
             "edit": [(chat(p), ref) for p, ref in EDIT[: args.prompts]],
             "prose": [(chat(p), None) for p in PROSE[: args.prompts]],
         }
-    payload: dict[str, Any] = {"benchmark": "device_check", "device": args.device, "model": args.model or "tiny",
-                               "eagle": args.eagle, "machine": machine_info(), "exact": [], "speed": []}
+    payload: dict[str, Any] = {
+        "benchmark": "device_check",
+        "device": args.device,
+        "model": args.model or "tiny",
+        "eagle": args.eagle,
+        "machine": machine_info(),
+        "exact": [],
+        "speed": [],
+    }
     if "exact" in args.sections:
         payload["exact"] = section_exact(args, real, real_prompts)
     if "speed" in args.sections and real is not None:
