@@ -90,24 +90,7 @@ def smollm_llm(smollm_checkpoint):
 
 
 def make_head_file(ckpt, path, seed: int = 0, method: str = "eagle", **card):
-    """A randomly initialised EAGLE (or Medusa, 3 heads, or MTP) head file for the target `ckpt` (its
-    fingerprint, every id)."""
-    from specserve.spec.eagle import EagleHead, MTPModule, head_arch, save_head, target_fingerprint
-    from specserve.spec.medusa import MedusaHeads
+    """A randomly initialised EAGLE (or Medusa, 3 heads, or MTP) head file for the target `ckpt`."""
+    from specserve.spec.eagle import write_random_head
 
-    torch.manual_seed(seed)
-    if method == "medusa":
-        head = MedusaHeads(ckpt.arch.hidden_size, 3)
-        for p in head.parameters():
-            torch.nn.init.normal_(p, std=0.2)
-    elif method == "mtp":
-        head = MTPModule(head_arch(ckpt.arch))
-    else:
-        head = EagleHead(head_arch(ckpt.arch))
-    emb = ckpt.weights["model.embed_tokens.weight"]
-    fp = target_fingerprint(ckpt.arch, ckpt.tokenizer.fingerprint() if ckpt.tokenizer is not None else None, emb)
-    meta = {"method": method, "target": fp, "target_name": "tiny", "intermediate_size": ckpt.arch.intermediate_size,
-            "num_heads": 3}
-    meta.update(card)
-    save_head(path, head, torch.arange(ckpt.arch.vocab_size), meta)
-    return path
+    return write_random_head(ckpt, path, method, seed, **card)

@@ -105,6 +105,34 @@ def test_a_head_for_another_target_or_no_head_is_refused(tiny, tmp_path):
         LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="eagle", draft_model=str(bad))
 
 
+def test_a_bfloat16_copy_of_the_target_finds_its_heads_and_legacy_heads_still_serve(tiny, tmp_path, monkeypatch):
+    """The fingerprint is the same for the float32 target (the CPU's default) and a bfloat16 copy
+    (a GPU's); a head that carries the older float16-rows fingerprint is accepted and its cache
+    folder moves to the current fingerprint, so `--draft-model auto` finds it."""
+    from specserve.spec.eagle import save_head, target_fingerprint, target_fingerprints
+
+    emb = tiny.weights["model.embed_tokens.weight"].float()
+    fp = target_fingerprint(tiny.arch, None, emb)
+    assert target_fingerprint(tiny.arch, None, emb.to(torch.bfloat16)) == fp
+    legacy = target_fingerprint(tiny.arch, None, emb, legacy=True)
+    assert legacy != fp
+    assert target_fingerprint(tiny.arch, None, emb * 1.01) != fp  # another model's embedding
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    old = tmp_path / "heads" / legacy / "eagle.safetensors"
+    save_head(old, EagleHead(head_arch(tiny.arch)), torch.arange(tiny.arch.vocab_size),
+              {"method": "eagle", "target": legacy, "target_name": "tiny",
+               "intermediate_size": tiny.arch.intermediate_size})
+    assert target_fingerprints(tiny.arch, None, emb) == (fp, legacy)
+    assert (tmp_path / "heads" / fp / "eagle.safetensors").is_file() and not old.parent.exists()
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="eagle", draft_model="auto",
+              spec_policy="always", profile_spec_costs=False)
+    base = LLM("tiny", dtype="float32", checkpoint=tiny).generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, temperature=0))
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, temperature=0))
+    assert out[0].token_ids == base[0].token_ids
+    assert llm.engine.spec_counters["num_draft_tokens"] > 0
+
+
 def test_train_draft_end_to_end_on_smollm2_resumes_and_serves(smollm_path, tmp_path):
     """A tiny budget: features, a few steps, the card, the plot; a rerun with more epochs resumes
     from the checkpoint; the head serves with greedy output equal to plain decoding."""

@@ -27,6 +27,7 @@ for (a head trained for another target is refused).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -200,13 +201,32 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 # ----------------------------------------------------------------------------- files
-def target_fingerprint(arch: ArchConfig, tokenizer_fp: str | None, embed_weight: torch.Tensor) -> str:
+def target_fingerprint(arch: ArchConfig, tokenizer_fp: str | None, embed_weight: torch.Tensor,
+                       legacy: bool = False) -> str:
     """What identifies a target for its heads: shape, vocabulary and the embedding table's first rows
-    (the same model at any precision has the same float embedding; another model does not)."""
-    rows = embed_weight[:64].detach().float().cpu().half().numpy().tobytes()
+    at bfloat16 precision, so a float32 copy of a model (the CPU's default) and a bfloat16 one (a
+    GPU's) agree; another model does not. legacy: the fingerprint heads trained before 2026-11-26
+    carry (rows at float16: a bfloat16 copy of the model disagreed with a float32 one)."""
+    rows = embed_weight[:64].detach().cpu()
+    data = rows.float().half() if legacy else rows.to(torch.bfloat16).view(torch.int16)
     ident = json.dumps([arch.architecture, arch.vocab_size, arch.hidden_size, arch.num_layers, tokenizer_fp],
                        sort_keys=True).encode()
-    return hashlib.blake2b(ident + rows, digest_size=12).hexdigest()
+    return hashlib.blake2b(ident + data.numpy().tobytes(), digest_size=12).hexdigest()
+
+
+def target_fingerprints(arch: ArchConfig, tokenizer_fp: str | None, embed_weight: torch.Tensor) -> tuple[str, str]:
+    """(current, legacy) fingerprints of a target: a head carrying either was trained for it. The
+    cache's folders under the legacy one move to the current one the first time it is asked for."""
+    from specserve.models.bundled import cache_dir
+
+    fps = (target_fingerprint(arch, tokenizer_fp, embed_weight),
+           target_fingerprint(arch, tokenizer_fp, embed_weight, legacy=True))
+    for kind in ("heads", "train"):
+        old, new = cache_dir() / kind / fps[1], cache_dir() / kind / fps[0]
+        if old.is_dir() and not new.exists():
+            with contextlib.suppress(OSError):  # another process moved it first, or a read-only cache
+                old.rename(new)
+    return fps
 
 
 def save_head(path: str | Path, head: nn.Module, token_ids: torch.Tensor, meta: dict) -> None:
@@ -220,6 +240,30 @@ def save_head(path: str | Path, head: nn.Module, token_ids: torch.Tensor, meta: 
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": HEAD_FORMAT, "card": json.dumps(meta, sort_keys=True)})
     tmp.replace(path)
+
+
+def write_random_head(ckpt: object, path: str | Path, method: str = "eagle", seed: int = 0, **card: object) -> Path:
+    """A randomly initialised EAGLE, MTP or Medusa (3 heads) head file for the checkpoint `ckpt`
+    (its fingerprint, every id): what tests and bench/device_check.py serve on tiny models."""
+    from specserve.spec.medusa import MedusaHeads
+
+    arch = ckpt.arch  # type: ignore[attr-defined]
+    torch.manual_seed(seed)
+    if method == "medusa":
+        head: nn.Module = MedusaHeads(arch.hidden_size, 3)
+        for p in head.parameters():
+            nn.init.normal_(p, std=0.2)
+    elif method == "mtp":
+        head = MTPModule(head_arch(arch))
+    else:
+        head = EagleHead(head_arch(arch))
+    tok = ckpt.tokenizer  # type: ignore[attr-defined]
+    fp = target_fingerprint(arch, tok.fingerprint() if tok is not None else None,
+                            ckpt.weights["model.embed_tokens.weight"])  # type: ignore[attr-defined]
+    meta = {"method": method, "target": fp, "target_name": "tiny", "intermediate_size": arch.intermediate_size,
+            "num_heads": 3, **card}
+    save_head(path, head, torch.arange(arch.vocab_size), meta)
+    return Path(path)
 
 
 def load_head_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -247,9 +291,10 @@ def float_rows(linear: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of any linear layer's weight in float32: nn.Linear, quantized layers (which can
     dequantize), or a packed backend (recovered as linear(I)^T, exact for a bias-free layer)."""
     if isinstance(linear, nn.Linear):
-        return linear.weight.detach().float().index_select(0, ids)
+        return linear.weight.detach().float().index_select(0, ids.to(linear.weight.device))
     if hasattr(linear, "dequantized_weight"):
-        return linear.dequantized_weight().float().index_select(0, ids)
+        w = linear.dequantized_weight().float()
+        return w.index_select(0, ids.to(w.device))
     eye = torch.eye(linear.in_features)
     bias = getattr(linear, "bias", None)
     w = (linear(eye) - (bias if bias is not None else 0)).T
@@ -320,7 +365,7 @@ class EagleProposer(PassTimer, CandidateWidth, Proposer):
         self.card = card or {}
         arch = head.arch
         self.device = embed.weight.device
-        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions)
+        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions).to(self.device)
         self.block_size = block_size
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_cache = (torch.zeros(shape, device=self.device), torch.zeros(shape, device=self.device))
@@ -328,7 +373,7 @@ class EagleProposer(PassTimer, CandidateWidth, Proposer):
         self.p_min = p_min
         self.children = CHILDREN if tree else 1
         self._seqs: dict[str, _HeadSeq] = {}
-        self.generator = torch.Generator()
+        self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed + 2)
         self.num_forwards = 0
 
@@ -417,7 +462,7 @@ class EagleProposer(PassTimer, CandidateWidth, Proposer):
             return float("nan")
         table = list(range(n_blocks))
         n = batch * tokens_per_req
-        feats = torch.zeros(n, self.head.arch.hidden_size)
+        feats = torch.zeros(n, self.head.arch.hidden_size, device=self.device)
         positions = [context + j for _ in range(batch) for j in range(tokens_per_req)]
 
         def run() -> None:
@@ -468,7 +513,7 @@ class EagleProposer(PassTimer, CandidateWidth, Proposer):
         if not trees:
             return {}
         h = self._pass(tokens, torch.cat(feats), positions, starts, counts, tables, [None] * len(trees))
-        last = torch.tensor([sum(counts[: i + 1]) - 1 for i in range(len(counts))])
+        last = torch.tensor([sum(counts[: i + 1]) - 1 for i in range(len(counts))], device=h.device)
         h_root = h.index_select(0, last)
         logits = self._logits(h_root)
         for i, t in enumerate(trees):
@@ -515,19 +560,21 @@ class MTPProposer(EagleProposer):
 
 
 # ----------------------------------------------------------------------------- building
-def load_head_for(path: str | Path, method: str, target_fp: str) -> tuple[dict[str, torch.Tensor], dict]:
+def load_head_for(path: str | Path, method: str, target_fp: str | tuple[str, ...]) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, card) of a `method` head file trained for the target with fingerprint target_fp
-    (or, for mtp, a checkpoint's own MTP module: its shapes are checked, it carries no fingerprint)."""
+    (any of them, for a tuple: target_fingerprints) (or, for mtp, a checkpoint's own MTP module:
+    its shapes are checked, it carries no fingerprint)."""
+    accepted = (target_fp,) if isinstance(target_fp, str) else tuple(target_fp)
     tensors, card = load_head_file(path)
     if card.get("imported") and method == "mtp":
         return tensors, card
     if card.get("method") != method:
         raise ConfigError(f"{path} is a {card.get('method')!r} head, not a {method!r} head; use --spec-method "
                           f"{card.get('method')}.")
-    if card.get("target") != target_fp:
+    if card.get("target") not in accepted:
         raise ConfigError(
             f"The head {path} was trained for another target ({card.get('target_name', '?')}, fingerprint "
-            f"{card.get('target')}); this model's fingerprint is {target_fp}. Train one for it: "
+            f"{card.get('target')}); this model's fingerprint is {accepted[0]}. Train one for it: "
             f"`specserve train-draft --method {method} --model MODEL`."
         )
     return tensors, card
@@ -557,7 +604,7 @@ def quantize_linears(modules: list[nn.Module]) -> None:
                 setattr(mod, name, BlockQuantLinear(quantize_q8_0(child.weight), child.bias))
 
 
-def build_eagle(path: str | Path, target_runner: object, target_fp: str, cache_block_size: int, num_blocks: int,
+def build_eagle(path: str | Path, target_runner: object, target_fp: str | tuple[str, ...], cache_block_size: int, num_blocks: int,
                 max_positions: int, p_min: float, tree: bool, seed: int, quantize: bool, method: str = "eagle",
                 default_ids: torch.Tensor | None = None) -> EagleProposer:
     """Load an EAGLE head (or an MTP module) file for the target behind `target_runner`; quantize
@@ -578,6 +625,7 @@ def build_eagle(path: str | Path, target_runner: object, target_fp: str, cache_b
         head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True, assign=True)
     except RuntimeError as exc:  # missing / extra / misshapen tensors
         raise ConfigError(f"{path} does not hold a {method} module for this target: {str(exc)[:300]}") from exc
+    head.to(target_runner.device)  # float32 wherever the target runs: the head is small
     lm_head = restricted_lm_head(target_runner, token_ids)
     if quantize:
         from specserve.models.block_linear import enable_native_ops

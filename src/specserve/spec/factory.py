@@ -82,19 +82,19 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
                               p_min=ctx.spec.draft_p_min, tree=ctx.spec.use_trees(DraftModelProposer.traits.tree_by_default))
 
 
-def _head_for_target(ctx: ProposerContext, method: str) -> tuple[object, str, object, bool]:
-    """(target runner, its fingerprint, the head file, whether to quantize the head) for a
+def _head_for_target(ctx: ProposerContext, method: str) -> tuple[object, tuple[str, str], object, bool]:
+    """(target runner, its fingerprints (current, legacy), the head file, whether to quantize the head) for a
     feature-level drafter: --draft-model FILE, or (None / auto) the head train-draft left in the cache."""
-    from specserve.spec.eagle import default_head_path, target_fingerprint
+    from specserve.spec.eagle import default_head_path, target_fingerprints
 
     runner = ctx.target_runner
     if runner is None:
         raise ConfigError(f"--spec-method {method} needs the target model's runner (an engine builds it).")
-    fp = target_fingerprint(runner.arch, ctx.tokenizer.fingerprint() if ctx.tokenizer is not None else None,
-                            runner.model.model.embed_tokens.weight)
+    fp = target_fingerprints(runner.arch, ctx.tokenizer.fingerprint() if ctx.tokenizer is not None else None,
+                             runner.model.model.embed_tokens.weight)
     path = ctx.spec.draft_model
     if path in (None, "auto"):
-        path = default_head_path(fp, method)
+        path = default_head_path(fp[0], method)
     quantize = ctx.model.quantization in ("auto", "int4") and getattr(runner, "native_ops", False)
     return runner, fp, path, quantize
 

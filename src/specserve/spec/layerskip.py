@@ -242,7 +242,7 @@ class LayerSkipProposer(PassTimer, CandidateWidth, Proposer):
 
 
 def build_layerskip(runner: object, block_ids_of: Callable[[str], list[int]], num_layers: int | None,
-                    path: str | None, target_fp: str, token_ids: torch.Tensor | None, p_min: float, tree: bool,
+                    path: str | None, target_fp: str | tuple[str, ...], token_ids: torch.Tensor | None, p_min: float, tree: bool,
                     seed: int, quantize: bool) -> LayerSkipProposer:
     """The layer-skip drafter: an exit file (train-draft --method layerskip) fixes the layer and
     the head's vocabulary; without one, the target's final norm at layer num_layers (default:
@@ -262,7 +262,7 @@ def build_layerskip(runner: object, block_ids_of: Callable[[str], list[int]], nu
         token_ids = tensors.pop("token_ids")
         exit_head = ExitHead(runner.arch.hidden_size)
         exit_head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
-        exit_head.eval()
+        exit_head.eval().to(runner.device)
         if quantize:
             from specserve.models.block_linear import enable_native_ops
 

@@ -86,9 +86,9 @@ class MedusaProposer(PassTimer, CandidateWidth, Proposer):
         self.lm_head = lm_head
         self.card = card or {}
         self.children = CHILDREN if tree else 1
-        self.device = torch.device("cpu")
+        self.device = next(heads.parameters()).device
         self._seqs: dict[str, _Seq] = {}
-        self.generator = torch.Generator()
+        self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed + 3)
         self.num_forwards = 0
 
@@ -128,7 +128,7 @@ class MedusaProposer(PassTimer, CandidateWidth, Proposer):
     @torch.inference_mode()
     def time_pass(self, batch: int) -> float:
         """Seconds of the heads over `batch` requests, per depth (the policy charges a pass per depth)."""
-        feats = torch.zeros(batch, self.heads.hidden_size)
+        feats = torch.zeros(batch, self.heads.hidden_size, device=self.device)
         return self.best_of(lambda: self._distributions(feats)) / len(self.heads.heads)
 
     @torch.inference_mode()
@@ -167,7 +167,7 @@ class MedusaProposer(PassTimer, CandidateWidth, Proposer):
         return out
 
 
-def build_medusa(path: str | Path, target_runner: object, target_fp: str, tree: bool, seed: int,
+def build_medusa(path: str | Path, target_runner: object, target_fp: str | tuple[str, ...], tree: bool, seed: int,
                  quantize: bool) -> MedusaProposer:
     """Load a Medusa head file for the target behind `target_runner` (Q8_0 blocks when it runs the
     native kernels)."""
@@ -177,6 +177,7 @@ def build_medusa(path: str | Path, target_runner: object, target_fp: str, tree: 
     token_ids = tensors.pop("token_ids")
     heads = MedusaHeads(target_runner.arch.hidden_size, int(card["num_heads"]))
     heads.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    heads.to(target_runner.device)
     if quantize:
         quantize_linears(list(heads.heads))
     return MedusaProposer(heads, restricted_lm_head(target_runner, token_ids), tree=tree, seed=seed, card=card)
