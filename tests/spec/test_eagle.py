@@ -124,7 +124,11 @@ def test_a_bfloat16_copy_of_the_target_finds_its_heads_and_legacy_heads_still_se
               {"method": "eagle", "target": legacy, "target_name": "tiny",
                "intermediate_size": tiny.arch.intermediate_size})
     assert target_fingerprints(tiny.arch, None, emb) == (fp, legacy)
-    assert (tmp_path / "heads" / fp / "eagle.safetensors").is_file() and not old.parent.exists()
+    moved = tmp_path / "heads" / fp / "eagle.safetensors"
+    assert moved.is_file() and not old.parent.exists()
+    from specserve.spec.eagle import load_head_for
+
+    assert load_head_for(moved, "eagle", fp)[1]["target"] == fp  # re-carded: a bfloat16 target accepts it
     llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="eagle", draft_model="auto",
               spec_policy="always", profile_spec_costs=False)
     base = LLM("tiny", dtype="float32", checkpoint=tiny).generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, temperature=0))

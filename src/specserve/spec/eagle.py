@@ -216,25 +216,54 @@ def target_fingerprint(arch: ArchConfig, tokenizer_fp: str | None, embed_weight:
 
 def target_fingerprints(arch: ArchConfig, tokenizer_fp: str | None, embed_weight: torch.Tensor) -> tuple[str, str]:
     """(current, legacy) fingerprints of a target: a head carrying either was trained for it. The
-    cache's folders under the legacy one move to the current one the first time it is asked for."""
+    first time a target asks, the cache's folders under its legacy fingerprint move to the current
+    one and the heads there are re-carded with it (a float32 target computes both, which is what
+    proves them the same model), so a bfloat16 copy of the target finds them afterwards too."""
     from specserve.models.bundled import cache_dir
 
     fps = (target_fingerprint(arch, tokenizer_fp, embed_weight),
            target_fingerprint(arch, tokenizer_fp, embed_weight, legacy=True))
+    if fps[0] == fps[1]:
+        return fps
     for kind in ("heads", "train"):
         old, new = cache_dir() / kind / fps[1], cache_dir() / kind / fps[0]
         if old.is_dir() and not new.exists():
             with contextlib.suppress(OSError):  # another process moved it first, or a read-only cache
                 old.rename(new)
+    for path in sorted((cache_dir() / "heads" / fps[0]).glob("*.safetensors")):
+        with contextlib.suppress(OSError, ConfigError):  # a foreign or torn file is left as it is
+            _recard(path, fps[1], fps[0])
     return fps
+
+
+def _recard(path: Path, old_fp: str, new_fp: str) -> None:
+    """Rewrite a head file (and the JSON card beside it) whose card names old_fp to name new_fp."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != HEAD_FORMAT or json.loads(meta["card"]).get("target") != old_fp:
+        return
+    tensors, card = load_head_file(path)
+    _write_head_file(path, tensors, {**card, "target": new_fp})
+    side = path.with_suffix(".json")
+    if side.is_file():
+        side_card = json.loads(side.read_text())
+        side_card["target"] = new_fp
+        side.write_text(json.dumps(side_card, indent=2) + "\n")
 
 
 def save_head(path: str | Path, head: nn.Module, token_ids: torch.Tensor, meta: dict) -> None:
     """Write a head: its weights, its token ids, and metadata (method, shape, target) as JSON."""
-    from safetensors.torch import save_file
-
     tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     tensors["token_ids"] = token_ids.to(torch.int64).contiguous()
+    _write_head_file(path, tensors, meta)
+
+
+def _write_head_file(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """A head file's bytes, written atomically (a reader never sees half a file)."""
+    from safetensors.torch import save_file
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
