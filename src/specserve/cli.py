@@ -316,6 +316,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     with spinner(f"loading {args.model}"):
         llm = LLM(args.model, **engine_kwargs(args), profile_spec_costs=False)
     kwargs = {k: getattr(args, k) for k in ("batches", "contexts") if getattr(args, k) is not None}
+    if args.disagg:
+        kwargs["disagg_kwargs"] = engine_kwargs(args)
     profile = record_profile(llm.engine, repeats=args.repeats, **kwargs)
     path = write_profile(profile, args.out)
     print(describe(profile))
@@ -533,8 +535,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (default 1 2 4 8 16 32)")
-    p.add_argument("--contexts", type=int, nargs="+", default=None, help="decode contexts (default 128 1024)")
+    p.add_argument("--contexts", type=int, nargs="+", default=None, help="decode contexts (default 128 1024 2560)")
     p.add_argument("--repeats", type=int, default=2, help="runs per point per round (the fastest is kept)")
+    p.add_argument("--disagg", action="store_true",
+                   help="also time the model disaggregated (1 prefill + 1 decode worker on Ray, pinned, this many "
+                        "threads each): the relay's per-step and per-request cost the planner charges `--disagg` plans")
 
     from specserve.ops.plan import add_arguments as add_plan_arguments
 

@@ -89,6 +89,31 @@ def test_served_overhead():
         MeasuredCostModel.from_profile(p, served=True)
 
 
+def test_relay_costs_of_a_disaggregated_decode_worker():
+    """`profile --disagg`'s relay: a decode worker's step pays the relay's overhead instead of the
+    engine's, and a lone request's measured time to first token beyond what its steps (and the KV's
+    way) cost is charged to every request of a disaggregated deployment, by route."""
+    p = synthetic_profile(link_gb_s=1.0)
+    p["relay"] = {"batches": [1, 8], "context": 32, "step_s": [step(1) + 0.004, step(8) + 0.012],
+                  "ttft_s": step(63) + step(1) + 0.004 + 63 * 1000 / 1e9 + 0.150, "prompt_tokens": 64,
+                  "local_ttft_s": step(8) + 0.004 + 0.020, "local_prompt_tokens": 8}
+    m = MeasuredCostModel.from_profile(p)
+    assert m.step_s(StepShape(1, 1, 32, 32), "decode") == pytest.approx(step(1) + 0.004)
+    assert m.step_s(StepShape(8, 8, 8 * 32, 32), "decode") == pytest.approx(step(8) + 0.012)
+    assert m.step_s(StepShape(8, 8, 8 * 32, 32), "prefill") == pytest.approx(step(8))  # no relay there
+    assert m.disagg_request_overhead_s(local_prefill=True) == pytest.approx(0.020)
+    assert m.disagg_request_overhead_s(local_prefill=False) == pytest.approx(0.150)
+    plain = MeasuredCostModel.from_profile(synthetic_profile(link_gb_s=1.0))  # no relay measured: nothing added
+    assert plain.step_s(StepShape(1, 1, 32, 32), "decode") == pytest.approx(step(1))
+    assert plain.disagg_request_overhead_s(local_prefill=False) == 0.0
+    dep = Deployment(colocated=0, prefill=1, decode=1)
+    trace = [TraceRequest(0.0, 8, 4), TraceRequest(10.0, 300, 4)]
+    with_relay, without = (simulate(trace, dep, c).requests for c in (m, plain))
+    assert with_relay[0].ttft_s - without[0].ttft_s == pytest.approx(0.020 + 0.004, rel=1e-6)  # locally prefilled
+    assert with_relay[1].ttft_s - without[1].ttft_s == pytest.approx(0.150 + 0.004, rel=1e-6)  # through P
+    assert with_relay[0].tpot_s - without[0].tpot_s == pytest.approx(0.004, rel=1e-6)
+
+
 def test_measured_cost_context_and_noise():
     p = synthetic_profile()
     p["decode"]["step_s"][1] = [step(b) + 0.01 * b for b in BATCHES]  # context 1024: +10 ms per request

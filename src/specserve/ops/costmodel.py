@@ -88,8 +88,15 @@ class CostModel(Protocol):
         """KV transfer bandwidth between two workers in GB/s (None: unknown)."""
         ...
 
-    def step_s(self, shape: StepShape) -> float:
-        """Seconds of one engine step of this shape (the forward pass and the engine's own work)."""
+    def step_s(self, shape: StepShape, role: str = "colocated") -> float:
+        """Seconds of one engine step of this shape (the forward pass and the engine's own work) on
+        a worker in `role` ("colocated", "prefill" or "decode")."""
+        ...
+
+    def disagg_request_overhead_s(self, local_prefill: bool) -> float:
+        """Seconds a request of a disaggregated deployment spends between the router and its workers
+        outside their steps and the KV stream (calls to the workers, its first output's way back),
+        prefilled on its decode worker (local_prefill) or through a prefill worker."""
         ...
 
     def draft_s(self, batch: int, k: int) -> float:
@@ -283,6 +290,8 @@ class MeasuredCostModel:
     spec_step: Curve | None  # a model-free proposer: batch -> seconds speculation adds to each step
     co_run: Mapping[str, float] = field(default_factory=dict)  # role -> slowdown beside another worker
     request_overhead_s: float = 0.0  # the HTTP front end's time per request (http=True)
+    relay_overhead: Curve | None = None  # batch -> a disaggregated decode worker's seconds per step outside the forward
+    relay_request_s: tuple[float, float] = (0.0, 0.0)  # disaggregated requests' extra: (prefilled locally, through P)
 
     @classmethod
     def from_profile(cls, profile: Mapping[str, Any], *, served: bool = False, http: bool = False) -> MeasuredCostModel:
@@ -350,6 +359,22 @@ class MeasuredCostModel:
         co_run: dict[str, float] = {}
         if profile.get("co_run") is not None:
             co_run = {role: max(1.0, r.number(f"co_run.slowdown.{role}")) for role in ("decode", "prefill")}
+        relay_overhead, relay_request_s = None, (0.0, 0.0)
+        if profile.get("relay") is not None:
+            # A decode worker behind the router: its step less the forward at that batch and context.
+            steps = r.curve("relay.batches", "relay.step_s", monotone=False)
+            context = r.number("relay.context")
+            relay_overhead = Curve(steps.xs, tuple(max(0.0, t - decode(context, b)) for b, t in zip(steps.xs, steps.ys)))
+            one = relay_overhead(1)
+            # A lone request's measured time to first token less what the simulator charges it:
+            # through P, the prefill worker's step, the KV's way over the link and the decode
+            # worker's step over the last prompt token; prefilled locally, the decode worker's step.
+            p = r.number("relay.prompt_tokens")
+            link_s = (p - 1) * r.whole("model.kv_bytes_per_token") / (r.number("kv_transfer.bandwidth_gb_s") * 1e9)
+            through = r.number("relay.ttft_s") - (max(prefill(p - 1), 1e-6) + max(0.0, overhead(1)) + link_s
+                                                   + decode(p, 1) + one)
+            local = r.number("relay.local_ttft_s") - (max(prefill(r.number("relay.local_prompt_tokens")), 1e-6) + one)
+            relay_request_s = (max(0.0, local), max(0.0, through))
         return cls(
             description=f"measured profile of {r.get('model.name')} on {r.get('machine.cpu')}",
             num_layers=r.whole("model.num_layers"),
@@ -369,6 +394,8 @@ class MeasuredCostModel:
             spec_step=spec_step,
             co_run=co_run,
             request_overhead_s=request_overhead_s,
+            relay_overhead=relay_overhead,
+            relay_request_s=relay_request_s,
         )
 
     def _verify_extra_s(self, batch: float, tokens: float) -> float:
@@ -382,8 +409,9 @@ class MeasuredCostModel:
     def _prefill_s(self, tokens: float, before: float) -> float:
         return max(self.prefill(tokens), 1e-6) + self.pair_s * tokens * before
 
-    def step_s(self, shape: StepShape) -> float:
-        """Seconds of one step (see the class docstring for the formula)."""
+    def step_s(self, shape: StepShape, role: str = "colocated") -> float:
+        """Seconds of one step (see the class docstring for the formula); a disaggregated decode
+        worker's step pays the profile's relay overhead instead of the engine's."""
         d = shape.decode_seqs
         t, parts = 0.0, 0
         if d:
@@ -402,7 +430,8 @@ class MeasuredCostModel:
             keys = max([shape.decode_max_context + n if d else 0, *(p + o for p, o in shape.prefill)])
             counted = shape.decode_tokens * (shape.decode_max_context + n) + sum(p * (p + o) for p, o in shape.prefill)
             t += self.pair_s * max(0, shape.num_seqs * query * keys - counted)
-        return t + max(0.0, self.overhead(shape.num_seqs))
+        overhead = self.relay_overhead if role == "decode" and self.relay_overhead is not None else self.overhead
+        return t + max(0.0, overhead(shape.num_seqs))
 
     def draft_s(self, batch: int, k: int) -> float:
         """k passes of the draft model over `batch` requests (none for a model-free proposer)."""
@@ -417,6 +446,10 @@ class MeasuredCostModel:
     def co_run_slowdown(self, role: str) -> float:
         """The profile's slowdown of a `role` step beside another worker (1.0 if not measured)."""
         return self.co_run.get(role, 1.0)
+
+    def disagg_request_overhead_s(self, local_prefill: bool) -> float:
+        """The profile's `relay` lone requests' time to first token beyond their steps (0 if not measured)."""
+        return self.relay_request_s[0 if local_prefill else 1]
 
 
 # ---------------------------------------------------------------------- roofline
@@ -492,8 +525,8 @@ class RooflineCostModel:
             comm_s = 2 * arch.num_layers * per_allreduce
         return max(memory_s, compute_s) + comm_s
 
-    def step_s(self, shape: StepShape) -> float:
-        """Seconds of one step: the bound above plus the fixed overhead."""
+    def step_s(self, shape: StepShape, role: str = "colocated") -> float:
+        """Seconds of one step: the bound above plus the fixed overhead (the same in every role)."""
         d = shape.decode_seqs
         # Each decode token attends to its request's context; a chunk of p tokens after o
         # attends to o + (its own causal half) p / 2 on average. Every context is read once.
@@ -519,4 +552,8 @@ class RooflineCostModel:
     @property
     def request_overhead_s(self) -> float:
         """The front end's time per request: part of step_overhead_s on paper."""
+        return 0.0
+
+    def disagg_request_overhead_s(self, local_prefill: bool) -> float:
+        """Calls between the router and the workers: part of step_overhead_s on paper."""
         return 0.0

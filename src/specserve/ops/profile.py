@@ -20,6 +20,12 @@ Records, into one JSON file (`PROFILE_FORMAT`, read back by `ops/costmodel.Measu
   relaying its outputs then take their CPU time from its core), and a prefill chunk while a
   decode streams its weights there (memory bandwidth, caches and, on a VM, perhaps the physical
   cores behind its vCPUs);
+- `relay` (`specserve profile --disagg`): the same model as a disaggregated deployment (one
+  prefill and one decode worker of this many threads, Ray actors pinned to their own cores, as
+  `serve --disagg` and bench/disagg.py start them): a decode worker's step time at a few batches
+  with every output relayed through the router, and a lone request's time to first token
+  through the prefill worker, the KV stream and the decode worker (what the planner charges a
+  disaggregated deployment beyond its workers' forwards);
 - the model's KV bytes per token and capacity, the scheduler's settings, the machine.
 
 Forward times come from the runner's own timing (`ModelRunner.time_decode_step` and the
@@ -55,7 +61,7 @@ from specserve.progress import bar, spinner
 from specserve.sampling_params import SamplingParams
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
-DECODE_CONTEXTS = (128, 1024)
+DECODE_CONTEXTS = (128, 1024, 2560)  # long prompts' decodes read ~2k-token contexts: measured, not extrapolated
 VERIFY_BATCHES = (1, 4, 16)
 VERIFY_TOKENS = (1, 2, 3, 5, 9)
 PREFILL_CHUNKS = (16, 64, 128, 256)  # plus the scheduler's token budget
@@ -68,6 +74,8 @@ CO_RUN_BATCH = 4  # decode batch timed beside a neighbour worker
 CO_RUN_REPEATS = 9
 KV_TRANSFER_TOKENS = 2048
 ROUNDS = 3
+RELAY_PROMPT_TOKENS = 64  # a relayed request's prompt: past the router's local-prefill threshold
+RELAY_LOCAL_TOKENS = 8  # a prompt the router has its decode worker prefill
 
 
 def machine_info() -> dict[str, Any]:
@@ -333,6 +341,60 @@ def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds
     return out
 
 
+def _relay(model: str, engine_kwargs: dict[str, Any], batches: Sequence[int], tokens: int,
+           vocab_size: int) -> dict[str, Any]:
+    """A 1 prefill : 1 decode deployment of the model (Ray actors of this process's thread count,
+    pinned): the decode worker's seconds per step while `batch` requests decode with their outputs
+    relayed through the router (each request's time per output token after its first, the median
+    request; speculation off), and a lone request's time to first token (the median of
+    LONE_REQUESTS) with a prompt of RELAY_PROMPT_TOKENS (through the prefill worker and the KV
+    stream) and of RELAY_LOCAL_TOKENS (prefilled on the decode worker)."""
+    import ray
+
+    from specserve.disagg.launch import DisaggClient, launch
+
+    kwargs = {**engine_kwargs, "spec_method": "none", "num_threads": torch.get_num_threads()}
+    for key in ("draft_model", "draft_num_layers", "draft_quantization", "draft_vocab_size", "draft_p_min"):
+        kwargs.pop(key, None)
+    rng = random.Random(0)
+
+    def prompts(n: int, length: int = RELAY_PROMPT_TOKENS) -> list[list[int]]:  # distinct: no prefix-cache hits
+        return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(n)]
+
+    router = launch(model, kwargs, 1, 1, threads_per_worker=torch.get_num_threads(), pin_cpus=True)
+    client = DisaggClient(router)
+    try:
+        def run(batch: int, max_tokens: int, length: int = RELAY_PROMPT_TOKENS) -> tuple[list[float], list[float]]:
+            """(times to first token, seconds per later token) of `batch` requests sent together, as
+            the client sees their tokens stream in."""
+            stamps: dict[str, list[float]] = {}
+
+            def seen(out: Any) -> None:
+                stamps.setdefault(out.request_id, []).extend([time.perf_counter()] * len(out.outputs[0].delta_token_ids))
+
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            t0 = time.perf_counter()
+            client.generate(prompts(batch, length), params, timeout=600, on_output=seen)
+            ttft = [s[0] - t0 for s in stamps.values()]
+            tpot = [(s[-1] - s[0]) / (len(s) - 1) for s in stamps.values() if len(s) > 1]
+            if len(ttft) != batch or len(tpot) != batch:
+                raise RuntimeError(f"the disaggregated profile run at batch {batch} lost outputs.")
+            return ttft, tpot
+
+        run(2, 8)  # warm-up: first transfers, first steps
+        step_s = []
+        for b in bar(list(batches), desc="profiling disaggregated decode steps", unit="batch"):
+            step_s.append(statistics.median(run(b, tokens)[1]))
+        ttft_s = statistics.median(run(1, 2)[0][0] for _ in range(LONE_REQUESTS))
+        local_ttft_s = statistics.median(run(1, 2, RELAY_LOCAL_TOKENS)[0][0] for _ in range(LONE_REQUESTS))
+    finally:
+        client.close()
+        ray.shutdown()
+    return {"threads": torch.get_num_threads(), "batches": list(batches), "context": RELAY_PROMPT_TOKENS + tokens // 2,
+            "step_s": step_s, "ttft_s": ttft_s, "prompt_tokens": RELAY_PROMPT_TOKENS,
+            "local_ttft_s": local_ttft_s, "local_prompt_tokens": RELAY_LOCAL_TOKENS}
+
+
 def _kv_transfer(engine: LLMEngine, tokens: int, repeats: int) -> dict[str, Any]:
     """Seconds to write `tokens` of KV from the paged cache into a shared-memory channel and to
     read them back into other pages, layer by layer; the bandwidth of the two copies in turn."""
@@ -383,8 +445,11 @@ def record_profile(
     batches: Sequence[int] = DECODE_BATCHES,
     contexts: Sequence[int] = DECODE_CONTEXTS,
     repeats: int = 2,
+    disagg_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Time the engine's model (and drafter) and return the profile dict."""
+    """Time the engine's model (and drafter) and return the profile dict. disagg_kwargs: the
+    LLM(...) arguments the engine was built with; given, the model is also timed disaggregated
+    (`relay`)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
     t_start = time.perf_counter()
@@ -435,6 +500,10 @@ def record_profile(
     served = _served_steps(engine, [b for b in SERVED_BATCHES if b <= cfg.scheduler.max_num_seqs], SERVED_TOKENS)
     with spinner("profiling a step beside another worker"):
         co_run = _co_run(engine, min(CO_RUN_BATCH, cfg.scheduler.max_num_seqs), budget, CO_RUN_REPEATS)
+    relay = None
+    if disagg_kwargs is not None:
+        relay = _relay(cfg.model.model, disagg_kwargs, [b for b in SERVED_BATCHES if b <= cfg.scheduler.max_num_seqs],
+                       SERVED_TOKENS, engine.arch.vocab_size)
     with spinner("profiling the KV transfer channel"):  # last: it writes into pages no request owns
         transfer = _kv_transfer(engine, KV_TRANSFER_TOKENS, repeats + 1)
 
@@ -470,6 +539,7 @@ def record_profile(
         "drafter": drafter,
         "kv_transfer": transfer,
         "co_run": co_run,
+        "relay": relay,
         "duration_s": time.perf_counter() - t_start,
     }
 
@@ -505,4 +575,9 @@ def describe(profile: dict[str, Any]) -> str:
     if co:
         lines.append(f"  beside another worker: decode steps x{co['slowdown']['decode']:.2f}, "
                      f"prefill chunks x{co['slowdown']['prefill']:.2f}")
+    relay = profile.get("relay")
+    if relay:
+        lines.append(f"  disaggregated (1P:1D): decode step at batch {relay['batches'][-1]} "
+                     f"{relay['step_s'][-1] * 1e3:.1f} ms behind the router; a lone request's first token in "
+                     f"{relay['ttft_s'] * 1e3:.0f} ms")
     return "\n".join(lines)

@@ -32,7 +32,11 @@ What it models, each piece as specserve does it:
   OpenAI server, 0 on paper and for engines driven in-process);
 - **workers sharing a machine**: a disaggregated worker's step that starts while another
   worker is computing takes `CostModel.co_run_slowdown(role)` times as long (measured by
-  `specserve profile` where the workers share a host's memory and cores; 1 on paper).
+  `specserve profile` where the workers share a host's memory and cores; 1 on paper);
+- **the relay**: a disaggregated decode worker's step pays what relaying its outputs through
+  the router costs (`CostModel.step_s(shape, "decode")`), and a request reaches its worker
+  `CostModel.disagg_request_overhead_s` later (the calls between router and workers; both
+  measured by `specserve profile --disagg`, 0 on paper).
 
 Step times come from a `CostModel` (`ops/costmodel.py`). Deterministic: one seed gives one
 run. Pure Python: no torch.
@@ -289,7 +293,7 @@ class _Engine:
             max((r.trace.prompt_tokens + r.generated for r, _ in step.decodes), default=0),
             tuple((n, r.computed) for r, n in step.chunks),
         )
-        dt = sim.cost.step_s(shape) + (sim.cost.draft_s(len(drafts), max(drafts)) if drafts else 0.0)
+        dt = sim.cost.step_s(shape, self.role) + (sim.cost.draft_s(len(drafts), max(drafts)) if drafts else 0.0)
         if sim.deployment.spec.k and self.role != "prefill":
             dt += sim.cost.spec_step_s(shape.num_seqs)  # the policy runs every step while speculation is on
         if self.role != "colocated" and any(e.busy for e in sim.workers if e is not self):
@@ -350,7 +354,7 @@ class _Engine:
         def rate(k: int) -> float:
             shape = StepShape(n, n + k * m, context, longest, prefill)
             tokens = n + sum(g[k] - 1 for g in gains)
-            return tokens / (sim.cost.step_s(shape) + sim.cost.draft_s(m, k))
+            return tokens / (sim.cost.step_s(shape, self.role) + sim.cost.draft_s(m, k))
 
         plain = best = rate(0)
         best_k = 0
@@ -498,8 +502,13 @@ class _Simulation:
                 raise SimulationError(f"request {r.index}: prompt and output need >= 1 token each, "
                                       f"got {r.trace.prompt_tokens} and {r.trace.output_tokens}.")
             # The front end's own time per request (HTTP, chat template, tokenizing, the first
-            # chunk's way back) before the engine sees it: 0 unless measured behind the server.
-            self.push(r.trace.arrival_s + self.cost.request_overhead_s, _ARRIVAL, r)
+            # chunk's way back) before the engine sees it: 0 unless measured behind the server;
+            # disaggregated, also the calls between the router and the workers (profile's relay).
+            delay = self.cost.request_overhead_s
+            if self.deployment.disaggregated:
+                local = r.trace.prompt_tokens - 1 < max(1, self.deployment.local_prefill_tokens)
+                delay += self.cost.disagg_request_overhead_s(local)
+            self.push(r.trace.arrival_s + delay, _ARRIVAL, r)
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
             if kind == _ARRIVAL:
