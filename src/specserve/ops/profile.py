@@ -28,9 +28,10 @@ Records, into one JSON file (`PROFILE_FORMAT`, read back by `ops/costmodel.Measu
   disaggregated deployment beyond its workers' forwards);
 - the model's KV bytes per token and capacity, the scheduler's settings, the machine.
 
-Forward times come from the runner's own timing (`ModelRunner.time_decode_step` and the
-forward it times steps with); each point is the best of `repeats` runs over three rounds, each
-round in a different order, so a burst of other work on a shared machine does not bend the tables.
+Forward times come from the runner's own timing (`ModelRunner.time_decode_step`, each request
+of a batch over its own KV blocks, and the forward it times steps with); each point is the
+median of `repeats` runs in each of three rounds, each round in a different order, so a burst
+of other work on a shared machine does not bend the tables (`_Timings`).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (128, 1024, 2560)  # long prompts' decodes read ~2k-token contexts: measured, not extrapolated
 VERIFY_BATCHES = (1, 4, 16)
 VERIFY_TOKENS = (1, 2, 3, 5, 9)
-PREFILL_CHUNKS = (16, 64, 128, 256)  # plus the scheduler's token budget
+PREFILL_CHUNKS = (16, 32, 48, 64, 96, 128, 192, 256, 384)  # plus the token budget (the kernels tile rows: not linear)
 PREFILL_OFFSETS = (0, 1024, 2048)  # contexts before a budget-sized chunk
 OVERHEAD_BATCHES = (1, 8)
 SERVED_BATCHES = (1, 4, 8)
@@ -110,26 +111,36 @@ def machine_info() -> dict[str, Any]:
 
 
 class _Timings:
-    """Best-of timings of named points, measured over rounds in shuffled orders."""
+    """Typical timings of named points: the median of every run, over rounds in shuffled orders.
+
+    The median, not the fastest: the planner predicts latency percentiles of a running server,
+    whose steps take their typical time. On the 2-vCPU VMs here the fastest of six runs of a
+    decode step was 5-20% below their median, and a profile of best-of times predicted the steps
+    of a replayed trace 20-30% too fast. A burst of other work still moves a median little."""
 
     def __init__(self, rounds: int) -> None:
         self.rounds = rounds
         self.points: list[tuple[tuple[Any, ...], Callable[[], float]]] = []
-        self.best: dict[tuple[Any, ...], float] = {}
+        self.samples: dict[tuple[Any, ...], list[float]] = {}
 
     def add(self, key: tuple[Any, ...], measure: Callable[[], float]) -> None:
         """A point to time: `measure` returns seconds."""
         self.points.append((key, measure))
 
-    def run(self, desc: str) -> None:
-        """Time every point once per round, keeping each one's fastest. Each round visits the points
-        in its own order, so a slow spell of the machine does not hit the same points every round."""
+    def run(self, desc: str, repeats: int = 1) -> None:
+        """Time every point `repeats` times per round. Each round visits the points in its own
+        order, so a slow spell of the machine does not hit the same points every round."""
         rng = random.Random(0)
         order = []
         for _ in range(self.rounds):
             order += rng.sample(self.points, len(self.points))
         for key, measure in bar(order, desc=desc, unit="point"):
-            self.best[key] = min(self.best.get(key, float("inf")), measure())
+            self.samples.setdefault(key, []).extend(measure() for _ in range(repeats))
+
+    @property
+    def typical(self) -> dict[tuple[Any, ...], float]:
+        """Each point's median run."""
+        return {key: statistics.median(ts) for key, ts in self.samples.items()}
 
 
 def _time_prefill(engine: LLMEngine, tokens: int, before: int, repeats: int) -> float:
@@ -469,17 +480,17 @@ def record_profile(
     timings = _Timings(rounds=ROUNDS)
     for c in contexts:
         for b in batches:
-            timings.add(("decode", c, b), partial(runner.time_decode_step, b, repeats=repeats, context=c))
+            timings.add(("decode", c, b), partial(runner.time_decode_step, b, repeats=1, context=c))
     for b in verify_batches:
         for n in VERIFY_TOKENS:
-            timings.add(("verify", b, n), partial(runner.time_decode_step, b, tokens_per_req=n, repeats=repeats,
+            timings.add(("verify", b, n), partial(runner.time_decode_step, b, tokens_per_req=n, repeats=1,
                                                   context=contexts[0]))
     for p in chunks:
-        timings.add(("prefill", p), partial(_time_prefill, engine, p, 0, repeats))
+        timings.add(("prefill", p), partial(_time_prefill, engine, p, 0, 1))
     for o in offsets[1:]:
-        timings.add(("prefill_context", o), partial(_time_prefill, engine, budget, o, repeats))
-    timings.run("profiling target steps")
-    t = timings.best
+        timings.add(("prefill_context", o), partial(_time_prefill, engine, budget, o, 1))
+    timings.run("profiling target steps", repeats)
+    t = timings.typical
 
     proposer = engine.proposer
     drafter: dict[str, Any] | None = None
