@@ -17,7 +17,7 @@ import torch
 
 from specserve.kv_cache.block_pool import hash_block_tokens
 from specserve.kv_cache.manager import KVCacheManager
-from specserve.kv_cache.tiers import SUFFIX, HostTier, TieredKVStore
+from specserve.kv_cache.tiers import SUFFIX, HostTier, TieredKVStore, block_file_name
 
 PAYLOAD = 64
 
@@ -149,6 +149,42 @@ def test_workers_sharing_a_directory_find_each_others_blocks(tmp_path):
     assert reader.fetch(hs[1]) is None and reader.counters.corrupt == 0
     writer.close()
     reader.close()
+
+
+def test_processes_sharing_a_directory_share_its_size_limit(tmp_path, monkeypatch):
+    """Each writer holds its own files to the limit; together they would hold twice as much. A
+    writer's periodic pass over the directory deletes the least recently used files of any
+    process until the whole directory fits, and the other forgets what it lost (a miss)."""
+    probe = _store(tmp_path / "probe")
+    probe.save(_chain(1)[0], _payload(0))
+    assert probe.flush()
+    size = _files(probe)[0].stat().st_size
+    probe.close()
+    limit = 3 * size + size // 2  # room for 3 files
+    a, b = _store(tmp_path, disk=limit), _store(tmp_path, disk=limit)
+    ha, hb = _chain(3), _chain(3, start=100)
+    for i, h in enumerate(ha):
+        a.save(h, _payload(i))
+    assert a.flush()
+    for i, h in enumerate(hb):
+        b.save(h, _payload(10 + i))
+    assert b.flush()
+    assert len(_files(a)) == 6  # each within its own limit: the directory at twice the limit
+    now = time.time()
+    for age, h in enumerate([*hb[::-1], *ha[::-1]]):  # a's blocks used longest ago, a's first the oldest
+        os.utime(a.disk.dir / block_file_name(h.value), (now - age, now - age))
+    assert b.disk.sync_with_directory() <= limit
+    assert len(_files(a)) == 3 and all(b.contains(h) for h in hb)
+    assert a.fetch(ha[0]) is None and a.counters.corrupt == 0  # deleted by b's pass: a miss
+    assert a.disk.sync_with_directory() <= limit and a.disk.used_bytes == 0  # a forgets its lost files
+
+    monkeypatch.setattr("specserve.kv_cache.tiers._SYNC_EVERY", 1)  # every write checks the directory
+    for i, h in enumerate(_chain(4, start=200)):
+        a.save(h, _payload(20 + i))
+        assert a.flush()
+        assert sum(p.stat().st_size for p in _files(a)) <= limit
+    a.close()
+    b.close()
 
 
 def test_a_payload_of_the_wrong_size_is_refused(tmp_path):

@@ -54,6 +54,7 @@ MAGIC = b"SPECSERVE-KV\x01"
 SUFFIX = ".kvb"
 _HEADER_LEN = struct.Struct("<I")
 _WRITE_QUEUE = 4096  # blocks waiting for the disk writer; beyond it new saves skip the disk
+_SYNC_EVERY = 32  # a writer re-reads the shared directory's size after this many of its own writes
 
 
 class TierBlock(NamedTuple):
@@ -170,7 +171,14 @@ class _DiskEntry(NamedTuple):
 
 
 class DiskTier:
-    """One verified file per block under root/<fingerprint>/, LRU within `capacity_bytes`."""
+    """One verified file per block under root/<fingerprint>/, LRU within `capacity_bytes`.
+
+    Processes sharing the directory (the workers of one host) share the limit too: each keeps
+    its own index (held to the limit as it writes), and every _SYNC_EVERY writes a writer lists
+    the directory and deletes the least recently used files of any process until
+    the whole directory fits (a read touches its file, so a file's mtime is its last use). Between
+    two such passes the directory can exceed the limit by what the writers wrote since.
+    """
 
     def __init__(self, root: str | Path, fingerprint: str, capacity_bytes: int, payload_bytes: int,
                  counters: TierCounters) -> None:
@@ -185,6 +193,7 @@ class DiskTier:
         self._index: OrderedDict[int, _DiskEntry] = OrderedDict()  # least recently used first
         self._queue: queue.Queue[tuple[BlockHash, torch.Tensor] | None] = queue.Queue(_WRITE_QUEUE)
         self._queued: set[int] = set()
+        self._writes_since_sync = 0
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="specserve-kv-disk", daemon=True)
         self._writer.start()
@@ -371,7 +380,35 @@ class DiskTier:
             self._index[block_hash.value] = _DiskEntry(block_hash, path, size)
             self.used_bytes += size
         self.counters.disk.saved += 1
+        self._writes_since_sync += 1
+        if self._writes_since_sync >= _SYNC_EVERY:
+            self.sync_with_directory()
         self._shrink()
+
+    def sync_with_directory(self) -> int:
+        """Hold the whole shared directory to the limit: delete the least recently used block files
+        of any process until it fits, and forget the own entries whose files are gone (another
+        process removed them). Returns the directory's bytes after."""
+        self._writes_since_sync = 0
+        files: list[tuple[float, int, Path]] = []
+        with contextlib.suppress(OSError), os.scandir(self.dir) as it:
+            for de in it:
+                if de.name.endswith(SUFFIX):
+                    with contextlib.suppress(OSError):  # removed meanwhile
+                        st = de.stat()
+                        files.append((st.st_mtime, st.st_size, Path(de.path)))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files, key=lambda f: f[0]):
+            if total <= self.capacity_bytes:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+        with self._lock:
+            for value, entry in list(self._index.items()):
+                if not entry.path.exists():
+                    del self._index[value]
+                    self.used_bytes -= entry.size
+        return total
 
     def _shrink(self) -> None:
         while True:
