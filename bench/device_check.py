@@ -190,11 +190,12 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
         "tiny draft model chain": dict(
             spec_method="draft", draft_checkpoint=draft, spec_tree="chain"
         ),
+        # `auto` means chains for these two (their measured default): ask for trees.
         "tiny draft model tree": dict(
-            spec_method="draft", draft_checkpoint=draft, spec_tree="auto"
+            spec_method="draft", draft_checkpoint=draft, spec_tree="tree"
         ),
         "tiny layerskip chain": dict(spec_method="layerskip", draft_num_layers=1),
-        "tiny layerskip tree": dict(spec_method="layerskip", draft_num_layers=1, spec_tree="auto"),
+        "tiny layerskip tree": dict(spec_method="layerskip", draft_num_layers=1, spec_tree="tree"),
     }
     # Randomly initialised heads for the tiny target: exactness does not depend on their quality.
     from specserve.spec.eagle import write_random_head

@@ -81,12 +81,12 @@ class MedusaProposer(PassTimer, CandidateWidth, Proposer):
                             prior_acceptance=0.4)
 
     def __init__(self, heads: MedusaHeads, lm_head: nn.Module, tree: bool = True, seed: int = 0,
-                 card: dict | None = None) -> None:
+                 card: dict | None = None, device: torch.device | str = "cpu") -> None:
         self.heads = heads.eval()
         self.lm_head = lm_head
         self.card = card or {}
         self.children = CHILDREN if tree else 1
-        self.device = next(heads.parameters()).device
+        self.device = torch.device(device)  # the target's: the heads read its features there
         self._seqs: dict[str, _Seq] = {}
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed + 3)
@@ -180,4 +180,5 @@ def build_medusa(path: str | Path, target_runner: object, target_fp: str | tuple
     heads.to(target_runner.device)
     if quantize:
         quantize_linears(list(heads.heads))
-    return MedusaProposer(heads, restricted_lm_head(target_runner, token_ids), tree=tree, seed=seed, card=card)
+    return MedusaProposer(heads, restricted_lm_head(target_runner, token_ids), tree=tree, seed=seed, card=card,
+                          device=target_runner.device)
