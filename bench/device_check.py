@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import random
 import sys
 import tempfile
 import time
@@ -39,56 +38,11 @@ from common import RESULTS_DIR, machine_info  # noqa: E402
 from prompts import CODING, EDIT, PROSE  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.testing import repetitive_prompts, tiny_checkpoint, write_random_head  # noqa: E402
 
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def tiny_checkpoints() -> tuple[Any, Any]:
-    """A tiny random Llama target and a different tiny random draft, as HF directories."""
-    import transformers
-
-    from specserve.models.loader import load_model_files
-
-    out = []
-    for seed, layers in ((5, 2), (6, 1)):
-        cfg = transformers.LlamaConfig(
-            vocab_size=64,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            rms_norm_eps=1e-6,
-            initializer_range=0.15,
-            tie_word_embeddings=False,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-            rope_theta=10000.0,
-        )
-        torch.manual_seed(seed)
-        d = tempfile.mkdtemp(prefix="tiny-")
-        transformers.LlamaForCausalLM(cfg).float().eval().save_pretrained(
-            d, safe_serialization=True
-        )
-        out.append(load_model_files(Path(d)))
-    return out[0], out[1]
-
-
-def tiny_prompts(n: int = 16, seed: int = 3) -> list[list[int]]:
-    """Token sequences that repeat with variations, so prompt lookup drafts and branches."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        words = [[rng.randint(3, 63) for _ in range(rng.randint(2, 4))] for _ in range(4)]
-        seq: list[int] = []
-        for _ in range(rng.randint(6, 14)):
-            seq += rng.choice(words) + [rng.choice([5, 6, 7])]
-        out.append(seq)
-    return out
 
 
 def run_case(results: list[dict], name: str, fn) -> None:
@@ -171,8 +125,10 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    target, draft = tiny_checkpoints()
-    prompts = tiny_prompts()
+    # A tiny random Llama target and a different, one-layer tiny draft (built here, no download).
+    target = tiny_checkpoint("llama", seed=5, vocab=64, layers=2)[1]
+    draft = tiny_checkpoint("llama", seed=6, vocab=64, layers=1)[1]
+    prompts = repetitive_prompts(16)
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(prompts)
     kw = dict(device=args.device, dtype="float32", checkpoint=target, profile_spec_costs=False)
     log(f"exact: tiny random Llama on {args.device}")
@@ -198,8 +154,6 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
         "tiny layerskip tree": dict(spec_method="layerskip", draft_num_layers=1, spec_tree="tree"),
     }
     # Randomly initialised heads for the tiny target: exactness does not depend on their quality.
-    from specserve.spec.eagle import write_random_head
-
     head_dir = Path(tempfile.mkdtemp(prefix="heads-"))
     for method in ("eagle", "mtp", "medusa"):
         path = write_random_head(target, head_dir / f"{method}.safetensors", method)

@@ -536,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (default 1 2 4 8 16 32)")
     p.add_argument("--contexts", type=int, nargs="+", default=None, help="decode contexts (default 128 1024 2560)")
-    p.add_argument("--repeats", type=int, default=2, help="runs per point per round (the fastest is kept)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per point per round (each point's median run is kept)")
     p.add_argument("--disagg", action="store_true",
                    help="also time the model disaggregated (1 prefill + 1 decode worker on Ray, pinned, this many "
                         "threads each): the relay's per-step and per-request cost the planner charges `--disagg` plans")

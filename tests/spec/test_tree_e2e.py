@@ -3,12 +3,12 @@ batched and alone), the accepted path's KV lands in consecutive slots, nothing l
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 
 import pytest
 
 from specserve import LLM, SamplingParams
+from specserve.testing import repetitive_prompts
 
 
 @pytest.fixture(scope="module")
@@ -16,20 +16,6 @@ def tiny():
     from conftest import tiny_checkpoint
 
     return tiny_checkpoint("llama", seed=5, vocab=64, layers=2)[1]
-
-
-def _prompts(n: int = 24, seed: int = 3) -> list[list[int]]:
-    """Text that repeats with variations: the same tail is followed by different tokens in
-    different places, which is what makes prompt lookup branch."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        words = [[rng.randint(3, 63) for _ in range(rng.randint(2, 4))] for _ in range(4)]
-        seq: list[int] = []
-        for _ in range(rng.randint(6, 14)):
-            seq += rng.choice(words) + [rng.choice([5, 6, 7])]
-        out.append(seq)
-    return out
 
 
 def _spy(llm: LLM) -> Counter:
@@ -54,7 +40,7 @@ def _spy(llm: LLM) -> Counter:
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_ngram_trees_are_exact_batched_and_alone(tiny, kv_cache_dtype):
-    prompts = _prompts()
+    prompts = repetitive_prompts()
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     kw = dict(dtype="float32", checkpoint=tiny, kv_cache_dtype=kv_cache_dtype, profile_spec_costs=False)
     base = LLM("tiny", spec_method="none", **kw).generate(prompts, params)
@@ -98,7 +84,7 @@ def test_draft_model_trees_accept_the_drafts_argmax_path_when_draft_is_target(ti
         return res
 
     runner.execute = wrapped
-    prompts = _prompts(8)
+    prompts = repetitive_prompts(8)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     base = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="none").generate(prompts, params)
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in base]
@@ -111,14 +97,14 @@ def test_chain_mode_drafts_only_chains(tiny):
     llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="ngram", spec_policy="always",
               spec_tree="chain", num_spec_tokens=8, profile_spec_costs=False)
     seen = _spy(llm)
-    llm.generate(_prompts(8), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    llm.generate(repetitive_prompts(8), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     assert seen["drafts"] > 0 and seen["branching"] == 0
 
 
 def test_sampled_trees_run_and_keep_the_cache_clean(tiny):
     """Sampled verification of trees through the engine (exactness itself is tested on the
     sampler, tests/sampling/test_tree_rejection.py); seeded outputs repeat."""
-    prompts = _prompts(12)
+    prompts = repetitive_prompts(12)
     llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="ngram", spec_policy="always",
               num_spec_tokens=8, profile_spec_costs=False)
     seen = _spy(llm)

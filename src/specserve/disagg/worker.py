@@ -333,6 +333,13 @@ def _error_output(req: Request) -> RequestOutput:
                          True, RequestMetrics(), error=req.error)
 
 
+def without_speculation(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """LLM(...) arguments of an engine that does not speculate: the drafter's settings dropped."""
+    kwargs = {k: v for k, v in engine_kwargs.items()
+              if k not in ("draft_model", "draft_num_layers", "draft_quantization", "draft_vocab_size", "draft_p_min")}
+    return {**kwargs, "spec_method": "none"}
+
+
 def build_worker(role: str, model: str, engine_kwargs: dict[str, Any], name: str,
                  transfer_timeout_s: float = 60.0, cpus: list[int] | None = None) -> WorkerCore:
     """Load the model and start a worker (in this process)."""
@@ -340,12 +347,7 @@ def build_worker(role: str, model: str, engine_kwargs: dict[str, Any], name: str
         os.sched_setaffinity(0, set(cpus))
     from specserve import LLM
 
-    kwargs = dict(engine_kwargs)
-    if role == "prefill":
-        for key in ("draft_model", "draft_num_layers", "draft_quantization", "draft_vocab_size", "draft_p_min"):
-            kwargs.pop(key, None)
-        kwargs["spec_method"] = "none"
-    llm = LLM(model, **kwargs)
+    llm = LLM(model, **(without_speculation(engine_kwargs) if role == "prefill" else engine_kwargs))
     return WorkerCore(role, llm.engine, name, transfer_timeout_s)
 
 

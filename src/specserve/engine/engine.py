@@ -216,6 +216,20 @@ def _trim_heap() -> None:
     trim(0)
 
 
+def _target_kv_share(config: EngineConfig, arch: object, draft_checkpoint: object | None) -> CacheConfig:
+    """The target's share of --kv-cache-gib: a drafter with KV of its own (a draft model, an
+    EAGLE head) holds as many tokens as the target, out of the same budget."""
+    cache = config.cache
+    if cache.num_gpu_blocks_override is not None or not config.spec.enabled:
+        return cache
+    dtype = config.model.torch_dtype
+    drafter = drafter_kv_bytes_per_token(config.spec, arch, cache, dtype, getattr(draft_checkpoint, "arch", None))
+    if not drafter:
+        return cache
+    target = kv_bytes_per_token(arch, cache, dtype)  # type: ignore[arg-type]
+    return replace(cache, kv_cache_gib=cache.kv_cache_gib * target / (target + drafter))
+
+
 class LLMEngine:
     """Continuous-batching engine over one model; not thread-safe (drive it from one loop)."""
 
@@ -243,7 +257,8 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         self.model_name = config.model.model
         self.max_model_len = self._resolve_max_model_len(config)
-        target_cache = self._split_kv_budget(config, checkpoint.arch, draft_checkpoint)
+        target_cache = _target_kv_share(config, checkpoint.arch, draft_checkpoint)
+        self.drafter_kv_gib = config.cache.kv_cache_gib - target_cache.kv_cache_gib  # the drafter's share
         self.runner = ModelRunner(
             checkpoint.arch, checkpoint.weights, config.model, target_cache, self.max_model_len,
             packed=checkpoint.packed,
@@ -275,22 +290,6 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self._init_speculation(draft_checkpoint)
-
-    def _split_kv_budget(self, config: EngineConfig, arch: object, draft_checkpoint: object | None) -> CacheConfig:
-        """The target's share of --kv-cache-gib: a drafter with KV of its own (a draft model, an
-        EAGLE head) holds as many tokens as the target, out of the same budget."""
-        cache = config.cache
-        self.drafter_kv_gib = 0.0
-        if cache.num_gpu_blocks_override is not None or not config.spec.enabled:
-            return cache
-        dtype = config.model.torch_dtype
-        drafter = drafter_kv_bytes_per_token(config.spec, arch, cache, dtype, getattr(draft_checkpoint, "arch", None))
-        if not drafter:
-            return cache
-        target = kv_bytes_per_token(arch, cache, dtype)  # type: ignore[arg-type]
-        share = target / (target + drafter)
-        self.drafter_kv_gib = cache.kv_cache_gib * (1 - share)
-        return replace(cache, kv_cache_gib=cache.kv_cache_gib * share)
 
     # ------------------------------------------------------------------ speculation set-up
     def _init_speculation(self, draft_checkpoint: object | None) -> None:

@@ -143,18 +143,14 @@ class _Timings:
         return {key: statistics.median(ts) for key, ts in self.samples.items()}
 
 
-def _time_prefill(engine: LLMEngine, tokens: int, before: int, repeats: int) -> float:
+def _time_prefill(engine: LLMEngine, tokens: int, before: int) -> float:
     """Seconds of one forward over a prompt chunk of `tokens` after `before` tokens of context
     (logits of its last row only, as a prefill step); blocks no request owns, as at start-up."""
     runner = engine.runner
     table = list(range(-(-(before + tokens) // runner.block_size)))
     sr = ScheduledRequest("profile-prefill", [1] * tokens, before, table, None, True, SamplingParams(), 0)
-    inputs = runner.prepare_inputs(SchedulerOutput([sr], tokens, []))
-    best = float("inf")
-    for _ in range(repeats):
-        runner.forward_logits(inputs)
-        best = min(best, runner.last_forward_time_s)
-    return best
+    runner.forward_logits(runner.prepare_inputs(SchedulerOutput([sr], tokens, [])))
+    return runner.last_forward_time_s
 
 
 class _Neighbour:
@@ -209,7 +205,7 @@ def _co_run(engine: LLMEngine, batch: int, chunk: int, repeats: int) -> dict[str
     out["decode_alone_s"] = _served_steps(engine, [batch], SERVED_TOKENS, rounds=1, lone_ttft=False)["step_s"][0]
     with neighbour("prefill"):
         out["decode_beside_s"] = _served_steps(engine, [batch], SERVED_TOKENS, rounds=1, lone_ttft=False)["step_s"][0]
-    prefill = partial(_time_prefill, engine, chunk, 0, 1)
+    prefill = partial(_time_prefill, engine, chunk, 0)
     out["prefill_alone_s"] = statistics.median(prefill() for _ in range(repeats))
     with neighbour("decode"):
         out["prefill_beside_s"] = statistics.median(prefill() for _ in range(repeats))
@@ -363,10 +359,9 @@ def _relay(model: str, engine_kwargs: dict[str, Any], batches: Sequence[int], to
     import ray
 
     from specserve.disagg.launch import DisaggClient, launch
+    from specserve.disagg.worker import without_speculation
 
-    kwargs = {**engine_kwargs, "spec_method": "none", "num_threads": torch.get_num_threads()}
-    for key in ("draft_model", "draft_num_layers", "draft_quantization", "draft_vocab_size", "draft_p_min"):
-        kwargs.pop(key, None)
+    kwargs = {**without_speculation(engine_kwargs), "num_threads": torch.get_num_threads()}
     rng = random.Random(0)
 
     def prompts(n: int, length: int = RELAY_PROMPT_TOKENS) -> list[list[int]]:  # distinct: no prefix-cache hits
@@ -486,9 +481,9 @@ def record_profile(
             timings.add(("verify", b, n), partial(runner.time_decode_step, b, tokens_per_req=n, repeats=1,
                                                   context=contexts[0]))
     for p in chunks:
-        timings.add(("prefill", p), partial(_time_prefill, engine, p, 0, 1))
+        timings.add(("prefill", p), partial(_time_prefill, engine, p, 0))
     for o in offsets[1:]:
-        timings.add(("prefill_context", o), partial(_time_prefill, engine, budget, o, 1))
+        timings.add(("prefill_context", o), partial(_time_prefill, engine, budget, o))
     timings.run("profiling target steps", repeats)
     t = timings.typical
 

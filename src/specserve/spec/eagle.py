@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import time
 from collections.abc import Sequence
@@ -269,30 +270,6 @@ def _write_head_file(path: str | Path, tensors: dict[str, torch.Tensor], meta: d
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": HEAD_FORMAT, "card": json.dumps(meta, sort_keys=True)})
     tmp.replace(path)
-
-
-def write_random_head(ckpt: object, path: str | Path, method: str = "eagle", seed: int = 0, **card: object) -> Path:
-    """A randomly initialised EAGLE, MTP or Medusa (3 heads) head file for the checkpoint `ckpt`
-    (its fingerprint, every id): what tests and bench/device_check.py serve on tiny models."""
-    from specserve.spec.medusa import MedusaHeads
-
-    arch = ckpt.arch  # type: ignore[attr-defined]
-    torch.manual_seed(seed)
-    if method == "medusa":
-        head: nn.Module = MedusaHeads(arch.hidden_size, 3)
-        for p in head.parameters():
-            nn.init.normal_(p, std=0.2)
-    elif method == "mtp":
-        head = MTPModule(head_arch(arch))
-    else:
-        head = EagleHead(head_arch(arch))
-    tok = ckpt.tokenizer  # type: ignore[attr-defined]
-    fp = target_fingerprint(arch, tok.fingerprint() if tok is not None else None,
-                            ckpt.weights["model.embed_tokens.weight"])  # type: ignore[attr-defined]
-    meta = {"method": method, "target": fp, "target_name": "tiny", "intermediate_size": arch.intermediate_size,
-            "num_heads": 3, **card}
-    save_head(path, head, torch.arange(arch.vocab_size), meta)
-    return Path(path)
 
 
 def load_head_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -542,7 +519,7 @@ class EagleProposer(PassTimer, CandidateWidth, Proposer):
         if not trees:
             return {}
         h = self._pass(tokens, torch.cat(feats), positions, starts, counts, tables, [None] * len(trees))
-        last = torch.tensor([sum(counts[: i + 1]) - 1 for i in range(len(counts))], device=h.device)
+        last = torch.tensor(list(itertools.accumulate(counts)), device=h.device) - 1  # each request's last row
         h_root = h.index_select(0, last)
         logits = self._logits(h_root)
         for i, t in enumerate(trees):

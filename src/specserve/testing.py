@@ -1,0 +1,88 @@
+"""Tiny random models, head files and prompts for tests and device checks (bench/device_check.py).
+
+Nothing here is on a serving path. Building a tiny model needs `transformers` (a test extra).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def tiny_hf_model(arch: str = "llama", seed: int = 0, vocab: int = 256, layers: int = 2) -> Any:
+    """A tiny random HF causal LM: "llama" (untied), "qwen2" (q/k/v biases) or any other name for a
+    llama with tied embeddings (SmolLM2-style)."""
+    import transformers
+
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, initializer_range=0.15, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(rope_theta=10000.0, **common)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(rope_theta=1000000.0, **common)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        common["tie_word_embeddings"] = True
+        cfg = transformers.LlamaConfig(rope_theta=100000.0, **common)
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(seed)
+    return cls(cfg).float().eval()
+
+
+def tiny_checkpoint(arch: str = "llama", seed: int = 0, vocab: int = 256, layers: int = 2,
+                    tmp_dir: str | Path | None = None) -> tuple[Any, Any]:
+    """(hf_model, LoadedCheckpoint) for a tiny random model, loaded through our HF-dir loader."""
+    from specserve.models.loader import load_model_files
+
+    hf = tiny_hf_model(arch, seed, vocab, layers)
+    d = tmp_dir or tempfile.mkdtemp(prefix=f"tiny-{arch}-")
+    hf.save_pretrained(d, safe_serialization=True)
+    return hf, load_model_files(Path(d))
+
+
+def repetitive_prompts(n: int = 24, seed: int = 3, vocab: int = 64) -> list[list[int]]:
+    """Token prompts that repeat with variations: the same tail is followed by different tokens in
+    different places, which is what makes prompt lookup draft and branch."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = [[rng.randint(3, vocab - 1) for _ in range(rng.randint(2, 4))] for _ in range(4)]
+        seq: list[int] = []
+        for _ in range(rng.randint(6, 14)):
+            seq += rng.choice(words) + [rng.choice([5, 6, 7])]
+        out.append(seq)
+    return out
+
+
+def write_random_head(ckpt: Any, path: str | Path, method: str = "eagle", seed: int = 0, **card: object) -> Path:
+    """A randomly initialised EAGLE, MTP or Medusa (3 heads) head file for the checkpoint `ckpt`
+    (its fingerprint, every id)."""
+    from specserve.spec.eagle import EagleHead, MTPModule, head_arch, save_head, target_fingerprint
+    from specserve.spec.medusa import MedusaHeads
+
+    arch = ckpt.arch
+    torch.manual_seed(seed)
+    if method == "medusa":
+        head: nn.Module = MedusaHeads(arch.hidden_size, 3)
+        for p in head.parameters():
+            nn.init.normal_(p, std=0.2)
+    elif method == "mtp":
+        head = MTPModule(head_arch(arch))
+    else:
+        head = EagleHead(head_arch(arch))
+    tok = ckpt.tokenizer
+    fp = target_fingerprint(arch, tok.fingerprint() if tok is not None else None, ckpt.weights["model.embed_tokens.weight"])
+    meta = {"method": method, "target": fp, "target_name": "tiny", "intermediate_size": arch.intermediate_size,
+            "num_heads": 3, **card}
+    save_head(path, head, torch.arange(arch.vocab_size), meta)
+    return Path(path)
