@@ -140,3 +140,21 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
         out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
         assert "Traceback" not in out, out
         assert not re.search(r"leak|KVCacheIntegrityError", out), out
+
+
+def test_serve_exits_with_an_error_when_its_port_is_taken():
+    """The engine steps in the main thread and uvicorn in another: when uvicorn cannot bind, the
+    main thread must not wait for an event loop that never starts."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "specserve.cli", "serve", "--model", "smollm2-135m-instruct", "--port", str(port),
+             "--dtype", "float32", "--log-level", "warning"],
+            capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    assert proc.returncode == 1, proc.stderr
+    assert "address already in use" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -345,9 +345,16 @@ def build_worker(role: str, model: str, engine_kwargs: dict[str, Any], name: str
     """Load the model and start a worker (in this process)."""
     if cpus:
         os.sched_setaffinity(0, set(cpus))
+    from concurrent.futures import ThreadPoolExecutor
+
     from specserve import LLM
 
-    llm = LLM(model, **(without_speculation(engine_kwargs) if role == "prefill" else engine_kwargs))
+    # Loaded in a thread that then exits: its torch (OpenMP) team goes with it, so the engine
+    # thread's is the process's only one and its workers spin between parallel regions instead of
+    # sleeping (specserve.server.async_engine says why that matters).
+    kwargs = without_speculation(engine_kwargs) if role == "prefill" else engine_kwargs
+    with ThreadPoolExecutor(1, thread_name_prefix="specserve-load") as loader:
+        llm = loader.submit(LLM, model, **kwargs).result()
     return WorkerCore(role, llm.engine, name, transfer_timeout_s)
 
 

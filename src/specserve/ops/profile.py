@@ -267,7 +267,11 @@ asyncio.run(main())
 def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds: int = 2,
                   lone_ttft: bool = True) -> dict[str, Any]:
     """Step times of the engine behind the OpenAI server (uvicorn on loopback, in this process)
-    while `batch` chat completions streamed to a client process all decode; speculation off."""
+    while `batch` chat completions streamed to a client process all decode; speculation off.
+
+    Arranged as `specserve serve` runs: the engine steps in this thread (the one that loaded the
+    model), the event loop in another; the measurements run from a third thread, reading the
+    engine's state between its steps."""
     import uvicorn
 
     from specserve.server.app import OpenAIServer, build_app
@@ -278,15 +282,10 @@ def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds
         port = sock.getsockname()[1]
     server = OpenAIServer(engine, "profile")
     uv = DrainingServer(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"), server)
-    thread = threading.Thread(target=uv.run, daemon=True)
+    http = threading.Thread(target=uv.run, daemon=True)
     was_on = engine.speculation_enabled
     engine.set_speculation(False)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the profiling server did not start")
-        time.sleep(0.02)
+    server.async_engine.claim()
 
     def mark() -> tuple[float, int, float]:
         return time.perf_counter(), engine.num_steps, engine.runner.forward_time_s
@@ -330,15 +329,36 @@ def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds
         lone.extend(r for r in json.loads(report) if r["ttft_s"] is not None)
 
     best: dict[int, tuple[float, float]] = {}
+    failure: list[BaseException] = []
+
+    def measure_all() -> None:
+        try:
+            deadline = time.monotonic() + 60
+            while not uv.started:
+                if time.monotonic() > deadline or not http.is_alive():
+                    raise RuntimeError("the profiling server did not start")
+                time.sleep(0.02)
+            for b in bar(list(batches) * rounds, desc="profiling steps behind the server", unit="batch"):
+                best[b] = min(best.get(b, (float("inf"), 0.0)), measure(b))
+            for _ in range(LONE_REQUESTS if lone_ttft else 0):
+                lone_request()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the profiling thread
+            failure.append(exc)
+        finally:
+            uv.should_exit = True  # drains the server, which stops the engine loop
+
+    measurer = threading.Thread(target=measure_all, daemon=True)
     try:
-        for b in bar(list(batches) * rounds, desc="profiling steps behind the server", unit="batch"):
-            best[b] = min(best.get(b, (float("inf"), 0.0)), measure(b))
-        for _ in range(LONE_REQUESTS if lone_ttft else 0):
-            lone_request()
+        http.start()
+        measurer.start()
+        server.async_engine.drive(keep_waiting=http.is_alive)
     finally:
         uv.should_exit = True
-        thread.join(timeout=60)
+        measurer.join(timeout=600)
+        http.join(timeout=60)
         engine.set_speculation(was_on)
+    if failure:
+        raise failure[0]
     out = {"batches": list(batches), "context": 48 + tokens // 2,  # the chat prompt is ~48 tokens
            "step_s": [best[b][0] for b in batches], "forward_s": [best[b][1] for b in batches]}
     if lone_ttft and lone:  # a lone request's time to first token as its client saw it (HTTP, tokenizing)

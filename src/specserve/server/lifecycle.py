@@ -11,7 +11,9 @@ shuts down without waiting for the drain; a third exits at once.
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+import threading
 from types import FrameType
 
 import uvicorn
@@ -60,8 +62,13 @@ class DrainingServer(uvicorn.Server):
 def run_server(
     server: OpenAIServer, *, host: str, port: int, log_level: str, access_log: bool
 ) -> None:
-    """Serve `server` over HTTP until a signal has drained it."""
+    """Serve `server` over HTTP until a signal has drained it.
+
+    A co-located engine steps in this thread, the one that loaded its model, and uvicorn's event
+    loop runs in another (see specserve.server.async_engine on why the loading thread); the
+    signals reach this thread and drain as they would in uvicorn's own handlers."""
     from specserve.server.app import build_app
+    from specserve.server.async_engine import AsyncEngine
 
     config = uvicorn.Config(
         build_app(server),
@@ -71,4 +78,21 @@ def run_server(
         access_log=access_log,
         timeout_graceful_shutdown=FLUSH_AFTER_DRAIN_S,
     )
-    DrainingServer(config, server).run()
+    uv = DrainingServer(config, server)
+    engine = server.async_engine
+    if not isinstance(engine, AsyncEngine) or threading.current_thread() is not threading.main_thread():
+        uv.run()  # a router (disaggregated) steps nothing here; off the main thread no signals come
+        return
+    engine.claim()
+    http = threading.Thread(target=uv.run, name="specserve-http", daemon=True)
+    previous = {sig: signal.signal(sig, uv.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        engine.drive(keep_waiting=http.is_alive)
+        while http.is_alive():  # a crashed engine leaves the server answering 503 until a signal
+            http.join(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not uv.started:
+        raise SystemExit(1)  # uvicorn logged why (the port is taken, say)
