@@ -27,6 +27,7 @@ import asyncio
 import gc
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -159,8 +160,11 @@ async def run_colocated(args: argparse.Namespace, kinds: list[str], slo: dict[st
     from specserve import LLM
     from specserve.server.async_engine import AsyncEngine
 
-    llm = LLM(MODEL, dtype="float32", kv_cache_gib=1.0, max_model_len=4096, num_threads=2,
-              max_num_batched_tokens=args.chunk, kv_cache_dtype=args.kv_cache_dtype)
+    # Loaded in a thread that exits, so the engine thread is the process's only torch (OpenMP)
+    # team, as under `specserve serve` (specserve.server.async_engine says why that matters).
+    with ThreadPoolExecutor(1) as loader:
+        llm = loader.submit(LLM, MODEL, dtype="float32", kv_cache_gib=1.0, max_model_len=4096, num_threads=2,
+                            max_num_batched_tokens=args.chunk, kv_cache_dtype=args.kv_cache_dtype).result()
     ae = AsyncEngine(llm.engine)
     ae.start(asyncio.get_running_loop())
     res = {}

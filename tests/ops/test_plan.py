@@ -16,6 +16,7 @@ from specserve.ops.costmodel import (
     MeasuredCostModel,
     ProfileError,
     RooflineCostModel,
+    ScaledCostModel,
     StepShape,
 )
 from specserve.ops.hardware import get_hardware
@@ -276,6 +277,21 @@ def test_http_front_end_time_is_added_to_every_first_token(cost):
     profile["served"] |= {"ttft_s": step(25) + 0.002 + 0.030, "prompt_tokens": 40, "cached_tokens": 15}
     assert MeasuredCostModel.from_profile(profile, served=True, http=True).request_overhead_s == pytest.approx(
         0.030, abs=1e-6)
+
+
+def test_a_scaled_cost_model_is_the_same_machine_that_much_slower(cost):
+    slow = ScaledCostModel(cost, 1.1)
+    shape = StepShape(4, 4, 400, 100, ((64, 128),))
+    assert slow.step_s(shape) == pytest.approx(1.1 * cost.step_s(shape))
+    assert slow.link_gb_s == pytest.approx(cost.link_gb_s / 1.1)
+    assert slow.kv_capacity_tokens == cost.kv_capacity_tokens and slow.num_layers == cost.num_layers
+    # Through the simulator: a lone request's latency scales with it (no queueing to amplify it).
+    [base] = simulate([TraceRequest(0.0, 300, 40)], Deployment(), cost).requests
+    [scaled] = simulate([TraceRequest(0.0, 300, 40)], Deployment(), slow).requests
+    assert scaled.ttft_s == pytest.approx(1.1 * base.ttft_s) and scaled.tpot_s == pytest.approx(1.1 * base.tpot_s)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="positive"):
+            ScaledCostModel(cost, bad)
 
 
 def test_disaggregated_workers_on_one_machine_slow_each_other_by_the_profiled_factor(cost):

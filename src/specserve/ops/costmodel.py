@@ -557,3 +557,59 @@ class RooflineCostModel:
     def disagg_request_overhead_s(self, local_prefill: bool) -> float:
         """Calls between the router and the workers: part of step_overhead_s on paper."""
         return 0.0
+
+
+# ---------------------------------------------------------------------- what if slower
+@dataclass(frozen=True)
+class ScaledCostModel:
+    """Another cost model on a machine `factor` times slower (every time multiplied, the link's
+    bandwidth divided): how much a prediction moves when the machine runs a few percent faster
+    or slower than when it was profiled (a shared VM drifts by that much between two runs), or
+    a plan with headroom. Capacities are unchanged."""
+
+    base: CostModel
+    factor: float
+
+    def __post_init__(self) -> None:
+        if not (self.factor > 0 and math.isfinite(self.factor)):
+            raise ValueError(f"a cost model's scale must be a positive number, got {self.factor!r}.")
+
+    @property
+    def description(self) -> str:
+        return f"{self.base.description}, times {self.factor:g}"
+
+    @property
+    def num_layers(self) -> int:
+        return self.base.num_layers
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.base.kv_bytes_per_token
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.base.kv_capacity_tokens
+
+    @property
+    def link_gb_s(self) -> float | None:
+        link = self.base.link_gb_s
+        return None if link is None else link / self.factor
+
+    @property
+    def request_overhead_s(self) -> float:
+        return self.base.request_overhead_s * self.factor
+
+    def step_s(self, shape: StepShape, role: str = "colocated") -> float:
+        return self.base.step_s(shape, role) * self.factor
+
+    def disagg_request_overhead_s(self, local_prefill: bool) -> float:
+        return self.base.disagg_request_overhead_s(local_prefill) * self.factor
+
+    def draft_s(self, batch: int, k: int) -> float:
+        return self.base.draft_s(batch, k) * self.factor
+
+    def spec_step_s(self, batch: int) -> float:
+        return self.base.spec_step_s(batch) * self.factor
+
+    def co_run_slowdown(self, role: str) -> float:
+        return self.base.co_run_slowdown(role)
