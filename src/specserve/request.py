@@ -15,9 +15,18 @@ if TYPE_CHECKING:
 
 
 class KVSource(Protocol):
-    """KV for a request's first tokens computed elsewhere (see specserve.disagg.kv_transfer)."""
+    """KV for a request's first tokens computed elsewhere (see specserve.disagg.kv_transfer).
+
+    The scheduler allocates the blocks those tokens land in (`Scheduler.reserve_incoming`, in
+    queue order, prefix-cache hits first) and hands them over with `place`; the source only
+    copies into them."""
 
     num_tokens: int  # tokens [0, num_tokens) arrive from outside
+    reserved: bool  # the scheduler has placed the blocks for [0, num_tokens)
+
+    def place(self, num_cached: int, block_ids: list[int]) -> None:
+        """The request's blocks for [0, num_tokens): the first num_cached tokens are prefix-cache
+        hits already in them; the rest are to be copied in."""
 
     def admissible(self) -> bool:
         """True once every layer's KV has arrived (the first step only has to copy it in)."""

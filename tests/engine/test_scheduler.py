@@ -137,3 +137,47 @@ def test_speculative_tokens_accepted_and_rolled_back():
     assert r.num_computed_tokens == 8  # prompt 6 + 7 + 11; 42 has no KV yet
     assert len(kv.block_ids("a")) == 2  # slots past position 8 released
     kv.check_integrity(["a"])
+
+
+class _Arriving:
+    """A KV source as the decode side of disaggregation has one: KV for [0, m) comes from outside."""
+
+    def __init__(self, m: int) -> None:
+        self.num_tokens, self.reserved, self.arrived = m, False, False
+        self.placed: tuple[int, list[int]] | None = None
+
+    def place(self, num_cached: int, block_ids: list[int]) -> None:
+        self.placed, self.reserved = (num_cached, list(block_ids)), True
+
+    def admissible(self) -> bool:
+        return self.reserved and self.arrived
+
+
+def test_the_scheduler_places_the_blocks_of_kv_arriving_from_outside():
+    sched, kv = make(num_blocks=10, block_size=4, budget=64)
+    warm = req("warm", 13, max_tokens=1)  # leaves 12 prompt tokens (3 blocks) in the prefix cache
+    sched.add_request(warm)
+    fake_step(sched)
+    small, big = req("small", 13, max_tokens=2), req("big", 30, max_tokens=2, first=100)  # queue order
+    big.kv_source, small.kv_source = _Arriving(29), _Arriving(12)  # the prefill worker sends m = n - 1
+    sched.add_request(small)
+    sched.add_request(big)
+    sched.reserve_incoming()
+    # small: its 12 tokens are the prefix cache's 3 blocks, referenced, nothing fresh. big: 8
+    # fresh blocks for 29 tokens do not fit beside them (10 blocks), so it waits without one.
+    assert small.kv_source.placed == (12, kv.block_ids("small")) and len(kv.block_ids("small")) == 3
+    assert small.num_cached_tokens == 12
+    assert big.kv_source.placed is None and kv.block_ids("big") == []
+    out = sched.schedule()
+    assert out.scheduled == []  # placed but not arrived: nothing runs, nothing else allocated
+    small.kv_source.arrived = True
+    _, results = fake_step(sched)
+    assert [r.request_id for r, _ in results] == ["small"] and small.num_computed_tokens == 13
+    while not small.is_finished:
+        fake_step(sched)
+    sched.reserve_incoming()  # room again: big gets its blocks, in one piece
+    assert big.kv_source.placed[0] == 0 and len(big.kv_source.placed[1]) == 8
+    big.kv_source.arrived = True
+    while not big.is_finished:
+        fake_step(sched)
+    assert kv.check_integrity([])

@@ -11,10 +11,11 @@ Two halves, split by role:
   found in the prefill worker's own prefix cache); the worker side runs after every layer and
   writes that layer's keys and values for those tokens into the request's channel at once,
   while the next layer computes.
-- **Decode side** (`DecodeConnector`, on the decode engine): between steps it reserves blocks
-  for an incoming request and copies whatever layers have arrived into them (so loading
-  overlaps the prefill's compute); the scheduler admits the request once every layer has
-  arrived; in that first step each layer loads what is still missing just before it runs.
+- **Decode side** (`DecodeConnector`, on the decode engine): between steps the scheduler
+  allocates the blocks of an incoming request (`Scheduler.reserve_incoming`: it is the only
+  allocator of blocks) and the connector copies whatever layers have arrived into them (so
+  loading overlaps the prefill's compute); the scheduler admits the request once every layer
+  has arrived; in that first step each layer loads what is still missing just before it runs.
 
 Channels (one per transfer) hold ``[layers, 2, m, kv_heads, head_dim]`` plus, per layer, how
 many tokens are ready. Same host: a file in /dev/shm mapped by both workers, so the router
@@ -465,6 +466,13 @@ class _Incoming:
     slots: torch.Tensor | None = None  # cache slots of tokens [0, m), fixed once reserved
     failed: str | None = None
     stats: TransferStats = field(default_factory=lambda: TransferStats(""))
+    block_size: int = 16
+
+    def place(self, num_cached: int, block_ids: list[int]) -> None:
+        """The scheduler's blocks for [0, m): the first num_cached tokens are prefix-cache hits."""
+        self.loaded = [num_cached] * len(self.loaded)  # those tokens are in our pages already
+        self.slots = slot_indices(block_ids, 0, self.num_tokens, self.block_size)
+        self.reserved = True
 
     def admissible(self) -> bool:
         """Every layer has arrived: the first step can run (it copies, never waits)."""
@@ -489,14 +497,16 @@ class DecodeConnector:
     # -- set-up (engine thread)
     def add(self, request: Request, desc: TransferDescriptor, channel: KVChannel) -> None:
         """Attach an incoming transfer to a request about to be queued."""
-        inc = _Incoming(request, desc, channel, desc.num_tokens, stats=TransferStats(desc.transfer_id, desc.num_tokens))
+        inc = _Incoming(request, desc, channel, desc.num_tokens, stats=TransferStats(desc.transfer_id, desc.num_tokens),
+                        block_size=self.block_size)
         inc.loaded = [0] * desc.layout.num_layers
         request.kv_source = inc
         self.incoming[request.request_id] = inc
 
     # -- between steps
     def pump(self) -> None:
-        """Reserve blocks for waiting transfers and copy in whatever layers have arrived."""
+        """Copy in whatever layers have arrived, for transfers whose blocks the scheduler has
+        placed (`Scheduler.reserve_incoming`, run just before); fail transfers that stalled."""
         now = time.monotonic()
         for rid, inc in list(self.incoming.items()):
             if inc.failed is not None:
@@ -504,26 +514,12 @@ class DecodeConnector:
             if inc.channel.status == STATUS_FAILED:
                 self._fail(rid, inc, "the prefill worker reported a failed transfer")
                 continue
-            if not inc.reserved and not self._reserve(inc):
+            if not inc.reserved:
                 continue  # no room yet; the KV waits in the channel
             if self._load(inc, None) or inc.channel.all_written:
                 inc.last_progress = now
             elif now - inc.last_progress > self.timeout_s:
                 self._fail(rid, inc, f"no KV arrived for {self.timeout_s:.0f} s")
-
-    def _reserve(self, inc: _Incoming) -> bool:
-        kv = self.engine.kv_manager
-        req = inc.request
-        hits, num_hit = kv.get_computed_blocks(req)
-        num_hit = min(num_hit, inc.num_tokens // self.block_size * self.block_size)
-        hits = hits[: num_hit // self.block_size]
-        if not kv.allocate_slots(req, inc.num_tokens - num_hit, hits):
-            return False
-        req.num_cached_tokens = num_hit
-        inc.loaded = [num_hit] * len(inc.loaded)  # those tokens are in our pages already
-        inc.slots = slot_indices(kv.block_ids(req.request_id), 0, inc.num_tokens, self.block_size)
-        inc.reserved = True
-        return True
 
     def _load(self, inc: _Incoming, layer: int | None) -> bool:
         """Copy arrived tokens of one layer (or all layers) into the request's pages."""

@@ -54,7 +54,8 @@ class EngineConnector(StepConnector, Protocol):
     """A StepConnector that also runs between steps and hears about finished requests."""
 
     def pump(self) -> None:
-        """Between steps: move whatever KV has arrived (engine thread)."""
+        """Between steps, after the scheduler has placed the blocks of new arrivals: move whatever
+        KV has arrived into them (engine thread)."""
 
     def request_finished(self, request: Request) -> None:
         """The request finished or was aborted; drop its transfer state."""
@@ -577,6 +578,7 @@ class LLMEngine:
         """Run one scheduling step; return outputs of requests that progressed or finished."""
         pending: list[RequestOutput] = []
         if self.connector is not None:
+            self.scheduler.reserve_incoming()  # blocks for KV arriving from a prefill worker
             self.connector.pump()
             pending, self._pending_outputs = self._pending_outputs, []
         if self._spec_off_since is not None:

@@ -174,8 +174,8 @@ class Scheduler:
         ):
             req = self.waiting[w]
             if req.kv_source is not None:
-                # KV of the first tokens comes from a prefill worker; its blocks are already
-                # held (see specserve.disagg). Wait for it without holding up the queue.
+                # KV of the first tokens comes from a prefill worker into blocks reserve_incoming
+                # placed (see specserve.disagg). Wait for it without holding up the queue.
                 if not req.kv_source.admissible():
                     w += 1
                     continue
@@ -211,6 +211,25 @@ class Scheduler:
 
         used = self.config.max_num_batched_tokens - budget
         return SchedulerOutput(scheduled, used, preempted, self.kv.take_pending_loads())
+
+    def reserve_incoming(self) -> None:
+        """Allocate the blocks of waiting requests whose first tokens' KV arrives from outside
+        (a prefill worker's), in queue order, so that it can be copied in as it arrives: the
+        tokens the prefix cache holds are referenced, the rest get fresh blocks. A request the
+        pool has no room for yet is tried again next step; the scheduler is the only allocator
+        of blocks, the KV source only copies into what it is given (`KVSource.place`)."""
+        for req in self.waiting:
+            src = req.kv_source
+            if src is None or src.reserved:
+                continue
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            block = self.kv.block_size
+            num_hit = min(num_hit, src.num_tokens // block * block)
+            hits = hits[: num_hit // block]
+            if not self.kv.allocate_slots(req, src.num_tokens - num_hit, hits):
+                continue
+            req.num_cached_tokens = num_hit
+            src.place(num_hit, self.kv.block_ids(req.request_id))
 
     def _make_scheduled(self, req: Request, num_new: int, num_spec: int) -> ScheduledRequest:
         start = req.num_computed_tokens
