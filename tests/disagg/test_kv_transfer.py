@@ -36,6 +36,18 @@ def _shm_files() -> set[str]:
     return {f for f in os.listdir(SHM_DIR) if f.startswith("specserve-kv-")}
 
 
+def test_local_channel_copies_bfloat16_and_strided_parts_exactly():
+    # receive copies bytes with numpy (single-threaded, see LocalKVChannel.receive): dtypes numpy
+    # lacks and parts that are views of larger tensors arrive intact.
+    layout = KVLayout(1, 2, 4, "bfloat16")
+    ch = LocalKVChannel(TransferDescriptor("tb", "ray", 6, layout))
+    k = torch.randn(6, 4, 2).to(torch.bfloat16).transpose(1, 2)  # [6, 2, 4], not contiguous
+    v = torch.randn(6, 2, 8).to(torch.bfloat16)[:, :, ::2]
+    ch.receive(0, 0, [k, v])
+    got_k, got_v = ch.read(0, 0, 6)
+    assert got_k.dtype == torch.bfloat16 and torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
 def test_local_channel_ready_stops_at_first_gap():
     layout = KVLayout(2, 1, 4, "float32")
     ch = LocalKVChannel(TransferDescriptor("t", "ray", 10, layout))
