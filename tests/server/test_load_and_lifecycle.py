@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from specserve import LLM
+from specserve import LLM, SamplingParams
 
 from .conftest import free_port, serve
 
@@ -158,3 +158,56 @@ def test_serve_exits_with_an_error_when_its_port_is_taken():
         )
     assert proc.returncode == 1, proc.stderr
     assert "address already in use" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def _drive_claimed(llm: LLM, shut_down: bool) -> tuple[bool, set[int], list[int]]:
+    """Claim the engine here, serve one request from an event loop on another thread, then shut
+    the engine down from there (or just let that thread end); what drive() returned, the threads
+    the steps ran on, the threads the outputs reached."""
+    import threading
+
+    from specserve.server.async_engine import AsyncEngine
+
+    stepped_on: set[int] = set()
+    seen: list[int] = []
+    ae = AsyncEngine(llm.engine, on_step=lambda _: stepped_on.add(threading.get_ident()))
+    ae.claim()
+    http_alive = threading.Event()
+    http_alive.set()
+
+    async def serve_one() -> None:
+        ae.start(asyncio.get_running_loop())
+        prep = llm.engine.prepare_request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+        async for _, out in ae.submit([prep]):
+            seen.append(threading.get_ident())
+            if out.finished:
+                break
+        if shut_down:
+            await ae.shutdown(5)
+
+    def http_side() -> None:
+        asyncio.run(serve_one())
+        http_alive.clear()
+        if not shut_down and not ae._done.wait(10):  # drive() missed it: stop it, so the test fails, not hangs
+            asyncio.run(ae.shutdown(1))
+
+    http = threading.Thread(target=http_side)
+    http.start()
+    result = ae.drive(keep_waiting=http_alive.is_set)
+    http.join(10)
+    return result, stepped_on, seen
+
+
+def test_a_claimed_engine_serves_on_the_claiming_thread_and_stops_with_its_http_thread(tiny_tok_checkpoint):
+    """`specserve serve`'s arrangement: the engine loop runs on the thread that claimed it (the
+    one that loaded the model), the event loop on another. It serves; it ends by shutdown (True),
+    or when the HTTP side is gone without shutting it down (False), not never."""
+    import threading
+
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny_tok_checkpoint, profile_spec_costs=False)
+    for shut_down in (True, False):
+        result, stepped_on, seen = _drive_claimed(llm, shut_down)
+        assert result is shut_down
+        assert stepped_on == {threading.get_ident()}  # every step ran on the claiming thread
+        assert seen and threading.get_ident() not in seen  # outputs reached the event loop's thread
+        assert llm.engine.check_integrity()

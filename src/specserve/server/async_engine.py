@@ -106,6 +106,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._started = threading.Event()  # start() has handed over the event loop
         self._done = threading.Event()  # the engine loop has returned
+        self._keep_going: Callable[[], bool] = lambda: True  # drive()'s watch on the HTTP thread
         self.accepting = True
         self.error: str | None = None
         self.last_step_time = time.time()
@@ -124,15 +125,19 @@ class AsyncEngine:
             self._thread.start()
         self._started.set()
 
-    def drive(self, keep_waiting: Callable[[], bool] = lambda: True) -> None:
-        """Run the engine loop in the claiming thread until shutdown; returns at once if
-        `keep_waiting()` turns false before `start` (the HTTP server failed to start)."""
+    def drive(self, keep_waiting: Callable[[], bool] = lambda: True) -> bool:
+        """Run the engine loop in the claiming thread until shutdown, or until `keep_waiting()`
+        turns false (the HTTP server failed to start, or its thread ended without shutting the
+        engine down; checked between steps and at least twice a second when idle). True when
+        the loop ended by `shutdown`."""
         if self._thread is not threading.current_thread():
             raise RuntimeError("drive() runs in the thread that called claim().")
         while not self._started.wait(0.1):
             if not keep_waiting():
-                return
+                return False
+        self._keep_going = keep_waiting
         self._run()
+        return self._stop.is_set()
 
     @property
     def is_alive(self) -> bool:
@@ -270,7 +275,7 @@ class AsyncEngine:
 
     def _steps(self) -> None:
         eng = self.engine
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self._keep_going():
             try:
                 # Idle: sleep until a command arrives. Busy: only pick up what is queued.
                 for cmd in take_commands(self._commands, None if eng.has_unfinished_requests() else 0.5):

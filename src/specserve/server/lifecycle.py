@@ -11,6 +11,7 @@ shuts down without waiting for the drain; a third exits at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import socket
 import threading
@@ -88,7 +89,7 @@ def run_server(
     previous = {sig: signal.signal(sig, uv.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         http.start()
-        engine.drive(keep_waiting=http.is_alive)
+        shut_down = engine.drive(keep_waiting=http.is_alive)
         while http.is_alive():  # a crashed engine leaves the server answering 503 until a signal
             http.join(0.2)
     finally:
@@ -96,3 +97,6 @@ def run_server(
             signal.signal(sig, handler)
     if not uv.started:
         raise SystemExit(1)  # uvicorn logged why (the port is taken, say)
+    if not shut_down and engine.error is None:
+        logging.getLogger(__name__).error("the HTTP server stopped without draining the engine")
+        raise SystemExit(1)
