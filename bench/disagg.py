@@ -27,7 +27,6 @@ import asyncio
 import gc
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -158,13 +157,12 @@ def transfer_summary(router: Any) -> dict[str, Any]:
 
 async def run_colocated(args: argparse.Namespace, kinds: list[str], slo: dict[str, float]) -> dict[str, Any]:
     from specserve import LLM
+    from specserve.engine.engine import build_off_thread
     from specserve.server.async_engine import AsyncEngine
 
-    # Loaded in a thread that exits, so the engine thread is the process's only torch (OpenMP)
-    # team, as under `specserve serve` (specserve.server.async_engine says why that matters).
-    with ThreadPoolExecutor(1) as loader:
-        llm = loader.submit(LLM, MODEL, dtype="float32", kv_cache_gib=1.0, max_model_len=4096, num_threads=2,
-                            max_num_batched_tokens=args.chunk, kv_cache_dtype=args.kv_cache_dtype).result()
+    # AsyncEngine's own thread steps it, not this one.
+    llm = build_off_thread(LLM, MODEL, dtype="float32", kv_cache_gib=1.0, max_model_len=4096, num_threads=2,
+                           max_num_batched_tokens=args.chunk, kv_cache_dtype=args.kv_cache_dtype)
     ae = AsyncEngine(llm.engine)
     ae.start(asyncio.get_running_loop())
     res = {}

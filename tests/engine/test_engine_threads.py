@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specserve.config import CacheConfig, EngineConfig, ModelConfig
-from specserve.engine.engine import LLMEngine
+from specserve.engine.engine import LLMEngine, build_off_thread
 from specserve.sampling_params import SamplingParams
 
 CPUS = len(os.sched_getaffinity(0))
@@ -46,12 +46,8 @@ def test_stepping_on_another_thread_than_the_live_loader_warns_once(tiny_llama, 
 
         # Loaded on a thread that exits (as disaggregated workers load): no team is left behind.
         caplog.clear()
-        box: list[LLMEngine] = []
-        loader = threading.Thread(target=lambda: box.append(_engine(tiny_llama[1])))
-        loader.start()
-        loader.join()
         with caplog.at_level(logging.WARNING, logger="specserve.engine.engine"):
-            _generate(box[0])
+            _generate(build_off_thread(_engine, tiny_llama[1]))
         assert not [r for r in caplog.records if "loaded on" in r.message]
     finally:
         torch.set_num_threads(before)

@@ -467,19 +467,22 @@ class _Incoming:
     desc: TransferDescriptor
     channel: KVChannel
     num_tokens: int  # m
+    block_size: int  # the decode engine's
     last_progress: float = field(default_factory=time.monotonic)
     loaded: list[int] = field(default_factory=list)  # per layer: tokens already in our pages
-    reserved: bool = False  # blocks for [0, m) allocated
-    slots: torch.Tensor | None = None  # cache slots of tokens [0, m), fixed once reserved
+    slots: torch.Tensor | None = None  # cache slots of tokens [0, m), fixed once placed
     failed: str | None = None
     stats: TransferStats = field(default_factory=lambda: TransferStats(""))
-    block_size: int = 16
+
+    @property
+    def reserved(self) -> bool:
+        """The scheduler has placed the blocks for [0, m)."""
+        return self.slots is not None
 
     def place(self, num_cached: int, block_ids: list[int]) -> None:
         """The scheduler's blocks for [0, m): the first num_cached tokens are prefix-cache hits."""
         self.loaded = [num_cached] * len(self.loaded)  # those tokens are in our pages already
         self.slots = slot_indices(block_ids, 0, self.num_tokens, self.block_size)
-        self.reserved = True
 
     def admissible(self) -> bool:
         """Every layer has arrived: the first step can run (it copies, never waits)."""
@@ -504,8 +507,8 @@ class DecodeConnector:
     # -- set-up (engine thread)
     def add(self, request: Request, desc: TransferDescriptor, channel: KVChannel) -> None:
         """Attach an incoming transfer to a request about to be queued."""
-        inc = _Incoming(request, desc, channel, desc.num_tokens, stats=TransferStats(desc.transfer_id, desc.num_tokens),
-                        block_size=self.block_size)
+        inc = _Incoming(request, desc, channel, desc.num_tokens, self.block_size,
+                        stats=TransferStats(desc.transfer_id, desc.num_tokens))
         inc.loaded = [0] * desc.layout.num_layers
         request.kv_source = inc
         self.incoming[request.request_id] = inc

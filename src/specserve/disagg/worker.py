@@ -30,7 +30,7 @@ from specserve.disagg.kv_transfer import (
     kv_layout_of,
     open_receiver,
 )
-from specserve.engine.engine import LLMEngine, PreparedRequest
+from specserve.engine.engine import LLMEngine, PreparedRequest, build_off_thread
 from specserve.errors import ConfigError
 from specserve.outputs import RequestOutput
 from specserve.request import Request
@@ -345,16 +345,10 @@ def build_worker(role: str, model: str, engine_kwargs: dict[str, Any], name: str
     """Load the model and start a worker (in this process)."""
     if cpus:
         os.sched_setaffinity(0, set(cpus))
-    from concurrent.futures import ThreadPoolExecutor
-
     from specserve import LLM
 
-    # Loaded in a thread that then exits: its torch (OpenMP) team goes with it, so the engine
-    # thread's is the process's only one and its workers spin between parallel regions instead of
-    # sleeping (specserve.server.async_engine says why that matters).
     kwargs = without_speculation(engine_kwargs) if role == "prefill" else engine_kwargs
-    with ThreadPoolExecutor(1, thread_name_prefix="specserve-load") as loader:
-        llm = loader.submit(LLM, model, **kwargs).result()
+    llm = build_off_thread(LLM, model, **kwargs)  # the engine thread below steps it
     return WorkerCore(role, llm.engine, name, transfer_timeout_s)
 
 

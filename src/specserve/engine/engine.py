@@ -9,16 +9,16 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
-from specserve.config import CacheConfig, EngineConfig
+from specserve.config import CacheConfig, EngineConfig, usable_cpus
 from specserve.defaults import resolve_defaults
 from specserve.engine.runner import ModelRunner, StepConnector, kv_bytes_per_token
 from specserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
@@ -42,6 +42,7 @@ from specserve.spec.proposer import Proposer
 from specserve.spec.tree import DraftTree
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Structured output drafts the text its grammar forces, up to max(K, this many) tokens.
 MIN_FORCED_DRAFT = 8
@@ -231,6 +232,14 @@ def _target_kv_share(config: EngineConfig, arch: object, draft_checkpoint: objec
         return cache
     target = kv_bytes_per_token(arch, cache, dtype)  # type: ignore[arg-type]
     return replace(cache, kv_cache_gib=cache.kv_cache_gib * target / (target + drafter))
+
+
+def build_off_thread(factory: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """factory(*args, **kwargs) run on a thread that exits once it returns: the torch (OpenMP)
+    team its loading starts goes with it, so the thread that later steps the engine holds the
+    process's only one (see LLMEngine._check_stepping_thread for why a second one costs)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="specserve-load") as loader:
+        return loader.submit(factory, *args, **kwargs).result()
 
 
 class LLMEngine:
@@ -637,13 +646,13 @@ class LLMEngine:
         region keeps a team of its own, and with more team threads than CPUs idle workers sleep
         instead of spinning, so every parallel region of a step wakes them (a SmolLM2 decode
         step 9.5 against 7.6 ms on a 2-vCPU Zen 4). `specserve serve` steps on its loading thread;
-        a thread that loads and then exits leaves no team behind."""
+        a thread that loads and then exits (`build_off_thread`) leaves no team behind."""
         self._stepping_thread = threading.get_ident()
         loader = self._loader
         if loader is None or loader is threading.current_thread() or not loader.is_alive():
             return
         threads = torch.get_num_threads()
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cpus = usable_cpus()
         if threads < 2 or 2 * threads <= cpus:
             return
         self._loader = None  # once

@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from specserve.config import usable_cpus
 from specserve.engine.engine import LLMEngine
 from specserve.engine.runner import kv_bytes_per_token
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -193,7 +194,7 @@ def _co_run(engine: LLMEngine, batch: int, chunk: int, repeats: int) -> dict[str
     core is. The prefill side is the median of `repeats` chunk forwards, alone and beside a decode's
     weight streaming."""
     threads = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cpus()
     if 2 * threads > cores:
         return None
     arch = engine.arch
