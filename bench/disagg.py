@@ -17,6 +17,12 @@ prefill finished, and the fraction of the load hidden by layer streaming.
     python bench/disagg.py                   # SmolLM2-135M, ~10 min
     python bench/disagg.py --long 2 --decode 2 --decode-tokens 48 --workloads mixed   # ~3 min
 
+With --draft MODEL every engine speculates with that draft model, and the disaggregated
+deployment runs twice: the prefill worker computing and sending the draft's prompt KV, and
+(`disaggregated, draft recomputes`) the decode worker's draft recomputing it on its first
+proposal, which stalls every request of that step. The stall shows in the decodes' longest
+inter-token gap and in each long prompt's first gap after its first token.
+
 Writes bench/results/disagg.json and disagg.png.
 """
 
@@ -115,6 +121,7 @@ def pct(xs: list[float], q: float) -> float | None:
 def summarize(results: list[dict[str, Any]], wall_s: float, slo: dict[str, float]) -> dict[str, Any]:
     """Latency percentiles, goodput and throughput of one run."""
     out: dict[str, Any] = {"wall_s": wall_s, "errors": sum(1 for r in results if r["error"])}
+    firsts = [r["gaps_s"][0] for r in results if r["kind"] == "long" and r["gaps_s"]]
     for kind in ("decode", "long"):
         rs = [r for r in results if r["kind"] == kind]
         if not rs:
@@ -128,11 +135,27 @@ def summarize(results: list[dict[str, Any]], wall_s: float, slo: dict[str, float
                      "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
                      "itl_p50_s": pct(gaps, 50), "itl_p99_s": pct(gaps, 99), "itl_max_s": max(gaps, default=None),
                      "slo_met": len(ok), "goodput_rps": len(ok) / wall_s}
+        if kind == "long":  # the step after the first token: where a draft catching up on the prompt stalls
+            out[kind] |= {"first_gap_p50_s": pct(firsts, 50), "first_gap_max_s": max(firsts, default=None)}
     n_tok = sum(r["tokens"] for r in results)
     out["output_tokens_per_s"] = n_tok / wall_s
     met = sum(out[k]["slo_met"] for k in ("decode", "long") if k in out)
     out["goodput_fraction"] = met / len(results)
     return out
+
+
+def draft_transfer_summary(router: Any) -> dict[str, Any]:
+    """The drafts' prompt-KV transfers: how many arrived, their bytes, the prefill worker's draft
+    forward per request, and how long after its first step each request waited for them."""
+    ds, ps = router.draft_transfers, router.prefills
+    if not ds:
+        return {}
+    ok = [d for d in ds if d["ok"]]
+    waits = [d["draft_after_s"] for d in ok if d.get("draft_after_s") is not None]
+    return {"transfers": len(ds), "arrived": len(ok), "mean_bytes": float(np.mean([d["bytes"] for d in ok])) if ok else 0,
+            "mean_load_s": float(np.mean([d["load_s"] for d in ok])) if ok else None,
+            "wait_after_first_step_p50_s": pct(waits, 50), "wait_after_first_step_max_s": max(waits, default=None),
+            "prefill_draft_compute_mean_s": float(np.mean([p.get("draft_compute_s", 0.0) for p in ps])) if ps else None}
 
 
 def transfer_summary(router: Any) -> dict[str, Any]:
@@ -162,7 +185,7 @@ async def run_colocated(args: argparse.Namespace, kinds: list[str], slo: dict[st
 
     # AsyncEngine's own thread steps it, not this one.
     llm = build_off_thread(LLM, MODEL, dtype="float32", kv_cache_gib=1.0, max_model_len=4096, num_threads=2,
-                           max_num_batched_tokens=args.chunk, kv_cache_dtype=args.kv_cache_dtype)
+                           max_num_batched_tokens=args.chunk, kv_cache_dtype=args.kv_cache_dtype, **spec_kwargs(args))
     ae = AsyncEngine(llm.engine)
     ae.start(asyncio.get_running_loop())
     res = {}
@@ -179,22 +202,35 @@ async def run_colocated(args: argparse.Namespace, kinds: list[str], slo: dict[st
     return res
 
 
-async def run_disagg(args: argparse.Namespace, kinds: list[str], slo: dict[str, float]) -> dict[str, Any]:
+def spec_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine settings of the draft model every engine speculates with (--draft), or none."""
+    if not args.draft:
+        return {}
+    return {"draft_model": args.draft, "draft_num_layers": args.draft_num_layers, "spec_policy": args.spec_policy}
+
+
+async def run_disagg(args: argparse.Namespace, kinds: list[str], slo: dict[str, float],
+                     draft_kv: bool = True) -> dict[str, Any]:
     from specserve.disagg.launch import launch
 
+    # Without draft KV the prefill pool runs no draft (its own setting): decode workers' drafts recompute it.
+    roles = None if draft_kv else {"prefill": {"spec_method": "none"}}
     router = launch(MODEL, dict(dtype="float32", kv_cache_gib=1.0, max_model_len=4096,
-                                max_num_batched_tokens=args.chunk, kv_cache_dtype=args.kv_cache_dtype),
-                    1, 1, threads_per_worker=1, pin_cpus=True)
+                                max_num_batched_tokens=args.chunk, kv_cache_dtype=args.kv_cache_dtype, **spec_kwargs(args)),
+                    1, 1, threads_per_worker=1, pin_cpus=True, role_engine_kwargs=roles)
     router.start(asyncio.get_running_loop())
     tok = router.engine.tokenizer
     res = {}
     for kind in kinds:
         await drive(router, router.engine, workload(kind, args, tok, warm_up=True))
         router.transfers.clear()
+        router.draft_transfers.clear()
         router.prefills.clear()
         t0 = time.perf_counter()
         results = await drive(router, router.engine, workload(kind, args, tok))
-        res[kind] = {"summary": summarize(results, time.perf_counter() - t0, slo) | {"kv": transfer_summary(router)},
+        await asyncio.sleep(0.5)  # the last transfer records arrive with the next polls
+        res[kind] = {"summary": summarize(results, time.perf_counter() - t0, slo)
+                     | {"kv": transfer_summary(router), "draft_kv": draft_transfer_summary(router)},
                      "requests": results}
         log(f"disaggregated {kind}: {fmt(res[kind]['summary'])}")
     await router.shutdown(5)
@@ -212,13 +248,19 @@ def fmt(s: dict[str, Any]) -> str:
         return "-" if x is None else f"{x:.3f}"
 
     txt = (f"decode TPOT p50/p99 {f(d.get('tpot_p50_s'))}/{f(d.get('tpot_p99_s'))} s, ITL p99 {f(d.get('itl_p99_s'))} "
-           f"max {f(d.get('itl_max_s'))}; long TTFT p50/p99 {f(lg.get('ttft_p50_s'))}/{f(lg.get('ttft_p99_s'))} s; "
+           f"max {f(d.get('itl_max_s'))}; long TTFT p50/p99 {f(lg.get('ttft_p50_s'))}/{f(lg.get('ttft_p99_s'))} s, "
+           f"first gap max {f(lg.get('first_gap_max_s'))} s; "
            f"goodput {s['goodput_fraction']:.2f}; {s['output_tokens_per_s']:.1f} tok/s; errors {s['errors']}")
     if s.get("kv"):
         kv = s["kv"]
         txt += (f"; KV {kv['mean_bytes'] / 1e6:.1f} MB/transfer, send {kv['mean_send_s'] * 1e3:.1f} ms, load "
                 f"{kv['mean_load_s'] * 1e3:.1f} ms, exposed {kv['mean_exposed_s'] * 1e3:.1f} ms, "
                 f"hidden {kv['hidden_fraction']:.2f}")
+    if s.get("draft_kv"):
+        dk = s["draft_kv"]
+        txt += (f"; draft KV {dk['arrived']}/{dk['transfers']} arrived, {dk['mean_bytes'] / 1e6:.1f} MB, prefill-side "
+                f"draft {f(dk['prefill_draft_compute_mean_s'])} s, wait after first step max "
+                f"{f(dk['wait_after_first_step_max_s'])} s")
     return txt
 
 
@@ -260,7 +302,9 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     bars(axes[0][1], [("long", "ttft_p50_s", "long TTFT p50"), ("long", "ttft_p99_s", "long TTFT p99"),
                       ("decode", "ttft_p99_s", "decode TTFT p99")], "time to first token", "s")
     bars(axes[1][0], [("decode", "tpot_p50_s", "TPOT p50"), ("decode", "tpot_p99_s", "TPOT p99"),
-                      ("decode", "itl_p99_s", "ITL p99")], "decode time per output token", "s")
+                      ("decode", "itl_p99_s", "ITL p99"), ("decode", "itl_max_s", "ITL max"),
+                      ("long", "first_gap_max_s", "long prompt: first gap max")],
+         "decode time per output token (and the longest gaps)", "s")
     ax = axes[1][1]
     vals = [runs[c][k]["summary"]["goodput_fraction"] for c, k in labels]
     b = ax.bar(x, vals, 0.5)
@@ -297,17 +341,31 @@ def main() -> int:
     ap.add_argument("--slo-tpot", type=float, default=0.1)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                     help="KV cache of every engine (int8: the transfers carry int8 K/V and their scales)")
+    ap.add_argument("--draft", default=None, help="a draft model every engine speculates with")
+    ap.add_argument("--draft-num-layers", type=int, default=None, help="the draft's first N layers only")
+    ap.add_argument("--spec-policy", default="adaptive", choices=["adaptive", "always"])
+    ap.add_argument("--configs", nargs="+", default=None,
+                    help="configurations to run (default: co-located and disaggregated, plus "
+                         "'disaggregated, draft recomputes' with --draft)")
     ap.add_argument("--out", default="disagg", help="results name under bench/results/")
     args = ap.parse_args()
     slo = {"ttft_long_s": args.slo_ttft_long, "ttft_decode_s": args.slo_ttft_decode, "tpot_s": args.slo_tpot}
-    runs = {"co-located": asyncio.run(run_colocated(args, args.workloads, slo)),
-            "disaggregated": asyncio.run(run_disagg(args, args.workloads, slo))}
+    configs = args.configs or ["co-located", "disaggregated"] + (["disaggregated, draft recomputes"] if args.draft else [])
+    runners = {"co-located": lambda: run_colocated(args, args.workloads, slo),
+               "disaggregated": lambda: run_disagg(args, args.workloads, slo),
+               "disaggregated, draft recomputes": lambda: run_disagg(args, args.workloads, slo, draft_kv=False)}
+    runs = {c: asyncio.run(runners[c]()) for c in configs}
     payload = {"machine": machine_info(), "model": MODEL, "settings": vars(args), "slo": slo, "runs": runs,
                "configs": {"co-located": "one engine, 2 torch threads, chunked prefill mixed with decodes",
                            "disaggregated": "1 prefill worker (core 0) + 1 decode worker (core 1), Ray actors, "
-                                            "KV via shared memory, 1 torch thread each"}}
+                                            "KV via shared memory, 1 torch thread each"
+                                            + (" (the prefill worker also sends the draft's prompt KV)" if args.draft else ""),
+                           "disaggregated, draft recomputes": "the same, the prefill worker without the draft: the "
+                                                              "decode worker's draft recomputes the prompt's KV"}}
     verdict = {}
     for kind in args.workloads:
+        if "co-located" not in runs or "disaggregated" not in runs:
+            break
         c, d = runs["co-located"][kind]["summary"], runs["disaggregated"][kind]["summary"]
         verdict[kind] = {
             "decode_tpot_p99_ratio_disagg_over_coloc": _ratio(d, c, "decode", "tpot_p99_s"),

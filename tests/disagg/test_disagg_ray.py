@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -192,3 +193,37 @@ def test_killing_a_decode_worker_mid_stream_loses_no_request(deployment, smollm_
         assert "no live workers" in str(exc)
     else:
         assert err.finish_reason == "error" and "no decode worker" in err.error
+
+
+def test_a_draft_models_prompt_kv_travels_over_both_transports(deployment, smollm_llm):
+    """Decode workers speculating with a draft model get the draft's prompt KV from the prefill
+    worker (which holds the same draft, its policy off), through shared memory and through Ray:
+    outputs equal co-located plain decoding and every draft transfer arrives."""
+    draft = {"draft_model": MODEL, "draft_num_layers": 6, "spec_policy": "always", "num_spec_tokens": 3,
+             "profile_spec_costs": False}
+    actors = [start_worker("prefill", 7, MODEL, ENGINE | draft, transfer_timeout_s=20),
+              start_worker("decode", 7, MODEL, ENGINE | draft, transfer_timeout_s=20)]
+    client = DisaggClient(connect(MODEL, actors, transfer_timeout_s=20, local_prefill_tokens=0))
+    try:
+        router = client.router
+        pre, dec = router.prefill[0], router.decode[0]
+        assert pre.info["drafts_for_decode"] and pre.info["draft_kv"] == dec.info["draft_kv"] is not None
+        prompts = [f"A long story about {t}: " + "and then, " * (6 + i) for i, t in enumerate(TOPICS[:4])]
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        want = _tokens(smollm_llm.generate(prompts, params, use_tqdm=False))
+        outs = client.generate(prompts[:2], params)
+        router.transport = "ray"
+        outs += client.generate(prompts[2:], params)
+        assert _tokens(outs) == want
+        assert sum(o.metrics.extra.get("num_draft_tokens", 0) for o in outs) > 0
+        deadline = time.time() + 10
+        while len(router.draft_transfers) < 4 and time.time() < deadline:
+            time.sleep(0.1)
+        assert [d["ok"] for d in router.draft_transfers] == [True] * 4
+        assert [p["transport"] for p in router.prefills] == ["shm", "shm", "ray", "ray"]
+        assert all(p["draft_bytes"] > 0 for p in router.prefills)
+        _integrity(client)
+    finally:
+        client.close()
+        for a in actors:
+            ray.kill(a)

@@ -254,3 +254,89 @@ def test_local_channel_carries_every_part_of_an_int8_layer():
     ch.receive(1, 0, parts)
     assert ch.ready(1) == 5 and ch.ready(0) == 0
     assert all(torch.equal(a, b) for a, b in zip(ch.read(1, 0, 5), parts))
+
+
+def _draft_engines(smollm_checkpoint, prefill_override=None):
+    """A prefill and a decode engine whose draft is the target itself (greedy drafts then match
+    the target wherever the draft's KV is right, so wrong KV would show as lost acceptance)."""
+    from specserve.disagg.worker import prefill_engine_kwargs
+
+    kw = dict(dtype="float32", checkpoint=smollm_checkpoint, kv_cache_gib=0.25, num_threads=1,
+              draft_model="smollm2-135m-instruct", draft_checkpoint=smollm_checkpoint, num_spec_tokens=3,
+              spec_policy="always", profile_spec_costs=False, spec_tree="chain")
+    pre = LLM("smollm2-135m-instruct", max_num_batched_tokens=32, **(prefill_engine_kwargs(kw) | (prefill_override or {})))
+    dec = LLM("smollm2-135m-instruct", **kw)
+    return pre.engine, dec.engine
+
+
+def _widest_draft_feed(engine):
+    """Record the most tokens any one request feeds the decode worker's draft in a pass."""
+    runner = engine.proposer.runner
+    seen = {"max": 0}
+    feed = runner.feed_inputs
+
+    def spy(entries):
+        seen["max"] = max([seen["max"], *(len(e.token_ids) for e in entries)])
+        return feed(entries)
+
+    runner.feed_inputs = spy
+    return seen
+
+
+@pytest.mark.parametrize("draft_on_prefill", [True, False])
+def test_the_drafts_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoint, smollm_llm, draft_on_prefill):
+    """With the decode workers' draft on the prefill worker too, the draft's prompt KV travels
+    beside the target's: the decode worker's draft never feeds the prompt itself (its widest pass
+    is a few tokens, not the prompt), accepts as a draft with the right KV does, greedy output
+    equals co-located plain decoding, and both draft pools end whole. Without a draft on the
+    prefill worker the draft channel reports failure at once and the draft catches up itself."""
+    from specserve.disagg.kv_transfer import draft_kv_layout_of
+    from specserve.disagg.worker import draft_kv_fingerprint
+
+    pre_eng, dec_eng = _draft_engines(smollm_checkpoint, None if draft_on_prefill else {"spec_method": "none"})
+    assert (draft_kv_fingerprint(pre_eng) == draft_kv_fingerprint(dec_eng)) is draft_on_prefill
+    pre, dec = WorkerCore("prefill", pre_eng, "p-draft"), WorkerCore("decode", dec_eng, "d-draft", transfer_timeout_s=5.0)
+    widest = _widest_draft_feed(dec_eng)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = PROMPTS[1:3]  # 60 and 70 tokens: three prefill chunks each
+    want = [o.outputs[0].token_ids for o in smollm_llm.generate(prompts, params, use_tqdm=False)]
+    tok, eos = smollm_llm.tokenizer, smollm_llm.engine.eos_token_ids
+    layout = draft_kv_layout_of(dec_eng)
+    before = _shm_files()
+    try:
+        for i, prompt in enumerate(prompts):
+            ids = tok.encode(prompt)
+            m = len(ids) - 1
+            draft = TransferDescriptor(new_transfer_id(), "shm", m, layout)
+            desc = TransferDescriptor(new_transfer_id(), "shm", m, kv_layout_of(pre_eng), draft=draft)
+            dec.add_decode(Request(f"dr{i}", ids, params, eos_token_ids=eos), desc)
+            reply = pre.prefill(f"dr{i}", ids[:m], desc)
+            assert reply["draft_bytes"] == (m * layout.bytes_per_token() if draft_on_prefill else 0)
+            final, drafts = None, []
+            deadline = time.time() + 60
+            while final is None and time.time() < deadline:
+                outs, stats = dec.poll(0.1)
+                drafts += stats["draft_transfers"]
+                final = next((o for o in outs if o.request_id == f"dr{i}" and o.finished), None)
+            assert final is not None and final.error is None
+            assert final.outputs[0].token_ids == want[i], prompt
+            drafts += dec.poll(0.1)[1]["draft_transfers"]
+            assert [d["ok"] for d in drafts] == [draft_on_prefill]
+            if draft_on_prefill:
+                assert drafts[0]["bytes"] == m * layout.bytes_per_token()
+                assert widest["max"] <= 1 + 3  # the tokens after the prompt and the fed drafts only
+            else:
+                assert widest["max"] >= m  # it caught up on the prompt itself
+        counters = dec_eng.spec_counters
+        # The draft is the target: with its true KV it drafts what the target decodes (all but the
+        # drafts past an end of output); KV in the wrong slots would show as rejections.
+        assert counters["num_accepted_tokens"] >= 0.8 * counters["num_draft_tokens"] > 0
+        assert pre.check_integrity() and dec.check_integrity()
+        for eng in (pre_eng, dec_eng):
+            if eng.proposer is not None:
+                assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
+            assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+        assert _shm_files() <= before
+    finally:
+        pre.shutdown()
+        dec.shutdown()

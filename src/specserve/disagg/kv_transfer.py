@@ -96,6 +96,9 @@ class TransferDescriptor:
     num_tokens: int  # m: tokens whose KV travels
     layout: KVLayout
     receiver: Any = None  # "ray": the decode worker's actor handle
+    # The draft model's prompt KV for the same tokens, computed and sent by a prefill worker that
+    # holds the decode worker's draft (its own channel: another layout); None: none is sent.
+    draft: TransferDescriptor | None = None
 
     @property
     def shm_path(self) -> str:
@@ -316,6 +319,10 @@ def open_receiver(desc: TransferDescriptor) -> KVChannel:
     return ShmKVChannel(desc, create=True) if desc.transport == "shm" else LocalKVChannel(desc)
 
 
+def _with_draft(desc: TransferDescriptor) -> list[TransferDescriptor]:
+    return [desc] if desc.draft is None else [desc, desc.draft]
+
+
 class ChannelFiles:
     """The router's record of the shared-memory channel files it named, so that none outlives it.
 
@@ -332,14 +339,17 @@ class ChannelFiles:
         return len(self._open)
 
     def track(self, desc: TransferDescriptor, prefill_worker: str, decode_worker: str) -> None:
-        """Note a transfer before either worker opens its channel (no-op for the Ray transport)."""
-        if desc.transport == "shm":
-            self._open[desc.shm_path] = (prefill_worker, decode_worker)
+        """Note a transfer (and its draft's) before either worker opens its channel (no-op for
+        the Ray transport)."""
+        for d in _with_draft(desc):
+            if d.transport == "shm":
+                self._open[d.shm_path] = (prefill_worker, decode_worker)
 
     def release(self, desc: TransferDescriptor) -> None:
-        """The transfer's prefill has ended: delete its file."""
-        if self._open.pop(desc.shm_path, None) is not None:
-            unlink_quietly(desc.shm_path)
+        """The transfer's prefill has ended: delete its file (and its draft's)."""
+        for d in _with_draft(desc):
+            if self._open.pop(d.shm_path, None) is not None:
+                unlink_quietly(d.shm_path)
 
     def release_worker(self, name: str) -> None:
         """A worker died: delete the files of every transfer it took part in."""
@@ -367,6 +377,12 @@ class TransferStats:
     loaded_before_done: int = 0  # bytes loaded on the decode side before the sender finished
     exposed_s: float = 0.0  # sender finished -> KV complete in the decode cache
     ok: bool = True
+    # The draft's prompt KV (TransferDescriptor.draft). Prefill side: its bytes, and the draft's
+    # forward plus sending. Decode side (a record of its own: bytes, load_s, ok): the seconds
+    # from the request's first step to the draft's KV complete (it decodes without drafts meanwhile).
+    draft_bytes: int = 0
+    draft_compute_s: float = 0.0
+    draft_after_s: float | None = None
 
     @property
     def overlap(self) -> float:
@@ -377,16 +393,30 @@ class TransferStats:
 # ---------------------------------------------------------------------- prefill connector
 @dataclass
 class _Outgoing:
+    request: Request
     desc: TransferDescriptor
     sink: ShmSink | RaySink
     sent: int = 0  # tokens [0, sent) written for every layer
     stats: TransferStats = field(default_factory=lambda: TransferStats(""))
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
+    target_done: bool = False
+    draft_sink: ShmSink | RaySink | None = None  # open while the draft's prompt KV is being sent
+    draft_sent: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """m: the tokens whose KV travels."""
+        return self.desc.num_tokens
 
 
 class PrefillConnector:
-    """Streams each layer's new KV of the requests being prefilled into their channels."""
+    """Streams each layer's new KV of the requests being prefilled into their channels.
+
+    With a draft model on this worker (`drafter`) and a draft channel in the descriptor, the
+    draft's prompt KV follows: after each step's forward the draft runs over the same tokens
+    (one batched pass, no logits) and all its layers are sent. The target's channel is marked
+    done first, so the decode worker's first step never waits for the draft."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -394,10 +424,25 @@ class PrefillConnector:
         self.outgoing: dict[str, _Outgoing] = {}
         self._step: list[tuple[_Outgoing, int, torch.Tensor]] = []  # (transfer, start, slots)
 
-    def add(self, request_id: str, desc: TransferDescriptor) -> _Outgoing:
+    @property
+    def drafter(self) -> Any:
+        """This worker's draft model, if it can compute prompt KV for decode workers' drafts."""
+        proposer = self.engine.proposer
+        return proposer if proposer is not None and hasattr(proposer, "feed_prompts") else None
+
+    def add(self, request: Request, desc: TransferDescriptor) -> _Outgoing:
         """Register a request whose prompt KV must go to a decode worker."""
-        out = _Outgoing(desc, open_sink(desc), stats=TransferStats(desc.transfer_id, desc.num_tokens))
-        self.outgoing[request_id] = out
+        out = _Outgoing(request, desc, open_sink(desc), stats=TransferStats(desc.transfer_id, desc.num_tokens))
+        if desc.draft is not None:
+            try:
+                sink = open_sink(desc.draft)
+            except KVTransferError:  # the decode worker dropped its draft channel: nothing to send
+                sink = None
+            if sink is not None and self.drafter is None:
+                sink.finish(ok=False)  # no draft here: the decode worker's draft catches up itself
+            elif sink is not None:
+                out.draft_sink = sink
+        self.outgoing[request.request_id] = out
         return out
 
     def _send(self, t: _Outgoing, layer: int, kv: tuple[torch.Tensor, ...], start: int, slots: torch.Tensor) -> None:
@@ -432,23 +477,69 @@ class PrefillConnector:
             self._send(t, index, kv_cache, start, slots)
 
     def end_step(self, out: SchedulerOutput) -> None:
-        """Advance each transfer; close those that have sent all m tokens."""
+        """Advance each transfer; close those that have sent all m tokens; then the draft's KV."""
         for t, start, slots in self._step:
             t.sent = start + len(slots)
-            if t.sent >= t.desc.num_tokens:
-                self._close(t, ok=True)
+            if t.sent >= t.num_tokens:
+                self._finish_target(t, ok=True)
+        drafting = [t for t, _, _ in self._step if t.draft_sink is not None]
         self._step = []
+        if drafting:
+            self._send_draft(drafting)
+
+    def _send_draft(self, transfers: list[_Outgoing]) -> None:
+        """Run the draft over the tokens the target has sent and send every layer of them."""
+        drafter = self.drafter
+        t0 = time.perf_counter()
+        have = drafter.feed_prompts([(t.request, t.sent) for t in transfers]) if drafter is not None else {}
+        caches = drafter.runner.kv_caches if drafter is not None else []
+        for t in transfers:
+            n = have.get(t.request.request_id)
+            if n is None:  # no draft, or no room in its pool: the decode worker's draft catches up
+                self._finish_draft(t, ok=False)
+                continue
+            if n > t.draft_sent:
+                slots = slot_indices(drafter.kv.block_ids(t.request.request_id), t.draft_sent, n, drafter.kv.block_size)
+                for layer, kv in enumerate(caches):
+                    parts = gather_layer(kv, slots)
+                    t.draft_sink.write(layer, t.draft_sent, parts)  # type: ignore[union-attr]
+                    t.stats.draft_bytes += sum(p.numel() * p.element_size() for p in parts)
+                t.draft_sent = n
+            if t.draft_sent >= t.num_tokens:
+                self._finish_draft(t, ok=True)
+        if transfers:
+            share = (time.perf_counter() - t0) / len(transfers)
+            for t in transfers:
+                t.stats.draft_compute_s += share
+
+    def _finish_target(self, t: _Outgoing, ok: bool, error: str | None = None) -> None:
+        if not t.target_done:
+            t.target_done = True
+            try:
+                t.sink.finish(ok)
+            except Exception as exc:  # noqa: BLE001 - report it to the router through the event
+                ok, error = False, f"{type(exc).__name__}: {exc}"
+            t.stats.ok = ok
+            t.error = error
+        self._settle(t)
+
+    def _finish_draft(self, t: _Outgoing, ok: bool) -> None:
+        sink, t.draft_sink = t.draft_sink, None
+        if sink is not None:
+            with contextlib.suppress(Exception):  # the draft's KV is an optimisation: never fail the request
+                sink.finish(ok)
+        self._settle(t)
+
+    def _settle(self, t: _Outgoing) -> None:
+        """Report the transfer done once the target's KV and the draft's (if any) are sent."""
+        if t.target_done and t.draft_sink is None:
+            t.done.set()
 
     def _close(self, t: _Outgoing, ok: bool, error: str | None = None) -> None:
         if t.done.is_set():
             return
-        try:
-            t.sink.finish(ok)
-        except Exception as exc:  # noqa: BLE001 - report it to the router through the event
-            ok, error = False, f"{type(exc).__name__}: {exc}"
-        t.stats.ok = ok
-        t.error = error
-        t.done.set()
+        self._finish_target(t, ok, error)
+        self._finish_draft(t, ok=False)
 
     def pump(self) -> None:
         """Nothing to do between steps on the prefill side."""
@@ -489,8 +580,32 @@ class _Incoming:
         return self.reserved and self.failed is None and self.channel.all_written
 
 
+@dataclass
+class _DraftIncoming:
+    """The draft's prompt KV of one request on its way from the prefill worker."""
+
+    request: Request
+    desc: TransferDescriptor
+    channel: KVChannel
+    stats: TransferStats
+    last_progress: float = field(default_factory=time.monotonic)
+    loaded: list[int] = field(default_factory=list)  # per draft layer: tokens in the draft's pages
+    slots: torch.Tensor | None = None  # the draft cache's slots of tokens [0, m), once placed
+    target_ready_at: float | None = None  # when the target's KV was complete (monotonic)
+
+    @property
+    def num_tokens(self) -> int:
+        """m: the tokens whose draft KV travels."""
+        return self.desc.num_tokens
+
+
 class DecodeConnector:
-    """Receives prompt KV for requests that a prefill worker computed."""
+    """Receives prompt KV for requests that a prefill worker computed (and their draft's).
+
+    The draft's KV is not waited for: the request is admitted once the target's layers are in and
+    decodes without drafts until the draft's have arrived too (`pump` copies them into the blocks
+    the draft holds for them); a draft transfer that fails or stalls is dropped and the draft
+    catches the request up itself."""
 
     def __init__(self, engine: Any, timeout_s: float = 60.0) -> None:
         self.engine = engine
@@ -499,19 +614,33 @@ class DecodeConnector:
         self.incoming: dict[str, _Incoming] = {}
         self._step: list[_Incoming] = []
         self.finished_stats: list[TransferStats] = []  # drained by the worker for metrics
+        self.finished_draft_stats: list[TransferStats] = []  # the drafts' transfers, likewise
         # Receiving channels by transfer id, registered as soon as a transfer is announced (before
         # the engine thread queues its request) so Ray pieces can land at once; removed on retire.
         self.channels: dict[str, KVChannel] = {}
         self._lock = threading.Lock()  # receive_kv (Ray threads) vs the engine thread
+        self.drafts: dict[str, _DraftIncoming] = {}
+
+    @property
+    def drafter(self) -> Any:
+        """The engine's draft model, if it takes prompt KV from a prefill worker."""
+        proposer = self.engine.proposer
+        return proposer if proposer is not None and hasattr(proposer, "expect_prompt_kv") else None
 
     # -- set-up (engine thread)
-    def add(self, request: Request, desc: TransferDescriptor, channel: KVChannel) -> None:
-        """Attach an incoming transfer to a request about to be queued."""
+    def add(self, request: Request, desc: TransferDescriptor, channel: KVChannel,
+            draft_channel: KVChannel | None = None) -> None:
+        """Attach an incoming transfer (and its draft's, if a channel was opened) to a request
+        about to be queued."""
         inc = _Incoming(request, desc, channel, desc.num_tokens, self.block_size,
                         stats=TransferStats(desc.transfer_id, desc.num_tokens))
         inc.loaded = [0] * desc.layout.num_layers
         request.kv_source = inc
         self.incoming[request.request_id] = inc
+        if draft_channel is not None and desc.draft is not None:
+            d = _DraftIncoming(request, desc.draft, draft_channel, TransferStats(desc.draft.transfer_id, desc.num_tokens))
+            d.loaded = [0] * desc.draft.layout.num_layers
+            self.drafts[request.request_id] = d
 
     # -- between steps
     def pump(self) -> None:
@@ -530,6 +659,61 @@ class DecodeConnector:
                 inc.last_progress = now
             elif now - inc.last_progress > self.timeout_s:
                 self._fail(rid, inc, f"no KV arrived for {self.timeout_s:.0f} s")
+        for rid, d in list(self.drafts.items()):
+            self._pump_draft(rid, d, now)
+
+    def _pump_draft(self, rid: str, d: _DraftIncoming, now: float) -> None:
+        """Place, copy in and hand over one request's draft KV; drop it when it cannot come."""
+        drafter = self.drafter
+        if drafter is None or d.channel.status == STATUS_FAILED:
+            return self._retire_draft(rid, drop=True)
+        if d.slots is None:
+            if rid in self.incoming and not self.incoming[rid].reserved:
+                return None  # the target's blocks first: the request may still be refused room
+            placed = drafter.expect_prompt_kv(d.request, d.num_tokens)
+            if placed is None:
+                return self._retire_draft(rid, drop=True)
+            num_cached, block_ids = placed
+            d.loaded = [num_cached] * len(d.loaded)
+            d.slots = slot_indices(block_ids, 0, d.num_tokens, drafter.kv.block_size)
+            d.last_progress = now
+        elif not drafter.prompt_kv_pending(rid):  # preempted or finished meanwhile
+            return self._retire_draft(rid, drop=False)
+        if d.target_ready_at is None and rid not in self.incoming:
+            d.target_ready_at = now  # the target's KV is in and its first step has run
+        caches = drafter.runner.kv_caches
+        t0 = time.perf_counter()
+        moved = False
+        for i in range(len(caches)):
+            lo, hi = d.loaded[i], min(d.channel.ready(i), d.num_tokens)
+            if hi > lo:
+                parts = d.channel.read(i, lo, hi)
+                scatter_layer(caches[i], d.slots[lo:hi], parts)
+                d.stats.bytes += sum(p.numel() * p.element_size() for p in parts)
+                d.loaded[i] = hi
+                moved = True
+        d.stats.load_s += time.perf_counter() - t0
+        if all(n >= d.num_tokens for n in d.loaded):
+            d.stats.draft_after_s = max(0.0, now - d.target_ready_at) if d.target_ready_at is not None else 0.0
+            drafter.prompt_kv_arrived(rid)
+            return self._retire_draft(rid, drop=False)
+        if moved:
+            d.last_progress = now
+        elif now - d.last_progress > self.timeout_s:
+            self._retire_draft(rid, drop=True)
+        return None
+
+    def _retire_draft(self, rid: str, drop: bool) -> None:
+        d = self.drafts.pop(rid, None)
+        if d is None:
+            return
+        if drop and self.drafter is not None:
+            self.drafter.drop_prompt_kv(rid)
+        d.stats.ok = not drop
+        self.channels.pop(d.desc.transfer_id, None)
+        d.channel.close()
+        with self._lock:
+            self.finished_draft_stats.append(d.stats)
 
     def _load(self, inc: _Incoming, layer: int | None) -> bool:
         """Copy arrived tokens of one layer (or all layers) into the request's pages."""
@@ -595,13 +779,21 @@ class DecodeConnector:
             self.finished_stats.append(inc.stats)
 
     def request_finished(self, request: Request) -> None:
-        """Aborted or failed before its first step: drop the channel (its blocks go with the request)."""
+        """Aborted or failed before its first step: drop the channel (its blocks go with the
+        request); a draft transfer still open goes too."""
         self._retire(request.request_id)
+        self._retire_draft(request.request_id, drop=True)
 
     def take_stats(self) -> list[TransferStats]:
         """Transfers completed since the last call."""
         with self._lock:
             out, self.finished_stats = self.finished_stats, []
+        return out
+
+    def take_draft_stats(self) -> list[TransferStats]:
+        """Draft transfers completed (ok) or dropped since the last call."""
+        with self._lock:
+            out, self.finished_draft_stats = self.finished_draft_stats, []
         return out
 
 
@@ -610,4 +802,12 @@ def kv_layout_of(engine: Any) -> KVLayout:
     arch = engine.arch
     return KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, str(engine.runner.dtype).replace("torch.", ""),
                     engine.config.cache.kv_cache_dtype)
+
+
+def draft_kv_layout_of(engine: Any) -> KVLayout | None:
+    """The KV layout of an engine's draft model, if its prompt KV can travel between workers."""
+    proposer = engine.proposer
+    if proposer is None or not hasattr(proposer, "kv_layout_parts"):
+        return None
+    return KVLayout(*proposer.kv_layout_parts())
 

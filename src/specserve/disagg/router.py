@@ -199,6 +199,7 @@ class DisaggRouter:
         self.accepting = True
         self.last_step_time = time.time()
         self.transfers: list[dict[str, Any]] = []  # completed transfer records (bench, metrics)
+        self.draft_transfers: list[dict[str, Any]] = []  # the drafts' prompt KV, likewise
         self.prefills: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -403,6 +404,15 @@ class DisaggRouter:
             return self.transport
         return "shm" if pre.node_id == dec.node_id else "ray"
 
+    @staticmethod
+    def _draft_descriptor(pre: WorkerHandle, dec: WorkerHandle, transport: str, m: int,
+                          receiver: Any) -> TransferDescriptor | None:
+        """The draft's prompt KV travels too when both workers hold the same draft."""
+        fp = dec.info.get("draft_kv")
+        if fp is None or pre.info.get("draft_kv") != fp:
+            return None
+        return TransferDescriptor(new_transfer_id(), transport, m, KVLayout(**fp["layout"]), receiver=receiver)
+
     def _no_decode_message(self) -> str:
         restarting = [w.name for w in self.decode if w.restarting]
         if restarting:
@@ -438,8 +448,9 @@ class DisaggRouter:
             desc = None
             if pre is not None:
                 transport = self._transport_for(pre, dec)
-                desc = TransferDescriptor(new_transfer_id(), transport, m, self.layout,
-                                          receiver=dec.actor if transport == "ray" else None)
+                receiver = dec.actor if transport == "ray" else None
+                desc = TransferDescriptor(new_transfer_id(), transport, m, self.layout, receiver=receiver,
+                                          draft=self._draft_descriptor(pre, dec, transport, m, receiver))
                 self.channel_files.track(desc, pre.name, dec.name)
             try:
                 ok = await self._start_attempt(job, tokens, hashes, dec, pre, desc, bad_prefill)
@@ -607,6 +618,11 @@ class DisaggRouter:
                 self.transfers.append(rec)
                 if self.metrics is not None:
                     self.metrics.observe_transfer(rec)
+            for rec in st.get("draft_transfers", ()):
+                rec["decode_worker"] = w.name
+                self.draft_transfers.append(rec)
+                if self.metrics is not None:
+                    self.metrics.observe_draft_transfer(rec)
             for out in outs:
                 self._on_output(out)
             self._observe(w, st)

@@ -6,8 +6,9 @@ is the same thing as a Ray actor, one process per worker, placed and supervised 
 A prefill worker runs each request's first m = n - 1 tokens (the last prompt token is left to
 the decode worker) and streams their KV out layer by layer; its reply is sent when the
 transfer is complete. A decode worker queues a request whose first m tokens arrive from a
-prefill worker, then decodes it like any other (speculation included: a draft model
-recomputes its own prompt KV on its first proposal, see `docs/architecture.md`).
+prefill worker, then decodes it like any other. With a draft model on the decode workers, the
+prefill workers hold the same draft (its speculation policy off) and send the draft's prompt
+KV too, so the decode worker's draft does not recompute it (see `docs/disaggregation.md`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from specserve.disagg.kv_transfer import (
     KVTransferError,
     PrefillConnector,
     TransferDescriptor,
+    draft_kv_layout_of,
     kv_layout_of,
     open_receiver,
 )
@@ -55,6 +57,22 @@ def engine_fingerprint(engine: LLMEngine) -> dict[str, Any]:
     }
 
 
+def draft_kv_fingerprint(engine: LLMEngine) -> dict[str, Any] | None:
+    """What must agree between two workers for one's draft prompt KV to serve the other's
+    draft (None: this engine's proposer keeps no KV that could travel)."""
+    layout = draft_kv_layout_of(engine)
+    if layout is None:
+        return None
+    spec = engine.config.spec
+    return {"layout": asdict(layout), "model": spec.draft_model, "num_layers": spec.draft_num_layers,
+            "quantization": engine.proposer.runner.quantization}  # type: ignore[union-attr]
+
+
+def drafts_for_decode(engine: LLMEngine) -> bool:
+    """A prefill worker's engine holds a draft only to compute its prompt KV for decode workers."""
+    return engine.config.spec.policy == "off" and draft_kv_layout_of(engine) is not None
+
+
 def check_pairable(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
     """Refuse a prefill/decode pair whose KV or tokens would not mean the same thing."""
     bad = [k for k in ("model", "layout", "quantization", "kv_cache_dtype", "vocab_size", "tokenizer")
@@ -66,7 +84,7 @@ def check_pairable(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
             f"prefill worker {prefill['name']} and decode worker {decode['name']} cannot pair ({details}); "
             "start both pools with the same model, dtype, quantization and KV-cache settings."
         )
-    if prefill.get("speculation", "none") != "none":
+    if prefill.get("speculation", "none") != "none" and not prefill.get("drafts_for_decode"):
         raise ConfigError(
             f"prefill worker {prefill['name']} was configured with speculation ({prefill['speculation']}); "
             "speculation runs on decode workers only."
@@ -79,8 +97,10 @@ class WorkerCore:
     def __init__(self, role: str, engine: LLMEngine, name: str = "", transfer_timeout_s: float = 60.0) -> None:
         if role not in ROLES:
             raise ConfigError(f"unknown worker role {role!r}; use prefill or decode.")
-        if role == "prefill" and engine.proposer is not None:
-            raise ConfigError("speculation runs on decode workers only; start prefill workers without it.")
+        if role == "prefill" and engine.proposer is not None and not drafts_for_decode(engine):
+            raise ConfigError("speculation runs on decode workers only; start prefill workers without it "
+                              "(or with the decode workers' draft model and spec policy 'off': it then "
+                              "computes the draft's prompt KV for them).")
         self.role = role
         self.name = name or f"{role}-{os.getpid()}"
         self.engine = engine
@@ -91,6 +111,7 @@ class WorkerCore:
         else:
             self.connector = DecodeConnector(engine, transfer_timeout_s)
         engine.attach_connector(self.connector)
+        self._draft_kv = draft_kv_fingerprint(engine)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._outbox: list[RequestOutput] = []
         self._cv = threading.Condition()
@@ -124,6 +145,10 @@ class WorkerCore:
             "spec": {"method": eng.config.spec.method, "policy": eng.config.spec.policy,
                      "num_spec_tokens": eng.config.spec.num_spec_tokens},
             "has_proposer": eng.can_speculate,
+            "drafts_for_decode": self.role == "prefill" and drafts_for_decode(eng),
+            # The draft prompt KV this worker sends (prefill) or takes (decode); the router sends
+            # it between two workers whose fingerprints agree.
+            "draft_kv": self._draft_kv,
             # The prefix cache's disk tier (its fingerprinted folder), shared by every worker given
             # the same --kv-disk-dir on this host: the deployment's KV store.
             "kv_store": str(tiers.disk.dir) if (tiers := eng.kv_manager.tiers) is not None and tiers.disk is not None
@@ -183,6 +208,8 @@ class WorkerCore:
             "wall_s": time.perf_counter() - t0,
             "send_s": t.stats.send_s,
             "bytes": t.stats.bytes,
+            "draft_bytes": t.stats.draft_bytes,
+            "draft_compute_s": t.stats.draft_compute_s,
         }
 
     # ------------------------------------------------------------------ decode role
@@ -191,11 +218,14 @@ class WorkerCore:
 
         The receiving channel exists when this returns, so the prefill may start right away.
         """
-        channel = None
+        channel = draft_channel = None
         if desc is not None:
             channel = open_receiver(desc)
             self.connector.channels[desc.transfer_id] = channel  # type: ignore[union-attr]
-        self._commands.put(("decode", (request, desc, channel, emitted_chars)))
+            if desc.draft is not None and self._draft_kv is not None:
+                draft_channel = open_receiver(desc.draft)
+                self.connector.channels[desc.draft.transfer_id] = draft_channel  # type: ignore[union-attr]
+        self._commands.put(("decode", (request, desc, (channel, draft_channel), emitted_chars)))
 
     def receive_kv(self, transfer_id: str, layer: int, start: int, parts: list[Any]) -> None:
         """Cross-host transport: one (layer, token range) of a transfer arrives (its KV parts)."""
@@ -220,6 +250,7 @@ class WorkerCore:
         st = self.stats()
         if isinstance(self.connector, DecodeConnector):
             st["transfers"] = [asdict(t) | {"overlap": t.overlap} for t in self.connector.take_stats()]
+            st["draft_transfers"] = [asdict(t) for t in self.connector.take_draft_stats()]
         return outs, st
 
     # ------------------------------------------------------------------ both
@@ -254,7 +285,7 @@ class WorkerCore:
         if cmd == "prefill":
             req, desc, done, holder = arg
             try:
-                holder["transfer"] = self.connector.add(req.request_id, desc)  # type: ignore[union-attr]
+                holder["transfer"] = self.connector.add(req, desc)  # type: ignore[union-attr, arg-type]
                 eng.add_prepared(PreparedRequest(req, None, 0))
                 self._prefills[req.request_id] = (done, holder)
             except Exception as exc:  # noqa: BLE001 - report to the caller
@@ -262,15 +293,18 @@ class WorkerCore:
                 holder.setdefault("transfer", None)
                 done.set()
         elif cmd == "decode":
-            req, desc, channel, emitted = arg
+            req, desc, (channel, draft_channel), emitted = arg
             try:
                 if desc is not None:
-                    self.connector.add(req, desc, channel)  # type: ignore[call-arg, arg-type]
+                    self.connector.add(req, desc, channel, draft_channel)  # type: ignore[call-arg, arg-type]
                 eng.add_prepared(PreparedRequest(req, None, 0, emitted))
             except Exception as exc:  # noqa: BLE001 - the router gets an error output
                 if desc is not None:
-                    self.connector.channels.pop(desc.transfer_id, None)  # type: ignore[union-attr]
-                    channel.close()
+                    self.connector.request_finished(req)  # type: ignore[union-attr]
+                    for d, ch in ((desc, channel), (desc.draft, draft_channel)):
+                        if ch is not None and d is not None:
+                            self.connector.channels.pop(d.transfer_id, None)  # type: ignore[union-attr]
+                            ch.close()
                 req.error = f"{type(exc).__name__}: {exc}"
                 self._emit([_error_output(req)])
         elif cmd == "abort":
@@ -333,6 +367,18 @@ def _error_output(req: Request) -> RequestOutput:
                          True, RequestMetrics(), error=req.error)
 
 
+def prefill_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """LLM(...) arguments of a prefill worker: no speculation, but with a draft model on the
+    decode workers the same draft, its policy off, to compute the draft's prompt KV for them
+    (a prefill pool given spec_method='none' of its own skips that, and decode workers' drafts
+    then recompute it)."""
+    method = engine_kwargs.get("spec_method")
+    if engine_kwargs.get("draft_model") and method in (None, "draft"):
+        return {**engine_kwargs, "spec_method": "draft", "spec_policy": "off", "profile_spec_costs": False,
+                "spec_release_after_s": None}
+    return without_speculation(engine_kwargs)
+
+
 def without_speculation(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """LLM(...) arguments of an engine that does not speculate: the drafter's settings dropped."""
     kwargs = {k: v for k, v in engine_kwargs.items()
@@ -347,7 +393,7 @@ def build_worker(role: str, model: str, engine_kwargs: dict[str, Any], name: str
         os.sched_setaffinity(0, set(cpus))
     from specserve import LLM
 
-    kwargs = without_speculation(engine_kwargs) if role == "prefill" else engine_kwargs
+    kwargs = prefill_engine_kwargs(engine_kwargs) if role == "prefill" else engine_kwargs
     llm = build_off_thread(LLM, model, **kwargs)  # the engine thread below steps it
     return WorkerCore(role, llm.engine, name, transfer_timeout_s)
 

@@ -394,6 +394,14 @@ class DisaggMetrics:
                                           buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0), registry=r)
         self.prefill_time = Histogram("specserve_prefill_seconds", "Prefill worker time per request (incl. sending).",
                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.draft_transfers = Counter("specserve_draft_kv_transfers",
+                                       "Draft-model prompt KV sent by prefill workers, by outcome (dropped: the "
+                                       "decode worker's draft recomputed it).", ["outcome"], registry=r)
+        self.draft_transfer_bytes = Counter("specserve_draft_kv_transfer_bytes",
+                                            "Draft-model KV bytes moved from prefill to decode workers.", registry=r)
+        self.draft_kv_wait = Histogram("specserve_draft_kv_wait_seconds",
+                                       "From a request's first decode step to its draft's prompt KV complete (it "
+                                       "decodes without drafts meanwhile).", buckets=TOKEN_BUCKETS + (10.0,), registry=r)
 
     def observe_worker(self, role: str, name: str, stats: dict) -> None:
         """A worker's load report."""
@@ -417,6 +425,13 @@ class DisaggMetrics:
         self.transfer_time.labels("load").observe(rec.get("load_s", 0.0))
         self.transfer_time.labels("exposed").observe(rec.get("exposed_s", 0.0))
         self.transfer_overlap.observe(rec.get("overlap", 0.0))
+
+    def observe_draft_transfer(self, rec: dict) -> None:
+        """One draft prompt-KV transfer, arrived or dropped, as reported by its decode worker."""
+        self.draft_transfers.labels("ok" if rec.get("ok") else "dropped").inc()
+        self.draft_transfer_bytes.inc(rec.get("bytes", 0))
+        if rec.get("ok") and rec.get("draft_after_s") is not None:
+            self.draft_kv_wait.observe(rec["draft_after_s"])
 
     def observe_prefill(self, rec: dict) -> None:
         """One finished prefill, as reported by its prefill worker."""

@@ -342,6 +342,7 @@ class DraftModelProposer(PassTimer, Proposer):
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(model_config.seed + 1)
         self.num_forwards = 0
+        self._arriving: dict[str, int] = {}  # prompt KV coming from a prefill worker: tokens [0, m)
 
     def time_pass(self, batch: int) -> float:
         """Seconds of one single-token draft pass over `batch` requests (start-up profiling)."""
@@ -353,6 +354,9 @@ class DraftModelProposer(PassTimer, Proposer):
 
     def catchup_tokens(self, request: Request) -> int:
         """Tokens the draft cache is behind `request` (fed drafts may be kept: not counted)."""
+        arriving = self._arriving.get(request.request_id)
+        if arriving is not None:  # the prompt's KV is on its way: only what follows it
+            return max(0, len(request.all_token_ids) - arriving)
         seq = self._seqs.get(request.request_id)
         if seq is None:  # the prompt, less what the draft's prefix cache holds (looked up once)
             hit = self._cached.get(request.request_id)
@@ -366,6 +370,7 @@ class DraftModelProposer(PassTimer, Proposer):
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Free the request's draft KV (a preempted request catches up again later)."""
         self._cached.pop(request_id, None)
+        self._arriving.pop(request_id, None)
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.kv.forget(seq) if finished else self.kv.free(seq)
@@ -474,20 +479,109 @@ class DraftModelProposer(PassTimer, Proposer):
         """Bring the request's draft cache up to date (keep what the target accepted, find prefix
         hits) and hold slots for its catch-up tokens plus `extra` draft nodes. None when nothing
         is asked (k <= 0) or the cache is full: no speculation this step rather than evicting."""
-        if k <= 0:
+        if k <= 0 or req.request_id in self._arriving:  # no draft until its prompt KV is in
             return None
         seq = self._seqs.get(req.request_id)
         if seq is None:
             seq = self._seqs[req.request_id] = _DraftSeq(req)
         self._sync(seq)
-        hits = []
-        if not self.kv.req_blocks.get(seq.request_id):
-            hits, n_hit = self.kv.get_computed_blocks(seq)
-            seq.num_computed_tokens = n_hit
-        new = seq.all_token_ids[seq.num_computed_tokens :]
+        hits, start = self._prefix_hits(seq, len(seq.all_token_ids))
+        new = seq.all_token_ids[start:]
         if not self.kv.allocate_slots(seq, len(new) + extra, hits):
             return None
+        seq.num_computed_tokens = start
         return seq, new
+
+    # ------------------------------------------------------------------ prompt KV across workers
+    # Disaggregated serving: a prefill worker holding the same draft computes the draft's prompt
+    # KV beside the target's (`feed_prompts`) and sends it; the decode worker's draft places it
+    # (`expect_prompt_kv`), so its first drafts follow the request's first token instead of a
+    # catch-up pass over the whole prompt that would stall every request of the step.
+    def kv_layout_parts(self) -> tuple[int, int, int, str, str]:
+        """(layers, kv heads, head dim, dtype, KV-cache dtype) of the draft's paged cache."""
+        arch = self.runner.arch
+        return (arch.num_layers, arch.num_kv_heads, arch.head_dim, str(self.runner.dtype).replace("torch.", ""),
+                self.runner.kv_cache_dtype)
+
+    @torch.inference_mode()
+    def feed_prompts(self, upto: Sequence[tuple[Request, int]]) -> dict[str, int]:
+        """Bring each request's draft KV to its first n tokens (prefix-cache hits first, the rest
+        in one batched forward without logits). Returns the tokens each request's draft pages now
+        hold; a request the draft pool has no room for is left out."""
+        entries: list[FeedEntry] = []
+        fed: list[tuple[_DraftSeq, int]] = []
+        done: dict[str, int] = {}
+        for req, n in upto:
+            rid = req.request_id
+            seq = self._seqs.get(rid)
+            if seq is None:
+                seq = self._seqs[rid] = _DraftSeq(req)
+            hits, start = self._prefix_hits(seq, n)
+            if not self.kv.allocate_slots(seq, max(0, n - start), hits):
+                continue
+            seq.num_computed_tokens = start
+            done[rid] = max(start, n)
+            if n > start:
+                entries.append(FeedEntry(seq.all_token_ids[start:n], list(range(start, n)), start,
+                                         self.kv.block_ids(rid), None, range(0)))
+                fed.append((seq, n))
+        if entries:
+            self.runner.hidden_states(entries)
+            self.num_forwards += 1
+        for seq, n in fed:
+            seq.num_computed_tokens = n
+            self.kv.cache_blocks(seq, n)
+        return done
+
+    def expect_prompt_kv(self, request: Request, num_tokens: int) -> tuple[int, list[int]] | None:
+        """Hold draft blocks for the first num_tokens tokens of a request whose draft KV arrives
+        from a prefill worker: (tokens already in this draft's prefix cache, the block table), or
+        None when the pool has no room (the draft then catches up as usual). No draft is made for
+        the request until `prompt_kv_arrived` or `drop_prompt_kv`."""
+        rid = request.request_id
+        if rid in self._seqs:
+            return None
+        seq = _DraftSeq(request)
+        hits, start = self._prefix_hits(seq, num_tokens)
+        if not self.kv.allocate_slots(seq, num_tokens - start, hits):
+            return None
+        seq.num_computed_tokens = start
+        self._seqs[rid] = seq
+        self._arriving[rid] = num_tokens
+        return seq.num_computed_tokens, self.kv.block_ids(rid)
+
+    def _prefix_hits(self, seq: _DraftSeq, upto: int) -> tuple[list, int]:
+        """Prefix-cache hits within the first `upto` tokens of a sequence that holds no blocks yet
+        (none otherwise) and the tokens computed after them. allocate_slots counts the hits
+        itself, so the sequence's computed count is set only after it."""
+        if self.kv.req_blocks.get(seq.request_id):
+            return [], seq.num_computed_tokens
+        seq.num_computed_tokens = 0
+        hits, _ = self.kv.get_computed_blocks(seq)
+        hits = hits[: upto // self.kv.block_size]
+        return hits, len(hits) * self.kv.block_size
+
+    def prompt_kv_pending(self, request_id: str) -> bool:
+        """Blocks are held for this request's arriving prompt KV (False once it was dropped,
+        preempted or finished)."""
+        return request_id in self._arriving
+
+    def prompt_kv_arrived(self, request_id: str) -> None:
+        """Every layer of the expected prompt KV is in the held blocks: draft from there on."""
+        n = self._arriving.pop(request_id, None)
+        seq = self._seqs.get(request_id)
+        if n is None or seq is None:
+            return
+        seq.num_computed_tokens = n
+        self.kv.cache_blocks(seq, n)
+
+    def drop_prompt_kv(self, request_id: str) -> None:
+        """The prompt KV will not come (a failed or stalled transfer): free its blocks; the draft
+        catches the request up on its prompt when it next drafts for it."""
+        if self._arriving.pop(request_id, None) is not None:
+            seq = self._seqs.pop(request_id, None)
+            if seq is not None:
+                self.kv.free(seq)
 
     # ------------------------------------------------------------------ trees
     @torch.inference_mode()
