@@ -6,7 +6,7 @@ decode worker pinned to core 1 (Ray actors), KV streamed layer by layer through 
 
 Two workloads, open loop (arrivals at fixed times whatever the progress), greedy, streaming:
 - `mixed`: long-decode requests (short prompt, --decode-tokens answer) are running when long
-  prompts (~2.1-2.4k tokens, 16-token answers) arrive every --interval seconds;
+  prompts (~2.1-2.4k tokens, --long-output-token answers, 16 by default) arrive every --interval seconds;
 - `decode-only`: the same decodes without the long prompts.
 
 Per configuration and workload: TTFT p50/p99 by request kind, TPOT (per-request mean) and
@@ -81,7 +81,7 @@ def workload(kind: str, args: argparse.Namespace, tokenizer: Any, warm_up: bool 
         for i in range(args.long):
             reqs.append({"kind": "long", "at": 1.0 + args.interval * i,
                          "prompt": long_prompt(i, tokenizer, args.long_tokens + 40 * i),
-                         "params": SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)})
+                         "params": SamplingParams(max_tokens=args.long_output, temperature=0.0, ignore_eos=True)})
     return sorted(reqs, key=lambda r: r["at"])
 
 
@@ -152,7 +152,10 @@ def draft_transfer_summary(router: Any) -> dict[str, Any]:
         return {}
     ok = [d for d in ds if d["ok"]]
     waits = [d["draft_after_s"] for d in ok if d.get("draft_after_s") is not None]
-    return {"transfers": len(ds), "arrived": len(ok), "mean_bytes": float(np.mean([d["bytes"] for d in ok])) if ok else 0,
+    outcomes: dict[str, int] = {}
+    for d in ds:
+        outcomes[d.get("outcome") or "?"] = outcomes.get(d.get("outcome") or "?", 0) + 1
+    return {"transfers": len(ds), "arrived": len(ok), "outcomes": outcomes, "mean_bytes": float(np.mean([d["bytes"] for d in ok])) if ok else 0,
             "mean_load_s": float(np.mean([d["load_s"] for d in ok])) if ok else None,
             "wait_after_first_step_p50_s": pct(waits, 50), "wait_after_first_step_max_s": max(waits, default=None),
             "prefill_draft_compute_mean_s": float(np.mean([p.get("draft_compute_s", 0.0) for p in ps])) if ps else None}
@@ -258,7 +261,7 @@ def fmt(s: dict[str, Any]) -> str:
                 f"hidden {kv['hidden_fraction']:.2f}")
     if s.get("draft_kv"):
         dk = s["draft_kv"]
-        txt += (f"; draft KV {dk['arrived']}/{dk['transfers']} arrived, {dk['mean_bytes'] / 1e6:.1f} MB, prefill-side "
+        txt += (f"; draft KV {dk['outcomes']}, {dk['mean_bytes'] / 1e6:.1f} MB, prefill-side "
                 f"draft {f(dk['prefill_draft_compute_mean_s'])} s, wait after first step max "
                 f"{f(dk['wait_after_first_step_max_s'])} s")
     return txt
@@ -330,6 +333,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--long", type=int, default=3, help="long-prompt requests in the mixed workload")
     ap.add_argument("--long-tokens", type=int, default=2100, help="approximate tokens of the first long prompt")
+    ap.add_argument("--long-output", type=int, default=16, help="tokens each long prompt's answer has")
     ap.add_argument("--decode", type=int, default=6, help="long-decode requests")
     ap.add_argument("--decode-tokens", type=int, default=160)
     ap.add_argument("--interval", type=float, default=12.0,

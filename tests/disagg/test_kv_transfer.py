@@ -14,6 +14,7 @@ from specserve.disagg.kv_transfer import (
     KVLayout,
     LocalKVChannel,
     TransferDescriptor,
+    draft_kv_layout_of,
     kv_layout_of,
     new_transfer_id,
 )
@@ -288,9 +289,9 @@ def test_the_drafts_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoint, s
     """With the decode workers' draft on the prefill worker too, the draft's prompt KV travels
     beside the target's: the decode worker's draft never feeds the prompt itself (its widest pass
     is a few tokens, not the prompt), accepts as a draft with the right KV does, greedy output
-    equals co-located plain decoding, and both draft pools end whole. Without a draft on the
+    equals co-located plain decoding, and both draft pools end whole. (The prefill worker runs the
+    draft once the target's KV is sent, so the request's first few tokens decode without drafts.) Without a draft on the
     prefill worker the draft channel reports failure at once and the draft catches up itself."""
-    from specserve.disagg.kv_transfer import draft_kv_layout_of
     from specserve.disagg.worker import draft_kv_fingerprint
 
     pre_eng, dec_eng = _draft_engines(smollm_checkpoint, None if draft_on_prefill else {"spec_method": "none"})
@@ -324,7 +325,8 @@ def test_the_drafts_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoint, s
             assert [d["ok"] for d in drafts] == [draft_on_prefill]
             if draft_on_prefill:
                 assert drafts[0]["bytes"] == m * layout.bytes_per_token()
-                assert widest["max"] <= 1 + 3  # the tokens after the prompt and the fed drafts only
+                # Only the tokens decoded before the draft's KV landed and the fed drafts, never the prompt.
+                assert widest["max"] < m // 2
             else:
                 assert widest["max"] >= m  # it caught up on the prompt itself
         counters = dec_eng.spec_counters
@@ -336,6 +338,36 @@ def test_the_drafts_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoint, s
             if eng.proposer is not None:
                 assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
             assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+        assert _shm_files() <= before
+    finally:
+        pre.shutdown()
+        dec.shutdown()
+
+
+def test_a_draft_transfer_whose_request_ended_stops_the_prefill_workers_draft(smollm_checkpoint):
+    """A request that ends on the decode worker before its draft's prompt KV has come (a one-token
+    answer) cancels the transfer: the prefill worker stops running the draft between its passes
+    instead of computing KV nobody will read, and no block or channel file is left behind."""
+    pre_eng, dec_eng = _draft_engines(smollm_checkpoint)
+    pre, dec = WorkerCore("prefill", pre_eng, "p-cancel"), WorkerCore("decode", dec_eng, "d-cancel", transfer_timeout_s=5.0)
+    before = _shm_files()
+    try:
+        ids = smollm_checkpoint.tokenizer.encode("Once upon a time, " * 120)  # ~600 tokens: ~19 draft passes of 32
+        m = len(ids) - 1
+        layout = draft_kv_layout_of(dec_eng)
+        desc = TransferDescriptor(new_transfer_id(), "shm", m, kv_layout_of(pre_eng),
+                                  draft=TransferDescriptor(new_transfer_id(), "shm", m, layout))
+        dec.add_decode(Request("short", ids, SamplingParams(max_tokens=1, temperature=0.0)), desc)
+        reply = pre.prefill("short", ids[:m], desc)
+        assert 0 < reply["draft_bytes"] < m * layout.bytes_per_token() / 2
+        drafts = []
+        deadline = time.time() + 10
+        while not drafts and time.time() < deadline:
+            drafts = dec.poll(0.1)[1]["draft_transfers"]
+        assert [d["outcome"] for d in drafts] == ["request ended"]
+        assert pre.check_integrity() and dec.check_integrity()
+        assert dec_eng.proposer.kv.num_free_blocks == dec_eng.proposer.kv.num_blocks
+        assert pre_eng.proposer.kv.num_free_blocks == pre_eng.proposer.kv.num_blocks
         assert _shm_files() <= before
     finally:
         pre.shutdown()

@@ -395,8 +395,9 @@ class DisaggMetrics:
         self.prefill_time = Histogram("specserve_prefill_seconds", "Prefill worker time per request (incl. sending).",
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.draft_transfers = Counter("specserve_draft_kv_transfers",
-                                       "Draft-model prompt KV sent by prefill workers, by outcome (dropped: the "
-                                       "decode worker's draft recomputed it).", ["outcome"], registry=r)
+                                       "Draft-model prompt KV sent by prefill workers, by outcome on the decode "
+                                       "worker (arrived; request ended first; failed, stalled, no room: its draft "
+                                       "recomputed it).", ["outcome"], registry=r)
         self.draft_transfer_bytes = Counter("specserve_draft_kv_transfer_bytes",
                                             "Draft-model KV bytes moved from prefill to decode workers.", registry=r)
         self.draft_kv_wait = Histogram("specserve_draft_kv_wait_seconds",
@@ -428,7 +429,7 @@ class DisaggMetrics:
 
     def observe_draft_transfer(self, rec: dict) -> None:
         """One draft prompt-KV transfer, arrived or dropped, as reported by its decode worker."""
-        self.draft_transfers.labels("ok" if rec.get("ok") else "dropped").inc()
+        self.draft_transfers.labels(rec.get("outcome") or ("arrived" if rec.get("ok") else "dropped")).inc()
         self.draft_transfer_bytes.inc(rec.get("bytes", 0))
         if rec.get("ok") and rec.get("draft_after_s") is not None:
             self.draft_kv_wait.observe(rec["draft_after_s"])
