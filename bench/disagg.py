@@ -177,6 +177,11 @@ def transfer_summary(router: Any) -> dict[str, Any]:
         # the transfer that layer (and chunk) streaming hid. "exposed" (prefill done -> KV complete
         # on the decode worker) also holds the wait for the decode worker's current step to end.
         "hidden_fraction": float(np.mean([t["overlap"] for t in ts])),
+        # Layer-0 start: the first step's waits for later layers, and when it began relative to
+        # the sender finishing (negative: before the last layers were written).
+        "mean_waited_in_step_s": float(np.mean([t.get("waited_in_step_s", 0.0) for t in ts])),
+        "mean_admitted_after_done_s": float(np.mean([t["admitted_at"] - t["sender_done_at"] for t in ts
+                                                     if t.get("admitted_at") and t.get("sender_done_at")] or [0.0])),
         "prefill_wall_mean_s": float(np.mean([p["wall_s"] for p in ps])) if ps else None,
     }
 
@@ -213,14 +218,14 @@ def spec_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run_disagg(args: argparse.Namespace, kinds: list[str], slo: dict[str, float],
-                     draft_kv: bool = True) -> dict[str, Any]:
+                     draft_kv: bool = True, layer_start: str = "all") -> dict[str, Any]:
     from specserve.disagg.launch import launch
 
     # Without draft KV the prefill pool runs no draft (its own setting): decode workers' drafts recompute it.
     roles = None if draft_kv else {"prefill": {"spec_method": "none"}}
     router = launch(MODEL, dict(dtype="float32", kv_cache_gib=1.0, max_model_len=4096,
                                 max_num_batched_tokens=args.chunk, kv_cache_dtype=args.kv_cache_dtype, **spec_kwargs(args)),
-                    1, 1, threads_per_worker=1, pin_cpus=True, role_engine_kwargs=roles)
+                    1, 1, threads_per_worker=1, pin_cpus=True, role_engine_kwargs=roles, kv_layer_start=layer_start)
     router.start(asyncio.get_running_loop())
     tok = router.engine.tokenizer
     res = {}
@@ -350,14 +355,15 @@ def main() -> int:
     ap.add_argument("--spec-policy", default="adaptive", choices=["adaptive", "always"])
     ap.add_argument("--configs", nargs="+", default=None,
                     help="configurations to run (default: co-located and disaggregated, plus "
-                         "'disaggregated, draft recomputes' with --draft)")
+                         "'disaggregated, draft recomputes' with --draft; also 'disaggregated, layer-0 start')")
     ap.add_argument("--out", default="disagg", help="results name under bench/results/")
     args = ap.parse_args()
     slo = {"ttft_long_s": args.slo_ttft_long, "ttft_decode_s": args.slo_ttft_decode, "tpot_s": args.slo_tpot}
     configs = args.configs or ["co-located", "disaggregated"] + (["disaggregated, draft recomputes"] if args.draft else [])
     runners = {"co-located": lambda: run_colocated(args, args.workloads, slo),
                "disaggregated": lambda: run_disagg(args, args.workloads, slo),
-               "disaggregated, draft recomputes": lambda: run_disagg(args, args.workloads, slo, draft_kv=False)}
+               "disaggregated, draft recomputes": lambda: run_disagg(args, args.workloads, slo, draft_kv=False),
+               "disaggregated, layer-0 start": lambda: run_disagg(args, args.workloads, slo, layer_start="first")}
     runs = {c: asyncio.run(runners[c]()) for c in configs}
     payload = {"machine": machine_info(), "model": MODEL, "settings": vars(args), "slo": slo, "runs": runs,
                "configs": {"co-located": "one engine, 2 torch threads, chunked prefill mixed with decodes",
@@ -365,7 +371,9 @@ def main() -> int:
                                             "KV via shared memory, 1 torch thread each"
                                             + (" (the prefill worker also sends the draft's prompt KV)" if args.draft else ""),
                            "disaggregated, draft recomputes": "the same, the prefill worker without the draft: the "
-                                                              "decode worker's draft recomputes the prompt's KV"}}
+                                                              "decode worker's draft recomputes the prompt's KV",
+                           "disaggregated, layer-0 start": "the same, the decode worker starting a request's first "
+                                                           "step once layer 0 of its KV is in (--kv-layer-start first)"}}
     verdict = {}
     for kind in args.workloads:
         if "co-located" not in runs or "disaggregated" not in runs:

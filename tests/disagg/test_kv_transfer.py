@@ -372,3 +372,84 @@ def test_a_draft_transfer_whose_request_ended_stops_the_prefill_workers_draft(sm
     finally:
         pre.shutdown()
         dec.shutdown()
+
+
+def test_layer_zero_start_runs_the_first_step_while_later_layers_arrive(pair, smollm_llm, smollm_checkpoint):
+    """With kv_layer_start "first" a decode worker admits a request once layer 0 of its prompt KV
+    is in and waits for each later layer inside that first step: here the layers arrive one by
+    one (Ray's transport, 3 ms apart) after admission, the step waits for them, and the output
+    equals co-located decoding."""
+    from specserve.disagg.kv_transfer import STATUS_DONE, open_receiver
+
+    pre, _ = pair
+    engine = LLM("smollm2-135m-instruct", dtype="float32", checkpoint=smollm_checkpoint, kv_cache_gib=0.25).engine
+    dec = WorkerCore("decode", engine, "d-first", transfer_timeout_s=5.0, kv_layer_start="first")
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        prompt = PROMPTS[2]
+        want = smollm_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        ids = smollm_llm.tokenizer.encode(prompt)
+        m = len(ids) - 1
+        layout = kv_layout_of(pre.engine)
+        staging = TransferDescriptor(new_transfer_id(), "shm", m, layout)  # the prefill's KV, held back
+        held = open_receiver(staging)
+        pre.prefill("l0", ids[:m], staging)
+        assert held.status == STATUS_DONE
+        desc = TransferDescriptor(new_transfer_id(), "ray", m, layout)
+        dec.add_decode(Request("l0", ids, params, eos_token_ids=smollm_llm.engine.eos_token_ids), desc)
+        dec.receive_kv(desc.transfer_id, 0, 0, held.read(0, 0, m))
+        inc = None
+        deadline = time.time() + 10
+        while inc is None and time.time() < deadline:  # wait until the first step has begun
+            inc = next((i for i in list(dec.connector._step) if i.request.request_id == "l0"), None)
+            time.sleep(0.0005)
+        assert inc is not None, "the request was not admitted on layer 0 alone"
+        for layer in range(1, layout.num_layers):
+            time.sleep(0.003)
+            dec.receive_kv(desc.transfer_id, layer, 0, held.read(layer, 0, m))
+        dec.finish_kv(desc.transfer_id, True)
+        final = None
+        while final is None and time.time() < deadline:
+            outs, stats = dec.poll(0.1)
+            final = next((o for o in outs if o.finished), final)
+        assert final is not None and final.error is None and final.outputs[0].token_ids == want
+        assert inc.stats.waited_in_step_s > 0.02  # 29 layers 3 ms apart (87 ms): mostly waited for inside the step
+        assert dec.check_integrity()
+        held.close()
+    finally:
+        dec.shutdown()
+
+
+
+class _CountingStack:
+    """Stands in for a native DecoderStack and counts its forward calls."""
+
+    def __init__(self, stack):
+        self.stack, self.num_layers, self.calls = stack, stack.num_layers, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.stack.forward(*args)
+
+
+def test_a_decode_workers_ordinary_steps_keep_the_native_stack(smollm_path):
+    """A connector's layer hooks run only in steps that move KV: with hooks the model runs layer by
+    layer in Python, so a decode worker that kept them on for good lost the native one-call stack
+    on every step (1.46x slower at batch 1, SmolLM2 on auto)."""
+    engine = LLM("smollm2-135m-instruct", kv_cache_gib=0.25, num_threads=1).engine  # auto: native ops
+    model = engine.runner.model.model
+    assert model.native_stack is not None
+    model.native_stack = counting = _CountingStack(model.native_stack)
+    dec = WorkerCore("decode", engine, "d-native")
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+        dec.add_decode(Request("local", engine.tokenizer.encode("Name a colour."), params), None)
+        final = None
+        deadline = time.time() + 30
+        while final is None and time.time() < deadline:
+            final = next((o for o in dec.poll(0.1)[0] if o.finished), None)
+        assert final is not None and len(final.outputs[0].token_ids) == 6
+        assert counting.calls >= 6  # the prompt and every decode step through the native stack
+        assert model.layer_hooks is None
+    finally:
+        dec.shutdown()

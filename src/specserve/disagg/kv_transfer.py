@@ -48,6 +48,7 @@ from specserve.request import Request
 SHM_DIR = "/dev/shm"
 _HEADER_SLOTS = 4  # after the per-layer counters: status, (unused), written_at (ns), (unused)
 STATUS_OPEN, STATUS_DONE, STATUS_FAILED = 0, 1, 2
+LAYER_STARTS = ("all", "first")
 STATUS_CANCELLED = 3  # set by the receiver: it no longer wants the rest (a draft's KV whose request ended)
 
 
@@ -392,6 +393,9 @@ class TransferStats:
     draft_compute_s: float = 0.0
     draft_after_s: float | None = None
     outcome: str = ""  # a draft transfer's end on the decode side (DecodeConnector._retire_draft)
+    waited_in_step_s: float = 0.0  # layer_start "first": the first step's waits for later layers
+    admitted_at: float = 0.0  # wall clock the request was admitted (its first step began)
+    sender_done_at: float = 0.0  # wall clock the sender finished (0: not seen)
 
     @property
     def overlap(self) -> float:
@@ -461,8 +465,9 @@ class PrefillConnector:
         t.stats.send_s += time.perf_counter() - t0
         t.stats.bytes += sum(p.numel() * p.element_size() for p in parts)
 
-    def begin_step(self, out: SchedulerOutput) -> None:
-        """Pick this step's requests with a transfer; send prefix-cache hits up front."""
+    def begin_step(self, out: SchedulerOutput) -> bool:
+        """Pick this step's requests with a transfer; send prefix-cache hits up front. True when
+        this step's layers must be streamed out."""
         self._step = []
         for sr in out.scheduled:
             t = self.outgoing.get(sr.request_id)
@@ -476,6 +481,7 @@ class PrefillConnector:
             end = min(sr.start_pos + len(sr.token_ids), t.desc.num_tokens)
             if end > sr.start_pos:
                 self._step.append((t, sr.start_pos, slot_indices(sr.block_ids, sr.start_pos, end, self.block_size)))
+        return bool(self._step)
 
     def before_layer(self, index: int, kv_cache: tuple[torch.Tensor, ...]) -> None:
         """Nothing to load on the prefill side."""
@@ -588,6 +594,7 @@ class _Incoming:
     slots: torch.Tensor | None = None  # cache slots of tokens [0, m), fixed once placed
     failed: str | None = None
     stats: TransferStats = field(default_factory=lambda: TransferStats(""))
+    layer_start: str = "all"  # DecodeConnector.layer_start
 
     @property
     def reserved(self) -> bool:
@@ -600,8 +607,13 @@ class _Incoming:
         self.slots = slot_indices(block_ids, 0, self.num_tokens, self.block_size)
 
     def admissible(self) -> bool:
-        """Every layer has arrived: the first step can run (it copies, never waits)."""
-        return self.reserved and self.failed is None and self.channel.all_written
+        """The first step can run: every layer has arrived (it copies, never waits), or with
+        layer_start "first" layer 0 has (later layers are waited for inside the step)."""
+        if not self.reserved or self.failed is not None:
+            return False
+        if self.layer_start == "first":
+            return self.channel.ready(0) >= self.num_tokens
+        return self.channel.all_written
 
 
 @dataclass
@@ -631,10 +643,17 @@ class DecodeConnector:
     the draft holds for them); a draft transfer that fails or stalls is dropped and the draft
     catches the request up itself."""
 
-    def __init__(self, engine: Any, timeout_s: float = 60.0) -> None:
+    def __init__(self, engine: Any, timeout_s: float = 60.0, layer_start: str = "all") -> None:
+        if layer_start not in LAYER_STARTS:
+            raise ValueError(f"unknown KV layer start {layer_start!r}; use {' or '.join(LAYER_STARTS)}")
         self.engine = engine
         self.block_size = engine.runner.block_size
         self.timeout_s = timeout_s
+        # "all": a request's first step runs once every layer of its prompt KV is here. "first": once
+        # layer 0 is, each later layer waited for just before it runs, so the step overlaps the
+        # last layers' arrival; but the whole batch's step then waits on the prefill worker's pace
+        # (see docs/disaggregation.md, "Layer-0 start").
+        self.layer_start = layer_start
         self.incoming: dict[str, _Incoming] = {}
         self._step: list[_Incoming] = []
         self.finished_stats: list[TransferStats] = []  # drained by the worker for metrics
@@ -657,7 +676,7 @@ class DecodeConnector:
         """Attach an incoming transfer (and its draft's, if a channel was opened) to a request
         about to be queued."""
         inc = _Incoming(request, desc, channel, desc.num_tokens, self.block_size,
-                        stats=TransferStats(desc.transfer_id, desc.num_tokens))
+                        stats=TransferStats(desc.transfer_id, desc.num_tokens), layer_start=self.layer_start)
         inc.loaded = [0] * desc.layout.num_layers
         request.kv_source = inc
         self.incoming[request.request_id] = inc
@@ -777,18 +796,34 @@ class DecodeConnector:
         self.engine.fail_requests([rid], f"{KVTransferError.__name__}: {why}")
 
     # -- the first step
-    def begin_step(self, out: SchedulerOutput) -> None:
-        """Note which of this step's requests still have KV to copy in."""
+    def begin_step(self, out: SchedulerOutput) -> bool:
+        """Note this step's new arrivals; True if any still has KV to copy in (this step's layers
+        then load it just before they run; usually `pump` has copied everything already)."""
         self._step = []
         for sr in out.scheduled:
             inc = self.incoming.get(sr.request_id)
             if inc is not None and inc.request.kv_source is inc:
+                inc.stats.admitted_at = time.time()
                 self._step.append(inc)
+        return any(n < inc.num_tokens for inc in self._step for n in inc.loaded)
 
     def before_layer(self, index: int, kv_cache: tuple[torch.Tensor, ...]) -> None:
-        """Copy this layer's remaining KV of the step's new arrivals just before it is read."""
+        """Copy this layer's remaining KV of the step's new arrivals just before it is read
+        (with layer_start "first", waiting for it to arrive; a transfer that fails or stalls
+        meanwhile fails the step)."""
         for inc in self._step:
             self._load(inc, index)
+            if inc.loaded[index] >= inc.num_tokens:
+                continue
+            t0 = time.perf_counter()
+            while inc.loaded[index] < inc.num_tokens:
+                if inc.channel.status == STATUS_FAILED:
+                    raise KVTransferError("the prefill worker reported a failed transfer")
+                if time.perf_counter() - t0 > self.timeout_s:
+                    raise KVTransferError(f"layer {index} of the prompt KV did not arrive in {self.timeout_s:.0f} s")
+                time.sleep(0.0002)
+                self._load(inc, index)
+            inc.stats.waited_in_step_s += time.perf_counter() - t0
 
     def after_layer(self, index: int, kv_cache: tuple[torch.Tensor, ...]) -> None:
         """Nothing to send on the decode side."""
@@ -804,6 +839,8 @@ class DecodeConnector:
         if inc is None:
             return
         inc.request.kv_source = None
+        if inc.channel.header is not None and inc.channel.status == STATUS_DONE:
+            inc.stats.sender_done_at = inc.channel.written_at
         self.channels.pop(inc.desc.transfer_id, None)
         inc.channel.close()
         with self._lock:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specserve.config import SchedulerConfig, SpecConfig
+from specserve.disagg.kv_transfer import LAYER_STARTS
 from specserve.disagg.router import DisaggFrontend, DisaggRouter, WorkerHandle
 from specserve.disagg.worker import ROLES, EngineWorkerActor
 from specserve.engine.engine import RequestPreparer
@@ -38,7 +39,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 
 def start_worker(role: str, index: int, model: str, engine_kwargs: dict[str, Any], *,
                  transfer_timeout_s: float = 60.0, cpus: list[int] | None = None,
-                 scheduling_strategy: Any = None) -> Any:
+                 scheduling_strategy: Any = None, kv_layer_start: str = "all") -> Any:
     """Create one worker actor (returns its handle at once; the model loads in the background)."""
     import ray
 
@@ -50,7 +51,7 @@ def start_worker(role: str, index: int, model: str, engine_kwargs: dict[str, Any
         opts["scheduling_strategy"] = scheduling_strategy
     actor_cls = ray.remote(EngineWorkerActor)
     return actor_cls.options(**opts).remote(role, model, engine_kwargs, f"{role}-{index}",
-                                             transfer_timeout_s, cpus)
+                                             transfer_timeout_s, cpus, kv_layer_start)
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,13 @@ class WorkerSpec:
     transfer_timeout_s: float = 60.0
     cpus: list[int] | None = None
     scheduling_strategy: Any = None
+    kv_layer_start: str = "all"  # decode workers: DecodeConnector.layer_start
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"unknown worker role {self.role!r}; use prefill or decode.")
+        if self.kv_layer_start not in LAYER_STARTS:
+            raise ConfigError(f"unknown --kv-layer-start {self.kv_layer_start!r}; use {' or '.join(LAYER_STARTS)}.")
 
     @property
     def name(self) -> str:
@@ -84,6 +88,7 @@ class WorkerSpec:
             transfer_timeout_s=self.transfer_timeout_s,
             cpus=self.cpus,
             scheduling_strategy=self.scheduling_strategy,
+            kv_layer_start=self.kv_layer_start,
         )
 
 
@@ -127,7 +132,8 @@ def connect(model: str, actors: list[Any], *, transport: str = "auto", transfer_
 def worker_specs(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1, num_decode: int = 1, *,
                  ray_address: str | None = None, transfer_timeout_s: float = 60.0,
                  threads_per_worker: int | None = None, pin_cpus: bool = False,
-                 role_engine_kwargs: dict[str, dict[str, Any]] | None = None) -> dict[str, WorkerSpec]:
+                 role_engine_kwargs: dict[str, dict[str, Any]] | None = None,
+                 kv_layer_start: str = "all") -> dict[str, WorkerSpec]:
     """How each worker of a deployment starts, by name; ConfigError for settings that cannot run.
 
     role_engine_kwargs: per role ("prefill", "decode"), engine settings that override
@@ -150,7 +156,8 @@ def worker_specs(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1
         index = i if role == "prefill" else i - num_prefill
         # On a cluster, spread the workers over the nodes; locally they all share this host.
         strategy = "SPREAD" if ray_address else None
-        spec = WorkerSpec(role, index, model, kwargs | roles.get(role, {}), transfer_timeout_s, cpus, strategy)
+        spec = WorkerSpec(role, index, model, kwargs | roles.get(role, {}), transfer_timeout_s, cpus, strategy,
+                          kv_layer_start)
         specs[spec.name] = spec
     return specs
 
@@ -159,12 +166,13 @@ def launch(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1, num_
            ray_address: str | None = None, transport: str = "auto", transfer_timeout_s: float = 60.0,
            threads_per_worker: int | None = None, pin_cpus: bool = False, max_waiting: int = 256,
            local_prefill_tokens: int = 32, metrics: Any = None, on_output: Any = None,
-           max_restarts: int = 3, role_engine_kwargs: dict[str, dict[str, Any]] | None = None) -> DisaggRouter:
+           max_restarts: int = 3, role_engine_kwargs: dict[str, dict[str, Any]] | None = None,
+           kv_layer_start: str = "all") -> DisaggRouter:
     """Start Ray (or join it), the worker actors (`worker_specs`), and the router (which restarts
     dead workers)."""
     specs = worker_specs(model, engine_kwargs, num_prefill, num_decode, ray_address=ray_address,
                          transfer_timeout_s=transfer_timeout_s, threads_per_worker=threads_per_worker,
-                         pin_cpus=pin_cpus, role_engine_kwargs=role_engine_kwargs)
+                         pin_cpus=pin_cpus, role_engine_kwargs=role_engine_kwargs, kv_layer_start=kv_layer_start)
     init_ray(ray_address)
     actors = [spec.start() for spec in specs.values()]
     return connect(model, actors, transport=transport, transfer_timeout_s=transfer_timeout_s,

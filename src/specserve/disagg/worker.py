@@ -94,7 +94,8 @@ def check_pairable(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
 class WorkerCore:
     """One engine, one role, one engine thread; every public method is thread-safe."""
 
-    def __init__(self, role: str, engine: LLMEngine, name: str = "", transfer_timeout_s: float = 60.0) -> None:
+    def __init__(self, role: str, engine: LLMEngine, name: str = "", transfer_timeout_s: float = 60.0,
+                 kv_layer_start: str = "all") -> None:
         if role not in ROLES:
             raise ConfigError(f"unknown worker role {role!r}; use prefill or decode.")
         if role == "prefill" and engine.proposer is not None and not drafts_for_decode(engine):
@@ -109,7 +110,7 @@ class WorkerCore:
         if role == "prefill":
             self.connector = PrefillConnector(engine)
         else:
-            self.connector = DecodeConnector(engine, transfer_timeout_s)
+            self.connector = DecodeConnector(engine, transfer_timeout_s, kv_layer_start)
         engine.attach_connector(self.connector)
         self._draft_kv = draft_kv_fingerprint(engine)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -387,7 +388,8 @@ def without_speculation(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_worker(role: str, model: str, engine_kwargs: dict[str, Any], name: str,
-                 transfer_timeout_s: float = 60.0, cpus: list[int] | None = None) -> WorkerCore:
+                 transfer_timeout_s: float = 60.0, cpus: list[int] | None = None,
+                 kv_layer_start: str = "all") -> WorkerCore:
     """Load the model and start a worker (in this process)."""
     if cpus:
         os.sched_setaffinity(0, set(cpus))
@@ -395,16 +397,16 @@ def build_worker(role: str, model: str, engine_kwargs: dict[str, Any], name: str
 
     kwargs = prefill_engine_kwargs(engine_kwargs) if role == "prefill" else engine_kwargs
     llm = build_off_thread(LLM, model, **kwargs)  # the engine thread below steps it
-    return WorkerCore(role, llm.engine, name, transfer_timeout_s)
+    return WorkerCore(role, llm.engine, name, transfer_timeout_s, kv_layer_start)
 
 
 class EngineWorkerActor:
     """A worker as a Ray actor (wrap with ray.remote): the same methods, in its own process."""
 
     def __init__(self, role: str, model: str, engine_kwargs: dict[str, Any], name: str,
-                 transfer_timeout_s: float = 60.0, cpus: list[int] | None = None) -> None:
+                 transfer_timeout_s: float = 60.0, cpus: list[int] | None = None, kv_layer_start: str = "all") -> None:
         logging.basicConfig(level=logging.WARNING)
-        self.core = build_worker(role, model, engine_kwargs, name, transfer_timeout_s, cpus)
+        self.core = build_worker(role, model, engine_kwargs, name, transfer_timeout_s, cpus, kv_layer_start)
 
     def info(self) -> dict[str, Any]:
         """See WorkerCore.info; adds the Ray node this actor runs on."""
