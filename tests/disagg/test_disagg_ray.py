@@ -222,6 +222,18 @@ def test_a_draft_models_prompt_kv_travels_over_both_transports(deployment, smoll
         assert [d["ok"] for d in router.draft_transfers] == [True] * 4
         assert [p["transport"] for p in router.prefills] == ["shm", "shm", "ray", "ray"]
         assert all(p["draft_bytes"] > 0 for p in router.prefills)
+        # A one-token answer over Ray ends before its draft's KV: the prefill worker asks the
+        # decode worker between its draft passes and stops.
+        long_prompt = "Once upon a time, " * 200  # ~1k tokens: 16 draft passes of 64
+        m = len(smollm_llm.tokenizer.encode(long_prompt)) - 1
+        out = client.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0.0))[0]
+        assert out.error is None
+        deadline = time.time() + 30
+        while len(router.prefills) < 5 and time.time() < deadline:  # its prefill returns after the draft
+            time.sleep(0.05)
+        assert router.prefills[-1]["num_tokens"] == m
+        full = m * pre.info["draft_kv"]["layout"]["num_layers"] * 2 * 3 * 64 * 4  # 3 kv heads x 64, float32
+        assert 0 < router.prefills[-1]["draft_bytes"] < full / 2
         _integrity(client)
     finally:
         client.close()

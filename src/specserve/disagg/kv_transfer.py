@@ -300,7 +300,16 @@ class RaySink:
         self.timeout_s = timeout_s
         self._refs: list[Any] = []
 
-    cancelled = False  # the receiver's channel is in another process: it cannot say
+    @property
+    def cancelled(self) -> bool:
+        """The receiver no longer wants the rest (asked by an actor call: its channel is in
+        another process; a receiver that cannot answer wants nothing more either)."""
+        import ray
+
+        try:
+            return not ray.get(self.desc.receiver.wants_kv.remote(self.desc.transfer_id), timeout=self.timeout_s)
+        except Exception:  # noqa: BLE001 - dead or hung receiver
+            return True
 
     def write(self, layer: int, start: int, parts: Sequence[torch.Tensor]) -> None:
         """Send one layer's tokens without waiting (the object store moves the bytes)."""

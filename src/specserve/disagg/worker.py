@@ -234,6 +234,11 @@ class WorkerCore:
         if ch is not None and ch.data is not None:
             ch.receive(layer, start, parts)  # type: ignore[attr-defined]
 
+    def wants_kv(self, transfer_id: str) -> bool:
+        """Cross-host transport: whether this worker still takes that transfer's KV (a draft's
+        transfer it dropped, say because its request ended, is cancelled)."""
+        return transfer_id in self.connector.channels  # type: ignore[union-attr]
+
     def finish_kv(self, transfer_id: str, ok: bool) -> None:
         """Cross-host transport: the sender is done (or gave up)."""
         from specserve.disagg.kv_transfer import STATUS_DONE, STATUS_FAILED
@@ -430,6 +435,10 @@ class EngineWorkerActor:
     def receive_kv(self, transfer_id: str, layer: int, start: int, parts: list[Any]) -> None:
         """See WorkerCore.receive_kv."""
         self.core.receive_kv(transfer_id, layer, start, parts)
+
+    def wants_kv(self, transfer_id: str) -> bool:
+        """See WorkerCore.wants_kv."""
+        return self.core.wants_kv(transfer_id)
 
     def finish_kv(self, transfer_id: str, ok: bool) -> None:
         """See WorkerCore.finish_kv."""
