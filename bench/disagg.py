@@ -192,7 +192,7 @@ async def run_colocated(args: argparse.Namespace, kinds: list[str], slo: dict[st
     from specserve.server.async_engine import AsyncEngine
 
     # AsyncEngine's own thread steps it, not this one.
-    llm = build_off_thread(LLM, MODEL, dtype="float32", kv_cache_gib=1.0, max_model_len=4096, num_threads=2,
+    llm = build_off_thread(LLM, args.model, dtype="float32", kv_cache_gib=1.0, max_model_len=4096, num_threads=2,
                            max_num_batched_tokens=args.chunk, kv_cache_dtype=args.kv_cache_dtype, **spec_kwargs(args))
     ae = AsyncEngine(llm.engine)
     ae.start(asyncio.get_running_loop())
@@ -223,7 +223,7 @@ async def run_disagg(args: argparse.Namespace, kinds: list[str], slo: dict[str, 
 
     # Without draft KV the prefill pool runs no draft (its own setting): decode workers' drafts recompute it.
     roles = None if draft_kv else {"prefill": {"spec_method": "none"}}
-    router = launch(MODEL, dict(dtype="float32", kv_cache_gib=1.0, max_model_len=4096,
+    router = launch(args.model, dict(dtype="float32", kv_cache_gib=1.0, max_model_len=4096,
                                 max_num_batched_tokens=args.chunk, kv_cache_dtype=args.kv_cache_dtype, **spec_kwargs(args)),
                     1, 1, threads_per_worker=1, pin_cpus=True, role_engine_kwargs=roles, kv_layer_start=layer_start)
     router.start(asyncio.get_running_loop())
@@ -328,7 +328,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
                 f"load {kv['mean_load_s'] * 1e3:.0f} ms,\nexposed {kv['mean_exposed_s'] * 1e3:.1f} ms: "
                 f"{kv['hidden_fraction'] * 100:.0f}% hidden by layer streaming", transform=ax.transAxes, fontsize=8)
     m = payload["machine"]
-    fig.suptitle(f"{MODEL}: disaggregated (1 prefill core + 1 decode core) vs co-located (2 cores) — "
+    fig.suptitle(f"{payload['model']}: disaggregated (1 prefill core + 1 decode core) vs co-located (2 cores) — "
                  f"{m['cpu']}, {m['commit']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -336,6 +336,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=MODEL, help="the model every engine serves (bundled name or path)")
     ap.add_argument("--long", type=int, default=3, help="long-prompt requests in the mixed workload")
     ap.add_argument("--long-tokens", type=int, default=2100, help="approximate tokens of the first long prompt")
     ap.add_argument("--long-output", type=int, default=16, help="tokens each long prompt's answer has")
@@ -365,7 +366,7 @@ def main() -> int:
                "disaggregated, draft recomputes": lambda: run_disagg(args, args.workloads, slo, draft_kv=False),
                "disaggregated, layer-0 start": lambda: run_disagg(args, args.workloads, slo, layer_start="first")}
     runs = {c: asyncio.run(runners[c]()) for c in configs}
-    payload = {"machine": machine_info(), "model": MODEL, "settings": vars(args), "slo": slo, "runs": runs,
+    payload = {"machine": machine_info(), "model": args.model, "settings": vars(args), "slo": slo, "runs": runs,
                "configs": {"co-located": "one engine, 2 torch threads, chunked prefill mixed with decodes",
                            "disaggregated": "1 prefill worker (core 0) + 1 decode worker (core 1), Ray actors, "
                                             "KV via shared memory, 1 torch thread each"
@@ -405,7 +406,7 @@ def reference_outputs(args: argparse.Namespace) -> dict[str, list[list[int]]]:
     """Greedy tokens of every workload request from one co-located engine on one thread, each alone."""
     from specserve import LLM
 
-    llm = LLM(MODEL, dtype="float32", kv_cache_gib=1.0, max_model_len=4096, num_threads=1,
+    llm = LLM(args.model, dtype="float32", kv_cache_gib=1.0, max_model_len=4096, num_threads=1,
               max_num_batched_tokens=args.chunk, kv_cache_dtype=args.kv_cache_dtype)
     out = {kind: [llm.generate([r["prompt"]], r["params"], use_tqdm=False)[0].outputs[0].token_ids
                   for r in workload(kind, args, llm.tokenizer)] for kind in args.workloads}

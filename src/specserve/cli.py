@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from specserve.config import SPEC_METHODS
 from specserve.errors import ConfigError, SpecServeError
@@ -612,6 +613,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--local-prefill-tokens", type=int, default=32,
                    help="prompts shorter than this are prefilled on their decode worker (0: always use a prefill worker)")
     d.add_argument("--pin-cpus", action="store_true", help="pin worker i to core i (local Ray only)")
+    d.add_argument("--prefill-draft-kv", default="on", choices=["on", "off"],
+                   help="with --draft-model: prefill workers also load the draft and send its prompt KV, so a "
+                        "decode worker's draft does not recompute a long prompt in its batch's step (on); off "
+                        "saves the prefill workers that compute (see docs/disaggregation.md)")
     d.add_argument("--kv-layer-start", default="all", choices=["all", "first"],
                    help="a decode worker runs a request's first step once every layer of its prompt KV has "
                         "arrived (all), or once layer 0 has, waiting for each later layer inside that step "
@@ -625,14 +630,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def role_engine_kwargs(args: argparse.Namespace) -> dict[str, dict[str, int]]:
+def role_engine_kwargs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Per-pool engine overrides of a disaggregated server (only the flags given)."""
-    out: dict[str, dict[str, int]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for role in ("prefill", "decode"):
         for key in ("max_num_batched_tokens", "max_num_seqs"):
             value = getattr(args, f"{role}_{key}")
             if value is not None:
                 out.setdefault(role, {})[key] = value
+    if getattr(args, "prefill_draft_kv", "on") == "off":
+        out.setdefault("prefill", {})["spec_method"] = "none"  # no draft there: decode workers' drafts catch up
     return out
 
 

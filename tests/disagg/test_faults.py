@@ -558,6 +558,24 @@ def test_prefill_and_decode_pools_are_tuned_on_their_own():
         worker_specs(MODEL, {}, role_engine_kwargs={"router": {"max_num_seqs": 4}})
 
 
+def test_prefill_workers_hold_the_draft_unless_told_not_to():
+    """With --draft-model the prefill workers load the draft, its policy off, to send its prompt
+    KV (the decode workers speculate with it); --prefill-draft-kv off leaves it out there."""
+    from specserve.cli import build_parser, engine_kwargs, role_engine_kwargs
+    from specserve.disagg.launch import worker_specs
+    from specserve.disagg.worker import prefill_engine_kwargs
+
+    base = ["serve", "--model", MODEL, "--disagg", "--draft-model", MODEL, "--draft-num-layers", "4"]
+    for flags, drafts in (([], True), (["--prefill-draft-kv", "off"], False)):
+        args = build_parser().parse_args(base + flags)
+        specs = worker_specs(MODEL, engine_kwargs(args), 1, 1, role_engine_kwargs=role_engine_kwargs(args))
+        pre = prefill_engine_kwargs(specs["prefill-0"].engine_kwargs)
+        dec = specs["decode-0"].engine_kwargs
+        assert dec.get("spec_method") in (None, "draft") and dec["draft_model"] == MODEL
+        assert (pre["spec_method"], pre.get("spec_policy")) == (("draft", "off") if drafts else ("none", pre.get("spec_policy")))
+        assert ("draft_model" in pre) is drafts
+
+
 def test_a_prompt_whose_blocks_are_all_in_the_shared_store_skips_the_prefill_worker(tmp_path):
     """Workers sharing a disk tier form one KV store: the router sends a prompt whose every full
     block is stored straight to a decode worker, which loads them (verified) instead of waiting
