@@ -33,6 +33,7 @@ import asyncio
 import gc
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -152,9 +153,7 @@ def draft_transfer_summary(router: Any) -> dict[str, Any]:
         return {}
     ok = [d for d in ds if d["ok"]]
     waits = [d["draft_after_s"] for d in ok if d.get("draft_after_s") is not None]
-    outcomes: dict[str, int] = {}
-    for d in ds:
-        outcomes[d.get("outcome") or "?"] = outcomes.get(d.get("outcome") or "?", 0) + 1
+    outcomes = dict(Counter(d.get("outcome") or "?" for d in ds))
     return {"transfers": len(ds), "arrived": len(ok), "outcomes": outcomes, "mean_bytes": float(np.mean([d["bytes"] for d in ok])) if ok else 0,
             "mean_load_s": float(np.mean([d["load_s"] for d in ok])) if ok else None,
             "wait_after_first_step_p50_s": pct(waits, 50), "wait_after_first_step_max_s": max(waits, default=None),

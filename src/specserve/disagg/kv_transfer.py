@@ -125,6 +125,27 @@ def scatter_layer(kv: tuple[torch.Tensor, ...], slots: torch.Tensor, parts: Sequ
         t.view(-1, *t.shape[2:]).index_copy_(0, slots, part.to(t.device, t.dtype))
 
 
+def copy_arrived(channel: KVChannel, caches: Sequence[tuple[torch.Tensor, ...]], slots: torch.Tensor,
+                 loaded: list[int], num_tokens: int, layers: Sequence[int], stats: TransferStats) -> int:
+    """Copy what has arrived of these layers (tokens past loaded[i], up to num_tokens) from a
+    channel into paged caches at the transfer's slots; advance `loaded`, add to the stats' bytes
+    and load time; return the bytes copied."""
+    t0 = time.perf_counter()
+    nbytes = 0
+    for i in layers:
+        lo, hi = loaded[i], min(channel.ready(i), num_tokens)
+        if hi <= lo:
+            continue
+        parts = channel.read(i, lo, hi)
+        scatter_layer(caches[i], slots[lo:hi], parts)
+        nbytes += sum(p.numel() * p.element_size() for p in parts)
+        loaded[i] = hi
+    if nbytes:
+        stats.bytes += nbytes
+        stats.load_s += time.perf_counter() - t0
+    return nbytes
+
+
 def new_transfer_id() -> str:
     """A unique id for one transfer (also names its shared-memory file)."""
     return f"{os.getpid()}-{uuid.uuid4().hex[:16]}"
@@ -449,8 +470,7 @@ class PrefillConnector:
     @property
     def drafter(self) -> Any:
         """This worker's draft model, if it can compute prompt KV for decode workers' drafts."""
-        proposer = self.engine.proposer
-        return proposer if proposer is not None and hasattr(proposer, "feed_prompts") else None
+        return travelling_drafter(self.engine)
 
     def add(self, request: Request, desc: TransferDescriptor) -> _Outgoing:
         """Register a request whose prompt KV must go to a decode worker."""
@@ -513,14 +533,15 @@ class PrefillConnector:
         drafting = [t for t, _, _ in self._step if t.draft_sink is not None and t.target_done]
         self._step = []
         chunk = max(1, self.engine.config.scheduler.max_num_batched_tokens)  # the step's token budget
-        while drafting:
-            for t in drafting:
-                if t.draft_sink is not None and t.draft_sink.cancelled:  # its request ended on the decode worker
-                    self._finish_draft(t, ok=False)
-            drafting = [t for t in drafting if t.draft_sink is not None]
-            if drafting:
-                self._send_draft([(t, min(t.num_tokens, t.draft_sent + chunk)) for t in drafting])
-                drafting = [t for t in drafting if t.draft_sink is not None]
+        while drafting := [t for t in drafting if self._still_drafting(t)]:
+            self._send_draft([(t, min(t.num_tokens, t.draft_sent + chunk)) for t in drafting])
+
+    def _still_drafting(self, t: _Outgoing) -> bool:
+        """The transfer's draft KV is still being sent and wanted (a receiver that cancelled, its
+        request having ended, closes it here)."""
+        if t.draft_sink is not None and t.draft_sink.cancelled:
+            self._finish_draft(t, ok=False)
+        return t.draft_sink is not None
 
     def _send_draft(self, todo: list[tuple[_Outgoing, int]]) -> None:
         """Run the draft over each transfer's prompt up to a token and send every layer of it."""
@@ -676,8 +697,7 @@ class DecodeConnector:
     @property
     def drafter(self) -> Any:
         """The engine's draft model, if it takes prompt KV from a prefill worker."""
-        proposer = self.engine.proposer
-        return proposer if proposer is not None and hasattr(proposer, "expect_prompt_kv") else None
+        return travelling_drafter(self.engine)
 
     # -- set-up (engine thread)
     def add(self, request: Request, desc: TransferDescriptor, channel: KVChannel,
@@ -734,17 +754,7 @@ class DecodeConnector:
         if d.target_ready_at is None and rid not in self.incoming:
             d.target_ready_at = now  # the target's KV is in and its first step has run
         caches = drafter.runner.kv_caches
-        t0 = time.perf_counter()
-        moved = False
-        for i in range(len(caches)):
-            lo, hi = d.loaded[i], min(d.channel.ready(i), d.num_tokens)
-            if hi > lo:
-                parts = d.channel.read(i, lo, hi)
-                scatter_layer(caches[i], d.slots[lo:hi], parts)
-                d.stats.bytes += sum(p.numel() * p.element_size() for p in parts)
-                d.loaded[i] = hi
-                moved = True
-        d.stats.load_s += time.perf_counter() - t0
+        moved = copy_arrived(d.channel, caches, d.slots, d.loaded, d.num_tokens, range(len(caches)), d.stats) > 0
         if all(n >= d.num_tokens for n in d.loaded):
             d.stats.draft_after_s = max(0.0, now - d.target_ready_at) if d.target_ready_at is not None else 0.0
             drafter.prompt_kv_arrived(rid)
@@ -778,25 +788,14 @@ class DecodeConnector:
         """Copy arrived tokens of one layer (or all layers) into the request's pages."""
         ch = inc.channel
         caches = self.engine.runner.kv_caches
-        moved = False
         before_done = ch.status != STATUS_DONE
-        for i in range(len(caches)) if layer is None else (layer,):
-            lo, hi = inc.loaded[i], min(ch.ready(i), inc.num_tokens)
-            if hi <= lo:
-                continue
-            t0 = time.perf_counter()
-            parts = ch.read(i, lo, hi)
-            scatter_layer(caches[i], inc.slots[lo:hi], parts)
-            inc.stats.load_s += time.perf_counter() - t0
-            nbytes = sum(p.numel() * p.element_size() for p in parts)
-            inc.stats.bytes += nbytes
-            if before_done:
-                inc.stats.loaded_before_done += nbytes
-            inc.loaded[i] = hi
-            moved = True
+        nbytes = copy_arrived(ch, caches, inc.slots, inc.loaded, inc.num_tokens,  # type: ignore[arg-type]
+                              range(len(caches)) if layer is None else (layer,), inc.stats)
+        if before_done:
+            inc.stats.loaded_before_done += nbytes
         if all(n >= inc.num_tokens for n in inc.loaded) and ch.status == STATUS_DONE and not inc.stats.exposed_s:
             inc.stats.exposed_s = max(0.0, time.time() - ch.written_at)
-        return moved
+        return nbytes > 0
 
     def _fail(self, rid: str, inc: _Incoming, why: str) -> None:
         # The router sees the error and re-prefills the request on a healthy pair of workers.
@@ -874,17 +873,26 @@ class DecodeConnector:
         return out
 
 
+def runner_kv_layout(runner: Any) -> KVLayout:
+    """The KV layout of a model runner's paged cache."""
+    arch = runner.arch
+    return KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, str(runner.dtype).replace("torch.", ""),
+                    runner.kv_cache_dtype)
+
+
 def kv_layout_of(engine: Any) -> KVLayout:
     """The KV layout of an engine's target model."""
-    arch = engine.arch
-    return KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, str(engine.runner.dtype).replace("torch.", ""),
-                    engine.config.cache.kv_cache_dtype)
+    return runner_kv_layout(engine.runner)
+
+
+def travelling_drafter(engine: Any) -> Any:
+    """The engine's proposer if its prompt KV can travel between workers (a draft model), else None."""
+    proposer = engine.proposer
+    return proposer if proposer is not None and proposer.traits.prompt_kv_travels else None
 
 
 def draft_kv_layout_of(engine: Any) -> KVLayout | None:
     """The KV layout of an engine's draft model, if its prompt KV can travel between workers."""
-    proposer = engine.proposer
-    if proposer is None or not hasattr(proposer, "kv_layout_parts"):
-        return None
-    return KVLayout(*proposer.kv_layout_parts())
+    drafter = travelling_drafter(engine)
+    return runner_kv_layout(drafter.runner) if drafter is not None else None
 

@@ -306,10 +306,10 @@ class WorkerCore:
                 eng.add_prepared(PreparedRequest(req, None, 0, emitted))
             except Exception as exc:  # noqa: BLE001 - the router gets an error output
                 if desc is not None:
-                    self.connector.request_finished(req)  # type: ignore[union-attr]
+                    self.connector.request_finished(req)  # type: ignore[union-attr]  # what add() took on
                     for d, ch in ((desc, channel), (desc.draft, draft_channel)):
-                        if ch is not None and d is not None:
-                            self.connector.channels.pop(d.transfer_id, None)  # type: ignore[union-attr]
+                        # Channels add() never took on are still only registered here.
+                        if d is not None and self.connector.channels.pop(d.transfer_id, None) is not None:  # type: ignore[union-attr]
                             ch.close()
                 req.error = f"{type(exc).__name__}: {exc}"
                 self._emit([_error_output(req)])

@@ -315,7 +315,8 @@ class DraftModelProposer(PassTimer, Proposer):
     # Chains by default: trees accept as many tokens per step as chains (3.0 vs 3.1, coding
     # prompts) but their wider draft passes cost more on a 2-core CPU (1.30x vs 1.47x plain;
     # Qwen 0.5B for 1.5B on auto, AVX2 EPYC). --spec-tree tree asks for them.
-    traits = ProposerTraits(cost="per_pass", trees=True, tree_by_default=False, prior_acceptance=0.7)
+    traits = ProposerTraits(cost="per_pass", trees=True, tree_by_default=False, prior_acceptance=0.7,
+                            prompt_kv_travels=True)
 
     def __init__(
         self,
@@ -497,12 +498,6 @@ class DraftModelProposer(PassTimer, Proposer):
     # KV beside the target's (`feed_prompts`) and sends it; the decode worker's draft places it
     # (`expect_prompt_kv`), so its first drafts follow the request's first token instead of a
     # catch-up pass over the whole prompt that would stall every request of the step.
-    def kv_layout_parts(self) -> tuple[int, int, int, str, str]:
-        """(layers, kv heads, head dim, dtype, KV-cache dtype) of the draft's paged cache."""
-        arch = self.runner.arch
-        return (arch.num_layers, arch.num_kv_heads, arch.head_dim, str(self.runner.dtype).replace("torch.", ""),
-                self.runner.kv_cache_dtype)
-
     @torch.inference_mode()
     def feed_prompts(self, upto: Sequence[tuple[Request, int]]) -> dict[str, int]:
         """Bring each request's draft KV to its first n tokens (prefix-cache hits first, the rest

@@ -32,6 +32,10 @@ class ProposerTraits:
     needs_hidden_states: bool = False
     # The prior acceptance a new request starts from before any is measured.
     prior_acceptance: float = 0.5
+    # Its prompt KV can travel between disaggregated workers: it computes it for another worker
+    # (feed_prompts) and takes it from one (expect_prompt_kv, prompt_kv_pending, prompt_kv_arrived,
+    # drop_prompt_kv), in the paged cache of its `runner`.
+    prompt_kv_travels: bool = False
 
 
 class Proposer(ABC):
