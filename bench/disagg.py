@@ -65,6 +65,18 @@ def long_prompt(i: int, tokenizer: Any, target_tokens: int) -> str:
     return "".join(parts) + "\nSummarize the document above in one sentence."
 
 
+def code_prompt(i: int, tokenizer: Any, target_tokens: int) -> str:
+    """The first ~target_tokens of the i-th sizeable module of this Python's standard library: a
+    prompt to continue, whose identifiers the continuation reuses (where a drafter that has the
+    prompt in view can guess them)."""
+    import sysconfig
+
+    files = sorted(p for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py") if p.stat().st_size > 40_000)
+    text = files[i % len(files)].read_text(encoding="utf-8", errors="replace")
+    ids = tokenizer.encode(text)[:target_tokens]
+    return tokenizer.decode(ids)
+
+
 def workload(kind: str, args: argparse.Namespace, tokenizer: Any, warm_up: bool = False) -> list[dict[str, Any]]:
     """Requests with arrival offsets (s), prompts and parameters (warm-up: other prompts, so the
     measured run finds nothing of them in any prefix cache)."""
@@ -81,7 +93,8 @@ def workload(kind: str, args: argparse.Namespace, tokenizer: Any, warm_up: bool 
     if kind == "mixed":
         for i in range(args.long):
             reqs.append({"kind": "long", "at": 1.0 + args.interval * i,
-                         "prompt": long_prompt(i, tokenizer, args.long_tokens + 40 * i),
+                         "prompt": (code_prompt(i + 1, tokenizer, args.long_tokens + 40 * i) if args.long_kind == "code"
+                                    else long_prompt(i, tokenizer, args.long_tokens + 40 * i)),
                          "params": SamplingParams(max_tokens=args.long_output, temperature=0.0, ignore_eos=True)})
     return sorted(reqs, key=lambda r: r["at"])
 
@@ -98,17 +111,21 @@ async def drive(ae: Any, frontend: Any, reqs: list[dict[str, Any]]) -> list[dict
         stamps: list[float] = []
         ids: list[int] = []
         error = None
+        extra: dict[str, Any] = {}
         async for _, out in stream:
             now = time.perf_counter()
             stamps += [now] * len(out.outputs[0].delta_token_ids)
             ids += out.outputs[0].delta_token_ids
             error = error or out.error
+            if out.finished and out.metrics is not None:
+                extra = out.metrics.extra or {}
         gaps = list(np.diff(stamps)) if len(stamps) > 1 else []
         return {"kind": r["kind"], "arrival_s": arrival - t0, "prompt_tokens": p.request.num_prompt_tokens,
                 "tokens": len(stamps), "token_ids": ids,
                 "ttft_s": stamps[0] - arrival if stamps else None,
                 "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None,
                 "gaps_s": gaps, "e2e_s": (stamps[-1] if stamps else time.perf_counter()) - arrival,
+                "draft_tokens": extra.get("num_draft_tokens", 0), "accepted_tokens": extra.get("num_accepted_tokens", 0),
                 "error": error}
 
     return list(await asyncio.gather(*(one(r) for r in reqs)))
@@ -132,7 +149,9 @@ def summarize(results: list[dict[str, Any]], wall_s: float, slo: dict[str, float
         gaps = [g for r in rs for g in r["gaps_s"]]
         ok = [r for r in rs if r["ttft_s"] is not None and r["ttft_s"] <= slo[f"ttft_{kind}_s"]
               and (kind == "long" or (r["tpot_s"] or 0) <= slo["tpot_s"])]
+        drafted = sum(r.get("draft_tokens", 0) for r in rs)
         out[kind] = {"n": len(rs), "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+                     "draft_tokens": drafted, "accepted_tokens": sum(r.get("accepted_tokens", 0) for r in rs),
                      "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
                      "itl_p50_s": pct(gaps, 50), "itl_p99_s": pct(gaps, 99), "itl_max_s": max(gaps, default=None),
                      "slo_met": len(ok), "goodput_rps": len(ok) / wall_s}
@@ -213,7 +232,8 @@ def spec_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Engine settings of the draft model every engine speculates with (--draft), or none."""
     if not args.draft:
         return {}
-    return {"draft_model": args.draft, "draft_num_layers": args.draft_num_layers, "spec_policy": args.spec_policy}
+    return {"spec_method": args.spec_method, "draft_model": args.draft, "draft_num_layers": args.draft_num_layers,
+            "spec_policy": args.spec_policy}
 
 
 async def run_disagg(args: argparse.Namespace, kinds: list[str], slo: dict[str, float],
@@ -258,6 +278,8 @@ def fmt(s: dict[str, Any]) -> str:
            f"max {f(d.get('itl_max_s'))}; long TTFT p50/p99 {f(lg.get('ttft_p50_s'))}/{f(lg.get('ttft_p99_s'))} s, "
            f"first gap max {f(lg.get('first_gap_max_s'))} s; "
            f"goodput {s['goodput_fraction']:.2f}; {s['output_tokens_per_s']:.1f} tok/s; errors {s['errors']}")
+    for kind, part in ((k, s[k]) for k in ("decode", "long") if s.get(k, {}).get("draft_tokens")):
+        txt += f"; {kind} accepted {part['accepted_tokens']}/{part['draft_tokens']}"
     if s.get("kv"):
         kv = s["kv"]
         txt += (f"; KV {kv['mean_bytes'] / 1e6:.1f} MB/transfer, send {kv['mean_send_s'] * 1e3:.1f} ms, load "
@@ -339,6 +361,9 @@ def main() -> int:
     ap.add_argument("--long", type=int, default=3, help="long-prompt requests in the mixed workload")
     ap.add_argument("--long-tokens", type=int, default=2100, help="approximate tokens of the first long prompt")
     ap.add_argument("--long-output", type=int, default=16, help="tokens each long prompt's answer has")
+    ap.add_argument("--long-kind", default="summary", choices=["summary", "code"],
+                    help="long prompts: documents to summarize, or the start of a standard-library module to "
+                         "continue")
     ap.add_argument("--decode", type=int, default=6, help="long-decode requests")
     ap.add_argument("--decode-tokens", type=int, default=160)
     ap.add_argument("--interval", type=float, default=12.0,
@@ -350,7 +375,10 @@ def main() -> int:
     ap.add_argument("--slo-tpot", type=float, default=0.1)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                     help="KV cache of every engine (int8: the transfers carry int8 K/V and their scales)")
-    ap.add_argument("--draft", default=None, help="a draft model every engine speculates with")
+    ap.add_argument("--draft", default=None, help="a draft model (or with --spec-method eagle/mtp a head file, or "
+                                                  "auto) every engine speculates with")
+    ap.add_argument("--spec-method", default="draft", choices=["draft", "eagle", "mtp"],
+                    help="the drafter --draft names")
     ap.add_argument("--draft-num-layers", type=int, default=None, help="the draft's first N layers only")
     ap.add_argument("--spec-policy", default="adaptive", choices=["adaptive", "always"])
     ap.add_argument("--configs", nargs="+", default=None,

@@ -448,7 +448,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 ray_address=args.ray_address, transport=args.kv_transport, transfer_timeout_s=args.transfer_timeout,
                 threads_per_worker=args.worker_threads, pin_cpus=args.pin_cpus, max_waiting=args.max_waiting,
                 local_prefill_tokens=args.local_prefill_tokens, role_engine_kwargs=role_engine_kwargs(args),
-                kv_layer_start=args.kv_layer_start, metrics=DisaggMetrics(metrics.registry), on_output=metrics.on_finished,
+                kv_layer_start=args.kv_layer_start, kv_store_gib=args.kv_store_gib,
+                metrics=DisaggMetrics(metrics.registry), on_output=metrics.on_finished,
             )
 
         server = OpenAIServer(None, name, max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
@@ -614,14 +615,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts shorter than this are prefilled on their decode worker (0: always use a prefill worker)")
     d.add_argument("--pin-cpus", action="store_true", help="pin worker i to core i (local Ray only)")
     d.add_argument("--prefill-draft-kv", default="on", choices=["on", "off"],
-                   help="with --draft-model: prefill workers also load the draft and send its prompt KV, so a "
-                        "decode worker's draft does not recompute a long prompt in its batch's step (on); off "
+                   help="with --draft-model (a draft model, or an EAGLE / MTP head): prefill workers also load "
+                        "the drafter and send its prompt KV, so a decode worker's draft model does not recompute "
+                        "a long prompt in its batch's step and a head drafts with the prompt in view (on); off "
                         "saves the prefill workers that compute (see docs/disaggregation.md)")
     d.add_argument("--kv-layer-start", default="all", choices=["all", "first"],
                    help="a decode worker runs a request's first step once every layer of its prompt KV has "
                         "arrived (all), or once layer 0 has, waiting for each later layer inside that step "
                         "(first: its other requests then wait on the prefill worker's pace; measured with "
                         "chunked prefill: no TTFT gain, 0.5 s decode stalls; see docs/disaggregation.md)")
+    d.add_argument("--kv-store-gib", type=float, default=0.0, metavar="G",
+                   help="a KV block store of G GiB shared by every worker on any host (a Ray actor; blocks move "
+                        "through Ray's object store, each verified when read): prefix blocks one worker computed "
+                        "serve all of them, and a prompt whose blocks are all there skips the prefill worker "
+                        "(0: none; on one host --kv-disk-dir shares blocks too)")
     for role in ("prefill", "decode"):
         d.add_argument(f"--{role}-max-num-batched-tokens", type=int, default=None, metavar="N",
                        help=f"token budget per step of the {role} workers (default: --max-num-batched-tokens)")

@@ -119,11 +119,14 @@ class CacheConfig:
     kv_host_gib: float = 0.0  # 0: no host tier
     kv_disk_dir: str | None = None  # None: no disk tier
     kv_disk_gib: float = 16.0  # disk tier size when kv_disk_dir is given
+    # The deployment's block store across hosts (kv_cache/remote.py): the name of its Ray actor.
+    kv_remote_store: str | None = None
 
     @property
     def has_tiers(self) -> bool:
         """True when blocks leaving the pool are kept in a lower tier."""
-        return self.enable_prefix_caching and (self.kv_host_gib > 0 or self.kv_disk_dir is not None)
+        return self.enable_prefix_caching and (self.kv_host_gib > 0 or self.kv_disk_dir is not None
+                                               or self.kv_remote_store is not None)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -140,6 +143,8 @@ class CacheConfig:
             raise ConfigError(f"kv_disk_gib must be > 0, got {self.kv_disk_gib}.")
         if self.kv_disk_dir is not None and not str(self.kv_disk_dir).strip():
             raise ConfigError("kv_disk_dir is empty; give a directory for the disk tier or leave it out.")
+        if self.kv_remote_store is not None and not str(self.kv_remote_store).strip():
+            raise ConfigError("kv_remote_store is empty; name the deployment's KV store actor or leave it out.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ConfigError("num_gpu_blocks_override must be >= 1 when given.")
 

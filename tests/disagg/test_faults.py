@@ -600,7 +600,7 @@ def test_a_prompt_whose_blocks_are_all_in_the_shared_store_skips_the_prefill_wor
     assert store.flush()
     r.kv_store = str(store.disk.dir)
     hashes = r._hashes(tokens[:27])
-    assert r._stored(hashes) and not r._stored(r._hashes([7] * 27))
+    assert asyncio.run(r._stored(hashes)) and not asyncio.run(r._stored(r._hashes([7] * 27)))
     prepared = r.engine.prepare_request(tokens, SamplingParams(max_tokens=4))
 
     async def scenario() -> None:

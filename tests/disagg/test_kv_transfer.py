@@ -344,6 +344,143 @@ def test_the_drafts_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoint, s
         dec.shutdown()
 
 
+def _head_prompt_kv(engine, m):
+    """Each request's EAGLE head KV of positions [0, m), snapshot the first time the head drafts
+    with those slots filled."""
+    prop = engine.proposer
+    seen: dict[str, list[torch.Tensor]] = {}
+    propose = prop.propose
+
+    def spy(requests, num_tokens):
+        out = propose(requests, num_tokens)
+        for req in requests:
+            seq = prop._seqs.get(req.request_id)
+            if (req.request_id not in seen and seq is not None and seq.base == 0 and seq.num_computed_tokens >= m
+                    and not prop.prompt_kv_pending(req.request_id)):
+                slots = prop.prompt_kv_slots(req.request_id, 0, m)
+                seen[req.request_id] = [t.view(-1, *t.shape[2:]).index_select(0, slots).clone() for t in prop.kv_cache]
+        return out
+
+    prop.propose = spy
+    return seen
+
+
+@pytest.mark.parametrize("head_on_prefill", [True, False])
+def test_an_eagle_heads_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoint, smollm_llm, tmp_path,
+                                                                head_on_prefill):
+    """EAGLE on decode workers: the prefill worker holding the same head feeds it the target's
+    features of the prompt as its chunks run and sends the head's KV (one layer, slot p = (f_p,
+    x_{p+1}), the last slot paired with the prompt's next token that the descriptor carries). The
+    decode worker's head then holds the prompt's slots [0, m) equal to a co-located head's, greedy
+    output equals plain decoding, and both head caches end empty. Without the head on the prefill
+    worker the draft channel fails at once and the decode head drafts from its first decoded
+    position, with no prompt slots at all (the behaviour before)."""
+    from conftest import make_head_file
+
+    from specserve.disagg.worker import draft_kv_fingerprint, prefill_engine_kwargs
+
+    head = str(make_head_file(smollm_checkpoint, tmp_path / "eagle.safetensors", seed=3))
+    kw = dict(dtype="float32", checkpoint=smollm_checkpoint, kv_cache_gib=0.25, num_threads=1, spec_method="eagle",
+              draft_model=head, spec_policy="always", profile_spec_costs=False)
+    pre_kw = prefill_engine_kwargs(kw) | ({} if head_on_prefill else {"spec_method": "none"})
+    pre_eng = LLM("smollm2-135m-instruct", max_num_batched_tokens=32, **pre_kw).engine
+    dec_eng = LLM("smollm2-135m-instruct", **kw).engine
+    ref_llm = LLM("smollm2-135m-instruct", **kw)  # co-located, the same head
+    assert (draft_kv_fingerprint(pre_eng) == draft_kv_fingerprint(dec_eng)) is head_on_prefill
+    pre, dec = WorkerCore("prefill", pre_eng, "p-eagle"), WorkerCore("decode", dec_eng, "d-eagle", transfer_timeout_s=5.0)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    prompt = PROMPTS[2]  # 70 tokens: three prefill chunks of 32
+    want = smollm_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    ids = smollm_llm.tokenizer.encode(prompt)
+    m = len(ids) - 1
+    got, ref = _head_prompt_kv(dec_eng, m), _head_prompt_kv(ref_llm.engine, m)
+    assert ref_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert len(ref) == 1
+    layout = draft_kv_layout_of(dec_eng)
+    assert layout.num_layers == 1
+    before = _shm_files()
+    try:
+        draft = TransferDescriptor(new_transfer_id(), "shm", m, layout, next_token=ids[m])
+        desc = TransferDescriptor(new_transfer_id(), "shm", m, kv_layout_of(pre_eng), draft=draft)
+        dec.add_decode(Request("eg", ids, params, eos_token_ids=smollm_llm.engine.eos_token_ids), desc)
+        reply = pre.prefill("eg", ids[:m], desc)
+        assert reply["draft_bytes"] == (m * layout.bytes_per_token() if head_on_prefill else 0)
+        final, drafts = None, []
+        deadline = time.time() + 60
+        while final is None and time.time() < deadline:
+            outs, stats = dec.poll(0.1)
+            drafts += stats["draft_transfers"]
+            final = next((o for o in outs if o.request_id == "eg" and o.finished), None)
+        assert final is not None and final.error is None
+        assert final.outputs[0].token_ids == want
+        drafts += dec.poll(0.1)[1]["draft_transfers"]
+        assert [d["ok"] for d in drafts] == [head_on_prefill]
+        assert dec_eng.spec_counters["num_draft_tokens"] > 0
+        if head_on_prefill:
+            for a, b in zip(got["eg"], ref[next(iter(ref))]):
+                torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-3)
+        else:
+            assert "eg" not in got  # the head never held the prompt's slots
+        assert pre.check_integrity() and dec.check_integrity()
+        for eng in (pre_eng, dec_eng):
+            if eng.proposer is not None:
+                assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
+                assert not eng.proposer.live_request_ids()
+        assert _shm_files() <= before
+    finally:
+        pre.shutdown()
+        dec.shutdown()
+
+
+def test_the_router_pairs_drafter_kv_only_between_equal_drafters_and_names_the_next_token():
+    """The router adds a drafter channel only between workers whose drafter fingerprints agree,
+    and gives it the prompt's token after the m that travel (an EAGLE head's last slot needs it)."""
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    fp = {"layout": asdict(KVLayout(1, 3, 64, "float32")), "method": "eagle", "model": "head.safetensors",
+          "num_layers": None, "target": "abc", "tokens_seen": 10, "head_vocab": 100}
+    pre, dec = SimpleNamespace(info={"draft_kv": fp}), SimpleNamespace(info={"draft_kv": dict(fp)})
+    d = DisaggRouter._draft_descriptor(pre, dec, "shm", [5, 6, 7, 8], 3, None)
+    assert d is not None and d.num_tokens == 3 and d.next_token == 8 and d.layout == KVLayout(1, 3, 64, "float32")
+    for other in ({**fp, "model": "other.safetensors"}, {**fp, "method": "mtp"}, None):
+        assert DisaggRouter._draft_descriptor(SimpleNamespace(info={"draft_kv": other}), dec, "shm", [5, 6, 7, 8], 3,
+                                              None) is None
+
+
+def test_the_router_skips_the_prefill_for_prompts_the_shared_store_holds(tmp_path):
+    """A prompt whose full blocks are all in a store every worker shares needs no prefill worker:
+    the disk tier's folder (a file per block) or the store across hosts (asked in one call). A
+    partial hit, or a store that does not answer, means a prefill."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from specserve.kv_cache.tiers import block_file_name
+
+    held: dict[str, int] = {}
+
+    class Store:
+        class held:  # noqa: N801 - the actor method's shape: store.held.remote(fingerprint, hashes)
+            @staticmethod
+            async def remote(fingerprint, hashes):
+                if fingerprint == "down":
+                    raise ConnectionError("store unreachable")
+                n = 0
+                while n < len(hashes) and hashes[n] in held.get(fingerprint, ()):
+                    n += 1
+                return n
+
+    held["fp"] = {1, 2, 3}
+    remote = SimpleNamespace(kv_store=None, remote_store=Store(), remote_fingerprint="fp")
+    stored = DisaggRouter._stored
+    assert asyncio.run(stored(remote, [1, 2, 3])) is True
+    assert asyncio.run(stored(remote, [1, 2, 4])) is False and asyncio.run(stored(remote, [])) is False
+    assert asyncio.run(stored(SimpleNamespace(**{**vars(remote), "remote_fingerprint": "down"}), [1])) is False
+    (tmp_path / block_file_name(5)).write_bytes(b"x")
+    disk = SimpleNamespace(kv_store=str(tmp_path), remote_store=None, remote_fingerprint=None)
+    assert asyncio.run(stored(disk, [5])) is True and asyncio.run(stored(disk, [5, 6])) is False
+
+
 def test_a_draft_transfer_whose_request_ended_stops_the_prefill_workers_draft(smollm_checkpoint):
     """A request that ends on the decode worker before its draft's prompt KV has come (a one-token
     answer) cancels the transfer: the prefill worker stops running the draft between its passes

@@ -51,3 +51,51 @@ def test_prefill_and_decode_on_two_ray_nodes(smollm_path, smollm_llm):
             client.close()
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_the_kv_store_moves_blocks_between_two_ray_nodes():
+    """The deployment's block store across hosts: blocks a process on one node saved are found,
+    fetched through Ray's object store and verified by a worker on the other node."""
+    import torch
+
+    from specserve.kv_cache.block_pool import hash_block_tokens
+    from specserve.kv_cache.remote import start_kv_store
+    from specserve.kv_cache.tiers import TieredKVStore
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    try:
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        here = ray.get_runtime_context().get_node_id()
+        there = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
+        store = start_kv_store(16 << 20, name="specserve-kv-store-2n")
+        hashes, parent = [], None
+        for i in range(3):
+            parent = hash_block_tokens(parent, [7 * i + j for j in range(16)])
+            hashes.append(parent)
+        payloads = [torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+                    for i in range(3)]
+        writer = TieredKVStore("fp-2n", 4096, remote_store=store)
+        for h, p in zip(hashes, payloads):
+            writer.save(h, p)
+        assert writer.flush()
+
+        def fetch_elsewhere(store, hashes):  # runs on the other node
+            reader = TieredKVStore("fp-2n", 4096, remote_store=store)
+            try:
+                run = reader.fetch_run(hashes)
+                return ray.get_runtime_context().get_node_id(), [b.payload for b in run], [b.tier for b in run]
+            finally:
+                reader.close()
+
+        task = ray.remote(num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(there, soft=False))(fetch_elsewhere)
+        node, got, tiers = ray.get(task.remote(store, hashes), timeout=120)
+        assert node == there != here
+        assert tiers == ["remote"] * 3 and all(torch.equal(a, b) for a, b in zip(got, payloads))
+        writer.close()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

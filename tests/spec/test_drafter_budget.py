@@ -73,7 +73,7 @@ def test_a_drafts_prefix_hits_hold_their_blocks_once(tiny):
     assert draft.kv.prefix_cache.num_hit_tokens >= 4 * bs
     assert len(draft.kv.block_ids("b")) == 5  # 4 hits + the block of the last 3 tokens
     placed = draft.expect_prompt_kv(Request("c", prompt, params), len(prompt) - 1)
-    assert placed is not None and placed[0] == 4 * bs and len(placed[1]) == 5
+    assert placed == 4 * bs and len(draft.kv.block_ids("c")) == 5
     draft.drop_prompt_kv("c")
     draft.remove_request("b")
     assert draft.check_integrity() and draft.kv.num_free_blocks == draft.kv.num_blocks

@@ -43,7 +43,9 @@ import torch
 
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.errors import SpecServeError
+from specserve.kv_cache.manager import slot_indices
 from specserve.request import Request
+from specserve.spec.proposer import PromptFeed
 
 SHM_DIR = "/dev/shm"
 _HEADER_SLOTS = 4  # after the per-layer counters: status, (unused), written_at (ns), (unused)
@@ -98,20 +100,17 @@ class TransferDescriptor:
     num_tokens: int  # m: tokens whose KV travels
     layout: KVLayout
     receiver: Any = None  # "ray": the decode worker's actor handle
-    # The draft model's prompt KV for the same tokens, computed and sent by a prefill worker that
-    # holds the decode worker's draft (its own channel: another layout); None: none is sent.
+    # The drafter's prompt KV for the same tokens, computed and sent by a prefill worker that
+    # holds the decode worker's drafter (its own channel: another layout); None: none is sent.
     draft: TransferDescriptor | None = None
+    # The prompt's token after the m that travel (a feature drafter's KV slot m-1 pairs the
+    # target's feature there with it: EAGLE, MTP); set on a draft channel's descriptor.
+    next_token: int | None = None
 
     @property
     def shm_path(self) -> str:
         """The shared-memory file of an "shm" transfer."""
         return os.path.join(SHM_DIR, f"specserve-kv-{self.transfer_id}")
-
-
-def slot_indices(block_ids: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
-    """Flat cache slots of token positions [start, end) of a request with this block table."""
-    pos = torch.arange(start, end)
-    return torch.tensor(block_ids, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
 
 
 def gather_layer(kv: tuple[torch.Tensor, ...], slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -456,20 +455,23 @@ class _Outgoing:
 class PrefillConnector:
     """Streams each layer's new KV of the requests being prefilled into their channels.
 
-    With a draft model on this worker (`drafter`) and a draft channel in the descriptor, the
-    draft's prompt KV follows: once the target's is all sent (its channel marked done), the
-    draft runs over the prompt (batched passes of the step's token budget, no logits) and all its
-    layers are sent, so the decode worker's first step never waits for the draft."""
+    With a drafter on this worker (`drafter`: a draft model, an EAGLE or MTP head) and a draft
+    channel in the descriptor, the drafter's prompt KV follows: once the target's is all sent (its
+    channel marked done) and the step's outputs are in (a feature drafter has the target's
+    features of the last chunk then), the drafter runs over the prompt (batched passes of the
+    step's token budget, no logits) and all its layers are sent, so the decode worker's first step
+    never waits for the drafter."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.block_size = engine.runner.block_size
         self.outgoing: dict[str, _Outgoing] = {}
         self._step: list[tuple[_Outgoing, int, torch.Tensor]] = []  # (transfer, start, slots)
+        self._drafting: list[_Outgoing] = []  # transfers whose drafter KV this step's end sends
 
     @property
     def drafter(self) -> Any:
-        """This worker's draft model, if it can compute prompt KV for decode workers' drafts."""
+        """This worker's drafter, if it can compute prompt KV for decode workers' drafters."""
         return travelling_drafter(self.engine)
 
     def add(self, request: Request, desc: TransferDescriptor) -> _Outgoing:
@@ -521,17 +523,24 @@ class PrefillConnector:
             self._send(t, index, kv_cache, start, slots)
 
     def end_step(self, out: SchedulerOutput) -> None:
-        """Advance each transfer; close those that have sent all m tokens; then the draft's KV."""
+        """Advance each transfer; close those that have sent all m tokens (their drafter's KV
+        follows in `after_update`)."""
         for t, start, slots in self._step:
             t.sent = start + len(slots)
             if t.sent >= t.num_tokens:
                 self._finish_target(t, ok=True)
-        # The draft's prompt runs once the target's KV is all sent, not beside each chunk: the
-        # request's first token waits for nothing of the draft (measured with SmolLM2 and its
-        # first 8 layers as the draft, 2.1k-token prompts: the draft after every chunk added its
-        # 1.4 s to the time to first token). The decode worker decodes without drafts until it lands.
-        drafting = [t for t, _, _ in self._step if t.draft_sink is not None and t.target_done]
+        self._drafting = [t for t, _, _ in self._step if t.draft_sink is not None and t.target_done]
         self._step = []
+
+    def after_update(self) -> None:
+        """The step's outputs are in (the target's features observed): send the drafter's KV of
+        the transfers whose target KV this step completed.
+
+        The drafter's prompt runs once the target's KV is all sent, not beside each chunk: the
+        request's first token waits for nothing of the drafter (measured with SmolLM2 and its
+        first 8 layers as the draft, 2.1k-token prompts: the draft after every chunk added its
+        1.4 s to the time to first token). The decode worker decodes without drafts until it lands."""
+        drafting, self._drafting = self._drafting, []
         chunk = max(1, self.engine.config.scheduler.max_num_batched_tokens)  # the step's token budget
         while drafting := [t for t in drafting if self._still_drafting(t)]:
             self._send_draft([(t, min(t.num_tokens, t.draft_sent + chunk)) for t in drafting])
@@ -547,8 +556,10 @@ class PrefillConnector:
         """Run the draft over each transfer's prompt up to a token and send every layer of it."""
         drafter = self.drafter
         t0 = time.perf_counter()
-        have = drafter.feed_prompts([(t.request, upto) for t, upto in todo]) if drafter is not None else {}
-        caches = drafter.runner.kv_caches if drafter is not None else []
+        feeds = [PromptFeed(t.request, upto, t.desc.draft.next_token if t.desc.draft is not None else None)
+                 for t, upto in todo]
+        have = drafter.feed_prompts(feeds) if drafter is not None else {}
+        caches = drafter.prompt_kv_caches() if drafter is not None else []
         transfers = [t for t, _ in todo]
         for t in transfers:
             n = have.get(t.request.request_id)
@@ -557,7 +568,7 @@ class PrefillConnector:
                 continue
             progressed = n > t.draft_sent
             if progressed:
-                slots = slot_indices(drafter.kv.block_ids(t.request.request_id), t.draft_sent, n, drafter.kv.block_size)
+                slots = drafter.prompt_kv_slots(t.request.request_id, t.draft_sent, n)
                 for layer, kv in enumerate(caches):
                     parts = gather_layer(kv, slots)
                     t.draft_sink.write(layer, t.draft_sent, parts)  # type: ignore[union-attr]
@@ -742,18 +753,17 @@ class DecodeConnector:
         if d.slots is None:
             if rid in self.incoming and not self.incoming[rid].reserved:
                 return None  # the target's blocks first: the request may still be refused room
-            placed = drafter.expect_prompt_kv(d.request, d.num_tokens)
-            if placed is None:
+            num_cached = drafter.expect_prompt_kv(d.request, d.num_tokens)
+            if num_cached is None:
                 return self._retire_draft(rid, "no room")
-            num_cached, block_ids = placed
             d.loaded = [num_cached] * len(d.loaded)
-            d.slots = slot_indices(block_ids, 0, d.num_tokens, drafter.kv.block_size)
+            d.slots = drafter.prompt_kv_slots(rid, 0, d.num_tokens)
             d.last_progress = now
         elif not drafter.prompt_kv_pending(rid):  # preempted or finished meanwhile
             return self._retire_draft(rid, "request ended")
         if d.target_ready_at is None and rid not in self.incoming:
             d.target_ready_at = now  # the target's KV is in and its first step has run
-        caches = drafter.runner.kv_caches
+        caches = drafter.prompt_kv_caches()
         moved = copy_arrived(d.channel, caches, d.slots, d.loaded, d.num_tokens, range(len(caches)), d.stats) > 0
         if all(n >= d.num_tokens for n in d.loaded):
             d.stats.draft_after_s = max(0.0, now - d.target_ready_at) if d.target_ready_at is not None else 0.0
@@ -836,6 +846,9 @@ class DecodeConnector:
     def after_layer(self, index: int, kv_cache: tuple[torch.Tensor, ...]) -> None:
         """Nothing to send on the decode side."""
 
+    def after_update(self) -> None:
+        """Nothing to send on the decode side."""
+
     def end_step(self, out: SchedulerOutput) -> None:
         """The arrivals' KV is complete in our pages: close their channels."""
         for inc in self._step:
@@ -886,7 +899,8 @@ def kv_layout_of(engine: Any) -> KVLayout:
 
 
 def travelling_drafter(engine: Any) -> Any:
-    """The engine's proposer if its prompt KV can travel between workers (a draft model), else None."""
+    """The engine's proposer if its prompt KV can travel between workers (a `PromptKVTraveller`:
+    a draft model, an EAGLE or MTP head), else None."""
     proposer = engine.proposer
     return proposer if proposer is not None and proposer.traits.prompt_kv_travels else None
 
@@ -894,5 +908,5 @@ def travelling_drafter(engine: Any) -> Any:
 def draft_kv_layout_of(engine: Any) -> KVLayout | None:
     """The KV layout of an engine's draft model, if its prompt KV can travel between workers."""
     drafter = travelling_drafter(engine)
-    return runner_kv_layout(drafter.runner) if drafter is not None else None
+    return KVLayout(**drafter.prompt_kv_shape()) if drafter is not None else None
 

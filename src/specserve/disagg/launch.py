@@ -167,13 +167,21 @@ def launch(model: str, engine_kwargs: dict[str, Any], num_prefill: int = 1, num_
            threads_per_worker: int | None = None, pin_cpus: bool = False, max_waiting: int = 256,
            local_prefill_tokens: int = 32, metrics: Any = None, on_output: Any = None,
            max_restarts: int = 3, role_engine_kwargs: dict[str, dict[str, Any]] | None = None,
-           kv_layer_start: str = "all") -> DisaggRouter:
-    """Start Ray (or join it), the worker actors (`worker_specs`), and the router (which restarts
-    dead workers)."""
+           kv_layer_start: str = "all", kv_store_gib: float = 0.0) -> DisaggRouter:
+    """Start Ray (or join it), the deployment's KV block store across hosts (kv_store_gib > 0),
+    the worker actors (`worker_specs`), and the router (which restarts dead workers)."""
+    from specserve.kv_cache.remote import STORE_NAME, start_kv_store
+
+    if not kv_store_gib >= 0:
+        raise ConfigError(f"kv_store_gib must be >= 0 (0: no KV store across hosts), got {kv_store_gib}.")
+    if kv_store_gib > 0:
+        engine_kwargs = {**engine_kwargs, "kv_remote_store": STORE_NAME}
     specs = worker_specs(model, engine_kwargs, num_prefill, num_decode, ray_address=ray_address,
                          transfer_timeout_s=transfer_timeout_s, threads_per_worker=threads_per_worker,
                          pin_cpus=pin_cpus, role_engine_kwargs=role_engine_kwargs, kv_layer_start=kv_layer_start)
     init_ray(ray_address)
+    if kv_store_gib > 0:
+        start_kv_store(int(kv_store_gib * (1 << 30)))
     actors = [spec.start() for spec in specs.values()]
     return connect(model, actors, transport=transport, transfer_timeout_s=transfer_timeout_s,
                    max_waiting=max_waiting, local_prefill_tokens=local_prefill_tokens, metrics=metrics,

@@ -181,6 +181,15 @@ class DisaggRouter:
         # loads them (verified) instead.
         stores = {w.info.get("kv_store") for w in workers}
         self.kv_store: str | None = stores.pop() if len(stores) == 1 else None
+        # The store across hosts (--kv-store-gib), when every worker writes to and reads from it.
+        remotes = {(w.info.get("kv_remote"), w.info.get("kv_fingerprint")) for w in workers}
+        remote = remotes.pop() if len(remotes) == 1 else (None, None)
+        self.remote_store: Any = None
+        self.remote_fingerprint: str | None = remote[1]
+        if remote[0] is not None:
+            from specserve.kv_cache.remote import find_kv_store
+
+            self.remote_store = find_kv_store(remote[0])
         self.capacity = sum(w.info.get("max_num_seqs", 64) for w in self.decode) + max_waiting
         self.metrics = metrics
         self.on_output = on_output
@@ -363,11 +372,23 @@ class DisaggRouter:
         for h in hashes:
             self._prefix_index.setdefault(h, set()).update(names)
 
-    def _stored(self, hashes: list[int]) -> bool:
-        """Every full block of the prompt is in the shared KV store (as far as a file says)."""
-        if self.kv_store is None or not hashes:
+    async def _stored(self, hashes: list[int]) -> bool:
+        """Every full block of the prompt is in a KV store every worker shares: their disk tier's
+        folder on this host (as far as a file says), or the store across hosts (as far as its
+        index says). Its decode worker then loads them, each verified, instead of a prefill."""
+        if not hashes:
             return False
-        return all(os.path.exists(os.path.join(self.kv_store, block_file_name(h))) for h in hashes)
+        if self.kv_store is not None and all(os.path.exists(os.path.join(self.kv_store, block_file_name(h)))
+                                             for h in hashes):
+            return True
+        if self.remote_store is None:
+            return False
+        try:
+            held = await asyncio.wait_for(self.remote_store.held.remote(self.remote_fingerprint, hashes), 5.0)
+        except Exception as exc:  # noqa: BLE001 - an unreachable store: prefill as usual
+            logger.warning("KV store unreachable (%s); prefilling", exc)
+            return False
+        return held == len(hashes)
 
     def _forget(self, hashes: Iterable[int], name: str) -> None:
         """A worker's pool dropped these blocks: it no longer holds those prefixes."""
@@ -405,13 +426,15 @@ class DisaggRouter:
         return "shm" if pre.node_id == dec.node_id else "ray"
 
     @staticmethod
-    def _draft_descriptor(pre: WorkerHandle, dec: WorkerHandle, transport: str, m: int,
-                          receiver: Any) -> TransferDescriptor | None:
-        """The draft's prompt KV travels too when both workers hold the same draft."""
+    def _draft_descriptor(pre: WorkerHandle, dec: WorkerHandle, transport: str, tokens: list[int],
+                          m: int, receiver: Any) -> TransferDescriptor | None:
+        """The drafter's prompt KV travels too when both workers hold the same drafter (with the
+        token after the m that travel: a feature drafter's last slot needs it)."""
         fp = dec.info.get("draft_kv")
         if fp is None or pre.info.get("draft_kv") != fp:
             return None
-        return TransferDescriptor(new_transfer_id(), transport, m, KVLayout(**fp["layout"]), receiver=receiver)
+        return TransferDescriptor(new_transfer_id(), transport, m, KVLayout(**fp["layout"]), receiver=receiver,
+                                  next_token=tokens[m])
 
     def _no_decode_message(self) -> str:
         restarting = [w.name for w in self.decode if w.restarting]
@@ -441,7 +464,8 @@ class DisaggRouter:
             if dec is None:
                 self._finish(job, "error", self._no_decode_message())
                 return
-            need_prefill = m > 0 and m >= self.local_prefill_tokens and not full_hit and not self._stored(hashes)
+            need_prefill = (m > 0 and m >= self.local_prefill_tokens and not full_hit
+                            and not await self._stored(hashes))
             # No healthy prefill worker (all dead, restarting, or failed on this request): the
             # decode worker prefills the prompt itself.
             pre = self.pick_prefill(hashes, m, bad_prefill) if need_prefill else None
@@ -450,7 +474,7 @@ class DisaggRouter:
                 transport = self._transport_for(pre, dec)
                 receiver = dec.actor if transport == "ray" else None
                 desc = TransferDescriptor(new_transfer_id(), transport, m, self.layout, receiver=receiver,
-                                          draft=self._draft_descriptor(pre, dec, transport, m, receiver))
+                                          draft=self._draft_descriptor(pre, dec, transport, tokens, m, receiver))
                 self.channel_files.track(desc, pre.name, dec.name)
             try:
                 ok = await self._start_attempt(job, tokens, hashes, dec, pre, desc, bad_prefill)

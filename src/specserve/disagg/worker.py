@@ -25,12 +25,14 @@ from typing import Any
 
 from specserve.disagg.kv_transfer import (
     DecodeConnector,
+    KVLayout,
     KVTransferError,
     PrefillConnector,
     TransferDescriptor,
     draft_kv_layout_of,
     kv_layout_of,
     open_receiver,
+    travelling_drafter,
 )
 from specserve.engine.engine import LLMEngine, PreparedRequest, build_off_thread
 from specserve.errors import ConfigError
@@ -58,14 +60,14 @@ def engine_fingerprint(engine: LLMEngine) -> dict[str, Any]:
 
 
 def draft_kv_fingerprint(engine: LLMEngine) -> dict[str, Any] | None:
-    """What must agree between two workers for one's draft prompt KV to serve the other's
-    draft (None: this engine's proposer keeps no KV that could travel)."""
-    layout = draft_kv_layout_of(engine)
-    if layout is None:
+    """What must agree between two workers for one's drafter prompt KV to serve the other's
+    drafter (None: this engine's proposer keeps no KV that could travel)."""
+    drafter = travelling_drafter(engine)
+    if drafter is None:
         return None
     spec = engine.config.spec
-    return {"layout": asdict(layout), "model": spec.draft_model, "num_layers": spec.draft_num_layers,
-            "quantization": engine.proposer.runner.quantization}  # type: ignore[union-attr]
+    return {"layout": asdict(KVLayout(**drafter.prompt_kv_shape())), "method": spec.method,
+            "model": spec.draft_model, "num_layers": spec.draft_num_layers, **drafter.prompt_kv_identity()}
 
 
 def drafts_for_decode(engine: LLMEngine) -> bool:
@@ -154,6 +156,10 @@ class WorkerCore:
             # the same --kv-disk-dir on this host: the deployment's KV store.
             "kv_store": str(tiers.disk.dir) if (tiers := eng.kv_manager.tiers) is not None and tiers.disk is not None
             else None,
+            # The deployment's block store across hosts (--kv-store-gib), by actor name, and the
+            # fingerprint its records of this model carry.
+            "kv_remote": eng.config.cache.kv_remote_store if tiers is not None and tiers.remote is not None else None,
+            "kv_fingerprint": tiers.fingerprint if tiers is not None else None,
         }
 
     def stats(self) -> dict[str, Any]:
@@ -374,13 +380,14 @@ def _error_output(req: Request) -> RequestOutput:
 
 
 def prefill_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """LLM(...) arguments of a prefill worker: no speculation, but with a draft model on the
-    decode workers the same draft, its policy off, to compute the draft's prompt KV for them
-    (a prefill pool given spec_method='none' of its own skips that, and decode workers' drafts
-    then recompute it)."""
+    """LLM(...) arguments of a prefill worker: no speculation, but with a draft model or an
+    EAGLE / MTP head on the decode workers the same drafter, its policy off, to compute its
+    prompt KV for them (a prefill pool given spec_method='none' of its own skips that: decode
+    workers' draft models then recompute it, and heads draft from their first step's features
+    without the prompt's)."""
     method = engine_kwargs.get("spec_method")
-    if engine_kwargs.get("draft_model") and method in (None, "draft"):
-        return {**engine_kwargs, "spec_method": "draft", "spec_policy": "off", "profile_spec_costs": False,
+    if engine_kwargs.get("draft_model") and method in (None, "draft", "eagle", "mtp"):
+        return {**engine_kwargs, "spec_method": method or "draft", "spec_policy": "off", "profile_spec_costs": False,
                 "spec_release_after_s": None}
     return without_speculation(engine_kwargs)
 

@@ -60,6 +60,10 @@ class EngineConnector(StepConnector, Protocol):
         """Between steps, after the scheduler has placed the blocks of new arrivals: move whatever
         KV has arrived into them (engine thread)."""
 
+    def after_update(self) -> None:
+        """After a step's outputs are in and its hidden states observed, before its finished
+        requests are released (a prefill worker sends its drafter's prompt KV here)."""
+
     def request_finished(self, request: Request) -> None:
         """The request finished or was aborted; drop its transfer state."""
 
@@ -465,8 +469,13 @@ class LLMEngine:
             ident |= {"path": os.path.realpath(str(path)), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
         fingerprint = hashlib.blake2b(json.dumps(ident, sort_keys=True).encode(), digest_size=16).hexdigest()
         gib = 1 << 30
+        remote = None
+        if cache.kv_remote_store is not None:
+            from specserve.kv_cache.remote import find_kv_store
+
+            remote = find_kv_store(cache.kv_remote_store)
         store = TieredKVStore(fingerprint, runner.block_payload_bytes(), host_bytes=int(cache.kv_host_gib * gib),
-                              disk_dir=cache.kv_disk_dir, disk_bytes=int(cache.kv_disk_gib * gib))
+                              disk_dir=cache.kv_disk_dir, disk_bytes=int(cache.kv_disk_gib * gib), remote_store=remote)
         if store.disk is not None:
             logger.info("KV disk tier %s: %d blocks from earlier runs", store.disk.dir, len(store.disk))
         return store
@@ -622,6 +631,8 @@ class LLMEngine:
         self._save_to_tiers()
         if self.runner.capture_hidden and self.proposer is not None:
             self.proposer.observe_hidden(self.runner.take_hidden())
+        if self.connector is not None:
+            self.connector.after_update()
         if self.proposer is not None and self.proposer.traits.needs_verify_outputs:
             by_id = {req.request_id: req for req, _ in results}
             for sr in sched_out.scheduled:

@@ -9,10 +9,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
+import torch
+
 from specserve.kv_cache.block_pool import BlockHash, BlockPool, KVBlock
 from specserve.kv_cache.prefix_cache import PREFIX_CACHES, PrefixCache
 from specserve.kv_cache.tiers import TierBlock, TieredKVStore
 
+
+def slot_indices(block_ids: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of token positions [start, end) of a request with this block table."""
+    pos = torch.arange(start, end)
+    return torch.tensor(block_ids, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
 
 class KVCacheIntegrityError(AssertionError):
     """Block reference counts disagree with the requests that hold them."""
@@ -103,6 +110,10 @@ class KVCacheManager:
         """The request's block table."""
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
+    def slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """Flat cache slots ([blocks * block_size] view) of the request's tokens [start, end)."""
+        return slot_indices(self.block_ids(request_id), start, end, self.block_size)
+
     def num_slots(self, request_id: str) -> int:
         """Token slots the request's blocks provide."""
         return len(self.req_blocks.get(request_id, ())) * self.block_size
@@ -149,11 +160,7 @@ class KVCacheManager:
             # again every step, and a block it could not place would only be read again then.
             room = self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
             max_blocks = min(max_blocks, len(hits) + max(room, 0))
-            for block_hash in self._hashes(request, len(tokens))[len(hits):max_blocks]:
-                found = self.tiers.fetch(block_hash)
-                if found is None:
-                    break
-                loaded.append(found)
+            loaded = self.tiers.fetch_run(self._hashes(request, len(tokens))[len(hits):max_blocks])
             self.prefix_cache.num_hit_tokens += len(loaded) * self.block_size
         return PrefixHit(hits, loaded, num_hit + len(loaded) * self.block_size)
 

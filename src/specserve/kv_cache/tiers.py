@@ -1,4 +1,5 @@
-"""Lower tiers of the prefix cache: host memory, then local disk.
+"""Lower tiers of the prefix cache: host memory, then local disk (then, in a disaggregated
+deployment with --kv-store-gib, the deployment's store across hosts: `remote.py`).
 
 The working pool (`block_pool.py`) holds the KV the model reads; when its free blocks are
 handed out again their cached prefixes are gone. The tiers keep them:
@@ -42,7 +43,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -62,7 +63,7 @@ class TierBlock(NamedTuple):
 
     block_hash: BlockHash
     payload: torch.Tensor  # uint8, the block's K/V (and scales) of every layer, as the runner packs them
-    tier: str  # "host" or "disk": where it was found
+    tier: str  # "host", "disk" or "remote": where it was found
 
 
 @dataclass
@@ -81,8 +82,10 @@ class TierCounters:
 
     host: TierStats = field(default_factory=TierStats)
     disk: TierStats = field(default_factory=TierStats)
-    corrupt: int = 0  # disk files refused (digest, header or size wrong, or another block's content)
+    remote: TierStats = field(default_factory=TierStats)
+    corrupt: int = 0  # disk files / store records refused (digest, header or size wrong, another block's content)
     disk_dropped: int = 0  # saves that skipped the disk because its writer fell behind
+    remote_dropped: int = 0  # saves that skipped the remote store because its sender fell behind
 
 
 def _digest(header: dict, payload: memoryview | bytes) -> str:
@@ -106,6 +109,80 @@ def _writer_alive(tmp_name: str) -> bool:
         return False
     except PermissionError:
         return True  # alive, another user's
+    return True
+
+
+def _header_length(head: bytes | memoryview) -> int:
+    if len(head) < len(MAGIC) + _HEADER_LEN.size or bytes(head[: len(MAGIC)]) != MAGIC:
+        raise ValueError("not a specserve KV block")
+    (n,) = _HEADER_LEN.unpack_from(head, len(MAGIC))
+    if n > 1 << 24:
+        raise ValueError("header too long")
+    return n
+
+
+def check_header(raw: bytes | memoryview, fingerprint: str) -> dict:
+    """A block header's fields, refused (ValueError) when written for another model or incomplete."""
+    header = json.loads(bytes(raw))
+    if not isinstance(header, dict) or header.get("fingerprint") != fingerprint:
+        raise ValueError("written for another model or layout")
+    for key in ("value", "parent", "tokens", "digest", "payload_bytes"):
+        if key not in header:
+            raise ValueError(f"header lacks {key}")
+    return header
+
+
+def block_prefix(fingerprint: str, block_hash: BlockHash, data: memoryview) -> bytes:
+    """The self-verifying record of one block, up to its payload: magic, header length, header
+    (the model's fingerprint, chained hash, parent, tokens, payload size, and a BLAKE2b digest
+    over the header and the payload). A disk file and a remote store entry are prefix + payload."""
+    header = {"fingerprint": fingerprint, "value": block_hash.value, "parent": block_hash.parent_value,
+              "tokens": list(block_hash.token_ids), "payload_bytes": len(data)}
+    header["digest"] = _digest(header, data)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    return MAGIC + _HEADER_LEN.pack(len(blob)) + blob
+
+
+def verified_payload(record: bytes | memoryview, fingerprint: str, block_hash: BlockHash,
+                     payload_bytes: int) -> memoryview:
+    """The payload of a block record (block_prefix + payload) if it is exactly this block of this
+    model, whole and unaltered; ValueError otherwise."""
+    view = memoryview(record)
+    offset = len(MAGIC) + _HEADER_LEN.size
+    n = _header_length(view)
+    header = check_header(view[offset : offset + n], fingerprint)
+    data = view[offset + n :]
+    claimed = header.pop("digest")
+    if not (header["value"] == block_hash.value and header["parent"] == block_hash.parent_value
+            and tuple(header["tokens"]) == block_hash.token_ids):
+        raise ValueError("another block's record")
+    if not header["payload_bytes"] == payload_bytes == len(data):
+        raise ValueError("payload size differs from the layout")
+    if _digest(header, data) != claimed:
+        raise ValueError("digest mismatch")
+    return data
+
+
+def enqueue(q: queue.Queue, lock: threading.Lock, queued: set[int], block_hash: BlockHash,
+            payload: torch.Tensor) -> bool:
+    """Hand a block (already marked in `queued`) to a writer thread; when its queue is full, unmark
+    it and return False (the save is dropped: a writer that fell behind never blocks the engine)."""
+    try:
+        q.put_nowait((block_hash, payload))
+        return True
+    except queue.Full:
+        with lock:
+            queued.discard(block_hash.value)
+        return False
+
+
+def drained(q: queue.Queue, timeout_s: float) -> bool:
+    """Wait until a writer thread has finished every item of its queue; False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while q.unfinished_tasks:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
     return True
 
 
@@ -235,26 +312,8 @@ class DiskTier:
         """The header of a block file (its first bytes only)."""
         with path.open("rb") as f:
             head = f.read(len(MAGIC) + _HEADER_LEN.size)
-            n = self._header_length(head)
-            return self._check_header(f.read(n))
-
-    @staticmethod
-    def _header_length(head: bytes) -> int:
-        if len(head) < len(MAGIC) + _HEADER_LEN.size or not head.startswith(MAGIC):
-            raise ValueError("not a specserve KV block file")
-        (n,) = _HEADER_LEN.unpack_from(head, len(MAGIC))
-        if n > 1 << 24:
-            raise ValueError("header too long")
-        return n
-
-    def _check_header(self, raw: bytes) -> dict:
-        header = json.loads(raw)
-        if not isinstance(header, dict) or header.get("fingerprint") != self.fingerprint:
-            raise ValueError("written for another model or layout")
-        for key in ("value", "parent", "tokens", "digest", "payload_bytes"):
-            if key not in header:
-                raise ValueError(f"header lacks {key}")
-        return header
+            n = _header_length(head)
+            return check_header(f.read(n), self.fingerprint)
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -304,18 +363,11 @@ class DiskTier:
             logger.warning("KV disk tier: %s unreadable (%s)", entry.path.name, exc)
             blob = b""
         try:
-            offset = len(MAGIC) + _HEADER_LEN.size
-            n = self._header_length(blob)
-            header = self._check_header(blob[offset:offset + n])
-            data = memoryview(blob)[offset + n:]
-            claimed = header.pop("digest")
-            ok = (header["value"] == block_hash.value and header["parent"] == block_hash.parent_value
-                  and tuple(header["tokens"]) == block_hash.token_ids
-                  and header["payload_bytes"] == self.payload_bytes == len(data)
-                  and _digest(header, data) == claimed)
-        except (OSError, ValueError, KeyError) as exc:
-            logger.warning("KV disk tier: %s unreadable (%s)", entry.path.name, exc)
-            ok, data = False, b""
+            data = verified_payload(blob, self.fingerprint, block_hash, self.payload_bytes)
+            ok = True
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("KV disk tier: %s refused (%s)", entry.path.name, exc)
+            ok, data = False, memoryview(b"")
         if not ok:
             self.counters.corrupt += 1
             logger.warning("KV disk tier: %s failed verification; deleted, the prefix is recomputed",
@@ -336,11 +388,7 @@ class DiskTier:
             if entry is not None and entry.block_hash == block_hash:
                 return
             self._queued.add(block_hash.value)
-        try:
-            self._queue.put_nowait((block_hash, payload))
-        except queue.Full:
-            with self._lock:
-                self._queued.discard(block_hash.value)
+        if not enqueue(self._queue, self._lock, self._queued, block_hash, payload):
             self.counters.disk_dropped += 1
 
     def _write_loop(self) -> None:
@@ -360,19 +408,14 @@ class DiskTier:
 
     def _write(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
         data = memoryview(payload.contiguous().numpy()).cast("B")
-        header = {"fingerprint": self.fingerprint, "value": block_hash.value, "parent": block_hash.parent_value,
-                  "tokens": list(block_hash.token_ids), "payload_bytes": len(data)}
-        header["digest"] = _digest(header, data)
-        blob = json.dumps(header, separators=(",", ":")).encode()
+        prefix = block_prefix(self.fingerprint, block_hash, data)
         path = self.dir / _file_name(block_hash)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         with tmp.open("wb") as f:
-            f.write(MAGIC)
-            f.write(_HEADER_LEN.pack(len(blob)))
-            f.write(blob)
+            f.write(prefix)
             f.write(data)
         os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
-        size = len(MAGIC) + _HEADER_LEN.size + len(blob) + len(data)
+        size = len(prefix) + len(data)
         with self._lock:
             old = self._index.pop(block_hash.value, None)
             if old is not None:
@@ -427,12 +470,7 @@ class DiskTier:
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued block is written; False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+        return drained(self._queue, timeout_s)
 
     def clear(self) -> int:
         """Delete every block file of this fingerprint; returns how many."""
@@ -454,21 +492,50 @@ class DiskTier:
 
 
 class TieredKVStore:
-    """The host and disk tiers behind the working pool (either may be absent)."""
+    """The host, disk and remote tiers behind the working pool (any may be absent)."""
 
     def __init__(self, fingerprint: str, payload_bytes: int, *, host_bytes: int = 0,
-                 disk_dir: str | Path | None = None, disk_bytes: int = 0) -> None:
+                 disk_dir: str | Path | None = None, disk_bytes: int = 0, remote_store: Any = None) -> None:
         self.fingerprint = fingerprint
         self.payload_bytes = payload_bytes
         self.counters = TierCounters()
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
         self.disk = (DiskTier(disk_dir, fingerprint, disk_bytes, payload_bytes, self.counters)
                      if disk_dir is not None and disk_bytes > 0 else None)
+        self.remote = None
+        if remote_store is not None:  # the deployment's store (kv_cache/remote.py): Ray only then
+            from specserve.kv_cache.remote import RemoteTier
+
+            self.remote = RemoteTier(remote_store, fingerprint, payload_bytes, self.counters)
 
     def contains(self, block_hash: BlockHash) -> bool:
         """True if some tier holds (or claims) this exact block."""
         return ((self.host is not None and self.host.contains(block_hash))
-                or (self.disk is not None and self.disk.contains(block_hash)))
+                or (self.disk is not None and self.disk.contains(block_hash))
+                or (self.remote is not None and self.remote.contains(block_hash)))
+
+    def fetch_run(self, hashes: list[BlockHash]) -> list[TierBlock]:
+        """The leading run of these blocks that the tiers hold, each verified: host and disk block
+        by block, then what the remote store holds of the rest in one call (promoted to host)."""
+        out: list[TierBlock] = []
+        for block_hash in hashes:
+            found = self.fetch(block_hash)
+            if found is None:
+                break
+            out.append(found)
+        rest = hashes[len(out):]
+        if self.remote is not None and rest and self.remote.contains(rest[0]):
+            t0 = time.perf_counter()
+            payloads = self.remote.fetch_run(rest)
+            for block_hash, payload in zip(rest, payloads):
+                if self.host is not None:
+                    self.host.put(block_hash, payload)
+                out.append(TierBlock(block_hash, payload, "remote"))
+            st = self.counters.remote
+            st.hits += len(payloads)
+            st.hit_bytes += sum(p.numel() for p in payloads)
+            st.load_s += time.perf_counter() - t0
+        return out
 
     def fetch(self, block_hash: BlockHash) -> TierBlock | None:
         """This exact block from the highest tier holding it, verified; a disk hit is promoted."""
@@ -502,12 +569,16 @@ class TieredKVStore:
             self.counters.host.saved += 1
         if self.disk is not None:
             self.disk.save(block_hash, payload)
+        if self.remote is not None:
+            self.remote.save(block_hash, payload)
 
     def stats(self) -> dict[str, float]:
         """Flat counters and sizes for metrics."""
         c = self.counters
-        out: dict[str, float] = {"corrupt_blocks": c.corrupt, "disk_dropped_blocks": c.disk_dropped}
-        for name, tier, st in (("host", self.host, c.host), ("disk", self.disk, c.disk)):
+        out: dict[str, float] = {"corrupt_blocks": c.corrupt, "disk_dropped_blocks": c.disk_dropped,
+                                 "remote_dropped_blocks": c.remote_dropped}
+        for name, tier, st in (("host", self.host, c.host), ("disk", self.disk, c.disk),
+                               ("remote", self.remote, c.remote)):
             if tier is None:
                 continue
             out |= {f"{name}_hits": st.hits, f"{name}_hit_bytes": st.hit_bytes, f"{name}_load_s": st.load_s,
@@ -516,15 +587,19 @@ class TieredKVStore:
         return out
 
     def clear(self) -> int:
-        """Forget every block of every tier (disk files deleted); returns how many were held."""
+        """Forget every block of this process's tiers (disk files deleted; the deployment's remote
+        store, shared with other workers, is left as it is); returns how many were held."""
         n = self.host.clear() if self.host is not None else 0
         return n + (self.disk.clear() if self.disk is not None else 0)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait for queued disk writes."""
-        return self.disk.flush(timeout_s) if self.disk is not None else True
+        """Wait for queued disk writes and remote sends."""
+        disk = self.disk.flush(timeout_s) if self.disk is not None else True
+        return (self.remote.flush(timeout_s) if self.remote is not None else True) and disk
 
     def close(self) -> None:
-        """Finish disk writes; the store is not used afterwards."""
+        """Finish disk writes and remote sends; the store is not used afterwards."""
         if self.disk is not None:
             self.disk.close()
+        if self.remote is not None:
+            self.remote.close()

@@ -186,13 +186,13 @@ class ServerMetrics:
                                    cl, registry=r)
         tl = ["model", "tier"]
         self.tier_hits = Counter("specserve_kv_tier_hit_blocks", "Prefix blocks found in a lower tier of the "
-                                 "prefix cache (host memory, disk) and loaded back.", tl, registry=r)
+                                 "prefix cache (host memory, disk, the deployment's remote store) and loaded back.", tl, registry=r)
         self.tier_hit_bytes = Counter("specserve_kv_tier_hit_bytes", "KV bytes loaded back from a lower tier.",
                                       tl, registry=r)
         self.tier_load_s = Counter("specserve_kv_tier_load_seconds", "Time spent finding, reading and verifying "
                                    "blocks of a lower tier.", tl, registry=r)
         self.tier_used = Gauge("specserve_kv_tier_used_bytes", "Bytes a lower tier holds.", tl, registry=r)
-        self.tier_corrupt = Counter("specserve_kv_tier_corrupt_blocks", "Disk-tier blocks that failed verification "
+        self.tier_corrupt = Counter("specserve_kv_tier_corrupt_blocks", "Lower-tier blocks that failed verification "
                                     "(skipped and deleted, never served).", labels, registry=r)
         self.classes = RequestClasses()
         self.baseline = PlainBaseline()
@@ -250,7 +250,7 @@ class ServerMetrics:
             if tiers is not None:
                 st = tiers.stats()
                 self._inc_to("tier_corrupt", self.tier_corrupt, st["corrupt_blocks"])
-                for tier in ("host", "disk"):
+                for tier in ("host", "disk", "remote"):
                     if f"{tier}_hits" not in st:
                         continue
                     self._inc_to(f"tier_hits_{tier}", self.tier_hits, st[f"{tier}_hits"], tier=tier)

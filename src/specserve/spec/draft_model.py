@@ -37,7 +37,13 @@ from specserve.sampling.sampler import (
     request_generator,
     sample_from_probs,
 )
-from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
+from specserve.spec.proposer import (
+    PromptFeed,
+    PromptKVTraveller,
+    Proposer,
+    ProposerTraits,
+    register_proposer,
+)
 from specserve.spec.tree import DraftTree, SiblingDraw
 
 # Random stream of draft sampling, distinct from the target's streams for the same positions.
@@ -309,7 +315,7 @@ class CandidateWidth:
 
 
 @register_proposer("draft")
-class DraftModelProposer(PassTimer, Proposer):
+class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
     """Autoregressive drafting with a smaller model over its own paged KV cache."""
 
     # Chains by default: trees accept as many tokens per step as chains (3.0 vs 3.1, coding
@@ -498,15 +504,33 @@ class DraftModelProposer(PassTimer, Proposer):
     # KV beside the target's (`feed_prompts`) and sends it; the decode worker's draft places it
     # (`expect_prompt_kv`), so its first drafts follow the request's first token instead of a
     # catch-up pass over the whole prompt that would stall every request of the step.
+    def prompt_kv_caches(self) -> list[tuple[torch.Tensor, ...]]:
+        """The draft's paged KV, per layer."""
+        return self.runner.kv_caches
+
+    def prompt_kv_shape(self) -> dict:
+        """The draft's KV per token (its layers, heads, dtypes)."""
+        arch = self.runner.arch
+        return {"num_layers": arch.num_layers, "num_kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim,
+                "dtype": str(self.runner.dtype).replace("torch.", ""), "kv_cache_dtype": self.runner.kv_cache_dtype}
+
+    def prompt_kv_identity(self) -> dict:
+        """The draft's weights' precision (the model and its layers are the engine's settings)."""
+        return {"quantization": self.runner.quantization}
+
+    def prompt_kv_slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """Cache slots of the request's draft tokens [start, end)."""
+        return self.kv.slots(request_id, start, end)
+
     @torch.inference_mode()
-    def feed_prompts(self, upto: Sequence[tuple[Request, int]]) -> dict[str, int]:
+    def feed_prompts(self, feeds: Sequence[PromptFeed]) -> dict[str, int]:
         """Bring each request's draft KV to its first n tokens (prefix-cache hits first, the rest
         in one batched forward without logits). Returns the tokens each request's draft pages now
         hold; a request the draft pool has no room for is left out."""
         entries: list[FeedEntry] = []
         fed: list[tuple[_DraftSeq, int]] = []
         done: dict[str, int] = {}
-        for req, n in upto:
+        for req, n, _ in feeds:
             rid = req.request_id
             seq = self._seqs.get(rid)
             if seq is None:
@@ -528,11 +552,11 @@ class DraftModelProposer(PassTimer, Proposer):
             self.kv.cache_blocks(seq, n)
         return done
 
-    def expect_prompt_kv(self, request: Request, num_tokens: int) -> tuple[int, list[int]] | None:
+    def expect_prompt_kv(self, request: Request, num_tokens: int) -> int | None:
         """Hold draft blocks for the first num_tokens tokens of a request whose draft KV arrives
-        from a prefill worker: (tokens already in this draft's prefix cache, the block table), or
-        None when the pool has no room (the draft then catches up as usual). No draft is made for
-        the request until `prompt_kv_arrived` or `drop_prompt_kv`."""
+        from a prefill worker; returns the tokens already in this draft's prefix cache, or None
+        when the pool has no room (the draft then catches up as usual). No draft is made for the
+        request until `prompt_kv_arrived` or `drop_prompt_kv`."""
         rid = request.request_id
         if rid in self._seqs:
             return None
@@ -543,7 +567,7 @@ class DraftModelProposer(PassTimer, Proposer):
         seq.num_computed_tokens = start
         self._seqs[rid] = seq
         self._arriving[rid] = num_tokens
-        return seq.num_computed_tokens, self.kv.block_ids(rid)
+        return seq.num_computed_tokens
 
     def _prefix_hits(self, seq: _DraftSeq, upto: int) -> tuple[list, int]:
         """Prefix-cache hits within the first `upto` tokens of a sequence that holds no blocks yet

@@ -57,7 +57,13 @@ from specserve.spec.draft_model import (
     grow_trees,
     picked_rows,
 )
-from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
+from specserve.spec.proposer import (
+    PromptFeed,
+    PromptKVTraveller,
+    Proposer,
+    ProposerTraits,
+    register_proposer,
+)
 from specserve.spec.tree import DraftTree
 
 HEAD_FORMAT = "specserve-head-1"
@@ -356,11 +362,11 @@ class _EagleTree(_TreeDraft):
 
 
 @register_proposer("eagle")
-class EagleProposer(PassTimer, CandidateWidth, Proposer):
+class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
     """Trees from a one-layer head over the target's features (see the module docstring)."""
 
     traits = ProposerTraits(cost="per_pass", trees=True, tree_by_default=True, needs_hidden_states=True,
-                            prior_acceptance=0.6)
+                            prior_acceptance=0.6, prompt_kv_travels=True)
 
     def __init__(self, head: EagleHead, embed: nn.Module, lm_head: nn.Module, num_blocks: int, block_size: int,
                  max_positions: int, p_min: float = 0.0, tree: bool = True, seed: int = 0,
@@ -379,6 +385,7 @@ class EagleProposer(PassTimer, CandidateWidth, Proposer):
         self.p_min = p_min
         self.children = CHILDREN if tree else 1
         self._seqs: dict[str, _HeadSeq] = {}
+        self._arriving: set[str] = set()  # head KV of the prompt coming from a prefill worker
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed + 2)
         self.num_forwards = 0
@@ -400,11 +407,13 @@ class EagleProposer(PassTimer, CandidateWidth, Proposer):
                 if rows.shape[0] == 0:
                     continue
             if start > expected:  # a gap (features never computed here): the head restarts at start
+                self._arriving.discard(rid)
                 self.kv.free(seq)
                 seq = self._seqs[rid] = _HeadSeq(rid, start)
             seq.pending.append(rows.float())
             if seq.num_pending > PENDING_CAP:  # keep a recent window; the head's older KV is dropped
                 tail = torch.cat(seq.pending)[-PENDING_CAP // 2 :]
+                self._arriving.discard(rid)
                 self.kv.free(seq)
                 seq = self._seqs[rid] = _HeadSeq(rid, start + rows.shape[0] - tail.shape[0])
                 seq.pending = [tail]
@@ -417,9 +426,106 @@ class EagleProposer(PassTimer, CandidateWidth, Proposer):
     # ------------------------------------------------------------------ lifecycle
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Drop the request's head KV and features (a preempted request's come back with its recompute)."""
+        self._arriving.discard(request_id)
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.kv.free(seq)
+
+    # ------------------------------------------------------------------ prompt KV across workers
+    # Disaggregated serving: a prefill worker holding the same head feeds it the prompt's
+    # features as its target computes them and sends the head's KV (one layer: slot p holds
+    # (f_p, x_{p+1}), so the last slot needs the prompt's token after the m that travel); the
+    # decode worker's head then drafts with the whole prompt in view from its first drafts on,
+    # where without it the head would start at the first decoded position, blind to the prompt.
+    def prompt_kv_caches(self) -> list[tuple[torch.Tensor, ...]]:
+        """The head's paged KV: one layer."""
+        return [self.kv_cache]
+
+    def prompt_kv_shape(self) -> dict:
+        """The head's KV per token."""
+        arch = self.head.arch
+        return {"num_layers": 1, "num_kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim,
+                "dtype": str(self.kv_cache[0].dtype).replace("torch.", ""), "kv_cache_dtype": "auto"}
+
+    def prompt_kv_identity(self) -> dict:
+        """The head's training (its file is the engine's setting)."""
+        return {"target": self.card.get("target"), "tokens_seen": self.card.get("tokens_seen"),
+                "head_vocab": int(getattr(self.lm_head, "token_ids", torch.empty(0)).numel())}
+
+    def prompt_kv_slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """Cache slots of the request's head positions [start, end) (the sequence starts at 0)."""
+        return self.kv.slots(request_id, start, end)
+
+    @torch.inference_mode()
+    def feed_prompts(self, feeds: Sequence[PromptFeed]) -> dict[str, int]:
+        """Fill each request's head slots [0, upto) from the target's features observed so far
+        (one batched pass); a request whose features, next token or head room are missing is
+        left out."""
+        tokens: list[int] = []
+        feats: list[torch.Tensor] = []
+        positions: list[int] = []
+        starts, counts, tables = [], [], []
+        fed: list[tuple[_HeadSeq, int, torch.Tensor]] = []
+        done: dict[str, int] = {}
+        for req, n, nxt in feeds:
+            seq = self._seqs.get(req.request_id)
+            if seq is None or seq.base != 0 or nxt is None or seq.next_pos < n or n > len(req.prompt_token_ids):
+                continue
+            c = seq.num_computed_tokens
+            if c >= n:
+                done[req.request_id] = c
+                continue
+            if not self.kv.allocate_slots(seq, n - c):
+                continue
+            pending = torch.cat(seq.pending)
+            ids = [*req.prompt_token_ids, nxt]  # nxt follows the whole prompt, not a pass's end
+            tokens += ids[c + 1 : n + 1]
+            feats.append(pending[: n - c])
+            positions += range(c, n)
+            starts.append(c)
+            counts.append(n - c)
+            tables.append(self.kv.block_ids(req.request_id))
+            fed.append((seq, n, pending[n - c :]))
+        if fed:
+            self._pass(tokens, torch.cat(feats), positions, starts, counts, tables, [None] * len(fed))
+        for seq, n, rest in fed:
+            seq.num_computed_tokens = n
+            seq.pending = [rest] if rest.shape[0] else []
+            done[seq.request_id] = n
+        return done
+
+    def expect_prompt_kv(self, request: Request, num_tokens: int) -> int | None:
+        """Hold head slots [0, num_tokens) for KV arriving from a prefill worker. The features of
+        the decode worker's first steps queue behind them meanwhile; no draft until it is in."""
+        rid = request.request_id
+        if rid in self._seqs or num_tokens <= 0:
+            return None
+        seq = _HeadSeq(rid, 0)
+        if not self.kv.allocate_slots(seq, num_tokens):
+            return None
+        seq.num_computed_tokens = num_tokens
+        self._seqs[rid] = seq
+        self._arriving.add(rid)
+        return 0
+
+    def prompt_kv_pending(self, request_id: str) -> bool:
+        """Head slots are held for this request's arriving KV."""
+        return request_id in self._arriving
+
+    def prompt_kv_arrived(self, request_id: str) -> None:
+        """The head's prompt KV is in its slots: draft from there on."""
+        self._arriving.discard(request_id)
+
+    def drop_prompt_kv(self, request_id: str) -> None:
+        """The KV will not come: free its slots; the head goes on from the features queued since
+        (as it would have without the transfer)."""
+        if request_id not in self._arriving:
+            return
+        self._arriving.discard(request_id)
+        seq = self._seqs.pop(request_id)
+        self.kv.free(seq)
+        fresh = self._seqs[request_id] = _HeadSeq(request_id, seq.base + seq.num_computed_tokens)
+        fresh.pending = seq.pending
 
     def live_request_ids(self) -> list[str]:
         """Requests the head holds KV or features for."""
@@ -496,7 +602,7 @@ class EagleProposer(PassTimer, CandidateWidth, Proposer):
         starts, counts, tables = [], [], []
         for req, k in zip(requests, num_tokens):
             seq = self._seqs.get(req.request_id)
-            if k <= 0 or seq is None:
+            if k <= 0 or seq is None or req.request_id in self._arriving:  # no draft until its prompt KV is in
                 continue
             self.kv.rollback(seq, seq.num_computed_tokens)  # last step's tree nodes
             all_ids = req.all_token_ids

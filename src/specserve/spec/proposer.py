@@ -5,11 +5,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from specserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
+    import torch
 
     from specserve.engine.scheduler import SampledTokens
     from specserve.request import Request
@@ -32,10 +33,65 @@ class ProposerTraits:
     needs_hidden_states: bool = False
     # The prior acceptance a new request starts from before any is measured.
     prior_acceptance: float = 0.5
-    # Its prompt KV can travel between disaggregated workers: it computes it for another worker
-    # (feed_prompts) and takes it from one (expect_prompt_kv, prompt_kv_pending, prompt_kv_arrived,
-    # drop_prompt_kv), in the paged cache of its `runner`.
+    # Its prompt KV can travel between disaggregated workers (it is a `PromptKVTraveller`).
     prompt_kv_travels: bool = False
+
+
+class PromptFeed(NamedTuple):
+    """Bring a drafter's KV of `request` to its first `upto` tokens on a prefill worker.
+    `next_token` is the prompt's token after them (a feature drafter's slot upto-1 pairs the
+    target's feature there with it; None where it is unknown)."""
+
+    request: Request
+    upto: int
+    next_token: int | None = None
+
+
+class PromptKVTraveller(ABC):
+    """A drafter whose prompt KV can travel between disaggregated workers: a prefill worker
+    holding the same drafter computes it beside the target's (`feed_prompts`) and sends it; the
+    decode worker's drafter places it (`expect_prompt_kv`), drafts nothing for the request until
+    it has arrived (`prompt_kv_arrived`) and catches up itself when it will not come
+    (`drop_prompt_kv`). The KV lives in paged caches (`prompt_kv_caches`) at the request's slots
+    (`prompt_kv_slots`); the connector moves it layer by layer like the target's."""
+
+    @abstractmethod
+    def prompt_kv_caches(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer, the paged cache tensors ([blocks, block_size, ...]) that travel."""
+
+    @abstractmethod
+    def prompt_kv_shape(self) -> dict[str, Any]:
+        """The KV's per-token shape as `KVLayout` fields (layers, heads, head dim, dtypes)."""
+
+    @abstractmethod
+    def prompt_kv_identity(self) -> dict[str, Any]:
+        """What else must agree between two workers for one's KV to serve the other's drafter."""
+
+    @abstractmethod
+    def prompt_kv_slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """Flat cache slots of the request's tokens [start, end) (blocks it holds)."""
+
+    @abstractmethod
+    def feed_prompts(self, feeds: Sequence[PromptFeed]) -> dict[str, int]:
+        """Prefill side: bring each request's KV to its first `upto` tokens; returns the tokens
+        each request's pages now hold (a request it has no room or no input for is left out)."""
+
+    @abstractmethod
+    def expect_prompt_kv(self, request: Request, num_tokens: int) -> int | None:
+        """Decode side: hold blocks for the first num_tokens tokens of a request whose KV
+        arrives; returns the tokens already held (prefix-cache hits), None without room."""
+
+    @abstractmethod
+    def prompt_kv_pending(self, request_id: str) -> bool:
+        """Blocks are held for this request's arriving KV (False once dropped or ended)."""
+
+    @abstractmethod
+    def prompt_kv_arrived(self, request_id: str) -> None:
+        """Every layer of the expected KV is in the held blocks: draft from there on."""
+
+    @abstractmethod
+    def drop_prompt_kv(self, request_id: str) -> None:
+        """The KV will not come: free its blocks; the drafter catches the request up itself."""
 
 
 class Proposer(ABC):
