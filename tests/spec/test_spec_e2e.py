@@ -266,6 +266,9 @@ def _tv_permutation_test(a: np.ndarray, b: np.ndarray, n_perm: int = 200, seed: 
     return observed, p
 
 
+_PLAIN_SAMPLE: dict[str, list] = {}
+
+
 @pytest.mark.parametrize("which", ["draft-truncated", "ngram", "lookahead", "draft-restricted", "draft-pmin", "eagle",
                                    "medusa", "mtp", "layerskip"])
 def test_tiny_sampled_distribution_matches(which):
@@ -286,7 +289,11 @@ def test_tiny_sampled_distribution_matches(which):
     prompt = [1, 5, 7, 5, 7, 5]
     params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
     big = dict(max_num_seqs=512, max_num_batched_tokens=4096, enable_prefix_caching=False)
-    base = _llm(ckpt, **big).generate([prompt] * n, params, use_tqdm=False)
+    # The plain sample is the same for every proposer: drawn once (each test stays a two-sample
+    # test of its own speculative sample against it).
+    if "base" not in _PLAIN_SAMPLE:
+        _PLAIN_SAMPLE["base"] = _llm(ckpt, **big).generate([prompt] * n, params, use_tqdm=False)
+    base = _PLAIN_SAMPLE["base"]
     spec_llm = _spec_llm(ckpt, which, **big)
     spec = spec_llm.generate([prompt] * n, params, use_tqdm=False)
     counters = spec_llm.engine.spec_counters
