@@ -63,9 +63,16 @@ class KVBlockStore:
         self._version = 0
         self._log: collections.deque[tuple[int, str, int, bool]] = collections.deque(maxlen=_LOG_LEN)
         self.counters = {"puts": 0, "gets": 0, "hits": 0, "evicted": 0, "dropped_corrupt": 0}
+        # The actor serves several calls at once (a slow reply must not hold up the others): every
+        # method takes this lock; replies are serialised by Ray after it is released.
+        self._lock = threading.Lock()
 
     def put(self, fingerprint: str, items: list[tuple[int, bytes]]) -> int:
         """Keep these records (chained hash, record); returns the index version after."""
+        with self._lock:
+            return self._put(fingerprint, items)
+
+    def _put(self, fingerprint: str, items: list[tuple[int, bytes]]) -> int:
         for value, record in items:
             if len(record) > self.capacity_bytes:
                 continue
@@ -91,6 +98,10 @@ class KVBlockStore:
 
     def get_run(self, fingerprint: str, values: list[int]) -> list[bytes]:
         """The records of the leading run of these blocks that the store holds (marked used)."""
+        with self._lock:
+            return self._get_run(fingerprint, values)
+
+    def _get_run(self, fingerprint: str, values: list[int]) -> list[bytes]:
         out = []
         self.counters["gets"] += 1
         for value in values:
@@ -106,25 +117,31 @@ class KVBlockStore:
     def held(self, fingerprint: str, values: list[int]) -> int:
         """How many of these blocks, from the first, the store holds."""
         n = 0
-        for value in values:
-            if (fingerprint, value) not in self._records:
-                break
-            n += 1
+        with self._lock:
+            for value in values:
+                if (fingerprint, value) not in self._records:
+                    break
+                n += 1
         return n
 
     def drop(self, fingerprint: str, values: list[int]) -> None:
         """Forget records a reader found corrupt."""
-        for value in values:
-            record = self._records.pop((fingerprint, value), None)
-            if record is not None:
-                self.used_bytes -= len(record)
-                self.counters["dropped_corrupt"] += 1
-                self._changed(fingerprint, value, False)
+        with self._lock:
+            for value in values:
+                record = self._records.pop((fingerprint, value), None)
+                if record is not None:
+                    self.used_bytes -= len(record)
+                    self.counters["dropped_corrupt"] += 1
+                    self._changed(fingerprint, value, False)
 
     def changes(self, fingerprint: str, since: int) -> tuple[int, list[tuple[int, bool]], bool]:
         """(version, events, whole) for one model since version `since`: events are (chained
         hash, added) in order; whole: the log no longer reaches back that far (or since is 0) and
         the events add the whole index."""
+        with self._lock:
+            return self._changes(fingerprint, since)
+
+    def _changes(self, fingerprint: str, since: int) -> tuple[int, list[tuple[int, bool]], bool]:
         if since and (not self._log or self._log[0][0] <= since + 1):
             events = []
             for version, fp, value, added in reversed(self._log):
@@ -137,8 +154,9 @@ class KVBlockStore:
 
     def stats(self) -> dict[str, Any]:
         """Blocks, bytes and counters."""
-        return {"blocks": len(self._records), "used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes,
-                **self.counters}
+        with self._lock:
+            return {"blocks": len(self._records), "used_bytes": self.used_bytes,
+                    "capacity_bytes": self.capacity_bytes, **self.counters}
 
 
 def start_kv_store(capacity_bytes: int, name: str = STORE_NAME) -> Any:
