@@ -10,7 +10,12 @@ Configurations, each a fresh engine with the same settings:
 - `pool`: prefix caching in the KV pool only (specserve's default);
 - `host+disk`: --kv-host-gib and --kv-disk-dir (an empty directory);
 - `disk, restarted`: a new engine on the directory the previous one filled, no host tier:
-  the first turns too find their prefix, on disk (a server restarted warm).
+  the first turns too find their prefix, on disk (a server restarted warm);
+- with --store, `store, another worker`: the `host+disk` engine also wrote every block to the
+  deployment's KV block store (kv_cache/remote.py: a Ray actor, here on this machine), and a new
+  engine with nothing but the store behind its pool runs the same turns: what a worker that never
+  saw these conversations gets from blocks another worker computed (one host here, so Ray moves
+  the blocks through shared memory, not a network).
 
 Reports TTFT p50 of the repeated-prefix turns per configuration and their ratio, checks the
 outputs are identical token for token, and the tiers' hit/byte/load-time counters.
@@ -41,6 +46,7 @@ from prompts import CODING, EDIT  # noqa: E402
 from specserve import LLM, SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
+STORE = "specserve-kv-store-bench"
 SYSTEM = ("You are a meticulous senior engineer reviewing code and documents for a team. Answer with "
           "precise, complete sentences, cite the line you mean, and never invent an API. ") * 6
 
@@ -62,6 +68,10 @@ def run(config: str, args: argparse.Namespace, disk_dir: str | None) -> dict[str
         kw = {"kv_host_gib": args.host_gib, "kv_disk_dir": disk_dir}
     elif config == "disk, restarted":
         kw = {"kv_disk_dir": disk_dir}
+    elif config == "store, another worker":
+        kw = {"kv_remote_store": STORE}
+    if args.store and config == "host+disk":
+        kw["kv_remote_store"] = STORE
     llm = LLM(MODEL, kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.chunk, **kw)
     tok = llm.tokenizer
     params = SamplingParams(max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True)
@@ -81,6 +91,8 @@ def run(config: str, args: argparse.Namespace, disk_dir: str | None) -> dict[str
             histories[conv] = prompt + answer
         log(f"  {config}: turn {turn + 1}/{args.turns} done ({time.perf_counter() - t0:.0f} s)")
     eng = llm.engine
+    if eng.kv_manager.tiers is not None:
+        eng.kv_manager.tiers.flush()  # every block written (disk, store) before the next engine looks
     unique = len(system) + sum(len(h) - len(system) for h in histories)
     stats = {k: v for k, v in eng.stats().items() if k.startswith("kv_tier_")}
     capacity = eng.kv_manager.capacity_tokens
@@ -118,7 +130,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ax1.legend(fontsize=8)
     names = list(payload["summary"])
     vals = [payload["summary"][n]["ttft_p50_s"] * 1e3 for n in names]
-    bars = ax2.bar(names, vals, color=["#888", "#2a7", "#27a"][: len(names)])
+    bars = ax2.bar(names, vals, color=["#888", "#2a7", "#27a", "#a72"][: len(names)])
     ax2.bar_label(bars, fmt="%.0f ms")
     ax2.set_ylabel("TTFT p50 of repeated-prefix turns (ms)")
     ws = payload["working_set_over_pool"]
@@ -139,11 +151,21 @@ def main() -> int:
     ap.add_argument("--host-gib", type=float, default=2.0)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--disk-dir", default=None, help="disk tier directory (default: a temporary one, removed)")
+    ap.add_argument("--store", action="store_true",
+                    help="also the deployment's KV block store (a local Ray actor): a fresh engine with only the store")
     args = ap.parse_args()
     disk_dir = args.disk_dir or tempfile.mkdtemp(prefix="specserve-tiers-")
+    configs = ["pool", "host+disk", "disk, restarted"]
+    if args.store:
+        from specserve.disagg.launch import init_ray
+        from specserve.kv_cache.remote import start_kv_store
+
+        init_ray(num_cpus=2)
+        start_kv_store(4 << 30, name=STORE)
+        configs.append("store, another worker")
     try:
         runs = {}
-        for config in ("pool", "host+disk", "disk, restarted"):
+        for config in configs:
             log(f"{config}:")
             runs[config] = run(config, args, disk_dir)
     finally:
@@ -151,7 +173,7 @@ def main() -> int:
             shutil.rmtree(disk_dir, ignore_errors=True)
     answers = {c: [r["answer"] for r in res["records"]] for c, res in runs.items()}
     identical = all(a == answers["pool"] for a in answers.values())
-    summary = {c: summarize(res, all_turns=c == "disk, restarted") for c, res in runs.items()}
+    summary = {c: summarize(res, all_turns=c in ("disk, restarted", "store, another worker")) for c, res in runs.items()}
     base = summary["pool"]["ttft_p50_s"]
     for c in summary:
         summary[c]["speedup_vs_pool"] = base / summary[c]["ttft_p50_s"]

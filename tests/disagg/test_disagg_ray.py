@@ -239,3 +239,33 @@ def test_a_draft_models_prompt_kv_travels_over_both_transports(deployment, smoll
         client.close()
         for a in actors:
             ray.kill(a)
+
+
+def test_launch_with_a_kv_store_shares_prefill_blocks_through_it(deployment, smollm_llm):
+    """launch(kv_store_gib=...) starts the deployment's block store and points every worker at it:
+    the prefill worker's blocks land there, the router sees a prompt stored in full (which would
+    then skip the prefill worker), and outputs equal co-located decoding."""
+    from specserve.disagg.launch import launch
+    from specserve.kv_cache.remote import STORE_NAME, find_kv_store
+
+    client = DisaggClient(launch(MODEL, ENGINE, 1, 1, kv_store_gib=0.25, local_prefill_tokens=0, transfer_timeout_s=20))
+    try:
+        router = client.router
+        assert router.remote_store is not None
+        prompt = "A long story about the store: " + "and then, " * 12
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        want = _tokens(smollm_llm.generate([prompt], params, use_tqdm=False))
+        assert _tokens(client.generate([prompt], params)) == want
+        tokens = smollm_llm.tokenizer.encode(prompt)
+        hashes = router._hashes(tokens[: len(tokens) - 1])
+        assert len(hashes) >= 2
+        deadline = time.time() + 10  # the workers send their blocks from a background thread
+        while not client.call(router._stored(hashes)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert client.call(router._stored(hashes))
+        assert ray.get(find_kv_store(STORE_NAME).stats.remote())["blocks"] >= len(hashes)
+        _integrity(client)
+    finally:
+        client.close()
+        for w in client.router.prefill + client.router.decode:
+            ray.kill(w.actor)

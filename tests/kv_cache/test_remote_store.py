@@ -131,6 +131,21 @@ def test_engines_serve_each_others_prefixes_from_the_store(smollm_checkpoint, ra
         llm.engine.close()
 
 
+def test_a_started_store_outlives_the_handle_its_starter_dropped(ray_store):
+    """launch() starts the store and drops the handle; the workers find it by name later."""
+    import gc
+    import time
+
+    import ray
+
+    from specserve.kv_cache.remote import find_kv_store, start_kv_store
+
+    start_kv_store(1 << 20, name="specserve-kv-store-dropped")
+    gc.collect()
+    time.sleep(1.0)
+    assert ray.get(find_kv_store("specserve-kv-store-dropped").stats.remote())["capacity_bytes"] == 1 << 20
+
+
 def test_a_missing_store_is_a_clear_error(smollm_checkpoint, ray_store):
     from specserve import LLM
     from specserve.errors import ConfigError

@@ -159,13 +159,19 @@ class KVBlockStore:
                     "capacity_bytes": self.capacity_bytes, **self.counters}
 
 
+_STARTED: dict[str, Any] = {}  # handles of the stores this process started: Ray ends an actor whose handles are gone
+
+
 def start_kv_store(capacity_bytes: int, name: str = STORE_NAME) -> Any:
     """The deployment's store actor (created, or the running one of that name): no CPU reserved,
-    it only moves bytes. It lives as long as the process that started it (the router's)."""
+    it only moves bytes. It lives as long as the process that started it (the router's): this
+    module keeps its handle, so a caller that drops the returned one does not end it."""
     import ray
 
     cls = ray.remote(num_cpus=0, max_concurrency=8)(KVBlockStore)
-    return cls.options(name=name, get_if_exists=True).remote(capacity_bytes)
+    handle = cls.options(name=name, get_if_exists=True).remote(capacity_bytes)
+    _STARTED[name] = handle
+    return handle
 
 
 def find_kv_store(name: str = STORE_NAME) -> Any:
