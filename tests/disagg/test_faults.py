@@ -82,6 +82,30 @@ def _router(num_prefill: int = 1, num_decode: int = 2) -> DisaggRouter:
     return DisaggRouter(front, workers)
 
 
+def test_worker_tier_counters_reach_metrics_as_they_grow_and_after_a_restart():
+    """A disaggregated server exports each worker's lower-tier hits, bytes, load time and refused
+    blocks (cumulative figures in its reports), per tier."""
+    registry = CollectorRegistry()
+    metrics = DisaggMetrics(registry)
+
+    def value(name, **labels):
+        return registry.get_sample_value(name, {"role": "decode", "worker": "decode-0", **labels})
+
+    metrics.observe_worker("decode", "decode-0", {"kv_tier": {"remote_hits": 4, "remote_hit_bytes": 400,
+                                                              "remote_load_s": 0.5, "corrupt_blocks": 1}})
+    metrics.observe_worker("decode", "decode-0", {"kv_tier": {"remote_hits": 6, "remote_hit_bytes": 600,
+                                                              "remote_load_s": 0.75, "corrupt_blocks": 1,
+                                                              "disk_hits": 2, "disk_hit_bytes": 200, "disk_load_s": 0.1}})
+    assert value("specserve_worker_kv_tier_hit_blocks_total", tier="remote") == 6
+    assert value("specserve_worker_kv_tier_hit_bytes_total", tier="disk") == 200
+    assert value("specserve_worker_kv_tier_load_seconds_total", tier="remote") == 0.75
+    assert value("specserve_worker_kv_tier_corrupt_blocks_total") == 1
+    metrics.observe_worker("decode", "decode-0", {"kv_tier": {"remote_hits": 3}})  # restarted: counts from zero
+    assert value("specserve_worker_kv_tier_hit_blocks_total", tier="remote") == 9
+    metrics.observe_worker("decode", "decode-0", {})  # no tiers: nothing moves
+    assert value("specserve_worker_kv_tier_hit_blocks_total", tier="remote") == 9
+
+
 def test_health_tells_degraded_from_stopped_and_forgets_dead_workers():
     r = _router()
     registry = CollectorRegistry()

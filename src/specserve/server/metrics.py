@@ -403,6 +403,16 @@ class DisaggMetrics:
         self.draft_kv_wait = Histogram("specserve_draft_kv_wait_seconds",
                                        "From a request's first decode step to its draft's prompt KV complete (it "
                                        "decodes without drafts meanwhile).", buckets=TOKEN_BUCKETS + (10.0,), registry=r)
+        tl = [*wl, "tier"]
+        self.tier_hits = Counter("specserve_worker_kv_tier_hit_blocks", "Prefix blocks a worker found in a lower tier "
+                                 "(host memory, disk, the deployment's block store) and loaded back.", tl, registry=r)
+        self.tier_hit_bytes = Counter("specserve_worker_kv_tier_hit_bytes", "KV bytes a worker loaded back from a "
+                                      "lower tier.", tl, registry=r)
+        self.tier_load_s = Counter("specserve_worker_kv_tier_load_seconds", "Time a worker spent finding, reading "
+                                   "and verifying lower-tier blocks.", tl, registry=r)
+        self.tier_corrupt = Counter("specserve_worker_kv_tier_corrupt_blocks", "Lower-tier blocks a worker refused "
+                                    "(failed verification: skipped, never served).", wl, registry=r)
+        self._tier_seen: dict[tuple[str, ...], float] = {}  # the cumulative figures each worker reported last
 
     def observe_worker(self, role: str, name: str, stats: dict) -> None:
         """A worker's load report."""
@@ -411,6 +421,23 @@ class DisaggMetrics:
         self.worker_kv_free.labels(role, name).set(stats.get("kv_free_blocks", 0))
         self.worker_kv_total.labels(role, name).set(stats.get("kv_total_blocks", 0))
         self.worker_alive.labels(role, name).set(1 if stats.get("alive", True) else 0)
+        tiers = stats.get("kv_tier") or {}
+        self._advance(self.tier_corrupt, (role, name), tiers.get("corrupt_blocks"))
+        for tier in ("host", "disk", "remote"):
+            for counter, key in ((self.tier_hits, "hits"), (self.tier_hit_bytes, "hit_bytes"),
+                                 (self.tier_load_s, "load_s")):
+                self._advance(counter, (role, name, tier), tiers.get(f"{tier}_{key}"))
+
+    def _advance(self, counter: Counter, labels: tuple[str, ...], total: float | None) -> None:
+        """Move a counter to a worker's cumulative figure (a restarted worker counts from zero)."""
+        if total is None:
+            return
+        key = (str(id(counter)), *labels)
+        last = self._tier_seen.get(key, 0.0)
+        delta = total - last if total >= last else total
+        if delta > 0:
+            counter.labels(*labels).inc(delta)
+        self._tier_seen[key] = total
 
     def worker_gone(self, role: str, name: str) -> None:
         """A worker died: drop its load gauges (they would stay frozen at its last report), mark it dead."""
