@@ -270,7 +270,8 @@ class RemoteTier:
                 self.counters.corrupt += 1
                 logger.warning("KV store: block %016x refused (%s); dropped, the prefix is recomputed",
                                block_hash.value & 0xFFFFFFFFFFFFFFFF, exc)
-                self.store.drop.remote(self.fingerprint, [block_hash.value])
+                with contextlib.suppress(Exception):  # rare: wait, so no reader after us is served it
+                    self._call(self.store.drop.remote(self.fingerprint, [block_hash.value]))
                 with self._lock:
                     self._known.discard(block_hash.value)
                 break
