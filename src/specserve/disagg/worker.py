@@ -25,7 +25,6 @@ from typing import Any
 
 from specserve.disagg.kv_transfer import (
     DecodeConnector,
-    KVLayout,
     KVTransferError,
     PrefillConnector,
     TransferDescriptor,
@@ -62,11 +61,12 @@ def engine_fingerprint(engine: LLMEngine) -> dict[str, Any]:
 def draft_kv_fingerprint(engine: LLMEngine) -> dict[str, Any] | None:
     """What must agree between two workers for one's drafter prompt KV to serve the other's
     drafter (None: this engine's proposer keeps no KV that could travel)."""
-    drafter = travelling_drafter(engine)
-    if drafter is None:
+    layout = draft_kv_layout_of(engine)
+    if layout is None:
         return None
+    drafter = travelling_drafter(engine)
     spec = engine.config.spec
-    return {"layout": asdict(KVLayout(**drafter.prompt_kv_shape())), "method": spec.method,
+    return {"layout": asdict(layout), "method": spec.method,
             "model": spec.draft_model, "num_layers": spec.draft_num_layers, **drafter.prompt_kv_identity()}
 
 
