@@ -284,6 +284,18 @@ def _widest_draft_feed(engine):
     return seen
 
 
+def _final_and_draft_transfers(dec, rid):
+    """Poll a decode worker until the request's final output (None after 60 s), collecting the
+    draft-transfer records its polls report meanwhile."""
+    final, drafts = None, []
+    deadline = time.time() + 60
+    while final is None and time.time() < deadline:
+        outs, stats = dec.poll(0.1)
+        drafts += stats["draft_transfers"]
+        final = next((o for o in outs if o.request_id == rid and o.finished), None)
+    return final, drafts
+
+
 @pytest.mark.parametrize("draft_on_prefill", [True, False])
 def test_the_drafts_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoint, smollm_llm, draft_on_prefill):
     """With the decode workers' draft on the prefill worker too, the draft's prompt KV travels
@@ -313,12 +325,7 @@ def test_the_drafts_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoint, s
             dec.add_decode(Request(f"dr{i}", ids, params, eos_token_ids=eos), desc)
             reply = pre.prefill(f"dr{i}", ids[:m], desc)
             assert reply["draft_bytes"] == (m * layout.bytes_per_token() if draft_on_prefill else 0)
-            final, drafts = None, []
-            deadline = time.time() + 60
-            while final is None and time.time() < deadline:
-                outs, stats = dec.poll(0.1)
-                drafts += stats["draft_transfers"]
-                final = next((o for o in outs if o.request_id == f"dr{i}" and o.finished), None)
+            final, drafts = _final_and_draft_transfers(dec, f"dr{i}")
             assert final is not None and final.error is None
             assert final.outputs[0].token_ids == want[i], prompt
             drafts += dec.poll(0.1)[1]["draft_transfers"]
@@ -405,12 +412,7 @@ def test_an_eagle_heads_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoin
         dec.add_decode(Request("eg", ids, params, eos_token_ids=smollm_llm.engine.eos_token_ids), desc)
         reply = pre.prefill("eg", ids[:m], desc)
         assert reply["draft_bytes"] == (m * layout.bytes_per_token() if head_on_prefill else 0)
-        final, drafts = None, []
-        deadline = time.time() + 60
-        while final is None and time.time() < deadline:
-            outs, stats = dec.poll(0.1)
-            drafts += stats["draft_transfers"]
-            final = next((o for o in outs if o.request_id == "eg" and o.finished), None)
+        final, drafts = _final_and_draft_transfers(dec, "eg")
         assert final is not None and final.error is None
         assert final.outputs[0].token_ids == want
         drafts += dec.poll(0.1)[1]["draft_transfers"]
