@@ -288,6 +288,7 @@ class LLMEngine:
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
             tiers=self._build_tiers(config, source),
         )
+        self.runner.tiers = self.kv_manager.tiers
         sched = config.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
             raise InvalidRequestError(
@@ -475,7 +476,8 @@ class LLMEngine:
 
             remote = find_kv_store(cache.kv_remote_store)
         store = TieredKVStore(fingerprint, runner.block_payload_bytes(), host_bytes=int(cache.kv_host_gib * gib),
-                              disk_dir=cache.kv_disk_dir, disk_bytes=int(cache.kv_disk_gib * gib), remote_store=remote)
+                              disk_dir=cache.kv_disk_dir, disk_bytes=int(cache.kv_disk_gib * gib), remote_store=remote,
+                              layer_bytes=runner.layer_payload_bytes())
         if store.disk is not None:
             logger.info("KV disk tier %s: %d blocks from earlier runs", store.disk.dir, len(store.disk))
         return store
@@ -616,6 +618,7 @@ class LLMEngine:
         try:
             sampled = self.runner.execute(sched_out)
         except Exception as exc:  # a model failure must not take every other request down
+            self._drop_failed_loads(sched_out)
             logger.exception("model step failed; failing the %d scheduled requests", len(sched_out.scheduled))
             ids = [sr.request_id for sr in sched_out.scheduled]
             failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
@@ -626,6 +629,7 @@ class LLMEngine:
                 outs.append(self._make_output(req, []))
             return pending + outs
         self.num_steps += 1
+        self._drop_failed_loads(sched_out)
         self._account_step(sched_out, sampled)
         results = self.scheduler.update_from_output(sched_out, sampled)
         self._save_to_tiers()
@@ -650,6 +654,20 @@ class LLMEngine:
             self._propose_next()
         self._draft_forced()
         return outputs
+
+    def _drop_failed_loads(self, sched_out: SchedulerOutput) -> None:
+        """Lower-tier blocks that failed verification while this step loaded them: their cached
+        content is forgotten and every request that read one goes back to the queue (the runner
+        dropped its results); it recomputes from its last good block."""
+        failed = self.runner.take_failed_loads()
+        if not failed:
+            return
+        requeued = self.scheduler.requeue_failed_loads(sched_out, failed)
+        logger.warning("%d KV block(s) failed verification while loading; %d request(s) recompute them",
+                       len(failed), len(requeued))
+        if self.proposer is not None:
+            for rid in requeued:
+                self.proposer.remove_request(rid, finished=False)
 
     def _check_stepping_thread(self) -> None:
         """Warn (once) when steps run on another thread than the one that loaded the model while
@@ -926,6 +944,8 @@ class LLMEngine:
             "kv_blocks_free": usage.num_free_blocks,
             "kv_blocks_used": usage.num_used_blocks,
             "prefix_cache_hit_rate": usage.prefix_hit_rate,
+            **({"kv_tier_layer_wise_steps": self.runner.num_layer_wise_loads}
+               if self.kv_manager.tiers is not None else {}),
             **({f"kv_tier_{k}": v for k, v in self.kv_manager.tiers.stats().items()}
                if self.kv_manager.tiers is not None else {}),
             "num_prompt_tokens": self.num_prompt_tokens,

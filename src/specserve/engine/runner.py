@@ -10,13 +10,15 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from specserve.attention import AttentionMetadata, build_attention_metadata
 from specserve.config import CacheConfig, ModelConfig
 from specserve.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
-from specserve.kv_cache.manager import KVLoad
+from specserve.kv_cache.layer_load import KVLoad, LayerLoader, LayerWriter
+from specserve.kv_cache.tiers import TieredKVStore
 from specserve.models.arch import ArchConfig
 from specserve.models.block_linear import (
     BlockQuantLinear,
@@ -184,6 +186,13 @@ class ModelRunner:
         ]
         self.sampler = Sampler(self.device, model_config.seed)
         self.keep_logits = False  # tests: keep the last step's logits in self.last_logits
+        # The prefix cache's lower tiers (the engine sets them): a step's KVLoads report to them.
+        self.tiers: TieredKVStore | None = None
+        # Load lower-tier files layer by layer beside the forward (kv_cache/layer_load.py);
+        # off: every block is read and verified before the forward starts.
+        self.layer_wise_loads = True
+        self.failed_loads: dict[int, str] = {}  # blocks of the last step that failed to load
+        self.num_layer_wise_loads = 0  # steps whose forward ran beside their lower-tier loads
         self.last_logits: torch.Tensor | None = None
         # Feature-level proposers: keep each step's hidden states of the verified tokens (take_hidden).
         self.capture_hidden = False
@@ -336,20 +345,37 @@ class ModelRunner:
         After verification the KV of an accepted tree path is moved into the request's next
         consecutive slots, so the cache holds exactly the verified sequence.
         """
-        self.load_blocks(out.kv_loads)  # before anything reads the cache, even a step that fails
+        self.failed_loads = {}
         if out.is_empty:
+            self.failed_loads = self._loader(out.kv_loads).finish() if out.kv_loads else {}
             return {}
         inputs = self.prepare_inputs(out)
+        wants_layers = False
         if self.connector is not None:
             # Layer hooks only in steps that move KV: with hooks set the model runs layer by layer
             # in Python, without them its native one-call stack (1.46x faster at batch 1 on
             # SmolLM2, auto): a decode worker's ordinary steps keep the fast path.
             wants_layers = self.connector.begin_step(out)
             self.model.model.layer_hooks = self.connector if wants_layers else None
+        loader = self._loader(out.kv_loads) if out.kv_loads else None
+        if loader is not None:
+            # Files load layer by layer beside the forward; blocks already in host memory are
+            # copied before it (a memcpy). Not while a connector streams this step's layers out:
+            # a layer it sent cannot be taken back if a block then fails verification.
+            if self.layer_wise_loads and loader.reads_disk and not wants_layers and self.device.type == "cpu":
+                loader.start()
+                self.model.model.layer_wait = loader.wait
+                self.num_layer_wise_loads += 1
+            else:
+                self.failed_loads = loader.finish()
+                loader = None
         try:
             logits = self.forward_logits(inputs)
         finally:
             self.model.model.layer_hooks = None
+            self.model.model.layer_wait = None
+            if loader is not None:  # every layer of every block is written (or failed) even if the forward raised
+                self.failed_loads = loader.finish()
         if self.connector is not None:
             self.connector.end_step(out)
         if self.keep_logits:
@@ -358,7 +384,20 @@ class ModelRunner:
         if self._last_hidden_states is not None:
             self._keep_verified_hidden(out, self._last_hidden_states, sampled)
             self._last_hidden_states = None
+        for rid in self.requests_on_failed_loads(out):  # computed on a block that failed: dropped
+            sampled.pop(rid, None)
+            self._hidden.pop(rid, None)
         return sampled
+
+    def requests_on_failed_loads(self, out: SchedulerOutput) -> list[str]:
+        """The step's requests whose block tables hold a block that failed to load (failed_loads)."""
+        bad = self.failed_loads
+        return [sr.request_id for sr in out.scheduled if bad and not bad.keys().isdisjoint(sr.block_ids)]
+
+    def take_failed_loads(self) -> dict[int, str]:
+        """Blocks of the last step that failed verification while loading: {block id: why}."""
+        out, self.failed_loads = self.failed_loads, {}
+        return out
 
     def take_hidden(self) -> dict[str, HiddenRows]:
         """The hidden states of the tokens verified since the last call, per request (capture_hidden)."""
@@ -514,20 +553,42 @@ class ModelRunner:
         """Bytes of one block as read_block packs it."""
         return sum(t[0].numel() * t.element_size() for layer in self.kv_caches for t in layer)
 
-    def load_blocks(self, loads: Sequence[KVLoad]) -> None:
-        """Write packed blocks (read_block's format) into their pool blocks."""
-        size = self.block_payload_bytes() if loads else 0
-        for load in loads:
-            payload = load.payload
-            if not isinstance(payload, torch.Tensor) or payload.numel() != size:
-                raise RuntimeError(f"a KV block load for block {load.block_id} does not match this cache's layout")
+    def layer_payload_bytes(self) -> list[int]:
+        """Bytes of each layer's part of a block as read_block packs it (in order)."""
+        return [sum(t[0].numel() * t.element_size() for t in layer) for layer in self.kv_caches]
+
+    def _loader(self, loads: Sequence[KVLoad]) -> LayerLoader:
+        """A LayerLoader writing these lower-tier blocks into this cache (read_block's format)."""
+        return LayerLoader(loads, self.layer_payload_bytes(), self._layer_writer(), self.tiers)
+
+    def _layer_writer(self) -> LayerWriter:
+        """Writes one layer's packed bytes of one block into the cache tensors. On the CPU the
+        stores go through NumPy views, so a loader thread starts no torch parallel region (each
+        thread that does keeps an OpenMP team of its own: see Engine._check_stepping_thread)."""
+        caches = self.kv_caches
+        if self.device.type == "cpu":
+            views = [[t.view(torch.uint8).reshape(t.shape[0], -1).numpy() for t in layer] for layer in caches]
+
+            def write(layer: int, block_id: int, data: np.ndarray) -> None:
+                offset = 0
+                for v in views[layer]:
+                    v[block_id] = data[offset : offset + v.shape[1]]
+                    offset += v.shape[1]
+            return write
+
+        def write_device(layer: int, block_id: int, data: np.ndarray) -> None:
             offset = 0
-            for layer in self.kv_caches:
-                for t in layer:
-                    dst = t[load.block_id]
-                    n = dst.numel() * t.element_size()
-                    dst.copy_(payload[offset:offset + n].view(t.dtype).view(dst.shape))
-                    offset += n
+            for t in caches[layer]:
+                dst = t[block_id]
+                n = dst.numel() * t.element_size()
+                dst.copy_(torch.from_numpy(data[offset : offset + n]).view(t.dtype).view(dst.shape))
+                offset += n
+        return write_device
+
+    def load_blocks(self, loads: Sequence[KVLoad]) -> dict[int, str]:
+        """Write lower-tier blocks (read_block's format) into their pool blocks now; returns the
+        blocks that failed verification ({block id: why})."""
+        return self._loader(loads).finish()
 
     def move_kv(self, moves: list[tuple[int, int]]) -> None:
         """Copy every layer's K/V (and int8 scales) from slot a to slot b for each (a, b); all

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from specserve.config import SchedulerConfig
@@ -262,6 +262,19 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(req)
+
+    def requeue_failed_loads(self, output: SchedulerOutput, failed: Mapping[int, str]) -> list[str]:
+        """After a step whose lower-tier loads partly failed verification (`failed`: block ids):
+        forget those blocks' content and send every request of the step that holds one back to
+        the queue, as a preemption does (the step's results for it are void). Returns their ids."""
+        self.kv.uncache(list(failed))
+        out = []
+        for sr in output.scheduled:
+            req = self.requests.get(sr.request_id)
+            if req is not None and req.status == RequestStatus.RUNNING and not failed.keys().isdisjoint(sr.block_ids):
+                self._preempt(req)
+                out.append(req.request_id)
+        return out
 
     # ------------------------------------------------------------------ results
     def update_from_output(

@@ -131,6 +131,10 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash.value] = block
 
+    def uncache(self, block: KVBlock) -> None:
+        """Forget the content registered for this block (it stays allocated to its holders)."""
+        self._evict(block)
+
     def evict_unused(self, n: int | None = None) -> int:
         """Drop cached content of up to n unreferenced blocks (all when n is None)."""
         count = 0

@@ -12,6 +12,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from specserve.kv_cache.block_pool import BlockHash, BlockPool, KVBlock
+from specserve.kv_cache.layer_load import KVLoad
 from specserve.kv_cache.prefix_cache import PREFIX_CACHES, PrefixCache
 from specserve.kv_cache.tiers import TierBlock, TieredKVStore
 
@@ -45,18 +46,12 @@ class KVCacheUsage(NamedTuple):
 
 class PrefixHit(NamedTuple):
     """Where a request's cached prefix lives: blocks of the working pool, then blocks found in
-    the lower tiers (verified, in host memory, to be loaded into fresh pool blocks)."""
+    the lower tiers (to be loaded into fresh pool blocks: verified payloads in host memory, or
+    disk files verified layer by layer as the step loads them)."""
 
     blocks: list[KVBlock]
     loaded: list[TierBlock]
     num_tokens: int
-
-
-class KVLoad(NamedTuple):
-    """A lower tier's block to be written into a pool block before the step that reads it."""
-
-    block_id: int
-    payload: object  # torch.Tensor (uint8); typed loosely so this module stays tensor-free
 
 
 def cdiv(a: int, b: int) -> int:
@@ -160,7 +155,7 @@ class KVCacheManager:
             # again every step, and a block it could not place would only be read again then.
             room = self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
             max_blocks = min(max_blocks, len(hits) + max(room, 0))
-            loaded = self.tiers.fetch_run(self._hashes(request, len(tokens))[len(hits):max_blocks])
+            loaded = self.tiers.fetch_run(self._hashes(request, len(tokens))[len(hits):max_blocks], deferred=True)
             self.prefix_cache.num_hit_tokens += len(loaded) * self.block_size
         return PrefixHit(hits, loaded, num_hit + len(loaded) * self.block_size)
 
@@ -168,6 +163,12 @@ class KVCacheManager:
         """Tier blocks to write into the pool before the next forward (the scheduler's step data)."""
         out, self.pending_loads = self.pending_loads, []
         return out
+
+    def uncache(self, block_ids: Sequence[int]) -> None:
+        """Forget the cached content of these blocks (lower-tier blocks that failed verification
+        while their step loaded them): no later prefix lookup finds them."""
+        for block_id in block_ids:
+            self.pool.uncache(self.pool.blocks[block_id])
 
     def take_pending_saves(self) -> list[tuple[int, BlockHash]]:
         """Blocks registered since the last call that the tiers do not hold yet: (block id, hash)."""

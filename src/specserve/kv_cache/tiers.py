@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -58,11 +60,22 @@ _WRITE_QUEUE = 4096  # blocks waiting for the disk writer; beyond it new saves s
 _SYNC_EVERY = 32  # a writer re-reads the shared directory's size after this many of its own writes
 
 
-class TierBlock(NamedTuple):
-    """A prefix block found in a lower tier, verified and in host memory."""
+class DiskRef(NamedTuple):
+    """A block file whose header names the requested block and promises a whole payload: read and
+    verified layer by layer when the step that uses it runs (`LayerLoader`)."""
 
     block_hash: BlockHash
-    payload: torch.Tensor  # uint8, the block's K/V (and scales) of every layer, as the runner packs them
+    path: Path
+    payload_offset: int  # where the payload starts in the file
+    layer_digests: tuple[str, ...]  # one per layer of the payload; empty for a file without them
+
+
+class TierBlock(NamedTuple):
+    """A prefix block found in a lower tier: verified and in host memory, or (from the disk tier,
+    for a step that loads layer by layer) a reference to its file, verified as it is read."""
+
+    block_hash: BlockHash
+    payload: torch.Tensor | DiskRef  # uint8, the block's K/V (and scales) of every layer, as the runner packs them
     tier: str  # "host", "disk" or "remote": where it was found
 
 
@@ -132,12 +145,27 @@ def check_header(raw: bytes | memoryview, fingerprint: str) -> dict:
     return header
 
 
-def block_prefix(fingerprint: str, block_hash: BlockHash, data: memoryview) -> bytes:
+def layer_digest(data: memoryview | bytes) -> str:
+    """The digest a block record keeps of one layer's bytes (BLAKE2b, 128 bits)."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def block_prefix(fingerprint: str, block_hash: BlockHash, data: memoryview,
+                 layer_bytes: Sequence[int] | None = None) -> bytes:
     """The self-verifying record of one block, up to its payload: magic, header length, header
     (the model's fingerprint, chained hash, parent, tokens, payload size, and a BLAKE2b digest
-    over the header and the payload). A disk file and a remote store entry are prefix + payload."""
-    header = {"fingerprint": fingerprint, "value": block_hash.value, "parent": block_hash.parent_value,
-              "tokens": list(block_hash.token_ids), "payload_bytes": len(data)}
+    over the header and the payload). A disk file and a remote store entry are prefix + payload.
+
+    With `layer_bytes` (the payload's split into layers, in order) the header also holds a
+    digest of each layer's bytes, so a reader can verify and use layer 0 before reading layer 1
+    (`LayerLoader`); the whole-record digest covers those too."""
+    header: dict[str, Any] = {"fingerprint": fingerprint, "value": block_hash.value, "parent": block_hash.parent_value,
+                              "tokens": list(block_hash.token_ids), "payload_bytes": len(data)}
+    if layer_bytes is not None:
+        if sum(layer_bytes) != len(data):
+            raise ValueError(f"layers of {sum(layer_bytes)} bytes for a payload of {len(data)}")
+        bounds = [0, *itertools.accumulate(layer_bytes)]
+        header["layers"] = [layer_digest(data[a:b]) for a, b in zip(bounds, bounds[1:])]
     header["digest"] = _digest(header, data)
     blob = json.dumps(header, separators=(",", ":")).encode()
     return MAGIC + _HEADER_LEN.pack(len(blob)) + blob
@@ -258,12 +286,13 @@ class DiskTier:
     """
 
     def __init__(self, root: str | Path, fingerprint: str, capacity_bytes: int, payload_bytes: int,
-                 counters: TierCounters) -> None:
+                 counters: TierCounters, layer_bytes: Sequence[int] | None = None) -> None:
         self.dir = Path(root) / fingerprint[:24]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fingerprint = fingerprint
         self.capacity_bytes = capacity_bytes
         self.payload_bytes = payload_bytes
+        self.layer_bytes = None if layer_bytes is None else tuple(layer_bytes)
         self.counters = counters
         self.used_bytes = 0
         self._lock = threading.Lock()
@@ -354,10 +383,7 @@ class DiskTier:
         try:
             blob = entry.path.read_bytes()
         except FileNotFoundError:  # another process sharing the directory evicted it: a miss
-            with self._lock:
-                if self._index.get(block_hash.value) is entry:
-                    del self._index[block_hash.value]
-                    self.used_bytes -= entry.size
+            self._forget(block_hash.value, entry)
             return None
         except OSError as exc:
             logger.warning("KV disk tier: %s unreadable (%s)", entry.path.name, exc)
@@ -374,9 +400,66 @@ class DiskTier:
                            entry.path.name)
             self._remove(block_hash.value, entry)
             return None
-        with contextlib.suppress(OSError):
-            os.utime(entry.path)  # its last use, for the next start's LRU order
+        self.touch(entry.path)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a writable copy of its own
+
+    def locate(self, block_hash: BlockHash) -> DiskRef | None:
+        """This exact block's file, for a reader that verifies it layer by layer: its header is read
+        and checked now (the block's identity, the payload size, the file's length), its payload
+        later. None when there is no such file or its header is refused (then deleted, counted)."""
+        entry = self._entry(block_hash)
+        if entry is None:
+            return None
+        try:
+            with entry.path.open("rb") as f:
+                head = f.read(len(MAGIC) + _HEADER_LEN.size)
+                n = _header_length(head)
+                header = check_header(f.read(n), self.fingerprint)
+                size = os.fstat(f.fileno()).st_size
+            offset = len(MAGIC) + _HEADER_LEN.size + n
+            if not (header["value"] == block_hash.value and header["parent"] == block_hash.parent_value
+                    and tuple(header["tokens"]) == block_hash.token_ids):
+                raise ValueError("another block's record")
+            if not header["payload_bytes"] == self.payload_bytes == size - offset:
+                raise ValueError("payload size differs from the layout (a torn or foreign file)")
+            layers = tuple(header.get("layers", ()))
+            if layers and (self.layer_bytes is None or len(layers) != len(self.layer_bytes)
+                           or not all(isinstance(d, str) for d in layers)):
+                raise ValueError("layer digests do not match the layout")
+        except FileNotFoundError:
+            self._forget(block_hash.value, entry)
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.refuse(entry.path, block_hash, str(exc))
+            return None
+        with self._lock:
+            if block_hash.value in self._index:
+                self._index.move_to_end(block_hash.value)
+        return DiskRef(block_hash, entry.path, offset, layers)
+
+    def refuse(self, path: Path, block_hash: BlockHash, why: str) -> None:
+        """Count a block file that failed verification and delete it: it is never served."""
+        self.counters.corrupt += 1
+        logger.warning("KV disk tier: %s refused (%s); deleted, the prefix is recomputed", path.name, why)
+        with self._lock:
+            entry = self._index.get(block_hash.value)
+        if entry is not None and entry.path == path:
+            self._remove(block_hash.value, entry)
+        else:
+            path.unlink(missing_ok=True)
+
+    @staticmethod
+    def touch(path: Path) -> None:
+        """Mark a file used now (its mtime orders the next start's LRU)."""
+        with contextlib.suppress(OSError):
+            os.utime(path)
+
+    def _forget(self, value: int, entry: _DiskEntry) -> None:
+        """Drop the index entry of a file another process sharing the directory removed."""
+        with self._lock:
+            if self._index.get(value) is entry:
+                del self._index[value]
+                self.used_bytes -= entry.size
 
     # ------------------------------------------------------------------ writes
     def save(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
@@ -408,7 +491,7 @@ class DiskTier:
 
     def _write(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
         data = memoryview(payload.contiguous().numpy()).cast("B")
-        prefix = block_prefix(self.fingerprint, block_hash, data)
+        prefix = block_prefix(self.fingerprint, block_hash, data, self.layer_bytes)
         path = self.dir / _file_name(block_hash)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         with tmp.open("wb") as f:
@@ -495,12 +578,16 @@ class TieredKVStore:
     """The host, disk and remote tiers behind the working pool (any may be absent)."""
 
     def __init__(self, fingerprint: str, payload_bytes: int, *, host_bytes: int = 0,
-                 disk_dir: str | Path | None = None, disk_bytes: int = 0, remote_store: Any = None) -> None:
+                 disk_dir: str | Path | None = None, disk_bytes: int = 0, remote_store: Any = None,
+                 layer_bytes: Sequence[int] | None = None) -> None:
+        """`layer_bytes`: how a payload splits into layers (the runner's layout); with it, disk
+        files carry per-layer digests and a disk hit can be loaded layer by layer."""
         self.fingerprint = fingerprint
         self.payload_bytes = payload_bytes
+        self.layer_bytes = None if layer_bytes is None else tuple(layer_bytes)
         self.counters = TierCounters()
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
-        self.disk = (DiskTier(disk_dir, fingerprint, disk_bytes, payload_bytes, self.counters)
+        self.disk = (DiskTier(disk_dir, fingerprint, disk_bytes, payload_bytes, self.counters, layer_bytes)
                      if disk_dir is not None and disk_bytes > 0 else None)
         self.remote = None
         if remote_store is not None:  # the deployment's store (kv_cache/remote.py): Ray only then
@@ -514,12 +601,13 @@ class TieredKVStore:
                 or (self.disk is not None and self.disk.contains(block_hash))
                 or (self.remote is not None and self.remote.contains(block_hash)))
 
-    def fetch_run(self, hashes: list[BlockHash]) -> list[TierBlock]:
+    def fetch_run(self, hashes: list[BlockHash], *, deferred: bool = False) -> list[TierBlock]:
         """The leading run of these blocks that the tiers hold, each verified: host and disk block
-        by block, then what the remote store holds of the rest in one call (promoted to host)."""
+        by block, then what the remote store holds of the rest in one call (promoted to host).
+        `deferred`: disk hits come as DiskRefs, read and verified when their step runs."""
         out: list[TierBlock] = []
         for block_hash in hashes:
-            found = self.fetch(block_hash)
+            found = self.fetch(block_hash, deferred=deferred)
             if found is None:
                 break
             out.append(found)
@@ -537,8 +625,11 @@ class TieredKVStore:
             st.load_s += time.perf_counter() - t0
         return out
 
-    def fetch(self, block_hash: BlockHash) -> TierBlock | None:
-        """This exact block from the highest tier holding it, verified; a disk hit is promoted."""
+    def fetch(self, block_hash: BlockHash, *, deferred: bool = False) -> TierBlock | None:
+        """This exact block from the highest tier holding it, verified; a disk hit is promoted.
+        `deferred`: a disk hit whose file has per-layer digests comes as a DiskRef whose header is
+        checked; its payload is read and verified by the step's LayerLoader, which reports back
+        through `loaded` or `refused`."""
         t0 = time.perf_counter()
         if self.host is not None:
             payload = self.host.get(block_hash)
@@ -546,6 +637,12 @@ class TieredKVStore:
                 self._count(self.counters.host, payload, t0)
                 return TierBlock(block_hash, payload, "host")
         if self.disk is not None:
+            if deferred:
+                ref = self.disk.locate(block_hash)
+                if ref is None:
+                    return None
+                if ref.layer_digests:
+                    return TierBlock(block_hash, ref, "disk")
             payload = self.disk.read(block_hash)
             if payload is not None:
                 if self.host is not None:
@@ -553,6 +650,24 @@ class TieredKVStore:
                 self._count(self.counters.disk, payload, t0)
                 return TierBlock(block_hash, payload, "disk")
         return None
+
+    def loaded(self, ref: DiskRef, payload: torch.Tensor, seconds: float) -> None:
+        """A deferred disk hit was read and every layer verified: count it, promote it to host."""
+        st = self.counters.disk
+        st.hits += 1
+        st.hit_bytes += payload.numel()
+        st.load_s += seconds
+        if self.host is not None:
+            self.host.put(ref.block_hash, payload)
+        if self.disk is not None:
+            self.disk.touch(ref.path)
+
+    def refused(self, ref: DiskRef, why: str) -> None:
+        """A deferred disk hit failed verification while its step loaded it: counted, deleted."""
+        if self.disk is not None:
+            self.disk.refuse(ref.path, ref.block_hash, why)
+        else:
+            self.counters.corrupt += 1
 
     @staticmethod
     def _count(stats: TierStats, payload: torch.Tensor, t0: float) -> None:

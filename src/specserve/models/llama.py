@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Protocol
 
@@ -15,6 +16,9 @@ from specserve.models.arch import ArchConfig
 
 # (k, v) pages [num_blocks, block_size, n_kv, d]; an int8 cache adds (k_scale, v_scale) [num_blocks, block_size, n_kv].
 KVCache = tuple[torch.Tensor, ...]
+
+# Layers per native call in a forward that waits on KV loading layer by layer (LlamaModel.layer_wait).
+LAYER_GROUP = 4
 
 
 class RMSNorm(nn.Module):
@@ -189,6 +193,10 @@ class LlamaModel(nn.Module):
         # builds it when every projection is block-quantized). Used when no hooks are set and the
         # KV cache is float; it runs the same kernels as the module path, bit for bit.
         self.native_stack = None
+        # Set for a step that loads prefix blocks from a lower tier beside its forward
+        # (kv_cache/layer_load.py): blocks until the KV of layers [0, n) is in place.
+        self.layer_wait: Callable[[int], None] | None = None
+        self._group_stacks: dict[range, object | None] = {}
 
     def forward(
         self,
@@ -199,22 +207,41 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Hidden states of the new tokens after the last norm."""
         x = self.embed_tokens(input_ids)
-        hooks = self.layer_hooks
+        hooks, wait = self.layer_hooks, self.layer_wait
         stack = self.native_stack
         if stack is not None and hooks is None and len(kv_caches[0]) == 2 and stack.num_layers == len(self.layers):
-            kv = [t for pair in kv_caches for t in pair]
-            rope = self.rotary
-            x = stack.forward(x, positions, rope.cos, rope.sin, kv, meta.slot_mapping, meta.block_tables, meta.attn_mask,
-                              meta.query_index, self.layers[0].self_attn.scale)
-        elif hooks is None:
-            for layer, kv in zip(self.layers, kv_caches):
-                x = layer(x, positions, self.rotary, kv, meta)
+            if wait is None:
+                kv = [t for pair in kv_caches for t in pair]
+                rope = self.rotary
+                x = stack.forward(x, positions, rope.cos, rope.sin, kv, meta.slot_mapping, meta.block_tables,
+                                  meta.attn_mask, meta.query_index, self.layers[0].self_attn.scale)
+            else:  # the same kernels in groups of layers, each run once its layers' KV has loaded
+                for group in self._layer_groups():
+                    wait(group.stop)
+                    x = self.run_layers(x, positions, kv_caches, meta, group, self._group_stack(group))
         else:
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-                hooks.before_layer(i, kv)
+                if wait is not None:
+                    wait(i + 1)
+                if hooks is not None:
+                    hooks.before_layer(i, kv)
                 x = layer(x, positions, self.rotary, kv, meta)
-                hooks.after_layer(i, kv)
+                if hooks is not None:
+                    hooks.after_layer(i, kv)
         return self.norm(x)
+
+    def _layer_groups(self) -> list[range]:
+        """The layers in LAYER_GROUP-sized runs, for a forward that waits on loading KV."""
+        n = len(self.layers)
+        return [range(a, min(a + LAYER_GROUP, n)) for a in range(0, n, LAYER_GROUP)]
+
+    def _group_stack(self, layers: range) -> object | None:
+        """A native DecoderStack over `layers`, sharing the full stack's weights (built once)."""
+        if layers not in self._group_stacks:
+            from specserve.models.block_linear import partial_decoder_stack
+
+            self._group_stacks[layers] = partial_decoder_stack(self, layers)
+        return self._group_stacks[layers]
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata,
                    layers: range, stack: object | None = None) -> torch.Tensor:  # [num_tokens, hidden], before any norm

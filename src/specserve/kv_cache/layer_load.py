@@ -1,0 +1,158 @@
+"""Loading lower-tier prefix blocks into the KV pool layer by layer, beside the step's forward.
+
+A step that admits a request whose prefix was found in a lower tier (kv_cache/tiers.py) must
+write those blocks into their pool blocks before attention reads them. Done all at once, the
+load sits in front of the forward: read every file, verify it, copy it, then compute the rest
+of the prompt. The KV of layer l is only read by layer l's attention, so the loader here goes
+layer-major instead, on a thread of its own: layer 0 of every block (read, verified against that
+layer's digest in the block's header, copied), then layer 1, and so on, while the forward runs
+layer 0 as soon as layer 0 has arrived and waits (`wait`) only where it would overtake the
+loader. File reads (`os.preadv`) and BLAKE2b release the GIL; the copies are NumPy stores into
+views of the cache tensors, so the thread starts no torch parallel region of its own.
+
+Verification stays complete: a block is used layer by layer only after that layer's bytes
+match their digest, and the header's identity (hash, parent, tokens, size) is checked before the
+step is scheduled. A layer that fails (torn file, flipped bit, file gone) leaves that block's
+layer unwritten; the loader still loads every other block in full, and `finish` names the failed
+blocks. The engine then drops the step's results of every request whose block table holds one,
+forgets the block's cached content and sends those requests back to the queue (they recompute
+from the last good block): a bad block is counted and deleted, never served.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from specserve.kv_cache.tiers import DiskRef, TieredKVStore, layer_digest
+
+# Writes one layer's bytes of one block: (layer index, block id, bytes as uint8 NumPy array).
+LayerWriter = Callable[[int, int, np.ndarray], None]
+
+
+class KVLoad(NamedTuple):
+    """A lower tier's block to be written into a pool block before the step that reads it."""
+
+    block_id: int
+    payload: object  # torch.Tensor (uint8, verified) or DiskRef (verified as it is read)
+
+
+class LayerLoader:
+    """Writes a step's KVLoads into the pool, layer-major; `start` runs it on a thread of its own,
+    `finish` runs what is left on the caller's thread, waits for the thread, and reports."""
+
+    def __init__(self, loads: Sequence[KVLoad], layer_bytes: Sequence[int], write: LayerWriter,
+                 tiers: TieredKVStore | None) -> None:
+        self.loads = list(loads)
+        self.layer_bytes = list(layer_bytes)
+        self.num_layers = len(self.layer_bytes)
+        self.payload_bytes = sum(self.layer_bytes)
+        self._offsets = [sum(self.layer_bytes[:i]) for i in range(self.num_layers)]
+        self._write = write
+        self._tiers = tiers
+        self._ready = 0  # layers [0, ready) are in place for every block that has not failed
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.failed: dict[int, str] = {}  # block id -> why
+        self._bufs: dict[int, bytearray] = {}  # index in loads -> the payload read so far (disk refs)
+        self._fds: dict[int, int] = {}
+        self._seconds: dict[int, float] = {}
+        for load in self.loads:
+            payload = load.payload
+            if isinstance(payload, torch.Tensor):
+                if payload.dtype != torch.uint8 or payload.numel() != self.payload_bytes:
+                    raise RuntimeError(f"a KV block load for block {load.block_id} does not match this cache's layout")
+            elif not isinstance(payload, DiskRef):
+                raise RuntimeError(f"a KV block load for block {load.block_id} carries {type(payload).__name__}")
+
+    @property
+    def reads_disk(self) -> bool:
+        """True when some block comes from a file (then overlapping the load with compute pays)."""
+        return any(isinstance(load.payload, DiskRef) for load in self.loads)
+
+    def start(self) -> None:
+        """Load on a background thread; the forward calls `wait` before each layer it runs."""
+        self._thread = threading.Thread(target=self._run, name="specserve-kv-layer-load", daemon=True)
+        self._thread.start()
+
+    def wait(self, num_layers: int) -> None:
+        """Block until layers [0, num_layers) are in place."""
+        if self._ready >= num_layers:
+            return
+        with self._cond:
+            while self._ready < num_layers:
+                self._cond.wait()
+
+    def finish(self) -> dict[int, str]:
+        """Complete every layer (on this thread unless `start` did), close the files, report each
+        disk block to the tiers (loaded and promoted, or refused and deleted); returns the
+        failed blocks: {block id: why}."""
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            self._run()
+        for i, load in enumerate(self.loads):
+            ref = load.payload
+            if not isinstance(ref, DiskRef) or self._tiers is None:
+                continue
+            if load.block_id in self.failed:
+                self._tiers.refused(ref, self.failed[load.block_id])
+            else:
+                self._tiers.loaded(ref, torch.frombuffer(self._bufs[i], dtype=torch.uint8), self._seconds.get(i, 0.0))
+        return dict(self.failed)
+
+    # ------------------------------------------------------------------ the loader
+    def _run(self) -> None:
+        try:
+            for layer in range(self._ready, self.num_layers):
+                for i, load in enumerate(self.loads):
+                    if load.block_id not in self.failed:
+                        self._load(i, load, layer)
+                with self._cond:
+                    self._ready = layer + 1
+                    self._cond.notify_all()
+        except BaseException as exc:  # never leave the forward waiting: report every unfinished block
+            for load in self.loads:
+                self.failed.setdefault(load.block_id, f"loader failed: {type(exc).__name__}: {exc}")
+            with self._cond:
+                self._ready = self.num_layers
+                self._cond.notify_all()
+        finally:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def _load(self, i: int, load: KVLoad, layer: int) -> None:
+        start, n = self._offsets[layer], self.layer_bytes[layer]
+        payload = load.payload
+        if isinstance(payload, torch.Tensor):
+            self._write(layer, load.block_id, payload[start : start + n].numpy())
+            return
+        t0 = time.perf_counter()
+        try:
+            data = self._read_layer(i, payload, layer, start, n)
+        except OSError as exc:
+            data, why = None, f"unreadable: {exc}"
+        else:
+            why = "" if data is not None else f"layer {layer} is short or fails its digest"
+        if data is None:
+            self.failed[load.block_id] = why
+            return
+        self._write(layer, load.block_id, data)
+        self._seconds[i] = self._seconds.get(i, 0.0) + time.perf_counter() - t0
+
+    def _read_layer(self, i: int, ref: DiskRef, layer: int, start: int, n: int) -> np.ndarray | None:
+        fd = self._fds.get(i)
+        if fd is None:
+            fd = self._fds[i] = os.open(ref.path, os.O_RDONLY)
+            self._bufs[i] = bytearray(self.payload_bytes)
+        view = memoryview(self._bufs[i])[start : start + n]
+        if os.preadv(fd, [view], ref.payload_offset + start) != n or layer_digest(view) != ref.layer_digests[layer]:
+            return None
+        return np.frombuffer(self._bufs[i], dtype=np.uint8, count=n, offset=start)
