@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from specserve.config import SPEC_METHODS
+from specserve.config import KV_TIER_LOADS, SPEC_METHODS
 from specserve.errors import ConfigError, SpecServeError
 
 
@@ -43,6 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefix cache disk tier: every cached block is also written to DIR (verified on load; "
                         "a server restarted on the same DIR starts warm)")
     g.add_argument("--kv-disk-gib", type=float, default=16.0, metavar="G", help="disk tier size (default 16)")
+    g.add_argument("--kv-tier-load", choices=list(KV_TIER_LOADS), default="auto",
+                   help="how disk-tier hits reach the KV cache: layer (read and verified layer by layer while the "
+                        "forward runs), whole (all before the forward), auto (layer when a CPU is spare beyond "
+                        "--threads; default)")
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     s = p.add_argument_group("speculative decoding")
@@ -92,7 +96,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         kv_host_gib=args.kv_host_gib, kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        kv_tier_load=args.kv_tier_load, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=not args.no_chunked_prefill, num_threads=args.threads, seed=args.seed or 0,
         draft_model=args.draft_model, spec_method=args.spec_method, num_spec_tokens=args.num_spec_tokens,
         spec_policy=args.spec_policy, spec_tree=args.spec_tree, max_draft_nodes=args.max_draft_nodes, draft_num_layers=args.draft_num_layers,

@@ -17,6 +17,8 @@ QUANTIZATIONS = ("none", "int8", "int4", "auto", "w8a8")
 # Too lossy and batch-dependent for a target; a draft's numerics only move the acceptance rate.
 DRAFT_ONLY_QUANTIZATIONS = ("w8a8",)
 KV_CACHE_DTYPES = ("auto", "int8")
+# How a step writes lower-tier prefix hits into the pool (kv_cache/layer_load.py).
+KV_TIER_LOADS = ("auto", "layer", "whole")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -119,6 +121,10 @@ class CacheConfig:
     kv_host_gib: float = 0.0  # 0: no host tier
     kv_disk_dir: str | None = None  # None: no disk tier
     kv_disk_gib: float = 16.0  # disk tier size when kv_disk_dir is given
+    # layer: a disk hit is read, verified and written layer by layer beside the forward; whole:
+    # every hit before the forward; auto: layer when a CPU is spare beyond the compute threads
+    # (measured: with none spare the loader only slows the forward's threads down).
+    kv_tier_load: str = "auto"
     # The deployment's block store across hosts (kv_cache/remote.py): the name of its Ray actor.
     kv_remote_store: str | None = None
 
@@ -133,6 +139,8 @@ class CacheConfig:
             raise ConfigError(
                 f"Unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}."
             )
+        if self.kv_tier_load not in KV_TIER_LOADS:
+            raise ConfigError(f"Unknown kv_tier_load {self.kv_tier_load!r}; use one of {', '.join(KV_TIER_LOADS)}.")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}.")
         if self.kv_cache_gib <= 0:

@@ -38,6 +38,7 @@ class LLM:
         kv_host_gib: float = 0.0,
         kv_disk_dir: str | None = None,
         kv_disk_gib: float = 16.0,
+        kv_tier_load: str = "auto",
         kv_remote_store: str | None = None,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
@@ -81,7 +82,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_kv_blocks,
                 kv_cache_dtype=kv_cache_dtype, kv_host_gib=kv_host_gib,
                 kv_disk_dir=None if kv_disk_dir is None else str(kv_disk_dir), kv_disk_gib=kv_disk_gib,
-                kv_remote_store=kv_remote_store,
+                kv_tier_load=kv_tier_load, kv_remote_store=kv_remote_store,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from specserve.kv_cache.block_pool import hash_block_tokens
-from specserve.kv_cache.layer_load import KVLoad, LayerLoader
+from specserve.kv_cache.layer_load import LAYERS_PER_READ, KVLoad, LayerLoader
 from specserve.kv_cache.tiers import SUFFIX, DiskRef, TieredKVStore, block_file_name
 
-LAYERS = [16, 24, 8, 16]  # bytes per layer of one block; the payload is their sum
+LAYERS = [16, 24, 8, 16, 8, 24]  # bytes per layer of one block; the payload is their sum
 PAYLOAD = sum(LAYERS)
 
 
@@ -81,7 +81,8 @@ def test_disk_hits_load_layer_by_layer_verified_and_promoted(tmp_path):
     t.join(timeout=30)
     assert loader.finish() == {}
     assert seen == [3] * len(LAYERS)  # every block's layer l was in place before layer l ran
-    assert [w[0] for w in pool.writes] == sorted(w[0] for w in pool.writes)  # layer-major
+    runs = [w[0] // LAYERS_PER_READ for w in pool.writes]
+    assert runs == sorted(runs) and len(set(runs)) > 1  # layer-major, a run of layers per read
     for i in range(3):
         assert np.array_equal(pool.data[5 + i], _payload(i).numpy())
     assert store.counters.disk.hits == 3 and store.counters.disk.hit_bytes == 3 * PAYLOAD
@@ -157,6 +158,25 @@ def test_a_loader_whose_writer_raises_fails_every_block_and_never_hangs_the_forw
     store.close()
 
 
+def test_auto_loads_layer_by_layer_only_with_a_cpu_to_spare(smollm_llm, monkeypatch):
+    import specserve.engine.runner as runner_mod
+    from specserve import LLM
+    from specserve.errors import ConfigError
+
+    runner = smollm_llm.engine.runner
+    assert runner.tier_load == "auto"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(runner_mod, "usable_cpus", lambda: 2)
+    assert not runner.loads_layer_wise()  # every CPU computes: loading beside them only slows them
+    monkeypatch.setattr(runner_mod, "usable_cpus", lambda: 3)
+    assert runner.loads_layer_wise()
+    for mode, want in (("layer", True), ("whole", False)):
+        monkeypatch.setattr(runner, "tier_load", mode)
+        assert runner.loads_layer_wise() is want
+    with pytest.raises(ConfigError, match="kv_tier_load"):
+        LLM("smollm2-135m-instruct", kv_tier_load="sometimes")
+
+
 def test_a_payload_of_another_layout_is_refused():
     with pytest.raises(RuntimeError, match="does not match"):
         LayerLoader([KVLoad(0, torch.zeros(3, dtype=torch.uint8))], LAYERS, Pool().write, None)
@@ -170,7 +190,7 @@ PROMPTS = [SYSTEM + f"Conversation {i}: " + f"tell me about item {i} and why it 
 def _engine(ckpt, **kw):
     from specserve import LLM
 
-    return LLM("smollm2-135m-instruct", checkpoint=ckpt, kv_cache_gib=0.02, num_threads=1, **kw)
+    return LLM("smollm2-135m-instruct", checkpoint=ckpt, kv_cache_gib=0.02, num_threads=1, kv_tier_load="layer", **kw)
 
 
 def _outputs(llm) -> list[list[int]]:
@@ -227,7 +247,7 @@ def test_engine_without_layer_wise_loads_is_exact_too(smollm_checkpoint, tmp_pat
     first.engine.close()
     for layer_wise in (True, False):
         llm = _engine(smollm_checkpoint, dtype="float32", quantization="none", kv_disk_dir=str(tmp_path))
-        llm.engine.runner.layer_wise_loads = layer_wise
+        llm.engine.runner.tier_load = "layer" if layer_wise else "whole"
         assert _outputs(llm) == ref
         st = llm.engine.stats()
         assert st["kv_tier_disk_hits"] >= 8

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from specserve.attention import AttentionMetadata, build_attention_metadata
-from specserve.config import CacheConfig, ModelConfig
+from specserve.config import CacheConfig, ModelConfig, usable_cpus
 from specserve.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
 from specserve.kv_cache.layer_load import KVLoad, LayerLoader, LayerWriter
@@ -188,9 +188,9 @@ class ModelRunner:
         self.keep_logits = False  # tests: keep the last step's logits in self.last_logits
         # The prefix cache's lower tiers (the engine sets them): a step's KVLoads report to them.
         self.tiers: TieredKVStore | None = None
-        # Load lower-tier files layer by layer beside the forward (kv_cache/layer_load.py);
-        # off: every block is read and verified before the forward starts.
-        self.layer_wise_loads = True
+        # Lower-tier hits: "layer" loads files layer by layer beside the forward
+        # (kv_cache/layer_load.py), "whole" every block before it, "auto" decides per step.
+        self.tier_load = cache_config.kv_tier_load
         self.failed_loads: dict[int, str] = {}  # blocks of the last step that failed to load
         self.num_layer_wise_loads = 0  # steps whose forward ran beside their lower-tier loads
         self.last_logits: torch.Tensor | None = None
@@ -362,7 +362,7 @@ class ModelRunner:
             # Files load layer by layer beside the forward; blocks already in host memory are
             # copied before it (a memcpy). Not while a connector streams this step's layers out:
             # a layer it sent cannot be taken back if a block then fails verification.
-            if self.layer_wise_loads and loader.reads_disk and not wants_layers and self.device.type == "cpu":
+            if self.loads_layer_wise() and loader.reads_disk and not wants_layers and self.device.type == "cpu":
                 loader.start()
                 self.model.model.layer_wait = loader.wait
                 self.num_layer_wise_loads += 1
@@ -388,6 +388,16 @@ class ModelRunner:
             sampled.pop(rid, None)
             self._hidden.pop(rid, None)
         return sampled
+
+    def loads_layer_wise(self) -> bool:
+        """Whether this step loads disk hits beside its forward: always with tier_load "layer",
+        never with "whole"; with "auto" when a CPU is spare beyond torch's threads. With none spare
+        the loader's reads, checks and copies take turns with the forward's threads instead of
+        overlapping them, and OpenMP's barriers wait for whichever thread was descheduled (bench/tiers.py
+        --layer-wise on 2 vCPUs: slower; with one compute thread on 2 vCPUs: faster)."""
+        if self.tier_load != "auto":
+            return self.tier_load == "layer"
+        return usable_cpus() > torch.get_num_threads()
 
     def requests_on_failed_loads(self, out: SchedulerOutput) -> list[str]:
         """The step's requests whose block tables hold a block that failed to load (failed_loads)."""

@@ -32,6 +32,10 @@ import torch
 
 from specserve.kv_cache.tiers import DiskRef, TieredKVStore, layer_digest
 
+# Layers read from a block file in one call (then verified and written one by one): fewer, larger
+# reads than one per layer, and as many layers as the model runs in one native call (LAYER_GROUP).
+LAYERS_PER_READ = 4
+
 # Writes one layer's bytes of one block: (layer index, block id, bytes as uint8 NumPy array).
 LayerWriter = Callable[[int, int, np.ndarray], None]
 
@@ -78,6 +82,7 @@ class LayerLoader:
 
     def start(self) -> None:
         """Load on a background thread; the forward calls `wait` before each layer it runs."""
+        self._prefetch()
         self._thread = threading.Thread(target=self._run, name="specserve-kv-layer-load", daemon=True)
         self._thread.start()
 
@@ -110,12 +115,13 @@ class LayerLoader:
     # ------------------------------------------------------------------ the loader
     def _run(self) -> None:
         try:
-            for layer in range(self._ready, self.num_layers):
+            for first in range(self._ready, self.num_layers, LAYERS_PER_READ):
+                layers = range(first, min(first + LAYERS_PER_READ, self.num_layers))
                 for i, load in enumerate(self.loads):
                     if load.block_id not in self.failed:
-                        self._load(i, load, layer)
+                        self._load(i, load, layers)
                 with self._cond:
-                    self._ready = layer + 1
+                    self._ready = layers.stop
                     self._cond.notify_all()
         except BaseException as exc:  # never leave the forward waiting: report every unfinished block
             for load in self.loads:
@@ -128,31 +134,51 @@ class LayerLoader:
                 os.close(fd)
             self._fds.clear()
 
-    def _load(self, i: int, load: KVLoad, layer: int) -> None:
-        start, n = self._offsets[layer], self.layer_bytes[layer]
+    def _load(self, i: int, load: KVLoad, layers: range) -> None:
+        """These consecutive layers of one block: one read, then each layer verified and written
+        in order (a layer that fails stops the block there)."""
         payload = load.payload
         if isinstance(payload, torch.Tensor):
-            self._write(layer, load.block_id, payload[start : start + n].numpy())
+            for layer in layers:
+                start = self._offsets[layer]
+                self._write(layer, load.block_id, payload[start : start + self.layer_bytes[layer]].numpy())
             return
         t0 = time.perf_counter()
+        start = self._offsets[layers.start]
+        end = self._offsets[layers.stop - 1] + self.layer_bytes[layers.stop - 1]
         try:
-            data = self._read_layer(i, payload, layer, start, n)
+            got = self._read(i, payload, start, end)
         except OSError as exc:
-            data, why = None, f"unreadable: {exc}"
-        else:
-            why = "" if data is not None else f"layer {layer} is short or fails its digest"
-        if data is None:
-            self.failed[load.block_id] = why
+            self.failed[load.block_id] = f"unreadable: {exc}"
             return
-        self._write(layer, load.block_id, data)
+        buf = self._bufs[i]
+        for layer in layers:
+            a, n = self._offsets[layer], self.layer_bytes[layer]
+            if got < a + n - start or layer_digest(memoryview(buf)[a : a + n]) != payload.layer_digests[layer]:
+                self.failed[load.block_id] = f"layer {layer} is short or fails its digest"
+                return
+            self._write(layer, load.block_id, np.frombuffer(buf, dtype=np.uint8, count=n, offset=a))
         self._seconds[i] = self._seconds.get(i, 0.0) + time.perf_counter() - t0
 
-    def _read_layer(self, i: int, ref: DiskRef, layer: int, start: int, n: int) -> np.ndarray | None:
+    def _read(self, i: int, ref: DiskRef, start: int, end: int) -> int:
+        """Read payload bytes [start, end) of a block file into its buffer; returns bytes read."""
         fd = self._fds.get(i)
         if fd is None:
             fd = self._fds[i] = os.open(ref.path, os.O_RDONLY)
             self._bufs[i] = bytearray(self.payload_bytes)
-        view = memoryview(self._bufs[i])[start : start + n]
-        if os.preadv(fd, [view], ref.payload_offset + start) != n or layer_digest(view) != ref.layer_digests[layer]:
-            return None
-        return np.frombuffer(self._bufs[i], dtype=np.uint8, count=n, offset=start)
+        return os.preadv(fd, [memoryview(self._bufs[i])[start:end]], ref.payload_offset + start)
+
+    def _prefetch(self) -> None:
+        """Ask the OS to start reading every file now (POSIX_FADV_WILLNEED), so a cold block's
+        later layers arrive while its first ones are used; a file that is gone fails when read."""
+        for i, load in enumerate(self.loads):
+            ref = load.payload
+            if not isinstance(ref, DiskRef):
+                continue
+            try:
+                fd = self._fds[i] = os.open(ref.path, os.O_RDONLY)
+            except OSError:
+                continue
+            self._bufs[i] = bytearray(self.payload_bytes)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, ref.payload_offset, self.payload_bytes, os.POSIX_FADV_WILLNEED)
