@@ -11,11 +11,11 @@ Configurations, each a fresh engine with the same settings:
 - `host+disk`: --kv-host-gib and --kv-disk-dir (an empty directory);
 - `disk, restarted`: a new engine on the directory the previous one filled, no host tier:
   the first turns too find their prefix, on disk (a server restarted warm);
-- with --layer-wise, each disk configuration twice: `--kv-tier-load layer` (a hit's file is read,
-  verified and written into the pool layer by layer on a thread while the forward runs each
-  group of layers once its layers are in place: kv_cache/layer_load.py) and `, whole-block
-  loads` (`--kv-tier-load whole`: every hit read, verified and written before the forward
-  starts); plus `disk only` (no host tier, an empty directory: each repeated turn loads its
+- with --layer-wise, each disk configuration twice: `, layer by layer` (`--kv-tier-load layer`:
+  a hit's file is read, verified and written into the pool layer by layer on a thread while the
+  forward runs each group of layers once its layers are in place: kv_cache/layer_load.py) and
+  `, whole-block loads` (`--kv-tier-load whole`: every hit read, verified and written before the
+  forward starts); plus `disk only` (no host tier, an empty directory: each repeated turn loads its
   history from disk and prefills the new message). specserve's default, `auto`, is `layer`
   only when a CPU is spare beyond the compute threads: compare with --threads below the CPUs;
 - with --store, `store, another worker`: the `host+disk` engine also wrote every block to the
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import os
 import shutil
 import statistics
@@ -58,7 +59,8 @@ from specserve import LLM, SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 STORE = "specserve-kv-store-bench"
-WHOLE = ", whole-block loads"
+WHOLE = ", whole-block loads"  # --kv-tier-load whole
+LAYER = ", layer by layer"  # --kv-tier-load layer
 SYSTEM = ("You are a meticulous senior engineer reviewing code and documents for a team. Answer with "
           "precise, complete sentences, cite the line you mean, and never invent an API. ") * 6
 
@@ -102,7 +104,8 @@ def run(config: str, args: argparse.Namespace, disk_dir: str | None) -> dict[str
     if args.store and config == "host+disk":
         kw["kv_remote_store"] = STORE
     llm = LLM(MODEL, kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.chunk, num_threads=args.threads, **kw)
-    llm.engine.runner.tier_load = "whole" if whole else "layer"
+    if config.endswith((WHOLE, LAYER)):
+        llm.engine.runner.tier_load = "whole" if whole else "layer"
     tok = llm.tokenizer
     params = SamplingParams(max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True)
     system = tok.encode(SYSTEM)
@@ -172,7 +175,9 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ws = payload["working_set_over_pool"]
     ax2.set_title(f"working set {ws:.1f}x the KV pool; outputs identical: {payload['outputs_identical']}")
     m = payload["machine"]
-    fig.suptitle(f"bench/tiers.py, {MODEL} on {m.get('cpu')} ({m.get('commit')})", fontsize=9)
+    st = payload["settings"]
+    extra = (f", {st['threads']} torch thread(s)" if st.get("threads") else "") + (", page cache dropped every turn" if st.get("cold") else "")
+    fig.suptitle(f"bench/tiers.py, {MODEL} on {m.get('cpu')} ({m.get('commit')}){extra}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -199,7 +204,8 @@ def main() -> int:
     disk_dir = args.disk_dir or tempfile.mkdtemp(prefix="specserve-tiers-")
     configs = ["pool", "host+disk", "disk, restarted"]
     if args.layer_wise:
-        configs = ["pool", f"disk only{WHOLE}", "disk only", "host+disk", f"disk, restarted{WHOLE}", "disk, restarted"]
+        configs = ["pool", f"disk only{WHOLE}", f"disk only{LAYER}", "host+disk", f"disk, restarted{WHOLE}",
+                   f"disk, restarted{LAYER}"]
     if args.store:
         from specserve.disagg.launch import init_ray
         from specserve.kv_cache.remote import start_kv_store
@@ -217,6 +223,9 @@ def main() -> int:
             shutil.rmtree(disk_dir, ignore_errors=True)
     answers = {c: [r["answer"] for r in res["records"]] for c, res in runs.items()}
     identical = all(a == answers["pool"] for a in answers.values())
+    for res in runs.values():  # the JSON keeps a digest of each answer, not its tokens
+        for r in res["records"]:
+            r["answer"] = hashlib.blake2b(str(r["answer"]).encode(), digest_size=8).hexdigest()
     summary = {c: summarize(res, all_turns=c.startswith(("disk, restarted", "store, another worker")))
                for c, res in runs.items()}
     base = summary["pool"]["ttft_p50_s"]

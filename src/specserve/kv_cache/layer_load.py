@@ -4,19 +4,25 @@ A step that admits a request whose prefix was found in a lower tier (kv_cache/ti
 write those blocks into their pool blocks before attention reads them. Done all at once, the
 load sits in front of the forward: read every file, verify it, copy it, then compute the rest
 of the prompt. The KV of layer l is only read by layer l's attention, so the loader here goes
-layer-major instead, on a thread of its own: layer 0 of every block (read, verified against that
-layer's digest in the block's header, copied), then layer 1, and so on, while the forward runs
+layer-major instead, on a thread of its own: layer 0 of every block (read, checked against that
+layer's CRC-32 in the block's header, copied), then layer 1, and so on (one read per
+LAYERS_PER_READ layers), while the forward runs
 layer 0 as soon as layer 0 has arrived and waits (`wait`) only where it would overtake the
-loader. File reads (`os.preadv`) and BLAKE2b release the GIL; the copies are NumPy stores into
+loader. File reads (`os.preadv`) and zlib's CRC-32 release the GIL; the copies are NumPy stores into
 views of the cache tensors, so the thread starts no torch parallel region of its own.
 
 Verification stays complete: a block is used layer by layer only after that layer's bytes
-match their digest, and the header's identity (hash, parent, tokens, size) is checked before the
+match their CRC-32, and the header's identity (hash, parent, tokens, size) is checked before the
 step is scheduled. A layer that fails (torn file, flipped bit, file gone) leaves that block's
 layer unwritten; the loader still loads every other block in full, and `finish` names the failed
 blocks. The engine then drops the step's results of every request whose block table holds one,
 forgets the block's cached content and sends those requests back to the queue (they recompute
 from the last good block): a bad block is counted and deleted, never served.
+
+Whether it pays depends on a spare CPU: the loader's reads, checks and copies are CPU work, and
+on a machine whose every CPU runs the forward's threads they only take turns with them (and
+OpenMP's barriers wait for whichever thread was descheduled). `--kv-tier-load auto` therefore
+loads beside the forward only when a CPU is spare; otherwise the same loader runs before it.
 """
 
 from __future__ import annotations

@@ -15,13 +15,19 @@ handed out again their cached prefixes are gone. The tiers keep them:
   at worst a temporary file, deleted at the next start. The directory is its own index: the
   next process scans the file headers and starts warm.
 - **Verified on every use.** A disk file holds its block's chained hash, parent hash and token
-  ids and a BLAKE2b digest over all of that and the payload; a hit must match the requested
-  block exactly (hash, parent and tokens) and its digest, else it is counted as corrupt,
-  deleted and treated as a miss, never served. Payload sizes are checked against the layout.
+  ids, a CRC-32 of each layer's bytes and a BLAKE2b digest over all of that and the payload; a
+  hit must match the requested block exactly (hash, parent and tokens) and its checks, else it
+  is counted as corrupt, deleted and treated as a miss, never served. Payload sizes are checked
+  against the layout.
 
 A hit in a lower tier becomes a fresh pool block registered under its hash; the runner writes
-the payload into it at the start of the step that first uses it (`SchedulerOutput.kv_loads`),
-so the request counts those tokens as computed and prefills only the rest.
+the payload into it in the step that first uses it (`SchedulerOutput.kv_loads`), so the request
+counts those tokens as computed and prefills only the rest. A disk hit is checked only up to its
+header when the step is scheduled (`DiskTier.locate`): its layers are read and checked against
+their CRC-32 as the step loads them (`layer_load.LayerLoader`, layer by layer beside the forward
+where a CPU is spare), and a block that fails then voids the step for the requests holding it,
+which are requeued and recompute it. A direct `fetch` (and a file from before per-layer checks)
+verifies the whole record's BLAKE2b instead.
 
 Why files rather than a database for the disk index: a block file names and checks itself, so
 there is nothing that can disagree with the data after a crash; SQLite (or diskcache on top of
