@@ -90,8 +90,11 @@ def test_disk_hits_load_layer_by_layer_verified_and_promoted(tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("damage", ["flip_layer_2", "deleted_after_lookup", "truncated_after_lookup"])
+@pytest.mark.parametrize("damage", ["flip_layer_2", "truncated_after_lookup", "deleted_after_lookup",
+                                    "replaced_after_lookup"])
 def test_a_layer_that_fails_is_named_its_block_refused_and_the_others_load(tmp_path, damage):
+    """Damage is counted and the file deleted; a file another process removed or renamed a new one
+    over between the lookup and the load (LRU eviction, a rewrite) fails the block without either."""
     hs = _filled(tmp_path, 3)
     store = _store(tmp_path)
     run = store.fetch_run(hs, deferred=True)
@@ -103,6 +106,10 @@ def test_a_layer_that_fails_is_named_its_block_refused_and_the_others_load(tmp_p
         victim.write_bytes(bytes(data))
     elif damage == "deleted_after_lookup":
         victim.unlink()
+    elif damage == "replaced_after_lookup":  # as DiskTier._write does: a new file renamed into place
+        tmp = victim.with_name(victim.name + ".tmp")
+        tmp.write_bytes(bytes(data))
+        tmp.replace(victim)
     else:
         victim.write_bytes(bytes(data[: len(data) - LAYERS[-1] // 2]))
     pool = Pool()
@@ -115,9 +122,15 @@ def test_a_layer_that_fails_is_named_its_block_refused_and_the_others_load(tmp_p
         assert (2, 1) not in pool.writes and (1, 1) in pool.writes  # layers before the bad one were used
     for i in (0, 2):
         assert np.array_equal(pool.data[i], _payload(i).numpy())
-    assert store.counters.corrupt == 1 and not victim.exists()
     assert store.counters.disk.hits == 2
-    assert store.fetch(hs[1]) is None  # never served afterwards
+    if damage in ("deleted_after_lookup", "replaced_after_lookup"):
+        assert "after the lookup" in failed[1] and store.counters.corrupt == 0
+        assert victim.exists() == (damage == "replaced_after_lookup")  # nothing deleted that was not damaged
+        if victim.exists():
+            assert torch.equal(store.fetch(hs[1]).payload, _payload(1))  # the new file is found again
+    else:
+        assert store.counters.corrupt == 1 and not victim.exists()
+        assert store.fetch(hs[1]) is None  # never served afterwards
     store.close()
 
 

@@ -53,6 +53,10 @@ class KVLoad(NamedTuple):
     payload: object  # torch.Tensor (uint8, verified) or DiskRef (verified as it is read)
 
 
+class _Replaced(Exception):
+    """The block file was replaced after its header was read."""
+
+
 class LayerLoader:
     """Writes a step's KVLoads into the pool, layer-major; `start` runs it on a thread of its own,
     `finish` runs what is left on the caller's thread, waits for the thread, and reports."""
@@ -70,8 +74,10 @@ class LayerLoader:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self.failed: dict[int, str] = {}  # block id -> why
+        self._vanished: set[int] = set()  # failed blocks whose file went away or changed: not damage
         self._bufs: dict[int, bytearray] = {}  # index in loads -> the payload read so far (disk refs)
         self._fds: dict[int, int] = {}
+        self._replaced: set[int] = set()  # indexes in loads whose file is not the one looked up
         self._seconds: dict[int, float] = {}
         for load in self.loads:
             payload = load.payload
@@ -112,7 +118,9 @@ class LayerLoader:
             ref = load.payload
             if not isinstance(ref, DiskRef) or self._tiers is None:
                 continue
-            if load.block_id in self.failed:
+            if load.block_id in self._vanished:
+                self._tiers.vanished(ref)
+            elif load.block_id in self.failed:
                 self._tiers.refused(ref, self.failed[load.block_id])
             else:
                 self._tiers.loaded(ref, torch.frombuffer(self._bufs[i], dtype=torch.uint8), self._seconds.get(i, 0.0))
@@ -154,6 +162,12 @@ class LayerLoader:
         end = self._offsets[layers.stop - 1] + self.layer_bytes[layers.stop - 1]
         try:
             got = self._read(i, payload, start, end)
+        except FileNotFoundError:  # another process sharing the directory evicted it
+            self._vanish(load.block_id, "its file was removed after the lookup")
+            return
+        except _Replaced:
+            self._vanish(load.block_id, "its file was replaced after the lookup")
+            return
         except OSError as exc:
             self.failed[load.block_id] = f"unreadable: {exc}"
             return
@@ -166,13 +180,29 @@ class LayerLoader:
             self._write(layer, load.block_id, np.frombuffer(buf, dtype=np.uint8, count=n, offset=a))
         self._seconds[i] = self._seconds.get(i, 0.0) + time.perf_counter() - t0
 
+    def _vanish(self, block_id: int, why: str) -> None:
+        self.failed[block_id] = why
+        self._vanished.add(block_id)
+
     def _read(self, i: int, ref: DiskRef, start: int, end: int) -> int:
         """Read payload bytes [start, end) of a block file into its buffer; returns bytes read."""
         fd = self._fds.get(i)
         if fd is None:
-            fd = self._fds[i] = os.open(ref.path, os.O_RDONLY)
-            self._bufs[i] = bytearray(self.payload_bytes)
+            fd = self._open(i, ref)
+        if i in self._replaced:
+            raise _Replaced
         return os.preadv(fd, [memoryview(self._bufs[i])[start:end]], ref.payload_offset + start)
+
+    def _open(self, i: int, ref: DiskRef) -> int:
+        """Open a block file once; the descriptor keeps reading that file even if another process
+        renames a new one over it, so it only has to be the file the lookup read (same inode:
+        else _Replaced on the first read)."""
+        fd = self._fds[i] = os.open(ref.path, os.O_RDONLY)
+        self._bufs[i] = bytearray(self.payload_bytes)
+        st = os.fstat(fd)
+        if ref.file_id != (0, 0) and (st.st_dev, st.st_ino) != ref.file_id:
+            self._replaced.add(i)
+        return fd
 
     def _prefetch(self) -> None:
         """Ask the OS to start reading every file now (POSIX_FADV_WILLNEED), so a cold block's
@@ -182,9 +212,8 @@ class LayerLoader:
             if not isinstance(ref, DiskRef):
                 continue
             try:
-                fd = self._fds[i] = os.open(ref.path, os.O_RDONLY)
+                fd = self._open(i, ref)
             except OSError:
                 continue
-            self._bufs[i] = bytearray(self.payload_bytes)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, ref.payload_offset, self.payload_bytes, os.POSIX_FADV_WILLNEED)

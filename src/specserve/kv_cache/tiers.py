@@ -75,6 +75,9 @@ class DiskRef(NamedTuple):
     path: Path
     payload_offset: int  # where the payload starts in the file
     layer_digests: tuple[int, ...]  # CRC-32 per layer of the payload; empty for a file without them
+    # (device, inode) of the file whose header was read: a writer renames a new file into place,
+    # so a replaced file has another inode (its mtime is no help: every read touches it)
+    file_id: tuple[int, int] = (0, 0)
 
 
 class TierBlock(NamedTuple):
@@ -426,7 +429,8 @@ class DiskTier:
                 head = f.read(len(MAGIC) + _HEADER_LEN.size)
                 n = _header_length(head)
                 header = check_header(f.read(n), self.fingerprint)
-                size = os.fstat(f.fileno()).st_size
+                st = os.fstat(f.fileno())
+                size = st.st_size
             offset = len(MAGIC) + _HEADER_LEN.size + n
             if not (header["value"] == block_hash.value and header["parent"] == block_hash.parent_value
                     and tuple(header["tokens"]) == block_hash.token_ids):
@@ -446,7 +450,7 @@ class DiskTier:
         with self._lock:
             if block_hash.value in self._index:
                 self._index.move_to_end(block_hash.value)
-        return DiskRef(block_hash, entry.path, offset, layers)
+        return DiskRef(block_hash, entry.path, offset, layers, (st.st_dev, st.st_ino))
 
     def refuse(self, path: Path, block_hash: BlockHash, why: str) -> None:
         """Count a block file that failed verification and delete it: it is never served."""
@@ -458,6 +462,14 @@ class DiskTier:
             self._remove(block_hash.value, entry)
         else:
             path.unlink(missing_ok=True)
+
+    def vanished(self, block_hash: BlockHash) -> None:
+        """A block file another process removed or replaced after this one read its header: a
+        miss, not damage (the index forgets it; a replaced file is found again by name)."""
+        with self._lock:
+            entry = self._index.get(block_hash.value)
+        if entry is not None:
+            self._forget(block_hash.value, entry)
 
     @staticmethod
     def touch(path: Path) -> None:
@@ -672,6 +684,11 @@ class TieredKVStore:
             self.host.put(ref.block_hash, payload)
         if self.disk is not None:
             self.disk.touch(ref.path)
+
+    def vanished(self, ref: DiskRef) -> None:
+        """A deferred disk hit whose file was removed or replaced between its lookup and its load."""
+        if self.disk is not None:
+            self.disk.vanished(ref.block_hash)
 
     def refused(self, ref: DiskRef, why: str) -> None:
         """A deferred disk hit failed verification while its step loaded it: counted, deleted."""

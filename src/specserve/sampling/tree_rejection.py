@@ -177,6 +177,7 @@ def _walk_sampled(
     b = len(trees)
     seeds = [meta.seeds[i] for i in rows_of]
     steps0 = [meta.steps[i] for i in rows_of]
+    seeded = any(s is not None for s in seeds)  # else every uniform comes from `generator`: no per-row lists
     node = torch.full((b,), -1, dtype=torch.long)
     done = torch.zeros(b, dtype=torch.bool)
     levels = int(sizes.max())
@@ -196,8 +197,8 @@ def _walk_sampled(
                             meta.any_top_k, meta.any_top_p).double()  # [na, V]
         r = q.clone()  # what is left of the target distribution
         kids = tab.kids[tab.shape[which], cur + 1]  # [na, W]
-        coins = _coins([seeds[i] for i in act.tolist()], [steps0[i] + depth for i in act.tolist()], STREAM_ACCEPT,
-                       kids.shape[1], generator)
+        coins = (_coins([seeds[i] for i in act.tolist()], [steps0[i] + depth for i in act.tolist()], STREAM_ACCEPT,
+                        kids.shape[1], generator) if seeded else _shared_coins(na, kids.shape[1], generator))
         accepted = torch.full((na,), -1, dtype=torch.long)
         excluded = torch.zeros(na, vocab, dtype=torch.bool)
         rows = ar[:na]
@@ -234,6 +235,9 @@ def _walk_sampled(
         final_u = torch.ones(na, dtype=torch.float64)
         for stream, sel in ((STREAM_RECOVER, stop & has_kids), (0, stop & ~has_kids)):
             if bool(sel.any()):
+                if not seeded:
+                    final_u[sel] = _shared_coins(int(sel.sum()), 1, generator)[:, 0]
+                    continue
                 s = sel.nonzero().squeeze(1).tolist()
                 final_u[sel] = _coins([seeds[act[i]] for i in s], [steps0[act[i]] + depth for i in s], stream, 1,
                                       generator)[:, 0]
@@ -242,11 +246,13 @@ def _walk_sampled(
         node[act] = torch.where(stop, node[act], accepted)
         done[act[stop]] = True
         trail[act[~stop], depth] = accepted[~stop]
-    out = []
-    for toks, nodes in zip(emitted.tolist(), trail.tolist()):
-        n = toks.index(-1) if -1 in toks else len(toks)
-        out.append((toks[:n], nodes[: n - 1]))
-    return out
+    lengths = (emitted >= 0).sum(1).tolist()  # tokens are emitted at depths 0, 1, ... without gaps
+    return [(toks[:n], nodes[: n - 1]) for toks, nodes, n in zip(emitted.tolist(), trail.tolist(), lengths)]
+
+
+def _shared_coins(n: int, count: int, generator: torch.Generator | None) -> torch.Tensor:  # [n, count] in (0, 1]
+    """What _coins gives when no request is seeded: the same draws from the shared generator."""
+    return 1.0 - torch.rand(n, count, dtype=torch.float64, generator=generator)
 
 
 def _coins(seeds: Sequence[int | None], steps: Sequence[int], stream: int, count: int,
