@@ -231,6 +231,7 @@ def test_engine_loads_layer_by_layer_exactly_and_recovers_from_a_block_failing_m
     st = again.engine.stats()
     assert st["kv_tier_disk_hits"] >= 8 and st["kv_tier_layer_wise_steps"] >= 1
     assert st["kv_tier_corrupt_blocks"] == 0 and again.engine.check_integrity()
+    assert "layer by layer beside the forward" in again.engine.describe()["KV tiers"]
     again.engine.close()
 
     # Damage the payload (not the header) of the system prompt's first block, which every prompt reads.
@@ -265,4 +266,5 @@ def test_engine_without_layer_wise_loads_is_exact_too(smollm_checkpoint, tmp_pat
         st = llm.engine.stats()
         assert st["kv_tier_disk_hits"] >= 8
         assert (st["kv_tier_layer_wise_steps"] > 0) == layer_wise
+        assert ("beside the forward" if layer_wise else "before the forward") in llm.engine.describe()["KV tiers"]
         llm.engine.close()

@@ -903,6 +903,8 @@ class LLMEngine:
                         + (f"the drafter's {self.drafter_kv_gib:.2f} GiB beside it in the same budget, " if self.drafter_kv_gib else "")
                         + f"context up to {self.max_model_len:,}",
         }
+        if (tiers := self.kv_manager.tiers) is not None:
+            out["KV tiers"] = self._describe_tiers(tiers)
         spec = cfg.spec
         if self.drafter_released:
             out["speculation"] = f"{spec.method}: switched off, drafter released (switching on reloads it)"
@@ -916,6 +918,28 @@ class LLMEngine:
             out["speculation"] = f"{what}, {shape}, K <= {spec.num_spec_tokens}, policy {spec.policy}"
         out["threads"] = str(torch.get_num_threads())
         return out
+
+    def _describe_tiers(self, tiers: TieredKVStore) -> str:
+        """The prefix cache's lower tiers and how a disk hit reaches the KV cache."""
+        gib = 1 << 30
+        parts = []
+        if tiers.host is not None:
+            parts.append(f"host {tiers.host.capacity_bytes / gib:.2f} GiB")
+        if tiers.disk is not None:
+            parts.append(f"disk {tiers.disk.dir} ({tiers.disk.capacity_bytes / gib:.1f} GiB, {len(tiers.disk)} blocks)")
+        if tiers.remote is not None:
+            parts.append(f"store {self.config.cache.kv_remote_store}")
+        if tiers.disk is not None:
+            mode = self.runner.tier_load
+            if self.runner.device.type != "cpu":
+                how = "disk hits load before the forward (layer by layer beside it: CPU only)"
+            elif self.runner.loads_layer_wise():
+                how = "disk hits load layer by layer beside the forward" + (" (a CPU is spare)" if mode == "auto" else "")
+            else:
+                how = "disk hits load before the forward" + (
+                    " (every CPU computes; --kv-tier-load layer overlaps them anyway)" if mode == "auto" else "")
+            parts.append(how)
+        return "; ".join(parts)
 
     def check_integrity(self) -> bool:
         """KV bookkeeping holds: every block is free, cached, or held by a live request."""
