@@ -373,7 +373,8 @@ def test_served_tiers_export_metrics_and_flush_the_disk_at_shutdown(smollm_check
     hits = [ln for ln in text.splitlines() if ln.startswith('specserve_kv_tier_hit_blocks_total{model="smollm2",tier="host"}')]
     assert hits and float(hits[0].split()[-1]) > 20
     for name in ("specserve_kv_tier_hit_bytes_total", "specserve_kv_tier_load_seconds_total",
-                 "specserve_kv_tier_used_bytes", "specserve_kv_tier_corrupt_blocks_total"):
+                 "specserve_kv_tier_used_bytes", "specserve_kv_tier_corrupt_blocks_total",
+                 "specserve_kv_tier_layer_wise_steps_total", "specserve_kv_tier_requeued_requests_total"):
         assert name in text, name
     disk = llm.engine.kv_manager.tiers.disk
     assert not disk._writer.is_alive() and disk._queue.unfinished_tasks == 0  # shutdown wrote every block

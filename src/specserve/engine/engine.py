@@ -289,6 +289,7 @@ class LLMEngine:
             tiers=self._build_tiers(config, source),
         )
         self.runner.tiers = self.kv_manager.tiers
+        self.num_failed_load_requeues = 0  # requests sent back because a block failed while loading
         sched = config.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
             raise InvalidRequestError(
@@ -663,6 +664,7 @@ class LLMEngine:
         if not failed:
             return
         requeued = self.scheduler.requeue_failed_loads(sched_out, failed)
+        self.num_failed_load_requeues += len(requeued)
         logger.warning("%d KV block(s) failed verification while loading; %d request(s) recompute them",
                        len(failed), len(requeued))
         if self.proposer is not None:
@@ -968,7 +970,8 @@ class LLMEngine:
             "kv_blocks_free": usage.num_free_blocks,
             "kv_blocks_used": usage.num_used_blocks,
             "prefix_cache_hit_rate": usage.prefix_hit_rate,
-            **({"kv_tier_layer_wise_steps": self.runner.num_layer_wise_loads}
+            **({"kv_tier_layer_wise_steps": self.runner.num_layer_wise_loads,
+                "kv_tier_requeued_requests": self.num_failed_load_requeues}
                if self.kv_manager.tiers is not None else {}),
             **({f"kv_tier_{k}": v for k, v in self.kv_manager.tiers.stats().items()}
                if self.kv_manager.tiers is not None else {}),

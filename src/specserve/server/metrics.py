@@ -194,6 +194,11 @@ class ServerMetrics:
         self.tier_used = Gauge("specserve_kv_tier_used_bytes", "Bytes a lower tier holds.", tl, registry=r)
         self.tier_corrupt = Counter("specserve_kv_tier_corrupt_blocks", "Lower-tier blocks that failed verification "
                                     "(skipped and deleted, never served).", labels, registry=r)
+        self.tier_layer_steps = Counter("specserve_kv_tier_layer_wise_steps", "Steps whose disk-tier hits loaded layer "
+                                        "by layer beside the forward (--kv-tier-load).", labels, registry=r)
+        self.tier_requeued = Counter("specserve_kv_tier_requeued_requests", "Requests sent back to the queue because "
+                                     "a lower-tier block they read failed verification mid-step (they recompute it).",
+                                     labels, registry=r)
         self.classes = RequestClasses()
         self.baseline = PlainBaseline()
         # Per class: (drafted, accepted, decode tokens, decode seconds, plain seconds or None) per request.
@@ -250,6 +255,8 @@ class ServerMetrics:
             if tiers is not None:
                 st = tiers.stats()
                 self._inc_to("tier_corrupt", self.tier_corrupt, st["corrupt_blocks"])
+                self._inc_to("tier_layer_steps", self.tier_layer_steps, engine.runner.num_layer_wise_loads)
+                self._inc_to("tier_requeued", self.tier_requeued, engine.num_failed_load_requeues)
                 for tier in ("host", "disk", "remote"):
                     if f"{tier}_hits" not in st:
                         continue
