@@ -190,6 +190,24 @@ def test_auto_loads_layer_by_layer_only_with_a_cpu_to_spare(smollm_llm, monkeypa
         LLM("smollm2-135m-instruct", kv_tier_load="sometimes")
 
 
+def test_without_a_thread_to_spare_the_loader_loads_everything_in_finish(tmp_path, monkeypatch):
+    hs = _filled(tmp_path, 2)
+    store = _store(tmp_path)
+    run = store.fetch_run(hs, deferred=True)
+    pool = Pool()
+    loader = LayerLoader([KVLoad(i, b.payload) for i, b in enumerate(run)], LAYERS, pool.write, store)
+
+    def refuse(self) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    assert loader.start() is False  # the runner then loads before the forward
+    assert loader.finish() == {}
+    for i in range(2):
+        assert np.array_equal(pool.data[i], _payload(i).numpy())
+    store.close()
+
+
 def test_a_payload_of_another_layout_is_refused():
     with pytest.raises(RuntimeError, match="does not match"):
         LayerLoader([KVLoad(0, torch.zeros(3, dtype=torch.uint8))], LAYERS, Pool().write, None)

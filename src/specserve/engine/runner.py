@@ -362,8 +362,8 @@ class ModelRunner:
             # Files load layer by layer beside the forward; blocks already in host memory are
             # copied before it (a memcpy). Not while a connector streams this step's layers out:
             # a layer it sent cannot be taken back if a block then fails verification.
-            if self.loads_layer_wise() and loader.reads_disk and not wants_layers and self.device.type == "cpu":
-                loader.start()
+            if (self.loads_layer_wise() and loader.reads_disk and not wants_layers and self.device.type == "cpu"
+                    and loader.start()):
                 self.model.model.layer_wait = loader.wait
                 self.num_layer_wise_loads += 1
             else:

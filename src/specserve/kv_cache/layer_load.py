@@ -27,6 +27,7 @@ loads beside the forward only when a CPU is spare; otherwise the same loader run
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -92,11 +93,17 @@ class LayerLoader:
         """True when some block comes from a file (then overlapping the load with compute pays)."""
         return any(isinstance(load.payload, DiskRef) for load in self.loads)
 
-    def start(self) -> None:
-        """Load on a background thread; the forward calls `wait` before each layer it runs."""
+    def start(self) -> bool:
+        """Load on a background thread; the forward calls `wait` before each layer it runs. False
+        (nothing started) when no thread can be started: then `finish` loads everything."""
         self._prefetch()
-        self._thread = threading.Thread(target=self._run, name="specserve-kv-layer-load", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, name="specserve-kv-layer-load", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # "can't start new thread": the process is at its limit
+            return False
+        self._thread = thread
+        return True
 
     def wait(self, num_layers: int) -> None:
         """Block until layers [0, num_layers) are in place."""
@@ -216,4 +223,5 @@ class LayerLoader:
             except OSError:
                 continue
             if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, ref.payload_offset, self.payload_bytes, os.POSIX_FADV_WILLNEED)
+                with contextlib.suppress(OSError):  # a hint: a file system that refuses it is read as it comes
+                    os.posix_fadvise(fd, ref.payload_offset, self.payload_bytes, os.POSIX_FADV_WILLNEED)
