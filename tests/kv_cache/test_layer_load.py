@@ -13,7 +13,14 @@ import torch
 
 from specserve.kv_cache.block_pool import hash_block_tokens
 from specserve.kv_cache.layer_load import LAYERS_PER_READ, KVLoad, LayerLoader
-from specserve.kv_cache.tiers import SUFFIX, DiskRef, TieredKVStore, block_file_name
+from specserve.kv_cache.tiers import (
+    SUFFIX,
+    DiskRef,
+    TieredKVStore,
+    block_file_name,
+    block_prefix,
+    verified_payload,
+)
 
 LAYERS = [16, 24, 8, 16, 8, 24]  # bytes per layer of one block; the payload is their sum
 PAYLOAD = sum(LAYERS)
@@ -206,6 +213,23 @@ def test_without_a_thread_to_spare_the_loader_loads_everything_in_finish(tmp_pat
     for i in range(2):
         assert np.array_equal(pool.data[i], _payload(i).numpy())
     store.close()
+
+
+def test_a_whole_record_is_checked_by_its_layer_crcs_where_the_layout_is_known():
+    """The remote store's records and eager disk reads: per-layer CRC-32s when the reader knows the
+    layout, the BLAKE2b otherwise; damage is refused either way, naming the layer with the CRCs."""
+    h = _chain(1)[0]
+    data = memoryview(_payload(3).numpy()).cast("B")
+    record = bytearray(block_prefix("fp", h, data, LAYERS) + bytes(data))
+    assert bytes(verified_payload(bytes(record), "fp", h, PAYLOAD, LAYERS)) == bytes(data)
+    assert bytes(verified_payload(bytes(record), "fp", h, PAYLOAD)) == bytes(data)  # BLAKE2b path
+    record[-(LAYERS[-1] + 2)] ^= 0x10  # a byte of layer 4
+    with pytest.raises(ValueError, match="layer 4 fails its CRC"):
+        verified_payload(bytes(record), "fp", h, PAYLOAD, LAYERS)
+    with pytest.raises(ValueError, match="digest mismatch"):
+        verified_payload(bytes(record), "fp", h, PAYLOAD)
+    plain = block_prefix("fp", h, data) + bytes(data)  # no per-layer CRCs: the BLAKE2b decides
+    assert bytes(verified_payload(plain, "fp", h, PAYLOAD, LAYERS)) == bytes(data)
 
 
 def test_a_payload_of_another_layout_is_refused():

@@ -7,8 +7,9 @@ shares them between hosts, Mooncake's point: a KV-centric store makes prefix hit
 - **The store** (`KVBlockStore`, a Ray actor started once per deployment by `start_kv_store`,
   no CPU reserved) holds block records in its memory, least recently used dropped first beyond
   its byte budget (`--kv-store-gib`). A record is the disk tier's self-verifying format
-  (`tiers.block_prefix` + payload: model fingerprint, chained hash, parent, tokens, BLAKE2b
-  digest), so the store never has to trust a writer and a reader never trusts the store.
+  (`tiers.block_prefix` + payload: model fingerprint, chained hash, parent, tokens, a CRC-32
+  per layer and a BLAKE2b digest), so the store never has to trust a writer and a reader never
+  trusts the store.
 - **Writes** (`RemoteTier.save`): every block a worker's prefix cache registers goes, write
   through like the disk tier, onto a queue; a background thread encodes batches and sends them
   (one actor call per batch; the worker's engine thread never waits on the network). A worker
@@ -33,6 +34,7 @@ import queue
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -191,10 +193,11 @@ class RemoteTier:
     """A worker's view of the deployment's store (see the module docstring)."""
 
     def __init__(self, store: Any, fingerprint: str, payload_bytes: int, counters: TierCounters,
-                 refresh_s: float = 0.25) -> None:
+                 refresh_s: float = 0.25, layer_bytes: Sequence[int] | None = None) -> None:
         self.store = store
         self.fingerprint = fingerprint
         self.payload_bytes = payload_bytes
+        self.layer_bytes = None if layer_bytes is None else tuple(layer_bytes)  # records carry per-layer CRC-32s
         self.counters = counters
         self.refresh_s = refresh_s
         self._lock = threading.Lock()
@@ -265,7 +268,7 @@ class RemoteTier:
         out: list[torch.Tensor] = []
         for block_hash, record in zip(hashes, records):
             try:
-                data = verified_payload(record, self.fingerprint, block_hash, self.payload_bytes)
+                data = verified_payload(record, self.fingerprint, block_hash, self.payload_bytes, self.layer_bytes)
             except (ValueError, KeyError, TypeError) as exc:
                 self.counters.corrupt += 1
                 logger.warning("KV store: block %016x refused (%s); dropped, the prefix is recomputed",
@@ -296,7 +299,7 @@ class RemoteTier:
         items = []
         for block_hash, payload in blocks:
             data = memoryview(payload.contiguous().numpy()).cast("B")
-            items.append((block_hash.value, block_prefix(self.fingerprint, block_hash, data) + bytes(data)))
+            items.append((block_hash.value, block_prefix(self.fingerprint, block_hash, data, self.layer_bytes) + bytes(data)))
         self._call(self.store.put.remote(self.fingerprint, items))
         with self._lock:
             self._known.update(value for value, _ in items)

@@ -186,9 +186,11 @@ def block_prefix(fingerprint: str, block_hash: BlockHash, data: memoryview,
 
 
 def verified_payload(record: bytes | memoryview, fingerprint: str, block_hash: BlockHash,
-                     payload_bytes: int) -> memoryview:
+                     payload_bytes: int, layer_bytes: Sequence[int] | None = None) -> memoryview:
     """The payload of a block record (block_prefix + payload) if it is exactly this block of this
-    model, whole and unaltered; ValueError otherwise."""
+    model, whole and unaltered; ValueError otherwise. With `layer_bytes` (this cache's layout) and
+    a record that carries per-layer CRC-32s, those are checked instead of the BLAKE2b (5x faster;
+    see layer_digest for why that is enough)."""
     view = memoryview(record)
     offset = len(MAGIC) + _HEADER_LEN.size
     n = _header_length(view)
@@ -200,6 +202,15 @@ def verified_payload(record: bytes | memoryview, fingerprint: str, block_hash: B
         raise ValueError("another block's record")
     if not header["payload_bytes"] == payload_bytes == len(data):
         raise ValueError("payload size differs from the layout")
+    crcs = header.get("layer_crc32")
+    if layer_bytes is not None and isinstance(crcs, list) and len(crcs) == len(layer_bytes):
+        if sum(layer_bytes) != len(data):
+            raise ValueError("payload size differs from the layout")
+        bounds = [0, *itertools.accumulate(layer_bytes)]
+        for layer, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            if layer_digest(data[a:b]) != crcs[layer]:
+                raise ValueError(f"layer {layer} fails its CRC")
+        return data
     if _digest(header, data) != claimed:
         raise ValueError("digest mismatch")
     return data
@@ -403,7 +414,7 @@ class DiskTier:
             logger.warning("KV disk tier: %s unreadable (%s)", entry.path.name, exc)
             blob = b""
         try:
-            data = verified_payload(blob, self.fingerprint, block_hash, self.payload_bytes)
+            data = verified_payload(blob, self.fingerprint, block_hash, self.payload_bytes, self.layer_bytes)
             ok = True
         except (ValueError, KeyError, TypeError) as exc:
             logger.warning("KV disk tier: %s refused (%s)", entry.path.name, exc)
@@ -616,7 +627,7 @@ class TieredKVStore:
         if remote_store is not None:  # the deployment's store (kv_cache/remote.py): Ray only then
             from specserve.kv_cache.remote import RemoteTier
 
-            self.remote = RemoteTier(remote_store, fingerprint, payload_bytes, self.counters)
+            self.remote = RemoteTier(remote_store, fingerprint, payload_bytes, self.counters, layer_bytes=layer_bytes)
 
     def contains(self, block_hash: BlockHash) -> bool:
         """True if some tier holds (or claims) this exact block."""
