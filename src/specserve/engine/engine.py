@@ -619,7 +619,7 @@ class LLMEngine:
         try:
             sampled = self.runner.execute(sched_out)
         except Exception as exc:  # a model failure must not take every other request down
-            self._drop_failed_loads(sched_out)
+            self._drop_failed_loads()
             logger.exception("model step failed; failing the %d scheduled requests", len(sched_out.scheduled))
             ids = [sr.request_id for sr in sched_out.scheduled]
             failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
@@ -630,7 +630,7 @@ class LLMEngine:
                 outs.append(self._make_output(req, []))
             return pending + outs
         self.num_steps += 1
-        self._drop_failed_loads(sched_out)
+        self._drop_failed_loads()
         self._account_step(sched_out, sampled)
         results = self.scheduler.update_from_output(sched_out, sampled)
         self._save_to_tiers()
@@ -656,14 +656,14 @@ class LLMEngine:
         self._draft_forced()
         return outputs
 
-    def _drop_failed_loads(self, sched_out: SchedulerOutput) -> None:
+    def _drop_failed_loads(self) -> None:
         """Lower-tier blocks that failed verification while this step loaded them: their cached
         content is forgotten and every request that read one goes back to the queue (the runner
         dropped its results); it recomputes from its last good block."""
-        failed = self.runner.take_failed_loads()
-        if not failed:
+        if not self.runner.failed_loads:
             return
-        requeued = self.scheduler.requeue_failed_loads(sched_out, failed)
+        failed, holders = self.runner.take_failed_loads()
+        requeued = self.scheduler.requeue_failed_loads(failed, holders)
         self.num_failed_load_requeues += len(requeued)
         logger.warning("%d KV block(s) failed verification while loading; %d request(s) recompute them",
                        len(failed), len(requeued))
@@ -971,9 +971,8 @@ class LLMEngine:
             "kv_blocks_used": usage.num_used_blocks,
             "prefix_cache_hit_rate": usage.prefix_hit_rate,
             **({"kv_tier_layer_wise_steps": self.runner.num_layer_wise_loads,
-                "kv_tier_requeued_requests": self.num_failed_load_requeues}
-               if self.kv_manager.tiers is not None else {}),
-            **({f"kv_tier_{k}": v for k, v in self.kv_manager.tiers.stats().items()}
+                "kv_tier_requeued_requests": self.num_failed_load_requeues,
+                **{f"kv_tier_{k}": v for k, v in self.kv_manager.tiers.stats().items()}}
                if self.kv_manager.tiers is not None else {}),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,

@@ -192,6 +192,7 @@ class ModelRunner:
         # (kv_cache/layer_load.py), "whole" every block before it, "auto" decides per step.
         self.tier_load = cache_config.kv_tier_load
         self.failed_loads: dict[int, str] = {}  # blocks of the last step that failed to load
+        self.failed_load_requests: list[str] = []  # the step's requests whose block tables hold one
         self.num_layer_wise_loads = 0  # steps whose forward ran beside their lower-tier loads
         self.last_logits: torch.Tensor | None = None
         # Feature-level proposers: keep each step's hidden states of the verified tokens (take_hidden).
@@ -345,9 +346,11 @@ class ModelRunner:
         After verification the KV of an accepted tree path is moved into the request's next
         consecutive slots, so the cache holds exactly the verified sequence.
         """
-        self.failed_loads = {}
+        if self.failed_loads:  # a caller that never took the last step's: they do not carry over
+            self.take_failed_loads()
         if out.is_empty:
-            self.failed_loads = self._loader(out.kv_loads).finish() if out.kv_loads else {}
+            if out.kv_loads:
+                self._finish_loads(self._loader(out.kv_loads), out)
             return {}
         inputs = self.prepare_inputs(out)
         wants_layers = False
@@ -367,7 +370,7 @@ class ModelRunner:
                 self.model.model.layer_wait = loader.wait
                 self.num_layer_wise_loads += 1
             else:
-                self.failed_loads = loader.finish()
+                self._finish_loads(loader, out)
                 loader = None
         try:
             logits = self.forward_logits(inputs)
@@ -375,7 +378,7 @@ class ModelRunner:
             self.model.model.layer_hooks = None
             self.model.model.layer_wait = None
             if loader is not None:  # every layer of every block is written (or failed) even if the forward raised
-                self.failed_loads = loader.finish()
+                self._finish_loads(loader, out)
         if self.connector is not None:
             self.connector.end_step(out)
         if self.keep_logits:
@@ -384,7 +387,7 @@ class ModelRunner:
         if self._last_hidden_states is not None:
             self._keep_verified_hidden(out, self._last_hidden_states, sampled)
             self._last_hidden_states = None
-        for rid in self.requests_on_failed_loads(out):  # computed on a block that failed: dropped
+        for rid in self.failed_load_requests:  # computed on a block that failed: dropped
             sampled.pop(rid, None)
             self._hidden.pop(rid, None)
         return sampled
@@ -399,14 +402,16 @@ class ModelRunner:
             return self.tier_load == "layer"
         return usable_cpus() > torch.get_num_threads()
 
-    def requests_on_failed_loads(self, out: SchedulerOutput) -> list[str]:
-        """The step's requests whose block tables hold a block that failed to load (failed_loads)."""
-        bad = self.failed_loads
-        return [sr.request_id for sr in out.scheduled if bad and not bad.keys().isdisjoint(sr.block_ids)]
+    def _finish_loads(self, loader: LayerLoader, out: SchedulerOutput) -> None:
+        """Complete a step's loads; note the blocks that failed and the requests that hold them."""
+        self.failed_loads = bad = loader.finish()
+        self.failed_load_requests = [sr.request_id for sr in out.scheduled if not bad.keys().isdisjoint(sr.block_ids)] if bad else []
 
-    def take_failed_loads(self) -> dict[int, str]:
-        """Blocks of the last step that failed verification while loading: {block id: why}."""
-        out, self.failed_loads = self.failed_loads, {}
+    def take_failed_loads(self) -> tuple[dict[int, str], list[str]]:
+        """Blocks of the last step that failed verification while loading ({block id: why}) and the
+        step's requests that hold one; both empty after the call."""
+        out = self.failed_loads, self.failed_load_requests
+        self.failed_loads, self.failed_load_requests = {}, []
         return out
 
     def take_hidden(self) -> dict[str, HiddenRows]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from specserve.config import SchedulerConfig
@@ -263,17 +263,17 @@ class Scheduler:
         self.num_preemptions += 1
         self._enqueue(req)
 
-    def requeue_failed_loads(self, output: SchedulerOutput, failed: Mapping[int, str]) -> list[str]:
-        """After a step whose lower-tier loads partly failed verification (`failed`: block ids):
-        forget those blocks' content and send every request of the step that holds one back to
-        the queue, as a preemption does (the step's results for it are void). Returns their ids."""
-        self.kv.uncache(list(failed))
+    def requeue_failed_loads(self, block_ids: Iterable[int], holders: Iterable[str]) -> list[str]:
+        """After a step whose lower-tier loads partly failed verification: forget those blocks'
+        content and send the step's requests that hold one (`holders`) back to the queue, as a
+        preemption does (the step's results for them are void). Returns the ids requeued."""
+        self.kv.uncache(list(block_ids))
         out = []
-        for sr in output.scheduled:
-            req = self.requests.get(sr.request_id)
-            if req is not None and req.status == RequestStatus.RUNNING and not failed.keys().isdisjoint(sr.block_ids):
+        for rid in holders:
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.RUNNING:
                 self._preempt(req)
-                out.append(req.request_id)
+                out.append(rid)
         return out
 
     # ------------------------------------------------------------------ results

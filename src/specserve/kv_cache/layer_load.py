@@ -37,7 +37,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from specserve.kv_cache.tiers import DiskRef, TieredKVStore, layer_digest
+from specserve.kv_cache.tiers import DiskRef, TieredKVStore, layer_digest, layer_spans
 
 # Layers read from a block file in one call (then verified and written one by one): fewer, larger
 # reads than one per layer, and as many layers as the model runs in one native call (LAYER_GROUP).
@@ -68,7 +68,7 @@ class LayerLoader:
         self.layer_bytes = list(layer_bytes)
         self.num_layers = len(self.layer_bytes)
         self.payload_bytes = sum(self.layer_bytes)
-        self._offsets = [sum(self.layer_bytes[:i]) for i in range(self.num_layers)]
+        self._offsets = [a for a, _ in layer_spans(self.layer_bytes)]
         self._write = write
         self._tiers = tiers
         self._ready = 0  # layers [0, ready) are in place for every block that has not failed

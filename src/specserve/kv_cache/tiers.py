@@ -164,6 +164,22 @@ def layer_digest(data: memoryview | bytes) -> int:
     return zlib.crc32(data)
 
 
+def layer_spans(layer_bytes: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, end) of each layer's bytes in a payload split into layers of these sizes."""
+    bounds = [0, *itertools.accumulate(layer_bytes)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def check_block(header: dict, block_hash: BlockHash, payload_bytes: int, stored_bytes: int) -> None:
+    """ValueError unless a record's header (check_header's) names exactly this block and promises a
+    payload of this layout's size, which is what the record holds (`stored_bytes`)."""
+    if not (header["value"] == block_hash.value and header["parent"] == block_hash.parent_value
+            and tuple(header["tokens"]) == block_hash.token_ids):
+        raise ValueError("another block's record")
+    if not header["payload_bytes"] == payload_bytes == stored_bytes:
+        raise ValueError("payload size differs from the layout (a torn or foreign record)")
+
+
 def block_prefix(fingerprint: str, block_hash: BlockHash, data: memoryview,
                  layer_bytes: Sequence[int] | None = None) -> bytes:
     """The self-verifying record of one block, up to its payload: magic, header length, header
@@ -178,8 +194,7 @@ def block_prefix(fingerprint: str, block_hash: BlockHash, data: memoryview,
     if layer_bytes is not None:
         if sum(layer_bytes) != len(data):
             raise ValueError(f"layers of {sum(layer_bytes)} bytes for a payload of {len(data)}")
-        bounds = [0, *itertools.accumulate(layer_bytes)]
-        header["layer_crc32"] = [layer_digest(data[a:b]) for a, b in zip(bounds, bounds[1:])]
+        header["layer_crc32"] = [layer_digest(data[a:b]) for a, b in layer_spans(layer_bytes)]
     header["digest"] = _digest(header, data)
     blob = json.dumps(header, separators=(",", ":")).encode()
     return MAGIC + _HEADER_LEN.pack(len(blob)) + blob
@@ -194,20 +209,13 @@ def verified_payload(record: bytes | memoryview, fingerprint: str, block_hash: B
     view = memoryview(record)
     offset = len(MAGIC) + _HEADER_LEN.size
     n = _header_length(view)
-    header = check_header(view[offset : offset + n], fingerprint)
     data = view[offset + n :]
+    header = check_header(view[offset : offset + n], fingerprint)
+    check_block(header, block_hash, payload_bytes, len(data))
     claimed = header.pop("digest")
-    if not (header["value"] == block_hash.value and header["parent"] == block_hash.parent_value
-            and tuple(header["tokens"]) == block_hash.token_ids):
-        raise ValueError("another block's record")
-    if not header["payload_bytes"] == payload_bytes == len(data):
-        raise ValueError("payload size differs from the layout")
     crcs = header.get("layer_crc32")
     if layer_bytes is not None and isinstance(crcs, list) and len(crcs) == len(layer_bytes):
-        if sum(layer_bytes) != len(data):
-            raise ValueError("payload size differs from the layout")
-        bounds = [0, *itertools.accumulate(layer_bytes)]
-        for layer, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        for layer, (a, b) in enumerate(layer_spans(layer_bytes)):
             if layer_digest(data[a:b]) != crcs[layer]:
                 raise ValueError(f"layer {layer} fails its CRC")
         return data
@@ -343,8 +351,7 @@ class DiskTier:
             if not path.name.endswith(SUFFIX):
                 continue
             try:
-                header = self._read_header(path)
-                st = path.stat()
+                header, _, st = self._read_header(path)
             except (OSError, ValueError) as exc:
                 logger.warning("KV disk tier: ignoring unreadable %s (%s)", path.name, exc)
                 self.counters.corrupt += 1
@@ -362,12 +369,13 @@ class DiskTier:
             self.used_bytes += entry.size
         self._shrink()
 
-    def _read_header(self, path: Path) -> dict:
-        """The header of a block file (its first bytes only)."""
+    def _read_header(self, path: Path) -> tuple[dict, int, os.stat_result]:
+        """The header of a block file (its first bytes only), where its payload starts, and the
+        file's status."""
         with path.open("rb") as f:
             head = f.read(len(MAGIC) + _HEADER_LEN.size)
             n = _header_length(head)
-            return check_header(f.read(n), self.fingerprint)
+            return check_header(f.read(n), self.fingerprint), len(MAGIC) + _HEADER_LEN.size + n, os.fstat(f.fileno())
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -415,15 +423,8 @@ class DiskTier:
             blob = b""
         try:
             data = verified_payload(blob, self.fingerprint, block_hash, self.payload_bytes, self.layer_bytes)
-            ok = True
         except (ValueError, KeyError, TypeError) as exc:
-            logger.warning("KV disk tier: %s refused (%s)", entry.path.name, exc)
-            ok, data = False, memoryview(b"")
-        if not ok:
-            self.counters.corrupt += 1
-            logger.warning("KV disk tier: %s failed verification; deleted, the prefix is recomputed",
-                           entry.path.name)
-            self._remove(block_hash.value, entry)
+            self.refuse(entry.path, block_hash, str(exc))
             return None
         self.touch(entry.path)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a writable copy of its own
@@ -436,18 +437,8 @@ class DiskTier:
         if entry is None:
             return None
         try:
-            with entry.path.open("rb") as f:
-                head = f.read(len(MAGIC) + _HEADER_LEN.size)
-                n = _header_length(head)
-                header = check_header(f.read(n), self.fingerprint)
-                st = os.fstat(f.fileno())
-                size = st.st_size
-            offset = len(MAGIC) + _HEADER_LEN.size + n
-            if not (header["value"] == block_hash.value and header["parent"] == block_hash.parent_value
-                    and tuple(header["tokens"]) == block_hash.token_ids):
-                raise ValueError("another block's record")
-            if not header["payload_bytes"] == self.payload_bytes == size - offset:
-                raise ValueError("payload size differs from the layout (a torn or foreign file)")
+            header, offset, st = self._read_header(entry.path)
+            check_block(header, block_hash, self.payload_bytes, st.st_size - offset)
             layers = tuple(header.get("layer_crc32", ()))
             if layers and (self.layer_bytes is None or len(layers) != len(self.layer_bytes)
                            or not all(isinstance(d, int) for d in layers)):
@@ -693,20 +684,17 @@ class TieredKVStore:
         st.load_s += seconds
         if self.host is not None:
             self.host.put(ref.block_hash, payload)
-        if self.disk is not None:
-            self.disk.touch(ref.path)
+        DiskTier.touch(ref.path)
 
     def vanished(self, ref: DiskRef) -> None:
         """A deferred disk hit whose file was removed or replaced between its lookup and its load."""
-        if self.disk is not None:
-            self.disk.vanished(ref.block_hash)
+        assert self.disk is not None  # a DiskRef comes from the disk tier
+        self.disk.vanished(ref.block_hash)
 
     def refused(self, ref: DiskRef, why: str) -> None:
         """A deferred disk hit failed verification while its step loaded it: counted, deleted."""
-        if self.disk is not None:
-            self.disk.refuse(ref.path, ref.block_hash, why)
-        else:
-            self.counters.corrupt += 1
+        assert self.disk is not None  # a DiskRef comes from the disk tier
+        self.disk.refuse(ref.path, ref.block_hash, why)
 
     @staticmethod
     def _count(stats: TierStats, payload: torch.Tensor, t0: float) -> None:
