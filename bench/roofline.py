@@ -53,7 +53,8 @@ def macs_per_token(arch: object) -> float:
 
 def int8_peak_gmacs(seconds: float = 0.5) -> float:
     """u8 x s8 multiply-adds per second of all threads through the kernels' widest instruction
-    (AVX2 vpmaddubsw: 32 per instruction; VNNI vpdpbusd likewise), measured with a dense
+    (AVX2 vpmaddubsw: 32 per instruction; VNNI vpdpbusd likewise; 64 per 512-bit vpdpbusd where
+    the multi-row passes run 512 bits wide), measured with a dense
     independent-chain loop (specserve.kernels.int8_peak)."""
     from specserve.kernels import kernels
 

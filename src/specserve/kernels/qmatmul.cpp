@@ -43,6 +43,14 @@
 #else
 #define SPECSERVE_VNNI 0
 #endif
+// AVX-512 (BW + VNNI): the multi-row passes take two 8-row groups at once in 512-bit registers
+// (see "Two groups per pass"). Where the core executes 512-bit vpdpbusd at full width (Zen 5,
+// Intel server cores) that doubles the int8 multiply-adds per cycle of a verify or prefill pass.
+#if SPECSERVE_VNNI && defined(__AVX512F__) && defined(__AVX512BW__)
+#define SPECSERVE_AVX512 1
+#else
+#define SPECSERVE_AVX512 0
+#endif
 
 namespace {
 
@@ -61,6 +69,10 @@ constexpr int64_t kQ5_0_X8 = 106;
 constexpr int64_t kQ8_0_X8 = 108;
 constexpr int64_t kQ4_K_X8 = 112;
 constexpr int64_t kQ6_K_X8 = 114;
+// The x8 layouts again, two 8-row groups per stored row with their blocks alternating (block b of
+// the first group, then block b of the second): built where the kernels have the AVX-512 path,
+// which reads both groups in one 512-bit pass (see "Two groups per pass").
+constexpr int64_t kPaired = 100;  // x16 id = x8 id + kPaired
 
 inline bool interleaved(int64_t qtype) { return qtype > 100; }
 
@@ -85,6 +97,17 @@ TypeInfo type_info(int64_t qtype) {
     case kQ8_0_X8: return {32, 272, 32, 8};
     case kQ4_K_X8: return {256, 1184, 256, 8};
     case kQ6_K_X8: return {256, 1680, 256, 8};
+    case kQ4_0_X8 + kPaired:
+    case kQ4_1_X8 + kPaired:
+    case kQ5_0_X8 + kPaired:
+    case kQ8_0_X8 + kPaired:
+    case kQ4_K_X8 + kPaired:
+    case kQ6_K_X8 + kPaired: {
+      TypeInfo info = type_info(qtype - kPaired);
+      info.block_bytes *= 2;
+      info.rows = 16;
+      return info;
+    }
     default: TORCH_CHECK(false, "specserve qmatmul: unsupported GGML type ", qtype);
   }
 }
@@ -455,17 +478,20 @@ inline __m256i bcast4(const int8_t* p) {
 // results stay bit-identical to single-row calls (and between the AVX2 and VNNI builds).
 constexpr int kPassRows = 32;  // activation rows per pass over an 8-row weight group
 
-template <int MT>
-void dot_q4_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
+template <int MT, int G>
+void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  alignas(32) float acc[kRows * 8];
+  alignas(32) float accs[G][kRows * 8];
   alignas(32) int32_t sumi[kRows * 8];
-  for (int m = 0; m < M; ++m) _mm256_store_ps(acc + 8 * m, _mm256_setzero_ps());
+  for (int gi = 0; gi < G; ++gi)
+    for (int m = 0; m < M; ++m) _mm256_store_ps(accs[gi] + 8 * m, _mm256_setzero_ps());
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = grp + b * 1184;
+  for (int64_t b = 0; b < nb; ++b)
+  for (int gi = 0; gi < G; ++gi) {
+    float* acc = accs[gi];
+    const uint8_t* blk = grp + gi * gap + b * step;
     prefetch_ahead(blk, 1184, ahead);
     for (int m = 0; m < M; ++m) _mm256_store_si256(reinterpret_cast<__m256i*>(sumi + 8 * m), _mm256_setzero_si256());
     for (int j = 0; j < 8; ++j) {
@@ -526,11 +552,12 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* o
       _mm256_store_ps(acc + 8 * m, r);
     }
   }
-  std::memcpy(out, acc, sizeof(float) * 8 * M);
+  for (int m = 0; m < M; ++m)
+    for (int gi = 0; gi < G; ++gi) std::memcpy(out + (m * G + gi) * 8, accs[gi] + 8 * m, sizeof(float) * 8);
 }
 
-template <int MT>
-void dot_q6_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
+template <int MT, int G>
+void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -539,12 +566,15 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* o
                                         0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
   const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
                                        2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
-  alignas(32) float acc[kRows * 8];
+  alignas(32) float accs[G][kRows * 8];
   alignas(32) int32_t sumi[kRows * 8];
-  for (int m = 0; m < M; ++m) _mm256_store_ps(acc + 8 * m, _mm256_setzero_ps());
+  for (int gi = 0; gi < G; ++gi)
+    for (int m = 0; m < M; ++m) _mm256_store_ps(accs[gi] + 8 * m, _mm256_setzero_ps());
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = grp + b * 1680;
+  for (int64_t b = 0; b < nb; ++b)
+  for (int gi = 0; gi < G; ++gi) {
+    float* acc = accs[gi];
+    const uint8_t* blk = grp + gi * gap + b * step;
     prefetch_ahead(blk, 1680, ahead);
     for (int m = 0; m < M; ++m) _mm256_store_si256(reinterpret_cast<__m256i*>(sumi + 8 * m), _mm256_setzero_si256());
     for (int c = 0; c < 8; ++c) {  // 32 values: 16-value groups 2c and 2c+1 = scale pair c
@@ -601,21 +631,25 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* o
                                                    _mm256_load_ps(acc + 8 * m)));
     }
   }
-  std::memcpy(out, acc, sizeof(float) * 8 * M);
+  for (int m = 0; m < M; ++m)
+    for (int gi = 0; gi < G; ++gi) std::memcpy(out + (m * G + gi) * 8, accs[gi] + 8 * m, sizeof(float) * 8);
 }
 
-template <int MT>
-void dot_q8_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
+template <int MT, int G>
+void dot_q8_0_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
-  alignas(32) float acc[kRows * 8];
-  for (int m = 0; m < M; ++m) _mm256_store_ps(acc + 8 * m, _mm256_setzero_ps());
+  alignas(32) float accs[G][kRows * 8];
+  for (int gi = 0; gi < G; ++gi)
+    for (int m = 0; m < M; ++m) _mm256_store_ps(accs[gi] + 8 * m, _mm256_setzero_ps());
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
 #if !SPECSERVE_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = grp + b * 272;
+  for (int64_t b = 0; b < nb; ++b)
+  for (int gi = 0; gi < G; ++gi) {
+    float* acc = accs[gi];
+    const uint8_t* blk = grp + gi * gap + b * step;
     prefetch_ahead(blk, 272, ahead);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     // |w| as unsigned bytes, the sign moved onto x: 8 registers of |w| and 8 of w do not fit
@@ -639,7 +673,8 @@ void dot_q8_0_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* o
                                                    _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])), _mm256_load_ps(acc + 8 * m)));
     }
   }
-  std::memcpy(out, acc, sizeof(float) * 8 * M);
+  for (int m = 0; m < M; ++m)
+    for (int gi = 0; gi < G; ++gi) std::memcpy(out + (m * G + gi) * 8, accs[gi] + 8 * m, sizeof(float) * 8);
 }
 
 // Q5_0 and Q4_0 (which is Q5_0 without the fifth bits: 4.5 bits per weight; specserve
@@ -675,8 +710,8 @@ inline __m256i dot_x8_block32(const __m256i* v, const int8_t* x) {
 // d * dx * sum(q * xq) + m * dx * sum(xq): the same integer dot, then the activation block's sum
 // (s32) times the zero point or the row's min. Q4_1's 8-row block (160 bytes) is d of rows 0-7
 // (fp16), m of rows 0-7 (fp16), then the nibbles as Q4_0's.
-template <int MT, int64_t kType>
-void dot_q4_q5_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
+template <int MT, int G, int64_t kType>
+void dot_q4_q5_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
   constexpr bool kMin = kType == kQ4_1_X8;
@@ -684,11 +719,14 @@ void dot_q4_q5_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
   constexpr int64_t kNibbles = kMin ? 32 : 16;  // where the interleaved nibbles start
   constexpr int32_t kZero = kType == kQ5_0_X8 ? 16 : 8;  // value = q - kZero (Q4_0, Q5_0)
   const __m256i low = _mm256_set1_epi8(0x0F);
-  alignas(32) float acc[kRows * 8];
-  for (int m = 0; m < M; ++m) _mm256_store_ps(acc + 8 * m, _mm256_setzero_ps());
+  alignas(32) float accs[G][kRows * 8];
+  for (int gi = 0; gi < G; ++gi)
+    for (int m = 0; m < M; ++m) _mm256_store_ps(accs[gi] + 8 * m, _mm256_setzero_ps());
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = grp + b * kBytes;
+  for (int64_t b = 0; b < nb; ++b)
+  for (int gi = 0; gi < G; ++gi) {
+    float* acc = accs[gi];
+    const uint8_t* blk = grp + gi * gap + b * step;
     prefetch_ahead(blk, kBytes, ahead);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     const __m256 mn = kMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16))) : _mm256_setzero_ps();
@@ -723,8 +761,249 @@ void dot_q4_q5_x8(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
       }
     }
   }
-  std::memcpy(out, acc, sizeof(float) * 8 * M);
+  for (int m = 0; m < M; ++m)
+    for (int gi = 0; gi < G; ++gi) std::memcpy(out + (m * G + gi) * 8, accs[gi] + 8 * m, sizeof(float) * 8);
 }
+
+#if SPECSERVE_AVX512
+// ---- Two groups per pass (AVX-512): rows 0-7 of a 512-bit register come from one 8-row group,
+// rows 8-15 from the next, so every instruction of the row loop does the work of two 256-bit
+// ones. Each lane runs the 256-bit kernels' arithmetic unchanged: the integer sums are exact and
+// the float steps are the same operations in the same order, so a row's result is bit-identical
+// whichever kernel computed it (test_vnni_kernels_are_bit_identical_to_the_avx2_ones).
+
+inline __m512i join32(const uint8_t* p0, const uint8_t* p1) {  // 32 bytes of each group
+  return _mm512_inserti64x4(_mm512_castsi256_si512(load32(p0)), load32(p1), 1);
+}
+
+inline __m256i join16(const uint8_t* p0, const uint8_t* p1) {  // 16 bytes of each group
+  return _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0)));
+}
+
+inline __m128i join8(const uint8_t* p0, const uint8_t* p1) {  // 8 bytes of each group
+  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0)), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1)));
+}
+
+inline __m512 halves16(const uint8_t* p0, const uint8_t* p1) { return _mm512_cvtph_ps(join16(p0, p1)); }  // 8 float16 of each
+
+inline __m512i bcast4z(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int MT>
+void dot_q4_k_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
+  constexpr int kRows = MT > 0 ? MT : kPassRows;
+  const int M = MT > 0 ? MT : M_;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  alignas(64) float acc[kRows * 16];
+  alignas(64) int32_t sumi[kRows * 16];
+  for (int m = 0; m < M; ++m) _mm512_store_ps(acc + 16 * m, _mm512_setzero_ps());
+  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* b0 = g0 + b * step;
+    const uint8_t* b1 = g1 + b * step;
+    prefetch_ahead(b0, 1184, ahead);
+    prefetch_ahead(b1, 1184, ahead);
+    for (int m = 0; m < M; ++m) _mm512_store_si512(sumi + 16 * m, _mm512_setzero_si512());
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* s0 = b0 + 96 + 136 * j;
+      const uint8_t* s1 = b1 + 96 + 136 * j;
+      const __m512i s32 = _mm512_cvtepu8_epi32(join8(s0, s1));
+      __m512i lo[4], hi[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m512i packed = join32(s0 + 8 + 32 * i, s1 + 8 + 32 * i);
+        lo[i] = _mm512_and_si512(packed, low);
+        hi[i] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+      }
+      const int64_t off = b * 256 + 32 * j;
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = a[m].q + off;
+        __m512i plo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4z(x));
+        __m512i phi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], bcast4z(x + 4));
+        for (int i = 1; i < 4; ++i) {
+          plo = _mm512_dpbusd_epi32(plo, lo[i], bcast4z(x + 8 * i));
+          phi = _mm512_dpbusd_epi32(phi, hi[i], bcast4z(x + 8 * i + 4));
+        }
+        const __m512i s = _mm512_load_si512(sumi + 16 * m);
+        _mm512_store_si512(sumi + 16 * m, _mm512_add_epi32(s, _mm512_add_epi32(_mm512_madd_epi16(plo, s32), _mm512_madd_epi16(phi, s32))));
+      }
+    }
+    const __m512 d = halves16(b0, b1);
+    const __m512 dmin = halves16(b0 + 16, b1 + 16);
+    __m512i mins[4];
+    for (int p = 0; p < 4; ++p) mins[p] = _mm512_cvtepu8_epi16(join16(b0 + 32 + 16 * p, b1 + 32 + 16 * p));
+    for (int m = 0; m < M; ++m) {
+      __m512i summ = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {
+        int32_t pair;
+        std::memcpy(&pair, a[m].s32 + b * 8 + 2 * p, 4);
+        summ = _mm512_add_epi32(summ, _mm512_madd_epi16(mins[p], _mm512_set1_epi32(pair)));
+      }
+      const __m512 dx = _mm512_set1_ps(a[m].d[b]);
+      const __m512i si = _mm512_load_si512(sumi + 16 * m);
+      __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, dx), _mm512_load_ps(acc + 16 * m));
+      r = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, dx), r);
+      _mm512_store_ps(acc + 16 * m, r);
+    }
+  }
+  std::memcpy(out, acc, sizeof(float) * 16 * M);
+}
+
+template <int MT>
+void dot_q6_k_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
+  constexpr int kRows = MT > 0 ? MT : kPassRows;
+  const int M = MT > 0 ? MT : M_;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i top = _mm512_set1_epi8(0x30);
+  const __m512i even = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
+  const __m512i odd = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15));
+  alignas(64) float acc[kRows * 16];
+  alignas(64) int32_t sumi[kRows * 16];
+  for (int m = 0; m < M; ++m) _mm512_store_ps(acc + 16 * m, _mm512_setzero_ps());
+  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* b0 = g0 + b * step;
+    const uint8_t* b1 = g1 + b * step;
+    prefetch_ahead(b0, 1680, ahead);
+    prefetch_ahead(b1, 1680, ahead);
+    for (int m = 0; m < M; ++m) _mm512_store_si512(sumi + 16 * m, _mm512_setzero_si512());
+    for (int c = 0; c < 8; ++c) {
+      const uint8_t* c0 = b0 + 16 + 208 * c;
+      const uint8_t* c1 = b1 + 16 + 208 * c;
+      const __m512i sc16 = _mm512_cvtepi8_epi16(join16(c0, c1));
+      const __m512i sc_a = _mm512_srai_epi32(_mm512_shuffle_epi8(sc16, even), 16);
+      const __m512i sc_b = _mm512_srai_epi32(_mm512_shuffle_epi8(sc16, odd), 16);
+      __m512i v[8];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i H = join32(c0 + 144 + 32 * h, c1 + 144 + 32 * h);
+        const __m512i L0 = join32(c0 + 16 + 64 * h, c1 + 16 + 64 * h);
+        const __m512i L1 = join32(c0 + 48 + 64 * h, c1 + 48 + 64 * h);
+        v[4 * h + 0] = _mm512_or_si512(_mm512_and_si512(L0, low), _mm512_and_si512(_mm512_slli_epi16(H, 4), top));
+        v[4 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L0, 4), low), _mm512_and_si512(_mm512_slli_epi16(H, 2), top));
+        v[4 * h + 2] = _mm512_or_si512(_mm512_and_si512(L1, low), _mm512_and_si512(H, top));
+        v[4 * h + 3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L1, 4), low), _mm512_and_si512(_mm512_srli_epi16(H, 2), top));
+      }
+      const int64_t off = b * 256 + 32 * c;
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = a[m].q + off;
+        int32_t pair;
+        std::memcpy(&pair, a[m].s16 + b * 16 + 2 * c, 4);
+        const __m512i t = _mm512_slli_epi32(_mm512_madd_epi16(sc16, _mm512_set1_epi32(pair)), 5);
+        __m512i s = _mm512_load_si512(sumi + 16 * m);
+        for (int g = 0; g < 2; ++g) {
+          const __m512i pa = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4 * g + 0], bcast4z(x + 16 * g)),
+                                                 v[4 * g + 1], bcast4z(x + 16 * g + 4));
+          const __m512i pb = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4 * g + 2], bcast4z(x + 16 * g + 8)),
+                                                 v[4 * g + 3], bcast4z(x + 16 * g + 12));
+          s = _mm512_add_epi32(s, _mm512_mullo_epi32(_mm512_add_epi32(pa, pb), g == 0 ? sc_a : sc_b));
+        }
+        _mm512_store_si512(sumi + 16 * m, _mm512_sub_epi32(s, t));
+      }
+    }
+    const __m512 d = halves16(b0, b1);
+    for (int m = 0; m < M; ++m) {
+      const __m512i si = _mm512_load_si512(sumi + 16 * m);
+      _mm512_store_ps(acc + 16 * m, _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(a[m].d[b])),
+                                                    _mm512_load_ps(acc + 16 * m)));
+    }
+  }
+  std::memcpy(out, acc, sizeof(float) * 16 * M);
+}
+
+// Q8_0 without the sign trick (AVX-512 has no vpsignb): w + 128 is an unsigned byte, and
+// sum((w + 128) * x) - 128 * sum(x) is the same exact integer as sum(w * x).
+template <int MT>
+void dot_q8_0_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
+  constexpr int kRows = MT > 0 ? MT : kPassRows;
+  const int M = MT > 0 ? MT : M_;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  alignas(64) float acc[kRows * 16];
+  for (int m = 0; m < M; ++m) _mm512_store_ps(acc + 16 * m, _mm512_setzero_ps());
+  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* b0 = g0 + b * step;
+    const uint8_t* b1 = g1 + b * step;
+    prefetch_ahead(b0, 272, ahead);
+    prefetch_ahead(b1, 272, ahead);
+    const __m512 d = halves16(b0, b1);
+    __m512i w[8];
+    for (int i = 0; i < 8; ++i) w[i] = _mm512_xor_si512(join32(b0 + 16 + 32 * i, b1 + 16 + 32 * i), flip);
+    for (int m = 0; m < M; ++m) {
+      const int8_t* x = a[m].q + b * 32;
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int i = 0; i < 8; i += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, w[i], bcast4z(x + 4 * i));
+        s1 = _mm512_dpbusd_epi32(s1, w[i + 1], bcast4z(x + 4 * i + 4));
+      }
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * a[m].s32[b]));
+      _mm512_store_ps(acc + 16 * m, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a[m].d[b])),
+                                                    _mm512_load_ps(acc + 16 * m)));
+    }
+  }
+  std::memcpy(out, acc, sizeof(float) * 16 * M);
+}
+
+template <int MT, int64_t kType>
+void dot_q4_q5_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
+  constexpr int kRows = MT > 0 ? MT : kPassRows;
+  const int M = MT > 0 ? MT : M_;
+  constexpr bool kMin = kType == kQ4_1_X8;
+  constexpr int64_t kBytes = kType == kQ5_0_X8 ? 176 : kMin ? 160 : 144;
+  constexpr int64_t kNibbles = kMin ? 32 : 16;
+  constexpr int32_t kZero = kType == kQ5_0_X8 ? 16 : 8;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  alignas(64) float acc[kRows * 16];
+  for (int m = 0; m < M; ++m) _mm512_store_ps(acc + 16 * m, _mm512_setzero_ps());
+  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* b0 = g0 + b * step;
+    const uint8_t* b1 = g1 + b * step;
+    prefetch_ahead(b0, kBytes, ahead);
+    prefetch_ahead(b1, kBytes, ahead);
+    const __m512 d = halves16(b0, b1);
+    const __m512 mn = kMin ? halves16(b0 + 16, b1 + 16) : _mm512_setzero_ps();
+    __m512i v[8];
+    for (int i = 0; i < 4; ++i) {
+      const __m512i L = join32(b0 + kNibbles + 32 * i, b1 + kNibbles + 32 * i);
+      v[2 * i] = _mm512_and_si512(L, low);
+      v[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(L, 4), low);
+    }
+    if constexpr (kType == kQ5_0_X8) {
+      const __m512i bit = _mm512_set1_epi8(0x10);
+      const __m512i H = join32(b0 + 144, b1 + 144);
+      v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_slli_epi16(H, 4), bit));
+      v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_slli_epi16(H, 3), bit));
+      v[2] = _mm512_or_si512(v[2], _mm512_and_si512(_mm512_slli_epi16(H, 2), bit));
+      v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_slli_epi16(H, 1), bit));
+      v[4] = _mm512_or_si512(v[4], _mm512_and_si512(H, bit));
+      v[5] = _mm512_or_si512(v[5], _mm512_and_si512(_mm512_srli_epi16(H, 1), bit));
+      v[6] = _mm512_or_si512(v[6], _mm512_and_si512(_mm512_srli_epi16(H, 2), bit));
+      v[7] = _mm512_or_si512(v[7], _mm512_and_si512(_mm512_srli_epi16(H, 3), bit));
+    }
+    for (int m = 0; m < M; ++m) {
+      const int8_t* x = a[m].q + b * 32;
+      __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+      for (int i = 0; i < 8; i += 2) {
+        d0 = _mm512_dpbusd_epi32(d0, v[i], bcast4z(x + 4 * i));
+        d1 = _mm512_dpbusd_epi32(d1, v[i + 1], bcast4z(x + 4 * i + 4));
+      }
+      const __m512i dot = _mm512_add_epi32(d0, d1);
+      const __m512 dx = _mm512_set1_ps(a[m].d[b]);
+      if constexpr (kMin) {
+        __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx), _mm512_load_ps(acc + 16 * m));
+        r = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(a[m].s32[b])), _mm512_mul_ps(mn, dx), r);
+        _mm512_store_ps(acc + 16 * m, r);
+      } else {
+        const __m512i sumi = _mm512_sub_epi32(dot, _mm512_set1_epi32(kZero * a[m].s32[b]));
+        _mm512_store_ps(acc + 16 * m, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, dx), _mm512_load_ps(acc + 16 * m)));
+      }
+    }
+  }
+  std::memcpy(out, acc, sizeof(float) * 16 * M);
+}
+#endif  // SPECSERVE_AVX512
 
 #else  // portable fallback: decode a block to integers, integer dot, same scaling as above
 
@@ -840,28 +1119,64 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t qa, QuantizedAc
 }
 
 #if SPECSERVE_AVX2
-// Interleaved layouts: up to kPassRows activation rows per pass over each weight block.
-template <int MT>
-void dot_x8_t(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, int M, float* out) {
+// Interleaved layouts: up to kPassRows activation rows per pass over each weight block, of G
+// groups whose blocks lie `gap` bytes apart (block b of the first group at grp + b * step).
+template <int MT, int G>
+void dot_x8_t(int64_t qtype, const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M, float* out) {
   switch (qtype) {
-    case kQ4_K_X8: return dot_q4_k_x8<MT>(grp, nb, a, M, out);
-    case kQ6_K_X8: return dot_q6_k_x8<MT>(grp, nb, a, M, out);
-    case kQ8_0_X8: return dot_q8_0_x8<MT>(grp, nb, a, M, out);
-    case kQ4_0_X8: return dot_q4_q5_x8<MT, kQ4_0_X8>(grp, nb, a, M, out);
-    case kQ4_1_X8: return dot_q4_q5_x8<MT, kQ4_1_X8>(grp, nb, a, M, out);
-    default: return dot_q4_q5_x8<MT, kQ5_0_X8>(grp, nb, a, M, out);
+    case kQ4_K_X8: return dot_q4_k_x8<MT, G>(grp, gap, step, nb, a, M, out);
+    case kQ6_K_X8: return dot_q6_k_x8<MT, G>(grp, gap, step, nb, a, M, out);
+    case kQ8_0_X8: return dot_q8_0_x8<MT, G>(grp, gap, step, nb, a, M, out);
+    case kQ4_0_X8: return dot_q4_q5_x8<MT, G, kQ4_0_X8>(grp, gap, step, nb, a, M, out);
+    case kQ4_1_X8: return dot_q4_q5_x8<MT, G, kQ4_1_X8>(grp, gap, step, nb, a, M, out);
+    default: return dot_q4_q5_x8<MT, G, kQ5_0_X8>(grp, gap, step, nb, a, M, out);
   }
 }
 
-void dot_x8(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, int M, float* out) {
+template <int G>
+void dot_x8_g(int64_t qtype, const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M, float* out) {
   switch (M) {
-    case 1: return dot_x8_t<1>(qtype, grp, nb, a, M, out);
-    case 2: return dot_x8_t<2>(qtype, grp, nb, a, M, out);
-    case 3: return dot_x8_t<3>(qtype, grp, nb, a, M, out);
-    case 4: return dot_x8_t<4>(qtype, grp, nb, a, M, out);
-    default: return dot_x8_t<0>(qtype, grp, nb, a, M, out);
+    case 1: return dot_x8_t<1, G>(qtype, grp, gap, step, nb, a, M, out);
+    case 2: return dot_x8_t<2, G>(qtype, grp, gap, step, nb, a, M, out);
+    case 3: return dot_x8_t<3, G>(qtype, grp, gap, step, nb, a, M, out);
+    case 4: return dot_x8_t<4, G>(qtype, grp, gap, step, nb, a, M, out);
+    default: return dot_x8_t<0, G>(qtype, grp, gap, step, nb, a, M, out);
   }
 }
+
+// One 8-row group in the x8 layout: out[m * 8 + r].
+void dot_x8(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, int M, float* out) {
+  dot_x8_g<1>(qtype, grp, 0, type_info(qtype).block_bytes, nb, a, M, out);
+}
+#endif
+
+#if SPECSERVE_AVX512
+template <int MT>
+void dot_x16_t(int64_t qtype, const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb, const Acts* a, int M, float* out) {
+  switch (qtype) {
+    case kQ4_K_X8: return dot_q4_k_x16<MT>(g0, g1, step, nb, a, M, out);
+    case kQ6_K_X8: return dot_q6_k_x16<MT>(g0, g1, step, nb, a, M, out);
+    case kQ8_0_X8: return dot_q8_0_x16<MT>(g0, g1, step, nb, a, M, out);
+    case kQ4_0_X8: return dot_q4_q5_x16<MT, kQ4_0_X8>(g0, g1, step, nb, a, M, out);
+    case kQ4_1_X8: return dot_q4_q5_x16<MT, kQ4_1_X8>(g0, g1, step, nb, a, M, out);
+    default: return dot_q4_q5_x16<MT, kQ5_0_X8>(g0, g1, step, nb, a, M, out);
+  }
+}
+
+// Two adjacent 8-row groups (g1 follows g0) against M activation rows: out[m * 16 + r].
+void dot_x16(int64_t qtype, const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb, const Acts* a, int M, float* out) {
+  switch (M) {
+    case 1: return dot_x16_t<1>(qtype, g0, g1, step, nb, a, M, out);
+    case 2: return dot_x16_t<2>(qtype, g0, g1, step, nb, a, M, out);
+    case 3: return dot_x16_t<3>(qtype, g0, g1, step, nb, a, M, out);
+    case 4: return dot_x16_t<4>(qtype, g0, g1, step, nb, a, M, out);
+    default: return dot_x16_t<0>(qtype, g0, g1, step, nb, a, M, out);
+  }
+}
+
+// Activation rows from which a pass takes two groups at once (1: always; more than kPassRows:
+// never). set_wide_min_rows changes it, for measurements and the bit-identity tests.
+std::atomic<int> g_wide_min_rows{1};
 #endif
 
 // Dot products of rows [n0, n1) of `seg` with M activation rows; emit(m, n, value) receives every
@@ -872,15 +1187,28 @@ template <typename Emit>
 void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, int64_t n1, Emit&& emit) {
   const int64_t R = seg.rows;
 #if SPECSERVE_AVX2
-  if (R == 8) {
-    alignas(32) float out[kPassRows * 8];
+  if (R == 8 || R == 16) {
+    // x8: one group per stored row; x16: two, their blocks alternating (block bytes B each).
+    const int64_t q8 = R == 16 ? seg.qtype - kPaired : seg.qtype;
+    const int64_t B = type_info(q8).block_bytes;
+    alignas(64) float out[kPassRows * 16];
     for (int64_t m = 0; m < M; m += kPassRows) {
       const int mt = static_cast<int>(std::min<int64_t>(kPassRows, M - m));
-      for (int64_t n = n0; n < n1; n += 8) {
-        dot_x8(seg.qtype, seg.w + (n / 8) * seg.row_bytes, seg.nb, acts + m, mt, out);
-        for (int64_t r = 0; r < 8; ++r) {
+      for (int64_t n = n0; n < n1; n += R) {
+        const uint8_t* grp = seg.w + (n / R) * seg.row_bytes;
+        if (R == 8) {
+          dot_x8(q8, grp, seg.nb, acts + m, mt, out);
+        } else {
+#if SPECSERVE_AVX512
+          if (mt >= g_wide_min_rows.load(std::memory_order_relaxed))
+            dot_x16(q8, grp, grp + B, 2 * B, seg.nb, acts + m, mt, out);
+          else
+#endif
+            dot_x8_g<2>(q8, grp, B, 2 * B, seg.nb, acts + m, mt, out);
+        }
+        for (int64_t r = 0; r < R; ++r) {
           const float b = seg.bias ? seg.bias[n + r] : 0.f;
-          for (int i = 0; i < mt; ++i) emit(m + i, n + r, out[i * 8 + r] + b);
+          for (int i = 0; i < mt; ++i) emit(m + i, n + r, out[i * R + r] + b);
         }
       }
     }
@@ -1339,15 +1667,17 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 }
 
 // The 8-row interleaved layout of Q4_K / Q6_K / Q8_0 / Q5_0 / Q4_0 / Q4_1 rows (see "Interleaved K-quants" above).
-torch::Tensor interleave_rows(const torch::Tensor& w, int64_t qtype) {
+torch::Tensor interleave_rows(const torch::Tensor& w, int64_t qtype, bool paired) {
   TORCH_CHECK(qtype == kQ4_K || qtype == kQ6_K || qtype == kQ8_0 || qtype == kQ5_0 || qtype == kQ4_0 || qtype == kQ4_1,
               "interleave_rows: Q4_K, Q6_K, Q8_0, Q5_0, Q4_0 or Q4_1");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(0) % 8 == 0,
               "interleave_rows: contiguous uint8 [N, row_bytes] with N a multiple of 8");
+  TORCH_CHECK(!paired || w.size(0) % 16 == 0, "interleave_rows: pairing groups needs N a multiple of 16");
   const TypeInfo in = type_info(qtype), out_info = type_info(qtype + 100);
   TORCH_CHECK(w.size(1) % in.block_bytes == 0, "interleave_rows: row bytes are not whole blocks");
   const int64_t G = w.size(0) / 8, nb = w.size(1) / in.block_bytes, row_bytes = w.size(1);
-  auto out = torch::empty({G, nb * out_info.block_bytes}, w.options());
+  auto out = paired ? torch::empty({G / 2, 2 * nb * out_info.block_bytes}, w.options())
+                    : torch::empty({G, nb * out_info.block_bytes}, w.options());
   const uint8_t* src_base = w.data_ptr<uint8_t>();
   uint8_t* out_base = out.data_ptr<uint8_t>();
   at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
@@ -1356,7 +1686,8 @@ torch::Tensor interleave_rows(const torch::Tensor& w, int64_t qtype) {
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* src[8];
         for (int r = 0; r < 8; ++r) src[r] = src_base + (8 * g + r) * row_bytes + b * in.block_bytes;
-        uint8_t* dst = out_base + (g * nb + b) * out_info.block_bytes;
+        const int64_t slot = paired ? (g / 2) * 2 * nb + 2 * b + g % 2 : g * nb + b;  // paired: blocks alternate
+        uint8_t* dst = out_base + slot * out_info.block_bytes;
         if (qtype == kQ8_0 || qtype == kQ5_0 || qtype == kQ4_0 || qtype == kQ4_1) {
           for (int r = 0; r < 8; ++r) std::memcpy(dst + 2 * r, src[r], 2);
           if (qtype == kQ4_1)
@@ -1534,7 +1865,8 @@ class DecoderStack {
 };
 
 // u8 x s8 multiply-adds per second of all threads through the kernels' widest int8 instruction
-// (AVX2 vpmaddubsw, or vpdpbusd with VNNI: 32 per 256-bit instruction), 12 independent chains
+// (AVX2 vpmaddubsw, or vpdpbusd with VNNI: 32 per 256-bit instruction, 64 per 512-bit one where
+// the multi-row passes use AVX-512), 12 independent chains
 // so latency never limits it: the compute roof under the verify-cost curve (bench/roofline.py).
 double int8_peak(double seconds) {
 #if SPECSERVE_AVX2
@@ -1542,14 +1874,22 @@ double int8_peak(double seconds) {
   std::atomic<int64_t> instructions{0};
   const auto start = std::chrono::steady_clock::now();
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+#if SPECSERVE_AVX512
+    __m512i acc[12];
+    for (int j = 0; j < 12; ++j) acc[j] = _mm512_set1_epi8(static_cast<char>(j + 1));
+    const __m512i b = _mm512_set1_epi8(3);
+#else
     __m256i acc[12];
     for (int j = 0; j < 12; ++j) acc[j] = _mm256_set1_epi8(static_cast<char>(j + 1));
     const __m256i b = _mm256_set1_epi8(3);
+#endif
     int64_t n = 0;
     while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < seconds) {
       for (int it = 0; it < 4096; ++it)
         for (int j = 0; j < 12; ++j) {
-#if SPECSERVE_VNNI
+#if SPECSERVE_AVX512
+          acc[j] = _mm512_dpbusd_epi32(acc[j], acc[j], b);
+#elif SPECSERVE_VNNI
           acc[j] = _mm256_dpbusd_epi32(acc[j], acc[j], b);
 #else
           acc[j] = _mm256_maddubs_epi16(acc[j], b);
@@ -1557,12 +1897,19 @@ double int8_peak(double seconds) {
         }
       n += 4096 * 12;
     }
+#if SPECSERVE_AVX512
+    __m512i sink = acc[0];
+    for (int j = 1; j < 12; ++j) sink = _mm512_xor_si512(sink, acc[j]);
+    const int lane0 = _mm_extract_epi8(_mm512_castsi512_si128(sink), 0);
+#else
     __m256i sink = acc[0];
     for (int j = 1; j < 12; ++j) sink = _mm256_xor_si256(sink, acc[j]);
-    instructions += n + (_mm256_extract_epi8(sink, 0) == 0x7f ? 1 : 0);  // keep the chains alive
+    const int lane0 = _mm256_extract_epi8(sink, 0);
+#endif
+    instructions += n + (lane0 == 0x7f ? 1 : 0);  // keep the chains alive
   });
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return static_cast<double>(instructions.load()) * 32.0 / elapsed;
+  return static_cast<double>(instructions.load()) * (SPECSERVE_AVX512 ? 64.0 : 32.0) / elapsed;
 #else
   (void)seconds;
   return 0.0;
@@ -1570,6 +1917,18 @@ double int8_peak(double seconds) {
 }
 
 bool has_avx2() { return SPECSERVE_AVX2 != 0; }
+bool has_avx512() { return SPECSERVE_AVX512 != 0; }
+
+// Activation rows from which the multi-row passes take two 8-row groups per 512-bit pass; returns
+// the previous value (0 where the build has no AVX-512 path).
+int64_t set_wide_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "wide passes start at one activation row or more, got ", rows);
+#if SPECSERVE_AVX512
+  return g_wide_min_rows.exchange(static_cast<int>(std::min<int64_t>(rows, kPassRows + 1)));
+#else
+  return 0;
+#endif
+}
 bool has_vnni() { return SPECSERVE_VNNI != 0; }
 
 // Prefetch distance in bytes (0 turns software prefetch off); returns the previous one.
@@ -1593,11 +1952,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotate-half RoPE in place", py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("positions"));
   m.def("paged_attention", &paged_attention, "attention of a few tokens per request over the paged KV cache", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("mask"), py::arg("query_index"), py::arg("scale"));
-  m.def("interleave_rows", &interleave_rows, "Q4_K/Q6_K/Q8_0/Q5_0/Q4_0 rows -> the 8-row interleaved layout", py::arg("w"), py::arg("qtype"));
+  m.def("interleave_rows", &interleave_rows, "Q4_K/Q6_K/Q8_0/Q5_0/Q4_0/Q4_1 rows -> the 8-row interleaved layout (paired: two groups "
+        "per row, blocks alternating)", py::arg("w"), py::arg("qtype"), py::arg("paired") = false);
   m.def("has_avx2", &has_avx2, "whether the AVX2 kernels were compiled in");
   m.def("int8_peak", &int8_peak, "u8 x s8 multiply-adds per second of all threads (widest int8 instruction)",
         py::arg("seconds") = 0.5, py::call_guard<py::gil_scoped_release>());
   m.def("has_vnni", &has_vnni, "whether the interleaved kernels use AVX512-VNNI");
+  m.def("has_avx512", &has_avx512, "whether multi-row passes take two 8-row groups in 512-bit registers");
+  m.def("set_wide_min_rows", &set_wide_min_rows, "activation rows from which passes go 512 bits wide; returns the old value",
+        py::arg("rows"));
   m.def("set_prefetch_distance", &set_prefetch_distance, "software prefetch distance in bytes (0: off); returns the old one",
         py::arg("bytes"));
   py::class_<DecoderStack>(m, "DecoderStack", "a whole decoder stack with block-quantized projections, one call per step")

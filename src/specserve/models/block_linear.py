@@ -38,6 +38,9 @@ FOUR_BIT = (Q4_K, Q4_0, Q4_1)  # what --quantization int4 keeps as the file has 
 # specserve's 8-row interleaved layouts (see qmatmul.cpp): same information, laid out so the
 # kernel handles 8 rows per vector step. Built at load time, never written to disk.
 INTERLEAVED = {Q4_0: 102, Q4_1: 103, Q5_0: 106, Q8_0: 108, Q4_K: 112, Q6_K: 114}
+# The same with two 8-row groups per stored row, their blocks alternating: what a build with the
+# AVX-512 path reads (one 512-bit pass covers both groups; 16 rows per stored row).
+PAIRED = {q: k + 100 for q, k in INTERLEAVED.items()}
 
 
 class PackedWeight(NamedTuple):
@@ -88,7 +91,7 @@ class BlockQuantLinear(nn.Module):
         """The weight in its GGUF layout."""
         data = self.qweight
         if self.kernel_qtype != self.qtype:
-            data = deinterleave_rows(self.qtype, data, (self.out_features, self.in_features))
+            data = deinterleave_rows(self.qtype, data, (self.out_features, self.in_features), self.kernel_qtype)
         return PackedWeight(self.qtype, data, (self.out_features, self.in_features))
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -193,21 +196,30 @@ def packed_from_gguf(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> Pac
     return PackedWeight(qtype, data.reshape(shape[0], row_bytes), shape)
 
 
-def interleave_rows(pw: PackedWeight) -> tuple[int, torch.Tensor]:
-    """(kernel qtype, data) for the kernel: the 8-row interleaved layout of Q4_K/Q6_K/Q8_0/Q5_0
-    weights whose row count is a multiple of 8 on an AVX2 build, else the GGUF layout unchanged."""
+def interleave_rows(pw: PackedWeight, paired: bool | None = None) -> tuple[int, torch.Tensor]:
+    """(kernel qtype, data) for the kernel: the 8-row interleaved layout of Q4_K/Q6_K/Q8_0/Q5_0/
+    Q4_0/Q4_1 weights whose row count is a multiple of 8 on an AVX2 build, with pairs of groups
+    stored together (`PAIRED`) where the rows are a multiple of 16 and `paired` is true (default:
+    where the build has the AVX-512 path); else the GGUF layout unchanged."""
     from specserve.kernels import kernels
 
     n, k = pw.shape
     if pw.qtype not in INTERLEAVED or n % 8 or not kernels().has_avx2():
         return pw.qtype, pw.data
-    return INTERLEAVED[pw.qtype], kernels().interleave_rows(pw.data.contiguous(), pw.qtype)
+    if paired is None:
+        paired = kernels().has_avx512()
+    paired = paired and n % 16 == 0
+    data = kernels().interleave_rows(pw.data.contiguous(), pw.qtype, paired)
+    return (PAIRED if paired else INTERLEAVED)[pw.qtype], data
 
 
-def deinterleave_rows(qtype: int, data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """The GGUF rows [n, bytes per row] back from interleave_rows' layout."""
+def deinterleave_rows(qtype: int, data: torch.Tensor, shape: tuple[int, int], kernel_qtype: int | None = None) -> torch.Tensor:
+    """The GGUF rows [n, bytes per row] back from interleave_rows' layout (`kernel_qtype`, default
+    the unpaired one)."""
     n, k = shape
     g, nb = n // 8, k // BLOCK_SHAPES[qtype][0]
+    if kernel_qtype == PAIRED[qtype]:  # [g / 2, nb, 2, B] -> [g, nb, B]
+        data = data.view(g // 2, nb, 2, -1).permute(0, 2, 1, 3).reshape(g, -1)
     r = data.numpy().reshape(g, nb, -1)
     if qtype == Q8_0:
         qs = r[..., 16:272].reshape(g, nb, 8, 8, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, 8, 32)
