@@ -15,6 +15,7 @@ from specserve import LLM, SamplingParams
 from specserve.kernels import BLOCK_SHAPES, kernels
 from specserve.models.block_linear import (
     INTERLEAVED,
+    PAIRED,
     BlockQuantLinear,
     PackedWeight,
     deinterleave_rows,
@@ -50,7 +51,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", sorted(NAMES))
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 9])
-@pytest.mark.parametrize("rows", [40, 44])  # 40 rows are interleaved by 8, 44 stay rows
+@pytest.mark.parametrize("rows", [40, 44, 48])  # 40 rows are interleaved by 8, 44 stay rows, 48 may pair groups
 def test_kernel_matches_decoded_weight(qtype, m, rows):
     pw = random_blocks(qtype, rows=rows, cols=512, seed=qtype)
     w = pw.dequantize()
@@ -68,7 +69,7 @@ def test_kernel_matches_decoded_weight(qtype, m, rows):
 
 
 @pytest.mark.parametrize("qtype", sorted(NAMES))
-@pytest.mark.parametrize("rows", [70, 72])
+@pytest.mark.parametrize("rows", [70, 72, 80])
 def test_each_row_is_independent_of_the_batch(qtype, rows):
     """Bit-identical results for a row alone and inside batches of any size (verify == decode ==
     prefill), across the activation tiles (4 rows for row layouts; register kernels for 1-4 rows
@@ -376,6 +377,37 @@ def test_native_decoder_stack_refuses_bad_input(tiny_qwen2):
         stack.forward(torch.zeros(1, hidden), one, rope.cos, rope.sin, kv, one + 10**9, one[None], mask, one, 1.0)
 
 
+@pytest.mark.parametrize("qtype", sorted(INTERLEAVED))
+def test_paired_groups_give_the_unpaired_bits_for_any_pass_width(qtype):
+    """Two 8-row groups stored block by block (the layout the AVX-512 passes read) hold the same
+    information and give exactly the x8 layout's products, for every number of activation rows and
+    every row count from which passes go 512 bits wide (where the build has them; the 256-bit
+    kernels over both groups everywhere else)."""
+    k = kernels()
+    if not k.has_avx2():
+        pytest.skip("interleaved layouts need the AVX2 build")
+    pw = random_blocks(qtype, 48, 512, seed=qtype + 1)
+    k8, d8 = interleave_rows(pw, paired=False)
+    k16, d16 = interleave_rows(pw, paired=True)
+    assert (k8, k16) == (INTERLEAVED[qtype], PAIRED[qtype]) and d16.shape[0] == 3 and d16.numel() == d8.numel()
+    assert torch.equal(deinterleave_rows(qtype, d16, pw.shape, k16), pw.data)
+    assert interleave_rows(random_blocks(qtype, 40, 512), paired=True)[0] == INTERLEAVED[qtype]  # 5 groups: not paired
+    old = k.set_wide_min_rows(1)
+    try:
+        for m in (1, 2, 3, 4, 5, 9, 32, 33, 40):
+            x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) * 3
+            ref = k.qmatmul(x, d8, k8)
+            for wide in (1, 4, 33):
+                k.set_wide_min_rows(wide)
+                assert torch.equal(k.qmatmul(x, d16, k16), ref), (m, wide)
+    finally:
+        k.set_wide_min_rows(old if k.has_avx512() else 4)
+    with pytest.raises(RuntimeError, match="one activation row or more"):
+        k.set_wide_min_rows(0)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        k.interleave_rows(random_blocks(qtype, 40, 512).data, qtype, True)
+
+
 def test_vnni_kernels_are_bit_identical_to_the_avx2_ones(tmp_path):
     """Where the CPU has AVX512-VNNI the interleaved kernels use vpdpbusd; an AVX2-only build of
     the same source must give exactly the same products (so results never depend on the CPU's
@@ -391,10 +423,11 @@ def test_vnni_kernels_are_bit_identical_to_the_avx2_ones(tmp_path):
                               extra_cflags=["-O3", "-march=native", "-mno-avx512vnni", "-fopenmp"], extra_ldflags=["-fopenmp"])
     assert not avx2.has_vnni()
     for qtype in sorted(INTERLEAVED):
-        kq, data = interleave_rows(random_blocks(qtype, 64, 512, seed=qtype))
-        for m in (1, 3, 5, 8, 9, 33):
-            x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) * 3
-            assert torch.equal(avx2.qmatmul(x, data, kq), kernels().qmatmul(x, data, kq)), (qtype, m)
+        for paired in (False, True):  # paired: 512-bit passes from 4 rows where this CPU has AVX-512
+            kq, data = interleave_rows(random_blocks(qtype, 64, 512, seed=qtype), paired=paired)
+            for m in (1, 3, 4, 5, 8, 9, 33):
+                x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) * 3
+                assert torch.equal(avx2.qmatmul(x, data, kq), kernels().qmatmul(x, data, kq)), (qtype, paired, m)
 
 
 def test_prefetch_distance_changes_speed_not_results(monkeypatch):

@@ -13,7 +13,9 @@
 // with single-token decoding).
 //
 // Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 are also read in an 8-row interleaved layout made at load time
-// (see "Interleaved K-quants"), which is what matrices with a multiple of 8 rows use on AVX2.
+// (see "Interleaved K-quants"), which is what matrices with a multiple of 8 rows use on AVX2;
+// with AVX-512 (BW + VNNI), pairs of those groups are stored together and passes of several
+// activation rows read both in 512-bit registers (see "Two groups per pass").
 //
 // Threading: tiles of 16 output rows pulled by torch's OpenMP threads (parallel_tiles).
 
@@ -771,6 +773,12 @@ void dot_q4_q5_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, con
 // ones. Each lane runs the 256-bit kernels' arithmetic unchanged: the integer sums are exact and
 // the float steps are the same operations in the same order, so a row's result is bit-identical
 // whichever kernel computed it (test_vnni_kernels_are_bit_identical_to_the_avx2_ones).
+//
+// The two groups are stored paired (x16 ids): block b of the first group, then block b of the
+// second, so a pass reads one sequential stream. Reading the two groups from where the x8 layout
+// keeps them (a row of blocks apart) made the same pass 10-30% slower wherever the weights come
+// from DRAM. Passes of fewer rows than g_wide_min_rows read a paired row with the 256-bit kernels
+// (G = 2: both groups block by block, the same order in memory).
 
 inline __m512i join32(const uint8_t* p0, const uint8_t* p1) {  // 32 bytes of each group
   return _mm512_inserti64x4(_mm512_castsi256_si512(load32(p0)), load32(p1), 1);
@@ -1174,15 +1182,20 @@ void dot_x16(int64_t qtype, const uint8_t* g0, const uint8_t* g1, int64_t step, 
   }
 }
 
-// Activation rows from which a pass takes two groups at once (1: always; more than kPassRows:
-// never). set_wide_min_rows changes it, for measurements and the bit-identity tests.
-std::atomic<int> g_wide_min_rows{1};
+// Activation rows from which a pass over a paired stored row runs 512 bits wide (fewer take the
+// 256-bit kernels over both groups; more than kPassRows: never wide). On a 2-vCPU Zen 5 EPYC,
+// Qwen2.5-Coder-1.5B Q4_K_M forwards of n tokens, 512-bit over 256-bit: 0.76x at n = 1 (the
+// weights stream from DRAM and one row leaves the multiply-adds idle either way, yet the wide
+// pass streams slower), 0.96x at 3, 1.14x at 4, 1.32x at 5, 1.41x at 9, 1.54x at 17.
+// set_wide_min_rows changes it (measurements, the bit-identity tests).
+std::atomic<int> g_wide_min_rows{4};
 #endif
 
 // Dot products of rows [n0, n1) of `seg` with M activation rows; emit(m, n, value) receives every
 // result. Interleaved layouts take passes of up to kPassRows activation rows over each 8-row
-// group (n0 and n1 are then multiples of 8: segments and tiles are); the row-at-a-time kernels
-// take tiles of up to 4 rows (they run out of registers past that).
+// group, or both groups of a paired row (n0 and n1 are then multiples of 8, or of 16 for paired
+// layouts: segments and tiles are); the row-at-a-time kernels take tiles of up to 4 rows (they run
+// out of registers past that).
 template <typename Emit>
 void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, int64_t n1, Emit&& emit) {
   const int64_t R = seg.rows;

@@ -10,7 +10,9 @@ decoding them to float; `--quantization int4` turns float weights into Q4_K bloc
 Q4_K, Q6_K, Q8_0, Q5_0, Q4_0 and Q4_1 matrices whose row count is a multiple of 8 are rearranged at load
 time into an 8-row interleaved layout (same information; +2.8% bytes for Q4_K, whose scales are
 stored unpacked, same bytes otherwise; see qmatmul.cpp) that lets the kernel treat 8 rows per
-vector step; `packed()` converts back.
+vector step; `packed()` converts back. Where the kernels were built with their AVX-512 path, matrices
+with a multiple of 16 rows store two such groups per row, block by block (`PAIRED`), which one
+512-bit pass reads front to back.
 
 Numerics: each activation row is rounded to int8 per block (see qmatmul.cpp), so results differ
 from a float32 matmul against the decoded weight by about 1% of an output's magnitude; they do
