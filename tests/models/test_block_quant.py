@@ -401,7 +401,7 @@ def test_paired_groups_give_the_unpaired_bits_for_any_pass_width(qtype):
                 k.set_wide_min_rows(wide)
                 assert torch.equal(k.qmatmul(x, d16, k16), ref), (m, wide)
     finally:
-        k.set_wide_min_rows(old if k.has_avx512() else 4)
+        k.set_wide_min_rows(max(old, 1))
     with pytest.raises(RuntimeError, match="one activation row or more"):
         k.set_wide_min_rows(0)
     with pytest.raises(RuntimeError, match="multiple of 16"):
@@ -519,6 +519,52 @@ def test_prefetch_tuning_keeps_the_fastest_distance_once_per_process(monkeypatch
     assert info["distance"] == 3072 and set(info["step_ms"]) == set(kmod.PREFETCH_CANDIDATES)
     n = len(calls)
     assert kmod.tune_prefetch(step, big) is None and len(calls) == n  # once per process
+
+
+class _FakeWideKernels:
+    """Stands in for the kernel module: records from how many rows passes go 512 bits wide."""
+
+    def __init__(self, avx512: bool = True) -> None:
+        self.avx512 = avx512
+        self.rows = 4
+
+    def has_avx512(self) -> bool:
+        return self.avx512
+
+    def set_wide_min_rows(self, rows: int) -> int:
+        old, self.rows = self.rows, rows
+        return old
+
+
+@pytest.mark.parametrize("wins_from, chosen", [(4, 4), (2, 2), (None, 33), ("6 but not 8", 33)])
+def test_wide_pass_tuning_keeps_the_smallest_width_that_wins_from_there_on(monkeypatch, wins_from, chosen):
+    """tune_wide_passes times 256- and 512-bit passes per candidate width and keeps the smallest
+    width from which the 512-bit pass wins at every larger candidate (or never); once per
+    process, only with the AVX-512 path and a model large enough to stream from memory."""
+    import specserve.kernels as kmod
+
+    fake = _FakeWideKernels()
+    monkeypatch.setattr(kmod, "kernels", lambda: fake)
+    monkeypatch.setattr(kmod, "_wide_tuned", {})
+    big = kmod.PREFETCH_TUNE_MIN_BYTES
+    calls = []
+
+    def step(n: int) -> float:
+        calls.append(n)
+        wide = fake.rows <= n
+        wins = wins_from == "6 but not 8" and n == 6 or isinstance(wins_from, int) and n >= wins_from
+        return 0.01 * n * (0.8 if wide == wins else 1.0) + (0.05 if calls.count(n) <= 2 else 0.0)  # first round noisier
+
+    assert kmod.tune_wide_passes(step, big - 1) is None and calls == []
+    fake.avx512 = False
+    assert kmod.tune_wide_passes(step, big) is None and calls == []
+    fake.avx512 = True
+    assert kmod.tune_wide_passes(lambda n: float("nan"), big) is None and fake.rows == 4
+    assert kmod.tune_wide_passes(step, big, rounds=2) == chosen and fake.rows == chosen
+    info = kmod.wide_tuning()
+    assert info["min_rows"] == chosen and set(info["ratio"]) == set(kmod.WIDE_CANDIDATES)
+    n = len(calls)
+    assert kmod.tune_wide_passes(step, big) is None and len(calls) == n  # once per process
 
 
 def test_weights_move_into_one_huge_page_buffer_unchanged():

@@ -893,8 +893,14 @@ class LLMEngine:
         if runner.native_ops:
             from specserve.kernels import kernels
 
-            isa = "AVX512-VNNI" if kernels().has_vnni() else "AVX2" if kernels().has_avx2() else "portable"
-            precision = f"{q}: the GGUF's own blocks through native {isa} kernels" if q == "auto" else f"{q}: 4-bit blocks, native {isa} kernels"
+            k = kernels()
+            isa = "AVX512-VNNI" if k.has_vnni() else "AVX2" if k.has_avx2() else "portable"
+            wide = ""
+            if k.has_avx512():
+                rows = k.wide_min_rows()
+                wide = f", 512 bits wide from {rows} rows per pass" if rows <= 32 else ", 256 bits wide (512 did not pay here)"
+            precision = (f"{q}: the GGUF's own blocks through native {isa} kernels{wide}" if q == "auto"
+                         else f"{q}: 4-bit blocks, native {isa} kernels{wide}")
         else:
             precision = f"{q} ({str(runner.dtype).removeprefix('torch.')})"
         kv_gib = runner.kv_cache_bytes / (1 << 30)

@@ -205,9 +205,11 @@ class ModelRunner:
         self.grammar_time_s = 0.0  # structured output: building and applying the masks
         self.last_forward_time_s = 0.0
         if self.native_ops:
-            from specserve.kernels import tune_prefetch
+            from specserve.kernels import tune_prefetch, tune_wide_passes
 
             tune_prefetch(lambda: self.time_decode_step(1, repeats=1, context=64), self.weight_bytes_per_step())
+            tune_wide_passes(lambda n: self.time_decode_step(1, tokens_per_req=n, repeats=1, context=64),
+                             self.weight_bytes_per_step())
 
     def _build(
         self, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int, packed: dict[str, PackedWeight]

@@ -209,6 +209,60 @@ def prefetch_tuning() -> dict[str, object]:
     return dict(_prefetch_tuned)
 
 
+# Pass widths (activation rows) at which tune_wide_passes compares the 512-bit and the 256-bit
+# kernels, and the value that keeps every pass at 256 bits (more rows than a pass takes).
+WIDE_CANDIDATES = (2, 3, 4, 6, 8)
+WIDE_NEVER = 33
+WIDE_MARGIN = 0.97  # the 512-bit pass must be at least 3% faster to be chosen
+_wide_tuned: dict[str, object] = {}
+
+
+def tune_wide_passes(time_step: Callable[[int], float], weight_bytes: int, rounds: int = 2) -> int | None:
+    """Set from how many activation rows the AVX-512 passes run 512 bits wide, from forwards of
+    the model at hand (`time_step(n)`: seconds of one forward of n tokens).
+
+    Whether a 512-bit pass pays depends on the core: on a 2-vCPU Zen 5 it was 0.76x the 256-bit
+    one for a single row (weights streaming from DRAM) and 1.14-1.54x from 4 rows on; cores that
+    split 512-bit work in two halves gain less. For each candidate n the two are timed in
+    interleaved rounds (best time each); the threshold is the smallest n from which the 512-bit
+    pass wins at every larger candidate, or never. Runs once per process, on the first model with
+    at least PREFETCH_TUNE_MIN_BYTES of weights and only where the build has the AVX-512 path;
+    results are bit-identical either way. Returns the threshold set, or None when nothing was tuned.
+    """
+    if weight_bytes < PREFETCH_TUNE_MIN_BYTES:
+        return None
+    with _TUNE_LOCK:
+        if _wide_tuned:
+            return None
+        module = kernels()
+        if not module.has_avx512():
+            return None
+        before = module.set_wide_min_rows(WIDE_NEVER)
+        if not math.isfinite(time_step(WIDE_CANDIDATES[0])):
+            module.set_wide_min_rows(before)
+            return None
+        best = {(n, wide): math.inf for n in WIDE_CANDIDATES for wide in (False, True)}
+        for _ in range(rounds):
+            for n in WIDE_CANDIDATES:
+                for wide in (False, True):
+                    module.set_wide_min_rows(n if wide else WIDE_NEVER)
+                    best[n, wide] = min(best[n, wide], time_step(n))
+        choice = WIDE_NEVER
+        for n in reversed(WIDE_CANDIDATES):
+            if best[n, True] > WIDE_MARGIN * best[n, False]:
+                break
+            choice = n
+        module.set_wide_min_rows(choice)
+        _wide_tuned.update(min_rows=choice, ratio={n: round(best[n, False] / best[n, True], 3) for n in WIDE_CANDIDATES})
+        logger.info("512-bit passes from %d activation rows (256-bit / 512-bit time by rows: %s)", choice, _wide_tuned["ratio"])
+        return choice
+
+
+def wide_tuning() -> dict[str, object]:
+    """What tune_wide_passes measured and chose in this process (empty if it has not run)."""
+    return dict(_wide_tuned)
+
+
 def kernels() -> ModuleType:
     """The compiled kernel module (built on first call)."""
     with _LOCK:

@@ -1934,6 +1934,14 @@ bool has_avx512() { return SPECSERVE_AVX512 != 0; }
 
 // Activation rows from which the multi-row passes take two 8-row groups per 512-bit pass; returns
 // the previous value (0 where the build has no AVX-512 path).
+int64_t wide_min_rows() {
+#if SPECSERVE_AVX512
+  return g_wide_min_rows.load();
+#else
+  return 0;
+#endif
+}
+
 int64_t set_wide_min_rows(int64_t rows) {
   TORCH_CHECK(rows >= 1, "wide passes start at one activation row or more, got ", rows);
 #if SPECSERVE_AVX512
@@ -1972,6 +1980,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seconds") = 0.5, py::call_guard<py::gil_scoped_release>());
   m.def("has_vnni", &has_vnni, "whether the interleaved kernels use AVX512-VNNI");
   m.def("has_avx512", &has_avx512, "whether multi-row passes take two 8-row groups in 512-bit registers");
+  m.def("wide_min_rows", &wide_min_rows, "activation rows from which passes go 512 bits wide (0: no AVX-512 path)");
   m.def("set_wide_min_rows", &set_wide_min_rows, "activation rows from which passes go 512 bits wide; returns the old value",
         py::arg("rows"));
   m.def("set_prefetch_distance", &set_prefetch_distance, "software prefetch distance in bytes (0: off); returns the old one",
