@@ -211,7 +211,7 @@ def prefetch_tuning() -> dict[str, object]:
 
 # Pass widths (activation rows) at which tune_wide_passes compares the 512-bit and the 256-bit
 # kernels, and the value that keeps every pass at 256 bits (more rows than a pass takes).
-WIDE_CANDIDATES = (2, 3, 4, 6, 8)
+WIDE_CANDIDATES = (2, 3, 4, 5, 6, 8)
 WIDE_NEVER = 33
 WIDE_MARGIN = 0.97  # the 512-bit pass must be at least 3% faster to be chosen
 _wide_tuned: dict[str, object] = {}
@@ -221,9 +221,10 @@ def tune_wide_passes(time_step: Callable[[int], float], weight_bytes: int, round
     """Set from how many activation rows the AVX-512 passes run 512 bits wide, from forwards of
     the model at hand (`time_step(n)`: seconds of one forward of n tokens).
 
-    Whether a 512-bit pass pays depends on the core: on a 2-vCPU Zen 5 it was 0.76x the 256-bit
-    one for a single row (weights streaming from DRAM) and 1.14-1.54x from 4 rows on; cores that
-    split 512-bit work in two halves gain less. For each candidate n the two are timed in
+    Whether a 512-bit pass pays depends on the core and on how fast memory is at the moment: on
+    a 2-vCPU Zen 5 (Qwen2.5-Coder-1.5B) it was 0.87-0.98x the 256-bit one at 1-3 rows, about even
+    at 4 (whose 256-bit kernel keeps its sums in registers), 1.4-1.7x from 5 on; cores that split
+    512-bit work in two halves gain less. For each candidate n the two are timed in
     interleaved rounds (best time each); the threshold is the smallest n from which the 512-bit
     pass wins at every larger candidate, or never. Runs once per process, on the first model with
     at least PREFETCH_TUNE_MIN_BYTES of weights and only where the build has the AVX-512 path;

@@ -221,6 +221,19 @@ inline void prefetch_ahead(const uint8_t* blk, int64_t bytes, int64_t ahead) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
 }
 
+// Part `part` of `parts` of prefetch_ahead(blk, bytes, ahead), for kernels that walk a large block
+// in sub-blocks: one slice per sub-block instead of every line at once. A burst of 20-40
+// prefetches at each block start overflows the core's queue of outstanding misses; spread out,
+// a Q4_K pass over one activation row in 512-bit registers went from 0.78x to 0.92x the 256-bit
+// one's speed, single-threaded from DRAM (Zen 5).
+inline void prefetch_slice(const uint8_t* blk, int64_t bytes, int64_t ahead, int part, int parts) {
+  if (ahead <= 0) return;
+  const char* p = reinterpret_cast<const char*>(blk) + ahead;
+  const int64_t lo = part * bytes / parts & ~int64_t{63};
+  const int64_t hi = part + 1 == parts ? bytes : (part + 1) * bytes / parts & ~int64_t{63};
+  for (int64_t o = lo; o < hi; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+}
+
 inline float hsum(__m256 v) {
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -494,9 +507,9 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
   for (int gi = 0; gi < G; ++gi) {
     float* acc = accs[gi];
     const uint8_t* blk = grp + gi * gap + b * step;
-    prefetch_ahead(blk, 1184, ahead);
     for (int m = 0; m < M; ++m) _mm256_store_si256(reinterpret_cast<__m256i*>(sumi + 8 * m), _mm256_setzero_si256());
     for (int j = 0; j < 8; ++j) {
+      prefetch_slice(blk, 1184, ahead, j, 8);
       const uint8_t* sub = blk + 96 + 136 * j;
       const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub)));
 #if !SPECSERVE_VNNI
@@ -577,9 +590,9 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
   for (int gi = 0; gi < G; ++gi) {
     float* acc = accs[gi];
     const uint8_t* blk = grp + gi * gap + b * step;
-    prefetch_ahead(blk, 1680, ahead);
     for (int m = 0; m < M; ++m) _mm256_store_si256(reinterpret_cast<__m256i*>(sumi + 8 * m), _mm256_setzero_si256());
     for (int c = 0; c < 8; ++c) {  // 32 values: 16-value groups 2c and 2c+1 = scale pair c
+      prefetch_slice(blk, 1680, ahead, c, 8);
       const uint8_t* chunk = blk + 16 + 208 * c;
       const uint8_t* ql = chunk + 16;
       const uint8_t* qh = chunk + 144;
@@ -801,7 +814,7 @@ inline __m512i bcast4z(const int8_t* p) {
 }
 
 template <int MT>
-void dot_q4_k_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
+void dot_q4_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -810,12 +823,11 @@ void dot_q4_k_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb
   for (int m = 0; m < M; ++m) _mm512_store_ps(acc + 16 * m, _mm512_setzero_ps());
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* b0 = g0 + b * step;
-    const uint8_t* b1 = g1 + b * step;
-    prefetch_ahead(b0, 1184, ahead);
-    prefetch_ahead(b1, 1184, ahead);
+    const uint8_t* b0 = grp + b * 2 * 1184;
+    const uint8_t* b1 = b0 + 1184;
     for (int m = 0; m < M; ++m) _mm512_store_si512(sumi + 16 * m, _mm512_setzero_si512());
     for (int j = 0; j < 8; ++j) {
+      prefetch_slice(b0, 2 * 1184, ahead, j, 8);
       const uint8_t* s0 = b0 + 96 + 136 * j;
       const uint8_t* s1 = b1 + 96 + 136 * j;
       const __m512i s32 = _mm512_cvtepu8_epi32(join8(s0, s1));
@@ -860,7 +872,7 @@ void dot_q4_k_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb
 }
 
 template <int MT>
-void dot_q6_k_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
+void dot_q6_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -872,12 +884,11 @@ void dot_q6_k_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb
   for (int m = 0; m < M; ++m) _mm512_store_ps(acc + 16 * m, _mm512_setzero_ps());
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* b0 = g0 + b * step;
-    const uint8_t* b1 = g1 + b * step;
-    prefetch_ahead(b0, 1680, ahead);
-    prefetch_ahead(b1, 1680, ahead);
+    const uint8_t* b0 = grp + b * 2 * 1680;
+    const uint8_t* b1 = b0 + 1680;
     for (int m = 0; m < M; ++m) _mm512_store_si512(sumi + 16 * m, _mm512_setzero_si512());
     for (int c = 0; c < 8; ++c) {
+      prefetch_slice(b0, 2 * 1680, ahead, c, 8);
       const uint8_t* c0 = b0 + 16 + 208 * c;
       const uint8_t* c1 = b1 + 16 + 208 * c;
       const __m512i sc16 = _mm512_cvtepi8_epi16(join16(c0, c1));
@@ -923,7 +934,7 @@ void dot_q6_k_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb
 // Q8_0 without the sign trick (AVX-512 has no vpsignb): w + 128 is an unsigned byte, and
 // sum((w + 128) * x) - 128 * sum(x) is the same exact integer as sum(w * x).
 template <int MT>
-void dot_q8_0_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
+void dot_q8_0_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -931,10 +942,9 @@ void dot_q8_0_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb
   for (int m = 0; m < M; ++m) _mm512_store_ps(acc + 16 * m, _mm512_setzero_ps());
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* b0 = g0 + b * step;
-    const uint8_t* b1 = g1 + b * step;
-    prefetch_ahead(b0, 272, ahead);
-    prefetch_ahead(b1, 272, ahead);
+    const uint8_t* b0 = grp + b * 2 * 272;
+    const uint8_t* b1 = b0 + 272;
+    prefetch_ahead(b0, 2 * 272, ahead);
     const __m512 d = halves16(b0, b1);
     __m512i w[8];
     for (int i = 0; i < 8; ++i) w[i] = _mm512_xor_si512(join32(b0 + 16 + 32 * i, b1 + 16 + 32 * i), flip);
@@ -954,7 +964,7 @@ void dot_q8_0_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb
 }
 
 template <int MT, int64_t kType>
-void dot_q4_q5_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
+void dot_q4_q5_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
   constexpr bool kMin = kType == kQ4_1_X8;
@@ -966,10 +976,9 @@ void dot_q4_q5_x16(const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t n
   for (int m = 0; m < M; ++m) _mm512_store_ps(acc + 16 * m, _mm512_setzero_ps());
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* b0 = g0 + b * step;
-    const uint8_t* b1 = g1 + b * step;
-    prefetch_ahead(b0, kBytes, ahead);
-    prefetch_ahead(b1, kBytes, ahead);
+    const uint8_t* b0 = grp + b * 2 * kBytes;
+    const uint8_t* b1 = b0 + kBytes;
+    prefetch_ahead(b0, 2 * kBytes, ahead);
     const __m512 d = halves16(b0, b1);
     const __m512 mn = kMin ? halves16(b0 + 16, b1 + 16) : _mm512_setzero_ps();
     __m512i v[8];
@@ -1160,35 +1169,35 @@ void dot_x8(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, int M,
 
 #if SPECSERVE_AVX512
 template <int MT>
-void dot_x16_t(int64_t qtype, const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb, const Acts* a, int M, float* out) {
+void dot_x16_t(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, int M, float* out) {
   switch (qtype) {
-    case kQ4_K_X8: return dot_q4_k_x16<MT>(g0, g1, step, nb, a, M, out);
-    case kQ6_K_X8: return dot_q6_k_x16<MT>(g0, g1, step, nb, a, M, out);
-    case kQ8_0_X8: return dot_q8_0_x16<MT>(g0, g1, step, nb, a, M, out);
-    case kQ4_0_X8: return dot_q4_q5_x16<MT, kQ4_0_X8>(g0, g1, step, nb, a, M, out);
-    case kQ4_1_X8: return dot_q4_q5_x16<MT, kQ4_1_X8>(g0, g1, step, nb, a, M, out);
-    default: return dot_q4_q5_x16<MT, kQ5_0_X8>(g0, g1, step, nb, a, M, out);
+    case kQ4_K_X8: return dot_q4_k_x16<MT>(grp, nb, a, M, out);
+    case kQ6_K_X8: return dot_q6_k_x16<MT>(grp, nb, a, M, out);
+    case kQ8_0_X8: return dot_q8_0_x16<MT>(grp, nb, a, M, out);
+    case kQ4_0_X8: return dot_q4_q5_x16<MT, kQ4_0_X8>(grp, nb, a, M, out);
+    case kQ4_1_X8: return dot_q4_q5_x16<MT, kQ4_1_X8>(grp, nb, a, M, out);
+    default: return dot_q4_q5_x16<MT, kQ5_0_X8>(grp, nb, a, M, out);
   }
 }
 
-// Two adjacent 8-row groups (g1 follows g0) against M activation rows: out[m * 16 + r].
-void dot_x16(int64_t qtype, const uint8_t* g0, const uint8_t* g1, int64_t step, int64_t nb, const Acts* a, int M, float* out) {
+// A paired row (two 8-row groups, blocks alternating) against M activation rows: out[m * 16 + r].
+void dot_x16(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, int M, float* out) {
   switch (M) {
-    case 1: return dot_x16_t<1>(qtype, g0, g1, step, nb, a, M, out);
-    case 2: return dot_x16_t<2>(qtype, g0, g1, step, nb, a, M, out);
-    case 3: return dot_x16_t<3>(qtype, g0, g1, step, nb, a, M, out);
-    case 4: return dot_x16_t<4>(qtype, g0, g1, step, nb, a, M, out);
-    default: return dot_x16_t<0>(qtype, g0, g1, step, nb, a, M, out);
+    case 1: return dot_x16_t<1>(qtype, grp, nb, a, M, out);
+    case 2: return dot_x16_t<2>(qtype, grp, nb, a, M, out);
+    case 3: return dot_x16_t<3>(qtype, grp, nb, a, M, out);
+    case 4: return dot_x16_t<4>(qtype, grp, nb, a, M, out);
+    default: return dot_x16_t<0>(qtype, grp, nb, a, M, out);
   }
 }
 
 // Activation rows from which a pass over a paired stored row runs 512 bits wide (fewer take the
 // 256-bit kernels over both groups; more than kPassRows: never wide). On a 2-vCPU Zen 5 EPYC,
-// Qwen2.5-Coder-1.5B Q4_K_M forwards of n tokens, 512-bit over 256-bit: 0.76x at n = 1 (the
-// weights stream from DRAM and one row leaves the multiply-adds idle either way, yet the wide
-// pass streams slower), 0.96x at 3, 1.14x at 4, 1.32x at 5, 1.41x at 9, 1.54x at 17.
-// set_wide_min_rows changes it (measurements, the bit-identity tests).
-std::atomic<int> g_wide_min_rows{4};
+// Qwen2.5-Coder-1.5B Q4_K_M forwards of n tokens, 512-bit over 256-bit: 0.94x at n = 1, 0.95x
+// at 2, 0.99x at 3, 1.08x at 4, 1.44x at 5 (the 256-bit kernels keep their sums in registers up
+// to 4 rows only), 1.66x at 9. The engine measures it per machine at start-up
+// (specserve.kernels.tune_wide_passes); set_wide_min_rows changes it.
+std::atomic<int> g_wide_min_rows{5};
 #endif
 
 // Dot products of rows [n0, n1) of `seg` with M activation rows; emit(m, n, value) receives every
@@ -1214,7 +1223,7 @@ void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, i
         } else {
 #if SPECSERVE_AVX512
           if (mt >= g_wide_min_rows.load(std::memory_order_relaxed))
-            dot_x16(q8, grp, grp + B, 2 * B, seg.nb, acts + m, mt, out);
+            dot_x16(q8, grp, seg.nb, acts + m, mt, out);
           else
 #endif
             dot_x8_g<2>(q8, grp, B, 2 * B, seg.nb, acts + m, mt, out);
