@@ -6,7 +6,8 @@ decode worker pinned to core 1 (Ray actors), KV streamed layer by layer through 
 
 Two workloads, open loop (arrivals at fixed times whatever the progress), greedy, streaming:
 - `mixed`: long-decode requests (short prompt, --decode-tokens answer) are running when long
-  prompts (~2.1-2.4k tokens, --long-output-token answers, 16 by default) arrive every --interval seconds;
+  prompts (~2.1-2.4k tokens, --long-output-token answers, 16 by default) arrive every --interval seconds
+  (every other decode arrives 0.25 s before a long prompt, the rest half an interval later);
 - `decode-only`: the same decodes without the long prompts.
 
 Per configuration and workload: TTFT p50/p99 by request kind, TPOT (per-request mean) and
@@ -77,6 +78,9 @@ def code_prompt(i: int, tokenizer: Any, target_tokens: int) -> str:
     return tokenizer.decode(ids)
 
 
+DECODE_LEAD_S = 0.25  # mixed workload: how long before a long prompt a decode request arrives
+
+
 def workload(kind: str, args: argparse.Namespace, tokenizer: Any, warm_up: bool = False) -> list[dict[str, Any]]:
     """Requests with arrival offsets (s), prompts and parameters (warm-up: other prompts, so the
     measured run finds nothing of them in any prefix cache)."""
@@ -86,8 +90,12 @@ def workload(kind: str, args: argparse.Namespace, tokenizer: Any, warm_up: bool 
                 {"kind": "long", "at": 0.1, "prompt": long_prompt(99, tokenizer, 600),
                  "params": SamplingParams(max_tokens=4, temperature=0.0)}]
     reqs = []
+    # Mixed: every other decode starts DECODE_LEAD_S before a long prompt, so it is still running
+    # when the prompt arrives on any machine (160 tokens take >= 0.3 s even at 2 ms a token); with
+    # 0.75 s, a 2-vCPU Zen 5's decodes ended just as the prompts came, and whether they overlapped
+    # at all came down to a few milliseconds.
     for i in range(args.decode):
-        reqs.append({"kind": "decode", "at": 0.25 + args.interval / 2 * i if kind == "mixed" else 0.25 * i,
+        reqs.append({"kind": "decode", "at": 1.0 - DECODE_LEAD_S + args.interval / 2 * i if kind == "mixed" else 0.25 * i,
                      "prompt": f"Write a long, detailed essay about {TOPICS[i % len(TOPICS)]}.",
                      "params": SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)})
     if kind == "mixed":
