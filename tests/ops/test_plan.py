@@ -539,3 +539,17 @@ def test_profile_smollm2_round_trips(tmp_path, capsys):
             assert model.co_run_slowdown(role) == co["slowdown"][role] >= 1.0
     else:
         assert co is None and model.co_run_slowdown("decode") == 1.0
+
+
+def test_machine_info_records_the_kernels_start_up_choices(monkeypatch):
+    """Results name what the kernels chose at start-up in that process (prefetch distance, 512-bit
+    pass width), since both move the figures; nothing is recorded before a model tuned them."""
+    import specserve.kernels as kmod
+    from specserve.ops.profile import machine_info
+
+    monkeypatch.setattr(kmod, "_prefetch_tuned", {})
+    monkeypatch.setattr(kmod, "_wide_tuned", {})
+    assert "kernel_tuning" not in machine_info()
+    monkeypatch.setattr(kmod, "_wide_tuned", {"min_rows": 5, "ratio": {4: 1.01, 5: 1.3}})
+    info = machine_info()
+    assert info["kernel_tuning"] == {"wide_passes": {"min_rows": 5, "ratio": {4: 1.01, 5: 1.3}}}

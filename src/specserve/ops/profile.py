@@ -108,7 +108,17 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **_kernel_tuning(),
     }
+
+
+def _kernel_tuning() -> dict[str, Any]:
+    """What this process's native kernels measured and chose at start-up (prefetch distance, the
+    width from which passes run 512 bits wide), where a model has loaded them."""
+    from specserve.kernels import prefetch_tuning, wide_tuning
+
+    tuning = {name: info for name, info in (("prefetch", prefetch_tuning()), ("wide_passes", wide_tuning())) if info}
+    return {"kernel_tuning": tuning} if tuning else {}
 
 
 class _Timings:
