@@ -25,9 +25,10 @@ import os
 import platform
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import TypeVar
 
 import torch
 
@@ -171,6 +172,19 @@ _prefetch_tuned: dict[str, object] = {}
 _TUNE_LOCK = threading.Lock()
 
 
+T = TypeVar("T")
+
+
+def _best_times(settings: Sequence[T], run: Callable[[T], float], rounds: int) -> dict[T, float]:
+    """Best of `rounds` timings of each setting, the settings interleaved within each round (so
+    drift over the rounds hits them all alike); run(setting) applies it and times one step."""
+    best = dict.fromkeys(settings, math.inf)
+    for _ in range(rounds):
+        for setting in settings:
+            best[setting] = min(best[setting], run(setting))
+    return best
+
+
 def tune_prefetch(time_step: Callable[[], float], weight_bytes: int, rounds: int = 2) -> int | None:
     """Set the prefetch distance under which `time_step()` (seconds of one decode step) is fastest.
 
@@ -192,11 +206,11 @@ def tune_prefetch(time_step: Callable[[], float], weight_bytes: int, rounds: int
         if not math.isfinite(time_step()):  # warm-up (first touch); NaN: the step cannot be timed here
             module.set_prefetch_distance(before)
             return None
-        best = dict.fromkeys(PREFETCH_CANDIDATES, math.inf)
-        for _ in range(rounds):
-            for dist in PREFETCH_CANDIDATES:
-                module.set_prefetch_distance(dist)
-                best[dist] = min(best[dist], time_step())
+        def run(dist: int) -> float:
+            module.set_prefetch_distance(dist)
+            return time_step()
+
+        best = _best_times(PREFETCH_CANDIDATES, run, rounds)
         choice = min(best, key=best.__getitem__)
         module.set_prefetch_distance(choice)
         _prefetch_tuned.update(distance=choice, step_ms={d: round(t * 1e3, 2) for d, t in best.items()})
@@ -242,12 +256,12 @@ def tune_wide_passes(time_step: Callable[[int], float], weight_bytes: int, round
         if not math.isfinite(time_step(WIDE_CANDIDATES[0])):
             module.set_wide_min_rows(before)
             return None
-        best = {(n, wide): math.inf for n in WIDE_CANDIDATES for wide in (False, True)}
-        for _ in range(rounds):
-            for n in WIDE_CANDIDATES:
-                for wide in (False, True):
-                    module.set_wide_min_rows(n if wide else WIDE_NEVER)
-                    best[n, wide] = min(best[n, wide], time_step(n))
+        def run(setting: tuple[int, bool]) -> float:
+            n, wide = setting
+            module.set_wide_min_rows(n if wide else WIDE_NEVER)
+            return time_step(n)
+
+        best = _best_times([(n, wide) for n in WIDE_CANDIDATES for wide in (False, True)], run, rounds)
         choice = WIDE_NEVER
         for n in reversed(WIDE_CANDIDATES):
             if best[n, True] > WIDE_MARGIN * best[n, False]:

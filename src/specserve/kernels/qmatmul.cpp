@@ -493,6 +493,17 @@ inline __m256i bcast4(const int8_t* p) {
 // results stay bit-identical to single-row calls (and between the AVX2 and VNNI builds).
 constexpr int kPassRows = 32;  // activation rows per pass over an 8-row weight group
 
+// The multi-row kernels over G groups keep each group's sums apart (accs: G arrays of `stride`
+// floats, 8 per activation row); out takes them row by row: out[(m * G + g) * 8 + r].
+inline void zero_groups(float* accs, int G, int64_t stride, int M) {
+  for (int g = 0; g < G; ++g) std::memset(accs + g * stride, 0, sizeof(float) * 8 * M);
+}
+
+inline void write_groups(float* out, const float* accs, int G, int64_t stride, int M) {
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < G; ++g) std::memcpy(out + (m * G + g) * 8, accs + g * stride + 8 * m, sizeof(float) * 8);
+}
+
 template <int MT, int G>
 void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
@@ -500,8 +511,7 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
   const __m256i low = _mm256_set1_epi8(0x0F);
   alignas(32) float accs[G][kRows * 8];
   alignas(32) int32_t sumi[kRows * 8];
-  for (int gi = 0; gi < G; ++gi)
-    for (int m = 0; m < M; ++m) _mm256_store_ps(accs[gi] + 8 * m, _mm256_setzero_ps());
+  zero_groups(accs[0], G, kRows * 8, M);
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
   for (int64_t b = 0; b < nb; ++b)
   for (int gi = 0; gi < G; ++gi) {
@@ -567,8 +577,7 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
       _mm256_store_ps(acc + 8 * m, r);
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int gi = 0; gi < G; ++gi) std::memcpy(out + (m * G + gi) * 8, accs[gi] + 8 * m, sizeof(float) * 8);
+  write_groups(out, accs[0], G, kRows * 8, M);
 }
 
 template <int MT, int G>
@@ -583,8 +592,7 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
                                        2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
   alignas(32) float accs[G][kRows * 8];
   alignas(32) int32_t sumi[kRows * 8];
-  for (int gi = 0; gi < G; ++gi)
-    for (int m = 0; m < M; ++m) _mm256_store_ps(accs[gi] + 8 * m, _mm256_setzero_ps());
+  zero_groups(accs[0], G, kRows * 8, M);
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
   for (int64_t b = 0; b < nb; ++b)
   for (int gi = 0; gi < G; ++gi) {
@@ -646,8 +654,7 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
                                                    _mm256_load_ps(acc + 8 * m)));
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int gi = 0; gi < G; ++gi) std::memcpy(out + (m * G + gi) * 8, accs[gi] + 8 * m, sizeof(float) * 8);
+  write_groups(out, accs[0], G, kRows * 8, M);
 }
 
 template <int MT, int G>
@@ -655,8 +662,7 @@ void dot_q8_0_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
   alignas(32) float accs[G][kRows * 8];
-  for (int gi = 0; gi < G; ++gi)
-    for (int m = 0; m < M; ++m) _mm256_store_ps(accs[gi] + 8 * m, _mm256_setzero_ps());
+  zero_groups(accs[0], G, kRows * 8, M);
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
 #if !SPECSERVE_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
@@ -688,8 +694,7 @@ void dot_q8_0_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
                                                    _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])), _mm256_load_ps(acc + 8 * m)));
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int gi = 0; gi < G; ++gi) std::memcpy(out + (m * G + gi) * 8, accs[gi] + 8 * m, sizeof(float) * 8);
+  write_groups(out, accs[0], G, kRows * 8, M);
 }
 
 // Q5_0 and Q4_0 (which is Q5_0 without the fifth bits: 4.5 bits per weight; specserve
@@ -735,8 +740,7 @@ void dot_q4_q5_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, con
   constexpr int32_t kZero = kType == kQ5_0_X8 ? 16 : 8;  // value = q - kZero (Q4_0, Q5_0)
   const __m256i low = _mm256_set1_epi8(0x0F);
   alignas(32) float accs[G][kRows * 8];
-  for (int gi = 0; gi < G; ++gi)
-    for (int m = 0; m < M; ++m) _mm256_store_ps(accs[gi] + 8 * m, _mm256_setzero_ps());
+  zero_groups(accs[0], G, kRows * 8, M);
   const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
   for (int64_t b = 0; b < nb; ++b)
   for (int gi = 0; gi < G; ++gi) {
@@ -776,8 +780,7 @@ void dot_q4_q5_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, con
       }
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int gi = 0; gi < G; ++gi) std::memcpy(out + (m * G + gi) * 8, accs[gi] + 8 * m, sizeof(float) * 8);
+  write_groups(out, accs[0], G, kRows * 8, M);
 }
 
 #if SPECSERVE_AVX512
@@ -1161,10 +1164,6 @@ void dot_x8_g(int64_t qtype, const uint8_t* grp, int64_t gap, int64_t step, int6
   }
 }
 
-// One 8-row group in the x8 layout: out[m * 8 + r].
-void dot_x8(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, int M, float* out) {
-  dot_x8_g<1>(qtype, grp, 0, type_info(qtype).block_bytes, nb, a, M, out);
-}
 #endif
 
 #if SPECSERVE_AVX512
@@ -1219,7 +1218,7 @@ void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, i
       for (int64_t n = n0; n < n1; n += R) {
         const uint8_t* grp = seg.w + (n / R) * seg.row_bytes;
         if (R == 8) {
-          dot_x8(q8, grp, seg.nb, acts + m, mt, out);
+          dot_x8_g<1>(q8, grp, 0, B, seg.nb, acts + m, mt, out);
         } else {
 #if SPECSERVE_AVX512
           if (mt >= g_wide_min_rows.load(std::memory_order_relaxed))
@@ -1941,8 +1940,8 @@ double int8_peak(double seconds) {
 bool has_avx2() { return SPECSERVE_AVX2 != 0; }
 bool has_avx512() { return SPECSERVE_AVX512 != 0; }
 
-// Activation rows from which the multi-row passes take two 8-row groups per 512-bit pass; returns
-// the previous value (0 where the build has no AVX-512 path).
+// Activation rows from which the multi-row passes take two 8-row groups per 512-bit pass (0 where
+// the build has no AVX-512 path); set_wide_min_rows returns the previous value.
 int64_t wide_min_rows() {
 #if SPECSERVE_AVX512
   return g_wide_min_rows.load();
