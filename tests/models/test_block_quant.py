@@ -219,6 +219,33 @@ def test_native_attention_of_a_token_does_not_depend_on_its_step():
             assert torch.equal(alone[0], step[i]), (d, i)
 
 
+def test_native_decode_attention_split_by_work_keeps_each_token_exact():
+    """A decode batch is split between threads where the keys to read are halved (a long
+    request beside short ones no longer runs all its heads on one thread): each token's output
+    is still bit-identical to the token alone, for any thread count."""
+    torch.manual_seed(2)
+    d, heads, n_kv = 64, 9, 3
+    lens = [700, 3, 40, 1, 250, 9]
+    tables, nxt = [], 0
+    for n in lens:
+        blocks = -(-(n + 1) // 16)
+        tables.append(list(range(nxt, nxt + blocks)))
+        nxt += blocks
+    q, kc, vc, meta = _attention_step([1] * len(lens), lens, tables, [None] * len(lens), bs=16, nblocks=nxt, n_kv=n_kv,
+                                      heads=heads, d=d)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            step = kernels().paged_attention(q, kc, vc, meta.block_tables, meta.attn_mask, meta.query_index, d**-0.5)
+            for i in range(len(lens)):
+                alone = kernels().paged_attention(q[i : i + 1], kc, vc, meta.block_tables[i : i + 1],
+                                                  meta.attn_mask[i : i + 1], torch.zeros(1, dtype=torch.long), d**-0.5)
+                assert torch.equal(alone[0], step[i]), (threads, i)
+    finally:
+        torch.set_num_threads(before)
+
+
 # ----------------------------------------------------------------------------- models
 
 

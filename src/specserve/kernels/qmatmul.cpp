@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -1227,10 +1228,11 @@ void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, i
 #endif
             dot_x8_g<2>(q8, grp, B, 2 * B, seg.nb, acts + m, mt, out);
         }
-        for (int64_t r = 0; r < R; ++r) {
-          const float b = seg.bias ? seg.bias[n + r] : 0.f;
-          for (int i = 0; i < mt; ++i) emit(m + i, n + r, out[i * R + r] + b);
-        }
+        // Row by row: an activation row's R results are one contiguous run of the output, and
+        // M runs a power-of-two stride apart share an L1 set (-30% at M = 16, N = 4096 columns by
+        // column).
+        for (int i = 0; i < mt; ++i)
+          for (int64_t r = 0; r < R; ++r) emit(m + i, n + r, out[i * R + r] + (seg.bias ? seg.bias[n + r] : 0.f));
       }
     }
     return;
@@ -1247,10 +1249,8 @@ void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, i
         case 2: dot_rows<2>(seg.qtype, row, seg.nb, acts + m, out); break;
         default: dot_rows<1>(seg.qtype, row, seg.nb, acts + m, out); break;
       }
-      for (int64_t r = 0; r < R; ++r) {
-        const float b = seg.bias ? seg.bias[n + r] : 0.f;
-        for (int64_t i = 0; i < mt; ++i) emit(m + i, n + r, out[i * R + r] + b);
-      }
+      for (int64_t i = 0; i < mt; ++i)
+        for (int64_t r = 0; r < R; ++r) emit(m + i, n + r, out[i * R + r] + (seg.bias ? seg.bias[n + r] : 0.f));
     }
   }
 }
@@ -1680,10 +1680,34 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
       }
     }
   };
-  if (uneven)
+  if (uneven) {
     parallel_tiles(tiles * Hkv, run);
-  else
-    at::parallel_for(0, tiles * Hkv, 1, run);
+    return out;
+  }
+  // Decode batches: a static split, cut where the keys to read (the work) are halved, not the
+  // items: an even split by count put a 2,150-token request's every KV head on one thread and a
+  // 150-token neighbour's on the other, and the long request decoded at one thread's speed
+  // (SmolLM2, 2 threads: 16.5 ms per token beside a short request vs 12.7 alone).
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tiles * Hkv);
+  if (threads <= 1) {
+    run(0, tiles * Hkv);
+    return out;
+  }
+  std::vector<int64_t> work(tiles + 1, 0);  // keys of tiles [0, t), per KV head
+  for (int64_t t = 0; t < tiles; ++t) {
+    const bool* allowed = mp + qip[t] * L;  // one token per tile here
+    work[t + 1] = work[t] + std::count(allowed, allowed + L, true) + 1;
+  }
+  const double total = static_cast<double>(work[tiles]) * Hkv;
+  std::vector<int64_t> cut(threads + 1, tiles * Hkv);
+  cut[0] = 0;
+  for (int64_t i = 0, th = 1; i < tiles * Hkv && th < threads; ++i) {
+    const double mid = (static_cast<double>(work[i / Hkv]) * Hkv + (i % Hkv + 0.5) * (work[i / Hkv + 1] - work[i / Hkv]));
+    while (th < threads && mid >= total * th / threads) cut[th++] = i;  // item i's middle lies in a later share
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) run(cut[t], cut[t + 1]);
+  });
   return out;
 }
 
