@@ -1471,6 +1471,18 @@ inline float softmax_(float* p, int64_t n) {
 }
 
 #if SPECSERVE_AVX2
+// Key and value rows are gathered through the block tables (another KV head's rows between
+// them), so the hardware prefetchers miss them: each loop asks for the row kAttnAheadBytes of
+// rows on, into L2. A 2,150-token decode's 30 layers of SmolLM2 attention (float32 KV, from
+// DRAM), Zen 5: 11.0 -> 5.7 ms on one thread, 7.2 -> 4.3 ms on two (8-32 KB ahead measured);
+// D = 128: 14.6 -> 10.1 / 8.1 -> 6.7 ms; a 256-token context unchanged.
+constexpr int64_t kAttnAheadBytes = 32768;
+
+inline void prefetch_row(const float* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t o = 0; o < D * 4; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+}
+
 // Scores of GH query heads (rows of q, D apart) against KB keys: each score is one chain of
 // fused multiply-adds over D in 8-value steps, then hsum, so it depends only on q and that key
 // whatever GH and KB are. Each key chunk is loaded once for all GH heads.
@@ -1496,8 +1508,13 @@ inline void scores_block(const float* q, const float* k, const int64_t* off, int
 template <int GH>
 inline void scores_heads(const float* q, const float* k, const int64_t* off, int64_t n, int64_t stride, int64_t D, float scale,
                          float* out) {
+  const int64_t ahead = kAttnAheadBytes / (D * static_cast<int64_t>(sizeof(float)));
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) scores_block<GH, 4>(q, k, off + i, D, scale, out + i, stride);
+  for (; i + 4 <= n; i += 4) {
+    if (i + ahead + 4 <= n)
+      for (int u = 0; u < 4; ++u) prefetch_row(k + off[i + ahead + u], D);
+    scores_block<GH, 4>(q, k, off + i, D, scale, out + i, stride);
+  }
   for (; i < n; ++i) scores_block<GH, 1>(q, k, off + i, D, scale, out + i, stride);
 }
 
@@ -1506,6 +1523,7 @@ inline void scores_heads(const float* q, const float* k, const int64_t* off, int
 // 16 values of the head at a time, each value row chunk loaded once for all GH heads.
 template <int GH>
 inline void values_heads(const float* w, int64_t stride, const float* v, const int64_t* off, int64_t n, int64_t D, float* acc_out) {
+  const int64_t ahead = kAttnAheadBytes / (D * static_cast<int64_t>(sizeof(float)));
   for (int64_t c = 0; c < D; c += 16) {
     const bool two = c + 16 <= D;
     __m256 acc[GH][2];
@@ -1514,6 +1532,7 @@ inline void values_heads(const float* w, int64_t stride, const float* v, const i
       acc[h][1] = two ? _mm256_loadu_ps(acc_out + h * D + c + 8) : _mm256_setzero_ps();
     }
     for (int64_t i = 0; i < n; ++i) {
+      if (i + ahead < n) _mm_prefetch(reinterpret_cast<const char*>(v + off[i + ahead] + c), _MM_HINT_T1);
       const float* vr = v + off[i] + c;
       const __m256 v0 = _mm256_loadu_ps(vr);
       const __m256 v1 = two ? _mm256_loadu_ps(vr + 8) : _mm256_setzero_ps();
