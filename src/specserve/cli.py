@@ -330,13 +330,23 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    """--feature-layers: comma-separated layer counts, or none."""
+    if text.strip().lower() in ("none", ""):
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers or 'none', got {text!r}") from None
+
+
 def cmd_train_draft(args: argparse.Namespace) -> int:
     """specserve train-draft: self-distil a drafter head for a model on this CPU."""
     from specserve.spec.train import TrainConfig, train_draft
 
     fields = ("model", "method", "out", "corpus", "tokens", "heldout_tokens", "generated_share", "seq_len", "epochs", "batch_tokens", "lr",
               "depth", "intermediate_size", "head_vocab", "max_minutes", "fresh", "seed", "quantization", "threads", "work_dir", "layers")
-    card = train_draft(TrainConfig(**{f: getattr(args, f) for f in fields}))
+    card = train_draft(TrainConfig(**{f: getattr(args, f) for f in fields}, feature_layers=args.feature_layers))
     if card["method"] == "layerskip":
         done = "" if card["complete"] else " (stopped early: rerun to resume)"
         print(f"wrote {card['path']}{done}")
@@ -574,6 +584,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eagle: unrolled passes per step, the head reading its own predictions (default 2); "
                         "medusa: heads, one per draft depth (default 3)")
     p.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the target's)")
+    p.add_argument("--feature-layers", type=_layer_list, default=None, metavar="A,B|none",
+                   help="eagle: target layers whose residual streams (after that many layers) the head fuses with the "
+                        "last hidden state, EAGLE-3's low and middle features (default: 2 and half the layers; "
+                        "none: the last hidden state alone)")
     p.add_argument("--head-vocab", type=int, default=None, help="ids the head's LM head reads (default 16k / 32k)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop after this long (a rerun resumes)")
     p.add_argument("--fresh", action="store_true", help="discard a previous run's features and checkpoint")

@@ -79,7 +79,9 @@ def write_random_head(ckpt: Any, path: str | Path, method: str = "eagle", seed: 
     elif method == "mtp":
         head = MTPModule(head_arch(arch))
     else:
-        head = EagleHead(head_arch(arch))
+        head = EagleHead(head_arch(arch), card.get("feature_layers", ()))
+        if head.feature_layers:  # a fusion that reads every layer it is given
+            nn.init.normal_(head.fuse.weight, std=0.05)
     tok = ckpt.tokenizer
     fp = target_fingerprint(arch, tok.fingerprint() if tok is not None else None, ckpt.weights["model.embed_tokens.weight"])
     meta = {"method": method, "target": fp, "target_name": "tiny", "intermediate_size": arch.intermediate_size,

@@ -28,6 +28,21 @@ def _paged(head, rope, emb, feat, positions, starts, counts, tables, tails, kv):
     return head.forward_paged(emb, feat, torch.tensor(positions), rope, kv, meta)
 
 
+def _record_features(proposer) -> dict[str, dict[int, torch.Tensor]]:
+    """Every feature row the engine hands `proposer`, by request and position (filled as it runs)."""
+    seen: dict[str, dict[int, torch.Tensor]] = {}
+    orig = proposer.observe_hidden
+
+    def spy(hidden):
+        for rid, hr in hidden.items():
+            for j in range(hr.rows.shape[0]):
+                seen.setdefault(rid, {})[hr.start_pos + j] = hr.rows[j].clone()
+        orig(hidden)
+
+    proposer.observe_hidden = spy
+    return seen
+
+
 def test_unrolled_training_forward_is_the_serving_forward(tiny):
     """Pass 1 of training == the catch-up pass over the head's paged cache; pass 2 at row i ==
     a depth-1 tree node at position i fed pass 1's output at i - 1, seeing the prefix up to i - 1
@@ -60,16 +75,7 @@ def test_the_head_receives_the_targets_features_of_verified_tokens_only(tiny, tm
     llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="eagle", draft_model=str(path),
               spec_policy="always", num_spec_tokens=4, profile_spec_costs=False)
     eng = llm.engine
-    seen: dict[str, dict[int, torch.Tensor]] = {}
-    orig = eng.proposer.observe_hidden
-
-    def spy(hidden):
-        for rid, hr in hidden.items():
-            for j in range(hr.rows.shape[0]):
-                seen.setdefault(rid, {})[hr.start_pos + j] = hr.rows[j].clone()
-        orig(hidden)
-
-    eng.proposer.observe_hidden = spy
+    seen = _record_features(eng.proposer)
     prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [40, 41, 42]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     assert eng.spec_counters["num_draft_tokens"] > 0
@@ -88,6 +94,73 @@ def test_the_head_receives_the_targets_features_of_verified_tokens_only(tiny, tm
             torch.testing.assert_close(rows[pos], hid[pos], atol=1e-4, rtol=1e-4)
     assert not eng.proposer.live_request_ids()
     assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
+
+
+def test_a_fusing_head_reads_the_targets_residual_streams_and_stays_exact(tmp_path):
+    """EAGLE-3's fusion: the head is handed, per verified token, the target's residual streams
+    after its feature layers beside the last hidden state (the same rows a plain forward computes),
+    and greedy speculation with it equals plain decoding, batched and alone."""
+    from conftest import make_head_file, tiny_checkpoint
+
+    from specserve.engine.runner import FeedEntry
+
+    _, ckpt = tiny_checkpoint("llama", seed=7, vocab=256, layers=4)
+    path = make_head_file(ckpt, tmp_path / "fused.safetensors", feature_layers=[1, 3])
+    llm = LLM("tiny", dtype="float32", checkpoint=ckpt, spec_method="eagle", draft_model=str(path),
+              spec_policy="always", num_spec_tokens=4, profile_spec_costs=False)
+    eng = llm.engine
+    assert eng.proposer.feature_layers() == (1, 3) and eng.runner.feature_layers == (1, 3)
+    seen = _record_features(eng.proposer)
+    prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [40, 41, 42], [200, 3]]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    plain = LLM("tiny", dtype="float32", checkpoint=ckpt)
+    want = plain.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    assert llm.generate(prompts[1:2], params)[0].outputs[0].token_ids == want[1].outputs[0].token_ids
+    assert eng.spec_counters["num_draft_tokens"] > 0 and eng.check_integrity()
+
+    runner, h = plain.engine.runner, ckpt.arch.hidden_size
+    model = runner.model.model
+    for o in outs:
+        full = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        n = len(full) - 1
+        entry = [FeedEntry(full[:n], list(range(n)), 0, list(range(8)), None, [])]
+        last = runner.hidden_states(entry)
+        assert last.shape == (n, h)
+        # The residual streams, layer by layer, as the model's own layers compute them.
+        inputs = runner.feed_inputs(entry)
+        x = model.embed_tokens(inputs.input_ids)
+        streams = []
+        for i in range(4):
+            x = model.layers[i](x, inputs.positions, model.rotary, runner.kv_caches[i], inputs.meta)
+            streams.append(x)
+        rows = torch.stack([seen[o.request_id][p] for p in range(n)])
+        assert rows.shape == (n, 3 * h)
+        torch.testing.assert_close(rows[:, :h], streams[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(rows[:, h : 2 * h], streams[2], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(rows[:, 2 * h :], last, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ConfigError, match="feature layers"):
+        runner.feature_layers = (4,)
+
+
+def test_capturing_feature_layers_leaves_the_native_forward_bit_identical(smollm_path):
+    """The native stack split at the feature layers runs the same kernels: the last hidden states
+    are bit for bit those of the one-call stack, so a fusing head cannot change the target."""
+    from specserve.engine.runner import FeedEntry
+
+    llm = LLM("smollm2-135m-instruct")
+    runner = llm.engine.runner
+    assert runner.model.model.native_stack is not None
+    ids = llm.engine.tokenizer.encode("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n")
+    entry = [FeedEntry(ids, list(range(len(ids))), 0, list(range(8)), None, [])]
+    plain = runner.hidden_states(entry)
+    runner.feature_layers = (2, 15)
+    fused = runner.hidden_states(entry)
+    h = plain.shape[1]
+    assert fused.shape == (len(ids), 3 * h)
+    assert torch.equal(fused[:, 2 * h :], plain)
+    assert fused[:, :h].abs().sum() > 0 and not torch.equal(fused[:, :h], fused[:, h : 2 * h])
 
 
 def test_a_head_for_another_target_or_no_head_is_refused(tiny, tmp_path):

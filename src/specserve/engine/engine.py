@@ -383,6 +383,7 @@ class LLMEngine:
         ))
         # Feature-level drafters read the target's hidden states of every verified token.
         self.runner.capture_hidden = proposer is not None and proposer.traits.needs_hidden_states
+        self.runner.feature_layers = proposer.feature_layers() if self.runner.capture_hidden else ()
         return proposer
 
     def set_speculation(self, enabled: bool) -> None:
@@ -429,6 +430,7 @@ class LLMEngine:
             return 0
         self.proposer = None
         self.runner.capture_hidden = False
+        self.runner.feature_layers = ()
         self.drafter_released = True
         gc.collect()
         _trim_heap()

@@ -56,11 +56,12 @@ class StepInputs(NamedTuple):
 
 
 class HiddenRows(NamedTuple):
-    """The target's last hidden states (after the final norm) of one request's tokens that a step
-    verified, for proposers that read them (`ProposerTraits.needs_hidden_states`)."""
+    """The target's hidden states of one request's tokens that a step verified, for proposers that
+    read them (`ProposerTraits.needs_hidden_states`): the residual streams after each of the
+    proposer's `feature_layers()` then the last hidden state (after the final norm), side by side."""
 
     start_pos: int  # position of rows[0]; the others follow consecutively
-    rows: torch.Tensor  # [n, hidden]
+    rows: torch.Tensor  # [n, hidden * (len(feature_layers) + 1)]
 
 
 class FeedEntry(NamedTuple):
@@ -324,7 +325,7 @@ class ModelRunner:
         """Run the decoder over the step's tokens; return logits of the rows that need them."""
         t0 = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        self._last_hidden_states = hidden if self.capture_hidden else None
+        self._last_hidden_states = self._features(hidden) if self.capture_hidden else None
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_index))
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # honest step times for the cost model
@@ -334,11 +335,29 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def hidden_states(self, entries: list[FeedEntry]) -> torch.Tensor:  # [sum of tokens, hidden]
-        """The last hidden states (after the final norm) of every token of the entries: what a
-        feature-level drafter is trained on. The entries' blocks must be the caller's to write."""
+    def hidden_states(self, entries: list[FeedEntry]) -> torch.Tensor:  # [sum of tokens, hidden * (layers + 1)]
+        """The features (HiddenRows' layout) of every token of the entries: what a feature-level
+        drafter is trained on. The entries' blocks must be the caller's to write."""
         inputs = self.feed_inputs(entries)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self._features(self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta))
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The layers whose residual streams every forward keeps beside the last hidden state."""
+        return self.model.model.capture_layers
+
+    @feature_layers.setter
+    def feature_layers(self, layers: tuple[int, ...]) -> None:
+        layers = tuple(sorted(set(layers)))
+        if any(not 0 < i < self.arch.num_layers for i in layers):
+            raise ConfigError(f"feature layers {layers} must lie in [1, {self.arch.num_layers}) for this target.")
+        self.model.model.capture_layers = layers
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The forward's kept residual streams and its last hidden state, side by side."""
+        captured = self.model.model.captured
+        self.model.model.captured = []
+        return torch.cat((*captured, hidden), dim=-1) if captured else hidden
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledTokens]:

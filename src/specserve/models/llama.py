@@ -197,6 +197,10 @@ class LlamaModel(nn.Module):
         # (kv_cache/layer_load.py): blocks until the KV of layers [0, n) is in place.
         self.layer_wait: Callable[[int], None] | None = None
         self._group_stacks: dict[range, object | None] = {}
+        # EAGLE-3 features: the residual streams after these many layers (ascending, each in
+        # [1, num_layers)) are kept in `captured` by every forward, beside its output.
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: list[torch.Tensor] = []
 
     def forward(
         self,
@@ -209,7 +213,10 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         hooks, wait = self.layer_hooks, self.layer_wait
         stack = self.native_stack
-        if stack is not None and hooks is None and len(kv_caches[0]) == 2 and stack.num_layers == len(self.layers):
+        self.captured = []
+        if self.capture_layers and hooks is None:
+            x = self._forward_capturing(x, positions, kv_caches, meta, wait)
+        elif stack is not None and hooks is None and len(kv_caches[0]) == 2 and stack.num_layers == len(self.layers):
             if wait is None:
                 kv = [t for pair in kv_caches for t in pair]
                 rope = self.rotary
@@ -228,7 +235,25 @@ class LlamaModel(nn.Module):
                 x = layer(x, positions, self.rotary, kv, meta)
                 if hooks is not None:
                     hooks.after_layer(i, kv)
+                if i + 1 in self.capture_layers:
+                    self.captured.append(x)
         return self.norm(x)
+
+    def _forward_capturing(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                           meta: AttentionMetadata, wait: Callable[[int], None] | None) -> torch.Tensor:
+        """The stack in runs of layers split at capture_layers (each run one native call where the
+        full stack is native: the same kernels, bit for bit), keeping the residual at each split."""
+        n, start = len(self.layers), 0
+        for stop in (*self.capture_layers, n):
+            layers = range(start, stop)
+            if wait is not None:
+                wait(stop)
+            x = self.run_layers(x, positions, kv_caches, meta, layers,
+                                self._group_stack(layers) if self.native_stack is not None else None)
+            if stop < n:
+                self.captured.append(x)
+            start = stop
+        return x
 
     def _layer_groups(self) -> list[range]:
         """The layers in LAYER_GROUP-sized runs, for a forward that waits on loading KV."""

@@ -81,14 +81,39 @@ def head_arch(target: ArchConfig, intermediate_size: int | None = None) -> ArchC
 
 
 class EagleHead(nn.Module):
-    """fc([embedding; feature]) -> one decoder layer -> the predicted next feature."""
+    """fc([embedding; feature]) -> one decoder layer -> the predicted next feature.
 
-    def __init__(self, arch: ArchConfig) -> None:
+    With feature_layers (EAGLE-3's fusion), the target's feature of a verified token is
+    fuse([rms(r_a); rms(r_b); ...; f]): its residual streams after layers a, b, ... (each scaled to
+    unit RMS) beside its last hidden state f, projected back to one hidden vector (initialised to
+    pass f through). Low and middle layers still carry what the top layer has already traded for
+    the next token's prediction, which the head needs to guess the token after it. Tree nodes
+    below the root read the head's own outputs, as without fusion.
+    """
+
+    def __init__(self, arch: ArchConfig, feature_layers: Sequence[int] = ()) -> None:
         super().__init__()
         self.arch = arch
         h = arch.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(arch)
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        if self.feature_layers:
+            k = len(self.feature_layers)
+            self.fuse = nn.Linear((k + 1) * h, h, bias=False)
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, k * h :].copy_(torch.eye(h))
+
+    def target_feature(self, rows: torch.Tensor) -> torch.Tensor:  # [..., hidden * (layers + 1)] -> [..., hidden]
+        """The head's input feature from the target's (runner.HiddenRows' layout)."""
+        if not self.feature_layers:
+            return rows
+        h = self.arch.hidden_size
+        parts = list(rows.split(h, dim=-1))
+        eps = self.arch.rms_norm_eps
+        low = [p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + eps) for p in parts[:-1]]
+        return self.fuse(torch.cat((*low, parts[-1]), dim=-1))
 
     def forward_paged(
         self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
@@ -391,6 +416,11 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
         self.num_forwards = 0
 
     # ------------------------------------------------------------------ features in
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers the head's fusion reads beside the last (EagleHead)."""
+        return self.head.feature_layers
+
+    @torch.inference_mode()
     def observe_hidden(self, hidden: dict) -> None:
         """The target's hidden states of the tokens each request just verified (HiddenRows)."""
         for rid, hr in hidden.items():
@@ -410,7 +440,7 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
                 self._arriving.discard(rid)
                 self.kv.free(seq)
                 seq = self._seqs[rid] = _HeadSeq(rid, start)
-            seq.pending.append(rows.float())
+            seq.pending.append(self.head.target_feature(rows.float()))
             if seq.num_pending > PENDING_CAP:  # keep a recent window; the head's older KV is dropped
                 tail = torch.cat(seq.pending)[-PENDING_CAP // 2 :]
                 self._arriving.discard(rid)
@@ -732,7 +762,7 @@ def build_eagle(path: str | Path, target_runner: object, target_fp: str | tuple[
         token_ids = tensors.pop("token_ids")
     arch = head_arch(target_runner.arch, int(card["intermediate_size"]))
     with torch.device("meta"):
-        head = (MTPModule if method == "mtp" else EagleHead)(arch)
+        head = MTPModule(arch) if method == "mtp" else EagleHead(arch, card.get("feature_layers", ()))
     try:
         head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True, assign=True)
     except RuntimeError as exc:  # missing / extra / misshapen tensors

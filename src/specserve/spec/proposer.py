@@ -122,7 +122,12 @@ class Proposer(ABC):
 
     def observe_hidden(self, hidden: dict) -> None:  # noqa: B027 - optional hook
         """After every step (traits.needs_hidden_states): request id -> HiddenRows, the target's
-        last hidden states of the tokens that step verified (specserve.engine.runner)."""
+        hidden states of the tokens that step verified (specserve.engine.runner)."""
+
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target layers whose residual streams (after that many layers) the proposer reads beside
+        the last hidden state (EAGLE-3's low and middle features); () for the last alone."""
+        return ()
 
     def time_pass(self, batch: int) -> float:
         """Seconds of one drafting pass over `batch` requests (start-up profiling of per-pass

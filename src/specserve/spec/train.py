@@ -66,6 +66,9 @@ class TrainConfig:
     quantization: str | None = None  # the target's precision (default: as served)
     threads: int | None = None
     layers: int | None = None  # layerskip: the exit layer (default: the best of several candidates)
+    # eagle: target layers whose residual streams the head fuses beside the last hidden state
+    # (EAGLE-3); None: default_feature_layers, () for the last hidden state alone.
+    feature_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.tokens is None:
@@ -85,6 +88,11 @@ def default_head_vocab(vocab_size: int) -> int:
     percent of a target step, a full 150k-row head would cost ten; 98-99% of the target's
     argmax tokens on code and prose fall in the first 16-32k ids of a byte-level BPE."""
     return min(vocab_size, 16_384 if vocab_size <= 65_536 else 32_768)
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low and middle features: after the 2nd layer and after half the stack."""
+    return tuple(sorted({i for i in (2, num_layers // 2) if 0 < i < num_layers}))
 
 
 def corpus_files(corpus: str | None) -> list[Path]:
@@ -269,7 +277,11 @@ def _bar(total: int, desc: str, unit: str):  # noqa: ANN202
 
 
 def _extract(cfg: TrainConfig, engine, seqs: list[list[int]], work: Path, name: str) -> list[Path]:  # noqa: ANN001
-    """Feature shards of `seqs` under work/ (name-NNNNN.pt), reusing those already there."""
+    """Feature shards of `seqs` under work/ (name-NNNNN.pt, name-fA-B-NNNNN.pt with the runner's
+    feature layers A, B), reusing those already there."""
+    layers = engine.runner.feature_layers
+    if layers:
+        name = f"{name}-f{'-'.join(map(str, layers))}"
     per_batch = max(1, cfg.batch_tokens // cfg.seq_len)
     shard_seqs = per_batch * 8
     paths = []
@@ -329,12 +341,12 @@ def _eagle_losses(head, frozen: _Frozen, toks: torch.Tensor, feats: torch.Tensor
     The feature loss is taken on features divided by their RMS over the training set: a target
     whose hidden states are large (Qwen2.5's after the final norm: ~10x SmolLM2's) would
     otherwise drown the cross-entropy that decides which token the head proposes."""
-    f = feats.float()
+    f = feats.float()  # [B, S, hidden * (feature layers + 1)]: the last hidden state last
     emb = frozen.embed[toks[:, 1:]]  # x_{i+1} for i = 0 .. S-2
-    inp = f[:, :-1]
+    inp = head.target_feature(f[:, :-1])
     if noise > 0:
         inp = inp + (torch.rand_like(inp) - 0.5) * (2 * noise)
-    target = f[:, 1:]  # f_{i+1}
+    target = f[:, 1:, -frozen.embed.shape[1] :]  # f_{i+1}
     outs = head.forward_unrolled(emb, inp, cos[: emb.shape[1]], sin[: emb.shape[1]], depth)
     with torch.no_grad():
         p = torch.softmax(target @ frozen.head_w.T, dim=-1)
@@ -381,7 +393,8 @@ class _EagleTrainer:
         self.cfg, self.frozen = cfg, frozen
         self.depth = cfg.depth or 2
         self.arch = head_arch(arch, cfg.intermediate_size)
-        self.module = EagleHead(self.arch)
+        self.feature_layers = tuple(cfg.feature_layers or ())
+        self.module = EagleHead(self.arch, self.feature_layers)
         rope = RotaryEmbedding(self.arch.head_dim, self.arch.rope_theta, cfg.seq_len + ROPE_SLACK)
         self.cos, self.sin = rope.cos, rope.sin
 
@@ -390,10 +403,12 @@ class _EagleTrainer:
                              self.cfg.ce_weight)
 
     def ident(self) -> dict:
-        return {"arch": asdict(self.arch), "depth": self.depth, "ce_weight": self.cfg.ce_weight}
+        return {"arch": asdict(self.arch), "depth": self.depth, "ce_weight": self.cfg.ce_weight,
+                "feature_layers": list(self.feature_layers)}
 
     def card(self) -> dict:
-        return {"intermediate_size": self.arch.intermediate_size, "depth": self.depth}
+        return {"intermediate_size": self.arch.intermediate_size, "depth": self.depth,
+                "feature_layers": list(self.feature_layers)}
 
 
 class _MTPTrainer(_EagleTrainer):
@@ -523,13 +538,20 @@ def train_draft(cfg: TrainConfig) -> dict:
 
     if cfg.method == "layerskip":
         return _fit_exit(cfg, llm, work, fp, out, token_ids, t_start)
+    # Features are extracted with EAGLE's fusion layers whatever the method (one set of shards
+    # serves every method; the others read the last hidden state alone).
+    layers = default_feature_layers(arch.num_layers) if cfg.feature_layers is None else tuple(cfg.feature_layers)
+    engine.runner.feature_layers = layers  # checks them against the target
+    cfg.feature_layers = layers if cfg.method == "eagle" else ()
     t0 = time.perf_counter()
     train_paths, held_paths = _features(cfg, llm, work)
     extract_s = time.perf_counter() - t0
     toks, feats = _load_shards(train_paths)
     htoks, hfeats = _load_shards(held_paths)
+    if not cfg.feature_layers and layers:
+        feats, hfeats = feats[..., -arch.hidden_size :].contiguous(), hfeats[..., -arch.hidden_size :].contiguous()
     frozen = _Frozen(engine, token_ids)
-    frozen.feat_rms = float(feats[: 64].float().pow(2).mean().sqrt())
+    frozen.feat_rms = float(feats[:64, :, -arch.hidden_size :].float().pow(2).mean().sqrt())
     inside = float(torch.isin(htoks[:, 1:], token_ids).float().mean())  # held-out text the head can draft
 
     trainer = TRAINERS[cfg.method](cfg, arch, frozen)
