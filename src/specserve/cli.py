@@ -577,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of --tokens from conversations the target writes itself, greedy (prompts built from "
                         "the corpus's functions and everyday topics); the rest is corpus text")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
-    p.add_argument("--epochs", type=float, default=2.0, help="passes over the training tokens")
+    p.add_argument("--epochs", type=float, default=4.0, help="passes over the training tokens (default 4)")
     p.add_argument("--batch-tokens", type=int, default=512, help="tokens per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, warm-up then cosine)")
     p.add_argument("--depth", type=int, default=None,

@@ -50,7 +50,7 @@ class TrainConfig:
     generate_max_tokens: int = 256  # longest answer the target writes per conversation
     work_dir: str | None = None  # features, conversations, checkpoint (default: the cache)
     seq_len: int = 256
-    epochs: float = 2.0
+    epochs: float = 4.0  # SmolLM2 EAGLE, 150k tokens: held-out top-1 0.45 after 2, 0.50 after 5 (still rising)
     batch_tokens: int = 512  # per optimizer step: smaller steps learned more per second (SmolLM2: 0.43 vs 0.39 top-1 at 2048)
     lr: float = 1e-3
     depth: int | None = None  # eagle: unrolled passes per step (default 2); medusa: heads (default 3)
