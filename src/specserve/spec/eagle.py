@@ -423,10 +423,15 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
     @torch.inference_mode()
     def observe_hidden(self, hidden: dict) -> None:
         """The target's hidden states of the tokens each request just verified (HiddenRows)."""
-        for rid, hr in hidden.items():
-            rows, start = hr.rows, hr.start_pos
-            if rows.shape[0] == 0:
-                continue
+        hidden = {rid: hr for rid, hr in hidden.items() if hr.rows.shape[0]}
+        if not hidden:
+            return
+        # The head's input features of every request's rows in one call (per request, the fusion
+        # cost 1.64 ms a step at batch 16 on Qwen 1.5B's shapes, against 0.33 ms at once).
+        counts = [hr.rows.shape[0] for hr in hidden.values()]
+        feats = self.head.target_feature(torch.cat([hr.rows for hr in hidden.values()]).float()).split(counts)
+        for (rid, hr), rows in zip(hidden.items(), feats):
+            start = hr.start_pos
             seq = self._seqs.get(rid)
             if seq is None:
                 seq = self._seqs[rid] = _HeadSeq(rid, start)
@@ -440,7 +445,7 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
                 self._arriving.discard(rid)
                 self.kv.free(seq)
                 seq = self._seqs[rid] = _HeadSeq(rid, start)
-            seq.pending.append(self.head.target_feature(rows.float()))
+            seq.pending.append(rows)
             if seq.num_pending > PENDING_CAP:  # keep a recent window; the head's older KV is dropped
                 tail = torch.cat(seq.pending)[-PENDING_CAP // 2 :]
                 self._arriving.discard(rid)

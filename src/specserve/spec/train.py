@@ -23,7 +23,7 @@ import sysconfig
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -542,7 +542,7 @@ def train_draft(cfg: TrainConfig) -> dict:
     # serves every method; the others read the last hidden state alone).
     layers = default_feature_layers(arch.num_layers) if cfg.feature_layers is None else tuple(cfg.feature_layers)
     engine.runner.feature_layers = layers  # checks them against the target
-    cfg.feature_layers = layers if cfg.method == "eagle" else ()
+    cfg = replace(cfg, feature_layers=layers if cfg.method == "eagle" else ())
     t0 = time.perf_counter()
     train_paths, held_paths = _features(cfg, llm, work)
     extract_s = time.perf_counter() - t0
