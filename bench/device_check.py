@@ -126,7 +126,8 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     # A tiny random Llama target and a different, one-layer tiny draft (built here, no download).
-    target = tiny_checkpoint("llama", seed=5, vocab=64, layers=2)[1]
+    # Four layers, so an EAGLE-3 head can fuse the residual streams after layers 1 and 2.
+    target = tiny_checkpoint("llama", seed=5, vocab=64, layers=4)[1]
     draft = tiny_checkpoint("llama", seed=6, vocab=64, layers=1)[1]
     prompts = repetitive_prompts(16)
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(prompts)
@@ -161,6 +162,12 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
         cases[f"tiny {method} chain"] = dict(
             spec_method=method, draft_model=str(path), spec_tree="chain"
         )
+    # EAGLE-3's fusion: the target's forward keeps the streams after layers 1 and 2 as well.
+    path = write_random_head(target, head_dir / "eagle3.safetensors", "eagle", feature_layers=[1, 2])
+    cases["tiny eagle fused tree"] = dict(spec_method="eagle", draft_model=str(path))
+    cases["tiny eagle fused chain"] = dict(
+        spec_method="eagle", draft_model=str(path), spec_tree="chain"
+    )
     # int8 KV is compared with plain decoding on int8 KV (the quantization changes the numbers).
     base_int8 = [
         o.token_ids
