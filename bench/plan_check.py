@@ -187,8 +187,10 @@ def main() -> int:
     # Every engine here streams its outputs to consumers on the same machine: HTTP clients
     # (bench/serve.py), the in-process driver (bench/disagg.py co-located) or the router polling a
     # worker (disaggregated): steps pay the overhead measured behind the server, not the bare
-    # engine's. Disaggregated workers also slow each other down (the profile's co_run).
-    served = MeasuredCostModel.from_profile(profile, served=True)
+    # engine's. Requests pay their front end's time: HTTP, in-process (AsyncEngine) or the
+    # router's calls, each drawn from the lone requests the profile timed that way. Disaggregated
+    # workers also slow each other down (the profile's co_run).
+    served = MeasuredCostModel.from_profile(profile, served=True, in_process=True)
     http = MeasuredCostModel.from_profile(profile, served=True, http=True)  # bench/serve.py's clients use HTTP
     worker = MeasuredCostModel.from_profile(worker_profile, served=True)
     rows: list[dict[str, Any]] = []

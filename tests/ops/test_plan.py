@@ -279,6 +279,24 @@ def test_http_front_end_time_is_added_to_every_first_token(cost):
         0.030, abs=1e-6)
 
 
+def test_in_process_front_end_time_is_added_to_every_first_token():
+    """`in_process` (lone requests submitted through AsyncEngine, as bench/disagg.py's co-located
+    engine and an embedding application submit them) less the step that prefilled them is that
+    front end's time; a profile without it charges nothing, and a front end is one or the other."""
+    profile = synthetic_profile()
+    plain = MeasuredCostModel.from_profile(profile, served=True, in_process=True)
+    assert plain.request_overhead_s == 0.0  # recorded before profiles measured it
+    profile["in_process"] = {"ttft_s": step(20) + 0.002 + 0.004, "prompt_tokens": 36, "cached_tokens": 16,
+                             "lone": [{"ttft_s": 0.01, "prompt_tokens": 36, "cached_tokens": 16}]}
+    inproc = MeasuredCostModel.from_profile(profile, served=True, in_process=True)
+    assert inproc.request_overhead_s == pytest.approx(0.004, abs=1e-6)
+    trace = [TraceRequest(0.0, 36, 4), TraceRequest(5.0, 36, 4)]
+    base, front = (simulate(trace, Deployment(), c).requests for c in (plain, inproc))
+    assert [b.ttft_s - a.ttft_s for a, b in zip(base, front)] == pytest.approx([0.004, 0.004])
+    with pytest.raises(ValueError, match="either HTTP or in-process"):
+        MeasuredCostModel.from_profile(profile, http=True, in_process=True)
+
+
 def test_a_scaled_cost_model_is_the_same_machine_that_much_slower(cost):
     slow = ScaledCostModel(cost, 1.1)
     shape = StepShape(4, 4, 400, 100, ((64, 128),))
@@ -531,6 +549,12 @@ def test_profile_smollm2_round_trips(tmp_path, capsys):
     assert math.isfinite(model.step_s(StepShape(4, 12, 256, 64, ((30, 100),))))
     assert 0 < profile["served"]["ttft_s"] < 5 and profile["served"]["prompt_tokens"] > 10
     assert MeasuredCostModel.from_profile(profile, served=True, http=True).request_overhead_s >= 0
+    for front in ("served", "in_process"):  # every lone request kept, the median among them
+        lone = profile[front]["lone"]
+        assert len(lone) >= 10 and all(0 < x["ttft_s"] < 5 and x["prompt_tokens"] > 5 for x in lone)
+        assert profile[front]["ttft_s"] in [x["ttft_s"] for x in lone]
+    inproc = MeasuredCostModel.from_profile(profile, served=True, in_process=True)
+    assert 0 <= inproc.request_overhead_s < profile["in_process"]["ttft_s"]
     co = profile["co_run"]
     if len(os.sched_getaffinity(0)) >= 2:  # a second one-thread worker fits beside this one
         assert co["threads"] == 1 and co["decode_batch"] == 4 and co["prefill_chunk"] == 64

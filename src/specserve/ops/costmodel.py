@@ -289,19 +289,24 @@ class MeasuredCostModel:
     drafter_pass: Curve | None  # a draft model: batch -> seconds of one drafting pass
     spec_step: Curve | None  # a model-free proposer: batch -> seconds speculation adds to each step
     co_run: Mapping[str, float] = field(default_factory=dict)  # role -> slowdown beside another worker
-    request_overhead_s: float = 0.0  # the HTTP front end's time per request (http=True)
+    request_overhead_s: float = 0.0  # the front end's time per request (http or in_process)
     relay_overhead: Curve | None = None  # batch -> a disaggregated decode worker's seconds per step outside the forward
     relay_request_s: tuple[float, float] = (0.0, 0.0)  # disaggregated requests' extra: (prefilled locally, through P)
 
     @classmethod
-    def from_profile(cls, profile: Mapping[str, Any], *, served: bool = False, http: bool = False) -> MeasuredCostModel:
+    def from_profile(cls, profile: Mapping[str, Any], *, served: bool = False, http: bool = False,
+                     in_process: bool = False) -> MeasuredCostModel:
         """The model of a profile dict (as `specserve profile` writes it); ProfileError if malformed.
 
         served: steps pay the overhead measured behind the OpenAI server (HTTP clients streaming),
         else the engine's own (an engine driven in-process). http: requests also pay the front
-        end's time measured there (the served time to first token of a lone request less what its
-        prefill step costs), as clients of an HTTP server do.
+        end's time measured there (the served time to first token of the median lone request less
+        what its prefill step costs), as clients of an HTTP server do; in_process: the same for
+        requests submitted in-process (`AsyncEngine`, the profile's `in_process`; nothing when
+        the profile predates it), as an application embedding the engine submits them.
         """
+        if http and in_process:
+            raise ValueError("a front end is either HTTP or in-process, not both.")
         r = _ProfileReader(profile)
         decode = r.surface("decode.contexts", "decode.batches", "decode.step_s")
         # A longer context never makes a step cheaper either.
@@ -349,10 +354,11 @@ class MeasuredCostModel:
             context = r.number("served.context")
             overhead = Curve(steps.xs, tuple(max(overhead(b), t - decode(context, b)) for b, t in zip(steps.xs, steps.ys)))
         request_overhead_s = 0.0
-        if http:
-            ttft = r.number("served.ttft_s")
-            prompt = r.number("served.prompt_tokens")
-            cached = min(float(profile["served"].get("cached_tokens") or 0), prompt - 1)
+        front = "served" if http else "in_process" if in_process and profile.get("in_process") is not None else None
+        if front is not None:
+            ttft = r.number(f"{front}.ttft_s")
+            prompt = r.number(f"{front}.prompt_tokens")
+            cached = min(float(profile[front].get("cached_tokens") or 0), prompt - 1)
             # The engine's part of that TTFT: one step prefilling what the prefix cache lacked.
             lone_step = max(prefill(prompt - cached), 1e-6) + pair_s * (prompt - cached) * cached + max(0.0, overhead(1))
             request_overhead_s = max(0.0, ttft - lone_step)

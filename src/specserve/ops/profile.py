@@ -10,7 +10,11 @@ Records, into one JSON file (`PROFILE_FORMAT`, read back by `ops/costmodel.Measu
   sampling, outputs) at a few batches;
 - `served`: the engine's step time behind the OpenAI server, with that many requests streaming
   over loopback HTTP from clients on this machine (what a served deployment pays per step:
-  the HTTP layer and its clients take CPU time from the engine);
+  the HTTP layer and its clients take CPU time from the engine), and short requests' times to
+  first token on the idle server, each and the median (the front end's time per request);
+- `in_process`: short requests' times to first token on an idle engine driven in-process
+  (`AsyncEngine` and `prepare_request`, as an application embedding the engine drives it):
+  the median and each one, as `served` records them for lone requests over HTTP;
 - `drafter`: one drafting pass by batch (a draft model); for a model-free proposer, what having
   speculation on adds to each step outside the forward (policy, proposals, verification);
 - `kv_transfer`: bytes per second through the shared-memory channel of disaggregated serving
@@ -71,7 +75,8 @@ PREFILL_OFFSETS = (0, 1024, 2048)  # contexts before a budget-sized chunk
 OVERHEAD_BATCHES = (1, 8)
 SERVED_BATCHES = (1, 4, 8)
 SERVED_TOKENS = 48  # tokens each streamed request generates
-LONE_REQUESTS = 7  # short requests on an idle server: the median one's time to first token
+LONE_REQUESTS = 15  # short requests on an idle server: their times to first token (spread and median)
+LONE_GAP_S = 0.25  # idle time before each (requests reach servers at rest: threads asleep, caches cold)
 CO_RUN_BATCH = 4  # decode batch timed beside a neighbour worker
 CO_RUN_REPEATS = 9
 KV_TRANSFER_TOKENS = 2048
@@ -250,6 +255,7 @@ _CLIENT = """
 import asyncio, json, sys, time
 import httpx
 url, batch, tokens, salt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+repeat, gap = (int(sys.argv[5]), float(sys.argv[6])) if len(sys.argv) > 6 else (1, 0.0)
 async def one(client, i):
     body = {"messages": [{"role": "user", "content": f"[{salt}.{i}] Tell me a long story about the sea."}],
             "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
@@ -270,7 +276,12 @@ async def main():
         # A client's first request pays its own start-up (connection, lazy imports in httpx and
         # anyio): not the server's per-request cost, so it is spent before anything is timed.
         await client.get(url.split("/v1/")[0] + "/health")
-        print(json.dumps(await asyncio.gather(*(one(client, i) for i in range(batch)))))
+        out = []
+        for r in range(repeat):  # `repeat` rounds of `batch` requests, `gap` seconds of idle server apart
+            if r:
+                await asyncio.sleep(gap)
+            out += await asyncio.gather(*(one(client, f"{r}.{i}") for i in range(batch)))
+        print(json.dumps(out))
 asyncio.run(main())
 """
 
@@ -331,12 +342,13 @@ def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds
         steps = max(end[1] - start[1], 1)
         return (end[0] - start[0]) / steps, (end[2] - start[2]) / steps
 
-    def lone_request() -> None:
-        """One short request on an idle server, for its time to first token."""
+    def lone_requests() -> None:
+        """Short requests one at a time, each on a server idle for LONE_GAP_S, for their times to
+        first token."""
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         salt = f"{os.getpid()}.{time.monotonic_ns()}"
-        report = subprocess.run([sys.executable, "-c", _CLIENT, url, "1", "4", salt], capture_output=True,
-                                text=True, timeout=300, check=True).stdout
+        report = subprocess.run([sys.executable, "-c", _CLIENT, url, "1", "4", salt, str(LONE_REQUESTS),
+                                 str(LONE_GAP_S)], capture_output=True, text=True, timeout=300, check=True).stdout
         lone.extend(r for r in json.loads(report) if r["ttft_s"] is not None)
 
     best: dict[int, tuple[float, float]] = {}
@@ -351,8 +363,8 @@ def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds
                 time.sleep(0.02)
             for b in bar(list(batches) * rounds, desc="profiling steps behind the server", unit="batch"):
                 best[b] = min(best.get(b, (float("inf"), 0.0)), measure(b))
-            for _ in range(LONE_REQUESTS if lone_ttft else 0):
-                lone_request()
+            if lone_ttft:
+                lone_requests()
         except BaseException as exc:  # noqa: BLE001 - raised again in the profiling thread
             failure.append(exc)
         finally:
@@ -372,10 +384,77 @@ def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds
         raise failure[0]
     out = {"batches": list(batches), "context": 48 + tokens // 2,  # the chat prompt is ~48 tokens
            "step_s": [best[b][0] for b in batches], "forward_s": [best[b][1] for b in batches]}
-    if lone_ttft and lone:  # a lone request's time to first token as its client saw it (HTTP, tokenizing)
-        first = sorted(lone, key=lambda r: r["ttft_s"])[len(lone) // 2]  # the median request
-        out |= {"ttft_s": first["ttft_s"], "prompt_tokens": first["prompt_tokens"],
-                "cached_tokens": first["cached_tokens"]}  # the chat template's start, found in the prefix cache
+    if lone_ttft and lone:  # lone requests' times to first token as their client saw them (HTTP, tokenizing)
+        out |= _lone_summary(lone)
+    return out
+
+
+def _lone_summary(lone: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median lone request (`ttft_s`, `prompt_tokens`, `cached_tokens`: the chat template's
+    start, found in the prefix cache) and every one of them (`lone`): a front end's time varies
+    from request to request (thread wake-ups, the garbage collector, the client's own turn on a
+    core), and a p50 over a mix of short and long prompts depends on that spread, not only on its
+    median."""
+    first = sorted(lone, key=lambda r: r["ttft_s"])[len(lone) // 2]
+    keep = ("ttft_s", "prompt_tokens", "cached_tokens")
+    return {k: first[k] for k in keep} | {"lone": [{k: r[k] for k in keep} for r in lone]}
+
+
+def _in_process_requests(engine: LLMEngine, n: int, gap_s: float) -> list[dict[str, Any]]:
+    """Times to first token of `n` short requests, one at a time on an engine idle for `gap_s`,
+    driven in-process as an embedding application (and bench/disagg.py) drives it: tokenized by
+    `prepare_request` on an event loop in another thread, stepped by `AsyncEngine` in this one (the
+    thread that loaded the model), outputs streamed back into the loop."""
+    import asyncio
+
+    from specserve.server.async_engine import AsyncEngine
+
+    ae = AsyncEngine(engine)
+    ae.claim()
+    was_on = engine.speculation_enabled
+    engine.set_speculation(False)
+    loop = asyncio.new_event_loop()
+    out: list[dict[str, Any]] = []
+    failure: list[BaseException] = []
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    salt = f"{os.getpid()}.{time.monotonic_ns()}"
+
+    async def one(i: int) -> None:
+        t0 = time.perf_counter()
+        p = engine.prepare_request(f"[{salt}.{i}] Write a long, detailed essay about the sea.", params,
+                                   arrival_time=t0)
+        ttft, cached = None, 0
+        async for _, o in ae.submit([p]):  # to the end: the next request finds the engine idle
+            if ttft is None and o.outputs[0].delta_token_ids:
+                ttft = time.perf_counter() - t0
+            if o.finished and o.metrics is not None:
+                cached = o.metrics.num_cached_prompt_tokens
+        if ttft is not None:
+            out.append({"ttft_s": ttft, "prompt_tokens": p.request.num_prompt_tokens, "cached_tokens": cached})
+
+    async def main() -> None:
+        try:
+            ae.start(asyncio.get_running_loop())
+            for i in range(n):
+                await asyncio.sleep(gap_s)
+                await one(i)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the profiling thread
+            failure.append(exc)
+        finally:
+            await ae.shutdown(5)
+
+    client = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    try:
+        client.start()
+        ae.drive(keep_waiting=client.is_alive)
+    finally:
+        client.join(timeout=60)
+        loop.close()
+        engine.set_speculation(was_on)
+    if failure:
+        raise failure[0]
+    if not out:
+        raise RuntimeError("no in-process request produced a token while profiling.")
     return out
 
 
@@ -384,8 +463,8 @@ def _relay(model: str, engine_kwargs: dict[str, Any], batches: Sequence[int], to
     """A 1 prefill : 1 decode deployment of the model (Ray actors of this process's thread count,
     pinned): the decode worker's seconds per step while `batch` requests decode with their outputs
     relayed through the router (each request's time per output token after its first, the median
-    request; speculation off), and a lone request's time to first token (the median of
-    LONE_REQUESTS) with a prompt of RELAY_PROMPT_TOKENS (through the prefill worker and the KV
+    request; speculation off), and lone requests' times to first token (LONE_REQUESTS of them,
+    each and the median) with a prompt of RELAY_PROMPT_TOKENS (through the prefill worker and the KV
     stream) and of RELAY_LOCAL_TOKENS (prefilled on the decode worker)."""
     import ray
 
@@ -422,14 +501,19 @@ def _relay(model: str, engine_kwargs: dict[str, Any], batches: Sequence[int], to
         step_s = []
         for b in bar(list(batches), desc="profiling disaggregated decode steps", unit="batch"):
             step_s.append(statistics.median(run(b, tokens)[1]))
-        ttft_s = statistics.median(run(1, 2)[0][0] for _ in range(LONE_REQUESTS))
-        local_ttft_s = statistics.median(run(1, 2, RELAY_LOCAL_TOKENS)[0][0] for _ in range(LONE_REQUESTS))
+        def lone(length: int) -> float:
+            time.sleep(LONE_GAP_S)  # onto idle workers, as requests arrive
+            return run(1, 2, length)[0][0]
+
+        ttfts = [lone(RELAY_PROMPT_TOKENS) for _ in range(LONE_REQUESTS)]
+        local_ttfts = [lone(RELAY_LOCAL_TOKENS) for _ in range(LONE_REQUESTS)]
     finally:
         client.close()
         ray.shutdown()
     return {"threads": torch.get_num_threads(), "batches": list(batches), "context": RELAY_PROMPT_TOKENS + tokens // 2,
-            "step_s": step_s, "ttft_s": ttft_s, "prompt_tokens": RELAY_PROMPT_TOKENS,
-            "local_ttft_s": local_ttft_s, "local_prompt_tokens": RELAY_LOCAL_TOKENS}
+            "step_s": step_s, "ttft_s": statistics.median(ttfts), "prompt_tokens": RELAY_PROMPT_TOKENS,
+            "local_ttft_s": statistics.median(local_ttfts), "local_prompt_tokens": RELAY_LOCAL_TOKENS,
+            "lone_ttft_s": ttfts, "local_lone_ttft_s": local_ttfts}
 
 
 def _kv_transfer(engine: LLMEngine, tokens: int, repeats: int) -> dict[str, Any]:
@@ -535,6 +619,8 @@ def record_profile(
         drafter = {"cost": "flat", "batches": overhead_batches,
                    "step_s": [max(a - b, 1e-6) for a, b in zip(on, overhead)]}
     served = _served_steps(engine, [b for b in SERVED_BATCHES if b <= cfg.scheduler.max_num_seqs], SERVED_TOKENS)
+    with spinner("profiling requests driven in-process"):
+        in_process = _lone_summary(_in_process_requests(engine, LONE_REQUESTS, LONE_GAP_S))
     with spinner("profiling a step beside another worker"):
         co_run = _co_run(engine, min(CO_RUN_BATCH, cfg.scheduler.max_num_seqs), budget, CO_RUN_REPEATS)
     relay = None
@@ -579,6 +665,7 @@ def record_profile(
                                        for o in offsets]},
         "engine_overhead": {"batches": overhead_batches, "step_s": overhead},
         "served": served,
+        "in_process": in_process,
         "drafter": drafter,
         "kv_transfer": transfer,
         "co_run": co_run,

@@ -28,8 +28,8 @@ What it models, each piece as specserve does it:
   (`CostModel.spec_step_s`), drafting or not: the real policy runs every step.
 
 - **the front end**: a request reaches the engine `CostModel.request_overhead_s` after it
-  arrives (HTTP, chat template, tokenizing, streaming the first chunk back; measured behind the
-  OpenAI server, 0 on paper and for engines driven in-process);
+  arrives (HTTP or an in-process driver, chat template, tokenizing, streaming the first chunk
+  back; the median of the lone requests a profile timed that way, 0 on paper);
 - **workers sharing a machine**: a disaggregated worker's step that starts while another
   worker is computing takes `CostModel.co_run_slowdown(role)` times as long (measured by
   `specserve profile` where the workers share a host's memory and cores; 1 on paper);
