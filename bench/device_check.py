@@ -133,11 +133,15 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(prompts)
     kw = dict(device=args.device, dtype="float32", checkpoint=target, profile_spec_costs=False)
     log(f"exact: tiny random Llama on {args.device}")
+    # The reference runs every step eagerly; each case below replays CUDA graphs (on a GPU).
     base = [
         o.token_ids
-        for o in LLM("tiny", spec_method="none", **kw).generate(prompts, params, use_tqdm=False)
+        for o in LLM("tiny", spec_method="none", enforce_eager=True, **kw).generate(
+            prompts, params, use_tqdm=False
+        )
     ]
     cases = {
+        "tiny plain (CUDA graphs on a GPU)": dict(spec_method="none"),
         "tiny ngram chain": dict(spec_method="ngram", spec_tree="chain"),
         "tiny ngram tree": dict(spec_method="ngram", spec_tree="auto"),
         "tiny ngram tree int8 KV": dict(
@@ -171,9 +175,9 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
     # int8 KV is compared with plain decoding on int8 KV (the quantization changes the numbers).
     base_int8 = [
         o.token_ids
-        for o in LLM("tiny", spec_method="none", kv_cache_dtype="int8", **kw).generate(
-            prompts, params, use_tqdm=False
-        )
+        for o in LLM(
+            "tiny", spec_method="none", kv_cache_dtype="int8", enforce_eager=True, **kw
+        ).generate(prompts, params, use_tqdm=False)
     ]
     for name, extra in cases.items():
         ref = base_int8 if extra.get("kv_cache_dtype") == "int8" else base
@@ -268,8 +272,11 @@ def _decode_once(llm: LLM, prompts: list, max_tokens: int, refs: list | None) ->
     }
 
 
-def section_speed(args: argparse.Namespace, real: Any, real_prompts: dict) -> list[dict]:
-    results: list[dict] = []
+def section_speed(
+    args: argparse.Namespace, real: Any, real_prompts: dict, results: list[dict], save=None
+) -> list[dict]:
+    """Plain decode by batch (CUDA graphs and eager), prompt rate, a step profile and batch-1
+    speculation against plain, appended to `results` (saved after each speculation case)."""
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
     kw = dict(
@@ -283,19 +290,27 @@ def section_speed(args: argparse.Namespace, real: Any, real_prompts: dict) -> li
     )
     log(f"speed: {args.model} on {args.device}, dtype {args.dtype}")
     plain = LLM(args.model, spec_method="none", **kw)
+    # The same engine with every step eager: what CUDA graphs buy, on the same machine and run.
+    eager = LLM(args.model, spec_method="none", enforce_eager=True, **kw)
     warm = real_prompts["prose"][0][0]
-    plain.generate(warm, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    for llm in (plain, eager):
+        llm.generate(warm, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     prose = [p for p, _ in real_prompts["prose"]]
     for batch in (1, 8, 32, 64):
         batch_prompts = [prose[i % len(prose)] for i in range(batch)]
+        for mode, llm in (("", plain), (" eager", eager)):
 
-        def one(batch_prompts=batch_prompts, batch=batch) -> dict:
-            r = decode_rate(plain, batch_prompts, args.max_tokens)
-            r.pop("token_ids")
-            r["batch"] = batch
-            return r
+            def one(batch_prompts=batch_prompts, batch=batch, llm=llm) -> dict:
+                r = decode_rate(llm, batch_prompts, args.max_tokens)
+                r.pop("token_ids")
+                r["batch"] = batch
+                graphs = llm.engine.runner.step_graphs
+                r["graphs"] = None if graphs is None else graphs.num_graphs
+                return r
 
-        run_case(results, f"plain decode batch {batch}", one)
+            run_case(results, f"plain decode batch {batch}{mode}", one)
+    eager = None
+    gc.collect()
 
     def prefill() -> dict:
         tok = real.tokenizer
@@ -339,11 +354,13 @@ def section_speed(args: argparse.Namespace, real: Any, real_prompts: dict) -> li
             for e in events
             if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
         )
+        graph_launches = sum(e.count for e in events if e.key == "cudaGraphLaunch")
         return {
             "steps": steps,
             "wall_s": round(wall, 3),
             "device_busy_s": round(dev_total / 1e6, 4),
             "kernel_launches_per_step": round(launches / steps, 1),
+            "graph_launches_per_step": round(graph_launches / steps, 1),
             "top_self_cpu": [
                 {
                     "op": e.key,
@@ -416,6 +433,8 @@ def section_speed(args: argparse.Namespace, real: Any, real_prompts: dict) -> li
                 }
 
             run_case(results, f"{method} {tree} {policy} on {set_name}", spec)
+            if save is not None:
+                save()
     return results
 
 
@@ -440,9 +459,13 @@ def plot(payload: dict, path: Path) -> None:
 
     speed = [r for r in payload["speed"] if r.get("ok")]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    plain = [r for r in speed if r["case"].startswith("plain decode")]
-    if plain:
-        axes[0].plot([r["batch"] for r in plain], [r["tokens_per_s"] for r in plain], "o-")
+    for label, eager in (("CUDA graphs", False), ("eager", True)):
+        plain = [r for r in speed if r["case"].startswith("plain decode")
+                 and r["case"].endswith(" eager") == eager]
+        if plain:
+            axes[0].plot([r["batch"] for r in plain], [r["tokens_per_s"] for r in plain], "o-", label=label)
+    if speed:
+        axes[0].legend()
         axes[0].set_xscale("log", base=2)
         axes[0].set_xlabel("batch")
         axes[0].set_ylabel("decode tokens/s")
@@ -513,18 +536,23 @@ def main() -> int:
         "exact": [],
         "speed": [],
     }
-    if "exact" in args.sections:
-        payload["exact"] = section_exact(args, real, real_prompts)
-    if "speed" in args.sections and real is not None:
-        payload["speed"] = section_speed(args, real, real_prompts)
-    for rows in (payload["exact"], payload["speed"]):
-        for r in rows:
-            r.pop("token_ids", None)
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"device_check_{args.device.split(':')[0]}"
-    import json
 
-    (args.out / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str))
+    def save() -> None:  # after each section: a run stopped at a lease's limit keeps what it measured
+        import json
+
+        for rows in (payload["exact"], payload["speed"]):
+            for r in rows:
+                r.pop("token_ids", None)
+        (args.out / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str))
+
+    if "exact" in args.sections:
+        payload["exact"] = section_exact(args, real, real_prompts)
+        save()
+    if "speed" in args.sections and real is not None:
+        section_speed(args, real, real_prompts, payload["speed"], save)
+    save()
     try:
         plot(payload, args.out / f"{name}.png")
     except Exception as e:  # noqa: BLE001 - a missing plot never loses the figures

@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (bf16 on GPU / CPUs with native bf16, else float32), bfloat16, float32")
     g.add_argument("--linear-backend", default="auto", choices=["auto", "dense", "onednn"],
                    help="linear kernels: auto picks oneDNN packed weights for float32 on CPU")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly (default: decode and verify steps replay as CUDA graphs)")
     g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "auto"],
                    help="default: auto for a GGUF model on the CPU, else none. none: float weights (a GGUF's "
                         "blocks decoded once; exact reference); auto: keep a GGUF's quantized blocks and compute "
@@ -91,6 +93,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """LLM(...) keyword arguments from parsed engine flags."""
     return dict(
         device=args.device, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, linear_backend=args.linear_backend,
+        enforce_eager=args.enforce_eager,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, draft_quantization=args.draft_quantization,
         draft_vocab_size=args.draft_vocab_size,
         max_model_len=args.max_model_len, block_size=args.block_size,

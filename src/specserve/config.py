@@ -76,6 +76,8 @@ class ModelConfig:
     # One of QUANTIZATIONS; None: the fast path for the model (see specserve.defaults: `auto` for
     # a GGUF model on the CPU, `none` otherwise), made explicit when the engine starts.
     quantization: str | None = None
+    # CUDA: run every step eagerly instead of replaying short steps as CUDA graphs (engine/graphs.py).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype, self.device)

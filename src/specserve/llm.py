@@ -47,6 +47,7 @@ class LLM:
         seed: int = 0,
         linear_backend: str = "auto",
         quantization: str | None = None,
+        enforce_eager: bool = False,
         num_kv_blocks: int | None = None,
         kv_cache_dtype: str = "auto",
         draft_model: str | None = None,
@@ -75,7 +76,7 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(
                 model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                linear_backend=linear_backend, quantization=quantization,
+                linear_backend=linear_backend, quantization=quantization, enforce_eager=enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=block_size, kv_cache_gib=kv_cache_gib,

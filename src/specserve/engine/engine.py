@@ -905,6 +905,9 @@ class LLMEngine:
                          else f"{q}: 4-bit blocks, native {isa} kernels{wide}")
         else:
             precision = f"{q} ({str(runner.dtype).removeprefix('torch.')})"
+            if runner.device.type == "cuda":
+                precision += (", decode and verify steps as CUDA graphs" if runner.step_graphs is not None
+                              else ", every step eager (--enforce-eager)")
         kv_gib = runner.kv_cache_bytes / (1 << 30)
         out = {
             "model": f"{self.model_name} ({arch.architecture}, {arch.num_layers} layers, vocabulary {arch.vocab_size})",

@@ -15,6 +15,7 @@ import torch
 
 from specserve.attention import AttentionMetadata, build_attention_metadata
 from specserve.config import CacheConfig, ModelConfig, usable_cpus
+from specserve.engine.graphs import StepGraphs
 from specserve.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
 from specserve.kv_cache.layer_load import KVLoad, LayerLoader, LayerWriter
@@ -173,7 +174,10 @@ class ModelRunner:
                 + (f", {reserved_blocks} reserved for the drafter" if reserved_blocks else "") + "); raise --kv-cache-gib."
             )
         self.reserved_block_ids = list(range(self.num_blocks, self.num_blocks + reserved_blocks))
-        shape = (self.num_blocks + reserved_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        # CUDA graphs of short steps (engine/graphs.py): one more block past the reserved ones, where
+        # a padded query row writes its keys and values.
+        graphs = self.device.type == "cuda" and not model_config.enforce_eager
+        shape = (self.num_blocks + reserved_blocks + graphs, self.block_size, arch.num_kv_heads, arch.head_dim)
         # Zero-filled: masked-out slots are still multiplied by a zero weight, so they must be finite.
         # An int8 cache adds per-(slot, head) k and v scales; zero scales make never-written
         # slots dequantize to exact zeros too.
@@ -201,6 +205,10 @@ class ModelRunner:
         self._hidden: dict[str, HiddenRows] = {}
         self._last_hidden_states: torch.Tensor | None = None
         self.connector: StepConnector | None = None  # disaggregation: KV in or out per layer
+        self.step_graphs: StepGraphs | None = None
+        if graphs:
+            scratch = (self.num_blocks + reserved_blocks) * self.block_size
+            self.step_graphs = StepGraphs(self.model, self.kv_caches, self.block_size, scratch, self.device)
         self.num_steps = 0
         self.forward_time_s = 0.0
         self.grammar_time_s = 0.0  # structured output: building and applying the masks
@@ -324,7 +332,7 @@ class ModelRunner:
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor:  # [num_logit_rows, vocab]
         """Run the decoder over the step's tokens; return logits of the rows that need them."""
         t0 = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self._decoder_output(inputs)
         self._last_hidden_states = self._features(hidden) if self.capture_hidden else None
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_index))
         if self.device.type == "cuda":
@@ -333,6 +341,14 @@ class ModelRunner:
         self.forward_time_s += self.last_forward_time_s
         self.num_steps += 1
         return logits
+
+    def _decoder_output(self, inputs: StepInputs) -> torch.Tensor:  # [num_tokens, hidden]
+        """The decoder's output over the step's tokens: through the step's CUDA graph where it has one."""
+        if self.step_graphs is not None:
+            hidden = self.step_graphs.forward(inputs.input_ids, inputs.positions, inputs.meta)
+            if hidden is not None:
+                return hidden
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     @torch.inference_mode()
     def hidden_states(self, entries: list[FeedEntry]) -> torch.Tensor:  # [sum of tokens, hidden * (layers + 1)]
@@ -666,10 +682,7 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            self.model.compute_logits(
-                self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-                .index_select(0, inputs.logits_index)
-            )
+            self.model.compute_logits(self._decoder_output(inputs).index_select(0, inputs.logits_index))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t0)

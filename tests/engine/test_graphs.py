@@ -1,0 +1,75 @@
+"""CUDA-graph step buckets (engine/graphs.py), checked on the CPU: the padded static step, run
+without capture, gives the eager step's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.attention import build_attention_metadata
+from specserve.engine.graphs import MIN_KV, GraphKey, StepGraphs
+from specserve.testing import repetitive_prompts, tiny_checkpoint, write_random_head
+
+
+def _padded(llm: LLM) -> StepGraphs:
+    """Route the runner's short steps through padded static buffers (no capture: CPU), with a
+    scratch block appended to every layer's cache as the runner allocates one on CUDA."""
+    r = llm.engine.runner
+    scratch = r.kv_caches[0][0].shape[0]
+    r.kv_caches[:] = [tuple(torch.cat((t, torch.zeros_like(t[:1]))) for t in kv) for kv in r.kv_caches]
+    r.step_graphs = StepGraphs(r.model, r.kv_caches, r.block_size, scratch * r.block_size, r.device, capture=False)
+    return r.step_graphs
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_checkpoint("llama", seed=5, vocab=64, layers=4)[1]
+
+
+@pytest.mark.parametrize("spec", [
+    dict(spec_method="none"),
+    dict(spec_method="ngram", spec_tree="auto"),
+    dict(spec_method="ngram", spec_tree="chain", kv_cache_dtype="int8"),
+    dict(spec_method="eagle"),  # a head fusing the streams after layers 1 and 2: kept through the padding
+])
+def test_padded_static_steps_give_the_eager_tokens(target, tmp_path: Path, spec: dict):
+    if spec["spec_method"] == "eagle":
+        head = write_random_head(target, tmp_path / "e3.safetensors", "eagle", feature_layers=[1, 2])
+        spec = {**spec, "draft_model": str(head)}
+    kw = dict(dtype="float32", checkpoint=target, profile_spec_costs=False, spec_policy="always",
+              num_spec_tokens=6, **spec)
+    prompts = repetitive_prompts(12)
+    params = [SamplingParams(max_tokens=20 + 3 * (i % 4), temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    eager = [o.token_ids for o in LLM("tiny", **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM("tiny", **kw)
+    graphs = _padded(llm)
+    batched = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([prompts[i]], [params[i]], use_tqdm=False)[0].token_ids for i in (0, 5)]
+    assert batched == eager and alone == [eager[0], eager[5]]
+    assert graphs.num_replays > 0 and graphs.num_graphs >= 2
+    eng = llm.engine
+    assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+    if spec["spec_method"] != "none":
+        assert eng.spec_counters["num_draft_tokens"] > 0
+
+
+def test_step_buckets(target):
+    llm = LLM("tiny", dtype="float32", checkpoint=target, spec_method="none")
+    graphs = _padded(llm)
+    bs = llm.engine.runner.block_size
+
+    def meta(query_lens: list[int], starts: list[int]):
+        tables = [list(range(-(-(s + q) // bs))) for q, s in zip(query_lens, starts)]
+        return build_attention_metadata(query_lens, starts, tables, bs, torch.device("cpu"))
+
+    assert graphs.key(meta([1], [10])) == GraphKey(1, 1, MIN_KV, ())
+    assert graphs.key(meta([1, 1, 1], [10, 300, 20])) == GraphKey(4, 1, 512, ())
+    assert graphs.key(meta([9, 3], [40, 40])) == GraphKey(2, 12, MIN_KV, ())
+    assert graphs.key(meta([17], [0])) == GraphKey(1, 20, MIN_KV, ())  # a tree of 16 nodes and its root
+    assert graphs.key(meta([65], [0])) is None  # a prompt chunk: eager
+    assert graphs.key(meta([1] * 31 + [60], [100] * 32)) is None  # mostly padding: eager
+    llm.engine.runner.model.model.layer_hooks = object()  # a connector moving KV layer by layer: eager
+    assert graphs.key(meta([1], [10])) is None
