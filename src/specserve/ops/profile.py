@@ -76,7 +76,10 @@ OVERHEAD_BATCHES = (1, 8)
 SERVED_BATCHES = (1, 4, 8)
 SERVED_TOKENS = 48  # tokens each streamed request generates
 LONE_REQUESTS = 15  # short requests on an idle server: their times to first token (spread and median)
-LONE_GAP_S = 0.25  # idle time before each (requests reach servers at rest: threads asleep, caches cold)
+# Idle time before each: a request to a lightly loaded server finds it at rest (threads asleep,
+# caches cold), and that costs more the longer the rest: 15 lone SmolLM2 requests over HTTP on a
+# 2-vCPU Zen 5 took a median 23.5 / 25.7 ms after 0.25 s idle, 26.8 / 29.7 ms after 1 s.
+LONE_GAP_S = 1.0
 CO_RUN_BATCH = 4  # decode batch timed beside a neighbour worker
 CO_RUN_REPEATS = 9
 KV_TRANSFER_TOKENS = 2048
