@@ -117,6 +117,28 @@ def test_greedy_accepts_argmax_prefix():
     assert res.num_accepted == [3, 1, 0]
 
 
+def test_greedy_fast_path_matches_the_batched_rule():
+    """All-greedy batches take a pure-Python walk over one argmax; it emits what the batched
+    tensor rule emits, for jagged K, drafts that match in part, in full and not at all."""
+    from specserve.sampling.rejection import _sample_rows
+
+    g = torch.Generator().manual_seed(7)
+    for trial in range(50):
+        ks = [int(k) for k in torch.randint(0, 6, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)]
+        logits = torch.randn(sum(k + 1 for k in ks), VOCAB, generator=g)
+        am = logits.argmax(-1).tolist()
+        drafts, row = [], 0
+        for k in ks:  # the argmax for a random prefix, then random tokens
+            good = int(torch.randint(0, k + 1, (1,), generator=g))
+            drafts.append(am[row : row + good] + torch.randint(0, VOCAB, (k - good,), generator=g).tolist())
+            row += k + 1
+        meta = SamplingMetadata.build([SamplingParams(temperature=0)] * len(ks), [0] * len(ks), torch.device("cpu"))
+        batch = SpecBatch(num_draft=ks, draft_token_ids=drafts, draft_probs=[None] * len(ks), meta=meta)
+        fast, slow = rejection_sample(logits, batch, None), _sample_rows(logits, batch, None)
+        assert fast.token_ids == slow.token_ids and fast.num_accepted == slow.num_accepted, trial
+        assert rejection_sample(logits, batch, None, am).token_ids == slow.token_ids
+
+
 def test_seeded_requests_are_reproducible_and_batch_invariant():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, VOCAB, generator=g)

@@ -556,8 +556,9 @@ class ModelRunner:
             draft_probs=[_chain_probs(sr.draft) for sr in sampled_reqs],
             meta=meta,
         )
-        res = rejection_sample(logits, batch, self.sampler.generator)
-        argmax = _split(logits.argmax(dim=-1).tolist(), [k + 1 for k in ks])
+        flat_argmax = logits.argmax(dim=-1).tolist()
+        res = rejection_sample(logits, batch, self.sampler.generator, flat_argmax)
+        argmax = _split(flat_argmax, [k + 1 for k in ks])
         return {
             sr.request_id: SampledTokens(
                 res.token_ids[i], res.logprobs[i] if res.logprobs is not None else None, num_draft_tokens=ks[i],

@@ -67,8 +67,38 @@ def rejection_sample(
     target_logits: torch.Tensor,  # [sum(K_i + 1), V] float32, rows grouped by request
     batch: SpecBatch,
     generator: torch.Generator | None,
+    target_argmax: list[int] | None = None,  # the rows' argmax, where the caller has it
 ) -> SpecResult:
     """Verify every request's drafts at once; returns the tokens each request emits."""
+    if batch.meta.all_greedy and not batch.meta.need_logprobs:
+        if target_argmax is None:
+            target_argmax = target_logits.argmax(dim=-1).tolist()
+        return greedy_accept(target_argmax, batch.draft_token_ids)
+    return _sample_rows(target_logits, batch, generator)
+
+
+def greedy_accept(target_argmax: list[int], draft_token_ids: list[list[int]]) -> SpecResult:
+    """Every request greedy: each keeps its drafts while they equal the target's argmax, then
+    emits the argmax of its first mismatching row (recovered) or of its last row (bonus). The
+    same rule as the batched path below, in plain Python over one argmax: a verify step of a
+    small model (or on a GPU) is short enough that a few dozen tensor ops show in it."""
+    out, accepted, row = [], [], 0
+    for drafts in draft_token_ids:
+        n = 0
+        while n < len(drafts) and drafts[n] == target_argmax[row + n]:
+            n += 1
+        out.append([*drafts[:n], target_argmax[row + n]])
+        accepted.append(n)
+        row += len(drafts) + 1
+    return SpecResult(out, accepted, None)
+
+
+def _sample_rows(
+    target_logits: torch.Tensor,  # [sum(K_i + 1), V] float32, rows grouped by request
+    batch: SpecBatch,
+    generator: torch.Generator | None,
+) -> SpecResult:
+    """The batched rule for any mix of greedy and sampled requests (and logprobs)."""
     device = target_logits.device
     n_req = len(batch.num_draft)
     ks = torch.tensor(batch.num_draft, dtype=torch.long, device=device)
