@@ -176,7 +176,9 @@ class StepGraphs:
               meta: AttentionMetadata) -> torch.Tensor:  # [num_tokens] the real tokens' rows
         """Copy a step into the bucket's buffers; return where its tokens sit in them."""
         q = meta.max_query_len
-        rows = torch.div(meta.query_index, q, rounding_mode="floor") * key.query + meta.query_index % q
+        rows = meta.query_index  # b * q + j; the bucket's rows are b * key.query + j
+        if q != key.query:
+            rows = torch.div(rows, q, rounding_mode="floor") * key.query + rows % q
         sm = g.meta
         g.input_ids.zero_().index_copy_(0, rows, input_ids)
         g.positions.zero_().index_copy_(0, rows, positions)

@@ -177,7 +177,8 @@ class ModelRunner:
         # CUDA graphs of short steps (engine/graphs.py): one more block past the reserved ones, where
         # a padded query row writes its keys and values.
         graphs = self.device.type == "cuda" and not model_config.enforce_eager
-        shape = (self.num_blocks + reserved_blocks + graphs, self.block_size, arch.num_kv_heads, arch.head_dim)
+        scratch_blocks = 1 if graphs else 0
+        shape = (self.num_blocks + reserved_blocks + scratch_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         # Zero-filled: masked-out slots are still multiplied by a zero weight, so they must be finite.
         # An int8 cache adds per-(slot, head) k and v scales; zero scales make never-written
         # slots dequantize to exact zeros too.

@@ -394,10 +394,9 @@ def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds
 
 def _lone_summary(lone: list[dict[str, Any]]) -> dict[str, Any]:
     """The median lone request (`ttft_s`, `prompt_tokens`, `cached_tokens`: the chat template's
-    start, found in the prefix cache) and every one of them (`lone`): a front end's time varies
-    from request to request (thread wake-ups, the garbage collector, the client's own turn on a
-    core), and a p50 over a mix of short and long prompts depends on that spread, not only on its
-    median."""
+    start, found in the prefix cache), which the cost model charges, and every one of them
+    (`lone`), so the spread between requests (thread wake-ups, the garbage collector, the client's
+    own turn on a core) stays on record."""
     first = sorted(lone, key=lambda r: r["ttft_s"])[len(lone) // 2]
     keep = ("ttft_s", "prompt_tokens", "cached_tokens")
     return {k: first[k] for k in keep} | {"lone": [{k: r[k] for k in keep} for r in lone]}
