@@ -464,6 +464,7 @@ def test_prefetch_distance_changes_speed_not_results(monkeypatch):
     if not k.has_avx2():
         pytest.skip("prefetch lives in the AVX2 kernels")
     old = k.set_prefetch_distance(2048)
+    old_multi = k.set_prefetch_distance(8192, multi_row=True)
     try:
         cases = [interleave_rows(random_blocks(q, 64, 512, seed=q)) for q in sorted(INTERLEAVED)]
         cases += [(q, random_blocks(q, 64, 512, seed=q).data) for q in sorted(NAMES)]
@@ -471,29 +472,38 @@ def test_prefetch_distance_changes_speed_not_results(monkeypatch):
             x = torch.randn(5, 512, generator=torch.Generator().manual_seed(kq))
             ref = k.qmatmul(x, data, kq)
             for dist in (0, 64, 100_000, 1 << 20):
-                k.set_prefetch_distance(dist)
-                assert torch.equal(k.qmatmul(x, data, kq), ref), (kq, dist)
+                for multi_row in (False, True):
+                    k.set_prefetch_distance(dist, multi_row)
+                    assert torch.equal(k.qmatmul(x, data, kq), ref), (kq, dist, multi_row)
+                    assert torch.equal(k.qmatmul(x[:1], data, kq), ref[:1]), (kq, dist, multi_row)
             k.set_prefetch_distance(2048)
+            k.set_prefetch_distance(8192, multi_row=True)
         with pytest.raises(RuntimeError, match="prefetch distance"):
             k.set_prefetch_distance(-1)
         with pytest.raises(RuntimeError, match="prefetch distance"):
             k.set_prefetch_distance((1 << 20) + 1)
+        with pytest.raises(RuntimeError, match="prefetch distance"):
+            k.set_prefetch_distance(-1, multi_row=True)
     finally:
         k.set_prefetch_distance(old)
+        k.set_prefetch_distance(old_multi, multi_row=True)
 
     from specserve.errors import ConfigError
     from specserve.kernels import _prefetch_from_env
 
-    for bad in ("fast", "-5", "99999999"):
+    for bad in ("fast", "-5", "99999999", "1024,", "1024,2048,4096", "1024,-1"):
         monkeypatch.setenv("SPECSERVE_PREFETCH", bad)
         with pytest.raises(ConfigError, match="SPECSERVE_PREFETCH"):
             _prefetch_from_env(k)
-    monkeypatch.setenv("SPECSERVE_PREFETCH", "4096")
+    monkeypatch.setenv("SPECSERVE_PREFETCH", "4096")  # one value pins both distances
     _prefetch_from_env(k)
-    assert k.set_prefetch_distance(old) == 4096
+    assert k.set_prefetch_distance(old) == 4096 and k.set_prefetch_distance(old_multi, multi_row=True) == 4096
+    monkeypatch.setenv("SPECSERVE_PREFETCH", "3072,12288")  # one-row, multi-row
+    _prefetch_from_env(k)
+    assert k.set_prefetch_distance(old) == 3072 and k.set_prefetch_distance(old_multi, multi_row=True) == 12288
     monkeypatch.setenv("SPECSERVE_PREFETCH", "auto")  # the default: measured by the first large model
     _prefetch_from_env(k)
-    assert k.set_prefetch_distance(old) == old
+    assert k.set_prefetch_distance(old) == old and k.set_prefetch_distance(old_multi, multi_row=True) == old_multi
 
 
 class _FakePrefetchKernels:
@@ -501,21 +511,26 @@ class _FakePrefetchKernels:
 
     def __init__(self) -> None:
         self.distance = 2048
-        self.history: list[int] = []
+        self.multi_distance = 8192
+        self.history: list[tuple[int, bool]] = []
 
     def has_avx2(self) -> bool:
         return True
 
-    def set_prefetch_distance(self, bytes_ahead: int) -> int:
-        old, self.distance = self.distance, bytes_ahead
-        self.history.append(bytes_ahead)
+    def set_prefetch_distance(self, bytes_ahead: int, multi_row: bool = False) -> int:
+        if multi_row:
+            old, self.multi_distance = self.multi_distance, bytes_ahead
+        else:
+            old, self.distance = self.distance, bytes_ahead
+        self.history.append((bytes_ahead, multi_row))
         return old
 
 
 def test_prefetch_tuning_keeps_the_fastest_distance_once_per_process(monkeypatch):
-    """tune_prefetch times every candidate distance (interleaved rounds, best time each), keeps
-    the fastest, and runs once per process; a pinned $SPECSERVE_PREFETCH, a model too small to
-    stream from memory, or a step that cannot be timed (NaN) leave the distance alone."""
+    """tune_prefetch times every candidate distance (interleaved rounds, best time each) on a
+    1-token forward for one-row passes and on a multi-token forward for multi-row passes, keeps
+    the fastest of each, and runs once per process; a pinned $SPECSERVE_PREFETCH, a model too
+    small to stream from memory, or a step that cannot be timed (NaN) leave the distances alone."""
     import specserve.kernels as kmod
 
     fake = _FakePrefetchKernels()
@@ -525,9 +540,13 @@ def test_prefetch_tuning_keeps_the_fastest_distance_once_per_process(monkeypatch
     big = kmod.PREFETCH_TUNE_MIN_BYTES
     calls = []
 
-    def step() -> float:  # 3072 is fastest; the first timing of every distance is slower (noise)
-        calls.append(fake.distance)
-        return abs(fake.distance - 3072) / 1e6 + 0.01 + (0.05 if calls.count(fake.distance) == 1 else 0.0)
+    def step(tokens: int) -> float:
+        """One-token forwards are fastest at 3072 bytes, multi-token ones at 12288 (each run only
+        by its own distance); the first timing of every setting is slower (noise)."""
+        setting = (tokens, fake.distance if tokens == 1 else fake.multi_distance)
+        calls.append(setting)
+        best = 3072 if tokens == 1 else 12288
+        return abs(setting[1] - best) / 1e6 + 0.01 * tokens + (0.05 if calls.count(setting) == 1 else 0.0)
 
     # pinned or small: nothing timed, nothing changed
     monkeypatch.setenv("SPECSERVE_PREFETCH", "1024")
@@ -536,14 +555,17 @@ def test_prefetch_tuning_keeps_the_fastest_distance_once_per_process(monkeypatch
     assert kmod.tune_prefetch(step, big - 1) is None
     assert calls == [] and fake.history == []
     # a step that cannot be timed: the distance goes back to what it was
-    assert kmod.tune_prefetch(lambda: float("nan"), big) is None
-    assert fake.distance == 2048 and kmod.prefetch_tuning() == {}
+    assert kmod.tune_prefetch(lambda tokens: float("nan"), big) is None
+    assert (fake.distance, fake.multi_distance) == (2048, 8192) and kmod.prefetch_tuning() == {}
 
     assert kmod.tune_prefetch(step, big, rounds=2) == 3072
-    assert fake.distance == 3072
-    assert sorted(set(calls)) == sorted(kmod.PREFETCH_CANDIDATES)
+    assert (fake.distance, fake.multi_distance) == (3072, 12288)
+    assert sorted({d for n, d in calls if n == 1}) == sorted(kmod.PREFETCH_CANDIDATES)
+    assert sorted({d for n, d in calls if n > 1}) == sorted(kmod.PREFETCH_MULTI_CANDIDATES)
+    assert {n for n, _ in calls} == {1, kmod.PREFETCH_MULTI_TOKENS}
     info = kmod.prefetch_tuning()
     assert info["distance"] == 3072 and set(info["step_ms"]) == set(kmod.PREFETCH_CANDIDATES)
+    assert info["multi_row_distance"] == 12288 and set(info["multi_row_step_ms"]) == set(kmod.PREFETCH_MULTI_CANDIDATES)
     n = len(calls)
     assert kmod.tune_prefetch(step, big) is None and len(calls) == n  # once per process
 

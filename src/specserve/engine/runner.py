@@ -217,7 +217,7 @@ class ModelRunner:
         if self.native_ops:
             from specserve.kernels import tune_prefetch, tune_wide_passes
 
-            tune_prefetch(lambda: self.time_decode_step(1, repeats=1, context=64), self.weight_bytes_per_step())
+            tune_prefetch(lambda n: self.time_decode_step(1, tokens_per_req=n, repeats=1, context=64), self.weight_bytes_per_step())
             tune_wide_passes(lambda n: self.time_decode_step(1, tokens_per_req=n, repeats=1, context=64),
                              self.weight_bytes_per_step())
 

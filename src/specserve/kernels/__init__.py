@@ -9,9 +9,11 @@ takes about a minute; later processes load it in milliseconds.
 
 The kernels prefetch weight blocks some distance ahead of the one they read (into L2). The best
 distance is a property of the machine (2 KiB on one 2-vCPU Xeon VM, 4 KiB on an Emerald Rapids
-one, each ~10% better than the other's choice), so the first model of a process large enough to
-stream from DRAM picks it by timing its own decode step (`tune_prefetch`).
-``$SPECSERVE_PREFETCH=<bytes>`` pins a distance instead (0 turns prefetching off).
+one, each ~10% better than the other's choice), and passes over several activation rows (verify
+passes, batched decoding, prompts) want a longer one than one-row decode passes (8 KiB against
+3-4 KiB on a Zen 5). So the first model of a process large enough to stream from DRAM picks both
+by timing its own forwards of 1 and of 8 tokens (`tune_prefetch`). ``$SPECSERVE_PREFETCH=<bytes>``
+pins both instead, ``<one-row>,<multi-row>`` each (0 turns prefetching off).
 """
 
 from __future__ import annotations
@@ -153,20 +155,23 @@ def _prefetch_from_env(module: ModuleType) -> None:
     if raw is None:
         return
     try:
-        bytes_ahead = int(raw)
-        if not 0 <= bytes_ahead <= 1 << 20:
+        parts = [int(v) for v in raw.split(",")]
+        if len(parts) not in (1, 2) or not all(0 <= v <= 1 << 20 for v in parts):
             raise ValueError
     except ValueError:
         raise ConfigError(
             f"SPECSERVE_PREFETCH={raw!r}: give the prefetch distance in bytes, 0 to 1048576 (0 turns it off), "
-            "or 'auto' to let the first large model measure it."
+            "one for every pass or '<one-row>,<multi-row>', or 'auto' to let the first large model measure them."
         ) from None
-    module.set_prefetch_distance(bytes_ahead)
+    module.set_prefetch_distance(parts[0])
+    module.set_prefetch_distance(parts[-1], multi_row=True)
 
 
 # Distances tried by tune_prefetch, and the least weight bytes per step worth tuning on (below
 # it the weights sit in cache and any distance looks the same).
 PREFETCH_CANDIDATES = (1024, 2048, 3072, 4096, 6144, 8192)
+PREFETCH_MULTI_CANDIDATES = (2048, 4096, 6144, 8192, 12288, 16384)
+PREFETCH_MULTI_TOKENS = 8  # the forward the multi-row distance is timed on
 PREFETCH_TUNE_MIN_BYTES = 64 << 20
 _prefetch_tuned: dict[str, object] = {}
 _TUNE_LOCK = threading.Lock()
@@ -185,14 +190,16 @@ def _best_times(settings: Sequence[T], run: Callable[[T], float], rounds: int) -
     return best
 
 
-def tune_prefetch(time_step: Callable[[], float], weight_bytes: int, rounds: int = 2) -> int | None:
-    """Set the prefetch distance under which `time_step()` (seconds of one decode step) is fastest.
+def tune_prefetch(time_step: Callable[[int], float], weight_bytes: int, rounds: int = 2) -> int | None:
+    """Set the prefetch distances under which the model's forwards are fastest: the one-row
+    distance from `time_step(1)`, the multi-row one from `time_step(PREFETCH_MULTI_TOKENS)`
+    (seconds of one forward of n tokens).
 
     Runs once per process, on the first model with at least PREFETCH_TUNE_MIN_BYTES of weights
     per step: every candidate is timed `rounds` times, interleaved, and the best time of each
     decides. Prefetching changes speed only, never results, so a noisy pick costs nothing but
-    a little speed. Returns the distance chosen, or None when $SPECSERVE_PREFETCH pins one, the
-    weights are too small to tell, or a distance was already chosen in this process.
+    a little speed. Returns the one-row distance chosen, or None when $SPECSERVE_PREFETCH pins
+    them, the weights are too small to tell, or the distances were already chosen in this process.
     """
     if _prefetch_pinned() is not None or weight_bytes < PREFETCH_TUNE_MIN_BYTES:
         return None
@@ -202,20 +209,28 @@ def tune_prefetch(time_step: Callable[[], float], weight_bytes: int, rounds: int
         module = kernels()
         if not module.has_avx2():  # the portable build does not prefetch
             return None
-        before = module.set_prefetch_distance(PREFETCH_CANDIDATES[0])
-        if not math.isfinite(time_step()):  # warm-up (first touch); NaN: the step cannot be timed here
-            module.set_prefetch_distance(before)
-            return None
-        def run(dist: int) -> float:
-            module.set_prefetch_distance(dist)
-            return time_step()
+        chosen: dict[str, tuple[int, dict[int, float]]] = {}
+        for multi_row, tokens, candidates in ((False, 1, PREFETCH_CANDIDATES),
+                                              (True, PREFETCH_MULTI_TOKENS, PREFETCH_MULTI_CANDIDATES)):
+            before = module.set_prefetch_distance(candidates[0], multi_row)
+            if not math.isfinite(time_step(tokens)):  # warm-up (first touch); NaN: the step cannot be timed here
+                module.set_prefetch_distance(before, multi_row)
+                return None
 
-        best = _best_times(PREFETCH_CANDIDATES, run, rounds)
-        choice = min(best, key=best.__getitem__)
-        module.set_prefetch_distance(choice)
-        _prefetch_tuned.update(distance=choice, step_ms={d: round(t * 1e3, 2) for d, t in best.items()})
-        logger.info("prefetch distance %d bytes (decode step ms by distance: %s)", choice, _prefetch_tuned["step_ms"])
-        return choice
+            def run(dist: int, multi_row: bool = multi_row, tokens: int = tokens) -> float:
+                module.set_prefetch_distance(dist, multi_row)
+                return time_step(tokens)
+
+            best = _best_times(candidates, run, rounds)
+            choice = min(best, key=best.__getitem__)
+            module.set_prefetch_distance(choice, multi_row)
+            chosen["multi_row" if multi_row else "one_row"] = choice, best
+        (one, one_ms), (multi, multi_ms) = chosen["one_row"], chosen["multi_row"]
+        _prefetch_tuned.update(distance=one, step_ms={d: round(t * 1e3, 2) for d, t in one_ms.items()},
+                               multi_row_distance=multi, multi_row_step_ms={d: round(t * 1e3, 2) for d, t in multi_ms.items()})
+        logger.info("prefetch distance %d bytes, %d for multi-row passes (1-token / %d-token forward ms by distance: "
+                    "%s / %s)", one, multi, PREFETCH_MULTI_TOKENS, _prefetch_tuned["step_ms"], _prefetch_tuned["multi_row_step_ms"])
+        return one
 
 
 def prefetch_tuning() -> dict[str, object]:

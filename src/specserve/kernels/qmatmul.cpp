@@ -214,7 +214,19 @@ inline void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
 // its load; without the prefetch the core mostly alternates between computing and waiting. On a
 // 2-vCPU Xeon VM a 1.5B Q4_K_M decode step went from 55 to 44 ms (5-token verify: 86 to 61 ms);
 // 2 KiB ahead was the best of 0.5-8 KiB there. set_prefetch_distance / $SPECSERVE_PREFETCH tune it.
+//
+// Passes over several activation rows keep a distance of their own. They spend longer on each
+// block, yet want to run further ahead: on a 2-vCPU Zen 5 the 1.5B's 9-token forward took 40-44 ms
+// at 2 KiB, 35-36 at 4 KiB and 32-34 at 8 KiB, while its 1-token step moved by under 5% across
+// the same distances (alternating processes; the hardware prefetcher keeps up with the fast
+// one-row stream on its own, not with the slower multi-row one).
 std::atomic<int64_t> g_prefetch_ahead{2048};
+std::atomic<int64_t> g_prefetch_ahead_rows{8192};
+
+// The prefetch distance of a pass over M activation rows.
+inline int64_t prefetch_distance(int M) {
+  return (M > 1 ? g_prefetch_ahead_rows : g_prefetch_ahead).load(std::memory_order_relaxed);
+}
 
 inline void prefetch_ahead(const uint8_t* blk, int64_t bytes, int64_t ahead) {
   if (ahead <= 0) return;
@@ -274,7 +286,7 @@ template <int MT>
 void dot_q8_0(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  const int64_t ahead = prefetch_distance(MT);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 34;
     prefetch_ahead(blk, 34, ahead);
@@ -297,7 +309,7 @@ void dot_q4_1(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
     acc[m] = _mm256_setzero_ps();
     offset[m] = 0.f;
   }
-  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  const int64_t ahead = prefetch_distance(MT);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 20;
     prefetch_ahead(blk, 20, ahead);
@@ -326,7 +338,7 @@ void dot_q5_0(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
     acc[m] = _mm256_setzero_ps();
     offset[m] = 0.f;
   }
-  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  const int64_t ahead = prefetch_distance(MT);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kBytes;
     prefetch_ahead(blk, kBytes, ahead);
@@ -356,7 +368,7 @@ void dot_q4_k(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
     acc[m] = _mm256_setzero_ps();
     offset[m] = _mm_setzero_ps();
   }
-  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  const int64_t ahead = prefetch_distance(MT);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 144;
     prefetch_ahead(blk, 144, ahead);
@@ -398,7 +410,7 @@ void dot_q6_k(const uint8_t* row, int64_t nb, const Acts* a, float* out) {
   const __m256i two = _mm256_set1_epi8(0x03);
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  const int64_t ahead = prefetch_distance(MT);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 210;
     prefetch_ahead(blk, 210, ahead);
@@ -513,7 +525,7 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
   alignas(32) float accs[G][kRows * 8];
   alignas(32) int32_t sumi[kRows * 8];
   zero_groups(accs[0], G, kRows * 8, M);
-  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  const int64_t ahead = prefetch_distance(M);
   for (int64_t b = 0; b < nb; ++b)
   for (int gi = 0; gi < G; ++gi) {
     float* acc = accs[gi];
@@ -594,7 +606,7 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
   alignas(32) float accs[G][kRows * 8];
   alignas(32) int32_t sumi[kRows * 8];
   zero_groups(accs[0], G, kRows * 8, M);
-  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  const int64_t ahead = prefetch_distance(M);
   for (int64_t b = 0; b < nb; ++b)
   for (int gi = 0; gi < G; ++gi) {
     float* acc = accs[gi];
@@ -664,7 +676,7 @@ void dot_q8_0_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
   const int M = MT > 0 ? MT : M_;
   alignas(32) float accs[G][kRows * 8];
   zero_groups(accs[0], G, kRows * 8, M);
-  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  const int64_t ahead = prefetch_distance(M);
 #if !SPECSERVE_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
@@ -742,7 +754,7 @@ void dot_q4_q5_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, con
   const __m256i low = _mm256_set1_epi8(0x0F);
   alignas(32) float accs[G][kRows * 8];
   zero_groups(accs[0], G, kRows * 8, M);
-  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  const int64_t ahead = prefetch_distance(M);
   for (int64_t b = 0; b < nb; ++b)
   for (int gi = 0; gi < G; ++gi) {
     float* acc = accs[gi];
@@ -822,14 +834,14 @@ void dot_q4_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  alignas(64) float acc[kRows * 16];
-  alignas(64) int32_t sumi[kRows * 16];
-  for (int m = 0; m < M; ++m) _mm512_store_ps(acc + 16 * m, _mm512_setzero_ps());
-  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  __m512 acc[kRows];
+  __m512i sumi[kRows];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t ahead = prefetch_distance(M);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* b0 = grp + b * 2 * 1184;
     const uint8_t* b1 = b0 + 1184;
-    for (int m = 0; m < M; ++m) _mm512_store_si512(sumi + 16 * m, _mm512_setzero_si512());
+    for (int m = 0; m < M; ++m) sumi[m] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
       prefetch_slice(b0, 2 * 1184, ahead, j, 8);
       const uint8_t* s0 = b0 + 96 + 136 * j;
@@ -842,6 +854,7 @@ void dot_q4_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
         hi[i] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
       }
       const int64_t off = b * 256 + 32 * j;
+#pragma GCC unroll 16
       for (int m = 0; m < M; ++m) {
         const int8_t* x = a[m].q + off;
         __m512i plo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4z(x));
@@ -850,8 +863,7 @@ void dot_q4_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
           plo = _mm512_dpbusd_epi32(plo, lo[i], bcast4z(x + 8 * i));
           phi = _mm512_dpbusd_epi32(phi, hi[i], bcast4z(x + 8 * i + 4));
         }
-        const __m512i s = _mm512_load_si512(sumi + 16 * m);
-        _mm512_store_si512(sumi + 16 * m, _mm512_add_epi32(s, _mm512_add_epi32(_mm512_madd_epi16(plo, s32), _mm512_madd_epi16(phi, s32))));
+        sumi[m] = _mm512_add_epi32(sumi[m], _mm512_add_epi32(_mm512_madd_epi16(plo, s32), _mm512_madd_epi16(phi, s32)));
       }
     }
     const __m512 d = halves16(b0, b1);
@@ -866,13 +878,11 @@ void dot_q4_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
         summ = _mm512_add_epi32(summ, _mm512_madd_epi16(mins[p], _mm512_set1_epi32(pair)));
       }
       const __m512 dx = _mm512_set1_ps(a[m].d[b]);
-      const __m512i si = _mm512_load_si512(sumi + 16 * m);
-      __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, dx), _mm512_load_ps(acc + 16 * m));
-      r = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, dx), r);
-      _mm512_store_ps(acc + 16 * m, r);
+      const __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[m]), _mm512_mul_ps(d, dx), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, dx), r);
     }
   }
-  std::memcpy(out, acc, sizeof(float) * 16 * M);
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
 
 template <int MT>
@@ -883,14 +893,14 @@ void dot_q6_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
   const __m512i top = _mm512_set1_epi8(0x30);
   const __m512i even = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
   const __m512i odd = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15));
-  alignas(64) float acc[kRows * 16];
-  alignas(64) int32_t sumi[kRows * 16];
-  for (int m = 0; m < M; ++m) _mm512_store_ps(acc + 16 * m, _mm512_setzero_ps());
-  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  __m512 acc[kRows];
+  __m512i sumi[kRows];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t ahead = prefetch_distance(M);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* b0 = grp + b * 2 * 1680;
     const uint8_t* b1 = b0 + 1680;
-    for (int m = 0; m < M; ++m) _mm512_store_si512(sumi + 16 * m, _mm512_setzero_si512());
+    for (int m = 0; m < M; ++m) sumi[m] = _mm512_setzero_si512();
     for (int c = 0; c < 8; ++c) {
       prefetch_slice(b0, 2 * 1680, ahead, c, 8);
       const uint8_t* c0 = b0 + 16 + 208 * c;
@@ -909,12 +919,13 @@ void dot_q6_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
         v[4 * h + 3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L1, 4), low), _mm512_and_si512(_mm512_srli_epi16(H, 2), top));
       }
       const int64_t off = b * 256 + 32 * c;
+#pragma GCC unroll 16
       for (int m = 0; m < M; ++m) {
         const int8_t* x = a[m].q + off;
         int32_t pair;
         std::memcpy(&pair, a[m].s16 + b * 16 + 2 * c, 4);
         const __m512i t = _mm512_slli_epi32(_mm512_madd_epi16(sc16, _mm512_set1_epi32(pair)), 5);
-        __m512i s = _mm512_load_si512(sumi + 16 * m);
+        __m512i s = sumi[m];
         for (int g = 0; g < 2; ++g) {
           const __m512i pa = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4 * g + 0], bcast4z(x + 16 * g)),
                                                  v[4 * g + 1], bcast4z(x + 16 * g + 4));
@@ -922,17 +933,13 @@ void dot_q6_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
                                                  v[4 * g + 3], bcast4z(x + 16 * g + 12));
           s = _mm512_add_epi32(s, _mm512_mullo_epi32(_mm512_add_epi32(pa, pb), g == 0 ? sc_a : sc_b));
         }
-        _mm512_store_si512(sumi + 16 * m, _mm512_sub_epi32(s, t));
+        sumi[m] = _mm512_sub_epi32(s, t);
       }
     }
     const __m512 d = halves16(b0, b1);
-    for (int m = 0; m < M; ++m) {
-      const __m512i si = _mm512_load_si512(sumi + 16 * m);
-      _mm512_store_ps(acc + 16 * m, _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(a[m].d[b])),
-                                                    _mm512_load_ps(acc + 16 * m)));
-    }
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[m]), _mm512_mul_ps(d, _mm512_set1_ps(a[m].d[b])), acc[m]);
   }
-  std::memcpy(out, acc, sizeof(float) * 16 * M);
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
 
 // Q8_0 without the sign trick (AVX-512 has no vpsignb): w + 128 is an unsigned byte, and
@@ -942,9 +949,9 @@ void dot_q8_0_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  alignas(64) float acc[kRows * 16];
-  for (int m = 0; m < M; ++m) _mm512_store_ps(acc + 16 * m, _mm512_setzero_ps());
-  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  __m512 acc[kRows];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t ahead = prefetch_distance(M);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* b0 = grp + b * 2 * 272;
     const uint8_t* b1 = b0 + 272;
@@ -952,6 +959,7 @@ void dot_q8_0_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
     const __m512 d = halves16(b0, b1);
     __m512i w[8];
     for (int i = 0; i < 8; ++i) w[i] = _mm512_xor_si512(join32(b0 + 16 + 32 * i, b1 + 16 + 32 * i), flip);
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
       const int8_t* x = a[m].q + b * 32;
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -960,11 +968,10 @@ void dot_q8_0_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
         s1 = _mm512_dpbusd_epi32(s1, w[i + 1], bcast4z(x + 4 * i + 4));
       }
       const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * a[m].s32[b]));
-      _mm512_store_ps(acc + 16 * m, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a[m].d[b])),
-                                                    _mm512_load_ps(acc + 16 * m)));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a[m].d[b])), acc[m]);
     }
   }
-  std::memcpy(out, acc, sizeof(float) * 16 * M);
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
 
 template <int MT, int64_t kType>
@@ -976,9 +983,9 @@ void dot_q4_q5_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float*
   constexpr int64_t kNibbles = kMin ? 32 : 16;
   constexpr int32_t kZero = kType == kQ5_0_X8 ? 16 : 8;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  alignas(64) float acc[kRows * 16];
-  for (int m = 0; m < M; ++m) _mm512_store_ps(acc + 16 * m, _mm512_setzero_ps());
-  const int64_t ahead = g_prefetch_ahead.load(std::memory_order_relaxed);
+  __m512 acc[kRows];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t ahead = prefetch_distance(M);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* b0 = grp + b * 2 * kBytes;
     const uint8_t* b1 = b0 + kBytes;
@@ -1003,6 +1010,7 @@ void dot_q4_q5_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float*
       v[6] = _mm512_or_si512(v[6], _mm512_and_si512(_mm512_srli_epi16(H, 2), bit));
       v[7] = _mm512_or_si512(v[7], _mm512_and_si512(_mm512_srli_epi16(H, 3), bit));
     }
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
       const int8_t* x = a[m].q + b * 32;
       __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
@@ -1013,16 +1021,15 @@ void dot_q4_q5_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float*
       const __m512i dot = _mm512_add_epi32(d0, d1);
       const __m512 dx = _mm512_set1_ps(a[m].d[b]);
       if constexpr (kMin) {
-        __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx), _mm512_load_ps(acc + 16 * m));
-        r = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(a[m].s32[b])), _mm512_mul_ps(mn, dx), r);
-        _mm512_store_ps(acc + 16 * m, r);
+        const __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(a[m].s32[b])), _mm512_mul_ps(mn, dx), r);
       } else {
         const __m512i sumi = _mm512_sub_epi32(dot, _mm512_set1_epi32(kZero * a[m].s32[b]));
-        _mm512_store_ps(acc + 16 * m, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, dx), _mm512_load_ps(acc + 16 * m)));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, dx), acc[m]);
       }
     }
   }
-  std::memcpy(out, acc, sizeof(float) * 16 * M);
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
 #endif  // SPECSERVE_AVX512
 
@@ -1187,6 +1194,18 @@ void dot_x16(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, int M
     case 2: return dot_x16_t<2>(qtype, grp, nb, a, M, out);
     case 3: return dot_x16_t<3>(qtype, grp, nb, a, M, out);
     case 4: return dot_x16_t<4>(qtype, grp, nb, a, M, out);
+    case 5: return dot_x16_t<5>(qtype, grp, nb, a, M, out);
+    case 6: return dot_x16_t<6>(qtype, grp, nb, a, M, out);
+    case 7: return dot_x16_t<7>(qtype, grp, nb, a, M, out);
+    case 8: return dot_x16_t<8>(qtype, grp, nb, a, M, out);
+    case 9: return dot_x16_t<9>(qtype, grp, nb, a, M, out);
+    case 10: return dot_x16_t<10>(qtype, grp, nb, a, M, out);
+    case 11: return dot_x16_t<11>(qtype, grp, nb, a, M, out);
+    case 12: return dot_x16_t<12>(qtype, grp, nb, a, M, out);
+    case 13: return dot_x16_t<13>(qtype, grp, nb, a, M, out);
+    case 14: return dot_x16_t<14>(qtype, grp, nb, a, M, out);
+    case 15: return dot_x16_t<15>(qtype, grp, nb, a, M, out);
+    case 16: return dot_x16_t<16>(qtype, grp, nb, a, M, out);
     default: return dot_x16_t<0>(qtype, grp, nb, a, M, out);
   }
 }
@@ -2007,11 +2026,12 @@ int64_t set_wide_min_rows(int64_t rows) {
 }
 bool has_vnni() { return SPECSERVE_VNNI != 0; }
 
-// Prefetch distance in bytes (0 turns software prefetch off); returns the previous one.
-int64_t set_prefetch_distance(int64_t bytes) {
+// Prefetch distance in bytes (0 turns software prefetch off) of one-row passes, or of passes over
+// several activation rows; returns the previous one.
+int64_t set_prefetch_distance(int64_t bytes, bool multi_row) {
 #if SPECSERVE_AVX2
   TORCH_CHECK(bytes >= 0 && bytes <= (1 << 20), "prefetch distance must be in [0, 1 MiB], got ", bytes);
-  return g_prefetch_ahead.exchange(bytes);
+  return (multi_row ? g_prefetch_ahead_rows : g_prefetch_ahead).exchange(bytes);
 #else
   return 0;
 #endif
@@ -2038,8 +2058,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wide_min_rows", &wide_min_rows, "activation rows from which passes go 512 bits wide (0: no AVX-512 path)");
   m.def("set_wide_min_rows", &set_wide_min_rows, "activation rows from which passes go 512 bits wide; returns the old value",
         py::arg("rows"));
-  m.def("set_prefetch_distance", &set_prefetch_distance, "software prefetch distance in bytes (0: off); returns the old one",
-        py::arg("bytes"));
+  m.def("set_prefetch_distance", &set_prefetch_distance,
+        "software prefetch distance in bytes (0: off) of one-row passes, or of multi-row ones; returns the old one",
+        py::arg("bytes"), py::arg("multi_row") = false);
   py::class_<DecoderStack>(m, "DecoderStack", "a whole decoder stack with block-quantized projections, one call per step")
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>, int64_t, int64_t, int64_t,
                     double>(),
