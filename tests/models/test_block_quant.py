@@ -116,6 +116,17 @@ def test_fused_products_equal_separate_ones():
     act = k.qmatmul_multi(x, [g.qweight, u.qweight], [g.kernel_qtype, u.kernel_qtype], [None, None], True)
     ref = torch.nn.functional.silu(g(x)) * u(x)
     torch.testing.assert_close(act, ref, rtol=1e-5, atol=1e-6)
+    # 44 rows (row layout, a last tile of 12 columns: a padded tail), gates far out on both sides,
+    # and every row's result independent of the others in the step
+    g, u = BlockQuantLinear(random_blocks(12, 44, 512, 6)), BlockQuantLinear(random_blocks(12, 44, 512, 7))
+    xs = torch.cat([x, 400 * x[:2], torch.zeros(1, 512)])
+    act = k.qmatmul_multi(xs, [g.qweight, u.qweight], [g.kernel_qtype, u.kernel_qtype], [None, None], True)
+    ref = torch.nn.functional.silu(g(xs)) * u(xs)
+    assert g(xs)[5:7].abs().max() > 100  # exp(-g) over- and underflows somewhere here
+    torch.testing.assert_close(act, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+    for i in range(len(xs)):
+        alone = k.qmatmul_multi(xs[i:i + 1], [g.qweight, u.qweight], [g.kernel_qtype, u.kernel_qtype], [None, None], True)
+        assert torch.equal(alone, act[i:i + 1]), i
 
 
 def test_bad_shapes_are_refused():

@@ -1304,6 +1304,53 @@ void parallel_tiles(int64_t tiles, Body&& body) {
 }
 
 // y = [x @ W_0^T + b_0, x @ W_1^T + b_1, ...]  (or silu(x @ W_0^T) * (x @ W_1^T) with silu_mul)
+#if SPECSERVE_AVX2
+// e^x for 8 floats (Cephes' expf: x = n ln2 + r, a degree-5 polynomial for e^r, then 2^n put
+// into the exponent; ~1 ulp). Inputs below -87.3 give exactly 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 zero_below = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)), zero_below);
+}
+#endif
+
+// out[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i] for n values. Each value goes through
+// the same vector arithmetic wherever it sits (a short tail is padded to 8), so a product's
+// result never depends on its column's place in a tile. Scalar expf here was ~8% of a 9-token
+// forward of the 1.5B.
+inline void silu_mul_into(const float* g, const float* u, float* out, int64_t n) {
+#if SPECSERVE_AVX2
+  const __m256 one = _mm256_set1_ps(1.f);
+  const auto eight = [&](const float* gp, const float* up, float* op) {
+    const __m256 gv = _mm256_loadu_ps(gp);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    _mm256_storeu_ps(op, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(up)));
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) eight(g + i, u + i, out + i);
+  if (i < n) {
+    alignas(32) float gt[8] = {}, ut[8] = {}, ot[8];
+    std::memcpy(gt, g + i, sizeof(float) * (n - i));
+    std::memcpy(ut, u + i, sizeof(float) * (n - i));
+    eight(gt, ut, ot);
+    std::memcpy(out + i, ot, sizeof(float) * (n - i));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+#endif
+}
+
 torch::Tensor qmatmul_multi(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& qtypes,
                             const std::vector<c10::optional<torch::Tensor>>& biases, bool silu_mul) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qmatmul: x must be a float32 [M, K] matrix");
@@ -1348,14 +1395,12 @@ torch::Tensor qmatmul_multi(const torch::Tensor& x, const std::vector<torch::Ten
     const Segment& u = segs[1];
     parallel_tiles((N + kRowTile - 1) / kRowTile, [&](int64_t t0, int64_t t1) {
       const int64_t begin = t0 * kRowTile, end = std::min(N, t1 * kRowTile);
-      std::vector<float> gate(M * kRowTile);
+      std::vector<float> gate(M * kRowTile), up(M * kRowTile);
       for (int64_t n0 = begin; n0 < end; n0 += kRowTile) {
         const int64_t n1 = std::min(end, n0 + kRowTile);
         segment_rows(g, qa[g.act].rows.data(), M, n0, n1, [&](int64_t m, int64_t n, float v) { gate[m * kRowTile + n - n0] = v; });
-        segment_rows(u, qa[u.act].rows.data(), M, n0, n1, [&](int64_t m, int64_t n, float v) {
-          const float gv = gate[m * kRowTile + n - n0];
-          yp[m * N + n] = gv / (1.f + std::exp(-gv)) * v;
-        });
+        segment_rows(u, qa[u.act].rows.data(), M, n0, n1, [&](int64_t m, int64_t n, float v) { up[m * kRowTile + n - n0] = v; });
+        for (int64_t m = 0; m < M; ++m) silu_mul_into(gate.data() + m * kRowTile, up.data() + m * kRowTile, yp + m * N + n0, n1 - n0);
       }
     });
     return y;
@@ -1431,26 +1476,6 @@ void rope_(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const tor
   }
 }
 
-#if SPECSERVE_AVX2
-// e^x for 8 floats (Cephes' expf: x = n ln2 + r, a degree-5 polynomial for e^r, then 2^n put
-// into the exponent; ~1 ulp). Inputs below -87.3 give exactly 0.
-inline __m256 exp8(__m256 x) {
-  const __m256 zero_below = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)), zero_below);
-}
-#endif
 
 // In place: p[i] = exp(p[i] - max(p)); returns 1 / sum(p) (0 for an empty row). The arithmetic
 // depends only on n and the values, so a row's weights never depend on the rest of the step.
