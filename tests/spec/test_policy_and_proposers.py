@@ -170,6 +170,36 @@ def test_undelivered_positions_count_as_misses():
     assert p.stats("b").rates[0] < 0.01 and p.stats("b").expected_proposed(4) < 0.01
 
 
+def test_positions_the_policy_pruned_are_not_counted_as_misses():
+    """prune() cuts a delivered draft to what pays to verify; the cut positions were never tested.
+    Counting them as misses would lower the estimate past the kept depth at every fully accepted
+    step, and prune would then keep less and less. Only the proposer's own shortfall is a miss;
+    for a tree, only below the chain K its node budget was sized from."""
+    p = _policy(CHEAP_VERIFY, {1: 0.01}, acceptance=0.8)
+    for _ in range(60):
+        p.observe_proposal("a", 4, 4, num_kept=2)  # delivered 4 deep, 2 kept
+        p.observe("a", 2, 2)  # both accepted
+    st = p.stats("a")
+    assert st.rates[0] > 0.99 and st.rates[1] > 0.99
+    assert st.rates[2:] == [0.8] * 2 and st.reach == [1.0] * 4  # untested: the prior stands
+    for _ in range(60):  # kept all the proposer had, short of k: the next position is a miss
+        p.observe_proposal("b", 4, 3, num_kept=3)
+        p.observe("b", 3, 3)
+    st = p.stats("b")
+    assert st.rates[2] > 0.99 and st.rates[3] < 0.01 and st.reach[3] < 0.01 and st.reach[:3] == [1.0] * 3
+
+    trees = _policy(CHEAP_VERIFY, {1: 0.01}, acceptance=0.8)
+    trees.trees = True
+    ks = trees.choose([_req("t", [1])])
+    st = trees.stats("t")
+    assert st.depth_asked > 0 and ks[0] >= st.depth_asked  # a node budget from the chain K
+    for _ in range(60):  # a bushy tree as deep as the chain K: nothing undelivered
+        trees.observe_proposal("t", ks[0], st.depth_asked)
+        trees.observe("t", st.depth_asked, st.depth_asked)
+    assert st.reach == [1.0] * len(st.reach)
+    assert all(r > 0.99 for r in st.rates[: st.depth_asked]) and st.rates[st.depth_asked:] == [0.8] * (4 - st.depth_asked)
+
+
 def test_a_cap_the_proposer_rarely_fills_is_charged_only_what_it_delivers():
     """Same chance of an accepted token per position, but a draft that stops early about half the
     time after each token: the passes and verify tokens that do not happen are not charged, so

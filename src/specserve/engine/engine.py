@@ -744,6 +744,7 @@ class LLMEngine:
             self.proposer.pass_cost_ratio = (self.policy.draft_time(len(decoding))  # type: ignore[union-attr]
                                              / max(self.policy.target_time(len(decoding) + other), 1e-9))
         proposals = self.proposer.propose(decoding, ks)  # type: ignore[union-attr]
+        delivered = {rid: tree.max_depth for rid, tree in proposals.items()}
         proposals = self.policy.prune(decoding, proposals, other)
         dt = time.perf_counter() - t0
         self.spec_counters["draft_time_s"] += dt
@@ -757,8 +758,9 @@ class LLMEngine:
             prop = proposals.get(req.request_id)
             if prop is not None and req.grammar is not None:
                 prop = req.grammar.prune(prop)  # cut what the grammar could never accept
-            if k and prop is not None:
-                self.policy.observe_proposal(req.request_id, k, prop.max_depth)
+            if k and req.request_id in delivered:
+                self.policy.observe_proposal(req.request_id, k, delivered[req.request_id],
+                                             prop.max_depth if prop is not None else 0)
             if prop is not None and len(prop):
                 req.draft = prop
 

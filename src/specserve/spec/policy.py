@@ -99,7 +99,9 @@ class AcceptanceStats:
 
     rates: list[float]
     reach: list[float] = field(default_factory=list)
-    asked: int = 0  # K of the proposal now being verified
+    asked: int = 0  # positions the proposal now being verified tests (see SpecPolicy.observe_proposal)
+    depth_asked: int = 0  # tree proposers: the chain K the node budget was sized from
+    probing: bool = False  # this step's K is a probe (prune() keeps its draft whole)
     steps_off: int = 0  # steps with k = 0 since the last probe
     steps_short: int = 0  # steps with 0 < k < max since the last probe of one position more
 
@@ -175,15 +177,28 @@ class SpecPolicy:
         """Drop a finished request's estimate."""
         self._stats.pop(request_id, None)
 
-    def observe_proposal(self, request_id: str, k: int, num_proposed: int) -> None:
-        """Record how many of the k asked-for drafts the proposer delivered."""
-        if k > 0:
-            st = self.stats(request_id)
-            st.update_reach(k, num_proposed)
-            self.pooled.update_reach(k, num_proposed, POOLED_EWMA)
-            st.asked = k
-            if num_proposed == 0:  # nothing to verify: position 0 missed now
-                self.observe(request_id, 0, 0)
+    def observe_proposal(self, request_id: str, k: int, num_proposed: int, num_kept: int | None = None) -> None:
+        """Record how deep a proposal asked for with budget k went (num_proposed positions), and
+        how deep it stays after prune() (num_kept, default all of it).
+
+        A position the proposer did not deliver is a miss (the chain model's rates are of
+        delivered-and-accepted drafts); a position prune() cut was never tested and teaches
+        nothing. Counting the cut ones as misses fed back on itself: the estimate past the kept
+        depth fell at every step whose kept drafts were all accepted, and prune then kept even
+        less (prompt lookup trees on edit prompts were held to depth 2, accepted 2 tokens per step
+        at most, and ran at 1.56x plain where chains ran at 1.81x; Qwen 1.5B, Zen 5). For a
+        tree, whose nodes may go to branches rather than depth, a proposal is short of what it
+        was asked for only below the chain K its node budget was sized from."""
+        if k <= 0:
+            return
+        st = self.stats(request_id)
+        limit = min(k, st.depth_asked) if self.trees and st.depth_asked > 0 else k
+        st.update_reach(limit, num_proposed)
+        self.pooled.update_reach(limit, num_proposed, POOLED_EWMA)
+        kept = num_proposed if num_kept is None else min(num_kept, num_proposed)
+        st.asked = min(limit, num_proposed + 1) if kept == num_proposed else kept
+        if num_proposed == 0:  # nothing to verify: position 0 missed now
+            self.observe(request_id, 0, 0)
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         """Record a verify result (of a proposal of num_draft tokens, asked for as recorded by
@@ -214,6 +229,8 @@ class SpecPolicy:
             eligible = [self._eligible(r, n) for r in requests]
             ks = self._cost_model_choice(requests, eligible, num_other_tokens, catchup or [0] * n)
         if self.trees:
+            for r, k in zip(requests, ks):
+                self.stats(r.request_id).depth_asked = k
             # K says how deep speculation pays for a request (the chain model); a tree proposer
             # may draft twice that many nodes (alternatives where it is unsure, at most
             # max_draft_nodes) and prune() keeps those worth verifying.
@@ -231,8 +248,11 @@ class SpecPolicy:
         gains: dict[str, list[float]] = {}
         for req in requests:
             tree = drafts.get(req.request_id)
-            if tree is not None and tree.scores:
-                gains[req.request_id] = self.node_gains(self.stats(req.request_id), tree)
+            st = self.stats(req.request_id)
+            # A probe's draft is verified whole: pruned by the very estimate the probe is there
+            # to correct, it would teach nothing and the estimate would stay where it fell.
+            if tree is not None and tree.scores and not st.probing:
+                gains[req.request_id] = self.node_gains(st, tree)
         if not gains:
             return drafts
         base = len(requests) + num_other_tokens + sum(len(t) for rid, t in drafts.items() if rid not in gains)
@@ -375,6 +395,7 @@ class SpecPolicy:
         pooled_gain, pooled_size = self.pooled.expected_accepted(1), self.pooled.expected_proposed(1)
         passes = max((sizes[i][k] for i, k in enumerate(ks)), default=0.0)
         for i, st in enumerate(stats):
+            st.probing = False
             if eligible[i] and ks[i] == 0:
                 st.steps_off += 1
                 if st.steps_off >= PROBE_EVERY:
@@ -382,7 +403,7 @@ class SpecPolicy:
                     r = rate(tokens + pooled_gain, drafted + pooled_size, max(passes, pooled_size), n_spec + 1,
                              caught + cost)
                     if r > best:
-                        ks[i], st.steps_off, best = 1, 0, r
+                        ks[i], st.steps_off, best, st.probing = 1, 0, r, True
                         tokens, drafted, caught, n_spec = tokens + pooled_gain, drafted + pooled_size, caught + cost, n_spec + 1
                         passes = max(passes, pooled_size)
                 continue
@@ -390,7 +411,7 @@ class SpecPolicy:
             if eligible[i] and ks[i] < kmax:
                 st.steps_short += 1
                 if st.steps_short >= PROBE_EVERY:
-                    ks[i], st.steps_short = ks[i] + 1, 0
+                    ks[i], st.steps_short, st.probing = ks[i] + 1, 0, True
             else:
                 st.steps_short = 0
         return ks
