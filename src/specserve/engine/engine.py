@@ -756,11 +756,11 @@ class LLMEngine:
                 self.policy.draft_time.observe(sum(1 for k in ks if k), per_pass)
         for req, k in zip(decoding, ks):
             prop = proposals.get(req.request_id)
-            if prop is not None and req.grammar is not None:
-                prop = req.grammar.prune(prop)  # cut what the grammar could never accept
-            if k and req.request_id in delivered:
+            if k and req.request_id in delivered:  # before the grammar's cut: what it cuts would be rejected, a miss
                 self.policy.observe_proposal(req.request_id, k, delivered[req.request_id],
                                              prop.max_depth if prop is not None else 0)
+            if prop is not None and req.grammar is not None:
+                prop = req.grammar.prune(prop)  # cut what the grammar could never accept
             if prop is not None and len(prop):
                 req.draft = prop
 
