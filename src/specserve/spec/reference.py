@@ -106,7 +106,7 @@ class ReferenceProposer(Proposer):
             if pos < 0 or n >= ANCHOR_MIN_MATCH or best >= pos:
                 pos, seen, tracking = best, len(toks), True
         conts: list[tuple[list[int], float]] = []
-        if 0 <= pos < len(ref):
+        if 0 <= pos < len(ref) and (tracking or n):
             # Tracking: the reference at the anchor is the best guess. Diverged (an insertion
             # or rewrite in progress): it is where the output resumes copying afterwards.
             conts.append((ref[pos : pos + k], float(n + 1) if tracking else RESUME_WEIGHT))
