@@ -6,10 +6,11 @@ follows that span, keeping a cursor so an edited document is followed in order.
 
 As a tree (the default) it also keeps an anchor: the reference position the output has been
 copying from. While the output copies, the anchor advances with it; when the output departs
-from the reference (an inserted or rewritten passage), the anchor stays where copying stopped,
-and the draft offers both what follows the tail's matches and the text at the anchor, which is
-where the output resumes after an insertion. So the proposer picks the reference up again after
-an edit instead of guessing from one-token matches until a long match reappears.
+from the reference (an inserted or rewritten passage), the anchor stays where copying stopped.
+While nothing in the output's tail matches, nothing is drafted; with a match the draft offers
+both what follows it and the text at the anchor, which is where the output resumes after an
+insertion. So the proposer picks the reference up again after an edit instead of guessing from
+one-token matches until a long match reappears.
 """
 
 from __future__ import annotations
