@@ -209,28 +209,35 @@ def tune_prefetch(time_step: Callable[[int], float], weight_bytes: int, rounds: 
         module = kernels()
         if not module.has_avx2():  # the portable build does not prefetch
             return None
-        chosen: dict[str, tuple[int, dict[int, float]]] = {}
-        for multi_row, tokens, candidates in ((False, 1, PREFETCH_CANDIDATES),
-                                              (True, PREFETCH_MULTI_TOKENS, PREFETCH_MULTI_CANDIDATES)):
-            before = module.set_prefetch_distance(candidates[0], multi_row)
-            if not math.isfinite(time_step(tokens)):  # warm-up (first touch); NaN: the step cannot be timed here
-                module.set_prefetch_distance(before, multi_row)
-                return None
-
-            def run(dist: int, multi_row: bool = multi_row, tokens: int = tokens) -> float:
-                module.set_prefetch_distance(dist, multi_row)
-                return time_step(tokens)
-
-            best = _best_times(candidates, run, rounds)
-            choice = min(best, key=best.__getitem__)
-            module.set_prefetch_distance(choice, multi_row)
-            chosen["multi_row" if multi_row else "one_row"] = choice, best
-        (one, one_ms), (multi, multi_ms) = chosen["one_row"], chosen["multi_row"]
-        _prefetch_tuned.update(distance=one, step_ms={d: round(t * 1e3, 2) for d, t in one_ms.items()},
-                               multi_row_distance=multi, multi_row_step_ms={d: round(t * 1e3, 2) for d, t in multi_ms.items()})
+        one_row = _tune_distance(module, time_step, 1, False, PREFETCH_CANDIDATES, rounds)
+        multi_row = one_row and _tune_distance(module, time_step, PREFETCH_MULTI_TOKENS, True, PREFETCH_MULTI_CANDIDATES, rounds)
+        if not multi_row:
+            return None
+        (one, one_ms), (multi, multi_ms) = one_row, multi_row
+        _prefetch_tuned.update(distance=one, step_ms=one_ms, multi_row_distance=multi, multi_row_step_ms=multi_ms)
         logger.info("prefetch distance %d bytes, %d for multi-row passes (1-token / %d-token forward ms by distance: "
-                    "%s / %s)", one, multi, PREFETCH_MULTI_TOKENS, _prefetch_tuned["step_ms"], _prefetch_tuned["multi_row_step_ms"])
+                    "%s / %s)", one, multi, PREFETCH_MULTI_TOKENS, one_ms, multi_ms)
         return one
+
+
+def _tune_distance(module: ModuleType, time_step: Callable[[int], float], tokens: int, multi_row: bool,
+                   candidates: Sequence[int], rounds: int) -> tuple[int, dict[int, float]] | None:
+    """Set the one-row or multi-row distance under which `time_step(tokens)` is fastest; returns
+    it with the best milliseconds of each candidate, or None (distance restored) when the
+    forward cannot be timed here."""
+    before = module.set_prefetch_distance(candidates[0], multi_row)
+    if not math.isfinite(time_step(tokens)):  # warm-up (first touch); NaN: the step cannot be timed here
+        module.set_prefetch_distance(before, multi_row)
+        return None
+
+    def run(dist: int) -> float:
+        module.set_prefetch_distance(dist, multi_row)
+        return time_step(tokens)
+
+    best = _best_times(candidates, run, rounds)
+    choice = min(best, key=best.__getitem__)
+    module.set_prefetch_distance(choice, multi_row)
+    return choice, {d: round(t * 1e3, 2) for d, t in best.items()}
 
 
 def prefetch_tuning() -> dict[str, object]:

@@ -248,10 +248,12 @@ class SpecPolicy:
         gains: dict[str, list[float]] = {}
         for req in requests:
             tree = drafts.get(req.request_id)
+            if tree is None or not tree.scores:
+                continue
             st = self.stats(req.request_id)
             # A probe's draft is verified whole: pruned by the very estimate the probe is there
             # to correct, it would teach nothing and the estimate would stay where it fell.
-            if tree is not None and tree.scores and not st.probing:
+            if not st.probing:
                 gains[req.request_id] = self.node_gains(st, tree)
         if not gains:
             return drafts
