@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -38,7 +37,7 @@ from common import RESULTS_DIR, machine_info  # noqa: E402
 from prompts import CODING, EDIT, PROSE  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
-from specserve.testing import repetitive_prompts, tiny_checkpoint, write_random_head  # noqa: E402
+from specserve.testing import repetitive_prompts, scratch_dir, tiny_checkpoint, write_random_head  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -159,7 +158,7 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
         "tiny layerskip tree": dict(spec_method="layerskip", draft_num_layers=1, spec_tree="tree"),
     }
     # Randomly initialised heads for the tiny target: exactness does not depend on their quality.
-    head_dir = Path(tempfile.mkdtemp(prefix="heads-"))
+    head_dir = scratch_dir("heads-")
     for method in ("eagle", "mtp", "medusa"):
         path = write_random_head(target, head_dir / f"{method}.safetensors", method)
         cases[f"tiny {method} tree"] = dict(spec_method=method, draft_model=str(path))

@@ -5,7 +5,9 @@ Nothing here is on a serving path. Building a tiny model needs `transformers` (a
 
 from __future__ import annotations
 
+import atexit
 import random
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -39,13 +41,24 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, vocab: int = 256, layers: 
     return cls(cfg).float().eval()
 
 
+def scratch_dir(prefix: str) -> Path:
+    """A new temporary directory, removed (with what is in it) when the process exits.
+
+    Checkpoints read their files lazily, so the directory must outlive everything loaded from it;
+    before this, every test session left its tiny models and head files behind in /tmp (about 40
+    directories, 27 MB, a run)."""
+    d = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    return Path(d)
+
+
 def tiny_checkpoint(arch: str = "llama", seed: int = 0, vocab: int = 256, layers: int = 2,
                     tmp_dir: str | Path | None = None) -> tuple[Any, Any]:
     """(hf_model, LoadedCheckpoint) for a tiny random model, loaded through our HF-dir loader."""
     from specserve.models.loader import load_model_files
 
     hf = tiny_hf_model(arch, seed, vocab, layers)
-    d = tmp_dir or tempfile.mkdtemp(prefix=f"tiny-{arch}-")
+    d = tmp_dir or scratch_dir(f"tiny-{arch}-")
     hf.save_pretrained(d, safe_serialization=True)
     return hf, load_model_files(Path(d))
 

@@ -18,7 +18,7 @@ OUTPUT = Path(__file__).resolve().parents[2] / "test-output"
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser(tmp_path_factory):
     if not (CHROMIUM and DRIVER):
         if os.environ.get("CI"):
             pytest.fail("CI must have Debian's chromium and chromium-driver (.ci/run installs them)")
@@ -33,7 +33,10 @@ def browser():
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-quic", "--window-size=1400,900"):
         opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    # Chromium keeps its singleton socket in a directory under $TMPDIR that outlives it; give it
+    # one of pytest's own temporary directories (rotated) instead of /tmp.
+    env = dict(os.environ, TMPDIR=str(tmp_path_factory.mktemp("chromium")))
+    driver = webdriver.Chrome(service=Service(DRIVER, env=env), options=opts)
     driver.set_page_load_timeout(60)
     yield driver
     driver.quit()

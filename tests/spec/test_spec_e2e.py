@@ -57,12 +57,12 @@ _HEADS: dict[tuple[int, str], str] = {}
 
 def _head(ckpt, method: str) -> str:
     """A random EAGLE or Medusa head file for this tiny target (one per checkpoint per session)."""
-    import tempfile
-
     from conftest import make_head_file
 
+    from specserve.testing import scratch_dir
+
     if (id(ckpt), method) not in _HEADS:
-        path = f"{tempfile.mkdtemp(prefix=method)}/head.safetensors"
+        path = f"{scratch_dir(method)}/head.safetensors"
         _HEADS[id(ckpt), method] = str(make_head_file(ckpt, path, method=method))
     return _HEADS[id(ckpt), method]
 
