@@ -14,6 +14,7 @@ GREEDY_EPS = 1e-5
 MAX_TOP_K = 1 << 30  # larger values would overflow the int64 tensors; any k >= vocab means "off"
 MAX_SEED = (1 << 63) - 1
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
+MAX_LOGIT_BIAS = 100.0  # as OpenAI: -100 bans a token, +100 all but forces it
 
 
 StructuredKind = Literal["json_object", "json_schema", "regex", "grammar", "choice"]
@@ -141,6 +142,10 @@ class SamplingParams:
     reference_token_ids: list[int] | None = None  # the same, already tokenized
     speculative: bool | None = None  # per-request override: False never speculates
     structured_output: StructuredOutput | None = None  # constrain the output (JSON, schema, regex, grammar)
+    # Added to the model's logits (token id -> bias in [-100, 100]) before temperature, top-k and
+    # top-p, in every row the request samples or verifies from, as OpenAI's and vLLM's logit_bias.
+    # Logprobs are of the biased logits (as they are of the grammar-masked ones).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -187,6 +192,15 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise bad(f"stop_token_ids must be non-negative integers, got {t!r}.")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias must map token ids to biases, e.g. {50256: -100}.")
+            for t, b in self.logit_bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise bad(f"logit_bias keys must be token ids (integers >= 0), got {t!r}.")
+                if not _is_number(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                    raise bad(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                              f"got {b!r} for token {t}.")
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise bad("structured_output must be a StructuredOutput (e.g. StructuredOutput.json(schema)).")

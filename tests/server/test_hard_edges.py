@@ -514,6 +514,25 @@ def test_unknown_or_unsupported_fields_are_400_naming_them(edge, extra, named):
         assert "store" in err["message"]
 
 
+def test_logit_bias_is_applied_and_bad_entries_are_400(edge):
+    """OpenAI's logit_bias: string token ids to biases in [-100, 100]; +100 forces a token."""
+    body = {"prompt": [5, 6, 7, 5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    r = _post(edge, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    plain = r.json()["choices"][0]["logprobs"]["tokens"]
+    for token in ("9", "11"):
+        r = _post(edge, "/v1/completions", {**body, "logit_bias": {token: 100}})
+        assert r.status_code == 200, r.text
+        forced = r.json()["choices"][0]["logprobs"]["tokens"]
+        assert len(forced) == 6 and len(set(forced)) == 1, forced
+        assert forced != plain
+    for bad, what in (({"abc": 1}, "token ids"), ({"5": 101}, "[-100, 100]"), ({"99999999": 1}, "outside the vocabulary"),
+                      ({"-3": 1}, "token ids")):
+        r = _post(edge, "/v1/completions", {**body, "logit_bias": bad})
+        assert r.status_code == 400, (bad, r.text)
+        assert what in r.json()["error"]["message"], r.text
+
+
 def test_fields_sent_at_their_defaults_are_accepted(edge):
     defaults = {
         "tools": [],

@@ -8,12 +8,14 @@ import random
 import sys
 import time
 import weakref
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from specserve import LLM, SamplingParams
+from specserve.errors import InvalidRequestError
 
 # ----------------------------------------------------------------------------- tiny model
 
@@ -308,6 +310,52 @@ def test_tiny_sampled_distribution_matches(which):
         b = np.array([o.token_ids[pos] for o in spec])
         _, p_pos = _tv_permutation_test(a, b, n_perm=100, seed=pos)
         assert p_pos > 1e-3
+
+
+@pytest.mark.parametrize("which", ["ngram", "draft-truncated", "eagle"])
+def test_logit_bias_bans_and_forces_tokens_and_greedy_speculation_stays_exact(tiny, which):
+    """logit_bias is added to every row a request samples or verifies from: -100 bans a token,
+    +100 forces one, and speculative greedy output equals plain greedy output under the same bias."""
+    prompts = _tiny_prompts(24, seed=4)
+    plain = _llm(tiny)
+    base = plain.generate(prompts, _greedy())
+    banned = [_greedy(logit_bias={o.token_ids[0]: -100.0, o.token_ids[1]: -100.0}) for o in base]
+    want = plain.generate(prompts, banned)
+    for b, w, prm in zip(base, want, banned):
+        assert w.token_ids[0] != b.token_ids[0]
+        assert not set(w.token_ids) & set(prm.logit_bias)
+    forced = plain.generate(prompts[:3], _greedy(logit_bias={9: 100.0}))
+    assert all(o.token_ids == [9] * len(o.token_ids) for o in forced)
+    llm = _spec_llm(tiny, which)
+    got = llm.generate(prompts, banned)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.spec_counters["num_draft_tokens"] > 0, "nothing was speculated"
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate(prompts[:1], _greedy(logit_bias={256: 1.0}))
+
+
+def test_logit_bias_sampled_distribution_matches_under_speculation():
+    """With temperature, a biased request's first tokens have the same joint distribution with
+    and without speculation (permutation test as above), and the bias moved them."""
+    from conftest import tiny_checkpoint
+
+    _, ckpt = tiny_checkpoint("llama", seed=9, vocab=12, layers=2)
+    n = 20_000
+    prompt = [1, 5, 7, 5, 7, 5]
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, logit_bias={3: 2.0, 7: -100.0})
+    big = dict(max_num_seqs=512, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    base = _llm(ckpt, **big).generate([prompt] * n, params, use_tqdm=False)
+    unbiased = _llm(ckpt, **big).generate([prompt] * 2000, replace(params, logit_bias=None), use_tqdm=False)
+    spec_llm = _spec_llm(ckpt, "draft-truncated", **big)
+    spec = spec_llm.generate([prompt] * n, params, use_tqdm=False)
+    assert spec_llm.engine.spec_counters["num_accepted_tokens"] > 1000
+    assert not any(7 in o.token_ids for o in base + spec)
+    share = lambda outs: np.mean([o.token_ids[0] == 3 for o in outs])  # noqa: E731
+    assert share(base) > share(unbiased) + 0.1
+    enc = lambda outs: np.array([sum(t * 12**i for i, t in enumerate(o.token_ids)) for o in outs])  # noqa: E731
+    tv, p = _tv_permutation_test(enc(base), enc(spec))
+    assert p > 1e-3, f"TV={tv:.4f}, permutation p={p:.4f}"
 
 
 # ----------------------------------------------------------------------------- SmolLM2

@@ -148,6 +148,11 @@ class RequestPreparer:
             raise InvalidRequestError(
                 f"reference_token_ids holds ids outside the vocabulary [0, {self.vocab_size}); check the tokenizer."
             )
+        outside = sorted(t for t in params.logit_bias or () if t >= self.vocab_size)
+        if outside:
+            raise InvalidRequestError(
+                f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {self.vocab_size}); check the tokenizer."
+            )
         req = Request(
             request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
             priority=priority, arrival_time=arrival_time,

@@ -481,6 +481,7 @@ class ModelRunner:
         sampled_reqs = [sr for sr in out.scheduled if sr.sample]
         if not sampled_reqs:
             return {}
+        self._apply_logit_bias(logits, sampled_reqs)
         self._apply_grammars(logits, sampled_reqs)
         meta = SamplingMetadata.build(
             [sr.sampling_params for sr in sampled_reqs],
@@ -525,6 +526,28 @@ class ModelRunner:
             out[sr.request_id] = sampled[sr.request_id]._replace(
                 top_logprobs=[pairs[:k] for pairs in tops[first : first + count]])
         return out
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]
+        """Add each request's logit_bias to every row it samples or verifies from. The bias
+        depends on the request only, not on the row's path, so the target distribution a draft is
+        verified against is the one plain decoding samples from: speculation stays exact."""
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        at = 0
+        for sr in sampled_reqs:
+            n = 1 + sr.num_spec_tokens
+            bias = sr.sampling_params.logit_bias
+            if bias:
+                for r in range(at, at + n):
+                    rows.extend([r] * len(bias))
+                    cols.extend(bias)
+                    vals.extend(bias.values())
+            at += n
+        if rows:
+            idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+            logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
 
     def _apply_grammars(self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]
         """Structured output: forbid, in every row a request samples or verifies from, the tokens

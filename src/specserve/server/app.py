@@ -152,8 +152,6 @@ class OpenAIServer:
 
     @staticmethod
     def _check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported by specserve; remove it.", param="logit_bias")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name):
                 raise APIError(400, f"{name} other than 0 is not supported by specserve; remove it.", param=name)
@@ -177,8 +175,22 @@ class OpenAIServer:
                        f"holds at most {self.max_request_tokens:,} tokens. Shorten the prompt.",
                        param=param, code="context_length_exceeded")
 
+    @staticmethod
+    def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's logit_bias (JSON object keys are strings) as token id -> bias."""
+        if not raw:
+            return None
+        out: dict[int, float] = {}
+        for key, value in raw.items():
+            if not key.isascii() or not key.isdigit() or len(key) > 12:
+                raise APIError(400, f"logit_bias keys must be token ids (e.g. \"50256\"), got {key[:40]!r}.",
+                               param="logit_bias")
+            out[int(key)] = value
+        return out
+
     def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                          logprobs: bool, top_logprobs: int = 0) -> SamplingParams:
+        logit_bias = self._logit_bias(req.logit_bias)
         try:
             return SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else 1,
@@ -192,6 +204,7 @@ class OpenAIServer:
                 top_logprobs=top_logprobs,
                 reference_text=req.reference_text,
                 speculative=req.speculative,
+                logit_bias=logit_bias,
                 structured_output=structured_output_from_openai(
                     req.response_format, guided_json=req.guided_json, guided_regex=req.guided_regex,
                     guided_grammar=req.guided_grammar, guided_choice=req.guided_choice,
