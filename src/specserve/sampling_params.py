@@ -146,6 +146,10 @@ class SamplingParams:
     # top-p, in every row the request samples or verifies from, as OpenAI's and vLLM's logit_bias.
     # Logprobs are of the biased logits (as they are of the grammar-masked ones).
     logit_bias: dict[int, float] | None = None
+    # OpenAI's penalties, over the tokens generated so far (not the prompt, as vLLM): a token's
+    # logit falls by frequency_penalty * its count + presence_penalty if it occurred. In [-2, 2].
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -192,6 +196,10 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise bad(f"stop_token_ids must be non-negative integers, got {t!r}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise bad(f"{name} must be a number in [-2, 2], got {value!r}.")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias must map token ids to biases, e.g. {50256: -100}.")
@@ -206,6 +214,11 @@ class SamplingParams:
                 raise bad("structured_output must be a StructuredOutput (e.g. StructuredOutput.json(schema)).")
             if self.ignore_eos:
                 raise bad("ignore_eos cannot be combined with structured output: the grammar ends the output.")
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when presence or frequency penalties change the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty)
 
     @property
     def is_greedy(self) -> bool:

@@ -358,6 +358,70 @@ def test_logit_bias_sampled_distribution_matches_under_speculation():
     assert p > 1e-3, f"TV={tv:.4f}, permutation p={p:.4f}"
 
 
+def _penalized_greedy_by_hand(llm, prompt, n, presence, frequency, vocab):
+    """Greedy decoding with OpenAI's penalties, one plain step at a time from the full distribution."""
+    out: list[int] = []
+    for _ in range(n):
+        o = llm.generate([prompt + out], _greedy(1, logprobs=True, top_logprobs=vocab))[0].outputs[0]
+        lp = dict(o.top_logprobs[0])
+        assert len(lp) == vocab
+        out.append(max(lp, key=lambda t: lp[t] - frequency * out.count(t) - presence * (t in out)))
+    return out
+
+
+def test_presence_and_frequency_penalties_match_a_step_by_step_reference():
+    from conftest import tiny_checkpoint
+
+    _, ckpt = tiny_checkpoint("llama", seed=3, vocab=16, layers=2)
+    plain = _llm(ckpt)
+    for prompt in ([1, 5, 7, 5, 7, 5], [3, 3, 3, 9]):
+        for presence, frequency in ((0.0, 1.5), (1.0, 0.0), (-0.5, 0.7)):
+            want = _penalized_greedy_by_hand(plain, prompt, 12, presence, frequency, 16)
+            got = plain.generate([prompt], _greedy(12, presence_penalty=presence, frequency_penalty=frequency))[0]
+            assert got.token_ids == want, (prompt, presence, frequency)
+    unpenalized = plain.generate([[1, 5, 7, 5, 7, 5]], _greedy(12))[0].token_ids
+    assert unpenalized != _penalized_greedy_by_hand(plain, [1, 5, 7, 5, 7, 5], 12, 0.0, 1.5, 16)
+
+
+@pytest.mark.parametrize("which", ["ngram", "draft-truncated", "eagle", "lookahead"])
+def test_penalties_keep_greedy_speculation_exact(tiny, which):
+    """A draft node's row is penalised for the node and its ancestors too: speculative greedy
+    output equals plain greedy output under the same penalties, batched."""
+    prompts = _tiny_prompts(24, seed=6)
+    params = [_greedy(24, presence_penalty=0.4 * (i % 3), frequency_penalty=0.8 if i % 2 else -0.3)
+              for i in range(len(prompts))]
+    want = _llm(tiny).generate(prompts, params)
+    assert [o.token_ids for o in want] != [o.token_ids for o in _llm(tiny).generate(prompts, _greedy(24))]
+    llm = _spec_llm(tiny, which)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.spec_counters["num_accepted_tokens"] > 0
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
+
+
+def test_penalties_sampled_distribution_matches_under_speculation():
+    """With temperature and penalties that change along a draft's path, the first tokens' joint
+    distribution is the same with and without speculation (permutation test as above)."""
+    from conftest import tiny_checkpoint
+
+    _, ckpt = tiny_checkpoint("llama", seed=9, vocab=12, layers=2)
+    n = 20_000
+    prompt = [1, 5, 7, 5, 7, 5]
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True, presence_penalty=0.8, frequency_penalty=1.2)
+    big = dict(max_num_seqs=512, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    base = _llm(ckpt, **big).generate([prompt] * n, params, use_tqdm=False)
+    spec_llm = _spec_llm(ckpt, "draft-truncated", **big)
+    spec = spec_llm.generate([prompt] * n, params, use_tqdm=False)
+    assert spec_llm.engine.spec_counters["num_accepted_tokens"] > 1000
+    repeats = lambda outs: np.mean([len(set(o.token_ids)) < 4 for o in outs])  # noqa: E731
+    plain_unpenalized = _llm(ckpt, **big).generate([prompt] * 4000, replace(params, presence_penalty=0.0,
+                                                                           frequency_penalty=0.0), use_tqdm=False)
+    assert repeats(base) < repeats(plain_unpenalized) - 0.05
+    enc = lambda outs: np.array([sum(t * 12**i for i, t in enumerate(o.token_ids)) for o in outs])  # noqa: E731
+    tv, p = _tv_permutation_test(enc(base), enc(spec))
+    assert p > 1e-3, f"TV={tv:.4f}, permutation p={p:.4f}"
+
+
 # ----------------------------------------------------------------------------- SmolLM2
 
 CODE = '''def merge_sorted(a, b):

@@ -482,6 +482,7 @@ class ModelRunner:
         if not sampled_reqs:
             return {}
         self._apply_logit_bias(logits, sampled_reqs)
+        self._apply_penalties(logits, sampled_reqs)
         self._apply_grammars(logits, sampled_reqs)
         meta = SamplingMetadata.build(
             [sr.sampling_params for sr in sampled_reqs],
@@ -548,6 +549,28 @@ class ModelRunner:
         if rows:
             idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
             logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]
+        """Presence and frequency penalties. A row's counts are the request's output before this
+        step plus, for a draft node's row, the node and its ancestors: the tokens that would have
+        been generated had the path been accepted. So each row is penalised as plain decoding
+        would penalise it after that path, and verification stays exact."""
+        at = 0
+        for sr in sampled_reqs:
+            n = 1 + sr.num_spec_tokens
+            params = sr.sampling_params
+            if sr.penalized_output is not None and params.has_penalties:
+                vocab = logits.shape[1]
+                out = torch.tensor(sr.penalized_output, dtype=torch.long)
+                counts = torch.bincount(out[out < vocab], minlength=vocab).to(torch.float32).expand(n, vocab).clone()
+                if sr.draft is not None:
+                    node, anc = sr.draft.ancestor_mask().nonzero(as_tuple=True)
+                    toks = torch.tensor(sr.draft.token_ids, dtype=torch.long)[anc]
+                    counts.index_put_((node + 1, toks), torch.ones(len(node)), accumulate=True)
+                penalty = params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(torch.float32)
+                logits[at : at + n] -= penalty.to(device=logits.device, dtype=logits.dtype)
+            at += n
 
     def _apply_grammars(self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]
         """Structured output: forbid, in every row a request samples or verifies from, the tokens

@@ -35,6 +35,9 @@ class ScheduledRequest(NamedTuple):
     sampling_params: SamplingParams
     output_index: int  # number of output tokens before this step (keys seeded sampling)
     grammar: GrammarState | None = None  # structured output: masks the rows this step samples from
+    # Requests with presence / frequency penalties: the tokens generated before this step (the
+    # rows' penalties count them, and each draft node's ancestors).
+    penalized_output: Sequence[int] | None = None
 
     @property
     def num_spec_tokens(self) -> int:
@@ -245,6 +248,7 @@ class Scheduler:
             sampling_params=req.sampling_params,
             output_index=req.num_output_tokens,
             grammar=req.grammar,
+            penalized_output=req.output_token_ids if req.sampling_params.has_penalties else None,
         )
 
     def _pick_victim(self, first_unscheduled: int) -> Request:

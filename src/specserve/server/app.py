@@ -150,11 +150,6 @@ class OpenAIServer:
             raise APIError(400, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
                            param="model", code="model_not_found")
 
-    @staticmethod
-    def _check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise APIError(400, f"{name} other than 0 is not supported by specserve; remove it.", param=name)
 
     def _check_admissible(self, num_sequences: int) -> None:
         """A request of more engine requests (prompts x n) than the server holds at once could never
@@ -205,6 +200,8 @@ class OpenAIServer:
                 reference_text=req.reference_text,
                 speculative=req.speculative,
                 logit_bias=logit_bias,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
                 structured_output=structured_output_from_openai(
                     req.response_format, guided_json=req.guided_json, guided_regex=req.guided_regex,
                     guided_grammar=req.guided_grammar, guided_choice=req.guided_choice,
@@ -276,7 +273,6 @@ class OpenAIServer:
     async def completions(self, req: CompletionRequest, http: Request) -> Response:
         """POST /v1/completions."""
         self._check_model(req.model)
-        self._check_unsupported(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported by specserve; remove it.", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -364,7 +360,6 @@ class OpenAIServer:
     async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
         """POST /v1/chat/completions."""
         self._check_model(req.model)
-        self._check_unsupported(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
         self._check_admissible(req.n)

@@ -18,7 +18,7 @@ LangChain send some of them at their defaults):
 - a chat message: `tool_calls` [] (`refusal`, `audio`, `function_call` only as null);
 - `stream_options`: `include_obfuscation` true / false (there is nothing to pad).
 
-Declared fields that specserve does not implement (non-zero penalties, `suffix`,
+Declared fields that specserve does not implement (`suffix`,
 `best_of` other than n) are refused by the server. Every string, object key included, must be
 valid Unicode: JSON's \\ud800-\\udfff escapes can encode lone surrogates, which are refused
 with a 400 that names the field (see `find_invalid_text`).
