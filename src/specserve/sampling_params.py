@@ -150,6 +150,9 @@ class SamplingParams:
     # logit falls by frequency_penalty * its count + presence_penalty if it occurred. In [-2, 2].
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # HF's and vLLM's: the logit of a token seen in the prompt or the output is divided by it where
+    # positive and multiplied by it where negative (> 1 discourages repeats). In (0, 2]; 1 is off.
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -200,6 +203,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise bad(f"{name} must be a number in [-2, 2], got {value!r}.")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad(f"repetition_penalty must be a number in (0, 2] (1 is off), got {self.repetition_penalty!r}.")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias must map token ids to biases, e.g. {50256: -100}.")
@@ -217,8 +222,8 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """True when presence or frequency penalties change the logits."""
-        return bool(self.presence_penalty or self.frequency_penalty)
+        """True when presence, frequency or repetition penalties change the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:

@@ -533,7 +533,7 @@ def test_logit_bias_is_applied_and_bad_entries_are_400(edge):
         assert what in r.json()["error"]["message"], r.text
 
 
-def test_presence_and_frequency_penalties_are_applied_and_range_checked(edge):
+def test_penalties_are_applied_and_range_checked(edge):
     body = {"prompt": [5, 6, 7, 5, 6, 7], "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 1}
     plain = _post(edge, "/v1/completions", body).json()["choices"][0]["logprobs"]["tokens"]
     r = _post(edge, "/v1/chat/completions", {**CHAT, "presence_penalty": 1.0, "frequency_penalty": 0.5})
@@ -546,6 +546,12 @@ def test_presence_and_frequency_penalties_are_applied_and_range_checked(edge):
     for name in ("presence_penalty", "frequency_penalty"):
         r = _post(edge, "/v1/completions", {**body, name: 2.5})
         assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+    r = _post(edge, "/v1/completions", {**body, "repetition_penalty": 1.8})  # vLLM's extra
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"]["tokens"] != plain
+    for bad in (0, 2.5):
+        r = _post(edge, "/v1/completions", {**body, "repetition_penalty": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
 
 
 def test_fields_sent_at_their_defaults_are_accepted(edge):

@@ -383,13 +383,35 @@ def test_presence_and_frequency_penalties_match_a_step_by_step_reference():
     assert unpenalized != _penalized_greedy_by_hand(plain, [1, 5, 7, 5, 7, 5], 12, 0.0, 1.5, 16)
 
 
+def test_repetition_penalty_matches_transformers_generate():
+    """HF's repetition penalty (over prompt and output): greedy output equals transformers'
+    generate(repetition_penalty=r) on the same tiny model, and speculation keeps it."""
+    from conftest import tiny_checkpoint
+
+    hf, ckpt = tiny_checkpoint("llama", seed=3, vocab=64, layers=2)
+    plain = _llm(ckpt)
+    spec = _spec_llm(ckpt, "draft-truncated")
+    for prompt in ([1, 5, 7, 5, 7, 5, 9, 9], [3, 3, 3, 9, 12, 40]):
+        for r in (1.3, 0.7):
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=r,
+                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            params = _greedy(12, repetition_penalty=r)
+            assert plain.generate([prompt], params)[0].token_ids == ref, (prompt, r)
+            assert spec.generate([prompt], params)[0].token_ids == ref, (prompt, r)
+        with torch.no_grad():
+            unpenalized = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+        assert plain.generate([prompt], _greedy(12))[0].token_ids == unpenalized
+
+
 @pytest.mark.parametrize("which", ["ngram", "draft-truncated", "eagle", "lookahead"])
 def test_penalties_keep_greedy_speculation_exact(tiny, which):
     """A draft node's row is penalised for the node and its ancestors too: speculative greedy
     output equals plain greedy output under the same penalties, batched."""
     prompts = _tiny_prompts(24, seed=6)
-    params = [_greedy(24, presence_penalty=0.4 * (i % 3), frequency_penalty=0.8 if i % 2 else -0.3)
-              for i in range(len(prompts))]
+    params = [_greedy(24, presence_penalty=0.4 * (i % 3), frequency_penalty=0.8 if i % 2 else -0.3,
+                      repetition_penalty=(1.0, 1.2, 0.8)[i % 3]) for i in range(len(prompts))]
     want = _llm(tiny).generate(prompts, params)
     assert [o.token_ids for o in want] != [o.token_ids for o in _llm(tiny).generate(prompts, _greedy(24))]
     llm = _spec_llm(tiny, which)

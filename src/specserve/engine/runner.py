@@ -552,9 +552,10 @@ class ModelRunner:
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]
-        """Presence and frequency penalties. A row's counts are the request's output before this
-        step plus, for a draft node's row, the node and its ancestors: the tokens that would have
-        been generated had the path been accepted. So each row is penalised as plain decoding
+        """Repetition, then frequency and presence penalties (vLLM's order). A row's counts are
+        the request's output before this step plus, for a draft node's row, the node and its
+        ancestors: the tokens that would have been generated had the path been accepted (the
+        repetition penalty also covers the prompt). So each row is penalised as plain decoding
         would penalise it after that path, and verification stays exact."""
         at = 0
         for sr in sampled_reqs:
@@ -568,8 +569,18 @@ class ModelRunner:
                     node, anc = sr.draft.ancestor_mask().nonzero(as_tuple=True)
                     toks = torch.tensor(sr.draft.token_ids, dtype=torch.long)[anc]
                     counts.index_put_((node + 1, toks), torch.ones(len(node)), accumulate=True)
-                penalty = params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(torch.float32)
-                logits[at : at + n] -= penalty.to(device=logits.device, dtype=logits.dtype)
+                rows = logits[at : at + n]
+                if params.repetition_penalty != 1.0:
+                    seen = counts > 0
+                    if sr.penalized_prompt:
+                        prompt = torch.tensor(sr.penalized_prompt, dtype=torch.long)
+                        seen |= torch.bincount(prompt[prompt < vocab], minlength=vocab)[None] > 0
+                    seen = seen.to(logits.device)
+                    r = params.repetition_penalty
+                    rows.copy_(torch.where(seen, torch.where(rows > 0, rows / r, rows * r), rows))
+                if params.presence_penalty or params.frequency_penalty:
+                    penalty = params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(torch.float32)
+                    rows -= penalty.to(device=logits.device, dtype=logits.dtype)
             at += n
 
     def _apply_grammars(self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]

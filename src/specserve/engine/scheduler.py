@@ -38,6 +38,7 @@ class ScheduledRequest(NamedTuple):
     # Requests with presence / frequency penalties: the tokens generated before this step (the
     # rows' penalties count them, and each draft node's ancestors).
     penalized_output: Sequence[int] | None = None
+    penalized_prompt: Sequence[int] | None = None  # the prompt too, with a repetition penalty
 
     @property
     def num_spec_tokens(self) -> int:
@@ -249,6 +250,7 @@ class Scheduler:
             output_index=req.num_output_tokens,
             grammar=req.grammar,
             penalized_output=req.output_token_ids if req.sampling_params.has_penalties else None,
+            penalized_prompt=req.prompt_token_ids if req.sampling_params.repetition_penalty != 1.0 else None,
         )
 
     def _pick_victim(self, first_unscheduled: int) -> Request:

@@ -202,6 +202,7 @@ class OpenAIServer:
                 logit_bias=logit_bias,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 structured_output=structured_output_from_openai(
                     req.response_format, guided_json=req.guided_json, guided_regex=req.guided_regex,
                     guided_grammar=req.guided_grammar, guided_choice=req.guided_choice,
