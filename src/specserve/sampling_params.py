@@ -129,6 +129,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     top_p: float = 1.0
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the likeliest (after temperature); 0: off
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -173,6 +174,8 @@ class SamplingParams:
             raise bad(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}.")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}.")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1] (0 is off), got {self.min_p!r}.")
         if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1
                 or self.top_k > MAX_TOP_K):
             raise bad(f"top_k must be an integer in [1, {MAX_TOP_K}], or 0 / -1 to disable it; got {self.top_k!r}.")

@@ -70,3 +70,27 @@ def test_top_p_one_keeps_every_token_and_probabilities_sum_to_one():
     probs = logits_to_probs(logits, torch.ones(3), torch.zeros(3, dtype=torch.long), torch.ones(3))
     assert (probs > 0).sum(1).tolist() == [int((torch.softmax(r, 0) > 0).sum()) for r in logits]
     assert torch.allclose(probs.sum(1), torch.ones(3))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_likeliest(temperature):
+    """vLLM's min_p, after temperature and before top-k / top-p: a token survives iff its
+    tempered probability is >= min_p x the largest; the survivors are renormalised; 0 is off."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 500, generator=g) * 3
+    min_p = torch.tensor([0.0, 0.01, 0.1, 0.3, 0.9, 1.0])
+    temp = torch.full((6,), temperature)
+    off = torch.zeros(6, dtype=torch.long)
+    ones = torch.ones(6)
+    got = logits_to_probs(logits, temp, off, ones, False, False, min_p)
+    full = torch.softmax(logits / temperature, dim=-1)
+    for row in range(6):
+        keep = full[row] >= min_p[row] * full[row].max()
+        assert torch.equal(got[row] > 0, keep), row
+        assert torch.allclose(got[row][keep], full[row][keep] / full[row][keep].sum(), atol=1e-6)
+    assert torch.allclose(got[0], full[0])  # min_p 0: untouched
+    assert int((got[5] > 0).sum()) == 1  # min_p 1: the likeliest only
+    # Before top-k: top-k counts among what min_p kept.
+    both = logits_to_probs(logits, temp, torch.full((6,), 3), ones, True, False, min_p)
+    for row in range(6):
+        assert int((both[row] > 0).sum()) == min(3, int((got[row] > 0).sum()))

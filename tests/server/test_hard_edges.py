@@ -552,6 +552,10 @@ def test_penalties_are_applied_and_range_checked(edge):
     for bad in (0, 2.5):
         r = _post(edge, "/v1/completions", {**body, "repetition_penalty": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
+    r = _post(edge, "/v1/completions", {**body, "temperature": 1.0, "seed": 1, "min_p": 0.2})  # vLLM's extra
+    assert r.status_code == 200, r.text
+    r = _post(edge, "/v1/completions", {**body, "min_p": 1.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text
 
 
 def test_fields_sent_at_their_defaults_are_accepted(edge):

@@ -444,6 +444,35 @@ def test_penalties_sampled_distribution_matches_under_speculation():
     assert p > 1e-3, f"TV={tv:.4f}, permutation p={p:.4f}"
 
 
+@pytest.mark.parametrize("which", ["draft-truncated", "ngram"])
+def test_min_p_sampled_distribution_matches_under_speculation(which):
+    """min_p truncates the target distribution drafts are verified against exactly as plain
+    sampling truncates it: same joint distribution of the first tokens (permutation test)."""
+    from conftest import tiny_checkpoint
+
+    _, ckpt = tiny_checkpoint("llama", seed=9, vocab=12, layers=2)
+    n = 20_000
+    prompt = [1, 5, 7, 5, 7, 5]
+    params = SamplingParams(max_tokens=4, temperature=1.3, ignore_eos=True, min_p=0.2)
+    big = dict(max_num_seqs=512, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    base = _llm(ckpt, **big).generate([prompt] * n, params, use_tqdm=False)
+    spec_llm = _spec_llm(ckpt, which, **big)
+    spec = spec_llm.generate([prompt] * n, params, use_tqdm=False)
+    assert spec_llm.engine.spec_counters["num_accepted_tokens"] > 1000
+    unbounded = _llm(ckpt, **big).generate([prompt] * 4000, replace(params, min_p=0.0), use_tqdm=False)
+    first = lambda outs: {o.token_ids[0] for o in outs}  # noqa: E731
+    assert first(base) < first(unbounded)  # min_p cut some first tokens ...
+    assert first(spec) <= first(base)  # ... and speculation never emits them
+    enc = lambda outs: np.array([sum(t * 12**i for i, t in enumerate(o.token_ids)) for o in outs])  # noqa: E731
+    tv, p = _tv_permutation_test(enc(base), enc(spec))
+    assert p > 1e-3, f"TV={tv:.4f}, permutation p={p:.4f}"
+    for pos in range(4):
+        a = np.array([o.token_ids[pos] for o in base])
+        b = np.array([o.token_ids[pos] for o in spec])
+        _, p_pos = _tv_permutation_test(a, b, n_perm=100, seed=pos)
+        assert p_pos > 1e-3, pos
+
+
 # ----------------------------------------------------------------------------- SmolLM2
 
 CODE = '''def merge_sorted(a, b):

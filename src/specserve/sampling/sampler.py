@@ -31,6 +31,7 @@ class SamplingMetadata:
     temperature: torch.Tensor  # [N] float32, 0 for greedy rows
     top_k: torch.Tensor  # [N] int64, 0 = off
     top_p: torch.Tensor  # [N] float32, 1 = off
+    min_p: torch.Tensor  # [N] float32, 0 = off
     greedy: torch.Tensor  # [N] bool
     seeds: list[int | None]
     steps: list[int]  # output position each row samples (keys the seeded generators)
@@ -38,6 +39,7 @@ class SamplingMetadata:
     any_top_k: bool
     any_top_p: bool
     need_logprobs: bool
+    any_min_p: bool = False
 
     @classmethod
     def build(
@@ -50,11 +52,13 @@ class SamplingMetadata:
         temps = [0.0 if p.is_greedy else float(p.temperature) for p in params]
         top_k = [p.effective_top_k for p in params]
         top_p = [float(p.top_p) for p in params]
+        min_p = [float(p.min_p) for p in params]
         greedy = [p.is_greedy for p in params]
         return cls(
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.long, device=device),
             top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             seeds=[p.seed for p in params],
             steps=list(steps),
@@ -62,6 +66,7 @@ class SamplingMetadata:
             any_top_k=any(k > 0 for k, g in zip(top_k, greedy) if not g),
             any_top_p=any(p < 1.0 for p, g in zip(top_p, greedy) if not g),
             need_logprobs=any(p.logprobs for p in params),
+            any_min_p=any(p > 0.0 for p, g in zip(min_p, greedy) if not g),
         )
 
 
@@ -72,10 +77,16 @@ def logits_to_probs(
     top_p: torch.Tensor,  # [N] float32
     any_top_k: bool = True,
     any_top_p: bool = True,
+    min_p: torch.Tensor | None = None,  # [N] float32, 0 = off
 ) -> torch.Tensor:  # [N, V] probabilities
-    """Temperature, then top-k, then top-p (nucleus) truncation, then renormalise."""
+    """Temperature, then min-p, then top-k, then top-p (nucleus) truncation, then renormalise
+    (vLLM's order). Min-p keeps the tokens whose probability is at least min_p times the
+    likeliest one's: logit >= max logit + log(min_p), after temperature."""
     temp = torch.where(temperature < GREEDY_EPS, torch.ones_like(temperature), temperature)
     logits = logits / temp[:, None]
+    if min_p is not None:
+        floor = logits.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]  # log(0) = -inf: off
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if any_top_k or any_top_p:
         logits = _truncate(logits, top_k, top_p, any_top_k, any_top_p)
     return torch.softmax(logits, dim=-1)
@@ -202,7 +213,8 @@ class Sampler:
             tokens = greedy_tokens
         else:
             probs = logits_to_probs(
-                logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p
+                logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p,
+                meta.min_p if meta.any_min_p else None,
             )
             sampled = sample_from_probs(probs, meta.seeds, meta.steps, self.generator)
             tokens = torch.where(meta.greedy, greedy_tokens, sampled)

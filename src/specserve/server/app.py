@@ -191,6 +191,7 @@ class OpenAIServer:
                 max_tokens=max_tokens if max_tokens is not None else 1,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
+                min_p=req.min_p or 0.0,
                 top_k=req.top_k or 0,
                 seed=req.seed,
                 stop=req.stop,

@@ -12,7 +12,7 @@ LangChain send some of them at their defaults):
 
 - both endpoints: `store` false, `metadata` {}, `service_tier` "auto" / "default", `tools` [],
   `tool_choice` "none", `parallel_tool_calls` true / false, `functions` [], `function_call`
-  "none", `modalities` ["text"]; vLLM's `min_p` 0, `min_tokens` 0,
+  "none", `modalities` ["text"]; vLLM's `min_tokens` 0,
   `use_beam_search` false, `length_penalty` 1, `skip_special_tokens` true,
   `include_stop_str_in_output` false, `stop_token_ids` [];
 - a chat message: `tool_calls` [] (`refusal`, `audio`, `function_call` only as null);
@@ -128,7 +128,7 @@ class StreamOptions(_Body):
 _NOOP_SAMPLING_VALUES: dict[str, tuple[Any, ...]] = {
     "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"), "tools": ([],),
     "tool_choice": ("none",), "parallel_tool_calls": (True, False), "functions": ([],),
-    "function_call": ("none",), "modalities": (["text"],), "min_p": (0.0,),
+    "function_call": ("none",), "modalities": (["text"],),
     "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1.0,), "skip_special_tokens": (True,),
     "include_stop_str_in_output": (False,), "stop_token_ids": ([],),
 }
@@ -152,6 +152,7 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # vLLM's extra
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # vLLM's extra
     user: str | None = None
     # specserve extras
     top_k: StrictInt | None = Field(default=None, ge=-1, le=1 << 30)
