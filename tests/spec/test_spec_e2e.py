@@ -271,6 +271,18 @@ def _tv_permutation_test(a: np.ndarray, b: np.ndarray, n_perm: int = 200, seed: 
 _PLAIN_SAMPLE: dict[str, list] = {}
 
 
+def _assert_same_distribution(base, spec, vocab=12):
+    """Permutation tests (above) on the joint distribution of the outputs and on each position's."""
+    enc = lambda outs: np.array([sum(t * vocab**i for i, t in enumerate(o.token_ids)) for o in outs])  # noqa: E731
+    tv, p = _tv_permutation_test(enc(base), enc(spec))
+    assert p > 1e-3, f"TV={tv:.4f}, permutation p={p:.4f}"
+    for pos in range(len(base[0].token_ids)):
+        a = np.array([o.token_ids[pos] for o in base])
+        b = np.array([o.token_ids[pos] for o in spec])
+        tv, p_pos = _tv_permutation_test(a, b, n_perm=100, seed=pos)
+        assert p_pos > 1e-3, f"position {pos}: TV={tv:.4f}, permutation p={p_pos:.4f}"
+
+
 @pytest.mark.parametrize("which", ["draft-truncated", "ngram", "lookahead", "draft-restricted", "draft-pmin", "eagle",
                                    "medusa", "mtp", "layerskip"])
 def test_tiny_sampled_distribution_matches(which):
@@ -302,14 +314,7 @@ def test_tiny_sampled_distribution_matches(which):
     assert counters["num_accepted_tokens"] > 1000
     if which == "draft-pmin":  # proposals of several lengths, not all cut to one token
         assert 1.2 < counters["num_draft_tokens"] / counters["num_drafts"] < 3.0
-    enc = lambda outs: np.array([sum(t * 12**i for i, t in enumerate(o.token_ids)) for o in outs])  # noqa: E731
-    tv, p = _tv_permutation_test(enc(base), enc(spec))
-    assert p > 1e-3, f"TV={tv:.4f}, permutation p={p:.4f}"
-    for pos in range(4):
-        a = np.array([o.token_ids[pos] for o in base])
-        b = np.array([o.token_ids[pos] for o in spec])
-        _, p_pos = _tv_permutation_test(a, b, n_perm=100, seed=pos)
-        assert p_pos > 1e-3
+    _assert_same_distribution(base, spec)
 
 
 @pytest.mark.parametrize("which", ["ngram", "draft-truncated", "eagle"])
@@ -353,9 +358,7 @@ def test_logit_bias_sampled_distribution_matches_under_speculation():
     assert not any(7 in o.token_ids for o in base + spec)
     share = lambda outs: np.mean([o.token_ids[0] == 3 for o in outs])  # noqa: E731
     assert share(base) > share(unbiased) + 0.1
-    enc = lambda outs: np.array([sum(t * 12**i for i, t in enumerate(o.token_ids)) for o in outs])  # noqa: E731
-    tv, p = _tv_permutation_test(enc(base), enc(spec))
-    assert p > 1e-3, f"TV={tv:.4f}, permutation p={p:.4f}"
+    _assert_same_distribution(base, spec)
 
 
 def _penalized_greedy_by_hand(llm, prompt, n, presence, frequency, vocab):
@@ -439,9 +442,7 @@ def test_penalties_sampled_distribution_matches_under_speculation():
     plain_unpenalized = _llm(ckpt, **big).generate([prompt] * 4000, replace(params, presence_penalty=0.0,
                                                                            frequency_penalty=0.0), use_tqdm=False)
     assert repeats(base) < repeats(plain_unpenalized) - 0.05
-    enc = lambda outs: np.array([sum(t * 12**i for i, t in enumerate(o.token_ids)) for o in outs])  # noqa: E731
-    tv, p = _tv_permutation_test(enc(base), enc(spec))
-    assert p > 1e-3, f"TV={tv:.4f}, permutation p={p:.4f}"
+    _assert_same_distribution(base, spec)
 
 
 @pytest.mark.parametrize("which", ["draft-truncated", "ngram"])
@@ -463,14 +464,7 @@ def test_min_p_sampled_distribution_matches_under_speculation(which):
     first = lambda outs: {o.token_ids[0] for o in outs}  # noqa: E731
     assert first(base) < first(unbounded)  # min_p cut some first tokens ...
     assert first(spec) <= first(base)  # ... and speculation never emits them
-    enc = lambda outs: np.array([sum(t * 12**i for i, t in enumerate(o.token_ids)) for o in outs])  # noqa: E731
-    tv, p = _tv_permutation_test(enc(base), enc(spec))
-    assert p > 1e-3, f"TV={tv:.4f}, permutation p={p:.4f}"
-    for pos in range(4):
-        a = np.array([o.token_ids[pos] for o in base])
-        b = np.array([o.token_ids[pos] for o in spec])
-        _, p_pos = _tv_permutation_test(a, b, n_perm=100, seed=pos)
-        assert p_pos > 1e-3, pos
+    _assert_same_distribution(base, spec)
 
 
 # ----------------------------------------------------------------------------- SmolLM2
