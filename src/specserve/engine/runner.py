@@ -37,6 +37,7 @@ from specserve.models.linear import (
 from specserve.models.llama import KVCache, LayerHooks, RMSNorm, RotaryEmbedding
 from specserve.models.registry import build_model
 from specserve.sampling.grammar import apply_masks
+from specserve.sampling.penalties import apply_logit_bias, apply_penalties
 from specserve.sampling.rejection import SpecBatch, rejection_sample
 from specserve.sampling.sampler import Sampler, SamplingMetadata, top_logprobs
 from specserve.sampling.tree_rejection import verify_trees
@@ -481,8 +482,8 @@ class ModelRunner:
         sampled_reqs = [sr for sr in out.scheduled if sr.sample]
         if not sampled_reqs:
             return {}
-        self._apply_logit_bias(logits, sampled_reqs)
-        self._apply_penalties(logits, sampled_reqs)
+        apply_logit_bias(logits, sampled_reqs)
+        apply_penalties(logits, sampled_reqs)
         self._apply_grammars(logits, sampled_reqs)
         meta = SamplingMetadata.build(
             [sr.sampling_params for sr in sampled_reqs],
@@ -527,61 +528,6 @@ class ModelRunner:
             out[sr.request_id] = sampled[sr.request_id]._replace(
                 top_logprobs=[pairs[:k] for pairs in tops[first : first + count]])
         return out
-
-    @staticmethod
-    def _apply_logit_bias(logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]
-        """Add each request's logit_bias to every row it samples or verifies from. The bias
-        depends on the request only, not on the row's path, so the target distribution a draft is
-        verified against is the one plain decoding samples from: speculation stays exact."""
-        rows: list[int] = []
-        cols: list[int] = []
-        vals: list[float] = []
-        at = 0
-        for sr in sampled_reqs:
-            n = 1 + sr.num_spec_tokens
-            bias = sr.sampling_params.logit_bias
-            if bias:
-                for r in range(at, at + n):
-                    rows.extend([r] * len(bias))
-                    cols.extend(bias)
-                    vals.extend(bias.values())
-            at += n
-        if rows:
-            idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-            logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
-
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]
-        """Repetition, then frequency and presence penalties (vLLM's order). A row's counts are
-        the request's output before this step plus, for a draft node's row, the node and its
-        ancestors: the tokens that would have been generated had the path been accepted (the
-        repetition penalty also covers the prompt). So each row is penalised as plain decoding
-        would penalise it after that path, and verification stays exact."""
-        at = 0
-        for sr in sampled_reqs:
-            n = 1 + sr.num_spec_tokens
-            params = sr.sampling_params
-            if sr.penalized_output is not None and params.has_penalties:
-                vocab = logits.shape[1]
-                out = torch.tensor(sr.penalized_output, dtype=torch.long)
-                counts = torch.bincount(out[out < vocab], minlength=vocab).to(torch.float32).expand(n, vocab).clone()
-                if sr.draft is not None:
-                    node, anc = sr.draft.ancestor_mask().nonzero(as_tuple=True)
-                    toks = torch.tensor(sr.draft.token_ids, dtype=torch.long)[anc]
-                    counts.index_put_((node + 1, toks), torch.ones(len(node)), accumulate=True)
-                rows = logits[at : at + n]
-                if params.repetition_penalty != 1.0:
-                    seen = counts > 0
-                    if sr.penalized_prompt:
-                        prompt = torch.tensor(sr.penalized_prompt, dtype=torch.long)
-                        seen |= torch.bincount(prompt[prompt < vocab], minlength=vocab)[None] > 0
-                    seen = seen.to(logits.device)
-                    r = params.repetition_penalty
-                    rows.copy_(torch.where(seen, torch.where(rows > 0, rows / r, rows * r), rows))
-                if params.presence_penalty or params.frequency_penalty:
-                    penalty = params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(torch.float32)
-                    rows -= penalty.to(device=logits.device, dtype=logits.dtype)
-            at += n
 
     def _apply_grammars(self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]
         """Structured output: forbid, in every row a request samples or verifies from, the tokens

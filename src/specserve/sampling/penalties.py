@@ -1,0 +1,110 @@
+"""Per-request logits changes before sampling: OpenAI's logit_bias and presence / frequency
+penalties, and transformers' / vLLM's repetition penalty.
+
+They run on every logits row a request samples or verifies from (the root row and one per draft
+node), before the grammar masks and before temperature / min-p / top-k / top-p. The bias depends
+on the request only. The penalties depend on what was generated, so a draft node's row counts
+the request's output before the step plus the node and its ancestors: the tokens plain decoding
+would have generated on that path. Each row is then changed exactly as plain decoding would
+change it after that path, and verification stays exact.
+
+Both are sparse: only the tokens that occur (or are biased) are touched, so a penalised row of
+a 152k vocabulary costs what its few hundred distinct tokens cost, not a pass over the row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from specserve.engine.scheduler import ScheduledRequest
+
+
+def apply_logit_bias(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
+    """Add each request's logit_bias to every row it samples or verifies from."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    at = 0
+    for sr in sampled_reqs:
+        n = 1 + sr.num_spec_tokens
+        bias = sr.sampling_params.logit_bias
+        if bias:
+            for r in range(at, at + n):
+                rows.extend([r] * len(bias))
+                cols.extend(bias)
+                vals.extend(bias.values())
+        at += n
+    if rows:
+        idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+def apply_penalties(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
+    """Repetition, then frequency and presence penalties (vLLM's order), row by row of each
+    request that has them."""
+    at = 0
+    for sr in sampled_reqs:
+        n = 1 + sr.num_spec_tokens
+        if sr.penalized_output is not None and sr.sampling_params.has_penalties:
+            _penalize(logits[at : at + n], sr)
+        at += n
+
+
+def _path_pairs(sr: ScheduledRequest) -> tuple[list[int], list[int], list[bool]]:
+    """(row, token, first) for every token on the path of every draft node's row: row 1 + i holds
+    node i and its ancestors; `first` marks a token's first occurrence on that path."""
+    rows: list[int] = []
+    toks: list[int] = []
+    first: list[bool] = []
+    if sr.draft is None:
+        return rows, toks, first
+    paths: list[list[int]] = []
+    for i, (tok, parent) in enumerate(zip(sr.draft.token_ids, sr.draft.parents)):
+        path = (paths[parent] if parent >= 0 else []) + [tok]
+        paths.append(path)
+        seen: set[int] = set()
+        for t in path:
+            rows.append(1 + i)
+            toks.append(t)
+            first.append(t not in seen)
+            seen.add(t)
+    return rows, toks, first
+
+
+def _penalize(rows: torch.Tensor, sr: ScheduledRequest) -> None:  # rows: [1 + K, V], changed in place
+    params = sr.sampling_params
+    vocab, dev = rows.shape[1], rows.device
+    out = torch.tensor(sr.penalized_output, dtype=torch.long)
+    out = out[out < vocab]
+    p_rows, p_toks, p_first = _path_pairs(sr)
+    pr = torch.tensor(p_rows, dtype=torch.long)
+    pt = torch.tensor(p_toks, dtype=torch.long)
+    firsts = torch.tensor(p_first, dtype=torch.bool)
+    if params.repetition_penalty != 1.0:
+        r = params.repetition_penalty
+        seen = out
+        if sr.penalized_prompt:
+            prompt = torch.tensor(sr.penalized_prompt, dtype=torch.long)
+            seen = torch.cat([prompt[prompt < vocab], out])
+        seen = torch.unique(seen)
+        cols = seen.to(dev)
+        x = rows[:, cols]
+        rows[:, cols] = torch.where(x > 0, x / r, x * r)
+        new = firsts & ~torch.isin(pt, seen)  # path tokens not already penalised above, once each
+        if bool(new.any()):
+            idx = (pr[new].to(dev), pt[new].to(dev))
+            x = rows[idx]
+            rows[idx] = torch.where(x > 0, x / r, x * r)
+    if params.presence_penalty or params.frequency_penalty:
+        freq, pres = params.frequency_penalty, params.presence_penalty
+        uniq, cnt = torch.unique(out, return_counts=True)
+        if uniq.numel():
+            rows[:, uniq.to(dev)] -= (freq * cnt + pres).to(device=dev, dtype=rows.dtype)[None]
+        if pt.numel():
+            # One more occurrence for each token on the path; presence for those absent before.
+            vals = torch.full((pt.numel(),), float(freq)) + pres * (firsts & ~torch.isin(pt, uniq)).to(torch.float32)
+            rows.index_put_((pr.to(dev), pt.to(dev)), -vals.to(device=dev, dtype=rows.dtype), accumulate=True)

@@ -1,0 +1,64 @@
+"""The sparse penalties equal a dense reference on random trees whose paths repeat tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve.engine.scheduler import ScheduledRequest
+from specserve.sampling.penalties import apply_penalties
+from specserve.sampling_params import SamplingParams
+from specserve.spec.tree import DraftTree
+
+
+def _dense_reference(rows: torch.Tensor, sr: ScheduledRequest) -> torch.Tensor:
+    """Count every token of every row's path over the whole vocabulary, then penalise."""
+    p = sr.sampling_params
+    n, vocab = rows.shape
+    counts = torch.bincount(torch.tensor(sr.penalized_output, dtype=torch.long), minlength=vocab).double().repeat(n, 1)
+    if sr.draft is not None:
+        mask = sr.draft.ancestor_mask()
+        for i in range(len(sr.draft)):
+            for j in mask[i].nonzero().flatten().tolist():
+                counts[1 + i, sr.draft.token_ids[j]] += 1
+    out = rows.double().clone()
+    if p.repetition_penalty != 1.0:
+        seen = counts > 0
+        if sr.penalized_prompt:
+            seen |= torch.bincount(torch.tensor(sr.penalized_prompt), minlength=vocab)[None] > 0
+        r = p.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    return out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).double()
+
+
+def _random_tree(rng: random.Random, size: int, vocab: int) -> DraftTree:
+    parents = [-1] + [rng.randrange(-1, i) for i in range(1, size)]
+    return DraftTree(tuple(rng.randrange(vocab) for _ in range(size)), tuple(parents))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sparse_penalties_equal_a_dense_reference(seed):
+    rng = random.Random(seed)
+    vocab = 40  # small: outputs, prompts and paths share many tokens
+    params = SamplingParams(
+        presence_penalty=rng.choice([0.0, 0.7, -1.2]), frequency_penalty=rng.choice([0.0, 0.4, 1.9]),
+        repetition_penalty=rng.choice([1.0, 1.3, 0.6]),
+    )
+    if not params.has_penalties:
+        params = SamplingParams(frequency_penalty=0.5)
+    batch, want = [], []
+    logits = torch.randn(0, vocab)
+    for i in range(3):
+        draft = _random_tree(rng, rng.randint(1, 12), vocab) if i else None  # the first request decodes plainly
+        output = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
+        sr = ScheduledRequest(str(i), [], 0, [], draft, True, params, len(output), penalized_output=output,
+                              penalized_prompt=prompt if params.repetition_penalty != 1.0 else None)
+        rows = torch.randn(1 + sr.num_spec_tokens, vocab) * 4
+        want.append(_dense_reference(rows, sr))
+        batch.append(sr)
+        logits = torch.cat([logits, rows])
+    apply_penalties(logits, batch)
+    torch.testing.assert_close(logits.double(), torch.cat(want), rtol=1e-5, atol=1e-5)
