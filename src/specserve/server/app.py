@@ -150,7 +150,6 @@ class OpenAIServer:
             raise APIError(400, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
                            param="model", code="model_not_found")
 
-
     def _check_admissible(self, num_sequences: int) -> None:
         """A request of more engine requests (prompts x n) than the server holds at once could never
         be admitted: 400, not 429 + Retry-After, which would invite endless retries."""
