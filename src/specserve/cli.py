@@ -142,7 +142,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+        min_p=args.min_p, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
         reference_text=Path(args.reference_file).read_text(encoding="utf-8") if args.reference_file else None,
     )
     llm = LLM(args.model, **engine_kwargs(args))
@@ -397,7 +398,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         return 2
     from specserve import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     precisions = [p for p in args.precisions.split(",") if p]
     rows = run_audit(args.model, prompts, spec_method=args.spec_method, draft_model=draft if args.spec_method == "draft" else None,
                      precisions=precisions, params=params, continuation_tokens=args.continuation_tokens,
@@ -524,6 +525,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this times as likely as the likeliest")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the generated tokens")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the generated tokens")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers', over prompt and output (1: off)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--reference-file", help="reference text for --spec-method reference (e.g. the file being edited)")
@@ -541,6 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--continuation-tokens", type=int, default=32, help="greedy tokens after each prompt")
     p.add_argument("--positions", type=int, default=8, help="audited positions per prompt (the last ones)")
     p.add_argument("--draws", type=int, default=10_000, help="verifications per position")
