@@ -24,23 +24,17 @@ if TYPE_CHECKING:
 
 
 def apply_logit_bias(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
-    """Add each request's logit_bias to every row it samples or verifies from."""
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
+    """Add each request's logit_bias to every row it samples or verifies from (a dict's keys are
+    distinct, so one indexed add per request)."""
     at = 0
     for sr in sampled_reqs:
         n = 1 + sr.num_spec_tokens
         bias = sr.sampling_params.logit_bias
         if bias:
-            for r in range(at, at + n):
-                rows.extend([r] * len(bias))
-                cols.extend(bias)
-                vals.extend(bias.values())
+            cols = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            vals = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[at : at + n, cols] += vals[None]
         at += n
-    if rows:
-        idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-        logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
