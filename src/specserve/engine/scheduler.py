@@ -20,6 +20,8 @@ from specserve.sampling_params import SamplingParams
 from specserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
+    import torch
+
     from specserve.sampling.grammar import GrammarState
 
 
@@ -35,10 +37,10 @@ class ScheduledRequest(NamedTuple):
     sampling_params: SamplingParams
     output_index: int  # number of output tokens before this step (keys seeded sampling)
     grammar: GrammarState | None = None  # structured output: masks the rows this step samples from
-    # Requests with presence / frequency penalties: the tokens generated before this step (the
-    # rows' penalties count them, and each draft node's ancestors).
+    # Requests with penalties: the tokens generated before this step (the rows' penalties count
+    # them, and each draft node's ancestors); with a repetition penalty, the prompt's distinct ids.
     penalized_output: Sequence[int] | None = None
-    penalized_prompt: Sequence[int] | None = None  # the prompt too, with a repetition penalty
+    penalized_prompt: torch.Tensor | None = None
 
     @property
     def num_spec_tokens(self) -> int:
@@ -250,7 +252,7 @@ class Scheduler:
             output_index=req.num_output_tokens,
             grammar=req.grammar,
             penalized_output=req.output_token_ids if req.sampling_params.has_penalties else None,
-            penalized_prompt=req.prompt_token_ids if req.sampling_params.repetition_penalty != 1.0 else None,
+            penalized_prompt=req.distinct_prompt_ids if req.sampling_params.repetition_penalty != 1.0 else None,
         )
 
     def _pick_victim(self, first_unscheduled: int) -> Request:

@@ -43,7 +43,7 @@ def apply_penalties(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledReques
     at = 0
     for sr in sampled_reqs:
         n = 1 + sr.num_spec_tokens
-        if sr.penalized_output is not None and sr.sampling_params.has_penalties:
+        if sr.penalized_output is not None:  # set for requests with penalties
             _penalize(logits[at : at + n], sr)
         at += n
 
@@ -72,19 +72,18 @@ def _path_pairs(sr: ScheduledRequest) -> tuple[list[int], list[int], list[bool]]
 def _penalize(rows: torch.Tensor, sr: ScheduledRequest) -> None:  # rows: [1 + K, V], changed in place
     params = sr.sampling_params
     vocab, dev = rows.shape[1], rows.device
-    out = torch.tensor(sr.penalized_output, dtype=torch.long)
-    out = out[out < vocab]
+    # Output ids were sampled from rows this wide, so they are all < vocab.
+    uniq, cnt = torch.unique(torch.tensor(sr.penalized_output, dtype=torch.long), return_counts=True)
     p_rows, p_toks, p_first = _path_pairs(sr)
     pr = torch.tensor(p_rows, dtype=torch.long)
     pt = torch.tensor(p_toks, dtype=torch.long)
     firsts = torch.tensor(p_first, dtype=torch.bool)
     if params.repetition_penalty != 1.0:
         r = params.repetition_penalty
-        seen = out
-        if sr.penalized_prompt:
-            prompt = torch.tensor(sr.penalized_prompt, dtype=torch.long)
-            seen = torch.cat([prompt[prompt < vocab], out])
-        seen = torch.unique(seen)
+        seen = uniq
+        if sr.penalized_prompt is not None:
+            prompt = sr.penalized_prompt[sr.penalized_prompt < vocab]
+            seen = torch.cat([prompt, uniq[~torch.isin(uniq, prompt)]])
         cols = seen.to(dev)
         x = rows[:, cols]
         rows[:, cols] = torch.where(x > 0, x / r, x * r)
@@ -95,7 +94,6 @@ def _penalize(rows: torch.Tensor, sr: ScheduledRequest) -> None:  # rows: [1 + K
             rows[idx] = torch.where(x > 0, x / r, x * r)
     if params.presence_penalty or params.frequency_penalty:
         freq, pres = params.frequency_penalty, params.presence_penalty
-        uniq, cnt = torch.unique(out, return_counts=True)
         if uniq.numel():
             rows[:, uniq.to(dev)] -= (freq * cnt + pres).to(device=dev, dtype=rows.dtype)[None]
         if pt.numel():
