@@ -58,7 +58,7 @@ def processed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # 
     # The flags matter: truncating at top_p = 1 in float32 drops the tail where the cumulative
     # sum rounds to 1 (the sampler skips truncation that is off, so must the audit).
     return logits_to_probs(logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p,
-                           meta.min_p if meta.any_min_p else None)
+                           meta.min_p, meta.any_min_p)
 
 
 @dataclass

@@ -134,7 +134,8 @@ def _sample_rows(
             _expand(meta.top_p, rows_per_req),
             meta.any_top_k,
             meta.any_top_p,
-            _expand(meta.min_p, rows_per_req) if meta.any_min_p else None,
+            _expand(meta.min_p, rows_per_req),
+            meta.any_min_p,
         )  # [rows, V]
         p = _draft_probs_rows(batch, q, flat_drafts, is_draft_row)  # [rows, V], 0 on bonus rows
         safe_draft = flat_drafts.clamp(min=0)

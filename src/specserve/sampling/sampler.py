@@ -78,13 +78,14 @@ def logits_to_probs(
     any_top_k: bool = True,
     any_top_p: bool = True,
     min_p: torch.Tensor | None = None,  # [N] float32, 0 = off
+    any_min_p: bool = True,
 ) -> torch.Tensor:  # [N, V] probabilities
     """Temperature, then min-p, then top-k, then top-p (nucleus) truncation, then renormalise
     (vLLM's order). Min-p keeps the tokens whose probability is at least min_p times the
     likeliest one's: logit >= max logit + log(min_p), after temperature."""
     temp = torch.where(temperature < GREEDY_EPS, torch.ones_like(temperature), temperature)
     logits = logits / temp[:, None]
-    if min_p is not None:
+    if min_p is not None and any_min_p:
         floor = logits.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]  # log(0) = -inf: off
         logits = logits.masked_fill(logits < floor, float("-inf"))
     if any_top_k or any_top_p:
@@ -213,8 +214,8 @@ class Sampler:
             tokens = greedy_tokens
         else:
             probs = logits_to_probs(
-                logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p,
-                meta.min_p if meta.any_min_p else None,
+                logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p, meta.min_p,
+                meta.any_min_p,
             )
             sampled = sample_from_probs(probs, meta.seeds, meta.steps, self.generator)
             tokens = torch.where(meta.greedy, greedy_tokens, sampled)

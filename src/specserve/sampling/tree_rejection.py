@@ -194,7 +194,7 @@ def _walk_sampled(
         # Only the rows the walk visits are processed (temperature, top-k, top-p).
         m = req[act]
         q = logits_to_probs(target_logits[base[act] + cur + 1], meta.temperature[m], meta.top_k[m], meta.top_p[m],
-                            meta.any_top_k, meta.any_top_p, meta.min_p[m] if meta.any_min_p else None).double()  # [na, V]
+                            meta.any_top_k, meta.any_top_p, meta.min_p[m], meta.any_min_p).double()  # [na, V]
         r = q.clone()  # what is left of the target distribution
         kids = tab.kids[tab.shape[which], cur + 1]  # [na, W]
         coins = (_coins([seeds[i] for i in act.tolist()], [steps0[i] + depth for i in act.tolist()], STREAM_ACCEPT,

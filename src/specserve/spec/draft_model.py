@@ -221,7 +221,7 @@ def expand_candidates(t: _TreeDraft, parent: int, logits: torch.Tensor, generato
     else:
         meta = SamplingMetadata.build([params], [t.req.num_output_tokens + depth - 1], device)
         p = logits_to_probs(logits[None].float(), meta.temperature, meta.top_k, meta.top_p, meta.any_top_k,
-                            meta.any_top_p, meta.min_p if meta.any_min_p else None)[0]
+                            meta.any_top_p, meta.min_p, meta.any_min_p)[0]
         n = min(children, int((p > 0).sum()))
         g = generator
         if params.seed is not None:  # the same draft wherever the request is batched
@@ -692,7 +692,7 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
         if meta.all_greedy:
             return greedy.tolist(), None
         p = logits_to_probs(logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p,
-                            meta.min_p if meta.any_min_p else None)
+                            meta.min_p, meta.any_min_p)
         seeds = [None if s is None else s + STREAM_DRAFT for s in meta.seeds]
         sampled = sample_from_probs(p, seeds, steps, self.generator)
         toks = torch.where(meta.greedy, greedy, sampled)
