@@ -35,6 +35,11 @@ class KVSource(Protocol):
         """True once every layer's KV has arrived (the first step only has to copy it in)."""
 
 
+def ending_token_ids(params: SamplingParams, eos_token_ids: frozenset[int]) -> list[int]:
+    """The ids that end an output, sorted: EOS unless ignore_eos, and stop_token_ids."""
+    return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids)))
+
+
 class RequestStatus(enum.IntEnum):
     """Where a request is in its life; values above RUNNING mean finished."""
 
@@ -174,6 +179,12 @@ class Request:
         """The prompt's distinct token ids (int64, sorted), computed once: a repetition penalty
         reads them every step (a 30k-token prompt cost 2.9 ms a step to convert and dedupe)."""
         return torch.unique(torch.tensor(self.prompt_token_ids, dtype=torch.long))
+
+    @functools.cached_property
+    def end_token_ids(self) -> torch.Tensor:
+        """The ids that end the output (EOS unless ignore_eos, and stop_token_ids; int64): what
+        min_tokens masks."""
+        return torch.tensor(ending_token_ids(self.sampling_params, self.eos_token_ids), dtype=torch.long)
 
     @property
     def output_token_ids(self) -> list[int]:

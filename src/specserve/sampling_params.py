@@ -126,6 +126,9 @@ class SamplingParams:
     """How to pick tokens and when to stop, for one request."""
 
     max_tokens: int = 16
+    # vLLM's: EOS and stop_token_ids are masked, and stop strings not matched, until this many
+    # tokens were generated. At most max_tokens.
+    min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     top_p: float = 1.0
@@ -170,6 +173,9 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
+        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}.")
         if not _is_number(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
             raise bad(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}.")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -222,6 +228,9 @@ class SamplingParams:
                 raise bad("structured_output must be a StructuredOutput (e.g. StructuredOutput.json(schema)).")
             if self.ignore_eos:
                 raise bad("ignore_eos cannot be combined with structured output: the grammar ends the output.")
+            if self.min_tokens:
+                raise bad("min_tokens cannot be combined with structured output: the grammar decides where the "
+                          "output ends.")
 
     @property
     def has_penalties(self) -> bool:

@@ -1,4 +1,4 @@
-"""`specserve generate` passes its sampling flags through (penalties, min-p) and refuses bad ones."""
+"""`specserve generate` passes its sampling flags through (penalties, min-p, min-tokens) and refuses bad ones."""
 
 from __future__ import annotations
 
@@ -27,3 +27,13 @@ def test_generate_applies_penalties_and_refuses_out_of_range_ones(capsys):
     assert code == 1 and "presence_penalty must be a number in [-2, 2]" in err
     code, _, err = _generate(capsys, "--min-p", "2")
     assert code == 1 and "min_p must be in [0, 1]" in err
+
+
+def test_generate_min_tokens_holds_back_stop_strings(capsys):
+    code, plain, _ = _generate(capsys, "--stop", " two")
+    assert code == 0 and plain[0]["finish_reason"] == "stop"
+    code, held, _ = _generate(capsys, "--stop", " two", "--min-tokens", "6")
+    assert code == 0 and held[0]["finish_reason"] == "stop"
+    assert len(held[0]["token_ids"]) >= 6 > len(plain[0]["token_ids"])
+    code, _, err = _generate(capsys, "--min-tokens", "17")
+    assert code == 1 and "min_tokens must be an integer in [0, max_tokens=16]" in err

@@ -558,6 +558,62 @@ def test_penalties_are_applied_and_range_checked(edge):
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text
 
 
+def test_min_tokens_stop_token_ids_and_include_stop_str_are_applied(edge):
+    """vLLM's extras: stop_token_ids end the output, min_tokens holds them back,
+    include_stop_str_in_output keeps the stop string; bad values are 400."""
+    body = {"prompt": [5, 6, 7, 5, 6, 7], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    plain = _post(edge, "/v1/completions", body).json()["choices"][0]
+    vocab = edge.engine.arch.vocab_size
+    r = _post(edge, "/v1/completions", {**body, "stop_token_ids": list(range(vocab)), "logprobs": 1})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and len(choice["logprobs"]["tokens"]) == 1, choice
+    # min_tokens leaves the ids below 10 until then: 4 of them at least, then a stop token
+    r = _post(edge, "/v1/completions", {**body, "stop_token_ids": list(range(10, vocab)), "logprobs": 1, "min_tokens": 4})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    allowed = {edge.engine.tokenizer.decode([i], skip_special_tokens=False) for i in range(10)}
+    tokens = choice["logprobs"]["tokens"]
+    assert choice["finish_reason"] == "stop" and len(tokens) >= 5 and set(tokens[:4]) <= allowed, choice
+    r = _post(edge, "/v1/completions", {**body, "stop_token_ids": list(range(vocab)), "min_tokens": 4})
+    assert r.status_code == 400 and "whole vocabulary" in r.json()["error"]["message"], r.text
+    stop = plain["text"][2:4]
+    for include in (False, True):
+        r = _post(edge, "/v1/completions", {**body, "stop": [stop], "include_stop_str_in_output": include})
+        assert r.status_code == 200, r.text
+        cut = plain["text"].find(stop) + (len(stop) if include else 0)
+        assert r.json()["choices"][0]["text"] == plain["text"][:cut]
+    messages = {"messages": CHAT["messages"]}
+    r = _post(edge, "/v1/chat/completions", {**messages, "min_tokens": 3})  # max_tokens sized to fit, at least 3
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 3
+    for bad, param in (({"min_tokens": 13}, None), ({"min_tokens": -1}, "min_tokens"), ({"stop_token_ids": [-2]}, None),
+                       ({"min_tokens": 1.5}, "min_tokens")):
+        r = _post(edge, "/v1/completions", {**body, **bad})
+        assert r.status_code == 400, (bad, r.text)
+        err = r.json()["error"]
+        assert param is None or err["param"] == param, err
+    r = _post(edge, "/v1/chat/completions", {**messages, "min_tokens": 5000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    _assert_clean(edge)
+
+
+def test_logprobs_of_masked_tokens_are_sent_as_finite_numbers(edge):
+    """A grammar leaves fewer tokens than top_logprobs asks for: the rest have logprob -inf, which
+    JSON cannot carry; they are sent as -9999 (vLLM's value), not a 500."""
+    choice = {"guided_choice": ["yes", "no"], "max_tokens": 4}
+    r = _post(edge, "/v1/chat/completions", {**CHAT, **choice, "logprobs": True, "top_logprobs": 20})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    values = [t["logprob"] for t in content] + [a["logprob"] for t in content for a in t["top_logprobs"]]
+    assert -9999.0 in values and all(-9999.0 <= v <= 0 for v in values), values
+    r = _post(edge, "/v1/completions", {"prompt": "x", **choice, "logprobs": 20})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert min(v for top in lp["top_logprobs"] for v in top.values()) == -9999.0
+    _assert_clean(edge)
+
+
 def test_fields_sent_at_their_defaults_are_accepted(edge):
     defaults = {
         "tools": [],

@@ -467,6 +467,65 @@ def test_min_p_sampled_distribution_matches_under_speculation(which):
     _assert_same_distribution(base, spec)
 
 
+def _min_tokens_by_hand(llm, prompt, stop_ids, m, n):
+    """Plain greedy under min_tokens m, built from two plain runs: m tokens with the stop ids
+    banned, then the rest from there with them live."""
+    head = llm.generate([prompt], _greedy(m, logit_bias=dict.fromkeys(stop_ids, -100.0)))[0].token_ids
+    tail = llm.generate([list(prompt) + head], _greedy(n - m, stop_token_ids=stop_ids))[0]
+    return head + tail.token_ids, tail.finish_reason
+
+
+@pytest.mark.parametrize("which", ["ngram", "draft-truncated", "eagle", "lookahead"])
+def test_min_tokens_masks_stop_tokens_until_reached_and_greedy_speculation_stays_exact(tiny, which):
+    """vLLM's min_tokens: no stop token among the first min_tokens outputs (a draft node's row
+    counts its depth), the stop tokens live after them; speculative greedy equals plain."""
+    prompts = _tiny_prompts(24, seed=7)
+    plain = _llm(tiny)
+    base = plain.generate(prompts, _greedy(20))
+    m = 6
+    stops = [[o.token_ids[0], o.token_ids[3]] for o in base]  # both would stop inside the first m
+    params = [_greedy(20, stop_token_ids=s, min_tokens=m) for s in stops]
+    want = plain.generate(prompts, params)
+    for p, s, w in zip(prompts, stops, want):
+        assert len(w.token_ids) > m and not set(w.token_ids[:m]) & set(s)
+        assert (w.token_ids, w.finish_reason) == _min_tokens_by_hand(plain, p, s, m, 20)
+    assert any(w.finish_reason == "stop" for w in want) and any(w.finish_reason == "length" for w in want)
+    without = plain.generate(prompts, [_greedy(20, stop_token_ids=s) for s in stops])
+    assert all(len(o.token_ids) == 1 for o in without)  # stop at once without min_tokens
+    llm = _spec_llm(tiny, which)
+    got = llm.generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+    assert llm.engine.spec_counters["num_draft_tokens"] > 0, "nothing was speculated"
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=-1)
+
+
+def test_min_tokens_sampled_distribution_matches_under_speculation():
+    """With temperature, a stop token that min_tokens masks for the first two positions: the
+    outputs (their lengths included) have the same distribution with and without speculation."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_checkpoint
+
+    _, ckpt = tiny_checkpoint("llama", seed=9, vocab=12, layers=2)
+    n = 20_000
+    prompt = [1, 5, 7, 5, 7, 5]
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True, stop_token_ids=[3, 7], min_tokens=2)
+    big = dict(max_num_seqs=512, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    base = _llm(ckpt, **big).generate([prompt] * n, params, use_tqdm=False)
+    spec_llm = _spec_llm(ckpt, "draft-truncated", **big)
+    spec = spec_llm.generate([prompt] * n, params, use_tqdm=False)
+    assert spec_llm.engine.spec_counters["num_accepted_tokens"] > 1000
+    for outs in (base, spec):
+        assert not any({3, 7} & set(o.token_ids[:2]) for o in outs)
+        assert 0.05 < np.mean([len(o.token_ids) == 3 for o in outs]) < 0.95  # stops right after min_tokens
+    padded = lambda outs: [SimpleNamespace(token_ids=o.token_ids + [12] * (4 - len(o.token_ids))) for o in outs]  # noqa: E731
+    _assert_same_distribution(padded(base), padded(spec), vocab=13)
+
+
 # ----------------------------------------------------------------------------- SmolLM2
 
 CODE = '''def merge_sorted(a, b):
@@ -532,6 +591,36 @@ def test_smollm2_greedy_spec_equals_plain(smollm_checkpoint, smol_base, which):
     c = llm.engine.spec_counters
     assert c["num_accepted_tokens"] > 0
     assert llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_smollm2_min_tokens_holds_back_eos_and_stop_strings(smollm_checkpoint, method):
+    """min_tokens on a real tokenizer: EOS is masked until then (a short chat answer runs on), and
+    a stop string counts only where it ends after the text of the first min_tokens tokens, also
+    when a speculative step emits tokens on both sides of that boundary."""
+    llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, spec_method=method, spec_policy="always",
+              profile_spec_costs=False)
+    tok = llm.tokenizer
+    short = [{"role": "user", "content": "Say hi."}]
+    natural = llm.chat(short, SamplingParams(max_tokens=64, temperature=0))[0]
+    assert natural.finish_reason == "stop" and len(natural.token_ids) < 32
+    held = llm.chat(short, SamplingParams(max_tokens=64, temperature=0, min_tokens=40))[0]
+    assert len(held.token_ids) >= 40
+    assert not set(held.token_ids[:40]) & set(tok.stop_token_ids)
+    assert held.token_ids[: len(natural.token_ids) - 1] == natural.token_ids[:-1]  # the same text up to the EOS
+
+    prompt = "Repeat after me: the sea the sea the sea, the sea the sea the sea,"
+    full = llm.generate(prompt, _greedy(30))[0].token_ids
+    text = tok.decode(full)
+    for m in (0, 3, 7):
+        boundary = len(tok.decode(full[:m]))
+        idx = text.find(" the", max(0, boundary - 3))
+        while idx + 4 <= boundary:
+            idx = text.find(" the", idx + 1)
+        out = llm.generate(prompt, _greedy(30, stop=" the", min_tokens=m))[0]
+        assert (out.text, out.finish_reason) == (text[:idx], "stop"), m
+    if method != "none":
+        assert llm.engine.spec_counters["num_accepted_tokens"] > 0
 
 
 def test_smollm2_jagged_batch_of_16(smollm_checkpoint, smol_base):

@@ -28,7 +28,7 @@ from specserve.kv_cache.tiers import TieredKVStore
 from specserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specserve.progress import bar
-from specserve.request import Request, RequestStatus
+from specserve.request import Request, RequestStatus, ending_token_ids
 from specserve.sampling.grammar import GrammarCompiler
 from specserve.sampling_params import SamplingParams
 from specserve.spec.factory import (
@@ -88,6 +88,9 @@ class _OutputState:
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
     index: int = 0
+    # Length of the text of the first min_tokens tokens: a stop string must end after it (None
+    # until the output is that long).
+    stop_after: int | None = 0
 
 
 class RequestPreparer:
@@ -153,6 +156,10 @@ class RequestPreparer:
             raise InvalidRequestError(
                 f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {self.vocab_size}); check the tokenizer."
             )
+        if params.min_tokens:
+            ending = ending_token_ids(params, self.eos_token_ids)
+            if sum(t < self.vocab_size for t in ending) == self.vocab_size:
+                raise InvalidRequestError("min_tokens cannot hold: stop_token_ids and EOS cover the whole vocabulary.")
         req = Request(
             request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
             priority=priority, arrival_time=arrival_time,
@@ -559,7 +566,8 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
-        state = _OutputState(prepared.prompt, detok, list(params.stop or []), index=prepared.index)
+        state = _OutputState(prepared.prompt, detok, list(params.stop or []), index=prepared.index,
+                             stop_after=None if params.min_tokens else 0)
         if req.num_output_tokens:
             # A request resumed elsewhere after a worker failure: its earlier output is known and
             # was already streamed, so text and emission continue exactly where they stopped.
@@ -828,10 +836,19 @@ class LLMEngine:
     def _make_output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         state = self._states[req.request_id]
         if state.detok is not None and new_tokens:
-            state.detok.append(new_tokens)
             old_len = len(state.text)
+            rest = new_tokens
+            if state.stop_after is None:
+                head = req.sampling_params.min_tokens - (req.num_output_tokens - len(new_tokens))
+                if head <= len(new_tokens):  # this step reaches min_tokens
+                    if head > 0:
+                        state.detok.append(new_tokens[:head])
+                    state.stop_after = len(state.detok.text)
+                    rest = new_tokens[max(head, 0) :]
+            if rest:
+                state.detok.append(rest)
             state.text = state.detok.text
-            if state.stop:
+            if state.stop and state.stop_after is not None:
                 self._check_stop_strings(req, state, old_len, already_finished=req.is_finished)
         finished = req.is_finished
         # At the end, emit bytes still held back (an incomplete character at the very end).
@@ -880,6 +897,8 @@ class LLMEngine:
         best: tuple[int, str] | None = None
         for s in state.stop:
             idx = state.text.find(s, start)
+            while idx >= 0 and idx + len(s) <= (state.stop_after or 0):  # inside the first min_tokens tokens
+                idx = state.text.find(s, idx + 1)
             if idx >= 0 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:

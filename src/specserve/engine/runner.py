@@ -37,7 +37,7 @@ from specserve.models.linear import (
 from specserve.models.llama import KVCache, LayerHooks, RMSNorm, RotaryEmbedding
 from specserve.models.registry import build_model
 from specserve.sampling.grammar import apply_masks
-from specserve.sampling.penalties import apply_logit_bias, apply_penalties
+from specserve.sampling.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from specserve.sampling.rejection import SpecBatch, rejection_sample
 from specserve.sampling.sampler import Sampler, SamplingMetadata, top_logprobs
 from specserve.sampling.tree_rejection import verify_trees
@@ -484,6 +484,7 @@ class ModelRunner:
             return {}
         apply_logit_bias(logits, sampled_reqs)
         apply_penalties(logits, sampled_reqs)
+        apply_min_tokens(logits, sampled_reqs)
         self._apply_grammars(logits, sampled_reqs)
         meta = SamplingMetadata.build(
             [sr.sampling_params for sr in sampled_reqs],

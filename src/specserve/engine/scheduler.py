@@ -41,6 +41,9 @@ class ScheduledRequest(NamedTuple):
     # them, and each draft node's ancestors); with a repetition penalty, the prompt's distinct ids.
     penalized_output: Sequence[int] | None = None
     penalized_prompt: torch.Tensor | None = None
+    # Requests still short of min_tokens: the ids that would end the output (masked in the rows
+    # whose path is shorter than min_tokens).
+    min_tokens_ban: torch.Tensor | None = None
 
     @property
     def num_spec_tokens(self) -> int:
@@ -253,6 +256,7 @@ class Scheduler:
             grammar=req.grammar,
             penalized_output=req.output_token_ids if req.sampling_params.has_penalties else None,
             penalized_prompt=req.distinct_prompt_ids if req.sampling_params.repetition_penalty != 1.0 else None,
+            min_tokens_ban=req.end_token_ids if req.num_output_tokens < req.sampling_params.min_tokens else None,
         )
 
     def _pick_victim(self, first_unscheduled: int) -> Request:
@@ -340,6 +344,10 @@ class Scheduler:
         return accepted
 
     def _token_stop_status(self, req: Request, tok: int, params: SamplingParams) -> RequestStatus | None:
+        if req.num_output_tokens <= params.min_tokens:  # tok is among the first min_tokens (masked there)
+            if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_tokens_per_request:
+                return RequestStatus.FINISHED_LENGTH
+            return None
         if not params.ignore_eos and tok in req.eos_token_ids:
             req.stop_reason = None
             return RequestStatus.FINISHED_STOPPED

@@ -1,5 +1,5 @@
 """Per-request logits changes before sampling: OpenAI's logit_bias and presence / frequency
-penalties, and transformers' / vLLM's repetition penalty.
+penalties, transformers' / vLLM's repetition penalty, and vLLM's min_tokens.
 
 They run on every logits row a request samples or verifies from (the root row and one per draft
 node), before the grammar masks and before temperature / min-p / top-k / top-p. The bias depends
@@ -8,7 +8,11 @@ the request's output before the step plus the node and its ancestors: the tokens
 would have generated on that path. Each row is then changed exactly as plain decoding would
 change it after that path, and verification stays exact.
 
-Both are sparse: only the tokens that occur (or are biased) are touched, so a penalised row of
+min_tokens masks the ids that end the output in the rows whose path (output before the step, then
+the node's depth) is shorter than min_tokens: again what plain decoding would mask at that
+position.
+
+All are sparse: only the tokens that occur (or are biased) are touched, so a penalised row of
 a 152k vocabulary costs what its few hundred distinct tokens cost, not a pass over the row.
 """
 
@@ -45,6 +49,23 @@ def apply_penalties(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledReques
         n = 1 + sr.num_spec_tokens
         if sr.penalized_output is not None:  # set for requests with penalties
             _penalize(logits[at : at + n], sr)
+        at += n
+
+
+def apply_min_tokens(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
+    """Forbid EOS and stop_token_ids in every row of a request whose path is shorter than its
+    min_tokens: the root row samples output token output_index, a node's row the one after it."""
+    at = 0
+    for sr in sampled_reqs:
+        n = 1 + sr.num_spec_tokens
+        if sr.min_tokens_ban is not None and sr.min_tokens_ban.numel():
+            short = sr.sampling_params.min_tokens - sr.output_index  # rows of depth < short are masked
+            depths = (0,) + (sr.draft.depths if sr.draft is not None else ())
+            rows = [at + i for i, d in enumerate(depths) if d < short]
+            ids = sr.min_tokens_ban[sr.min_tokens_ban < logits.shape[1]].to(logits.device)
+            if rows and ids.numel():
+                r = torch.tensor(rows, dtype=torch.long, device=logits.device)
+                logits[r[:, None], ids[None, :]] = float("-inf")
         at += n
 
 

@@ -187,13 +187,17 @@ class OpenAIServer:
         logit_bias = self._logit_bias(req.logit_bias)
         try:
             return SamplingParams(
-                max_tokens=max_tokens if max_tokens is not None else 1,
+                # Without max_tokens, _prepare sizes it later (at least min_tokens).
+                max_tokens=max_tokens if max_tokens is not None else max(1, req.min_tokens),
+                min_tokens=req.min_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 min_p=req.min_p or 0.0,
                 top_k=req.top_k or 0,
                 seed=req.seed,
                 stop=req.stop,
+                stop_token_ids=req.stop_token_ids or [],
+                include_stop_str_in_output=req.include_stop_str_in_output,
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 top_logprobs=top_logprobs,
@@ -240,6 +244,11 @@ class OpenAIServer:
                 room = self.max_request_tokens - num_prompt
                 if max_tokens is None:
                     want = room if default_max_tokens is None else min(default_max_tokens, room)
+                    if base.min_tokens > room:
+                        raise APIError(400, f"min_tokens={base.min_tokens} does not fit: the prompt has {num_prompt} "
+                                       f"tokens and a request holds at most {self.max_request_tokens}.",
+                                       param="min_tokens", code="context_length_exceeded")
+                    want = max(want, base.min_tokens)
                     p.request.sampling_params = replace(p.request.sampling_params, max_tokens=want)
                 elif max_tokens > room:
                     raise self._too_long(num_prompt, max_tokens)
@@ -512,8 +521,9 @@ class OpenAIServer:
             at += len(t)
         top = None
         if k:
-            top = [{self._token_text(tid): v for tid, v in pairs or []} for pairs in _last(tops, len(ids))]
-        return CompletionLogprobs(tokens=tokens, token_logprobs=_last(lps, len(ids)), top_logprobs=top,
+            top = [{self._token_text(tid): _finite(v) for tid, v in pairs or []} for pairs in _last(tops, len(ids))]
+        token_lps = [None if v is None else _finite(v) for v in _last(lps, len(ids))]
+        return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=top,
                                   text_offset=offsets)
 
     def _chat_logprobs(self, ids: list[int], lps: list[float | None] | None,
@@ -522,10 +532,10 @@ class OpenAIServer:
         content = []
         for t, lp, pairs in zip(ids, _last(lps, len(ids)), _last(tops, len(ids))):
             text = self._token_text(t)
-            alternatives = [TopLogprob(token=self._token_text(tid), logprob=v,
+            alternatives = [TopLogprob(token=self._token_text(tid), logprob=_finite(v),
                                        bytes=list(self._token_text(tid).encode("utf-8")))
                             for tid, v in (pairs or [])[:k]]
-            content.append(ChatLogprobToken(token=text, logprob=lp if lp is not None else 0.0,
+            content.append(ChatLogprobToken(token=text, logprob=_finite(lp) if lp is not None else 0.0,
                                             bytes=list(text.encode("utf-8")), top_logprobs=alternatives))
         return ChatLogprobs(content=content)
 
@@ -553,6 +563,14 @@ def _last(values: list[T] | None, n: int) -> list[T | None]:
     """The entries of an output's last n tokens, None where it carries fewer (or none at all)."""
     have = values[max(len(values) - n, 0):] if values is not None and n else []
     return [None] * (n - len(have)) + have
+
+
+MIN_LOGPROB = -9999.0  # what a masked token's -inf logprob is sent as (JSON has no infinity; vLLM's value)
+
+
+def _finite(logprob: float) -> float:
+    """A logprob JSON can carry: -inf (a token a grammar, min_tokens or top-k masked) and NaN as MIN_LOGPROB."""
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
 
 
 def _finish(reason: str | None) -> str | None:

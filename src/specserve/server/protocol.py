@@ -2,7 +2,8 @@
 
 Extras accepted in the body (the OpenAI client's `extra_body`): `top_k`, `speculative`,
 `priority` (lower is served first; < 0 marks a priority request that may speculate at
-medium batch sizes), `reference_text` (for the reference proposer), `ignore_eos`, and vLLM's
+medium batch sizes), `reference_text` (for the reference proposer), and vLLM's `ignore_eos`,
+`min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `repetition_penalty`, `min_p` and
 structured-output extras `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (OpenAI's
 `response_format` json_object / json_schema is standard).
 
@@ -12,9 +13,8 @@ LangChain send some of them at their defaults):
 
 - both endpoints: `store` false, `metadata` {}, `service_tier` "auto" / "default", `tools` [],
   `tool_choice` "none", `parallel_tool_calls` true / false, `functions` [], `function_call`
-  "none", `modalities` ["text"]; vLLM's `min_tokens` 0,
-  `use_beam_search` false, `length_penalty` 1, `skip_special_tokens` true,
-  `include_stop_str_in_output` false, `stop_token_ids` [];
+  "none", `modalities` ["text"]; vLLM's `use_beam_search` false, `length_penalty` 1,
+  `skip_special_tokens` true;
 - a chat message: `tool_calls` [] (`refusal`, `audio`, `function_call` only as null);
 - `stream_options`: `include_obfuscation` true / false (there is nothing to pad).
 
@@ -129,8 +129,7 @@ _NOOP_SAMPLING_VALUES: dict[str, tuple[Any, ...]] = {
     "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"), "tools": ([],),
     "tool_choice": ("none",), "parallel_tool_calls": (True, False), "functions": ([],),
     "function_call": ("none",), "modalities": (["text"],),
-    "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1.0,), "skip_special_tokens": (True,),
-    "include_stop_str_in_output": (False,), "stop_token_ids": ([],),
+    "use_beam_search": (False,), "length_penalty": (1.0,), "skip_special_tokens": (True,),
 }
 
 
@@ -160,6 +159,9 @@ class _SamplingFields(_Body):
     priority: StrictInt = Field(default=0, ge=-1000, le=1000)
     reference_text: str | None = None
     ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(default=0, ge=0)  # vLLM's: no EOS, stop token or stop string before this many
+    stop_token_ids: list[StrictInt] | None = None  # vLLM's: ids that end the output like EOS
+    include_stop_str_in_output: StrictBool = False  # vLLM's
     # The label of this request's series in /metrics (acceptance, effective tokens/s by class).
     request_class: str = Field(default="default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     # Structured output (specserve.sampling.grammar): OpenAI's response_format, or vLLM's extras.
