@@ -64,6 +64,20 @@ def test_masks_follow_each_node_path(compiler: GrammarCompiler) -> None:
     assert state.valid(2) and not state.valid(0)  # the matcher is back at the root
 
 
+def test_forced_text_inside_a_character_is_empty_not_an_error(smollm_checkpoint) -> None:
+    """A byte-level token can carry the first byte of a character the grammar forces; the forced
+    rest is then no text. It crashed the engine's step (UnicodeDecodeError out of xgrammar)."""
+    tok = smollm_checkpoint.tokenizer
+    compiler = GrammarCompiler.for_tokenizer(tok, smollm_checkpoint.arch.vocab_size)
+    state = compiler.new_state(StructuredOutput.choice(["中文"]))
+    assert state.forced_text() == "中文"
+    first_byte = tok.token_to_id("ä")  # byte 0xE4, the first of 中's three (GPT-2's byte spelling)
+    state.accept([first_byte])
+    assert state.num_rejected == 0
+    assert state.forced_text() == ""
+    assert not state.valid(first_byte)  # inside the character only its own continuation fits
+
+
 def test_prune_cuts_what_the_grammar_refuses(compiler: GrammarCompiler) -> None:
     state = compiler.new_state(StructuredOutput.regex(REGEX))
     state.accept([0])  # after "a": c, d or e

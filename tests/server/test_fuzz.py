@@ -5,6 +5,7 @@ healthy and leaks no KV block. Strings hold any code point, lone surrogates incl
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import httpx
@@ -57,8 +58,25 @@ COMMON = {
     "logit_bias": st.one_of(st.dictionaries(text(3), st.floats(-5, 5), max_size=2), VALUES),
     "user": st.one_of(text(20), VALUES),
     "response_format": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "xml"])}),
+                                 st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.one_of(
+                                     st.fixed_dictionaries({"name": st.just("s"), "schema": st.sampled_from(
+                                         [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "array"},
+                                          {"minimum": 3}, {"type": 7}])}), VALUES)}),
                                  VALUES),
     "tools": st.one_of(st.just([]), VALUES),
+    "frequency_penalty": st.one_of(st.floats(min_value=-3, max_value=3), VALUES),
+    "repetition_penalty": st.one_of(st.floats(min_value=-1, max_value=3), NON_FINITE, VALUES),
+    "min_p": st.one_of(st.floats(min_value=-0.5, max_value=1.5), NON_FINITE, VALUES),
+    "min_tokens": st.one_of(SMALL_INT, VALUES),
+    "stop_token_ids": st.one_of(st.lists(st.integers(min_value=-2, max_value=50000), max_size=5),
+                                st.just(list(range(49152))), VALUES),
+    "include_stop_str_in_output": st.one_of(st.booleans(), VALUES),
+    "request_class": st.one_of(st.sampled_from(["a", "b.c", "x" * 65]), text(8), VALUES),
+    "guided_choice": st.one_of(st.lists(text(6), max_size=3), VALUES),
+    "guided_regex": st.one_of(st.sampled_from(["[a-z]+", "(yes|no)", "\\d{1,3}", "[", "a*", "", "(?=x)y"]), text(8), VALUES),
+    "guided_json": st.one_of(st.sampled_from([{"type": "object"}, {"type": "integer"}, {"enum": ["a", 1]}, {"type": "bogus"},
+                                              "{\"type\": \"string\"}", "{"]), VALUES),
+    "guided_grammar": st.one_of(st.sampled_from(['root ::= "a" | "b"', "root ::=", 'root ::= [0-9]+']), text(10), VALUES),
     "tool_choice": st.one_of(st.sampled_from(["none", "auto"]), VALUES),
 }
 PROMPT = st.one_of(text(60), st.lists(text(20), max_size=3),
@@ -93,7 +111,9 @@ def _post(live, path: str, payload: bytes) -> httpx.Response:
                       timeout=60)
 
 
-FUZZ_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+# FUZZ_EXAMPLES raises the count for a longer hunt.
+FUZZ_SETTINGS = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "150")), deadline=None,
+                         suppress_health_check=list(HealthCheck))
 
 
 @FUZZ_SETTINGS
@@ -113,6 +133,92 @@ def test_fuzz_completions(fuzz_server, body):
 def test_fuzz_chat(fuzz_server, body):
     r = _post(fuzz_server, "/v1/chat/completions", json.dumps(body).encode())
     assert r.status_code < 500, (body, r.text)
+
+
+# Bodies of valid values only, in any combination: they reach sampling, speculation, grammars,
+# penalties, logprobs and streaming instead of stopping at validation.
+VOCAB = 49152
+VALID = {
+    "max_tokens": st.integers(min_value=1, max_value=12),
+    "min_tokens": st.integers(min_value=0, max_value=12),
+    "temperature": st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    "top_p": st.sampled_from([0.01, 0.5, 1.0]),
+    "top_k": st.sampled_from([-1, 0, 1, 3, 50]),
+    "min_p": st.sampled_from([0.0, 0.3, 1.0]),
+    "n": st.integers(min_value=1, max_value=3),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stop": st.one_of(text(3).filter(bool), st.lists(text(3).filter(bool), max_size=3)),
+    "stop_token_ids": st.lists(st.integers(min_value=0, max_value=VOCAB - 1), max_size=4),
+    "include_stop_str_in_output": st.booleans(),
+    "seed": st.integers(min_value=0, max_value=2**40),
+    "presence_penalty": st.sampled_from([-2.0, 0.0, 1.5]),
+    "frequency_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
+    "repetition_penalty": st.sampled_from([0.5, 1.0, 2.0]),
+    "logit_bias": st.dictionaries(st.integers(min_value=0, max_value=VOCAB - 1).map(str), st.sampled_from([-100, -1, 5, 100]),
+                                  max_size=3),
+    "ignore_eos": st.booleans(),
+    "speculative": st.booleans(),
+    "priority": st.integers(min_value=-2, max_value=2),
+    "request_class": st.sampled_from(["default", "chat", "batch.1"]),
+    "guided_choice": st.lists(text(4).filter(bool), min_size=1, max_size=3),
+    "guided_regex": st.sampled_from(["[a-z]{1,5}", "(yes|no)", "\\d{1,3}"]),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]),
+}
+
+
+@pytest.fixture(scope="module")
+def draft_server(tiny_tok_checkpoint):
+    """The same tiny model drafting for itself with its first layer, in trees: the model-drafter
+    paths (its own KV, tree verification, its memory in /metrics every step)."""
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny_tok_checkpoint, max_model_len=64, max_num_seqs=16,
+              spec_method="draft", draft_checkpoint=tiny_tok_checkpoint, draft_num_layers=1, draft_p_min=0.0,
+              spec_tree="tree", spec_policy="always", profile_spec_costs=False)
+    with serve(llm, "tiny", max_waiting=8, api_key=KEY, protect_metrics=True, max_request_bytes=1 << 16) as live:
+        yield live
+
+
+@pytest.fixture(params=["ngram", "draft"])
+def valid_server(request):
+    return request.getfixturevalue("fuzz_server" if request.param == "ngram" else "draft_server")
+
+
+@FUZZ_SETTINGS
+@given(body=st.fixed_dictionaries({"prompt": st.one_of(text(30), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)),
+                                   "logprobs": st.integers(min_value=0, max_value=5), "echo": st.booleans()},
+                                  optional=VALID))
+def test_fuzz_valid_completions(valid_server, body):
+    _check_valid(valid_server, "/v1/completions", body)
+
+
+@FUZZ_SETTINGS
+@given(body=st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant"]), "content": text(20)}), min_size=1, max_size=3)},
+    optional={**VALID, "logprobs": st.booleans(), "top_logprobs": st.integers(min_value=0, max_value=20)}))
+def test_fuzz_valid_chat(valid_server, body):
+    _check_valid(valid_server, "/v1/chat/completions", body)
+
+
+def _check_valid(live, path: str, body: dict) -> None:
+    """Valid fields may still conflict (a grammar with ignore_eos, min_tokens above max_tokens): a
+    400 that says why. Otherwise a 200 whose body, or every streamed event, is strict JSON."""
+    r = _post(live, path, json.dumps(body).encode())
+    assert r.status_code in (200, 400), (body, r.text)
+    if r.status_code == 400:
+        assert r.json()["error"]["message"], (body, r.text)
+        return
+    if body.get("stream"):
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", (body, r.text[-500:])
+        for e in events[:-1]:
+            assert "error" not in json.loads(e, parse_constant=_refuse), (body, e)
+    else:
+        assert len(json.loads(r.text, parse_constant=_refuse)["choices"]) == body.get("n", 1), (body, r.text)
+
+
+def _refuse(name: str) -> None:
+    raise AssertionError(f"{name} in a response: not JSON")
 
 
 @FUZZ_SETTINGS
@@ -160,11 +266,15 @@ def test_fuzz_headers(fuzz_server, headers, path):
     assert status < 500, (headers, status)
 
 
-def test_server_healthy_after_fuzz(fuzz_server):
-    r = httpx.post(fuzz_server.base_url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, headers=AUTH)
+@pytest.mark.parametrize("which", ["fuzz_server", "draft_server"])
+def test_server_healthy_after_fuzz(request, which):
+    live = request.getfixturevalue(which)
+    r = httpx.post(live.base_url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, headers=AUTH)
     assert r.status_code == 200
-    assert httpx.get(fuzz_server.base_url + "/health").json()["status"] == "ok"
-    fuzz_server.wait_idle()
-    eng = fuzz_server.engine
+    assert httpx.get(live.base_url + "/health").json()["status"] == "ok"
+    live.wait_idle()
+    eng = live.engine
     assert eng.check_integrity()
     assert all(b.ref_cnt == 0 for b in eng.kv_manager.pool.blocks)
+    if eng.proposer is not None and hasattr(eng.proposer, "kv"):
+        assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks

@@ -467,6 +467,20 @@ def test_min_p_sampled_distribution_matches_under_speculation(which):
     _assert_same_distribution(base, spec)
 
 
+def test_float32_drafter_memory_counts_onednn_packed_weights(tiny):
+    """A float32 draft keeps its weights in oneDNN's packed layout, which has no storage to look
+    at: reading its memory (the server's /metrics does every step) raised and stopped the engine."""
+    from specserve.models.linear import OneDNNLinear
+
+    llm = _spec_llm(tiny, "draft-full")
+    runner = llm.engine.proposer.runner
+    packed = [m.packed_weight for m in runner.model.modules() if isinstance(m, OneDNNLinear)]
+    if not packed:
+        pytest.skip("oneDNN is not available here: no packed weights")
+    assert llm.engine.drafter_memory_bytes >= sum(t.numel() * 4 for t in packed) + runner.kv_cache_bytes
+    assert llm.engine.runner.resident_bytes() > runner.kv_cache_bytes
+
+
 def _min_tokens_by_hand(llm, prompt, stop_ids, m, n):
     """Plain greedy under min_tokens m, built from two plain runs: m tokens with the stop ids
     banned, then the rest from there with them live."""

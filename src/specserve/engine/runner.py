@@ -33,6 +33,7 @@ from specserve.models.linear import (
     linear_weight_bytes,
     quantization_usable,
     resolve_linear_backend,
+    storage_bytes,
 )
 from specserve.models.llama import KVCache, LayerHooks, RMSNorm, RotaryEmbedding
 from specserve.models.registry import build_model
@@ -265,11 +266,7 @@ class ModelRunner:
     def resident_bytes(self) -> int:
         """Bytes this runner keeps alive: every storage behind the model's parameters and
         buffers (a shared huge-page buffer counted once) plus the KV cache."""
-        storages: dict[int, int] = {}
-        for t in [*self.model.parameters(), *self.model.buffers()]:
-            st = t.untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
-        return sum(storages.values()) + self.kv_cache_bytes
+        return storage_bytes([*self.model.parameters(), *self.model.buffers()]) + self.kv_cache_bytes
 
     # ------------------------------------------------------------------ inputs
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -19,6 +19,19 @@ from torch import nn
 from specserve.config import QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes behind `tensors`, each storage counted once (views and shared buffers share one).
+    oneDNN's packed weights (OneDNNLinear) have no storage to look at: their own size."""
+    storages: dict[int, int] = {}
+    for t in tensors:
+        if t.is_mkldnn:
+            storages[id(t)] = t.numel() * t.element_size()
+        else:
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
 
 
 class OneDNNLinear(nn.Module):

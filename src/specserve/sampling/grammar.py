@@ -157,10 +157,15 @@ class GrammarState:
 
         Byte-level vocabularies spell it several ways, so no single next token is forced; its
         usual tokenization makes a deterministic draft (see LLMEngine._draft_forced), verified
-        like any other, which keeps the output exact."""
+        like any other, which keeps the output exact. Empty where the output stops inside a
+        character (a byte-level token took its first bytes): the forced rest is not text, and the
+        draft waits a step."""
         if self._matcher.is_terminated():
             return ""
-        return str(self._matcher.find_jump_forward_string())
+        try:
+            return str(self._matcher.find_jump_forward_string())
+        except UnicodeDecodeError:  # xgrammar decodes the forced bytes; a character's tail is not UTF-8
+            return ""
 
     def _fill(self, out: torch.Tensor, row: int) -> None:  # out: [rows, num_words] int32
         if self._matcher.is_terminated():  # nothing may follow but the end of the output

@@ -44,6 +44,7 @@ from specserve.attention import build_attention_metadata
 from specserve.errors import ConfigError
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.models.arch import ArchConfig
+from specserve.models.linear import storage_bytes
 from specserve.models.llama import DecoderLayer, RestrictedLMHead, RMSNorm, RotaryEmbedding
 from specserve.request import Request
 from specserve.spec.draft_model import (
@@ -581,8 +582,8 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
 
     def memory_bytes(self) -> int:
         """The head's own weights (embedding and most of the LM head are the target's) and KV cache."""
-        own = sum(t.untyped_storage().nbytes() for t in [*self.head.parameters(), *self.head.buffers()])
-        head = sum(t.untyped_storage().nbytes() for t in [*self.lm_head.parameters(), *self.lm_head.buffers()])
+        own = storage_bytes([*self.head.parameters(), *self.head.buffers()])
+        head = storage_bytes([*self.lm_head.parameters(), *self.lm_head.buffers()])
         return own + head + sum(t.numel() * t.element_size() for t in self.kv_cache)
 
     # ------------------------------------------------------------------ passes

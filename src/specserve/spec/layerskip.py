@@ -39,6 +39,7 @@ from torch import nn
 from specserve.engine.runner import FeedEntry
 from specserve.errors import ConfigError
 from specserve.models.block_linear import partial_decoder_stack
+from specserve.models.linear import storage_bytes
 from specserve.request import Request
 from specserve.spec.draft_model import (
     EXPAND_WIDTH,
@@ -140,7 +141,7 @@ class LayerSkipProposer(PassTimer, CandidateWidth, Proposer):
         own = [*self.lm_head.parameters(), *self.lm_head.buffers()] if hasattr(self.lm_head, "token_ids") else []
         if self.exit is not None:
             own += [*self.exit.parameters(), *self.exit.buffers()]
-        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in own}.values())
+        return storage_bytes(own)
 
     def catchup_tokens(self, request: Request) -> int:
         """Tokens without target KV the draft feeds before drafting (the newest token)."""

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.models.linear import storage_bytes
 from specserve.request import Request
 from specserve.spec.draft_model import (
     CHILDREN,
@@ -117,7 +118,7 @@ class MedusaProposer(PassTimer, CandidateWidth, Proposer):
     def memory_bytes(self) -> int:
         """The heads and the LM head's rows (the target's embedding is not copied)."""
         mods = [self.heads, self.lm_head]
-        return sum(t.untyped_storage().nbytes() for m in mods for t in [*m.parameters(), *m.buffers()])
+        return storage_bytes([t for m in mods for t in [*m.parameters(), *m.buffers()]])
 
     # ------------------------------------------------------------------ drafting
     def _distributions(self, feats: torch.Tensor) -> torch.Tensor:  # [B, H] -> [M, B, V]
