@@ -111,6 +111,10 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    # prompt_logprobs: per prompt token, its logprob under the model given the tokens before it
+    # (None for the first), and the likeliest (id, logprob) pairs at that position.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def text(self) -> str:

@@ -106,6 +106,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []  # per output token: (id, logprob) pairs
+        # prompt_logprobs: per prompt token after the first, its logprob and the likeliest (id, logprob)
+        self.prompt_logprobs: list[float] = []
+        self.prompt_top_logprobs: list[list[tuple[int, float]]] = []
         self.num_computed_tokens = 0
         # Tokens of the prompt found in the prefix cache when first admitted.
         self.num_cached_tokens = -1
@@ -179,6 +182,21 @@ class Request:
         """The prompt's distinct token ids (int64, sorted), computed once: a repetition penalty
         reads them every step (a 30k-token prompt cost 2.9 ms a step to convert and dedupe)."""
         return torch.unique(torch.tensor(self.prompt_token_ids, dtype=torch.long))
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """prompt_logprobs asked for and not all computed yet (its prompt is then computed in full)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
+
+    def add_prompt_logprobs(self, first: int, logprobs: list[float], tops: list[list[tuple[int, float]]]) -> None:
+        """Record the logprobs of prompt tokens first, first + 1, ... (a recomputed chunk's are
+        already there: only the new ones are kept)."""
+        skip = len(self.prompt_logprobs) + 1 - first
+        if skip < 0:
+            raise RuntimeError(f"prompt logprobs of {self.request_id} arrived out of order")
+        self.prompt_logprobs.extend(logprobs[skip:])
+        self.prompt_top_logprobs.extend(tops[skip:])
 
     @functools.cached_property
     def end_token_ids(self) -> torch.Tensor:

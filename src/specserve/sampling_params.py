@@ -139,6 +139,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: also this many most likely tokens at each position
+    # vLLM's: the logprob of every prompt token after the first under the model (raw logits), and
+    # this many most likely tokens at each of those positions; None: off. The prompt is computed
+    # in full (no prefix-cache hits) while they are missing.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
@@ -203,6 +207,10 @@ class SamplingParams:
         if (not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool)
                 or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
             raise bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}.")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
+                or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise bad(f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}.")
         if self.top_logprobs and not self.logprobs:
             raise bad("top_logprobs needs logprobs=True.")
         for t in self.stop_token_ids:

@@ -145,3 +145,31 @@ def test_malformed_json_is_400(smol_server):
     assert r.status_code == 400 and "error" in r.json()
     smol_server.wait_idle()
     assert smol_server.engine.check_integrity()
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, smol_server):
+    """lm-eval-harness's loglikelihood request: echo, logprobs, max_tokens 0 (or 1). The echoed
+    prompt comes with its tokens' logprobs; they agree with generation's own logprobs."""
+    ctx = "The capital of France is"
+    gen = client.completions.create(model="smollm2", prompt=ctx, max_tokens=1, temperature=0, logprobs=1)
+    cont_lp = gen.choices[0].logprobs.token_logprobs[0]
+    text = ctx + gen.choices[0].text
+    n_prompt = len(smol_server.engine.tokenizer.encode(text))
+    r = client.completions.create(model="smollm2", prompt=text, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    c = r.choices[0]
+    assert c.text == text and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == n_prompt
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n_prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.token_logprobs[-1] == pytest.approx(cont_lp, abs=1e-3)  # the greedy token, scored in the prompt
+    assert max(lp.top_logprobs[-1].values()) == pytest.approx(lp.token_logprobs[-1], abs=1e-3)
+    more = client.completions.create(model="smollm2", prompt=text, max_tokens=3, echo=True, logprobs=0, temperature=0)
+    assert len(more.choices[0].logprobs.token_logprobs) == n_prompt + more.usage.completion_tokens
+    assert more.choices[0].logprobs.token_logprobs[:n_prompt] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    chunks = list(client.completions.create(model="smollm2", prompt=text, max_tokens=0, echo=True, logprobs=2,
+                                            temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+    assert chunks[0].choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="smollm2", prompt=text, max_tokens=0)

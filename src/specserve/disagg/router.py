@@ -33,6 +33,7 @@ from typing import Any
 from specserve.disagg.kv_transfer import ChannelFiles, KVLayout, TransferDescriptor, new_transfer_id
 from specserve.disagg.worker import check_pairable
 from specserve.engine.engine import PreparedRequest, RequestPreparer
+from specserve.errors import InvalidRequestError
 from specserve.kv_cache.block_pool import hash_block_tokens
 from specserve.kv_cache.tiers import block_file_name
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -133,6 +134,9 @@ class DisaggFrontend:
         """Tokenize and validate (as LLMEngine.prepare_request)."""
         import uuid
 
+        if params is not None and params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt logprobs (echo with logprobs) are not available with disaggregated serving: "
+                                      "the prefill worker computes the prompt; ask a co-located server.")
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
         return self.preparer.prepare(prompt, params, request_id=rid, priority=priority, arrival_time=arrival_time,
                                      index=index, check_max_tokens=check_max_tokens)

@@ -646,6 +646,9 @@ class LLMEngine:
             return pending + outs
         self.num_steps += 1
         self._drop_failed_loads()
+        for rid, (first, lps, tops) in self.runner.take_prompt_logprobs().items():
+            if (req := self.scheduler.requests.get(rid)) is not None:
+                req.add_prompt_logprobs(first, lps, tops)
         self._account_step(sched_out, sampled)
         results = self.scheduler.update_from_output(sched_out, sampled)
         self._save_to_tiers()
@@ -879,10 +882,13 @@ class LLMEngine:
         )
         if finished:
             del self._states[req.request_id]
+        want_prompt = req.sampling_params.prompt_logprobs is not None
         return RequestOutput(
             request_id=req.request_id,
             prompt=state.prompt,
             prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=[None, *req.prompt_logprobs] if want_prompt else None,
+            prompt_top_logprobs=[None, *req.prompt_top_logprobs] if want_prompt else None,
             outputs=[completion],
             finished=finished,
             metrics=RequestMetrics.from_request(req),

@@ -79,6 +79,7 @@ class FeedEntry(NamedTuple):
 
 
 _EMPTY_TREE = DraftTree((), ())
+PROMPT_LOGPROB_SLICE = 256  # rows of prompt logits at a time
 
 
 def _split(values: list[int], sizes: list[int]) -> list[tuple[int, ...]]:
@@ -206,6 +207,8 @@ class ModelRunner:
         # Feature-level proposers: keep each step's hidden states of the verified tokens (take_hidden).
         self.capture_hidden = False
         self._hidden: dict[str, HiddenRows] = {}
+        self.kept_hidden: torch.Tensor | None = None
+        self._prompt_logprobs: dict[str, tuple[int, list[float], list[list[tuple[int, float]]]]] = {}
         self._last_hidden_states: torch.Tensor | None = None
         self.connector: StepConnector | None = None  # disaggregation: KV in or out per layer
         self.step_graphs: StepGraphs | None = None
@@ -328,11 +331,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward_logits(self, inputs: StepInputs) -> torch.Tensor:  # [num_logit_rows, vocab]
-        """Run the decoder over the step's tokens; return logits of the rows that need them."""
+    def forward_logits(self, inputs: StepInputs, keep_rows: torch.Tensor | None = None) -> torch.Tensor:  # [num_logit_rows, vocab]
+        """Run the decoder over the step's tokens; return logits of the rows that need them
+        (and keep the last hidden states of `keep_rows` in self.kept_hidden)."""
         t0 = time.perf_counter()
         hidden = self._decoder_output(inputs)
         self._last_hidden_states = self._features(hidden) if self.capture_hidden else None
+        self.kept_hidden = hidden.index_select(0, keep_rows) if keep_rows is not None else None
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_index))
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # honest step times for the cost model
@@ -408,8 +413,12 @@ class ModelRunner:
             else:
                 self._finish_loads(loader, out)
                 loader = None
+        prompt_rows = self._prompt_logprob_rows(out)
+        keep = None
+        if prompt_rows:
+            keep = torch.tensor([r for _, _, rows, _ in prompt_rows for r in rows], dtype=torch.long, device=self.device)
         try:
-            logits = self.forward_logits(inputs)
+            logits = self.forward_logits(inputs, keep)
         finally:
             self.model.model.layer_hooks = None
             self.model.model.layer_wait = None
@@ -420,13 +429,63 @@ class ModelRunner:
         if self.keep_logits:
             self.last_logits = logits.clone()
         sampled = self._sample_and_verify(out, logits)
+        if prompt_rows:
+            self._keep_prompt_logprobs(prompt_rows, out)
         if self._last_hidden_states is not None:
             self._keep_verified_hidden(out, self._last_hidden_states, sampled)
             self._last_hidden_states = None
         for rid in self.failed_load_requests:  # computed on a block that failed: dropped
             sampled.pop(rid, None)
             self._hidden.pop(rid, None)
+            self._prompt_logprobs.pop(rid, None)
         return sampled
+
+    @staticmethod
+    def _prompt_logprob_rows(out: SchedulerOutput) -> list[tuple[str, int, range, list[int]]]:
+        """(request, first prompt index, rows, prompt tokens) of the rows of this step that predict
+        a prompt token of a request that wants prompt_logprobs: row j of a chunk starting at
+        position s predicts prompt token s + j + 1."""
+        found = []
+        base = 0
+        for sr in out.scheduled:
+            prompt = sr.prompt_for_logprobs
+            if prompt is not None:
+                count = min(sr.num_new_tokens, len(prompt) - 1 - sr.start_pos)
+                if count > 0:
+                    first = sr.start_pos + 1
+                    found.append((sr.request_id, first, range(base, base + count), list(prompt[first : first + count])))
+            base += len(sr.token_ids)
+        return found
+
+    def _keep_prompt_logprobs(self, prompt_rows: list[tuple[str, int, range, list[int]]], out: SchedulerOutput) -> None:
+        """Log-softmax of the model's raw logits at the kept rows, in slices (a 2k-token chunk of a
+        150k vocabulary would be a 1.2 GB logits matrix): each prompt token's logprob and the k
+        likeliest (id, logprob) pairs (k: the request's prompt_logprobs)."""
+        hidden, self.kept_hidden = self.kept_hidden, None
+        assert hidden is not None
+        ks = {sr.request_id: sr.sampling_params.prompt_logprobs or 0 for sr in out.scheduled}
+        at = 0
+        for rid, first, rows, targets in prompt_rows:
+            k = ks[rid]
+            lps: list[float] = []
+            tops: list[list[tuple[int, float]]] = []
+            for j in range(0, len(rows), PROMPT_LOGPROB_SLICE):
+                h = hidden[at + j : at + min(j + PROMPT_LOGPROB_SLICE, len(rows))]
+                logp = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
+                idx = torch.tensor(targets[j : j + len(h)], dtype=torch.long, device=logp.device)
+                lps += logp.gather(1, idx[:, None])[:, 0].tolist()
+                if k:
+                    values, ids = logp.topk(k, dim=-1)
+                    tops += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+                else:
+                    tops += [[] for _ in range(len(h))]
+            at += len(rows)
+            self._prompt_logprobs[rid] = (first, lps, tops)
+
+    def take_prompt_logprobs(self) -> dict[str, tuple[int, list[float], list[list[tuple[int, float]]]]]:
+        """Per request: (first prompt index, logprobs, top pairs) computed by the last step."""
+        got, self._prompt_logprobs = self._prompt_logprobs, {}
+        return got
 
     def loads_layer_wise(self) -> bool:
         """Whether this step loads disk hits beside its forward: always with tier_load "layer",

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from specserve.config import SchedulerConfig
-from specserve.kv_cache.manager import KVCacheManager, KVLoad
+from specserve.kv_cache.manager import KVCacheManager, KVLoad, PrefixHit
 from specserve.request import Request, RequestStatus
 from specserve.sampling_params import SamplingParams
 from specserve.spec.tree import DraftTree
@@ -44,6 +44,9 @@ class ScheduledRequest(NamedTuple):
     # Requests still short of min_tokens: the ids that would end the output (masked in the rows
     # whose path is shorter than min_tokens).
     min_tokens_ban: torch.Tensor | None = None
+    # prompt_logprobs still missing: the prompt (the rows of this step's tokens that predict a
+    # prompt token get their logprobs computed).
+    prompt_for_logprobs: Sequence[int] | None = None
 
     @property
     def num_spec_tokens(self) -> int:
@@ -196,7 +199,8 @@ class Scheduler:
                     break
                 self.kv.allocate_slots(req, num_new)
             else:
-                hit = self.kv.find_prefix(req)  # the pool's blocks, then the lower tiers'
+                # The pool's blocks, then the lower tiers'; none for a prompt whose logprobs are wanted.
+                hit = self.kv.find_prefix(req) if not req.wants_prompt_logprobs else PrefixHit([], [], 0)
                 num_hit = hit.num_tokens
                 num_new = req.num_tokens - num_hit
                 if num_new > budget:
@@ -257,6 +261,7 @@ class Scheduler:
             penalized_output=req.output_token_ids if req.sampling_params.has_penalties else None,
             penalized_prompt=req.distinct_prompt_ids if req.sampling_params.repetition_penalty != 1.0 else None,
             min_tokens_ban=req.end_token_ids if req.num_output_tokens < req.sampling_params.min_tokens else None,
+            prompt_for_logprobs=req.prompt_token_ids if req.wants_prompt_logprobs else None,
         )
 
     def _pick_victim(self, first_unscheduled: int) -> Request:

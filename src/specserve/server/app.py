@@ -183,7 +183,7 @@ class OpenAIServer:
         return out
 
     def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                         logprobs: bool, top_logprobs: int = 0) -> SamplingParams:
+                         logprobs: bool, top_logprobs: int = 0, prompt_logprobs: int | None = None) -> SamplingParams:
         logit_bias = self._logit_bias(req.logit_bias)
         try:
             return SamplingParams(
@@ -201,6 +201,7 @@ class OpenAIServer:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 top_logprobs=top_logprobs,
+                prompt_logprobs=prompt_logprobs,
                 reference_text=req.reference_text,
                 speculative=req.speculative,
                 logit_bias=logit_bias,
@@ -293,49 +294,76 @@ class OpenAIServer:
         for prompt in prompts:
             if isinstance(prompt, str):
                 self._check_prompt_chars(prompt, "prompt")
-        base = self._sampling_params(req, req.max_tokens, logprobs=req.logprobs is not None,
-                                     top_logprobs=req.logprobs or 0)
+        # max_tokens 0 with echo scores the prompt (lm-eval-harness, vLLM): one token is generated
+        # and left out of the answer.
+        prompt_only = req.max_tokens == 0
+        if prompt_only and not req.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt).",
+                           param="max_tokens")
+        max_tokens = 1 if prompt_only else req.max_tokens
+        scored = req.echo and req.logprobs is not None  # the echoed prompt comes with its logprobs
+        base = self._sampling_params(req, max_tokens, logprobs=req.logprobs is not None,
+                                     top_logprobs=req.logprobs or 0, prompt_logprobs=req.logprobs if scored else None)
         prepared, prompt_lens = await run_in_threadpool(self._prepare, prompts, base, req.n, req.priority,
-                                                        req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+                                                        max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
         self.metrics.tag_requests([p.request.request_id for p in prepared], req.request_class)
         stream = self._submit(prepared)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self._stream_completion(stream, req, prepared, prompt_lens, include_usage))
+            return _sse(self._stream_completion(stream, req, prepared, prompt_lens, include_usage, prompt_only))
         finals = await self._collect(stream, http)
         if finals is None:
             return Response(status_code=499)
         choices = []
         for i, out in enumerate(finals):
             c = out.outputs[0]
-            text = c.text
+            ids, lps, tops = ([], [], []) if prompt_only else (c.token_ids, _last(c.logprobs, len(c.token_ids)),
+                                                               _last(c.top_logprobs, len(c.token_ids)))
+            text = "" if prompt_only else c.text
             if req.echo:
                 text = (prepared[i].prompt or self._decode(out.prompt_token_ids)) + text
+                if scored:
+                    ids = out.prompt_token_ids + ids
+                    lps = (out.prompt_logprobs or []) + lps
+                    tops = (out.prompt_top_logprobs or []) + tops
             choices.append(CompletionChoice(
                 index=i, text=text, finish_reason=_finish(c.finish_reason), stop_reason=c.stop_reason,
-                logprobs=(self._completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, req.logprobs)
-                          if req.logprobs is not None else None),
+                logprobs=(self._completion_logprobs(ids, lps, tops, req.logprobs) if req.logprobs is not None else None),
             ))
-        body = CompletionResponse(model=self.model_name, choices=choices,
-                                  usage=self._usage(prompt_lens, finals))
+        usage = self._usage(prompt_lens, finals)
+        if prompt_only:
+            usage.total_tokens -= usage.completion_tokens
+            usage.completion_tokens = 0
+        body = CompletionResponse(model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
 
     async def _stream_completion(self, stream: RequestStream, req: CompletionRequest,
                                  prepared: list[PreparedRequest], prompt_lens: list[int],
-                                 include_usage: bool) -> AsyncIterator[str]:
+                                 include_usage: bool, prompt_only: bool = False) -> AsyncIterator[str]:
         rid = f"cmpl-{prepared[0].request.request_id}"
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
         clock = TokenClock()
+        scored = req.echo and req.logprobs is not None
         try:
-            if req.echo:
+            if req.echo and not scored:  # the prompt at once; scored, it goes with its logprobs after prefill
                 for i, p in enumerate(prepared):
                     chunk = CompletionResponse(id=rid, created=created, model=self.model_name,
                                                choices=[CompletionChoice(index=i, text=p.prompt or "")])
                     yield _event(chunk.model_dump())
+            echoed: set[int] = set()
             async for idx, out in stream:
                 c = out.outputs[0]
+                if scored and idx not in echoed:
+                    echoed.add(idx)
+                    lp = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs,
+                                                   out.prompt_top_logprobs, req.logprobs or 0)
+                    text = prepared[idx].prompt or self._decode(out.prompt_token_ids)
+                    yield _event(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
+                        CompletionChoice(index=idx, text=text, logprobs=lp)]).model_dump())
                 self._tick(clock, c.delta_token_ids)
+                if prompt_only:  # the one generated token stays out of the answer
+                    c = replace(c, delta_text="", delta_token_ids=[])
                 if not c.delta_text and not out.finished and req.logprobs is None:
                     continue
                 lp = None
@@ -354,6 +382,9 @@ class OpenAIServer:
                 yield _event(self._drain_error())
             if include_usage:
                 usage = self._usage(prompt_lens, [finals[i] for i in sorted(finals)])
+                if prompt_only:
+                    usage.total_tokens -= usage.completion_tokens
+                    usage.completion_tokens = 0
                 yield _event(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
                                                 usage=usage).model_dump())
             yield "data: [DONE]\n\n"
@@ -520,8 +551,9 @@ class OpenAIServer:
             offsets.append(at)
             at += len(t)
         top = None
-        if k:
-            top = [{self._token_text(tid): _finite(v) for tid, v in pairs or []} for pairs in _last(tops, len(ids))]
+        if k:  # None where there is nothing to rank (an echoed prompt's first token)
+            top = [None if pairs is None else {self._token_text(tid): _finite(v) for tid, v in pairs}
+                   for pairs in _last(tops, len(ids))]
         token_lps = [None if v is None else _finite(v) for v in _last(lps, len(ids))]
         return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=top,
                                   text_offset=offsets)

@@ -139,7 +139,7 @@ class _SamplingFields(_Body):
     NOOP_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = _NOOP_SAMPLING_VALUES
 
     model: str | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=0)  # 0: only with echo (score the prompt)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)
@@ -256,7 +256,7 @@ class CompletionLogprobs(BaseModel):
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None  # None at an echoed prompt's first token
     text_offset: list[int] = Field(default_factory=list)
 
 
