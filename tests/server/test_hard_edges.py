@@ -614,6 +614,14 @@ def test_logprobs_of_masked_tokens_are_sent_as_finite_numbers(edge):
     _assert_clean(edge)
 
 
+def test_tokenizer_endpoints_are_behind_the_api_key(edge):
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5, 6]})):
+        r = httpx.post(edge.base_url + path, json=body, timeout=30)
+        assert r.status_code == 401, r.text
+        r = _post(edge, path, body)
+        assert r.status_code == 200, r.text
+
+
 def test_fields_sent_at_their_defaults_are_accepted(edge):
     defaults = {
         "tools": [],

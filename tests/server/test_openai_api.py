@@ -173,3 +173,28 @@ def test_echo_with_logprobs_scores_the_prompt(client, smol_server):
     assert chunks[0].choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="smollm2", prompt=text, max_tokens=0)
+
+
+def test_tokenize_and_detokenize(client, smol_server):
+    """vLLM's /tokenize (a prompt, or messages through the chat template) counts what the
+    completion endpoints count; /detokenize spells ids back."""
+    base = smol_server.base_url
+    prompt = "The capital of France is"
+    r = httpx.post(base + "/tokenize", json={"prompt": prompt})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    done = client.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0)
+    assert body["count"] == len(body["tokens"]) == done.usage.prompt_tokens
+    assert body["max_model_len"] == smol_server.engine.max_model_len
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    r = httpx.post(base + "/tokenize", json={"model": "smollm2", "messages": msgs})
+    chat = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=1, temperature=0)
+    assert r.status_code == 200 and r.json()["count"] == chat.usage.prompt_tokens
+    r = httpx.post(base + "/detokenize", json={"tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json()["prompt"] == prompt
+    for path, bad, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": msgs}, "prompt"),
+                             ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                             ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+                             ("/tokenize", {"prompt": "a", "frobnicate": 1}, "frobnicate")):
+        r = httpx.post(base + path, json=bad)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, bad, r.text)

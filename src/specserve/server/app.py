@@ -40,15 +40,18 @@ from specserve.server.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatLogprobToken,
+    ChatMessage,
     ChatResponseMessage,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
     SpeculationToggle,
+    TokenizeRequest,
     TopLogprob,
     UsageInfo,
     error_body,
@@ -398,23 +401,55 @@ class OpenAIServer:
             stream.abort()  # no-op when everything finished; frees KV at once on disconnect
 
     # ------------------------------------------------------------------ chat
+    async def _render_chat(self, msgs: list[ChatMessage], add_generation_prompt: bool) -> str:
+        """The conversation through the model's chat template (its errors are the client's: 400)."""
+        if self.tokenizer is None:
+            raise APIError(400, "This model has no tokenizer, hence no chat template; use /v1/completions.")
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
+                     **({"name": m.name} if m.name else {})} for m in msgs]
+        try:
+            prompt = await run_in_threadpool(self.tokenizer.apply_chat_template, messages, add_generation_prompt)
+        except SpecServeError as e:
+            raise APIError(400, str(e), param="messages") from e
+        except Exception as e:  # noqa: BLE001 - template errors (raise_exception in jinja) are client errors
+            raise APIError(400, f"The chat template rejected these messages: {e}", param="messages") from e
+        self._check_prompt_chars(prompt, "messages")
+        return prompt
+
+    # ------------------------------------------------------------------ tokenizer endpoints
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """POST /tokenize: the ids a completion (prompt) or chat (messages) request would feed."""
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "Give a prompt or messages (one of them).", param="prompt")
+        if self.tokenizer is None:
+            raise APIError(400, "This model has no tokenizer; send token ids to the completions endpoint.")
+        if req.messages is not None:
+            text, special = await self._render_chat(req.messages, req.add_generation_prompt), False
+        else:
+            text, special = req.prompt, req.add_special_tokens
+            self._check_prompt_chars(text, "prompt")
+        ids = await run_in_threadpool(self.tokenizer.encode, text, add_special_tokens=special)
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        """POST /detokenize: the text of token ids (special tokens spelled out)."""
+        self._check_model(req.model)
+        if self.tokenizer is None:
+            raise APIError(400, "This model has no tokenizer.")
+        vocab = self.engine.preparer.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"Token ids {bad[:5]} are outside the vocabulary [0, {vocab}).", param="tokens")
+        return {"prompt": await run_in_threadpool(self.tokenizer.decode, req.tokens, False)}
+
     async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
         """POST /v1/chat/completions."""
         self._check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
         self._check_admissible(req.n)
-        if self.tokenizer is None:
-            raise APIError(400, "This model has no tokenizer, hence no chat template; use /v1/completions.")
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
-                     **({"name": m.name} if m.name else {})} for m in req.messages]
-        try:
-            prompt = await run_in_threadpool(self.tokenizer.apply_chat_template, messages, req.add_generation_prompt)
-        except SpecServeError as e:
-            raise APIError(400, str(e), param="messages") from e
-        except Exception as e:  # noqa: BLE001 - template errors (raise_exception in jinja) are client errors
-            raise APIError(400, f"The chat template rejected these messages: {e}", param="messages") from e
-        self._check_prompt_chars(prompt, "messages")
+        prompt = await self._render_chat(req.messages, req.add_generation_prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         base = self._sampling_params(req, max_tokens, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
         prepared, prompt_lens = await run_in_threadpool(self._prepare, [prompt], base, req.n, req.priority, max_tokens)
@@ -672,6 +707,14 @@ def build_app(server: OpenAIServer) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await server.detokenize(body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from specserve.server.protocol import error_body
 
 # Paths behind the API key, and behind it too with protect_metrics (metrics, page data, API docs).
-API_PATHS = ("/v1", "/admin")
+API_PATHS = ("/v1", "/admin", "/tokenize", "/detokenize")
 OBSERVABILITY_PATHS = ("/metrics", "/stats", "/docs", "/redoc", "/openapi.json")
 
 

@@ -376,6 +376,23 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): a prompt, or chat messages through the chat template, to token ids."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: StrictBool = True  # a prompt's (the chat template writes its own)
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's): token ids to text."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 class SpeculationToggle(BaseModel):
     """Body of POST /admin/speculation."""
 
