@@ -25,6 +25,7 @@ import torch
 
 if TYPE_CHECKING:
     from specserve.engine.scheduler import ScheduledRequest
+    from specserve.request import Request
 
 
 def apply_logit_bias(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
@@ -67,6 +68,31 @@ def apply_min_tokens(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledReque
                 r = torch.tensor(rows, dtype=torch.long, device=logits.device)
                 logits[r[:, None], ids[None, :]] = float("-inf")
         at += n
+
+
+def drafter_logits(logits: torch.Tensor, reqs: Sequence[Request], output_indices: Sequence[int]) -> torch.Tensor:
+    """A drafter's rows (row i drafts output token output_indices[i] of reqs[i]) with the
+    request's logit_bias, and min_tokens' ban of the ending ids, as the target's rows get them:
+    a draft that proposes a token the target bans is rejected there, so drafting it wastes the
+    step's tail. (Penalties depend on each node's path and are left to verification: a draft is
+    only a proposal, exactness never rests on it.) Returns `logits` itself when nothing applies."""
+    out = logits
+    for i, (req, index) in enumerate(zip(reqs, output_indices)):
+        params = req.sampling_params
+        ban = index < params.min_tokens
+        if not params.logit_bias and not ban:
+            continue
+        if out is logits:
+            out = logits.float().clone()
+        vocab = out.shape[-1]
+        if params.logit_bias:
+            for tok, bias in params.logit_bias.items():
+                if tok < vocab:
+                    out[i, tok] += bias
+        if ban:
+            ids = req.end_token_ids
+            out[i, ids[ids < vocab].to(out.device)] = float("-inf")
+    return out
 
 
 def _path_pairs(sr: ScheduledRequest) -> tuple[list[int], list[int], list[bool]]:

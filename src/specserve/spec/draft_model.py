@@ -31,6 +31,7 @@ from specserve.errors import ConfigError
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.models.arch import ArchConfig
 from specserve.request import Request
+from specserve.sampling.penalties import drafter_logits
 from specserve.sampling.sampler import (
     SamplingMetadata,
     logits_to_probs,
@@ -214,6 +215,7 @@ def expand_candidates(t: _TreeDraft, parent: int, logits: torch.Tensor, generato
     draw from a stream of their own, so the draft does not depend on the batch)."""
     params = t.req.sampling_params
     depth = t.depth(parent) + 1
+    logits = drafter_logits(logits[None], [t.req], [t.req.num_output_tokens + depth - 1])[0]
     if params.is_greedy:
         p = logits.float().softmax(-1)
         top = p.topk(children)
@@ -453,6 +455,8 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
             if j == 0:
                 for _, seq, _ in step_reqs:
                     seq.num_computed_tokens = len(seq.all_token_ids)
+            logits = drafter_logits(logits, [req for req, _, _ in step_reqs],
+                                    [req.num_output_tokens + j for req, _, _ in step_reqs])
             toks, rows = self._sample(logits, step_reqs, j)
             # Only a request that may draft again needs to know (none does on the last pass).
             more = self.p_min > 0 and any(j + 1 < k for _, _, k in step_reqs)
