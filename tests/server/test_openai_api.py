@@ -198,3 +198,28 @@ def test_tokenize_and_detokenize(client, smol_server):
                              ("/tokenize", {"prompt": "a", "frobnicate": 1}, "frobnicate")):
         r = httpx.post(base + path, json=bad)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, bad, r.text)
+
+
+def test_continue_final_message_and_chat_template_kwargs(client, smol_server):
+    """vLLM's chat extras: the last assistant message is continued (no new turn is opened), and
+    chat_template_kwargs reach the template; conflicting settings are 400s."""
+    base = smol_server.base_url
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    r = httpx.post(base + "/tokenize", json={"messages": msgs, **extra})
+    assert r.status_code == 200, r.text
+    text = httpx.post(base + "/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+    assert text.endswith("The capital of France is")
+    out = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=4, temperature=0, extra_body=extra)
+    assert out.usage.prompt_tokens == r.json()["count"]
+    assert "Paris" in out.choices[0].message.content
+    opened = httpx.post(base + "/tokenize", json={"messages": msgs}).json()
+    assert opened["count"] > r.json()["count"]  # a new assistant turn after the closed message
+    r = httpx.post(base + "/tokenize", json={"messages": msgs, "chat_template_kwargs": {"unused_switch": True}})
+    assert r.status_code == 200 and r.json()["tokens"] == opened["tokens"]
+    for bad, param in (({"continue_final_message": True}, "continue_final_message"),
+                       ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                       ({"chat_template_kwargs": [1]}, "chat_template_kwargs")):
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -40,7 +41,6 @@ from specserve.server.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatLogprobToken,
-    ChatMessage,
     ChatResponseMessage,
     CompletionChoice,
     CompletionLogprobs,
@@ -401,18 +401,37 @@ class OpenAIServer:
             stream.abort()  # no-op when everything finished; frees KV at once on disconnect
 
     # ------------------------------------------------------------------ chat
-    async def _render_chat(self, msgs: list[ChatMessage], add_generation_prompt: bool) -> str:
-        """The conversation through the model's chat template (its errors are the client's: 400)."""
+    async def _render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
+        """The conversation through the model's chat template (its errors are the client's: 400).
+        With continue_final_message the text stops where the last message's content ends (as
+        transformers' and vLLM's), so the model continues it."""
         if self.tokenizer is None:
             raise APIError(400, "This model has no tokenizer, hence no chat template; use /v1/completions.")
+        assert req.messages is not None
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
-                     **({"name": m.name} if m.name else {})} for m in msgs]
+                     **({"name": m.name} if m.name else {})} for m in req.messages]
+        kwargs = req.chat_template_kwargs or {}
+        taken = sorted(set(kwargs) & {"messages", "add_generation_prompt", "chat_template"})
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {taken}: they have their own fields.",
+                           param="chat_template_kwargs")
+        final = messages[-1]["content"].strip()
+        if req.continue_final_message and (req.add_generation_prompt or not final):
+            raise APIError(400, "continue_final_message continues the last message: it needs add_generation_prompt "
+                           "false and a last message with text.", param="continue_final_message")
         try:
-            prompt = await run_in_threadpool(self.tokenizer.apply_chat_template, messages, add_generation_prompt)
+            prompt = await run_in_threadpool(partial(self.tokenizer.apply_chat_template, messages,
+                                                     req.add_generation_prompt, **kwargs))
         except SpecServeError as e:
             raise APIError(400, str(e), param="messages") from e
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception in jinja) are client errors
             raise APIError(400, f"The chat template rejected these messages: {e}", param="messages") from e
+        if req.continue_final_message:
+            at = prompt.rfind(final)
+            if at < 0:
+                raise APIError(400, "The chat template does not write the last message's text as it is, so it "
+                               "cannot be continued.", param="continue_final_message")
+            prompt = prompt[: at + len(final)]
         self._check_prompt_chars(prompt, "messages")
         return prompt
 
@@ -425,7 +444,7 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise APIError(400, "This model has no tokenizer; send token ids to the completions endpoint.")
         if req.messages is not None:
-            text, special = await self._render_chat(req.messages, req.add_generation_prompt), False
+            text, special = await self._render_chat(req), False
         else:
             text, special = req.prompt, req.add_special_tokens
             self._check_prompt_chars(text, "prompt")
@@ -449,7 +468,7 @@ class OpenAIServer:
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
         self._check_admissible(req.n)
-        prompt = await self._render_chat(req.messages, req.add_generation_prompt)
+        prompt = await self._render_chat(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         base = self._sampling_params(req, max_tokens, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
         prepared, prompt_lens = await run_in_threadpool(self._prepare, [prompt], base, req.n, req.priority, max_tokens)

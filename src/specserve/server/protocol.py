@@ -239,6 +239,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: StrictBool = True
+    # vLLM's: continue the last (assistant) message instead of opening a new turn (needs
+    # add_generation_prompt false); extra variables for the chat template (e.g. a template's switch).
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class UsageInfo(BaseModel):
@@ -384,6 +388,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: StrictBool = True  # a prompt's (the chat template writes its own)
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):
