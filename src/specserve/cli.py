@@ -144,7 +144,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
-        min_tokens=args.min_tokens,
+        min_tokens=args.min_tokens, prompt_logprobs=args.prompt_logprobs,
         reference_text=Path(args.reference_file).read_text(encoding="utf-8") if args.reference_file else None,
     )
     llm = LLM(args.model, **engine_kwargs(args))
@@ -533,6 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop string before this many tokens")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each prompt token's logprob and its K likeliest alternatives (0: none)")
     p.add_argument("--reference-file", help="reference text for --spec-method reference (e.g. the file being edited)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 

@@ -141,6 +141,12 @@ class RequestOutput:
             "finish_reason": self.finish_reason,
             "metrics": self.metrics.to_dict(),
         }
+        if self.prompt_logprobs is not None:
+            d["prompt_token_ids"] = self.prompt_token_ids
+            d["prompt_logprobs"] = self.prompt_logprobs
+            if any(self.prompt_top_logprobs or ()):
+                d["prompt_top_logprobs"] = [None if t is None else [[i, v] for i, v in t]
+                                            for t in self.prompt_top_logprobs or ()]
         if len(self.outputs) > 1:
             d["outputs"] = [
                 {"index": o.index, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}

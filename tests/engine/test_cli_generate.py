@@ -37,3 +37,15 @@ def test_generate_min_tokens_holds_back_stop_strings(capsys):
     assert len(held[0]["token_ids"]) >= 6 > len(plain[0]["token_ids"])
     code, _, err = _generate(capsys, "--min-tokens", "17")
     assert code == 1 and "min_tokens must be an integer in [0, max_tokens=16]" in err
+
+
+def test_generate_prompt_logprobs_in_json(capsys):
+    code, outs, _ = _generate(capsys, "--prompt-logprobs", "2")
+    assert code == 0
+    d = outs[0]
+    n = len(d["prompt_token_ids"])
+    assert len(d["prompt_logprobs"]) == len(d["prompt_top_logprobs"]) == n > 1
+    assert d["prompt_logprobs"][0] is None and all(v <= 0 for v in d["prompt_logprobs"][1:])
+    assert all(len(t) == 2 and t[0][1] >= t[1][1] for t in d["prompt_top_logprobs"][1:])
+    code, _, err = _generate(capsys, "--prompt-logprobs", "30")
+    assert code == 1 and "prompt_logprobs" in err
