@@ -416,7 +416,7 @@ class ModelRunner:
         prompt_rows = self._prompt_logprob_rows(out)
         keep = None
         if prompt_rows:
-            keep = torch.tensor([r for _, _, rows, _ in prompt_rows for r in rows], dtype=torch.long, device=self.device)
+            keep = torch.tensor([r for _, _, rows, _, _ in prompt_rows for r in rows], dtype=torch.long, device=self.device)
         try:
             logits = self.forward_logits(inputs, keep)
         finally:
@@ -430,7 +430,7 @@ class ModelRunner:
             self.last_logits = logits.clone()
         sampled = self._sample_and_verify(out, logits)
         if prompt_rows:
-            self._keep_prompt_logprobs(prompt_rows, out)
+            self._keep_prompt_logprobs(prompt_rows)
         if self._last_hidden_states is not None:
             self._keep_verified_hidden(out, self._last_hidden_states, sampled)
             self._last_hidden_states = None
@@ -441,10 +441,10 @@ class ModelRunner:
         return sampled
 
     @staticmethod
-    def _prompt_logprob_rows(out: SchedulerOutput) -> list[tuple[str, int, range, list[int]]]:
-        """(request, first prompt index, rows, prompt tokens) of the rows of this step that predict
-        a prompt token of a request that wants prompt_logprobs: row j of a chunk starting at
-        position s predicts prompt token s + j + 1."""
+    def _prompt_logprob_rows(out: SchedulerOutput) -> list[tuple[str, int, range, list[int], int]]:
+        """(request, first prompt index, rows, prompt tokens, k) of the rows of this step that
+        predict a prompt token of a request that wants prompt_logprobs (k alternatives): row j of a
+        chunk starting at position s predicts prompt token s + j + 1."""
         found = []
         base = 0
         for sr in out.scheduled:
@@ -453,20 +453,19 @@ class ModelRunner:
                 count = min(sr.num_new_tokens, len(prompt) - 1 - sr.start_pos)
                 if count > 0:
                     first = sr.start_pos + 1
-                    found.append((sr.request_id, first, range(base, base + count), list(prompt[first : first + count])))
+                    found.append((sr.request_id, first, range(base, base + count), list(prompt[first : first + count]),
+                                  sr.sampling_params.prompt_logprobs or 0))
             base += len(sr.token_ids)
         return found
 
-    def _keep_prompt_logprobs(self, prompt_rows: list[tuple[str, int, range, list[int]]], out: SchedulerOutput) -> None:
+    def _keep_prompt_logprobs(self, prompt_rows: list[tuple[str, int, range, list[int], int]]) -> None:
         """Log-softmax of the model's raw logits at the kept rows, in slices (a 2k-token chunk of a
         150k vocabulary would be a 1.2 GB logits matrix): each prompt token's logprob and the k
         likeliest (id, logprob) pairs (k: the request's prompt_logprobs)."""
         hidden, self.kept_hidden = self.kept_hidden, None
         assert hidden is not None
-        ks = {sr.request_id: sr.sampling_params.prompt_logprobs or 0 for sr in out.scheduled}
         at = 0
-        for rid, first, rows, targets in prompt_rows:
-            k = ks[rid]
+        for rid, first, rows, targets, k in prompt_rows:
             lps: list[float] = []
             tops: list[list[tuple[int, float]]] = []
             for j in range(0, len(rows), PROMPT_LOGPROB_SLICE):

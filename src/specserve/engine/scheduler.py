@@ -349,16 +349,13 @@ class Scheduler:
         return accepted
 
     def _token_stop_status(self, req: Request, tok: int, params: SamplingParams) -> RequestStatus | None:
-        if req.num_output_tokens <= params.min_tokens:  # tok is among the first min_tokens (masked there)
-            if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_tokens_per_request:
-                return RequestStatus.FINISHED_LENGTH
-            return None
-        if not params.ignore_eos and tok in req.eos_token_ids:
-            req.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if tok in params.stop_token_ids:
-            req.stop_reason = tok
-            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens > params.min_tokens:  # the first min_tokens masked every ending id
+            if not params.ignore_eos and tok in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if tok in params.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_tokens_per_request:
             return RequestStatus.FINISHED_LENGTH
         return None

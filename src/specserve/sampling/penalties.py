@@ -29,16 +29,12 @@ if TYPE_CHECKING:
 
 
 def apply_logit_bias(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
-    """Add each request's logit_bias to every row it samples or verifies from (a dict's keys are
-    distinct, so one indexed add per request)."""
+    """Add each request's logit_bias to every row it samples or verifies from."""
     at = 0
     for sr in sampled_reqs:
         n = 1 + sr.num_spec_tokens
-        bias = sr.sampling_params.logit_bias
-        if bias:
-            cols = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
-            vals = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-            logits[at : at + n, cols] += vals[None]
+        if sr.sampling_params.logit_bias:
+            _add_bias(logits[at : at + n], sr.sampling_params.logit_bias)
         at += n
 
 
@@ -59,14 +55,12 @@ def apply_min_tokens(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledReque
     at = 0
     for sr in sampled_reqs:
         n = 1 + sr.num_spec_tokens
-        if sr.min_tokens_ban is not None and sr.min_tokens_ban.numel():
+        if sr.min_tokens_ban is not None:
             short = sr.sampling_params.min_tokens - sr.output_index  # rows of depth < short are masked
             depths = (0,) + (sr.draft.depths if sr.draft is not None else ())
             rows = [at + i for i, d in enumerate(depths) if d < short]
-            ids = sr.min_tokens_ban[sr.min_tokens_ban < logits.shape[1]].to(logits.device)
-            if rows and ids.numel():
-                r = torch.tensor(rows, dtype=torch.long, device=logits.device)
-                logits[r[:, None], ids[None, :]] = float("-inf")
+            if rows:
+                _ban(logits, rows, sr.min_tokens_ban)
         at += n
 
 
@@ -84,15 +78,28 @@ def drafter_logits(logits: torch.Tensor, reqs: Sequence[Request], output_indices
             continue
         if out is logits:
             out = logits.float().clone()
-        vocab = out.shape[-1]
         if params.logit_bias:
-            for tok, bias in params.logit_bias.items():
-                if tok < vocab:
-                    out[i, tok] += bias
+            _add_bias(out[i : i + 1], params.logit_bias)
         if ban:
-            ids = req.end_token_ids
-            out[i, ids[ids < vocab].to(out.device)] = float("-inf")
+            _ban(out, [i], req.end_token_ids)
     return out
+
+
+def _add_bias(rows: torch.Tensor, bias: dict[int, float]) -> None:  # rows: [n, V], changed in place
+    """One indexed add of a request's logit_bias to all its rows (a dict's keys are distinct); ids
+    beyond the rows' width are skipped (a drafter's head may read fewer ids than the target)."""
+    cols = torch.tensor(list(bias), dtype=torch.long, device=rows.device)
+    vals = torch.tensor(list(bias.values()), dtype=rows.dtype, device=rows.device)
+    keep = cols < rows.shape[1]
+    rows[:, cols[keep]] += vals[keep][None]
+
+
+def _ban(logits: torch.Tensor, rows: list[int], ids: torch.Tensor) -> None:  # logits: [N, V], changed in place
+    """-inf at `ids` (those within the rows' width) in the given rows."""
+    ids = ids[ids < logits.shape[1]].to(logits.device)
+    if ids.numel():
+        r = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        logits[r[:, None], ids[None, :]] = float("-inf")
 
 
 def _path_pairs(sr: ScheduledRequest) -> tuple[list[int], list[int], list[bool]]:

@@ -333,11 +333,7 @@ class OpenAIServer:
                 index=i, text=text, finish_reason=_finish(c.finish_reason), stop_reason=c.stop_reason,
                 logprobs=(self._completion_logprobs(ids, lps, tops, req.logprobs) if req.logprobs is not None else None),
             ))
-        usage = self._usage(prompt_lens, finals)
-        if prompt_only:
-            usage.total_tokens -= usage.completion_tokens
-            usage.completion_tokens = 0
-        body = CompletionResponse(model=self.model_name, choices=choices, usage=usage)
+        body = CompletionResponse(model=self.model_name, choices=choices, usage=self._usage(prompt_lens, finals, prompt_only))
         return JSONResponse(body.model_dump())
 
     async def _stream_completion(self, stream: RequestStream, req: CompletionRequest,
@@ -384,10 +380,7 @@ class OpenAIServer:
             if self._aborted_by_drain(list(finals.values())):
                 yield _event(self._drain_error())
             if include_usage:
-                usage = self._usage(prompt_lens, [finals[i] for i in sorted(finals)])
-                if prompt_only:
-                    usage.total_tokens -= usage.completion_tokens
-                    usage.completion_tokens = 0
+                usage = self._usage(prompt_lens, [finals[i] for i in sorted(finals)], prompt_only)
                 yield _event(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
                                                 usage=usage).model_dump())
             yield "data: [DONE]\n\n"
@@ -626,9 +619,10 @@ class OpenAIServer:
         return ChatLogprobs(content=content)
 
     @staticmethod
-    def _usage(prompt_lens: list[int], finals: list[RequestOutput]) -> UsageInfo:
+    def _usage(prompt_lens: list[int], finals: list[RequestOutput], prompt_only: bool = False) -> UsageInfo:
+        """Token counts; prompt_only: the generated token was left out of the answer (echo, max_tokens 0)."""
         prompt = sum(prompt_lens)
-        completion = sum(o.metrics.num_generated_tokens for o in finals)
+        completion = 0 if prompt_only else sum(o.metrics.num_generated_tokens for o in finals)
         n_per_prompt = max(1, len(finals) // max(1, len(prompt_lens)))
         cached = sum(o.metrics.num_cached_prompt_tokens for o in finals[::n_per_prompt])
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,

@@ -231,18 +231,23 @@ class ChatMessage(_Body):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(_Body):
+    """How messages go through the chat template (chat completions and /tokenize)."""
+
+    add_generation_prompt: StrictBool = True
+    # vLLM's: continue the last (assistant) message instead of opening a new turn (needs
+    # add_generation_prompt false); extra variables for the chat template (e.g. a template's switch).
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    add_generation_prompt: StrictBool = True
-    # vLLM's: continue the last (assistant) message instead of opening a new turn (needs
-    # add_generation_prompt false); extra variables for the chat template (e.g. a template's switch).
-    continue_final_message: StrictBool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class UsageInfo(BaseModel):
@@ -380,16 +385,13 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_ChatTemplateFields):
     """POST /tokenize (vLLM's): a prompt, or chat messages through the chat template, to token ids."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: StrictBool = True  # a prompt's (the chat template writes its own)
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):
