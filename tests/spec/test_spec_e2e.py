@@ -360,6 +360,42 @@ def test_drafts_follow_logit_bias_and_min_tokens(tiny, tree):
         assert c["num_accepted_tokens"] >= 0.4 * c["num_draft_tokens"]
 
 
+@pytest.mark.parametrize("which", ["reference", "reference-chain", "ngram"])
+def test_copied_drafts_leave_out_what_the_request_bans(tiny, which):
+    """Model-free proposers copy text without reading the request: a copied token with logit_bias
+    -100, or an ending id before min_tokens, is cut from the draft with what follows it (the target
+    would reject it). The reference (and for prompt lookup the prompt) is the output itself with a
+    banned and an ending id spliced in every few tokens."""
+    prompts = _tiny_prompts(12, seed=6)
+    ban, stop = 7, 11
+    params = [_greedy(24, logit_bias={ban: -100.0}, stop_token_ids=[stop], min_tokens=24)] * len(prompts)
+    want = _llm(tiny).generate(prompts, params)
+    spliced = []
+    for o in want:
+        ref: list[int] = []
+        for i, t in enumerate(o.token_ids):
+            ref += [t] + ([ban if i % 6 == 2 else stop] if i % 3 == 2 else [])
+        spliced.append(ref)
+    if which == "ngram":  # the output copies its prompt: the spliced text goes there
+        prompts = [list(p) + ref for p, ref in zip(prompts, spliced)]
+        want = _llm(tiny).generate(prompts, params)
+    else:
+        params = [replace(params[0], reference_token_ids=ref) for ref in spliced]
+    llm = _spec_llm(tiny, which)
+    verified: list = []
+    verify = llm.engine.runner._sample_and_verify
+
+    def record(out, logits):  # noqa: ANN001, ANN202
+        verified.extend(sr.draft for sr in out.scheduled if sr.draft is not None)
+        return verify(out, logits)
+
+    llm.engine.runner._sample_and_verify = record
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(len(d) for d in verified) >= 50, "the proposer drafted too little for the test to mean anything"
+    assert not any(t in (ban, stop) for d in verified for t in d.token_ids)
+
+
 def test_logit_bias_sampled_distribution_matches_under_speculation():
     """With temperature, a biased request's first tokens have the same joint distribution with
     and without speculation (permutation test as above), and the bias moved them."""

@@ -30,6 +30,7 @@ from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specserve.progress import bar
 from specserve.request import Request, RequestStatus, ending_token_ids
 from specserve.sampling.grammar import GrammarCompiler
+from specserve.sampling.penalties import prune_banned
 from specserve.sampling_params import SamplingParams
 from specserve.spec.factory import (
     ProposerContext,
@@ -775,6 +776,8 @@ class LLMEngine:
             if k and req.request_id in delivered:  # before the grammar's cut: what it cuts would be rejected, a miss
                 self.policy.observe_proposal(req.request_id, k, delivered[req.request_id],
                                              prop.max_depth if prop is not None else 0)
+            if prop is not None:
+                prop = prune_banned(prop, req)  # a copied token the request bans (logit_bias, min_tokens)
             if prop is not None and req.grammar is not None:
                 prop = req.grammar.prune(prop)  # cut what the grammar could never accept
             if prop is not None and len(prop):

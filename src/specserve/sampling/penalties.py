@@ -26,6 +26,7 @@ import torch
 if TYPE_CHECKING:
     from specserve.engine.scheduler import ScheduledRequest
     from specserve.request import Request
+    from specserve.spec.tree import DraftTree
 
 
 def apply_logit_bias(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
@@ -83,6 +84,35 @@ def drafter_logits(logits: torch.Tensor, reqs: Sequence[Request], output_indices
         if ban:
             _ban(out, [i], req.end_token_ids)
     return out
+
+
+BANNED_BIAS = -100.0  # OpenAI: a logit_bias of -100 "should result in a ban or exclusive selection"
+
+
+def prune_banned(tree: DraftTree, req: Request) -> DraftTree | None:
+    """The draft without the nodes, and their subtrees, whose token the target's rows ban at that
+    depth: a logit_bias of -100 or below, and the ending ids while the output is shorter than
+    min_tokens. Model drafters never propose those (drafter_logits); model-free ones (prompt
+    lookup, reference, lookahead) copy text without reading the request's parameters, and a node
+    verification cannot accept only shortens the step. Exactness never rests on this: the rows
+    are masked in verification whatever the draft holds. None when nothing is left."""
+    params = req.sampling_params
+    bias = [t for t, v in params.logit_bias.items() if v <= BANNED_BIAS] if params.logit_bias else []
+    short = params.min_tokens - req.num_output_tokens  # nodes at depth <= short are under min_tokens
+    if not bias and short <= 0:
+        return tree
+    banned = set(bias)
+    ends = set(req.end_token_ids.tolist()) if short > 0 else set()
+    depths = tree.depths
+    kept: list[int] = []
+    alive = {-1}
+    for node, (tok, parent) in enumerate(zip(tree.token_ids, tree.parents)):
+        if parent in alive and tok not in banned and not (depths[node] <= short and tok in ends):
+            alive.add(node)
+            kept.append(node)
+    if len(kept) == len(tree):
+        return tree
+    return tree.select(kept) if kept else None
 
 
 def _add_bias(rows: torch.Tensor, bias: dict[int, float]) -> None:  # rows: [n, V], changed in place
