@@ -26,6 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="linear kernels: auto picks oneDNN packed weights for float32 on CPU")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (default: decode and verify steps replay as CUDA graphs)")
+    g.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
+                   help="generated tokens' logprobs: raw = the model's own distribution, before logit_bias, penalties, "
+                        "min_tokens and grammars (vLLM's default); processed = after them (before temperature and "
+                        "top-k / top-p). Prompt logprobs are always raw")
     g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "auto"],
                    help="default: auto for a GGUF model on the CPU, else none. none: float weights (a GGUF's "
                         "blocks decoded once; exact reference); auto: keep a GGUF's quantized blocks and compute "
@@ -93,7 +97,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """LLM(...) keyword arguments from parsed engine flags."""
     return dict(
         device=args.device, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, linear_backend=args.linear_backend,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, logprobs_mode=args.logprobs_mode,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, draft_quantization=args.draft_quantization,
         draft_vocab_size=args.draft_vocab_size,
         max_model_len=args.max_model_len, block_size=args.block_size,

@@ -63,6 +63,9 @@ def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
         ) from None
 
 
+LOGPROBS_MODES = ("raw", "processed")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to run and how to hold it in memory."""
@@ -78,6 +81,11 @@ class ModelConfig:
     quantization: str | None = None
     # CUDA: run every step eagerly instead of replaying short steps as CUDA graphs (engine/graphs.py).
     enforce_eager: bool = False
+    # What generated tokens' logprobs are of (one of LOGPROBS_MODES): "raw", the model's own
+    # distribution before logit_bias, penalties, min_tokens and grammar masks (vLLM's default
+    # raw_logprobs; prompt logprobs are always raw); "processed", after them (before temperature
+    # and top-k / top-p / min-p, which only shape the draw).
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype, self.device)
@@ -91,6 +99,8 @@ class ModelConfig:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"Unknown quantization {self.quantization!r}; use one of {', '.join(QUANTIZATIONS)}.")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"Unknown logprobs_mode {self.logprobs_mode!r}; use one of {', '.join(LOGPROBS_MODES)}.")
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:

@@ -48,6 +48,7 @@ class LLM:
         linear_backend: str = "auto",
         quantization: str | None = None,
         enforce_eager: bool = False,
+        logprobs_mode: str = "raw",
         num_kv_blocks: int | None = None,
         kv_cache_dtype: str = "auto",
         draft_model: str | None = None,
@@ -77,6 +78,7 @@ class LLM:
             model=ModelConfig(
                 model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
                 linear_backend=linear_backend, quantization=quantization, enforce_eager=enforce_eager,
+                logprobs_mode=logprobs_mode,
             ),
             cache=CacheConfig(
                 block_size=block_size, kv_cache_gib=kv_cache_gib,

@@ -598,20 +598,30 @@ def test_min_tokens_stop_token_ids_and_include_stop_str_are_applied(edge):
     _assert_clean(edge)
 
 
-def test_logprobs_of_masked_tokens_are_sent_as_finite_numbers(edge):
-    """A grammar leaves fewer tokens than top_logprobs asks for: the rest have logprob -inf, which
-    JSON cannot carry; they are sent as -9999 (vLLM's value), not a 500."""
+def test_logprobs_of_masked_tokens_are_sent_as_finite_numbers(edge, tiny_tok_checkpoint):
+    """With --logprobs-mode processed, a grammar that leaves fewer tokens than top_logprobs asks
+    for gives the rest logprob -inf, which JSON cannot carry; they are sent as -9999 (vLLM's value),
+    not a 500. The default (raw) reports the model's own distribution: every value finite."""
     choice = {"guided_choice": ["yes", "no"], "max_tokens": 4}
-    r = _post(edge, "/v1/chat/completions", {**CHAT, **choice, "logprobs": True, "top_logprobs": 20})
-    assert r.status_code == 200, r.text
-    content = r.json()["choices"][0]["logprobs"]["content"]
-    values = [t["logprob"] for t in content] + [a["logprob"] for t in content for a in t["top_logprobs"]]
-    assert -9999.0 in values and all(-9999.0 <= v <= 0 for v in values), values
-    r = _post(edge, "/v1/completions", {"prompt": "x", **choice, "logprobs": 20})
-    assert r.status_code == 200, r.text
-    lp = r.json()["choices"][0]["logprobs"]
-    assert min(v for top in lp["top_logprobs"] for v in top.values()) == -9999.0
+
+    def values(live):  # noqa: ANN001, ANN202
+        r = _post(live, "/v1/chat/completions", {**CHAT, **choice, "logprobs": True, "top_logprobs": 20})
+        assert r.status_code == 200, r.text
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        chat = [t["logprob"] for t in content] + [a["logprob"] for t in content for a in t["top_logprobs"]]
+        r = _post(live, "/v1/completions", {"prompt": "x", **choice, "logprobs": 20})
+        assert r.status_code == 200, r.text
+        return chat, [v for top in r.json()["choices"][0]["logprobs"]["top_logprobs"] for v in top.values()]
+
+    chat, completion = values(edge)
+    assert all(-9999.0 < v <= 0 for v in chat + completion), chat + completion
     _assert_clean(edge)
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny_tok_checkpoint, max_model_len=256, kv_cache_gib=0.01,
+              logprobs_mode="processed", profile_spec_costs=False)
+    with serve(llm, "tiny") as live:
+        chat, completion = values(live)
+    assert -9999.0 in chat and all(-9999.0 <= v <= 0 for v in chat), chat
+    assert min(completion) == -9999.0
 
 
 def test_tokenizer_endpoints_are_behind_the_api_key(edge):

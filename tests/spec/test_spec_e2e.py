@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.errors import InvalidRequestError
+from specserve.errors import ConfigError, InvalidRequestError
 
 # ----------------------------------------------------------------------------- tiny model
 
@@ -415,6 +415,35 @@ def test_logit_bias_sampled_distribution_matches_under_speculation():
     share = lambda outs: np.mean([o.token_ids[0] == 3 for o in outs])  # noqa: E731
     assert share(base) > share(unbiased) + 0.1
     _assert_same_distribution(base, spec)
+
+
+@pytest.mark.parametrize("which", [None, "draft-full", "ngram"])
+def test_logprobs_are_raw_unless_processed_is_asked_for(tiny, which):
+    """Generated tokens' logprobs are of the model's own distribution (vLLM's default raw_logprobs),
+    also under logit_bias, penalties, min_tokens and speculation: a token the bias forces keeps its
+    raw logprob and the top logprobs are the raw likeliest. logprobs_mode="processed" gives the
+    distribution after the processors (the forced token near logprob 0)."""
+    prompts = _tiny_prompts(6, seed=8)
+    firsts = [dict(o.outputs[0].top_logprobs[0])  # the 20 likeliest first tokens
+              for o in _llm(tiny).generate(prompts, _greedy(1, logprobs=True, top_logprobs=20))]
+    forced = [sorted(d, key=d.get)[-5] for d in firsts]  # each prompt's 5th likeliest first token
+    params = [_greedy(8, logprobs=True, top_logprobs=3, logit_bias={x: 12.0}, repetition_penalty=1.3,
+                      stop_token_ids=[sorted(d, key=d.get)[-1]], min_tokens=8) for x, d in zip(forced, firsts)]
+    plain = _llm(tiny).generate(prompts, params)
+    llm = _llm(tiny) if which is None else _spec_llm(tiny, which)
+    got = llm.generate(prompts, params)
+    for o, p, d, x in zip(got, plain, firsts, forced):
+        c, ref = o.outputs[0], p.outputs[0]
+        assert c.token_ids[0] == x and c.logprobs[0] == pytest.approx(d[x], abs=1e-4)
+        assert [t for t, _ in c.top_logprobs[0]] == sorted(d, key=d.get, reverse=True)[:3]
+        assert c.token_ids == ref.token_ids and c.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+        assert [[t for t, _ in top] for top in c.top_logprobs] == [[t for t, _ in top] for top in ref.top_logprobs]
+    if which is None:
+        for o, x in zip(_llm(tiny, logprobs_mode="processed").generate(prompts, params), forced):
+            c = o.outputs[0]
+            assert c.token_ids[0] == x and c.logprobs[0] > -0.05 and c.top_logprobs[0][0][0] == x
+    with pytest.raises(ConfigError, match="logprobs_mode"):
+        _llm(tiny, logprobs_mode="logits")
 
 
 def _penalized_greedy_by_hand(llm, prompt, n, presence, frequency, vocab):

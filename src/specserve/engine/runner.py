@@ -151,6 +151,7 @@ class ModelRunner:
         if vocab_subset is not None:  # before quantization, so the smaller head is quantized too
             self.model.restrict_vocab(vocab_subset)
         self.quantization = model_config.quantization
+        self.logprobs_mode = model_config.logprobs_mode
         self.native_ops = False  # block-quantized weights run through specserve.kernels
         if self.quantization != "none":
             if not quantization_usable(self.quantization, self.device):
@@ -537,6 +538,7 @@ class ModelRunner:
         sampled_reqs = [sr for sr in out.scheduled if sr.sample]
         if not sampled_reqs:
             return {}
+        raw = self._raw_rows(logits, sampled_reqs)
         apply_logit_bias(logits, sampled_reqs)
         apply_penalties(logits, sampled_reqs)
         apply_min_tokens(logits, sampled_reqs)
@@ -558,26 +560,69 @@ class ModelRunner:
             sampled = self._verify_chains(logits, sampled_reqs, meta)
         else:
             sampled = self._verify_trees(logits, sampled_reqs, meta)
+        if raw:
+            sampled = self._raw_logprobs(raw, sampled)
         if any(sr.sampling_params.top_logprobs for sr in sampled_reqs):
-            sampled = self._with_top_logprobs(logits, sampled_reqs, sampled)
+            sampled = self._with_top_logprobs(logits, sampled_reqs, sampled, raw)
         return sampled
 
-    def _with_top_logprobs(
-        self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest], sampled: dict[str, SampledTokens]  # logits: [sum(1 + K_i), V]
-    ) -> dict[str, SampledTokens]:
-        """Attach the most likely tokens at each emitted position of the requests that ask for them.
-        A request's rows start after the 1 + K_i rows of those before it; its t-th emitted token was
-        drawn from its root row (t = 0) or from the row of the t-th accepted node."""
-        rows: list[int] = []
-        spans: list[tuple[ScheduledRequest, int, int]] = []  # (request, first entry in rows, count)
+    def _raw_rows(self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> dict[str, torch.Tensor]:  # logits: [sum(1 + K_i), V]
+        """logprobs_mode "raw": a copy, before the processors change them, of the rows of every
+        request that asks for logprobs and has a processor (logit_bias, penalties, min_tokens, a
+        grammar); the other rows stay raw as they are, so nothing is copied in the common case."""
+        if self.logprobs_mode != "raw":
+            return {}
+        out: dict[str, torch.Tensor] = {}
         at = 0
         for sr in sampled_reqs:
+            n = 1 + sr.num_spec_tokens
+            p = sr.sampling_params
+            if (p.logprobs or p.top_logprobs) and (p.logit_bias or sr.penalized_output is not None
+                                                   or sr.min_tokens_ban is not None or sr.grammar is not None):
+                out[sr.request_id] = logits[at : at + n].clone()
+            at += n
+        return out
+
+    @staticmethod
+    def _emitted_rows(st: SampledTokens) -> list[int]:
+        """Where a request's emitted tokens were drawn, counted from its root row: the t-th from the
+        root (t = 0) or from the row of the t-th accepted node."""
+        return [0] + [1 + node for node in st.accepted_nodes]
+
+    def _raw_logprobs(self, raw: dict[str, torch.Tensor], sampled: dict[str, SampledTokens]) -> dict[str, SampledTokens]:
+        """The emitted tokens' logprobs of the requests in `raw`, from their rows before processing."""
+        out = dict(sampled)
+        for rid, rows in raw.items():
+            st = sampled.get(rid)
+            if st is None or st.logprobs is None:
+                continue
+            idx = torch.tensor(self._emitted_rows(st)[: len(st.token_ids)], dtype=torch.long, device=rows.device)
+            toks = torch.tensor(st.token_ids, dtype=torch.long, device=rows.device)
+            lp = torch.log_softmax(rows.index_select(0, idx).float(), dim=-1).gather(1, toks[:, None]).squeeze(1)
+            out[rid] = st._replace(logprobs=lp.tolist())
+        return out
+
+    def _with_top_logprobs(
+        self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest], sampled: dict[str, SampledTokens],  # logits: [sum(1 + K_i), V]
+        raw: dict[str, torch.Tensor],
+    ) -> dict[str, SampledTokens]:
+        """Attach the most likely tokens at each emitted position of the requests that ask for them,
+        from the raw copy of a request's rows where there is one. A request's rows start after the
+        1 + K_i rows of those before it (see _emitted_rows)."""
+        blocks: list[torch.Tensor] = []
+        spans: list[tuple[ScheduledRequest, int, int]] = []  # (request, first gathered row, count)
+        first = at = 0
+        for sr in sampled_reqs:
             if sr.sampling_params.top_logprobs:
-                mine = [at] + [at + 1 + node for node in sampled[sr.request_id].accepted_nodes]
-                spans.append((sr, len(rows), len(mine)))
-                rows += mine
+                mine = self._emitted_rows(sampled[sr.request_id])
+                src = raw.get(sr.request_id)
+                idx = mine if src is not None else [at + r for r in mine]
+                blocks.append((logits if src is None else src).index_select(
+                    0, torch.tensor(idx, dtype=torch.long, device=logits.device)))
+                spans.append((sr, first, len(mine)))
+                first += len(mine)
             at += 1 + sr.num_spec_tokens
-        tops = top_logprobs(logits, rows, max(sr.sampling_params.top_logprobs for sr, _, _ in spans))
+        tops = top_logprobs(torch.cat(blocks), list(range(first)), max(sr.sampling_params.top_logprobs for sr, _, _ in spans))
         out = dict(sampled)
         for sr, first, count in spans:
             k = sr.sampling_params.top_logprobs

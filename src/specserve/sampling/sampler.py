@@ -191,8 +191,8 @@ def top_logprobs(
     rows: list[int],
     k: int,
 ) -> list[list[tuple[int, float]]]:  # per row: k (token id, logprob) pairs, most likely first
-    """The k most likely tokens at each of `rows`, with logprobs of the model's own distribution
-    (as the sampled tokens' logprobs: before temperature / truncation)."""
+    """The k most likely tokens at each of `rows`, with logprobs of the rows as given (before
+    temperature / truncation; the runner passes raw rows unless logprobs_mode is "processed")."""
     values, ids = torch.log_softmax(logits[rows].float(), dim=-1).topk(k, dim=-1)
     return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
@@ -221,6 +221,7 @@ class Sampler:
             tokens = torch.where(meta.greedy, greedy_tokens, sampled)
         logprobs = None
         if meta.need_logprobs:
-            # Logprobs of the model's own distribution (before temperature / truncation).
+            # Logprobs of the rows as given, before temperature / truncation (the runner replaces
+            # them with the raw rows' where a processor changed a row and logprobs_mode is "raw").
             logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
         return tokens, logprobs
