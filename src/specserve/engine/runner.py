@@ -560,10 +560,11 @@ class ModelRunner:
             sampled = self._verify_chains(logits, sampled_reqs, meta)
         else:
             sampled = self._verify_trees(logits, sampled_reqs, meta)
-        if raw:
-            sampled = self._raw_logprobs(raw, sampled)
-        if any(sr.sampling_params.top_logprobs for sr in sampled_reqs):
+        tops = {sr.request_id for sr in sampled_reqs if sr.sampling_params.top_logprobs}
+        if tops:  # with the raw logprobs of those in `raw`, from the same log-softmax
             sampled = self._with_top_logprobs(logits, sampled_reqs, sampled, raw)
+        if raw.keys() - tops:
+            sampled = self._raw_logprobs({rid: rows for rid, rows in raw.items() if rid not in tops}, sampled)
         return sampled
 
     def _raw_rows(self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> dict[str, torch.Tensor]:  # logits: [sum(1 + K_i), V]
@@ -607,8 +608,8 @@ class ModelRunner:
         raw: dict[str, torch.Tensor],
     ) -> dict[str, SampledTokens]:
         """Attach the most likely tokens at each emitted position of the requests that ask for them,
-        from the raw copy of a request's rows where there is one. A request's rows start after the
-        1 + K_i rows of those before it (see _emitted_rows)."""
+        from the raw copy of a request's rows where there is one (then its emitted tokens' logprobs
+        too). A request's rows start after the 1 + K_i rows of those before it (see _emitted_rows)."""
         blocks: list[torch.Tensor] = []
         spans: list[tuple[ScheduledRequest, int, int]] = []  # (request, first gathered row, count)
         first = at = 0
@@ -622,12 +623,17 @@ class ModelRunner:
                 spans.append((sr, first, len(mine)))
                 first += len(mine)
             at += 1 + sr.num_spec_tokens
-        tops = top_logprobs(torch.cat(blocks), list(range(first)), max(sr.sampling_params.top_logprobs for sr, _, _ in spans))
+        logp = torch.log_softmax(torch.cat(blocks).float(), dim=-1)
+        tops = top_logprobs(logp, max(sr.sampling_params.top_logprobs for sr, _, _ in spans))
         out = dict(sampled)
         for sr, first, count in spans:
+            st = sampled[sr.request_id]
             k = sr.sampling_params.top_logprobs
-            out[sr.request_id] = sampled[sr.request_id]._replace(
-                top_logprobs=[pairs[:k] for pairs in tops[first : first + count]])
+            st = st._replace(top_logprobs=[pairs[:k] for pairs in tops[first : first + count]])
+            if sr.request_id in raw and st.logprobs is not None:
+                toks = torch.tensor(st.token_ids, dtype=torch.long, device=logp.device)
+                st = st._replace(logprobs=logp[first : first + len(toks)].gather(1, toks[:, None]).squeeze(1).tolist())
+            out[sr.request_id] = st
         return out
 
     def _apply_grammars(self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]

@@ -187,13 +187,12 @@ def sample_from_probs(
 
 
 def top_logprobs(
-    logits: torch.Tensor,  # [N, V] float32
-    rows: list[int],
+    logp: torch.Tensor,  # [N, V] log-probabilities
     k: int,
 ) -> list[list[tuple[int, float]]]:  # per row: k (token id, logprob) pairs, most likely first
-    """The k most likely tokens at each of `rows`, with logprobs of the rows as given (before
-    temperature / truncation; the runner passes raw rows unless logprobs_mode is "processed")."""
-    values, ids = torch.log_softmax(logits[rows].float(), dim=-1).topk(k, dim=-1)
+    """The k most likely tokens of each row (the runner's rows are log-softmaxed before
+    temperature / truncation, raw unless logprobs_mode is "processed")."""
+    values, ids = logp.topk(k, dim=-1)
     return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
