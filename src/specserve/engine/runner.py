@@ -474,11 +474,7 @@ class ModelRunner:
                 logp = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
                 idx = torch.tensor(targets[j : j + len(h)], dtype=torch.long, device=logp.device)
                 lps += logp.gather(1, idx[:, None])[:, 0].tolist()
-                if k:
-                    values, ids = logp.topk(k, dim=-1)
-                    tops += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-                else:
-                    tops += [[] for _ in range(len(h))]
+                tops += top_logprobs(logp, k) if k else [[] for _ in range(len(h))]
             at += len(rows)
             self._prompt_logprobs[rid] = (first, lps, tops)
 
@@ -560,11 +556,8 @@ class ModelRunner:
             sampled = self._verify_chains(logits, sampled_reqs, meta)
         else:
             sampled = self._verify_trees(logits, sampled_reqs, meta)
-        tops = {sr.request_id for sr in sampled_reqs if sr.sampling_params.top_logprobs}
-        if tops:  # with the raw logprobs of those in `raw`, from the same log-softmax
-            sampled = self._with_top_logprobs(logits, sampled_reqs, sampled, raw)
-        if raw.keys() - tops:
-            sampled = self._raw_logprobs({rid: rows for rid, rows in raw.items() if rid not in tops}, sampled)
+        if raw or any(sr.sampling_params.top_logprobs for sr in sampled_reqs):
+            sampled = self._emitted_logprobs(logits, sampled_reqs, sampled, raw)
         return sampled
 
     def _raw_rows(self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> dict[str, torch.Tensor]:  # logits: [sum(1 + K_i), V]
@@ -578,8 +571,8 @@ class ModelRunner:
         for sr in sampled_reqs:
             n = 1 + sr.num_spec_tokens
             p = sr.sampling_params
-            if (p.logprobs or p.top_logprobs) and (p.logit_bias or sr.penalized_output is not None
-                                                   or sr.min_tokens_ban is not None or sr.grammar is not None):
+            if p.logprobs and (p.logit_bias or sr.penalized_output is not None  # (top_logprobs needs logprobs)
+                               or sr.min_tokens_ban is not None or sr.grammar is not None):
                 out[sr.request_id] = logits[at : at + n].clone()
             at += n
         return out
@@ -590,33 +583,21 @@ class ModelRunner:
         root (t = 0) or from the row of the t-th accepted node."""
         return [0] + [1 + node for node in st.accepted_nodes]
 
-    def _raw_logprobs(self, raw: dict[str, torch.Tensor], sampled: dict[str, SampledTokens]) -> dict[str, SampledTokens]:
-        """The emitted tokens' logprobs of the requests in `raw`, from their rows before processing."""
-        out = dict(sampled)
-        for rid, rows in raw.items():
-            st = sampled.get(rid)
-            if st is None or st.logprobs is None:
-                continue
-            idx = torch.tensor(self._emitted_rows(st)[: len(st.token_ids)], dtype=torch.long, device=rows.device)
-            toks = torch.tensor(st.token_ids, dtype=torch.long, device=rows.device)
-            lp = torch.log_softmax(rows.index_select(0, idx).float(), dim=-1).gather(1, toks[:, None]).squeeze(1)
-            out[rid] = st._replace(logprobs=lp.tolist())
-        return out
-
-    def _with_top_logprobs(
+    def _emitted_logprobs(
         self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest], sampled: dict[str, SampledTokens],  # logits: [sum(1 + K_i), V]
         raw: dict[str, torch.Tensor],
     ) -> dict[str, SampledTokens]:
-        """Attach the most likely tokens at each emitted position of the requests that ask for them,
-        from the raw copy of a request's rows where there is one (then its emitted tokens' logprobs
-        too). A request's rows start after the 1 + K_i rows of those before it (see _emitted_rows)."""
+        """At each emitted position: the likeliest tokens of the requests that ask for them, and the
+        raw logprobs of the requests in `raw` (replacing the sampler's, of processed rows); one
+        log-softmax over those rows, read from the raw copy where there is one. A request's rows
+        start after the 1 + K_i rows of those before it (see _emitted_rows)."""
         blocks: list[torch.Tensor] = []
         spans: list[tuple[ScheduledRequest, int, int]] = []  # (request, first gathered row, count)
         first = at = 0
         for sr in sampled_reqs:
-            if sr.sampling_params.top_logprobs:
+            src = raw.get(sr.request_id)
+            if sr.sampling_params.top_logprobs or src is not None:
                 mine = self._emitted_rows(sampled[sr.request_id])
-                src = raw.get(sr.request_id)
                 idx = mine if src is not None else [at + r for r in mine]
                 blocks.append((logits if src is None else src).index_select(
                     0, torch.tensor(idx, dtype=torch.long, device=logits.device)))
@@ -624,12 +605,13 @@ class ModelRunner:
                 first += len(mine)
             at += 1 + sr.num_spec_tokens
         logp = torch.log_softmax(torch.cat(blocks).float(), dim=-1)
-        tops = top_logprobs(logp, max(sr.sampling_params.top_logprobs for sr, _, _ in spans))
+        kmax = max(sr.sampling_params.top_logprobs for sr, _, _ in spans)
+        tops = top_logprobs(logp, kmax) if kmax else []
         out = dict(sampled)
         for sr, first, count in spans:
             st = sampled[sr.request_id]
-            k = sr.sampling_params.top_logprobs
-            st = st._replace(top_logprobs=[pairs[:k] for pairs in tops[first : first + count]])
+            if k := sr.sampling_params.top_logprobs:
+                st = st._replace(top_logprobs=[pairs[:k] for pairs in tops[first : first + count]])
             if sr.request_id in raw and st.logprobs is not None:
                 toks = torch.tensor(st.token_ids, dtype=torch.long, device=logp.device)
                 st = st._replace(logprobs=logp[first : first + len(toks)].gather(1, toks[:, None]).squeeze(1).tolist())

@@ -97,11 +97,10 @@ def prune_banned(tree: DraftTree, req: Request) -> DraftTree | None:
     verification cannot accept only shortens the step. Exactness never rests on this: the rows
     are masked in verification whatever the draft holds. None when nothing is left."""
     params = req.sampling_params
-    bias = [t for t, v in params.logit_bias.items() if v <= BANNED_BIAS] if params.logit_bias else []
+    banned = {t for t, v in params.logit_bias.items() if v <= BANNED_BIAS} if params.logit_bias else set()
     short = params.min_tokens - req.num_output_tokens  # nodes at depth <= short are under min_tokens
-    if not bias and short <= 0:
+    if not banned and short <= 0:
         return tree
-    banned = set(bias)
     ends = set(req.end_token_ids.tolist()) if short > 0 else set()
     depths = tree.depths
     kept: list[int] = []
