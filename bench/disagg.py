@@ -366,13 +366,14 @@ def plot(payload: dict[str, Any], path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=MODEL, help="the model every engine serves (bundled name or path)")
-    ap.add_argument("--long", type=int, default=3, help="long-prompt requests in the mixed workload")
+    ap.add_argument("--long", type=int, default=6, help="long-prompt requests in the mixed workload")
     ap.add_argument("--long-tokens", type=int, default=2100, help="approximate tokens of the first long prompt")
     ap.add_argument("--long-output", type=int, default=16, help="tokens each long prompt's answer has")
     ap.add_argument("--long-kind", default="summary", choices=["summary", "code"],
                     help="long prompts: documents to summarize, or the start of a standard-library module to "
                          "continue")
-    ap.add_argument("--decode", type=int, default=6, help="long-decode requests")
+    ap.add_argument("--decode", type=int, default=12, help="long-decode requests (12: a p50 between two clusters "
+                    "of 3 requests moved 30% from one recording to the next)")
     ap.add_argument("--decode-tokens", type=int, default=160)
     ap.add_argument("--interval", type=float, default=12.0,
                     help="seconds between long prompts (about one prompt's prefill time on one core here)")

@@ -70,22 +70,25 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (128, 1024, 2560)  # long prompts' decodes read ~2k-token contexts: measured, not extrapolated
 VERIFY_BATCHES = (1, 4, 16)
 VERIFY_TOKENS = (1, 2, 3, 5, 9)
-PREFILL_CHUNKS = (16, 32, 48, 64, 96, 128, 192, 256, 384)  # plus the token budget (the kernels tile rows: not linear)
+PREFILL_CHUNKS = (2, 4, 8, 12, 16, 32, 48, 64, 96, 128, 192, 256, 384)  # plus the token budget (the kernels tile rows: not linear)
 PREFILL_OFFSETS = (0, 1024, 2048)  # contexts before a budget-sized chunk
 OVERHEAD_BATCHES = (1, 8)
 SERVED_BATCHES = (1, 4, 8)
 SERVED_TOKENS = 48  # tokens each streamed request generates
 LONE_REQUESTS = 15  # short requests on an idle server: their times to first token (spread and median)
-# Idle time before each: a request to a lightly loaded server finds it at rest (threads asleep,
-# caches cold), and that costs more the longer the rest: 15 lone SmolLM2 requests over HTTP on a
-# 2-vCPU Zen 5 took a median 23.5 / 25.7 ms after 0.25 s idle, 26.8 / 29.7 ms after 1 s.
-LONE_GAP_S = 1.0
+# Idle time before each, in turn: a request to a lightly loaded server finds it at rest (threads
+# asleep, caches cold), and that costs more the longer the rest: 15 lone SmolLM2 requests over
+# HTTP on a 2-vCPU Zen 5 took a median 23.5 / 25.7 ms after 0.25 s idle, 26.8 / 29.7 ms after 1 s,
+# and bench/disagg.py's in-process requests 10-16 ms after 3.4 s, 14-24 ms after 5.2 s. The cost
+# model charges a request the front-end time measured after its engine's idle time.
+LONE_GAPS_S = (0.25, 1.0, 4.0)
 CO_RUN_BATCH = 4  # decode batch timed beside a neighbour worker
 CO_RUN_REPEATS = 9
 KV_TRANSFER_TOKENS = 2048
 ROUNDS = 3
 RELAY_PROMPT_TOKENS = 64  # a relayed request's prompt: past the router's local-prefill threshold
 RELAY_LOCAL_TOKENS = 8  # a prompt the router has its decode worker prefill
+RELAY_LONG_TOKENS = 2048  # the prompt the prefill worker computes while decodes are timed beside it
 
 
 def machine_info() -> dict[str, Any]:
@@ -258,7 +261,7 @@ _CLIENT = """
 import asyncio, json, sys, time
 import httpx
 url, batch, tokens, salt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-repeat, gap = (int(sys.argv[5]), float(sys.argv[6])) if len(sys.argv) > 6 else (1, 0.0)
+repeat, gaps = (int(sys.argv[5]), [float(g) for g in sys.argv[6].split(",")]) if len(sys.argv) > 6 else (1, [])
 async def one(client, i):
     body = {"messages": [{"role": "user", "content": f"[{salt}.{i}] Tell me a long story about the sea."}],
             "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
@@ -280,10 +283,11 @@ async def main():
         # anyio): not the server's per-request cost, so it is spent before anything is timed.
         await client.get(url.split("/v1/")[0] + "/health")
         out = []
-        for r in range(repeat):  # `repeat` rounds of `batch` requests, `gap` seconds of idle server apart
-            if r:
-                await asyncio.sleep(gap)
-            out += await asyncio.gather(*(one(client, f"{r}.{i}") for i in range(batch)))
+        for r in range(repeat):  # `repeat` rounds of `batch` requests, each after gaps[r % len] s of idle server
+            idle = gaps[r % len(gaps)] if gaps else None
+            if idle:
+                await asyncio.sleep(idle)
+            out += [x | {"idle_s": idle} for x in await asyncio.gather(*(one(client, f"{r}.{i}") for i in range(batch)))]
         print(json.dumps(out))
 asyncio.run(main())
 """
@@ -346,12 +350,12 @@ def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds
         return (end[0] - start[0]) / steps, (end[2] - start[2]) / steps
 
     def lone_requests() -> None:
-        """Short requests one at a time, each on a server idle for LONE_GAP_S, for their times to
-        first token."""
+        """Short requests one at a time, each on a server idle for the next of LONE_GAPS_S, for their
+        times to first token."""
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         salt = f"{os.getpid()}.{time.monotonic_ns()}"
         report = subprocess.run([sys.executable, "-c", _CLIENT, url, "1", "4", salt, str(LONE_REQUESTS),
-                                 str(LONE_GAP_S)], capture_output=True, text=True, timeout=300, check=True).stdout
+                                 ",".join(map(str, LONE_GAPS_S))], capture_output=True, text=True, timeout=300, check=True).stdout
         lone.extend(r for r in json.loads(report) if r["ttft_s"] is not None)
 
     best: dict[int, tuple[float, float]] = {}
@@ -396,14 +400,16 @@ def _lone_summary(lone: list[dict[str, Any]]) -> dict[str, Any]:
     """The median lone request (`ttft_s`, `prompt_tokens`, `cached_tokens`: the chat template's
     start, found in the prefix cache), which the cost model charges, and every one of them
     (`lone`), so the spread between requests (thread wake-ups, the garbage collector, the client's
-    own turn on a core) stays on record."""
+    own turn on a core) stays on record, each with the seconds the engine had been idle before it
+    (`idle_s`; None where it was not arranged)."""
     first = sorted(lone, key=lambda r: r["ttft_s"])[len(lone) // 2]
     keep = ("ttft_s", "prompt_tokens", "cached_tokens")
-    return {k: first[k] for k in keep} | {"lone": [{k: r[k] for k in keep} for r in lone]}
+    return {k: first[k] for k in keep} | {"lone": [{k: r.get(k) for k in (*keep, "idle_s")} for r in lone]}
 
 
-def _in_process_requests(engine: LLMEngine, n: int, gap_s: float) -> list[dict[str, Any]]:
-    """Times to first token of `n` short requests, one at a time on an engine idle for `gap_s`,
+def _in_process_requests(engine: LLMEngine, n: int, gaps_s: Sequence[float]) -> list[dict[str, Any]]:
+    """Times to first token of `n` short requests, one at a time, the i-th on an engine idle for
+    gaps_s[i % len(gaps_s)] seconds,
     driven in-process as an embedding application (and bench/disagg.py) drives it: tokenized by
     `prepare_request` on an event loop in another thread, stepped by `AsyncEngine` in this one (the
     thread that loaded the model), outputs streamed back into the loop."""
@@ -421,7 +427,7 @@ def _in_process_requests(engine: LLMEngine, n: int, gap_s: float) -> list[dict[s
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     salt = f"{os.getpid()}.{time.monotonic_ns()}"
 
-    async def one(i: int) -> None:
+    async def one(i: int, idle_s: float) -> None:
         t0 = time.perf_counter()
         p = engine.prepare_request(f"[{salt}.{i}] Write a long, detailed essay about the sea.", params,
                                    arrival_time=t0)
@@ -432,14 +438,16 @@ def _in_process_requests(engine: LLMEngine, n: int, gap_s: float) -> list[dict[s
             if o.finished and o.metrics is not None:
                 cached = o.metrics.num_cached_prompt_tokens
         if ttft is not None:
-            out.append({"ttft_s": ttft, "prompt_tokens": p.request.num_prompt_tokens, "cached_tokens": cached})
+            out.append({"ttft_s": ttft, "prompt_tokens": p.request.num_prompt_tokens, "cached_tokens": cached,
+                        "idle_s": idle_s})
 
     async def main() -> None:
         try:
             ae.start(asyncio.get_running_loop())
             for i in range(n):
-                await asyncio.sleep(gap_s)
-                await one(i)
+                idle_s = gaps_s[i % len(gaps_s)]
+                await asyncio.sleep(idle_s)
+                await one(i, idle_s)
         except BaseException as exc:  # noqa: BLE001 - raised again in the profiling thread
             failure.append(exc)
         finally:
@@ -461,13 +469,18 @@ def _in_process_requests(engine: LLMEngine, n: int, gap_s: float) -> list[dict[s
 
 
 def _relay(model: str, engine_kwargs: dict[str, Any], batches: Sequence[int], tokens: int,
-           vocab_size: int) -> dict[str, Any]:
+           vocab_size: int, prefill_s: Callable[[int], float], long_tokens: int) -> dict[str, Any]:
     """A 1 prefill : 1 decode deployment of the model (Ray actors of this process's thread count,
     pinned): the decode worker's seconds per step while `batch` requests decode with their outputs
     relayed through the router (each request's time per output token after its first, the median
     request; speculation off), and lone requests' times to first token (LONE_REQUESTS of them,
-    each and the median) with a prompt of RELAY_PROMPT_TOKENS (through the prefill worker and the KV
-    stream) and of RELAY_LOCAL_TOKENS (prefilled on the decode worker)."""
+    each after the next of LONE_GAPS_S of idle workers (`lone_idle_s`), and the median) with a prompt of RELAY_PROMPT_TOKENS (through the prefill worker and the KV
+    stream) and of RELAY_LOCAL_TOKENS (prefilled on the decode worker).
+
+    Then `beside_prefill`: CO_RUN_BATCH requests decoding while the prefill worker computes a
+    `long_tokens` prompt (prefill_s(n): this process's seconds for an n-token chunk, to size the
+    decodes), the decode worker's seconds per step over that window against the same requests'
+    steps before it. The real neighbour, where `co_run` has a synthetic one."""
     import ray
 
     from specserve.disagg.launch import DisaggClient, launch
@@ -503,19 +516,68 @@ def _relay(model: str, engine_kwargs: dict[str, Any], batches: Sequence[int], to
         step_s = []
         for b in bar(list(batches), desc="profiling disaggregated decode steps", unit="batch"):
             step_s.append(statistics.median(run(b, tokens)[1]))
-        def lone(length: int) -> float:
-            time.sleep(LONE_GAP_S)  # onto idle workers, as requests arrive
+        def lone(length: int, idle_s: float) -> float:
+            time.sleep(idle_s)  # onto idle workers, as requests arrive
             return run(1, 2, length)[0][0]
 
-        ttfts = [lone(RELAY_PROMPT_TOKENS) for _ in range(LONE_REQUESTS)]
-        local_ttfts = [lone(RELAY_LOCAL_TOKENS) for _ in range(LONE_REQUESTS)]
+        idle = [LONE_GAPS_S[i % len(LONE_GAPS_S)] for i in range(LONE_REQUESTS)]
+        ttfts = [lone(RELAY_PROMPT_TOKENS, g) for g in idle]
+        local_ttfts = [lone(RELAY_LOCAL_TOKENS, g) for g in idle]
+        batch = min(CO_RUN_BATCH, max(batches))
+        per_token = step_s[batches.index(batch)] if batch in batches else step_s[-1]
+        beside = _beside_prefill(client, prompts(batch), prompts(1, long_tokens)[0], per_token,
+                                 prefill_s(long_tokens))
     finally:
         client.close()
         ray.shutdown()
     return {"threads": torch.get_num_threads(), "batches": list(batches), "context": RELAY_PROMPT_TOKENS + tokens // 2,
             "step_s": step_s, "ttft_s": statistics.median(ttfts), "prompt_tokens": RELAY_PROMPT_TOKENS,
             "local_ttft_s": statistics.median(local_ttfts), "local_prompt_tokens": RELAY_LOCAL_TOKENS,
-            "lone_ttft_s": ttfts, "local_lone_ttft_s": local_ttfts}
+            "lone_ttft_s": ttfts, "local_lone_ttft_s": local_ttfts, "lone_idle_s": idle,
+            "beside_prefill": beside}
+
+
+def _beside_prefill(client: Any, decodes: list[list[int]], long_prompt: list[int], per_token_s: float,
+                    prefill_s: float) -> dict[str, Any]:
+    """Seconds per step of `decodes` on a disaggregated decode worker, alone and while the prefill
+    worker computes `long_prompt` (from its submission to its first token), each the median
+    request's seconds per token in that window; `slowdown` is their ratio."""
+    import asyncio
+
+    stamps: dict[str, list[float]] = {}
+
+    def seen(out: Any) -> None:
+        stamps.setdefault(out.request_id, []).extend([time.perf_counter()] * len(out.outputs[0].delta_token_ids))
+
+    # Enough tokens to decode through the warm-up, the window before and the prefill three times over.
+    max_tokens = int(3 * (prefill_s + 0.5) / max(per_token_s, 1e-4)) + 64
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+    async def run() -> tuple[float, float, float]:
+        tasks = [asyncio.ensure_future(client._one(p, params, seen)) for p in decodes]
+        while len(stamps) < len(decodes) or min(len(s) for s in stamps.values()) < 8:
+            await asyncio.sleep(0.005)
+        t0 = time.perf_counter()
+        await asyncio.sleep(max(0.3, prefill_s))
+        t1 = time.perf_counter()
+        await client._one(long_prompt, SamplingParams(max_tokens=1, temperature=0))
+        t2 = time.perf_counter()
+        await asyncio.gather(*tasks)
+        return t0, t1, t2
+
+    t0, t1, t2 = client.call(run(), timeout=600)
+
+    def gap(lo: float, hi: float) -> float:
+        """The median request's seconds per token over [lo, hi]."""
+        per = [(inside[-1] - inside[0]) / (len(inside) - 1) for s in stamps.values()
+               if len(inside := [x for x in s if lo <= x <= hi]) > 2]
+        if not per:
+            raise RuntimeError("no decode step fell in the window timed beside the prefill worker.")
+        return statistics.median(per)
+
+    alone, beside = gap(t0, t1), gap(t1, t2)
+    return {"batch": len(decodes), "prompt_tokens": len(long_prompt), "window_s": t2 - t1,
+            "alone_s": alone, "beside_s": beside, "slowdown": max(1.0, beside / alone)}
 
 
 def _kv_transfer(engine: LLMEngine, tokens: int, repeats: int) -> dict[str, Any]:
@@ -622,15 +684,16 @@ def record_profile(
                    "step_s": [max(a - b, 1e-6) for a, b in zip(on, overhead)]}
     served = _served_steps(engine, [b for b in SERVED_BATCHES if b <= cfg.scheduler.max_num_seqs], SERVED_TOKENS)
     with spinner("profiling requests driven in-process"):
-        in_process = _lone_summary(_in_process_requests(engine, LONE_REQUESTS, LONE_GAP_S))
+        in_process = _lone_summary(_in_process_requests(engine, LONE_REQUESTS, LONE_GAPS_S))
     with spinner("profiling a step beside another worker"):
         co_run = _co_run(engine, min(CO_RUN_BATCH, cfg.scheduler.max_num_seqs), budget, CO_RUN_REPEATS)
     relay = None
     if disagg_kwargs is not None:
         try:
+            long_tokens = min(RELAY_LONG_TOKENS, max_len - 8)
             relay = _relay(cfg.model.model, disagg_kwargs,
                            [b for b in SERVED_BATCHES if b <= cfg.scheduler.max_num_seqs], SERVED_TOKENS,
-                           engine.arch.vocab_size)
+                           engine.arch.vocab_size, lambda n: t[("prefill", budget)] * n / budget, long_tokens)
         except Exception as exc:  # noqa: BLE001 - the tables timed so far are worth keeping
             print(f"warning: the disaggregated part of the profile failed ({type(exc).__name__}: {exc}); the "
                   "profile is written without `relay`, and plans charge disaggregated deployments no relay cost.",
