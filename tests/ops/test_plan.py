@@ -20,8 +20,8 @@ from specserve.ops.costmodel import (
     StepShape,
 )
 from specserve.ops.hardware import get_hardware
-from specserve.ops.profile import LONE_GAPS_S
 from specserve.ops.plan import WorkloadError, load_workload, parse_slo, parse_workload
+from specserve.ops.profile import LONE_GAPS_S
 from specserve.ops.simulate import (
     SLO,
     Deployment,
@@ -136,20 +136,14 @@ def test_relay_costs_of_a_disaggregated_decode_worker():
     assert with_relay[0].ttft_s - without[0].ttft_s == pytest.approx(0.020 + 0.004, rel=1e-6)  # locally prefilled
     assert with_relay[1].ttft_s - without[1].ttft_s == pytest.approx(0.150 + 0.004, rel=1e-6)  # through P
     assert with_relay[0].tpot_s - without[0].tpot_s == pytest.approx(0.004, rel=1e-6)
-    # Lone requests by idle time, per route; decodes timed beside a real prefill worker replace the
-    # synthetic neighbour's slowdown of a decode step.
+    # Decodes timed beside a real prefill worker replace the synthetic neighbour's slowdown of a
+    # decode step.
     p["co_run"] = {"slowdown": {"decode": 1.6, "prefill": 1.1}}
     m = MeasuredCostModel.from_profile(p)
     assert m.co_run_slowdown("decode") == 1.6
-    p["relay"] |= {"lone_idle_s": [0.25, 4.0, 0.25, 4.0],
-                   "lone_ttft_s": [p["relay"]["ttft_s"] - 0.150 + x for x in (0.010, 0.030, 0.010, 0.030)],
-                   "local_lone_ttft_s": [p["relay"]["local_ttft_s"] - 0.020 + x for x in (0.002, 0.006, 0.002, 0.006)],
-                   "beside_prefill": {"alone_s": 0.010, "beside_s": 0.011, "slowdown": 1.1}}
+    p["relay"] |= {"beside_prefill": {"alone_s": 0.010, "beside_s": 0.011, "slowdown": 1.1}}
     m = MeasuredCostModel.from_profile(p)
     assert m.co_run_slowdown("decode") == pytest.approx(1.1) and m.co_run_slowdown("prefill") == 1.1
-    assert m.disagg_request_overhead_s(False, 0.25) == pytest.approx(0.010)
-    assert m.disagg_request_overhead_s(False, 10.0) == pytest.approx(0.030)
-    assert m.disagg_request_overhead_s(True, 4.0) == pytest.approx(0.006)
 
 
 def test_measured_cost_context_and_noise():
@@ -302,8 +296,8 @@ def test_http_front_end_time_is_added_to_every_first_token(cost):
     profile = synthetic_profile()
     profile["served"] |= {"ttft_s": step(40) + 0.002 + 0.030, "prompt_tokens": 40}  # 30 ms outside steps
     http = MeasuredCostModel.from_profile(profile, served=True, http=True)
-    assert http.request_overhead_s() == pytest.approx(0.030, abs=1e-6)
-    assert MeasuredCostModel.from_profile(profile, served=True).request_overhead_s() == 0.0
+    assert http.request_overhead_s == pytest.approx(0.030, abs=1e-6)
+    assert MeasuredCostModel.from_profile(profile, served=True).request_overhead_s == 0.0
     trace = [TraceRequest(0.0, 40, 4), TraceRequest(5.0, 40, 4)]
     plain = simulate(trace, Deployment(), MeasuredCostModel.from_profile(profile, served=True)).requests
     front = simulate(trace, Deployment(), http).requests
@@ -312,7 +306,7 @@ def test_http_front_end_time_is_added_to_every_first_token(cost):
         MeasuredCostModel.from_profile(synthetic_profile(), served=True, http=True)
     # The chat template's start found in the prefix cache: only the rest was prefilled.
     profile["served"] |= {"ttft_s": step(25) + 0.002 + 0.030, "prompt_tokens": 40, "cached_tokens": 15}
-    assert MeasuredCostModel.from_profile(profile, served=True, http=True).request_overhead_s() == pytest.approx(
+    assert MeasuredCostModel.from_profile(profile, served=True, http=True).request_overhead_s == pytest.approx(
         0.030, abs=1e-6)
 
 
@@ -322,42 +316,16 @@ def test_in_process_front_end_time_is_added_to_every_first_token():
     front end's time; a profile without it charges nothing, and a front end is one or the other."""
     profile = synthetic_profile()
     plain = MeasuredCostModel.from_profile(profile, served=True, in_process=True)
-    assert plain.request_overhead_s() == 0.0  # recorded before profiles measured it
+    assert plain.request_overhead_s == 0.0  # recorded before profiles measured it
     profile["in_process"] = {"ttft_s": step(20) + 0.002 + 0.004, "prompt_tokens": 36, "cached_tokens": 16,
                              "lone": [{"ttft_s": 0.01, "prompt_tokens": 36, "cached_tokens": 16}]}
     inproc = MeasuredCostModel.from_profile(profile, served=True, in_process=True)
-    assert inproc.request_overhead_s() == pytest.approx(0.004, abs=1e-6)
+    assert inproc.request_overhead_s == pytest.approx(0.004, abs=1e-6)
     trace = [TraceRequest(0.0, 36, 4), TraceRequest(5.0, 36, 4)]
     base, front = (simulate(trace, Deployment(), c).requests for c in (plain, inproc))
     assert [b.ttft_s - a.ttft_s for a, b in zip(base, front)] == pytest.approx([0.004, 0.004])
     with pytest.raises(ValueError, match="either HTTP or in-process"):
         MeasuredCostModel.from_profile(profile, http=True, in_process=True)
-
-
-def test_a_request_to_an_engine_at_rest_pays_for_waking_it():
-    """Lone requests timed after different idle times give the front end's time by idle time: a
-    request pays what its engine's idle time costs, read between the measured points and held past
-    the longest; one that finds the engine busy pays the line's value at 0 idle."""
-    profile = synthetic_profile()
-    lone = [{"ttft_s": step(20) + extra, "prompt_tokens": 20, "cached_tokens": 0, "idle_s": idle}
-            for idle, extra in ((0.25, 0.003), (1.0, 0.004), (4.0, 0.010), (0.25, 0.003), (1.0, 0.005),
-                                (4.0, 0.012), (0.25, 0.002), (1.0, 0.004), (4.0, 0.010), (None, 0.5))]
-    profile["in_process"] = {"ttft_s": step(20) + 0.004, "prompt_tokens": 20, "cached_tokens": 0, "lone": lone}
-    m = MeasuredCostModel.from_profile(profile, in_process=True)
-    assert m.request_overhead_s(0.25) == pytest.approx(0.003)  # each idle time's median request
-    assert m.request_overhead_s(1.0) == pytest.approx(0.004)
-    assert m.request_overhead_s(2.5) == pytest.approx(0.007)
-    assert m.request_overhead_s(60.0) == pytest.approx(0.010)
-    assert m.request_overhead_s(None) == pytest.approx(0.003 - 0.25 * 0.001 / 0.75)
-    # The first request finds an engine that never ran (the longest rest measured: 10 ms), so its
-    # prompt step runs 0.010-0.080 s and its decode steps end at 0.131, 0.182, ... A request
-    # arriving at 0.125 finds it busy (2.7 ms) and joins the step from 0.131; one arriving after
-    # 8 s of rest pays the 4 s figure.
-    trace = [TraceRequest(0.0, 20, 40), TraceRequest(0.125, 20, 4), TraceRequest(10.0, 20, 4)]
-    woken = simulate(trace, Deployment(), m).requests
-    assert woken[0].ttft_s == pytest.approx(0.010 + step(20))
-    assert woken[1].ttft_s == pytest.approx(0.010 + step(20) + step(1) - 0.125 + step(21))
-    assert woken[2].ttft_s == pytest.approx(0.010 + step(20))
 
 
 def test_a_scaled_cost_model_is_the_same_machine_that_much_slower(cost):
@@ -611,7 +579,7 @@ def test_profile_smollm2_round_trips(tmp_path, capsys):
     assert 0 < model.step_s(StepShape(1, 1, 64, 64)) < model.step_s(StepShape(prefill=((64, 0),))) * 10
     assert math.isfinite(model.step_s(StepShape(4, 12, 256, 64, ((30, 100),))))
     assert 0 < profile["served"]["ttft_s"] < 5 and profile["served"]["prompt_tokens"] > 10
-    assert MeasuredCostModel.from_profile(profile, served=True, http=True).request_overhead_s() >= 0
+    assert MeasuredCostModel.from_profile(profile, served=True, http=True).request_overhead_s >= 0
     for front in ("served", "in_process"):  # every lone request kept, the median among them
         lone = profile[front]["lone"]
         assert len(lone) >= 10 and all(0 < x["ttft_s"] < 5 and x["prompt_tokens"] > 5 for x in lone)
@@ -619,9 +587,7 @@ def test_profile_smollm2_round_trips(tmp_path, capsys):
         # each after one of the idle times in turn, five of each
         assert sorted(x["idle_s"] for x in lone if x["idle_s"] is not None) == sorted(LONE_GAPS_S * 5)
     inproc = MeasuredCostModel.from_profile(profile, served=True, in_process=True)
-    assert [g for g in inproc.front_end.xs] == list(LONE_GAPS_S)
-    for idle in (None, *LONE_GAPS_S):
-        assert 0 <= inproc.request_overhead_s(idle) < profile["in_process"]["ttft_s"]
+    assert 0 <= inproc.request_overhead_s < profile["in_process"]["ttft_s"]
     co = profile["co_run"]
     if len(os.sched_getaffinity(0)) >= 2:  # a second one-thread worker fits beside this one
         assert co["threads"] == 1 and co["decode_batch"] == 4 and co["prefill_chunk"] == 64

@@ -93,11 +93,10 @@ class CostModel(Protocol):
         a worker in `role` ("colocated", "prefill" or "decode")."""
         ...
 
-    def disagg_request_overhead_s(self, local_prefill: bool, idle_s: float | None = None) -> float:
+    def disagg_request_overhead_s(self, local_prefill: bool) -> float:
         """Seconds a request of a disaggregated deployment spends between the router and its workers
         outside their steps and the KV stream (calls to the workers, its first output's way back),
-        prefilled on its decode worker (local_prefill) or through a prefill worker, when that worker
-        has been idle for idle_s seconds (None: busy)."""
+        prefilled on its decode worker (local_prefill) or through a prefill worker."""
         ...
 
     def draft_s(self, batch: int, k: int) -> float:
@@ -114,10 +113,10 @@ class CostModel(Protocol):
         another worker of the deployment computes beside it (1.0: workers share nothing)."""
         ...
 
-    def request_overhead_s(self, idle_s: float | None = None) -> float:
+    @property
+    def request_overhead_s(self) -> float:
         """Seconds a request spends in the front end outside engine steps (HTTP, tokenizing, the
-        first chunk's way back, waking an engine at rest), added to its time to first token, when
-        its engine has been idle for idle_s seconds (None: busy with other requests)."""
+        first chunk's way back), added to its time to first token."""
         ...
 
 
@@ -141,37 +140,6 @@ def non_decreasing(ys: Sequence[float]) -> list[float]:
     for i in range(len(out) - 2, -1, -1):
         out[i] = min(out[i], out[i + 1])
     return out
-
-
-# ---------------------------------------------------------------------- lone requests
-LONE_IDLE_S = 1.0  # the idle time before each lone request of profiles that did not record it per request
-
-
-def _lone_by_idle(lone: Sequence[tuple[float | None, float, float, float]]) -> dict[float, tuple[float, float, float]]:
-    """Lone requests (idle seconds before it, TTFT, prompt tokens, cached tokens) grouped by their
-    idle time: the median request of each group (TTFT, prompt, cached); requests whose idle time
-    was not arranged (None) are left out."""
-    groups: dict[float, list[tuple[float, float, float]]] = {}
-    for idle, *rest in lone:
-        if idle is not None:
-            groups.setdefault(float(idle), []).append(tuple(rest))  # type: ignore[arg-type]
-    return {i: sorted(g)[len(g) // 2] for i, g in sorted(groups.items())}
-
-
-def _idle_curve(by_idle: Mapping[float, float]) -> Curve:
-    """Idle seconds -> a request's extra seconds (none below 0)."""
-    xs = sorted(by_idle)
-    return Curve(tuple(xs), tuple(max(0.0, by_idle[x]) for x in xs))
-
-
-def _at_idle(curve: Curve | None, idle_s: float | None) -> float:
-    """A request's extra seconds from `curve` when its worker has been idle for idle_s (None: busy,
-    read at 0 s). Past the longest idle measured it stays there; below the shortest it follows the
-    line through the first two points, never below 0 nor above the largest measured."""
-    if curve is None:
-        return 0.0
-    x = 0.0 if idle_s is None else min(max(idle_s, 0.0), curve.xs[-1])
-    return min(max(curve(x), 0.0), max(curve.ys))
 
 
 # ---------------------------------------------------------------------- measured
@@ -282,8 +250,7 @@ class MeasuredCostModel:
     16 or so rows cost little more than one (the profile times chunks from 2 tokens up, and
     P(1) is the one-token decode step). overhead(b) is the engine's own per-step work; for a
     served deployment (`served=True`) it is what the profile's steps behind the OpenAI server
-    took beyond the
-    decode table at their batch (HTTP streaming shares the CPU with the engine).
+    took beyond the decode table at their batch (HTTP streaming shares the CPU with the engine).
 
     Workers of one deployment on one machine (disaggregated prefill and decode workers on its
     cores) slow each other down: they share memory bandwidth, the last-level cache and, on a
@@ -319,9 +286,9 @@ class MeasuredCostModel:
     drafter_pass: Curve | None  # a draft model: batch -> seconds of one drafting pass
     spec_step: Curve | None  # a model-free proposer: batch -> seconds speculation adds to each step
     co_run: Mapping[str, float] = field(default_factory=dict)  # role -> slowdown beside another worker
-    front_end: Curve | None = None  # idle seconds -> the front end's time per request (http or in_process)
+    request_overhead_s: float = 0.0  # the front end's time per request (http or in_process)
     relay_overhead: Curve | None = None  # batch -> a disaggregated decode worker's seconds per step outside the forward
-    relay_request: tuple[Curve | None, Curve | None] = (None, None)  # idle seconds -> extra (prefilled locally, through P)
+    relay_request_s: tuple[float, float] = (0.0, 0.0)  # disaggregated requests' extra: (prefilled locally, through P)
 
     @classmethod
     def from_profile(cls, profile: Mapping[str, Any], *, served: bool = False, http: bool = False,
@@ -382,20 +349,17 @@ class MeasuredCostModel:
             steps = r.curve("served.batches", "served.step_s", monotone=False)
             context = r.number("served.context")
             overhead = Curve(steps.xs, tuple(max(overhead(b), t - decode(context, b)) for b, t in zip(steps.xs, steps.ys)))
-        front_end = None
+        request_overhead_s = 0.0
         front = "served" if http else "in_process" if in_process and profile.get("in_process") is not None else None
         if front is not None:
-            def lone_step(prompt: float, cached: float) -> float:
-                """The engine's part of a lone request's TTFT: one step prefilling what the prefix cache lacked."""
-                cached = min(cached, prompt - 1)
-                return max(prefill(prompt - cached), 1e-6) + pair_s * (prompt - cached) * cached + max(0.0, overhead(1))
-
-            median = (r.number(f"{front}.ttft_s"), r.number(f"{front}.prompt_tokens"),
-                      float(profile[front].get("cached_tokens") or 0))
-            by_idle = _lone_by_idle([(x.get("idle_s"), float(x["ttft_s"]), float(x["prompt_tokens"]),
-                                      float(x.get("cached_tokens") or 0)) for x in profile[front].get("lone") or []])
-            front_end = _idle_curve({idle: t - lone_step(p, c) for idle, (t, p, c) in by_idle.items()}
-                                    or {LONE_IDLE_S: median[0] - lone_step(*median[1:])})
+            # The median lone request (whatever idle time preceded it: the profile varies that, and
+            # what waking an engine at rest costs varied more between runs than with the idle time).
+            ttft = r.number(f"{front}.ttft_s")
+            prompt = r.number(f"{front}.prompt_tokens")
+            cached = min(float(profile[front].get("cached_tokens") or 0), prompt - 1)
+            # The engine's part of that TTFT: one step prefilling what the prefix cache lacked.
+            lone_step = max(prefill(prompt - cached), 1e-6) + pair_s * (prompt - cached) * cached + max(0.0, overhead(1))
+            request_overhead_s = max(0.0, ttft - lone_step)
         co_run: dict[str, float] = {}
         if profile.get("co_run") is not None:
             co_run = {role: max(1.0, r.number(f"co_run.slowdown.{role}")) for role in ("decode", "prefill")}
@@ -403,7 +367,7 @@ class MeasuredCostModel:
             # Decodes timed on a real decode worker while its prefill worker computed a long prompt:
             # that neighbour, not co_run's synthetic one.
             co_run["decode"] = max(1.0, r.number("relay.beside_prefill.slowdown"))
-        relay_overhead, relay_request = None, (None, None)
+        relay_overhead, relay_request_s = None, (0.0, 0.0)
         if profile.get("relay") is not None:
             # A decode worker behind the router: its step less the forward at that batch and context.
             steps = r.curve("relay.batches", "relay.step_s", monotone=False)
@@ -415,18 +379,10 @@ class MeasuredCostModel:
             # worker's step over the last prompt token; prefilled locally, the decode worker's step.
             p = r.number("relay.prompt_tokens")
             link_s = (p - 1) * r.whole("model.kv_bytes_per_token") / (r.number("kv_transfer.bandwidth_gb_s") * 1e9)
-            through = max(prefill(p - 1), 1e-6) + max(0.0, overhead(1)) + link_s + decode(p, 1) + one
-            local = max(prefill(r.number("relay.local_prompt_tokens")), 1e-6) + one
-            relay = profile["relay"]
-            idle = relay.get("lone_idle_s")
-
-            def route(key: str, charged: float) -> Curve:
-                lone = relay.get(f"{key}lone_ttft_s") or []
-                by_idle = _lone_by_idle([(i, float(t), 0.0, 0.0) for i, t in zip(idle, lone)]) if idle else {}
-                return _idle_curve({i: t - charged for i, (t, _, _) in by_idle.items()}
-                                   or {LONE_IDLE_S: r.number(f"relay.{key}ttft_s") - charged})
-
-            relay_request = (route("local_", local), route("", through))
+            through = r.number("relay.ttft_s") - (max(prefill(p - 1), 1e-6) + max(0.0, overhead(1)) + link_s
+                                                   + decode(p, 1) + one)
+            local = r.number("relay.local_ttft_s") - (max(prefill(r.number("relay.local_prompt_tokens")), 1e-6) + one)
+            relay_request_s = (max(0.0, local), max(0.0, through))
         return cls(
             description=f"measured profile of {r.get('model.name')} on {r.get('machine.cpu')}",
             num_layers=r.whole("model.num_layers"),
@@ -444,9 +400,9 @@ class MeasuredCostModel:
             drafter_pass=drafter_pass,
             spec_step=spec_step,
             co_run=co_run,
-            front_end=front_end,
+            request_overhead_s=request_overhead_s,
             relay_overhead=relay_overhead,
-            relay_request=relay_request,
+            relay_request_s=relay_request_s,
         )
 
     def _verify_extra_s(self, batch: float, tokens: float) -> float:
@@ -500,15 +456,9 @@ class MeasuredCostModel:
         """The profile's slowdown of a `role` step beside another worker (1.0 if not measured)."""
         return self.co_run.get(role, 1.0)
 
-    def request_overhead_s(self, idle_s: float | None = None) -> float:
-        """The profile's lone requests' time to first token beyond their step, after that much idle
-        (0 if not measured or not asked for)."""
-        return _at_idle(self.front_end, idle_s)
-
-    def disagg_request_overhead_s(self, local_prefill: bool, idle_s: float | None = None) -> float:
-        """The profile's `relay` lone requests' time to first token beyond their steps, after that
-        much idle (0 if not measured)."""
-        return _at_idle(self.relay_request[0 if local_prefill else 1], idle_s)
+    def disagg_request_overhead_s(self, local_prefill: bool) -> float:
+        """The profile's `relay` lone requests' time to first token beyond their steps (0 if not measured)."""
+        return self.relay_request_s[0 if local_prefill else 1]
 
 
 # ---------------------------------------------------------------------- roofline
@@ -608,11 +558,12 @@ class RooflineCostModel:
         """Workers on separate devices: none (host-side contention is not modelled on paper)."""
         return 1.0
 
-    def request_overhead_s(self, idle_s: float | None = None) -> float:
+    @property
+    def request_overhead_s(self) -> float:
         """The front end's time per request: part of step_overhead_s on paper."""
         return 0.0
 
-    def disagg_request_overhead_s(self, local_prefill: bool, idle_s: float | None = None) -> float:
+    def disagg_request_overhead_s(self, local_prefill: bool) -> float:
         """Calls between the router and the workers: part of step_overhead_s on paper."""
         return 0.0
 
@@ -653,14 +604,15 @@ class ScaledCostModel:
         link = self.base.link_gb_s
         return None if link is None else link / self.factor
 
-    def request_overhead_s(self, idle_s: float | None = None) -> float:
-        return self.base.request_overhead_s(idle_s) * self.factor
+    @property
+    def request_overhead_s(self) -> float:
+        return self.base.request_overhead_s * self.factor
 
     def step_s(self, shape: StepShape, role: str = "colocated") -> float:
         return self.base.step_s(shape, role) * self.factor
 
-    def disagg_request_overhead_s(self, local_prefill: bool, idle_s: float | None = None) -> float:
-        return self.base.disagg_request_overhead_s(local_prefill, idle_s) * self.factor
+    def disagg_request_overhead_s(self, local_prefill: bool) -> float:
+        return self.base.disagg_request_overhead_s(local_prefill) * self.factor
 
     def draft_s(self, batch: int, k: int) -> float:
         return self.base.draft_s(batch, k) * self.factor

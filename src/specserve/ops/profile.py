@@ -77,10 +77,11 @@ SERVED_BATCHES = (1, 4, 8)
 SERVED_TOKENS = 48  # tokens each streamed request generates
 LONE_REQUESTS = 15  # short requests on an idle server: their times to first token (spread and median)
 # Idle time before each, in turn: a request to a lightly loaded server finds it at rest (threads
-# asleep, caches cold), and that costs more the longer the rest: 15 lone SmolLM2 requests over
-# HTTP on a 2-vCPU Zen 5 took a median 23.5 / 25.7 ms after 0.25 s idle, 26.8 / 29.7 ms after 1 s,
-# and bench/disagg.py's in-process requests 10-16 ms after 3.4 s, 14-24 ms after 5.2 s. The cost
-# model charges a request the front-end time measured after its engine's idle time.
+# asleep, caches cold), which sometimes costs more the longer the rest. On a 2-vCPU Zen 5 the
+# in-process requests of one profile took a median 10 ms after 0.25 s and 1 s, 20 ms after 4 s,
+# while bench/disagg.py's requests minutes later took 7-11 ms after 3.4-5.2 s (14-24 ms in another
+# recording): too erratic to charge by idle time, so the cost model charges the median of the
+# mix, and the spread stays on record per request (`idle_s`).
 LONE_GAPS_S = (0.25, 1.0, 4.0)
 CO_RUN_BATCH = 4  # decode batch timed beside a neighbour worker
 CO_RUN_REPEATS = 9

@@ -27,17 +27,15 @@ What it models, each piece as specserve does it:
   speculation is on, every step also pays what the policy and a model-free proposer cost
   (`CostModel.spec_step_s`), drafting or not: the real policy runs every step.
 
-- **the front end**: a request reaches the engine `CostModel.request_overhead_s(idle)` after it
+- **the front end**: a request reaches the engine `CostModel.request_overhead_s` after it
   arrives (HTTP or an in-process driver, chat template, tokenizing, streaming the first chunk
-  back, waking an engine at rest; from the lone requests a profile timed that way after
-  different idle times, 0 on paper), where idle is how long the engine it is routed to has had
-  nothing to do (None while it is busy or another request is on its way to it);
+  back; the median of the lone requests a profile timed that way, 0 on paper);
 - **workers sharing a machine**: a disaggregated worker's step that starts while another
   worker is computing takes `CostModel.co_run_slowdown(role)` times as long (measured by
   `specserve profile` where the workers share a host's memory and cores; 1 on paper);
 - **the relay**: a disaggregated decode worker's step pays what relaying its outputs through
   the router costs (`CostModel.step_s(shape, "decode")`), and a request reaches its worker
-  `CostModel.disagg_request_overhead_s(local, idle)` later (the calls between router and workers; both
+  `CostModel.disagg_request_overhead_s` later (the calls between router and workers; both
   measured by `specserve profile --disagg`, 0 on paper).
 
 Step times come from a `CostModel` (`ops/costmodel.py`). Deterministic: one seed gives one
@@ -235,7 +233,7 @@ class SimResult(NamedTuple):
 
 
 # ---------------------------------------------------------------------- the simulation
-_ARRIVAL, _STEP_END, _KV_READY, _ENQUEUE = 0, 1, 2, 3
+_ARRIVAL, _STEP_END, _KV_READY = 0, 1, 2
 
 
 class _Req:
@@ -274,14 +272,6 @@ class _Engine:
         self.kv_used = 0
         self.kv_promised = 0  # decode worker: KV of requests whose transfer is under way
         self.pending_tokens = 0  # prefill worker: prompt tokens routed here and not yet computed
-        self.incoming = 0  # requests routed here still in the front end
-        self.idle_since = -math.inf  # when it last ran out of work (before the trace: long idle)
-
-    def idle_for(self, now: float) -> float | None:
-        """Seconds this worker has had nothing to do; None while it has work or work on its way."""
-        if self.busy or self.running or self.waiting or self.incoming:
-            return None
-        return now - self.idle_since
 
     @property
     def num_unfinished(self) -> int:
@@ -405,8 +395,6 @@ class _Engine:
                 if self.role != "prefill":
                     r.finish_s = now
         self.kick(now)
-        if not self.busy:
-            self.idle_since = now
 
 
 class _Simulation:
@@ -466,12 +454,11 @@ class _Simulation:
         cached = min(t.cached_tokens, m)
         # Decode workers by the most KV room, counting transfers under way (as the router does).
         decode = max(self.decode, key=lambda e: capacity - e.kv_used - e.kv_promised)
-        local = m < max(1, self.deployment.local_prefill_tokens)
-        if not self.deployment.disaggregated or local:
-            engine = decode if self.deployment.disaggregated else \
-                min(self.decode, key=lambda e: e.num_unfinished + e.incoming)
+        if not self.deployment.disaggregated or m < max(1, self.deployment.local_prefill_tokens):
+            engine = decode if self.deployment.disaggregated else min(self.decode, key=lambda e: e.num_unfinished)
             r.computed, r.target = cached, t.prompt_tokens
-            self.send(r, engine, now, local)
+            engine.waiting.append(r)
+            engine.kick(now)
             return
         decode.kv_promised += r.kv_tokens
         r.decode_worker = decode
@@ -479,17 +466,8 @@ class _Simulation:
         r.computed, r.target = cached, m
         r.kv_tokens = m
         prefill.pending_tokens += m - cached
-        self.send(r, prefill, now, local)
-
-    def send(self, r: _Req, engine: _Engine, now: float, local: bool) -> None:
-        """The request reaches `engine` after the front end's time (and, disaggregated, the calls
-        between the router and the workers), which depend on how long that engine has idled."""
-        idle = engine.idle_for(now)
-        delay = self.cost.request_overhead_s(idle)
-        if self.deployment.disaggregated:
-            delay += self.cost.disagg_request_overhead_s(local, idle)
-        engine.incoming += 1
-        self.push(now + delay, _ENQUEUE, (r, engine))
+        prefill.waiting.append(r)
+        prefill.kick(now)
 
     def stream_kv(self, r: _Req, tokens: int, start_s: float, end_s: float, last: bool) -> None:
         """A prefill chunk of `tokens` ran over [start_s, end_s]: move its KV (see the module docstring)."""
@@ -523,16 +501,18 @@ class _Simulation:
             if r.trace.prompt_tokens < 1 or r.trace.output_tokens < 1:
                 raise SimulationError(f"request {r.index}: prompt and output need >= 1 token each, "
                                       f"got {r.trace.prompt_tokens} and {r.trace.output_tokens}.")
-            self.push(r.trace.arrival_s, _ARRIVAL, r)
+            # The front end's own time per request (HTTP, chat template, tokenizing, the first
+            # chunk's way back) before the engine sees it: 0 unless measured behind the server;
+            # disaggregated, also the calls between the router and the workers (profile's relay).
+            delay = self.cost.request_overhead_s
+            if self.deployment.disaggregated:
+                local = r.trace.prompt_tokens - 1 < max(1, self.deployment.local_prefill_tokens)
+                delay += self.cost.disagg_request_overhead_s(local)
+            self.push(r.trace.arrival_s + delay, _ARRIVAL, r)
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
             if kind == _ARRIVAL:
                 self.route(payload, now)
-            elif kind == _ENQUEUE:
-                r, engine = payload
-                engine.incoming -= 1
-                engine.waiting.append(r)
-                engine.kick(now)
             elif kind == _STEP_END:
                 engine, step = payload
                 engine.end_step(now, step)
