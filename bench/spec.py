@@ -73,6 +73,8 @@ class Bench:
             method, quant = "none", "int8"
         if method == "eagle":
             kw.setdefault("draft_model", self.args.eagle_head or "auto")
+        if self.args.draft_p_min is not None:
+            kw.setdefault("draft_p_min", self.args.draft_p_min)
         if method == "draft":
             if self.args.draft_quantization:
                 kw.setdefault("draft_quantization", self.args.draft_quantization)
@@ -443,6 +445,8 @@ def main() -> int:
                     help="draft weights (default: the engine's, int4 under a target on auto); only moves acceptance")
     ap.add_argument("--draft-vocab", type=int, default=65536, help="draft LM head vocabulary (0: full)")
     ap.add_argument("--eagle-head", default=None, help="EAGLE head file for --tree-methods eagle (default: the cache's)")
+    ap.add_argument("--draft-p-min", type=float, default=None,
+                    help="model drafters stop a branch after a token they give p below this (default: the engine's)")
     ap.add_argument("--extra-baselines", nargs="*", default=[],
                     help="extra batch-1 rows: none-int8 = plain decoding of the int8 target")
     ap.add_argument("--tree-methods", nargs="+", default=["draft", "ngram", "reference", "lookahead"])
