@@ -468,6 +468,26 @@ def test_vnni_kernels_are_bit_identical_to_the_avx2_ones(tmp_path):
                 assert torch.equal(avx2.qmatmul(x, data, kq), kernels().qmatmul(x, data, kq)), (qtype, paired, m)
 
 
+def test_march_override_builds_elsewhere_and_refuses_junk(monkeypatch):
+    """$SPECSERVE_MARCH (x86-64-v3: the AVX2 kernels an AVX2-only CPU runs) gets its own build
+    directory, so it never loads the native build's binary; a value that is not a -march target is a
+    configuration error naming the variable, before any compiler runs."""
+    from specserve.errors import ConfigError
+    from specserve.kernels import _build_dir, _march
+
+    monkeypatch.delenv("SPECSERVE_MARCH", raising=False)
+    native = _build_dir()
+    assert _march() == "native"
+    monkeypatch.setenv("SPECSERVE_MARCH", "x86-64-v3")
+    assert _march() == "x86-64-v3" and _build_dir() != native
+    monkeypatch.setenv("SPECSERVE_MARCH", " ")
+    assert _build_dir() == native
+    for junk in ("native -O0", "x86;rm", "-mavx2"):
+        monkeypatch.setenv("SPECSERVE_MARCH", junk)
+        with pytest.raises(ConfigError, match="SPECSERVE_MARCH"):
+            _march()
+
+
 def test_prefetch_distance_changes_speed_not_results(monkeypatch):
     """Software prefetch is a hint: any distance (0 = off) gives the same bits, out-of-range
     distances are refused, and a bad $SPECSERVE_PREFETCH is a clear configuration error."""

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -141,9 +142,16 @@ def test_relay_costs_of_a_disaggregated_decode_worker():
     p["co_run"] = {"slowdown": {"decode": 1.6, "prefill": 1.1}}
     m = MeasuredCostModel.from_profile(p)
     assert m.co_run_slowdown("decode") == 1.6
-    p["relay"] |= {"beside_prefill": {"alone_s": 0.010, "beside_s": 0.011, "slowdown": 1.1}}
+    p["relay"] |= {"beside_prefill": {"batches": [1, 4], "alone_s": [0.010, 0.020], "beside_s": [0.011, 0.030],
+                                      "slowdown": [1.1, 1.5]}}
     m = MeasuredCostModel.from_profile(p)
-    assert m.co_run_slowdown("decode") == pytest.approx(1.1) and m.co_run_slowdown("prefill") == 1.1
+    assert m.co_run_slowdown("prefill") == 1.1  # the synthetic neighbour's, for the other role
+    # By the decode step's batch: between the timed batches linearly, held past them.
+    assert [m.co_run_slowdown("decode", b) for b in (1, 2, 4, 16)] == pytest.approx([1.1, 1.1 + 0.4 / 3, 1.5, 1.5])
+    dep, long_then_short = Deployment(colocated=0, prefill=1, decode=1), [TraceRequest(0.0, 4000, 2),
+                                                                        TraceRequest(0.0, 8, 200)]
+    beside, apart = (simulate(long_then_short, dep, c).requests[1] for c in (m, replace(m, decode_beside_prefill=None, co_run={})))
+    assert beside.tpot_s > apart.tpot_s  # the decodes ran beside the long prompt's prefill
 
 
 def test_measured_cost_context_and_noise():

@@ -14,6 +14,10 @@ passes, batched decoding, prompts) want a longer one than one-row decode passes 
 3-4 KiB on a Zen 5). So the first model of a process large enough to stream from DRAM picks both
 by timing its own forwards of 1 and of 8 tokens (`tune_prefetch`). ``$SPECSERVE_PREFETCH=<bytes>``
 pins both instead, ``<one-row>,<multi-row>`` each (0 turns prefetching off).
+
+``$SPECSERVE_MARCH`` replaces ``native`` in ``-march=``: ``x86-64-v3`` builds the AVX2 kernels an
+AVX2-only CPU runs (no AVX-512, no VNNI), to measure or test that path on a newer machine. Each
+target gets its own build directory.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import logging
 import math
 import os
 import platform
+import re
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -63,6 +68,14 @@ def _cpu_key() -> str:
     return platform.machine() + flags
 
 
+def _march() -> str:
+    """The compiler's -march target: $SPECSERVE_MARCH, or native."""
+    march = os.environ.get("SPECSERVE_MARCH", "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}", march):
+        raise ConfigError(f"SPECSERVE_MARCH={march!r}: give a -march target such as native or x86-64-v3.")
+    return march
+
+
 def _build_dir() -> Path:
     from specserve.models.bundled import cache_dir
 
@@ -70,6 +83,8 @@ def _build_dir() -> Path:
     key.update(_SOURCE.read_bytes())
     key.update(torch.__version__.encode())
     key.update(_cpu_key().encode())
+    if (march := _march()) != "native":
+        key.update(march.encode())
     path = cache_dir() / "kernels" / key.hexdigest()[:16]
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -121,7 +136,7 @@ def _load() -> ModuleType:
     fresh = not any(build.glob("*.so"))
     if fresh:
         logger.warning("compiling specserve's quantized-matmul kernel for this CPU (once, about a minute) into %s", build)
-    flags = ["-O3", "-march=native", "-fopenmp"]
+    flags = ["-O3", f"-march={_march()}", "-fopenmp"]
     from specserve.progress import spinner
 
     try:

@@ -108,9 +108,10 @@ class CostModel(Protocol):
         or not (the policy, a model-free proposer, verification outside the forward)."""
         ...
 
-    def co_run_slowdown(self, role: str) -> float:
-        """How many times longer a step of a worker in `role` ("prefill" or "decode") takes while
-        another worker of the deployment computes beside it (1.0: workers share nothing)."""
+    def co_run_slowdown(self, role: str, batch: int = 1) -> float:
+        """How many times longer a step of `batch` requests on a worker in `role` ("prefill" or
+        "decode") takes while another worker of the deployment computes beside it (1.0: workers
+        share nothing)."""
         ...
 
     @property
@@ -257,9 +258,10 @@ class MeasuredCostModel:
     VM, perhaps the physical cores behind the vCPUs. The profile's `co_run` measures a decode
     step beside a prefill and a prefill chunk beside a decode, each beside a synthetic neighbour
     (torch matmuls); where `profile --disagg` timed decodes on a real decode worker while its
-    prefill worker computed a long prompt (`relay.beside_prefill`), that is the decode factor.
-    `co_run_slowdown(role)` is the factor (1.0 when the profile has none: it ran with no core to
-    spare).
+    prefill worker computed a long prompt (`relay.beside_prefill`, by decode batch: on a 2-vCPU
+    Zen 5, x1.5 at batch 4 but x1.1 at batch 1, where the synthetic neighbour gave x1.3-1.4 at
+    batch 4), that is the decode factor. `co_run_slowdown(role, batch)` is the factor (1.0 when
+    the profile has none: it ran with no core to spare).
 
     Attention comes in two kinds (the profile's `engine.attention`): the native kernels attend
     each token to its own keys only ("per_token": L is the decodes' mean context), while torch's
@@ -286,6 +288,7 @@ class MeasuredCostModel:
     drafter_pass: Curve | None  # a draft model: batch -> seconds of one drafting pass
     spec_step: Curve | None  # a model-free proposer: batch -> seconds speculation adds to each step
     co_run: Mapping[str, float] = field(default_factory=dict)  # role -> slowdown beside another worker
+    decode_beside_prefill: Curve | None = None  # decode batch -> slowdown beside a real prefill worker
     request_overhead_s: float = 0.0  # the front end's time per request (http or in_process)
     relay_overhead: Curve | None = None  # batch -> a disaggregated decode worker's seconds per step outside the forward
     relay_request_s: tuple[float, float] = (0.0, 0.0)  # disaggregated requests' extra: (prefilled locally, through P)
@@ -363,10 +366,16 @@ class MeasuredCostModel:
         co_run: dict[str, float] = {}
         if profile.get("co_run") is not None:
             co_run = {role: max(1.0, r.number(f"co_run.slowdown.{role}")) for role in ("decode", "prefill")}
+        decode_beside_prefill = None
         if (profile.get("relay") or {}).get("beside_prefill") is not None:
             # Decodes timed on a real decode worker while its prefill worker computed a long prompt:
             # that neighbour, not co_run's synthetic one.
-            co_run["decode"] = max(1.0, r.number("relay.beside_prefill.slowdown"))
+            if "batches" in profile["relay"]["beside_prefill"]:
+                decode_beside_prefill = r.curve("relay.beside_prefill.batches", "relay.beside_prefill.slowdown",
+                                                monotone=False)
+            else:  # one batch (profiles of c6829cc)
+                decode_beside_prefill = Curve((r.number("relay.beside_prefill.batch"),),
+                                              (r.number("relay.beside_prefill.slowdown"),))
         relay_overhead, relay_request_s = None, (0.0, 0.0)
         if profile.get("relay") is not None:
             # A decode worker behind the router: its step less the forward at that batch and context.
@@ -400,6 +409,7 @@ class MeasuredCostModel:
             drafter_pass=drafter_pass,
             spec_step=spec_step,
             co_run=co_run,
+            decode_beside_prefill=decode_beside_prefill,
             request_overhead_s=request_overhead_s,
             relay_overhead=relay_overhead,
             relay_request_s=relay_request_s,
@@ -452,8 +462,13 @@ class MeasuredCostModel:
         """What a model-free proposer's speculation adds to each step, as measured at this batch."""
         return 0.0 if self.spec_step is None else max(0.0, self.spec_step(batch))
 
-    def co_run_slowdown(self, role: str) -> float:
-        """The profile's slowdown of a `role` step beside another worker (1.0 if not measured)."""
+    def co_run_slowdown(self, role: str, batch: int = 1) -> float:
+        """The profile's slowdown of a `role` step of `batch` requests beside another worker (1.0 if
+        not measured): a decode step's as timed beside a real prefill worker where the profile has
+        that (read between its batches, held past them), else the synthetic neighbour's."""
+        curve = self.decode_beside_prefill
+        if role == "decode" and curve is not None:
+            return max(1.0, curve(min(max(batch, curve.xs[0]), curve.xs[-1])))
         return self.co_run.get(role, 1.0)
 
     def disagg_request_overhead_s(self, local_prefill: bool) -> float:
@@ -554,7 +569,7 @@ class RooflineCostModel:
         """The policy's own work per step: part of step_overhead_s on paper."""
         return 0.0
 
-    def co_run_slowdown(self, role: str) -> float:
+    def co_run_slowdown(self, role: str, batch: int = 1) -> float:
         """Workers on separate devices: none (host-side contention is not modelled on paper)."""
         return 1.0
 
@@ -620,5 +635,5 @@ class ScaledCostModel:
     def spec_step_s(self, batch: int) -> float:
         return self.base.spec_step_s(batch) * self.factor
 
-    def co_run_slowdown(self, role: str) -> float:
-        return self.base.co_run_slowdown(role)
+    def co_run_slowdown(self, role: str, batch: int = 1) -> float:
+        return self.base.co_run_slowdown(role, batch)

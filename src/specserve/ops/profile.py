@@ -90,6 +90,7 @@ ROUNDS = 3
 RELAY_PROMPT_TOKENS = 64  # a relayed request's prompt: past the router's local-prefill threshold
 RELAY_LOCAL_TOKENS = 8  # a prompt the router has its decode worker prefill
 RELAY_LONG_TOKENS = 2048  # the prompt the prefill worker computes while decodes are timed beside it
+BESIDE_BATCHES = (1, 4)  # decode batches timed beside that prefill
 
 
 def machine_info() -> dict[str, Any]:
@@ -478,10 +479,11 @@ def _relay(model: str, engine_kwargs: dict[str, Any], batches: Sequence[int], to
     each after the next of LONE_GAPS_S of idle workers (`lone_idle_s`), and the median) with a prompt of RELAY_PROMPT_TOKENS (through the prefill worker and the KV
     stream) and of RELAY_LOCAL_TOKENS (prefilled on the decode worker).
 
-    Then `beside_prefill`: CO_RUN_BATCH requests decoding while the prefill worker computes a
-    `long_tokens` prompt (prefill_s(n): this process's seconds for an n-token chunk, to size the
-    decodes), the decode worker's seconds per step over that window against the same requests'
-    steps before it. The real neighbour, where `co_run` has a synthetic one."""
+    Then `beside_prefill`: at each of BESIDE_BATCHES, that many requests decoding while the prefill
+    worker computes a `long_tokens` prompt (prefill_s(n): this process's seconds for an n-token
+    chunk, to size the decodes), the decode worker's seconds per step over that window against the
+    same requests' steps before it. The real neighbour, where `co_run` has a synthetic one; by
+    batch, because a memory-bound one-request step suffers less beside it than a batch's."""
     import ray
 
     from specserve.disagg.launch import DisaggClient, launch
@@ -524,10 +526,12 @@ def _relay(model: str, engine_kwargs: dict[str, Any], batches: Sequence[int], to
         idle = [LONE_GAPS_S[i % len(LONE_GAPS_S)] for i in range(LONE_REQUESTS)]
         ttfts = [lone(RELAY_PROMPT_TOKENS, g) for g in idle]
         local_ttfts = [lone(RELAY_LOCAL_TOKENS, g) for g in idle]
-        batch = min(CO_RUN_BATCH, max(batches))
-        per_token = step_s[batches.index(batch)] if batch in batches else step_s[-1]
-        beside = _beside_prefill(client, prompts(batch), prompts(1, long_tokens)[0], per_token,
-                                 prefill_s(long_tokens))
+        beside_runs = []
+        for batch in sorted({min(b, max(batches)) for b in BESIDE_BATCHES}):
+            per_token = step_s[batches.index(batch)] if batch in batches else step_s[-1]
+            beside_runs.append(_beside_prefill(client, prompts(batch), prompts(1, long_tokens)[0], per_token,
+                                               prefill_s(long_tokens)))
+        beside = {key: [run[key] for run in beside_runs] for key in beside_runs[0]} | {"prompt_tokens": long_tokens}
     finally:
         client.close()
         ray.shutdown()
@@ -577,8 +581,8 @@ def _beside_prefill(client: Any, decodes: list[list[int]], long_prompt: list[int
         return statistics.median(per)
 
     alone, beside = gap(t0, t1), gap(t1, t2)
-    return {"batch": len(decodes), "prompt_tokens": len(long_prompt), "window_s": t2 - t1,
-            "alone_s": alone, "beside_s": beside, "slowdown": max(1.0, beside / alone)}
+    return {"batches": len(decodes), "window_s": t2 - t1, "alone_s": alone, "beside_s": beside,
+            "slowdown": max(1.0, beside / alone)}
 
 
 def _kv_transfer(engine: LLMEngine, tokens: int, repeats: int) -> dict[str, Any]:

@@ -31,7 +31,7 @@ What it models, each piece as specserve does it:
   arrives (HTTP or an in-process driver, chat template, tokenizing, streaming the first chunk
   back; the median of the lone requests a profile timed that way, 0 on paper);
 - **workers sharing a machine**: a disaggregated worker's step that starts while another
-  worker is computing takes `CostModel.co_run_slowdown(role)` times as long (measured by
+  worker is computing takes `CostModel.co_run_slowdown(role, batch)` times as long (measured by
   `specserve profile` where the workers share a host's memory and cores; 1 on paper);
 - **the relay**: a disaggregated decode worker's step pays what relaying its outputs through
   the router costs (`CostModel.step_s(shape, "decode")`), and a request reaches its worker
@@ -297,7 +297,7 @@ class _Engine:
         if sim.deployment.spec.k and self.role != "prefill":
             dt += sim.cost.spec_step_s(shape.num_seqs)  # the policy runs every step while speculation is on
         if self.role != "colocated" and any(e.busy for e in sim.workers if e is not self):
-            dt *= sim.cost.co_run_slowdown(self.role)  # another worker computes beside this one
+            dt *= sim.cost.co_run_slowdown(self.role, shape.num_seqs)  # another worker computes beside this one
         sim.num_steps += 1
         sim.num_spec_steps += bool(drafts)
         self.busy = True
