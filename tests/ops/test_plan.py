@@ -257,6 +257,22 @@ def test_speculation_switched_on_costs_every_step_with_a_model_free_proposer():
         assert r.tpot_s == pytest.approx(expected)
 
 
+def test_a_step_verifying_drafts_pays_what_verification_adds():
+    """A model-free proposer's drafting steps pay the profile's verify_step_s on top: at 1 ms the
+    policy still drafts (4.1 tokens expected from a 55 ms step), at 500 ms it does not."""
+    base = {"cost": "flat", "batches": [1, 8], "step_s": [1e-6, 1e-6]}
+    trace = [TraceRequest(0.0, 100, 100, acceptance=0.9)]
+    cheap, dear = (MeasuredCostModel.from_profile(synthetic_profile(drafter=base | {"verify_step_s": [v, v]}))
+                   for v in (0.001, 0.500))
+    free = MeasuredCostModel.from_profile(synthetic_profile(drafter=base))
+    assert cheap.spec_verify_s(4) == 0.001 and free.spec_verify_s(4) == 0.0
+    dep = Deployment(spec=SpecSetting(4))
+    with_cost, without = (simulate(trace, dep, c, seed=3) for c in (cheap, free))
+    assert with_cost.num_spec_steps > 0 and with_cost.num_spec_steps == without.num_spec_steps
+    assert with_cost.requests[0].e2e_s == pytest.approx(without.requests[0].e2e_s + 0.001 * with_cost.num_spec_steps)
+    assert simulate(trace, dep, dear).num_spec_steps == 0
+
+
 def test_queueing_grows_ttft_with_rate(cost):
     cls = (RequestClass("c", 1.0, TokenRange(400, 600), TokenRange(50, 80)),)
     ttfts = []
@@ -583,6 +599,8 @@ def test_profile_smollm2_round_trips(tmp_path, capsys):
     model = MeasuredCostModel.from_profile(profile)
     assert profile["model"]["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2-135M, float32 KV
     assert profile["drafter"]["cost"] == "flat"
+    assert len(profile["drafter"]["verify_step_s"]) == len(profile["drafter"]["batches"])  # drafting steps timed
+    assert model.spec_verify_s(1) > 0
     assert model.link_gb_s > 0 and model.max_num_batched_tokens == 64
     assert 0 < model.step_s(StepShape(1, 1, 64, 64)) < model.step_s(StepShape(prefill=((64, 0),))) * 10
     assert math.isfinite(model.step_s(StepShape(4, 12, 256, 64, ((30, 100),))))

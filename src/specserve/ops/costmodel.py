@@ -108,6 +108,11 @@ class CostModel(Protocol):
         or not (the policy, a model-free proposer, verification outside the forward)."""
         ...
 
+    def spec_verify_s(self, batch: int) -> float:
+        """Seconds a step of `batch` requests that verifies drafts takes outside the forward beyond
+        spec_step_s (a model-free proposer's proposals, the draft tree, the verification)."""
+        ...
+
     def co_run_slowdown(self, role: str, batch: int = 1) -> float:
         """How many times longer a step of `batch` requests on a worker in `role` ("prefill" or
         "decode") takes while another worker of the deployment computes beside it (1.0: workers
@@ -288,6 +293,7 @@ class MeasuredCostModel:
     drafter_pass: Curve | None  # a draft model: batch -> seconds of one drafting pass
     spec_step: Curve | None  # a model-free proposer: batch -> seconds speculation adds to each step
     co_run: Mapping[str, float] = field(default_factory=dict)  # role -> slowdown beside another worker
+    spec_verify: Curve | None = None  # a model-free proposer: batch -> what a step verifying drafts adds
     decode_beside_prefill: Curve | None = None  # decode batch -> slowdown beside a real prefill worker
     request_overhead_s: float = 0.0  # the front end's time per request (http or in_process)
     relay_overhead: Curve | None = None  # batch -> a disaggregated decode worker's seconds per step outside the forward
@@ -334,13 +340,15 @@ class MeasuredCostModel:
         sxx = sum(x * x for x, _ in pairs)
         pair_s = max(0.0, sum(x * y for x, y in pairs) / sxx) if sxx else 0.0
 
-        drafter_pass = spec_step = None
+        drafter_pass = spec_step = spec_verify = None
         if profile.get("drafter") is not None:
             drafter_cost = r.get("drafter.cost")
             if drafter_cost == "per_pass":
                 drafter_pass = r.curve("drafter.batches", "drafter.pass_s")
             elif drafter_cost == "flat":
                 spec_step = r.curve("drafter.batches", "drafter.step_s", monotone=False)
+                if profile["drafter"].get("verify_step_s") is not None:
+                    spec_verify = r.curve("drafter.batches", "drafter.verify_step_s", monotone=False)
             else:
                 raise ProfileError(f"profile field drafter.cost must be 'per_pass' or 'flat', got {drafter_cost!r}.")
         attention = r.get("engine.attention")
@@ -408,6 +416,7 @@ class MeasuredCostModel:
             overhead=overhead,
             drafter_pass=drafter_pass,
             spec_step=spec_step,
+            spec_verify=spec_verify,
             co_run=co_run,
             decode_beside_prefill=decode_beside_prefill,
             request_overhead_s=request_overhead_s,
@@ -461,6 +470,10 @@ class MeasuredCostModel:
     def spec_step_s(self, batch: int) -> float:
         """What a model-free proposer's speculation adds to each step, as measured at this batch."""
         return 0.0 if self.spec_step is None else max(0.0, self.spec_step(batch))
+
+    def spec_verify_s(self, batch: int) -> float:
+        """What a step verifying a model-free proposer's drafts adds beyond that (0 if not measured)."""
+        return 0.0 if self.spec_verify is None else max(0.0, self.spec_verify(batch))
 
     def co_run_slowdown(self, role: str, batch: int = 1) -> float:
         """The profile's slowdown of a `role` step of `batch` requests beside another worker (1.0 if
@@ -569,6 +582,10 @@ class RooflineCostModel:
         """The policy's own work per step: part of step_overhead_s on paper."""
         return 0.0
 
+    def spec_verify_s(self, batch: int) -> float:
+        """Verification's bookkeeping: part of step_overhead_s on paper."""
+        return 0.0
+
     def co_run_slowdown(self, role: str, batch: int = 1) -> float:
         """Workers on separate devices: none (host-side contention is not modelled on paper)."""
         return 1.0
@@ -634,6 +651,9 @@ class ScaledCostModel:
 
     def spec_step_s(self, batch: int) -> float:
         return self.base.spec_step_s(batch) * self.factor
+
+    def spec_verify_s(self, batch: int) -> float:
+        return self.base.spec_verify_s(batch) * self.factor
 
     def co_run_slowdown(self, role: str, batch: int = 1) -> float:
         return self.base.co_run_slowdown(role, batch)

@@ -40,6 +40,7 @@ of other work on a shared machine does not bend the tables (`_Timings`).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -256,6 +257,35 @@ def _engine_overhead(engine: LLMEngine, batch: int, speculate: bool, steps: int 
     engine.abort_request(ids)
     engine.set_speculation(was_on)
     return max(0.0, statistics.median(overheads))
+
+
+def _verify_overhead(engine: LLMEngine, batch: int, steps: int = 16) -> float | None:
+    """Median seconds outside the forward of a step that verifies drafts, with `batch` requests
+    decoding and the policy drafting every step (`always`): the proposals, the draft tree and the
+    verification's bookkeeping. None when no step drafted. (The adaptive policy drafts on few of
+    _engine_overhead's steps, so its median is a step that did not.)"""
+    policy = engine.policy
+    was_on, config = engine.speculation_enabled, policy.config
+    engine.set_speculation(True)
+    policy.config = dataclasses.replace(config, policy="always")
+    params = SamplingParams(max_tokens=8 * steps + 16, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request([100 + i] + [7, 8, 9, 10] * 4, params, request_id=f"profile-verify-{batch}-{i}")
+           for i in range(batch)]
+    times: list[float] = []
+    try:
+        while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
+            engine.step()
+        for _ in range(steps):
+            drafts = engine.spec_counters.get("num_drafts", 0)
+            t0 = time.perf_counter()
+            engine.step()
+            if engine.spec_counters.get("num_drafts", 0) > drafts:
+                times.append(time.perf_counter() - t0 - engine.runner.last_forward_time_s)
+    finally:
+        engine.abort_request(ids)
+        policy.config = config
+        engine.set_speculation(was_on)
+    return statistics.median(times) if times else None
 
 
 # A streaming client in its own process, as real clients are: it takes CPU time beside the server.
@@ -687,6 +717,10 @@ def record_profile(
         on = [_engine_overhead(engine, b, speculate=True) for b in overhead_batches]
         drafter = {"cost": "flat", "batches": overhead_batches,
                    "step_s": [max(a - b, 1e-6) for a, b in zip(on, overhead)]}
+        # ... and on a step that verifies drafts, what the proposals and the verification add on top.
+        verify = [_verify_overhead(engine, b) for b in overhead_batches]
+        if all(v is not None for v in verify):
+            drafter["verify_step_s"] = [max(v - a, 1e-6) for v, a in zip(verify, on)]
     served = _served_steps(engine, [b for b in SERVED_BATCHES if b <= cfg.scheduler.max_num_seqs], SERVED_TOKENS)
     with spinner("profiling requests driven in-process"):
         in_process = _lone_summary(_in_process_requests(engine, LONE_REQUESTS, LONE_GAPS_S))

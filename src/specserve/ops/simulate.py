@@ -25,7 +25,9 @@ What it models, each piece as specserve does it:
   plain decoding by more than `threshold`. A verified draft keeps its first j tokens with
   probability a^j (1 - a) (j < K), all K with a^K, plus one token from the target. While
   speculation is on, every step also pays what the policy and a model-free proposer cost
-  (`CostModel.spec_step_s`), drafting or not: the real policy runs every step.
+  (`CostModel.spec_step_s`), drafting or not: the real policy runs every step; a step that
+  verifies drafts also pays `CostModel.spec_verify_s` (a model-free proposer's proposals, the
+  draft tree, the verification outside the forward).
 
 - **the front end**: a request reaches the engine `CostModel.request_overhead_s` after it
   arrives (HTTP or an in-process driver, chat template, tokenizing, streaming the first chunk
@@ -296,6 +298,8 @@ class _Engine:
         dt = sim.cost.step_s(shape, self.role) + (sim.cost.draft_s(len(drafts), max(drafts)) if drafts else 0.0)
         if sim.deployment.spec.k and self.role != "prefill":
             dt += sim.cost.spec_step_s(shape.num_seqs)  # the policy runs every step while speculation is on
+        if drafts:
+            dt += sim.cost.spec_verify_s(len(step.decodes))
         if self.role != "colocated" and any(e.busy for e in sim.workers if e is not self):
             dt *= sim.cost.co_run_slowdown(self.role, shape.num_seqs)  # another worker computes beside this one
         sim.num_steps += 1
@@ -354,7 +358,8 @@ class _Engine:
         def rate(k: int) -> float:
             shape = StepShape(n, n + k * m, context, longest, prefill)
             tokens = n + sum(g[k] - 1 for g in gains)
-            return tokens / (sim.cost.step_s(shape, self.role) + sim.cost.draft_s(m, k))
+            extra = sim.cost.draft_s(m, k) + (sim.cost.spec_verify_s(n) if k else 0.0)
+            return tokens / (sim.cost.step_s(shape, self.role) + extra)
 
         plain = best = rate(0)
         best_k = 0
