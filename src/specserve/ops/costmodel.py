@@ -264,7 +264,7 @@ class MeasuredCostModel:
     step beside a prefill and a prefill chunk beside a decode, each beside a synthetic neighbour
     (torch matmuls); where `profile --disagg` timed decodes on a real decode worker while its
     prefill worker computed a long prompt (`relay.beside_prefill`, by decode batch: on a 2-vCPU
-    Zen 5, x1.5 at batch 4 but x1.1 at batch 1, where the synthetic neighbour gave x1.3-1.4 at
+    Zen 5, x1.48 at batch 1 and x1.64 at batch 4, where the synthetic neighbour gave x1.47 at
     batch 4), that is the decode factor. `co_run_slowdown(role, batch)` is the factor (1.0 when
     the profile has none: it ran with no core to spare).
 

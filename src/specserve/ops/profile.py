@@ -238,40 +238,20 @@ def _co_run(engine: LLMEngine, batch: int, chunk: int, repeats: int) -> dict[str
     return out
 
 
-def _engine_overhead(engine: LLMEngine, batch: int, speculate: bool, steps: int = 8) -> float:
-    """Median seconds per step outside the forward pass with `batch` requests decoding, speculation
-    on (as configured: the policy, proposals, verification) or off."""
-    was_on = engine.speculation_enabled
+def _timed_steps(engine: LLMEngine, batch: int, speculate: bool, steps: int, max_tokens: int,
+                 policy: str | None = None) -> list[tuple[float, bool]]:
+    """(seconds outside the forward pass, whether it verified drafts) of `steps` engine steps with
+    `batch` requests decoding, speculation on (as configured, or with the policy mode `policy`) or
+    off. The prompts repeat themselves, so a prompt-lookup proposer finds something to draft."""
+    spec = engine.policy
+    was_on, config = engine.speculation_enabled, spec.config
     engine.set_speculation(speculate)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    # Repetitive prompts, so a prompt-lookup proposer finds something to draft.
-    ids = [engine.add_request([100 + i] + [7, 8, 9, 10] * 4, params, request_id=f"profile-{speculate}-{batch}-{i}")
-           for i in range(batch)]
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
-        engine.step()
-    overheads = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        overheads.append(time.perf_counter() - t0 - engine.runner.last_forward_time_s)
-    engine.abort_request(ids)
-    engine.set_speculation(was_on)
-    return max(0.0, statistics.median(overheads))
-
-
-def _verify_overhead(engine: LLMEngine, batch: int, steps: int = 16) -> float | None:
-    """Median seconds outside the forward of a step that verifies drafts, with `batch` requests
-    decoding and the policy drafting every step (`always`): the proposals, the draft tree and the
-    verification's bookkeeping. None when no step drafted. (The adaptive policy drafts on few of
-    _engine_overhead's steps, so its median is a step that did not.)"""
-    policy = engine.policy
-    was_on, config = engine.speculation_enabled, policy.config
-    engine.set_speculation(True)
-    policy.config = dataclasses.replace(config, policy="always")
-    params = SamplingParams(max_tokens=8 * steps + 16, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request([100 + i] + [7, 8, 9, 10] * 4, params, request_id=f"profile-verify-{batch}-{i}")
-           for i in range(batch)]
-    times: list[float] = []
+    if policy is not None:
+        spec.config = dataclasses.replace(config, policy=policy)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request([100 + i] + [7, 8, 9, 10] * 4, params,
+                              request_id=f"profile-{policy or speculate}-{batch}-{i}") for i in range(batch)]
+    out: list[tuple[float, bool]] = []
     try:
         while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
             engine.step()
@@ -279,12 +259,27 @@ def _verify_overhead(engine: LLMEngine, batch: int, steps: int = 16) -> float | 
             drafts = engine.spec_counters.get("num_drafts", 0)
             t0 = time.perf_counter()
             engine.step()
-            if engine.spec_counters.get("num_drafts", 0) > drafts:
-                times.append(time.perf_counter() - t0 - engine.runner.last_forward_time_s)
+            out.append((time.perf_counter() - t0 - engine.runner.last_forward_time_s,
+                        engine.spec_counters.get("num_drafts", 0) > drafts))
     finally:
         engine.abort_request(ids)
-        policy.config = config
+        spec.config = config
         engine.set_speculation(was_on)
+    return out
+
+
+def _engine_overhead(engine: LLMEngine, batch: int, speculate: bool, steps: int = 8) -> float:
+    """Median seconds per step outside the forward pass with `batch` requests decoding, speculation
+    on (as configured: the policy, proposals, verification) or off."""
+    return max(0.0, statistics.median(t for t, _ in _timed_steps(engine, batch, speculate, steps, steps + 8)))
+
+
+def _verify_overhead(engine: LLMEngine, batch: int, steps: int = 16) -> float | None:
+    """Median seconds outside the forward of a step that verifies drafts, with `batch` requests
+    decoding and the policy drafting every step (`always`): the proposals, the draft tree and the
+    verification's bookkeeping. None when no step drafted. (The adaptive policy drafts on few of
+    _engine_overhead's steps, so its median is a step that did not.)"""
+    times = [t for t, drafted in _timed_steps(engine, batch, True, steps, 8 * steps + 16, policy="always") if drafted]
     return statistics.median(times) if times else None
 
 
@@ -506,14 +501,16 @@ def _relay(model: str, engine_kwargs: dict[str, Any], batches: Sequence[int], to
     pinned): the decode worker's seconds per step while `batch` requests decode with their outputs
     relayed through the router (each request's time per output token after its first, the median
     request; speculation off), and lone requests' times to first token (LONE_REQUESTS of them,
-    each after the next of LONE_GAPS_S of idle workers (`lone_idle_s`), and the median) with a prompt of RELAY_PROMPT_TOKENS (through the prefill worker and the KV
-    stream) and of RELAY_LOCAL_TOKENS (prefilled on the decode worker).
+    each after the next of LONE_GAPS_S of idle workers (`lone_idle_s`), and the median) with a
+    prompt of RELAY_PROMPT_TOKENS (through the prefill worker and the KV stream) and of
+    RELAY_LOCAL_TOKENS (prefilled on the decode worker).
 
     Then `beside_prefill`: at each of BESIDE_BATCHES, that many requests decoding while the prefill
     worker computes a `long_tokens` prompt (prefill_s(n): this process's seconds for an n-token
     chunk, to size the decodes), the decode worker's seconds per step over that window against the
     same requests' steps before it. The real neighbour, where `co_run` has a synthetic one; by
-    batch, because a memory-bound one-request step suffers less beside it than a batch's."""
+    batch, since how much a step suffers beside it depends on how much of the step is compute
+    (x1.48 at batch 1, x1.64 at batch 4 on a 2-vCPU Zen 5)."""
     import ray
 
     from specserve.disagg.launch import DisaggClient, launch
