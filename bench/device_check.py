@@ -190,6 +190,7 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
                 params,
             ),
         )
+    results += _features_exact(kw, prompts, draft)
     if real is not None:
         log(f"exact: {args.model} on {args.device}, float32")
         rkw = dict(
@@ -232,6 +233,101 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
                     rparams,
                 ),
             )
+    return results
+
+
+def _features_exact(kw: dict, prompts: list, draft: Any) -> list[dict]:
+    """The request-level sampling features under speculation on the device: penalties,
+    logit_bias, min_tokens, min_p and logprobs ride along every verified row (greedy, so the
+    output must equal plain decoding with the same parameters), and a seeded sampled run with
+    prompt logprobs must finish with the KV pool whole."""
+    results: list[dict] = []
+    params = [
+        SamplingParams(
+            max_tokens=24,
+            temperature=0,
+            min_tokens=12,
+            min_p=0.05,
+            repetition_penalty=1.15,
+            presence_penalty=0.4,
+            frequency_penalty=0.2,
+            logit_bias={i % 64: (5.0 if i % 2 else -100.0) for i in (3, 7, 11 + p)},
+            logprobs=True,
+            top_logprobs=3,
+        )
+        for p in range(len(prompts))
+    ]
+    base = [
+        o.token_ids
+        for o in LLM("tiny", spec_method="none", enforce_eager=True, **kw).generate(
+            prompts, params, use_tqdm=False
+        )
+    ]
+    cases = {
+        "tiny features ngram tree": dict(spec_method="ngram", spec_tree="auto"),
+        "tiny features draft model chain": dict(
+            spec_method="draft", draft_checkpoint=draft, spec_tree="chain"
+        ),
+        "tiny features lookahead": dict(spec_method="lookahead"),
+    }
+    for name, extra in cases.items():
+        run_case(
+            results,
+            name,
+            lambda extra=extra: compare_exact(
+                lambda: LLM("tiny", spec_policy="always", num_spec_tokens=6, **kw, **extra),
+                base,
+                prompts,
+                params,
+            ),
+        )
+
+    def sampled(extra: dict) -> dict:
+        llm = LLM("tiny", spec_policy="always", num_spec_tokens=6, **kw, **extra)
+        sp = [
+            SamplingParams(
+                max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, ignore_eos=True,
+                seed=i if i % 2 else None, prompt_logprobs=2, logprobs=True, repetition_penalty=1.1,
+            )
+            for i in range(len(prompts))
+        ]
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        again = llm.generate(prompts, sp, use_tqdm=False)
+        eng = llm.engine
+        whole = eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+        seeded = [i for i in range(len(prompts)) if sp[i].seed is not None]
+        # A seeded request's tokens depend on neither the run nor the batch around it.
+        alone = [llm.generate([prompts[i]], [sp[i]], use_tqdm=False)[0] for i in seeded[:4]]
+        same = sum(outs[i].token_ids == again[i].token_ids for i in seeded)
+        same += sum(a.token_ids == outs[i].token_ids for a, i in zip(alone, seeded))
+        complete = sum(
+            o.finish_reason == "length"
+            and len(o.token_ids) == 24
+            and o.prompt_logprobs is not None
+            and len(o.outputs[0].logprobs or ()) == 24
+            for o in outs + again
+        )
+        c = eng.spec_counters
+        return {
+            "matched": same,
+            "of": len(seeded) + len(alone),
+            "complete": complete,
+            "pool_whole": whole,
+            "draft_tokens": c["num_draft_tokens"],
+            "accepted_tokens": c["num_accepted_tokens"],
+            "ok": whole and complete == 2 * len(prompts) and same == len(seeded) + len(alone),
+        }
+
+    for name, extra in {
+        "tiny features sampled ngram tree": dict(spec_method="ngram", spec_tree="auto"),
+        "tiny features sampled draft model tree": dict(
+            spec_method="draft", draft_checkpoint=draft, spec_tree="tree"
+        ),
+        "tiny features sampled draft model chain": dict(
+            spec_method="draft", draft_checkpoint=draft, spec_tree="chain"
+        ),
+    }.items():
+        run_case(results, name, lambda extra=extra: sampled(extra))
     return results
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specserve.sampling.sampler import SamplingMetadata, logits_to_probs
+from specserve.sampling.sampler import SamplingMetadata, logits_to_probs, sample_from_probs
 from specserve.sampling.tree_rejection import verify_trees
 from specserve.sampling_params import SamplingParams
 from specserve.spec.tree import DraftTree, SiblingDraw
@@ -169,6 +169,22 @@ def test_seeded_tree_verification_does_not_depend_on_the_batch():
     alone = verify_trees(logits[4:], trees[1:], SamplingMetadata.build(params[1:], [9], torch.device("cpu")),
                          torch.Generator().manual_seed(99))
     assert both[1] == alone[0]
+
+
+def test_a_seeded_leaf_draws_the_token_a_step_without_a_draft_would():
+    # The bonus token after an accepted leaf comes from the plain stream, so whether a step
+    # carried a draft (which depends on the batch: trees are verified for every sampled request
+    # of a step that has one) never changes a seeded request's tokens. Both draws use the
+    # engine generator's device (on a GPU a CPU generator would give other numbers).
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(1, V, generator=g)
+    for seed, step in ((11, 0), (12, 5), (0, 40)):
+        params = [SamplingParams(temperature=0.8, top_k=20, seed=seed)]
+        meta = SamplingMetadata.build(params, [step], torch.device("cpu"))
+        (res,) = verify_trees(logits, [DraftTree((), ())], meta, torch.Generator().manual_seed(1))
+        probs = logits_to_probs(logits, meta.temperature, meta.top_k, meta.top_p)
+        plain = sample_from_probs(probs, [seed], [step], torch.Generator().manual_seed(2))
+        assert res.token_ids == plain.tolist()
 
 
 def test_tree_helpers():

@@ -7,6 +7,7 @@ test compares exactly the distributions the user asked for.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,17 @@ class SamplingMetadata:
     any_top_p: bool
     need_logprobs: bool
     any_min_p: bool = False
+
+    def to(self, device: torch.device) -> SamplingMetadata:
+        """The same settings with their tensors on `device`."""
+        return dataclasses.replace(
+            self,
+            temperature=self.temperature.to(device),
+            top_k=self.top_k.to(device),
+            top_p=self.top_p.to(device),
+            min_p=self.min_p.to(device),
+            greedy=self.greedy.to(device),
+        )
 
     @classmethod
     def build(

@@ -84,7 +84,7 @@ def verify_trees(
     logprobs: list[list[float] | None] = [None] * len(trees)
     if meta.need_logprobs:
         rows = [starts[i] + r for i, (_, nodes) in enumerate(walks) for r in [0] + [n + 1 for n in nodes]]
-        toks = torch.tensor([t for tokens, _ in walks for t in tokens])
+        toks = torch.tensor([t for tokens, _ in walks for t in tokens], device=target_logits.device)
         lp = torch.log_softmax(target_logits[rows].float(), dim=-1).gather(1, toks[:, None]).squeeze(1).tolist()
         at = 0
         for i, (tokens, _) in enumerate(walks):
@@ -169,6 +169,11 @@ def _walk_sampled(
 ) -> list[tuple[list[int], list[int]]]:
     """The walk of every sampled request, all requests in lockstep: level by level, and within
     a level child by child (j-th children of every request together)."""
+    if target_logits.device.type != "cpu":
+        # The walk is a loop of small steps over tables built on the CPU: on an accelerator each
+        # would be a launch and a sync, so the logits and settings come here once.
+        target_logits = target_logits.float().cpu()
+        meta = meta.to(torch.device("cpu"))
     vocab = target_logits.shape[-1]
     sizes = torch.tensor([len(t) + 1 for t in trees])
     base = torch.tensor(list(starts), dtype=torch.long)  # [B] row of each request's root
@@ -252,17 +257,28 @@ def _walk_sampled(
 
 def _shared_coins(n: int, count: int, generator: torch.Generator | None) -> torch.Tensor:  # [n, count] in (0, 1]
     """What _coins gives when no request is seeded: the same draws from the shared generator."""
-    return 1.0 - torch.rand(n, count, dtype=torch.float64, generator=generator)
+    return 1.0 - _rand(n, count, generator)
+
+
+def _rand(n: int, count: int, generator: torch.Generator | None) -> torch.Tensor:  # [n, count] on the CPU
+    """Uniforms in [0, 1) from `generator`, drawn on its device (the engine's may be a GPU's)."""
+    device = generator.device if generator is not None else None
+    return torch.rand(n, count, dtype=torch.float64, device=device, generator=generator).cpu()
 
 
 def _coins(seeds: Sequence[int | None], steps: Sequence[int], stream: int, count: int,
            generator: torch.Generator | None) -> torch.Tensor:  # [len(seeds), count] float64 in (0, 1]
     """Uniforms per request: from the request's (seed + stream, position) generator when seeded
     (so its output does not depend on batching), else from the shared generator."""
-    u = torch.rand(len(seeds), count, dtype=torch.float64, generator=generator)
+    u = _rand(len(seeds), count, generator)
+    # A seeded row's generator lives where the engine's does, as in sampler.uniforms: the bonus
+    # token of a leaf is then the token a step without a draft would have drawn (a CPU
+    # generator draws other numbers than a GPU's from the same seed).
+    device = generator.device if generator is not None else torch.device("cpu")
     for i, s in enumerate(seeds):
         if s is not None:
-            u[i] = torch.rand(count, dtype=torch.float64, generator=request_generator(s + stream, steps[i], torch.device("cpu")))
+            g = request_generator(s + stream, steps[i], device)
+            u[i] = torch.rand(count, dtype=torch.float64, device=device, generator=g).cpu()
     return 1.0 - u
 
 
