@@ -11,10 +11,12 @@ from specserve.sampling.sampler import TRUNCATE_CANDIDATES, logits_to_probs
 V = 5000
 
 
-def _by_full_sort(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+def _by_full_sort(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  tol: float = 1e-5) -> tuple[torch.Tensor, list[bool]]:
     """The kept-token mask the plain definition gives: sort the row, keep its top-k, then the
     shortest prefix of what is left whose mass reaches top_p (in float64); and per row whether
-    the cut sits within float32 rounding of top_p (either side of it is then right)."""
+    the cut sits within `tol` of top_p, the rounding of the path tested (either side of it is
+    then right)."""
     keep = torch.zeros_like(logits, dtype=torch.bool)
     close = []
     for i in range(logits.shape[0]):
@@ -25,7 +27,7 @@ def _by_full_sort(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         n = int((before < top_p[i]).sum()) if top_p[i] < 1 else k
         keep[i, order[: max(n, 1)]] = True
         edge = before[max(n - 1, 0) : n + 1]
-        close.append(bool(top_p[i] < 1 and ((edge - float(top_p[i])).abs() < 1e-5).any()))
+        close.append(bool(top_p[i] < 1 and ((edge - float(top_p[i])).abs() < tol).any()))
     return keep, close
 
 
@@ -94,3 +96,36 @@ def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_likeliest(
     both = logits_to_probs(logits, temp, torch.full((6,), 3), ones, True, False, min_p)
     for row in range(6):
         assert int((both[row] > 0).sum()) == min(3, int((got[row] > 0).sum()))
+
+
+def test_wide_nuclei_are_cut_by_buckets_as_a_full_sort_cuts_them():
+    """Rows whose nucleus runs past the candidates (temperature-1-like rows of a 32k vocabulary)
+    are cut by log-probability buckets, not sorted: the same tokens as the definition, the same
+    count where equal logits straddle the cut, and a row's cut does not depend on its batch."""
+    g = torch.Generator().manual_seed(7)
+    vocab = 32768
+    rows = [torch.randn(3, vocab, generator=g) * s for s in (0.5, 1.0, 2.0, 4.0)]
+    zipf = -0.9 * torch.arange(1, vocab + 1).double().log().float()
+    rows.append(torch.stack([zipf[torch.randperm(vocab, generator=g)] for _ in range(3)]))
+    rows.append(torch.randint(0, 200, (3, vocab), generator=g).float() / 50)  # ~160 ties per value
+    logits = torch.cat(rows)
+    n = logits.shape[0]
+    top_p = torch.tensor([0.5, 0.9, 0.95, 0.999])[torch.arange(n) % 4]
+    top_k = torch.zeros(n, dtype=torch.long)
+    cut, done = sampler._nucleus_by_buckets(logits, top_p)
+    out = sampler._truncate(logits, top_k, top_p, False, True)
+    kept = torch.isfinite(out)
+    wide = kept.sum(1) > TRUNCATE_CANDIDATES
+    assert int(wide.sum()) >= n - 3 and bool(done[wide].all())  # the bucket path did the work
+    assert torch.equal(out[wide], cut[wide])
+    # Float32 bucket sums and a float64 running mass: within ~1e-7 of the exact cut.
+    ref, close = _by_full_sort(logits, top_k, top_p, tol=1e-6)
+    assert sum(close) <= n // 3  # the comparison is not vacuous
+    for i in range(n):
+        if i >= n - 3:
+            assert kept[i].sum() == ref[i].sum(), i
+        elif not close[i]:
+            assert torch.equal(kept[i], ref[i]), (i, float(top_p[i]))
+    for i in range(n):
+        alone = sampler._truncate(logits[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], False, True)
+        assert torch.equal(alone[0], out[i])

@@ -122,7 +122,9 @@ def _truncate(
     nucleus closes within them (the mass before the last candidate reaches top_p). Other rows
     are sorted in full. Both paths compute the same masses with the same operations in the same
     order (`_nucleus`), so they keep the same tokens, and which path a row takes depends on that
-    row alone: a row's result never depends on the rest of the batch."""
+    row alone: a row's result never depends on the rest of the batch. Rows whose nucleus (top-p
+    alone) runs past the candidates are cut by log-probability buckets (`_nucleus_by_buckets`)
+    rather than sorted."""
     vocab = logits.shape[-1]
     k = torch.where((top_k > 0) & any_top_k, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     nucleus = (top_p < 1.0) & any_top_p
@@ -134,13 +136,67 @@ def _truncate(
     out = torch.full_like(logits, float("-inf")).scatter_(-1, idx, cand.masked_fill(remove, float("-inf")))
     if bool(untouched.any()):
         out[untouched] = logits[untouched]
-    rest = (~fits & ~untouched).nonzero().squeeze(1)
+    rest = ~fits & ~untouched
+    by_mass = (rest & nucleus & (k == vocab)).nonzero().squeeze(1)  # top-p alone, nucleus past the candidates
+    if by_mass.numel():
+        cut, done = _nucleus_by_buckets(logits[by_mass], top_p[by_mass])
+        out[by_mass[done]] = cut[done]
+        rest[by_mass[done]] = False
+    rest = rest.nonzero().squeeze(1)
     if rest.numel():
         sub = logits[rest]
         sorted_logits, order = sub.sort(dim=-1, descending=True)
         drop = _nucleus(sub, sorted_logits, k[rest], top_p[rest], nucleus[rest])
         out[rest] = torch.empty_like(sub).scatter_(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return out
+
+
+# The nucleus of a row past the candidates, found without sorting the row: buckets of
+# log-probability below the row's likeliest token, this many per nat and this many in all (the
+# last also holds everything lower).
+NUCLEUS_BUCKETS_PER_NAT = 128
+NUCLEUS_BUCKETS = 4096
+
+
+def _nucleus_by_buckets(logits: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p of rows whose nucleus is too wide for the candidates, without a full sort.
+
+    The probabilities go into buckets by log-probability. The bucket where the running mass
+    (likeliest first) reaches top_p is the only one whose tokens need ordering: every bucket
+    above it is kept whole, every one below dropped. Returns the truncated logits and, per row,
+    whether the cut was found this way; the caller sorts the other rows (the cut fell in the
+    last bucket, or its bucket holds too many tokens to order cheaply).
+
+    Within the cut's bucket tokens go by descending logit, equal logits by ascending id, so the
+    kept set is a function of the row alone. Bucket masses are float32 sums and the running mass
+    is float64: a full sort's float32 running sum can differ from this only where the mass lands
+    within rounding of top_p. Why: a full sort of a 49k vocabulary costs ~1.5 ms a row on one
+    core, and about half the rows of a real model at temperature 1 and top_p 0.95 need it
+    (SmolLM2, prose and code prompts)."""
+    n = logits.shape[0]
+    last = NUCLEUS_BUCKETS - 1
+    gap = logits.max(-1, keepdim=True).values - logits  # nats below the likeliest token
+    bucket = (gap * NUCLEUS_BUCKETS_PER_NAT).clamp_(max=last).long()
+    probs = gap.neg_().exp_()
+    probs /= probs.sum(-1, keepdim=True)
+    mass = torch.zeros(n, NUCLEUS_BUCKETS, dtype=probs.dtype, device=probs.device).scatter_add_(1, bucket, probs)
+    through = mass.double().cumsum(-1)
+    tp = top_p.double()[:, None]
+    cut = (through < tp).sum(-1).clamp_(max=last)  # the first bucket whose running mass reaches top_p
+    before = torch.where(cut > 0, through.gather(1, (cut - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    in_cut = bucket == cut[:, None]
+    count = in_cut.sum(-1)
+    done = (cut < last) & (count <= 4 * TRUNCATE_CANDIDATES)
+    width = int(count[done].max()) if bool(done.any()) else 1
+    # The cut bucket's tokens by descending logit, then ascending id (ids sorted first, then a
+    # stable sort by value), each with the mass before it.
+    ids = logits.masked_fill(~in_cut, float("-inf")).topk(width, dim=-1).indices.sort(dim=-1).values
+    ids = ids.gather(1, logits.gather(1, ids).sort(dim=-1, descending=True, stable=True).indices)
+    member = in_cut.gather(1, ids)
+    p = probs.gather(1, ids).double().masked_fill(~member, 0.0)
+    keep = bucket < cut[:, None]
+    keep.scatter_(1, ids, keep.gather(1, ids) | (member & (before[:, None] + p.cumsum(-1) - p < tp)))
+    return logits.masked_fill(~keep, float("-inf")), done
 
 
 def _nucleus(logits: torch.Tensor, desc: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
