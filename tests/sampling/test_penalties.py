@@ -62,3 +62,35 @@ def test_sparse_penalties_equal_a_dense_reference(seed):
         logits = torch.cat([logits, rows])
     apply_penalties(logits, batch)
     torch.testing.assert_close(logits.double(), torch.cat(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_verified_row_is_penalised_bit_for_bit_as_plain_decoding_after_its_path(seed):
+    """Row 1 + i of a tree is changed exactly as the root row of a request whose output already
+    holds node i's path: greedy speculation then picks what plain decoding picks, even where
+    two logits are within rounding. Requests of one batch have different penalties."""
+    rng = random.Random(100 + seed)
+    vocab = 50
+    batch, plain_rows, plain_reqs = [], [], []
+    logits = torch.randn(0, vocab)
+    for i in range(3):
+        params = SamplingParams(presence_penalty=rng.choice([0.0, 0.3, -0.7]), frequency_penalty=rng.choice([0.1, 0.45]),
+                                repetition_penalty=rng.choice([1.0, 1.17, 0.83]))
+        draft = _random_tree(rng, rng.randint(1, 10), vocab)
+        output = [rng.randrange(vocab) for _ in range(rng.randint(0, 25))]
+        prompt = torch.unique(torch.tensor([rng.randrange(vocab) for _ in range(rng.randint(1, 20))]))
+        pp = prompt if params.repetition_penalty != 1.0 else None
+        sr = ScheduledRequest(str(i), [], 0, [], draft, True, params, len(output), penalized_output=output,
+                              penalized_prompt=pp)
+        rows = torch.randn(1 + len(draft), vocab) * 3
+        for node in range(-1, len(draft)):
+            path = [] if node < 0 else [draft.token_ids[j] for j in draft.path(node)]
+            plain_reqs.append(ScheduledRequest(f"{i}.{node}", [], 0, [], None, True, params, len(output) + len(path),
+                                               penalized_output=output + path, penalized_prompt=pp))
+        plain_rows.append(rows.clone())
+        batch.append(sr)
+        logits = torch.cat([logits, rows])
+    plain = torch.cat(plain_rows)
+    apply_penalties(logits, batch)
+    apply_penalties(plain, plain_reqs)
+    assert torch.equal(logits, plain)

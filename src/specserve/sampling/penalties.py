@@ -40,14 +40,56 @@ def apply_logit_bias(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledReque
 
 
 def apply_penalties(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
-    """Repetition, then frequency and presence penalties (vLLM's order), row by row of each
-    request that has them."""
+    """Repetition, then frequency and presence penalties (vLLM's order), in every row of each
+    request that has them. Every (row, token) pair of the batch is worked out on the host first,
+    so the device sees one gather and scatter per kind of penalty per step, not a dozen small
+    operations per request (on a GPU each was a launch, and a batch of 32 penalised requests
+    decoded at a fifth of the plain rate)."""
+    rep: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, cols, factor)
+    sub: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, cols, amount)
     at = 0
+    vocab = logits.shape[1]
     for sr in sampled_reqs:
         n = 1 + sr.num_spec_tokens
         if sr.penalized_output is not None:  # set for requests with penalties
-            _penalize(logits[at : at + n], sr)
+            _penalty_pairs(sr, at, n, vocab, rep, sub)
         at += n
+    dev = logits.device
+    if rep:
+        r, c, f = (torch.cat(t).to(dev) for t in zip(*rep))
+        x = logits[r, c]
+        logits[r, c] = torch.where(x > 0, x / f, x * f).to(logits.dtype)
+    if sub:
+        r, c, v = (torch.cat(t).to(dev) for t in zip(*sub))
+        logits[r, c] = (logits[r, c] - v).to(logits.dtype)
+
+
+def _penalty_pairs(sr: ScheduledRequest, at: int, n: int, vocab: int, rep: list, sub: list) -> None:
+    """The pairs one request's rows at..at+n-1 change, appended to `rep` and `sub` (host tensors).
+
+    Row 0 counts the output before the step; row 1 + i also the tokens on draft node i's path
+    (its ancestors and itself), as they would be output by then. Each (row, token) pair occurs
+    once, with its whole count, so a verified row is changed by the very operations plain
+    decoding applies after that path: x / r or x * r once, then x - (freq * count + presence)."""
+    params = sr.sampling_params
+    out = torch.tensor(sr.penalized_output, dtype=torch.long)  # sampled from rows this wide: all < vocab
+    if n > 1:
+        p_rows, p_toks = _path_pairs(sr)
+        rows = torch.cat([torch.arange(n).repeat_interleave(out.numel()), torch.tensor(p_rows, dtype=torch.long)])
+        out = rows * vocab + torch.cat([out.repeat(n), torch.tensor(p_toks, dtype=torch.long)])
+    keys, counts = torch.unique(out, return_counts=True)  # row * vocab + token -> occurrences on that row's path
+    if params.repetition_penalty != 1.0:
+        seen = keys
+        if sr.penalized_prompt is not None:
+            prompt = sr.penalized_prompt[sr.penalized_prompt < vocab]
+            if n > 1:
+                prompt = (torch.arange(n)[:, None] * vocab + prompt[None]).flatten()
+            seen = torch.unique(torch.cat([prompt, keys]))
+        rep.append((at + seen // vocab, seen % vocab,
+                    torch.full((seen.numel(),), float(params.repetition_penalty), dtype=torch.float32)))
+    if (params.presence_penalty or params.frequency_penalty) and keys.numel():
+        amount = params.frequency_penalty * counts + params.presence_penalty  # float32, as plain decoding computes it
+        sub.append((at + keys // vocab, keys % vocab, amount.float()))
 
 
 def apply_min_tokens(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
@@ -131,55 +173,17 @@ def _ban(logits: torch.Tensor, rows: list[int], ids: torch.Tensor) -> None:  # l
         logits[r[:, None], ids[None, :]] = float("-inf")
 
 
-def _path_pairs(sr: ScheduledRequest) -> tuple[list[int], list[int], list[bool]]:
-    """(row, token, first) for every token on the path of every draft node's row: row 1 + i holds
-    node i and its ancestors; `first` marks a token's first occurrence on that path."""
+def _path_pairs(sr: ScheduledRequest) -> tuple[list[int], list[int]]:
+    """(row, token) for every token on the path of every draft node's row: row 1 + i holds node i
+    and its ancestors."""
     rows: list[int] = []
     toks: list[int] = []
-    first: list[bool] = []
     if sr.draft is None:
-        return rows, toks, first
+        return rows, toks
     paths: list[list[int]] = []
     for i, (tok, parent) in enumerate(zip(sr.draft.token_ids, sr.draft.parents)):
         path = (paths[parent] if parent >= 0 else []) + [tok]
         paths.append(path)
-        seen: set[int] = set()
-        for t in path:
-            rows.append(1 + i)
-            toks.append(t)
-            first.append(t not in seen)
-            seen.add(t)
-    return rows, toks, first
-
-
-def _penalize(rows: torch.Tensor, sr: ScheduledRequest) -> None:  # rows: [1 + K, V], changed in place
-    params = sr.sampling_params
-    vocab, dev = rows.shape[1], rows.device
-    # Output ids were sampled from rows this wide, so they are all < vocab.
-    uniq, cnt = torch.unique(torch.tensor(sr.penalized_output, dtype=torch.long), return_counts=True)
-    p_rows, p_toks, p_first = _path_pairs(sr)
-    pr = torch.tensor(p_rows, dtype=torch.long)
-    pt = torch.tensor(p_toks, dtype=torch.long)
-    firsts = torch.tensor(p_first, dtype=torch.bool)
-    if params.repetition_penalty != 1.0:
-        r = params.repetition_penalty
-        seen = uniq
-        if sr.penalized_prompt is not None:
-            prompt = sr.penalized_prompt[sr.penalized_prompt < vocab]
-            seen = torch.cat([prompt, uniq[~torch.isin(uniq, prompt)]])
-        cols = seen.to(dev)
-        x = rows[:, cols]
-        rows[:, cols] = torch.where(x > 0, x / r, x * r)
-        new = firsts & ~torch.isin(pt, seen)  # path tokens not already penalised above, once each
-        if bool(new.any()):
-            idx = (pr[new].to(dev), pt[new].to(dev))
-            x = rows[idx]
-            rows[idx] = torch.where(x > 0, x / r, x * r)
-    if params.presence_penalty or params.frequency_penalty:
-        freq, pres = params.frequency_penalty, params.presence_penalty
-        if uniq.numel():
-            rows[:, uniq.to(dev)] -= (freq * cnt + pres).to(device=dev, dtype=rows.dtype)[None]
-        if pt.numel():
-            # One more occurrence for each token on the path; presence for those absent before.
-            vals = torch.full((pt.numel(),), float(freq)) + pres * (firsts & ~torch.isin(pt, uniq)).to(torch.float32)
-            rows.index_put_((pr.to(dev), pt.to(dev)), -vals.to(device=dev, dtype=rows.dtype), accumulate=True)
+        rows += [1 + i] * len(path)
+        toks += path
+    return rows, toks
