@@ -67,6 +67,13 @@ class HiddenRows(NamedTuple):
     rows: torch.Tensor  # [n, hidden * (len(feature_layers) + 1)]
 
 
+class RawRows(NamedTuple):
+    """Copies of logits rows taken before the processors changed them (logprobs_mode "raw")."""
+
+    rows: torch.Tensor  # [n, V]
+    starts: dict[str, int]  # request id -> its first row in `rows` (then one per row it samples from)
+
+
 class FeedEntry(NamedTuple):
     """One request's tokens in one forward pass, as the model sees them."""
 
@@ -556,26 +563,30 @@ class ModelRunner:
             sampled = self._verify_chains(logits, sampled_reqs, meta)
         else:
             sampled = self._verify_trees(logits, sampled_reqs, meta)
-        if raw or any(sr.sampling_params.top_logprobs for sr in sampled_reqs):
+        if raw is not None or any(sr.sampling_params.top_logprobs for sr in sampled_reqs):
             sampled = self._emitted_logprobs(logits, sampled_reqs, sampled, raw)
         return sampled
 
-    def _raw_rows(self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> dict[str, torch.Tensor]:  # logits: [sum(1 + K_i), V]
-        """logprobs_mode "raw": a copy, before the processors change them, of the rows of every
+    def _raw_rows(self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> RawRows | None:  # logits: [sum(1 + K_i), V]
+        """logprobs_mode "raw": one copy, before the processors change them, of the rows of every
         request that asks for logprobs and has a processor (logit_bias, penalties, min_tokens, a
         grammar); the other rows stay raw as they are, so nothing is copied in the common case."""
         if self.logprobs_mode != "raw":
-            return {}
-        out: dict[str, torch.Tensor] = {}
+            return None
+        rows: list[int] = []
+        starts: dict[str, int] = {}
         at = 0
         for sr in sampled_reqs:
             n = 1 + sr.num_spec_tokens
             p = sr.sampling_params
             if p.logprobs and (p.logit_bias or sr.penalized_output is not None  # (top_logprobs needs logprobs)
                                or sr.min_tokens_ban is not None or sr.grammar is not None):
-                out[sr.request_id] = logits[at : at + n].clone()
+                starts[sr.request_id] = len(rows)
+                rows.extend(range(at, at + n))
             at += n
-        return out
+        if not rows:
+            return None
+        return RawRows(logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device)), starts)
 
     @staticmethod
     def _emitted_rows(st: SampledTokens) -> list[int]:
@@ -585,36 +596,60 @@ class ModelRunner:
 
     def _emitted_logprobs(
         self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest], sampled: dict[str, SampledTokens],  # logits: [sum(1 + K_i), V]
-        raw: dict[str, torch.Tensor],
+        raw: RawRows | None,
     ) -> dict[str, SampledTokens]:
         """At each emitted position: the likeliest tokens of the requests that ask for them, and the
-        raw logprobs of the requests in `raw` (replacing the sampler's, of processed rows); one
-        log-softmax over those rows, read from the raw copy where there is one. A request's rows
-        start after the 1 + K_i rows of those before it (see _emitted_rows)."""
-        blocks: list[torch.Tensor] = []
-        spans: list[tuple[ScheduledRequest, int, int]] = []  # (request, first gathered row, count)
-        first = at = 0
+        raw logprobs of the requests in `raw` (replacing the sampler's, of processed rows). The whole
+        batch's rows are gathered at once (processed ones from `logits`, the others from the raw
+        copy), log-softmaxed once and read back once: per request, each would be a launch and a
+        sync on a GPU. A request's rows start after the 1 + K_i rows of those before it."""
+        starts = raw.starts if raw is not None else {}
+        plain: list[int] = []  # rows of logits
+        copied: list[int] = []  # rows of raw.rows
+        spans: list[tuple[ScheduledRequest, bool, int, int]] = []  # (request, from the copy, first row, count)
+        at = 0
         for sr in sampled_reqs:
-            src = raw.get(sr.request_id)
-            if sr.sampling_params.top_logprobs or src is not None:
+            from_copy = sr.request_id in starts
+            if sr.sampling_params.top_logprobs or from_copy:
                 mine = self._emitted_rows(sampled[sr.request_id])
-                idx = mine if src is not None else [at + r for r in mine]
-                blocks.append((logits if src is None else src).index_select(
-                    0, torch.tensor(idx, dtype=torch.long, device=logits.device)))
-                spans.append((sr, first, len(mine)))
-                first += len(mine)
+                dest = copied if from_copy else plain
+                base = starts[sr.request_id] if from_copy else at
+                spans.append((sr, from_copy, len(dest), len(mine)))
+                dest.extend(base + r for r in mine)
             at += 1 + sr.num_spec_tokens
-        logp = torch.log_softmax(torch.cat(blocks).float(), dim=-1)
-        kmax = max(sr.sampling_params.top_logprobs for sr, _, _ in spans)
+        dev = logits.device
+        if plain == list(range(logits.shape[0])):  # every row, in order (decoding, all asking)
+            blocks = [logits]
+        else:
+            blocks = [logits.index_select(0, torch.tensor(plain, dtype=torch.long, device=dev))] if plain else []
+        if copied:
+            blocks.append(raw.rows if copied == list(range(raw.rows.shape[0]))
+                          else raw.rows.index_select(0, torch.tensor(copied, dtype=torch.long, device=dev)))
+        logp = torch.log_softmax((blocks[0] if len(blocks) == 1 else torch.cat(blocks)).float(), dim=-1)
+        first_of = {False: 0, True: len(plain)}  # where each source's rows start in logp
+        kmax = max(sr.sampling_params.top_logprobs for sr, *_ in spans)
         tops = top_logprobs(logp, kmax) if kmax else []
-        out = dict(sampled)
-        for sr, first, count in spans:
+        # The tokens of the requests whose raw logprobs replace the sampler's, in one gather.
+        tok_rows: list[int] = []
+        toks: list[int] = []
+        for sr, from_copy, first, _ in spans:
             st = sampled[sr.request_id]
+            if from_copy and st.logprobs is not None:
+                tok_rows.extend(range(first_of[True] + first, first_of[True] + first + len(st.token_ids)))
+                toks.extend(st.token_ids)
+        tok_lp = (logp[torch.tensor(tok_rows, dtype=torch.long, device=dev), torch.tensor(toks, dtype=torch.long, device=dev)].tolist()
+                  if toks else [])
+        out = dict(sampled)
+        used = 0
+        for sr, from_copy, first, count in spans:
+            st = sampled[sr.request_id]
+            row = first_of[from_copy] + first
             if k := sr.sampling_params.top_logprobs:
-                st = st._replace(top_logprobs=[pairs[:k] for pairs in tops[first : first + count]])
-            if sr.request_id in raw and st.logprobs is not None:
-                toks = torch.tensor(st.token_ids, dtype=torch.long, device=logp.device)
-                st = st._replace(logprobs=logp[first : first + len(toks)].gather(1, toks[:, None]).squeeze(1).tolist())
+                st = st._replace(top_logprobs=[pairs[:k] for pairs in tops[row : row + count]])
+            if from_copy and st.logprobs is not None:
+                n = len(st.token_ids)
+                st = st._replace(logprobs=tok_lp[used : used + n])
+                used += n
             out[sr.request_id] = st
         return out
 
