@@ -30,13 +30,28 @@ if TYPE_CHECKING:
 
 
 def apply_logit_bias(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
-    """Add each request's logit_bias to every row it samples or verifies from."""
+    """Add each request's logit_bias to every row it samples or verifies from: the batch's
+    (row, token) pairs are gathered on the host, then one indexed add."""
+    rows: list[torch.Tensor] = []
+    cols: list[torch.Tensor] = []
+    vals: list[torch.Tensor] = []
     at = 0
+    vocab = logits.shape[1]
     for sr in sampled_reqs:
         n = 1 + sr.num_spec_tokens
-        if sr.sampling_params.logit_bias:
-            _add_bias(logits[at : at + n], sr.sampling_params.logit_bias)
+        if bias := sr.sampling_params.logit_bias:
+            c = torch.tensor(list(bias), dtype=torch.long)
+            v = torch.tensor(list(bias.values()), dtype=torch.float32)
+            keep = c < vocab
+            c, v = c[keep], v[keep]
+            rows.append(torch.arange(at, at + n).repeat_interleave(c.numel()))
+            cols.append(c.repeat(n))
+            vals.append(v.repeat(n))
         at += n
+    if rows:
+        dev = logits.device
+        r, c = torch.cat(rows).to(dev), torch.cat(cols).to(dev)
+        logits[r, c] = logits[r, c] + torch.cat(vals).to(device=dev, dtype=logits.dtype)
 
 
 def apply_penalties(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
@@ -94,17 +109,26 @@ def _penalty_pairs(sr: ScheduledRequest, at: int, n: int, vocab: int, rep: list,
 
 def apply_min_tokens(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
     """Forbid EOS and stop_token_ids in every row of a request whose path is shorter than its
-    min_tokens: the root row samples output token output_index, a node's row the one after it."""
+    min_tokens: the root row samples output token output_index, a node's row the one after it.
+    One indexed write for the batch."""
+    rows: list[torch.Tensor] = []
+    cols: list[torch.Tensor] = []
     at = 0
+    vocab = logits.shape[1]
     for sr in sampled_reqs:
         n = 1 + sr.num_spec_tokens
         if sr.min_tokens_ban is not None:
             short = sr.sampling_params.min_tokens - sr.output_index  # rows of depth < short are masked
             depths = (0,) + (sr.draft.depths if sr.draft is not None else ())
-            rows = [at + i for i, d in enumerate(depths) if d < short]
-            if rows:
-                _ban(logits, rows, sr.min_tokens_ban)
+            mine = [at + i for i, d in enumerate(depths) if d < short]
+            ids = sr.min_tokens_ban[sr.min_tokens_ban < vocab].cpu()
+            if mine and ids.numel():
+                rows.append(torch.tensor(mine, dtype=torch.long).repeat_interleave(ids.numel()))
+                cols.append(ids.repeat(len(mine)))
         at += n
+    if rows:
+        dev = logits.device
+        logits[torch.cat(rows).to(dev), torch.cat(cols).to(dev)] = float("-inf")
 
 
 def drafter_logits(logits: torch.Tensor, reqs: Sequence[Request], output_indices: Sequence[int]) -> torch.Tensor:
