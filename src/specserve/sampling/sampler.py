@@ -41,6 +41,7 @@ class SamplingMetadata:
     any_top_p: bool
     need_logprobs: bool
     any_min_p: bool = False
+    any_greedy: bool = True
 
     def to(self, device: torch.device) -> SamplingMetadata:
         """The same settings with their tensors on `device`."""
@@ -75,6 +76,7 @@ class SamplingMetadata:
             seeds=[p.seed for p in params],
             steps=list(steps),
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
             any_top_k=any(k > 0 for k, g in zip(top_k, greedy) if not g),
             any_top_p=any(p < 1.0 for p, g in zip(top_p, greedy) if not g),
             need_logprobs=any(p.logprobs for p in params),
@@ -276,16 +278,17 @@ class Sampler:
         self, logits: torch.Tensor, meta: SamplingMetadata  # logits: [N, V] float32
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([N] token ids, [N] logprobs or None)
         """Sample one token per row."""
-        greedy_tokens = logits.argmax(dim=-1)
         if meta.all_greedy:
-            tokens = greedy_tokens
+            tokens = logits.argmax(dim=-1)
         else:
             probs = logits_to_probs(
                 logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p, meta.min_p,
                 meta.any_min_p,
             )
             sampled = sample_from_probs(probs, meta.seeds, meta.steps, self.generator)
-            tokens = torch.where(meta.greedy, greedy_tokens, sampled)
+            # Greedy rows beside sampled ones take their argmax (a pass over every row: skipped
+            # when none is greedy, as in a batch of chat requests).
+            tokens = torch.where(meta.greedy, logits.argmax(dim=-1), sampled) if meta.any_greedy else sampled
         logprobs = None
         if meta.need_logprobs:
             # Logprobs of the rows as given, before temperature / truncation (the runner replaces
