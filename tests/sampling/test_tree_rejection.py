@@ -198,3 +198,37 @@ def test_tree_helpers():
         DraftTree((1, 2), (1, -1))
     with pytest.raises(ValueError, match="need the distribution"):
         DraftTree((1,), (-1,), SiblingDraw.IID)
+
+
+def test_one_hot_children_take_the_general_rule_without_a_dense_proposal():
+    """_test_one_hot (n-gram, lookahead and reference children) changes r exactly as the general
+    step does with p = one-hot(x): accept iff coin <= r(x), else r(x) dropped and r renormalised."""
+    from specserve.sampling.tree_rejection import _test_one_hot
+
+    g = torch.Generator().manual_seed(5)
+    n = 64
+    r = torch.softmax(torch.randn(n, V, generator=g, dtype=torch.float64) * 2, dim=-1)
+    r[0] = 0.0
+    r[0, 3] = 1.0  # all mass on the child: rejecting it has probability 0
+    x = torch.randint(0, V, (n,), generator=g)
+    x[0] = 3
+    coins = torch.rand(n, generator=g, dtype=torch.float64)
+    coins[0] = 1.0
+    live = torch.rand(n, generator=g) < 0.8
+    c = torch.arange(n) + 10
+    rows = torch.arange(n)
+    p = torch.zeros(n, V, dtype=torch.float64)
+    p[rows, x] = 1.0
+    want_r = r.clone()
+    ok = live & (coins * p[rows, x] <= want_r[rows, x])
+    rej = live & ~ok
+    left = (want_r[rej] - p[rej]).clamp_(min=0.0)
+    mass = left.sum(1, keepdim=True)
+    want_r[rej] = torch.where(mass > 0, left / mass.clamp(min=1e-300), want_r[rej])
+    got_acc = torch.full((n,), -1)
+    excluded = torch.zeros(n, V, dtype=torch.bool)
+    _test_one_hot(r, rows, x, live, coins, c, got_acc, excluded)
+    assert torch.equal(r, want_r)
+    assert torch.equal(got_acc >= 0, ok) and torch.equal(got_acc[ok], c[ok])
+    assert torch.equal(excluded[rows, x], rej)
+    assert bool(ok[0]) == bool(live[0])  # coin 1 <= r(x) = 1: accepted when live
