@@ -74,6 +74,13 @@ class RawRows(NamedTuple):
     starts: dict[str, int]  # request id -> its first row in `rows` (then one per row it samples from)
 
 
+def _select_rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """Rows `idx` of `t`: `t` itself when they are all of its rows in order (no copy)."""
+    if idx == list(range(t.shape[0])):
+        return t
+    return t.index_select(0, torch.tensor(idx, dtype=torch.long, device=t.device))
+
+
 class FeedEntry(NamedTuple):
     """One request's tokens in one forward pass, as the model sees them."""
 
@@ -618,13 +625,7 @@ class ModelRunner:
                 dest.extend(base + r for r in mine)
             at += 1 + sr.num_spec_tokens
         dev = logits.device
-        if plain == list(range(logits.shape[0])):  # every row, in order (decoding, all asking)
-            blocks = [logits]
-        else:
-            blocks = [logits.index_select(0, torch.tensor(plain, dtype=torch.long, device=dev))] if plain else []
-        if copied:
-            blocks.append(raw.rows if copied == list(range(raw.rows.shape[0]))
-                          else raw.rows.index_select(0, torch.tensor(copied, dtype=torch.long, device=dev)))
+        blocks = [_select_rows(src, idx) for src, idx in ((logits, plain), (raw.rows if raw is not None else None, copied)) if idx]
         logp = torch.log_softmax((blocks[0] if len(blocks) == 1 else torch.cat(blocks)).float(), dim=-1)
         first_of = {False: 0, True: len(plain)}  # where each source's rows start in logp
         kmax = max(sr.sampling_params.top_logprobs for sr, *_ in spans)

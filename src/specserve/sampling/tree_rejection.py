@@ -283,10 +283,14 @@ def _shared_coins(n: int, count: int, generator: torch.Generator | None) -> torc
     return 1.0 - _rand(n, count, generator)
 
 
+def _device_of(generator: torch.Generator | None) -> torch.device:
+    """Where `generator` draws (the engine's may be a GPU's); the CPU without one."""
+    return generator.device if generator is not None else torch.device("cpu")
+
+
 def _rand(n: int, count: int, generator: torch.Generator | None) -> torch.Tensor:  # [n, count] on the CPU
-    """Uniforms in [0, 1) from `generator`, drawn on its device (the engine's may be a GPU's)."""
-    device = generator.device if generator is not None else None
-    return torch.rand(n, count, dtype=torch.float64, device=device, generator=generator).cpu()
+    """Uniforms in [0, 1) from `generator`, drawn on its device."""
+    return torch.rand(n, count, dtype=torch.float64, device=_device_of(generator), generator=generator).cpu()
 
 
 def _coins(seeds: Sequence[int | None], steps: Sequence[int], stream: int, count: int,
@@ -297,7 +301,7 @@ def _coins(seeds: Sequence[int | None], steps: Sequence[int], stream: int, count
     # A seeded row's generator lives where the engine's does, as in sampler.uniforms: the bonus
     # token of a leaf is then the token a step without a draft would have drawn (a CPU
     # generator draws other numbers than a GPU's from the same seed).
-    device = generator.device if generator is not None else torch.device("cpu")
+    device = _device_of(generator)
     for i, s in enumerate(seeds):
         if s is not None:
             g = request_generator(s + stream, steps[i], device)
