@@ -26,10 +26,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="linear kernels: auto picks oneDNN packed weights for float32 on CPU")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (default: decode and verify steps replay as CUDA graphs)")
-    g.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
-                   help="generated tokens' logprobs: raw = the model's own distribution, before logit_bias, penalties, "
-                        "min_tokens and grammars (vLLM's default); processed = after them (before temperature and "
-                        "top-k / top-p). Prompt logprobs are always raw")
+    g.add_argument("--logprobs-mode", default="raw_logprobs",
+                   choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits", "raw", "processed"],
+                   help="generated tokens' logprobs, vLLM's modes: raw_logprobs (raw) = the model's own distribution, "
+                        "before logit_bias, penalties, min_tokens and grammars (the default); processed_logprobs "
+                        "(processed) = the distribution the token was drawn from: after those, temperature, min-p, "
+                        "top-k and top-p; *_logits = the same rows' logits. Prompt logprobs are always raw logprobs")
     g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "auto"],
                    help="default: auto for a GGUF model on the CPU, else none. none: float weights (a GGUF's "
                         "blocks decoded once; exact reference); auto: keep a GGUF's quantized blocks and compute "

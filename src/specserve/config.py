@@ -63,7 +63,10 @@ def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
         ) from None
 
 
-LOGPROBS_MODES = ("raw", "processed")
+# What generated tokens' logprobs report (vLLM's --logprobs-mode names), and the short spellings
+# accepted for the two logprob modes.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+LOGPROBS_MODE_ALIASES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 
 
 @dataclass(frozen=True)
@@ -81,11 +84,14 @@ class ModelConfig:
     quantization: str | None = None
     # CUDA: run every step eagerly instead of replaying short steps as CUDA graphs (engine/graphs.py).
     enforce_eager: bool = False
-    # What generated tokens' logprobs are of (one of LOGPROBS_MODES): "raw", the model's own
-    # distribution before logit_bias, penalties, min_tokens and grammar masks (vLLM's default
-    # raw_logprobs; prompt logprobs are always raw); "processed", after them (before temperature
-    # and top-k / top-p / min-p, which only shape the draw).
-    logprobs_mode: str = "raw"
+    # What generated tokens' logprobs (and top logprobs) report, vLLM's modes (LOGPROBS_MODES;
+    # "raw" and "processed" are short for the two logprob modes): raw_logprobs (the default), the
+    # model's own distribution, before logit_bias, penalties, min_tokens and grammar masks;
+    # processed_logprobs, the distribution the token was drawn from: after those, temperature,
+    # min-p, top-k and top-p (tokens they remove: -inf; greedy requests: no temperature or
+    # truncation); raw_logits / processed_logits, the same rows' logits, not normalised. Prompt
+    # logprobs are always raw logprobs (as vLLM's).
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype, self.device)
@@ -99,8 +105,11 @@ class ModelConfig:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"Unknown quantization {self.quantization!r}; use one of {', '.join(QUANTIZATIONS)}.")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ConfigError(f"Unknown logprobs_mode {self.logprobs_mode!r}; use one of {', '.join(LOGPROBS_MODES)}.")
+        mode = LOGPROBS_MODE_ALIASES.get(self.logprobs_mode, self.logprobs_mode)
+        if mode not in LOGPROBS_MODES:
+            raise ConfigError(f"Unknown logprobs_mode {self.logprobs_mode!r}; use one of {', '.join(LOGPROBS_MODES)} "
+                              f"(or {' / '.join(LOGPROBS_MODE_ALIASES)}).")
+        object.__setattr__(self, "logprobs_mode", mode)  # frozen: the canonical name from here on
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:

@@ -48,7 +48,7 @@ class LLM:
         linear_backend: str = "auto",
         quantization: str | None = None,
         enforce_eager: bool = False,
-        logprobs_mode: str = "raw",
+        logprobs_mode: str = "raw_logprobs",
         num_kv_blocks: int | None = None,
         kv_cache_dtype: str = "auto",
         draft_model: str | None = None,

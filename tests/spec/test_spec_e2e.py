@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import os
 import random
 import sys
@@ -444,6 +445,76 @@ def test_logprobs_are_raw_unless_processed_is_asked_for(tiny, which):
             assert c.token_ids[0] == x and c.logprobs[0] > -0.05 and c.top_logprobs[0][0][0] == x
     with pytest.raises(ConfigError, match="logprobs_mode"):
         _llm(tiny, logprobs_mode="logits")
+
+
+def _logsumexp(xs):
+    m = max(xs)
+    return m + math.log(sum(math.exp(x - m) for x in xs))
+
+
+@pytest.mark.parametrize("which", [None, "ngram", "draft-full"])
+def test_processed_logprobs_are_of_the_distribution_each_token_was_drawn_from(tiny, which):
+    """vLLM's logprobs modes. processed_logprobs reports the distribution a token was drawn from:
+    after temperature and truncation, so a top_k = 5 request's five candidates carry all the
+    mass (their exp sums to 1), the rest are -inf, and each value is the raw logits over T
+    renormalised over those five; processed_logits reports those logits (raw / T, -inf outside);
+    raw_logits the model's logits, which differ from raw_logprobs by one constant per row. Seeded
+    requests draw the same tokens in every mode (the mode only changes what is reported), also
+    under speculation, so each mode's rows can be checked against another's."""
+    temp, k = 0.7, 5
+    prompts = _tiny_prompts(6, seed=21)
+    params = [SamplingParams(max_tokens=6, temperature=temp, top_k=k, seed=100 + i, ignore_eos=True, logprobs=True,
+                             top_logprobs=8) for i in range(len(prompts))]
+
+    def run(mode):
+        llm = _llm(tiny, logprobs_mode=mode) if which is None else _spec_llm(tiny, which, logprobs_mode=mode)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        if which is not None:
+            assert llm.engine.spec_counters["num_draft_tokens"] > 0
+        return outs
+
+    modes = {m: run(m) for m in ("raw_logits", "raw_logprobs", "processed_logprobs", "processed_logits")}
+    n_checked = 0
+    for outs in zip(*modes.values()):
+        raw_logits, raw_lp, proc_lp, proc_logits = outs
+        assert raw_logits.token_ids == raw_lp.token_ids == proc_lp.token_ids == proc_logits.token_ids
+        for pos, tok in enumerate(proc_lp.token_ids):
+            logits = dict(raw_logits.top_logprobs[pos])  # the 8 largest logits
+            top5 = sorted(logits, key=logits.get, reverse=True)[:k]
+            lse = _logsumexp([logits[t] / temp for t in top5])
+            # raw_logprobs: the logits less one constant per row
+            shifts = [logits[t] - lp for t, lp in raw_lp.top_logprobs[pos]]
+            assert max(shifts) - min(shifts) < 1e-4 and raw_lp.logprobs[pos] == pytest.approx(raw_logits.logprobs[pos] - shifts[0], abs=1e-4)
+            # processed_logprobs: the five candidates renormalised, the rest -inf
+            lp = dict(proc_lp.top_logprobs[pos])
+            assert [t for t, _ in proc_lp.top_logprobs[pos]][:k] == top5
+            assert all(lp[t] == pytest.approx(logits[t] / temp - lse, abs=1e-4) for t in top5)
+            assert sum(math.exp(lp[t]) for t in top5) == pytest.approx(1.0, abs=1e-4)
+            assert all(v == float("-inf") for _, v in proc_lp.top_logprobs[pos][k:])
+            assert tok in top5 and proc_lp.logprobs[pos] == pytest.approx(lp[tok], abs=1e-6)
+            # processed_logits: the logits over T where kept
+            lg = dict(proc_logits.top_logprobs[pos])
+            assert all(lg[t] == pytest.approx(logits[t] / temp, abs=1e-4) for t in top5)
+            assert proc_logits.logprobs[pos] == pytest.approx(logits[tok] / temp, abs=1e-4)
+            n_checked += 1
+    assert n_checked == 6 * len(prompts)
+
+
+def test_greedy_processed_logprobs_equal_plain_decodings_under_speculation(tiny):
+    """Greedy requests' processed logprobs (no temperature, no truncation, as vLLM's greedy rows)
+    are the same with every proposer as without speculation, top logprobs included."""
+    prompts = _tiny_prompts(8, seed=4)
+    params = _greedy(10, logprobs=True, top_logprobs=4, top_k=3, top_p=0.5)  # truncation settings a greedy row ignores
+    plain = _llm(tiny, logprobs_mode="processed_logprobs").generate(prompts, params)
+    for which in ("ngram", "draft-full", "lookahead"):
+        llm = _spec_llm(tiny, which, logprobs_mode="processed_logprobs")
+        got = llm.generate(prompts, params)
+        assert llm.engine.spec_counters["num_accepted_tokens"] > 0, which
+        for o, ref in zip(got, plain):
+            c, r = o.outputs[0], ref.outputs[0]
+            assert c.token_ids == r.token_ids and c.logprobs == pytest.approx(r.logprobs, abs=1e-4), which
+            assert all(v > float("-inf") for top in c.top_logprobs for _, v in top)
+            assert [[t for t, _ in top] for top in c.top_logprobs] == [[t for t, _ in top] for top in r.top_logprobs]
 
 
 def _penalized_greedy_by_hand(llm, prompt, n, presence, frequency, vocab):

@@ -40,7 +40,7 @@ from specserve.models.registry import build_model
 from specserve.sampling.grammar import apply_masks
 from specserve.sampling.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from specserve.sampling.rejection import SpecBatch, rejection_sample
-from specserve.sampling.sampler import Sampler, SamplingMetadata, top_logprobs
+from specserve.sampling.sampler import Sampler, SamplingMetadata, processed_rows, top_logprobs
 from specserve.sampling.tree_rejection import verify_trees
 from specserve.spec.tree import DraftTree, SiblingDraw
 
@@ -68,7 +68,7 @@ class HiddenRows(NamedTuple):
 
 
 class RawRows(NamedTuple):
-    """Copies of logits rows taken before the processors changed them (logprobs_mode "raw")."""
+    """Copies of logits rows taken before the processors changed them (logprobs_mode raw_*)."""
 
     rows: torch.Tensor  # [n, V]
     starts: dict[str, int]  # request id -> its first row in `rows` (then one per row it samples from)
@@ -570,15 +570,19 @@ class ModelRunner:
             sampled = self._verify_chains(logits, sampled_reqs, meta)
         else:
             sampled = self._verify_trees(logits, sampled_reqs, meta)
-        if raw is not None or any(sr.sampling_params.top_logprobs for sr in sampled_reqs):
+        # The sampler's logprobs are raw_logprobs of rows no processor changed; the emitted rows are
+        # read again where a request asks for more (top logprobs), was processed (raw copies) or
+        # the mode reports other values (logits, or the distribution after temperature and truncation).
+        if raw is not None or any(sr.sampling_params.top_logprobs for sr in sampled_reqs) or (
+                self.logprobs_mode != "raw_logprobs" and any(sr.sampling_params.logprobs for sr in sampled_reqs)):
             sampled = self._emitted_logprobs(logits, sampled_reqs, sampled, raw)
         return sampled
 
     def _raw_rows(self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> RawRows | None:  # logits: [sum(1 + K_i), V]
-        """logprobs_mode "raw": one copy, before the processors change them, of the rows of every
+        """logprobs_mode raw_*: one copy, before the processors change them, of the rows of every
         request that asks for logprobs and has a processor (logit_bias, penalties, min_tokens, a
         grammar); the other rows stay raw as they are, so nothing is copied in the common case."""
-        if self.logprobs_mode != "raw":
+        if not self.logprobs_mode.startswith("raw"):
             return None
         rows: list[int] = []
         starts: dict[str, int] = {}
@@ -605,19 +609,24 @@ class ModelRunner:
         self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest], sampled: dict[str, SampledTokens],  # logits: [sum(1 + K_i), V]
         raw: RawRows | None,
     ) -> dict[str, SampledTokens]:
-        """At each emitted position: the likeliest tokens of the requests that ask for them, and the
-        raw logprobs of the requests in `raw` (replacing the sampler's, of processed rows). The whole
-        batch's rows are gathered at once (processed ones from `logits`, the others from the raw
-        copy), log-softmaxed once and read back once: per request, each would be a launch and a
-        sync on a GPU. A request's rows start after the 1 + K_i rows of those before it."""
+        """At each emitted position, the values logprobs_mode reports: the likeliest tokens of the
+        requests that ask for them, and the emitted tokens' own values where the sampler's (raw
+        logprobs of the rows as processed) are not those: the requests in `raw`, and every request
+        asking for logprobs when the mode is not raw_logprobs. The whole batch's rows are gathered
+        at once (processed ones from `logits`, the others from the raw copy), transformed once
+        (processed_*: each request's temperature and truncation, `processed_rows`; *_logprobs: a
+        log-softmax) and read back once: per request, each would be a launch and a sync on a GPU.
+        A request's rows start after the 1 + K_i rows of those before it."""
+        mode = self.logprobs_mode
         starts = raw.starts if raw is not None else {}
+        every = mode != "raw_logprobs"  # every logprobs request's emitted values are read here
         plain: list[int] = []  # rows of logits
         copied: list[int] = []  # rows of raw.rows
         spans: list[tuple[ScheduledRequest, bool, int, int]] = []  # (request, from the copy, first row, count)
         at = 0
         for sr in sampled_reqs:
             from_copy = sr.request_id in starts
-            if sr.sampling_params.top_logprobs or from_copy:
+            if sr.sampling_params.top_logprobs or from_copy or (every and sr.sampling_params.logprobs):
                 mine = self._emitted_rows(sampled[sr.request_id])
                 dest = copied if from_copy else plain
                 base = starts[sr.request_id] if from_copy else at
@@ -626,17 +635,22 @@ class ModelRunner:
             at += 1 + sr.num_spec_tokens
         dev = logits.device
         blocks = [_select_rows(src, idx) for src, idx in ((logits, plain), (raw.rows if raw is not None else None, copied)) if idx]
-        logp = torch.log_softmax((blocks[0] if len(blocks) == 1 else torch.cat(blocks)).float(), dim=-1)
+        logp = (blocks[0] if len(blocks) == 1 else torch.cat(blocks)).float()
         first_of = {False: 0, True: len(plain)}  # where each source's rows start in logp
+        if mode.startswith("processed"):  # rows of `logits` only, in span order (copies are of raw_* modes)
+            assert not copied
+            logp = processed_rows(logp, [sr.sampling_params for sr, _, _, count in spans for _ in range(count)])
+        if mode.endswith("logprobs"):
+            logp = torch.log_softmax(logp, dim=-1)
         kmax = max(sr.sampling_params.top_logprobs for sr, *_ in spans)
         tops = top_logprobs(logp, kmax) if kmax else []
-        # The tokens of the requests whose raw logprobs replace the sampler's, in one gather.
+        # The emitted tokens' values that replace the sampler's, in one gather.
         tok_rows: list[int] = []
         toks: list[int] = []
         for sr, from_copy, first, _ in spans:
             st = sampled[sr.request_id]
-            if from_copy and st.logprobs is not None:
-                tok_rows.extend(range(first_of[True] + first, first_of[True] + first + len(st.token_ids)))
+            if (from_copy or every) and st.logprobs is not None:
+                tok_rows.extend(range(first_of[from_copy] + first, first_of[from_copy] + first + len(st.token_ids)))
                 toks.extend(st.token_ids)
         tok_lp = (logp[torch.tensor(tok_rows, dtype=torch.long, device=dev), torch.tensor(toks, dtype=torch.long, device=dev)].tolist()
                   if toks else [])
@@ -647,7 +661,7 @@ class ModelRunner:
             row = first_of[from_copy] + first
             if k := sr.sampling_params.top_logprobs:
                 st = st._replace(top_logprobs=[pairs[:k] for pairs in tops[row : row + count]])
-            if from_copy and st.logprobs is not None:
+            if (from_copy or every) and st.logprobs is not None:
                 n = len(st.token_ids)
                 st = st._replace(logprobs=tok_lp[used : used + n])
                 used += n

@@ -8,6 +8,7 @@ test compares exactly the distributions the user asked for.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +85,7 @@ class SamplingMetadata:
         )
 
 
-def logits_to_probs(
+def process_logits(
     logits: torch.Tensor,  # [N, V] float32
     temperature: torch.Tensor,  # [N]; rows with 0 are treated as 1 (callers argmax them)
     top_k: torch.Tensor,  # [N] int64, 0 = off
@@ -93,10 +94,11 @@ def logits_to_probs(
     any_top_p: bool = True,
     min_p: torch.Tensor | None = None,  # [N] float32, 0 = off
     any_min_p: bool = True,
-) -> torch.Tensor:  # [N, V] probabilities
-    """Temperature, then min-p, then top-k, then top-p (nucleus) truncation, then renormalise
-    (vLLM's order). Min-p keeps the tokens whose probability is at least min_p times the
-    likeliest one's: logit >= max logit + log(min_p), after temperature."""
+) -> torch.Tensor:  # [N, V] logits, -inf where truncated
+    """Temperature, then min-p, then top-k, then top-p (nucleus) truncation (vLLM's order): the
+    logits whose softmax a token is drawn from, a new tensor. Min-p keeps the tokens whose
+    probability is at least min_p times the likeliest one's: logit >= max logit + log(min_p),
+    after temperature."""
     temp = torch.where(temperature < GREEDY_EPS, torch.ones_like(temperature), temperature)
     logits = logits / temp[:, None]
     if min_p is not None and any_min_p:
@@ -104,7 +106,30 @@ def logits_to_probs(
         logits = logits.masked_fill(logits < floor, float("-inf"))
     if any_top_k or any_top_p:
         logits = _truncate(logits, top_k, top_p, any_top_k, any_top_p)
-    return torch.softmax(logits, dim=-1)
+    return logits
+
+
+def processed_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [N, V], one request per row
+    """Rows as logprobs_mode processed_* reports them: each through its request's temperature,
+    min-p, top-k and top-p (`process_logits`); a greedy request's row unchanged (vLLM's greedy
+    rows: no temperature, no truncation)."""
+    drawn = [not p.is_greedy for p in params]
+    dev = logits.device
+    top_k = [p.effective_top_k if d else 0 for p, d in zip(params, drawn)]
+    top_p = [float(p.top_p) if d else 1.0 for p, d in zip(params, drawn)]
+    min_p = [float(p.min_p) if d else 0.0 for p, d in zip(params, drawn)]
+    return process_logits(
+        logits,
+        torch.tensor([float(p.temperature) if d else 1.0 for p, d in zip(params, drawn)], dtype=torch.float32, device=dev),
+        torch.tensor(top_k, dtype=torch.long, device=dev), torch.tensor(top_p, dtype=torch.float32, device=dev),
+        any(k > 0 for k in top_k), any(x < 1.0 for x in top_p),
+        torch.tensor(min_p, dtype=torch.float32, device=dev), any(x > 0.0 for x in min_p),
+    )
+
+
+def logits_to_probs(logits: torch.Tensor, *settings: object, **flags: object) -> torch.Tensor:  # [N, V] probabilities
+    """The distribution a token is drawn from: the softmax of `process_logits` (same arguments)."""
+    return torch.softmax(process_logits(logits, *settings, **flags), dim=-1)  # type: ignore[arg-type]
 
 
 # Top-k / top-p first look at this many best tokens per row (torch.topk, linear in the
@@ -260,8 +285,7 @@ def top_logprobs(
     logp: torch.Tensor,  # [N, V] log-probabilities
     k: int,
 ) -> list[list[tuple[int, float]]]:  # per row: k (token id, logprob) pairs, most likely first
-    """The k most likely tokens of each row (the runner's rows are log-softmaxed before
-    temperature / truncation, raw unless logprobs_mode is "processed")."""
+    """The k most likely tokens of each row (of the rows the runner's logprobs_mode says)."""
     values, ids = logp.topk(k, dim=-1)
     return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
@@ -291,7 +315,7 @@ class Sampler:
             tokens = torch.where(meta.greedy, logits.argmax(dim=-1), sampled) if meta.any_greedy else sampled
         logprobs = None
         if meta.need_logprobs:
-            # Logprobs of the rows as given, before temperature / truncation (the runner replaces
-            # them with the raw rows' where a processor changed a row and logprobs_mode is "raw").
+            # Logprobs of the rows as given, before temperature / truncation: logprobs_mode
+            # raw_logprobs where no processor changed a row (the runner replaces the others).
             logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
         return tokens, logprobs
