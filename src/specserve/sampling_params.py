@@ -236,9 +236,6 @@ class SamplingParams:
                 raise bad("structured_output must be a StructuredOutput (e.g. StructuredOutput.json(schema)).")
             if self.ignore_eos:
                 raise bad("ignore_eos cannot be combined with structured output: the grammar ends the output.")
-            if self.min_tokens:
-                raise bad("min_tokens cannot be combined with structured output: the grammar decides where the "
-                          "output ends.")
 
     @property
     def has_penalties(self) -> bool:

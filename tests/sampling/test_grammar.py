@@ -17,7 +17,7 @@ import torch
 from scipy.stats import chisquare
 
 from specserve.errors import InvalidRequestError
-from specserve.sampling.grammar import GrammarCompiler, apply_masks
+from specserve.sampling.grammar import GrammarCompiler, apply_masks, forbid_unless_only
 from specserve.sampling.sampler import SamplingMetadata, logits_to_probs
 from specserve.sampling.tree_rejection import verify_trees
 from specserve.sampling_params import SamplingParams, StructuredOutput
@@ -95,6 +95,29 @@ def test_prune_cuts_what_the_grammar_refuses(compiler: GrammarCompiler) -> None:
     assert state.prune(DraftTree((0, 1), (-1, 0))) is None  # nothing valid, deterministic: no draft
 
 
+def test_min_tokens_holds_the_end_back_only_where_the_grammar_allows_more(compiler: GrammarCompiler) -> None:
+    """forbid_unless_only: after "f" the regex may end or go on, so the end is cleared; after the
+    last letter of a finished choice only the end is allowed, so it stays (never an empty row)."""
+    state = compiler.new_state(StructuredOutput.regex(REGEX))
+    state.accept([5])  # "f": anything may follow, or the end
+    done = compiler.new_state(StructuredOutput.choice(["fg"]))
+    done.accept([5, 6])  # the choice is complete: only the end
+    masks = torch.empty(3, state.num_words, dtype=torch.int32)
+    state.fill_masks(None, masks[0:1])
+    done.fill_masks(None, masks[1:2])
+    state.fill_masks(None, masks[2:3])
+    before = unpack(masks)
+    assert before[0, EOS] and before[0, :EOS].sum() > 0 and before[1].nonzero().flatten().tolist() == [EOS]
+    forbid_unless_only(masks, [0, 1], torch.tensor([EOS, 6]))
+    after = unpack(masks)
+    assert not after[0, EOS] and not after[0, 6] and after[0, :6].tolist() == before[0, :6].tolist()
+    assert after[1].tolist() == before[1].tolist()  # the end is all the grammar allows: kept
+    assert after[2].tolist() == before[2].tolist()  # a row not listed: untouched
+    wide = torch.full((1, 2), -1, dtype=torch.int32)  # 64 tokens, all allowed; ban bit 31 (the sign bit)
+    forbid_unless_only(wide, [0], torch.tensor([31, 63]))
+    assert wide.tolist() == [[(1 << 31) - 1, (1 << 31) - 1]]
+
+
 def test_apply_masks_forbids_exactly_the_masked_tokens() -> None:
     logits = torch.zeros(3, 40)
     masks = torch.zeros(1, 2, dtype=torch.int32)
@@ -116,6 +139,7 @@ def test_specs_validate_and_compile(compiler: GrammarCompiler) -> None:
         StructuredOutput.json("{nope")
     with pytest.raises(InvalidRequestError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured_output=StructuredOutput.json())
+    SamplingParams(min_tokens=5, structured_output=StructuredOutput.json())  # vLLM accepts it: so do we
     with pytest.raises(InvalidRequestError):
         StructuredOutput("xml", "<a/>")  # type: ignore[arg-type]
 

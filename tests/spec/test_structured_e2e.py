@@ -4,6 +4,7 @@ speculation (every proposer) changes nothing about them."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -102,6 +103,28 @@ def test_regex_choice_and_grammar_constrain_the_text(plain):
     assert len(texts[1]) == 6 and texts[1][:3].isdigit() and texts[1][3] == "-"
     assert texts[2] in ("color: red", "color: green", "color: blue")
     assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_min_tokens_under_a_grammar_holds_the_end_back_until_only_the_end_is_allowed(smollm_checkpoint, plain, method):
+    """min_tokens with structured output (vLLM takes both): where the grammar lets the text go on,
+    the end waits for min_tokens; where it allows nothing else (a finished choice), the output
+    ends there rather than on a row with no token allowed. Greedy speculation changes nothing."""
+    words = StructuredOutput.regex(r"[A-Za-z0-9 ,.]+")
+    prompts = [chat(plain, "What is 2+2?"), chat(plain, "Is the sky blue? Answer.")]
+    params = [SamplingParams(max_tokens=40, temperature=0, structured_output=words),
+              SamplingParams(max_tokens=40, temperature=0, min_tokens=24, structured_output=words),
+              SamplingParams(max_tokens=40, temperature=0, min_tokens=24, structured_output=StructuredOutput.choice(["yes", "no"]))]
+    llm = plain if method == "none" else _llm(smollm_checkpoint, method)
+    free, held, choice = (o.outputs[0] for o in llm.generate([prompts[0], prompts[0], prompts[1]], params))
+    assert free.finish_reason == "stop" and len(free.token_ids) < 24  # the grammar alone ends early
+    assert len(held.token_ids) >= 24 and re.fullmatch(r"[A-Za-z0-9 ,.]+", held.text), held.text
+    assert held.token_ids[: len(free.token_ids) - 1] == free.token_ids[:-1]  # the same text until the end was due
+    assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+    if method != "none":
+        ref = [o.outputs[0].token_ids for o in plain.generate([prompts[0], prompts[0], prompts[1]], params)]
+        assert [free.token_ids, held.token_ids, choice.token_ids] == ref
+        assert llm.engine.spec_counters["num_draft_tokens"] > 0 and llm.engine.check_integrity()
 
 
 def test_forced_text_drafts_change_nothing_but_the_number_of_steps(plain):

@@ -37,8 +37,13 @@ from specserve.models.linear import (
 )
 from specserve.models.llama import KVCache, LayerHooks, RMSNorm, RotaryEmbedding
 from specserve.models.registry import build_model
-from specserve.sampling.grammar import apply_masks
-from specserve.sampling.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
+from specserve.sampling.grammar import apply_masks, forbid_unless_only
+from specserve.sampling.penalties import (
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+    min_tokens_rows,
+)
 from specserve.sampling.rejection import SpecBatch, rejection_sample
 from specserve.sampling.sampler import Sampler, SamplingMetadata, processed_rows, top_logprobs
 from specserve.sampling.tree_rejection import verify_trees
@@ -670,7 +675,8 @@ class ModelRunner:
 
     def _apply_grammars(self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest]) -> None:  # logits: [sum(1 + K_i), V]
         """Structured output: forbid, in every row a request samples or verifies from, the tokens
-        its grammar does not allow after that row's path (specserve.sampling.grammar)."""
+        its grammar does not allow after that row's path (specserve.sampling.grammar), and its
+        ending ids in the rows min_tokens holds them back in, unless the grammar allows nothing else."""
         if all(sr.grammar is None for sr in sampled_reqs):
             return
         t0 = time.perf_counter()
@@ -682,6 +688,8 @@ class ModelRunner:
             if sr.grammar is not None:
                 m = torch.empty(n, sr.grammar.num_words, dtype=torch.int32)  # [1 + K, ceil(V / 32)]
                 sr.grammar.fill_masks(sr.draft, m)
+                if sr.min_tokens_ban is not None:
+                    forbid_unless_only(m, min_tokens_rows(sr), sr.min_tokens_ban.cpu())
                 masks.append(m)
                 rows.extend(range(at, at + n))
             at += n

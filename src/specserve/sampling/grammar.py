@@ -260,6 +260,24 @@ def _ancestors(parents: Sequence[int], node: int) -> list[int]:
     return out[::-1]
 
 
+def forbid_unless_only(masks: torch.Tensor, rows: Sequence[int], token_ids: torch.Tensor) -> None:  # masks: [R, W] int32
+    """Clear the bits of `token_ids` in the given rows of `masks`, in place, except in a row where
+    they are all the grammar allows: min_tokens under structured output holds the end back while
+    the grammar lets the output go on, and lets it end where the grammar allows nothing else (a
+    finished choice or JSON object), rather than leave the row no token at all."""
+    if not rows or not token_ids.numel():
+        return
+    ban = torch.zeros(masks.shape[1], dtype=torch.int64)
+    for t in token_ids.tolist():
+        if t // 32 < masks.shape[1]:
+            ban[t // 32] |= 1 << (t % 32)
+    ban = torch.where(ban >= 1 << 31, ban - (1 << 32), ban).to(torch.int32)  # int32 words: bit 31 is the sign bit
+    idx = torch.tensor(list(rows), dtype=torch.long)
+    cleared = masks[idx] & ~ban
+    keep = (cleared != 0).any(dim=1)
+    masks[idx[keep]] = cleared[keep]
+
+
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor, rows: Sequence[int]) -> None:  # logits: [N, V]; masks: [len(rows), W]
     """Set the logits of tokens the grammar forbids to -inf, in place, for the given rows.
 

@@ -107,20 +107,29 @@ def _penalty_pairs(sr: ScheduledRequest, at: int, n: int, vocab: int, rep: list,
         sub.append((at + keys // vocab, keys % vocab, amount.float()))
 
 
+def min_tokens_rows(sr: ScheduledRequest) -> list[int]:
+    """The request's rows (0: its root, 1 + i: after draft node i) whose path is shorter than its
+    min_tokens, where its ending ids are held back."""
+    if sr.min_tokens_ban is None:
+        return []
+    short = sr.sampling_params.min_tokens - sr.output_index  # rows of depth < short are masked
+    depths = (0,) + (sr.draft.depths if sr.draft is not None else ())
+    return [i for i, d in enumerate(depths) if d < short]
+
+
 def apply_min_tokens(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
     """Forbid EOS and stop_token_ids in every row of a request whose path is shorter than its
     min_tokens: the root row samples output token output_index, a node's row the one after it.
-    One indexed write for the batch."""
+    One indexed write for the batch. Requests with a grammar are left to its masks
+    (`min_tokens_rows`, grammar.forbid_unless_only)."""
     rows: list[torch.Tensor] = []
     cols: list[torch.Tensor] = []
     at = 0
     vocab = logits.shape[1]
     for sr in sampled_reqs:
         n = 1 + sr.num_spec_tokens
-        if sr.min_tokens_ban is not None:
-            short = sr.sampling_params.min_tokens - sr.output_index  # rows of depth < short are masked
-            depths = (0,) + (sr.draft.depths if sr.draft is not None else ())
-            mine = [at + i for i, d in enumerate(depths) if d < short]
+        if sr.min_tokens_ban is not None and sr.grammar is None:
+            mine = [at + i for i in min_tokens_rows(sr)]
             ids = sr.min_tokens_ban[sr.min_tokens_ban < vocab].cpu()
             if mine and ids.numel():
                 rows.append(torch.tensor(mine, dtype=torch.long).repeat_interleave(ids.numel()))
