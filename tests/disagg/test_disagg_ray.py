@@ -100,6 +100,28 @@ def test_short_prompts_are_prefilled_on_the_decode_worker(deployment, smollm_llm
     assert len(router.prefills) == n0 + 1  # only the long prompt used the prefill worker
 
 
+def test_prompt_logprobs_are_computed_on_the_decode_worker(deployment, smollm_llm):
+    """Scoring a prompt (echo with logprobs; lm-eval-harness) needs every prompt row's logits, which
+    a prefill worker does not send: the router has the decode worker compute the whole prompt, and
+    the values equal a co-located engine's, cached prompt or not."""
+    prompts = ["Repeat after me: " + "the quick brown fox jumps over the lazy dog. " * 4, PROMPTS[12]]
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, prompt_logprobs=2)
+    want = smollm_llm.generate(prompts, params, use_tqdm=False)
+    n0 = len(deployment.router.prefills)
+    for _ in range(2):  # the second time the decode worker holds the prompt in its prefix cache
+        got = deployment.generate(prompts, params)
+        assert [o.error for o in got] == [None, None]
+        for o, w in zip(got, want):
+            assert o.outputs[0].token_ids == w.outputs[0].token_ids
+            assert len(o.prompt_logprobs) == len(w.prompt_logprobs) == len(w.prompt_token_ids)
+            assert o.prompt_logprobs[0] is None and o.prompt_top_logprobs[0] is None
+            assert o.prompt_logprobs[1:] == pytest.approx(w.prompt_logprobs[1:], abs=1e-3)
+            for a, b in zip(o.prompt_top_logprobs[1:], w.prompt_top_logprobs[1:]):
+                assert [t for t, _ in a] == [t for t, _ in b] and [v for _, v in a] == pytest.approx([v for _, v in b], abs=1e-3)
+    assert len(deployment.router.prefills) == n0  # no prefill worker: it would not send those rows
+    _integrity(deployment)
+
+
 def test_full_prefix_hit_skips_prefill(deployment, smollm_llm):
     prompt = "Repeat after me: " + "the quick brown fox jumps over the lazy dog. " * 4
     params = SamplingParams(max_tokens=8, temperature=0.0)

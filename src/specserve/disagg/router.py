@@ -1,7 +1,9 @@
 """The router (global scheduler) of disaggregated serving, behind the same interface as AsyncEngine.
 
 For each request it picks a decode worker (most free KV blocks) and, unless the decode worker
-already caches the whole prompt or the prompt is short (`local_prefill_tokens`), a prefill worker (longest prefix in the global prefix index,
+already caches the whole prompt, the prompt is short (`local_prefill_tokens`) or the request
+asks for prompt logprobs (the prompt's own rows, which a prefill worker does not send), a prefill
+worker (longest prefix in the global prefix index,
 then shortest pending-token queue, among workers with KV room); opens a transfer between them
 (shared memory on one host, Ray's object store across hosts), starts the prefill, and relays
 the decode worker's outputs to the HTTP stream.
@@ -33,7 +35,6 @@ from typing import Any
 from specserve.disagg.kv_transfer import ChannelFiles, KVLayout, TransferDescriptor, new_transfer_id
 from specserve.disagg.worker import check_pairable
 from specserve.engine.engine import PreparedRequest, RequestPreparer
-from specserve.errors import InvalidRequestError
 from specserve.kv_cache.block_pool import hash_block_tokens
 from specserve.kv_cache.tiers import block_file_name
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -134,9 +135,6 @@ class DisaggFrontend:
         """Tokenize and validate (as LLMEngine.prepare_request)."""
         import uuid
 
-        if params is not None and params.prompt_logprobs is not None:
-            raise InvalidRequestError("prompt logprobs (echo with logprobs) are not available with disaggregated serving: "
-                                      "the prefill worker computes the prompt; ask a co-located server.")
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
         return self.preparer.prepare(prompt, params, request_id=rid, priority=priority, arrival_time=arrival_time,
                                      index=index, check_max_tokens=check_max_tokens)
@@ -468,7 +466,10 @@ class DisaggRouter:
             if dec is None:
                 self._finish(job, "error", self._no_decode_message())
                 return
+            # Prompt logprobs need every prompt row's logits: the decode worker (a full engine)
+            # computes the whole prompt, cached prefixes aside, as a co-located server does.
             need_prefill = (m > 0 and m >= self.local_prefill_tokens and not full_hit
+                            and job.request.sampling_params.prompt_logprobs is None
                             and not await self._stored(hashes))
             # No healthy prefill worker (all dead, restarting, or failed on this request): the
             # decode worker prefills the prompt itself.
