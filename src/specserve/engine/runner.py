@@ -6,6 +6,7 @@ step happens here; the scheduler only ever sees ids and counts.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
@@ -563,6 +564,14 @@ class ModelRunner:
             [sr.output_index for sr in sampled_reqs],
             self.device,
         )
+        # The sampler's own logprobs are raw_logprobs of the rows as processed: right for requests
+        # no processor changed, with nothing more asked. Otherwise (top logprobs, raw copies of
+        # processed rows, another logprobs_mode) the emitted rows are read once afterwards for every
+        # logprobs request of the step, and the sampler computes none (one log-softmax, not two).
+        reread = raw is not None or any(sr.sampling_params.top_logprobs for sr in sampled_reqs) or (
+            self.logprobs_mode != "raw_logprobs" and meta.need_logprobs)
+        if reread:
+            meta = dataclasses.replace(meta, need_logprobs=False)
         drafts = [sr.draft for sr in sampled_reqs]
         if all(d is None for d in drafts):
             # Without drafts each sampling request owns exactly one logits row, in order.
@@ -575,11 +584,7 @@ class ModelRunner:
             sampled = self._verify_chains(logits, sampled_reqs, meta)
         else:
             sampled = self._verify_trees(logits, sampled_reqs, meta)
-        # The sampler's logprobs are raw_logprobs of rows no processor changed; the emitted rows are
-        # read again where a request asks for more (top logprobs), was processed (raw copies) or
-        # the mode reports other values (logits, or the distribution after temperature and truncation).
-        if raw is not None or any(sr.sampling_params.top_logprobs for sr in sampled_reqs) or (
-                self.logprobs_mode != "raw_logprobs" and any(sr.sampling_params.logprobs for sr in sampled_reqs)):
+        if reread:
             sampled = self._emitted_logprobs(logits, sampled_reqs, sampled, raw)
         return sampled
 
@@ -614,24 +619,22 @@ class ModelRunner:
         self, logits: torch.Tensor, sampled_reqs: list[ScheduledRequest], sampled: dict[str, SampledTokens],  # logits: [sum(1 + K_i), V]
         raw: RawRows | None,
     ) -> dict[str, SampledTokens]:
-        """At each emitted position, the values logprobs_mode reports: the likeliest tokens of the
-        requests that ask for them, and the emitted tokens' own values where the sampler's (raw
-        logprobs of the rows as processed) are not those: the requests in `raw`, and every request
-        asking for logprobs when the mode is not raw_logprobs. The whole batch's rows are gathered
-        at once (processed ones from `logits`, the others from the raw copy), transformed once
-        (processed_*: each request's temperature and truncation, `processed_rows`; *_logprobs: a
-        log-softmax) and read back once: per request, each would be a launch and a sync on a GPU.
-        A request's rows start after the 1 + K_i rows of those before it."""
+        """At each emitted position of every request that asks for logprobs, the values logprobs_mode
+        reports: the emitted token's and, where asked for, the likeliest tokens'. The whole batch's
+        rows are gathered at once (processed ones from `logits`, the others from the raw copy),
+        transformed once (processed_*: each request's temperature and truncation,
+        `processed_rows`; *_logprobs: a log-softmax) and read back once: per request, each would
+        be a launch and a sync on a GPU. A request's rows start after the 1 + K_i rows of those
+        before it."""
         mode = self.logprobs_mode
         starts = raw.starts if raw is not None else {}
-        every = mode != "raw_logprobs"  # every logprobs request's emitted values are read here
         plain: list[int] = []  # rows of logits
         copied: list[int] = []  # rows of raw.rows
         spans: list[tuple[ScheduledRequest, bool, int, int]] = []  # (request, from the copy, first row, count)
         at = 0
         for sr in sampled_reqs:
             from_copy = sr.request_id in starts
-            if sr.sampling_params.top_logprobs or from_copy or (every and sr.sampling_params.logprobs):
+            if sr.sampling_params.logprobs or sr.sampling_params.top_logprobs:
                 mine = self._emitted_rows(sampled[sr.request_id])
                 dest = copied if from_copy else plain
                 base = starts[sr.request_id] if from_copy else at
@@ -649,12 +652,12 @@ class ModelRunner:
             logp = torch.log_softmax(logp, dim=-1)
         kmax = max(sr.sampling_params.top_logprobs for sr, *_ in spans)
         tops = top_logprobs(logp, kmax) if kmax else []
-        # The emitted tokens' values that replace the sampler's, in one gather.
+        # The emitted tokens' values, in one gather.
         tok_rows: list[int] = []
         toks: list[int] = []
         for sr, from_copy, first, _ in spans:
             st = sampled[sr.request_id]
-            if (from_copy or every) and st.logprobs is not None:
+            if sr.sampling_params.logprobs:
                 tok_rows.extend(range(first_of[from_copy] + first, first_of[from_copy] + first + len(st.token_ids)))
                 toks.extend(st.token_ids)
         tok_lp = (logp[torch.tensor(tok_rows, dtype=torch.long, device=dev), torch.tensor(toks, dtype=torch.long, device=dev)].tolist()
@@ -666,7 +669,7 @@ class ModelRunner:
             row = first_of[from_copy] + first
             if k := sr.sampling_params.top_logprobs:
                 st = st._replace(top_logprobs=[pairs[:k] for pairs in tops[row : row + count]])
-            if (from_copy or every) and st.logprobs is not None:
+            if sr.sampling_params.logprobs:
                 n = len(st.token_ids)
                 st = st._replace(logprobs=tok_lp[used : used + n])
                 used += n
