@@ -212,7 +212,9 @@ class DisaggClient:
 
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    async def _one(self, prompt: Any, params: Any, on_output: Any = None) -> Any:
+    async def request(self, prompt: Any, params: Any, on_output: Any = None) -> Any:
+        """One request, as a coroutine on the client's loop (`call` runs it from other threads):
+        its final RequestOutput; on_output(out) sees every output on the way."""
         p = self.router.engine.prepare_request(prompt, params)
         stream = self.router.submit([p])
         final = None
@@ -227,7 +229,7 @@ class DisaggClient:
         import asyncio
 
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        return list(await asyncio.gather(*(self._one(p, sp, on_output) for p, sp in zip(prompts, plist))))
+        return list(await asyncio.gather(*(self.request(p, sp, on_output) for p, sp in zip(prompts, plist))))
 
     def generate(self, prompts: list[Any], params: Any, timeout: float | None = 600, on_output: Any = None) -> list[Any]:
         """Submit every prompt at once; the final RequestOutput of each, in order."""

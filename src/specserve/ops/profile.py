@@ -586,13 +586,13 @@ def _beside_prefill(client: Any, decodes: list[list[int]], long_prompt: list[int
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
     async def run() -> tuple[float, float, float]:
-        tasks = [asyncio.ensure_future(client._one(p, params, seen)) for p in decodes]
+        tasks = [asyncio.ensure_future(client.request(p, params, seen)) for p in decodes]
         while len(stamps) < len(decodes) or min(len(s) for s in stamps.values()) < 8:
             await asyncio.sleep(0.005)
         t0 = time.perf_counter()
         await asyncio.sleep(max(0.3, prefill_s))
         t1 = time.perf_counter()
-        await client._one(long_prompt, SamplingParams(max_tokens=1, temperature=0))
+        await client.request(long_prompt, SamplingParams(max_tokens=1, temperature=0))
         t2 = time.perf_counter()
         await asyncio.gather(*tasks)
         return t0, t1, t2
