@@ -372,6 +372,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         print(f"wrote {card['path']}{done}")
         print(f"  trained on {card['tokens_seen']:,} tokens ({card['train_tokens']:,} distinct) in {card['wall_s']:.0f} s; "
               f"held-out top-1 agreement by depth: {', '.join(f'{a:.2f}' for a in card['heldout_accept_by_depth'])}")
+        for kind, accs in card.get("heldout_accept_by_kind", {}).items():
+            print(f"    {kind}: {', '.join(f'{a:.2f}' for a in accs)}")
     print(f"  serve it: specserve serve --model {args.model} --spec-method {card['method']}"
           + ("" if args.out is None else f" --draft-model {card['path']}"))
     return 0

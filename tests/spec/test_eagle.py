@@ -223,6 +223,10 @@ def test_train_draft_end_to_end_on_smollm2_resumes_and_serves(smollm_path, tmp_p
     assert card["steps"] == card["total_steps"] == 3
     assert card["tokens_seen"] == 3 * 512
     assert 0 <= card["heldout_accept_depth1"] <= 1 and len(card["heldout_accept_by_depth"]) == 2
+    kinds = card["heldout_accept_by_kind"]  # corpus text and the target's own conversations, apart
+    assert set(kinds) == {"corpus", "conversations"} and all(len(a) == 2 and 0 <= min(a) <= max(a) <= 1 for a in kinds.values())
+    assert min(kinds["corpus"][0], kinds["conversations"][0]) - 1e-6 <= card["heldout_accept_depth1"] <= max(
+        kinds["corpus"][0], kinds["conversations"][0]) + 1e-6  # the whole is between its parts (equal batches)
     assert json.loads(out.with_suffix(".json").read_text())["target"] == card["target"]
     assert out.with_suffix(".png").stat().st_size > 1000
     again = train_draft(TrainConfig(epochs=2, **cfg))  # resumes at step 3: features are not recomputed

@@ -467,16 +467,18 @@ def _fast_dtype(hidden: int, vocab: int) -> torch.dtype:
     return torch.bfloat16 if best[torch.bfloat16] < 0.7 * best[torch.float32] else torch.float32
 
 
-def _features(cfg: TrainConfig, llm, work: Path) -> tuple[list[Path], list[Path]]:  # noqa: ANN001 - LLM
+def _features(cfg: TrainConfig, llm, work: Path) -> tuple[list[Path], list[Path], int]:  # noqa: ANN001 - LLM
     """Feature shards (train, held-out) of corpus text and of the target's own conversations,
-    reusing whatever an earlier run left in `work`."""
-    train_seqs, held_seqs = _training_sequences(cfg, llm, work)
-    return _extract(cfg, llm.engine, train_seqs, work, "train"), _extract(cfg, llm.engine, held_seqs, work, "heldout")
+    reusing whatever an earlier run left in `work`, and how many held-out sequences (the first)
+    are corpus text."""
+    train_seqs, held_seqs, held_corpus = _training_sequences(cfg, llm, work)
+    return (_extract(cfg, llm.engine, train_seqs, work, "train"), _extract(cfg, llm.engine, held_seqs, work, "heldout"),
+            held_corpus)
 
 
-def _training_sequences(cfg: TrainConfig, llm, work: Path) -> tuple[list[list[int]], list[list[int]]]:  # noqa: ANN001
-    """(train, held-out) token sequences: corpus text split by file, and the target's own
-    conversations (generated once, kept in `work`)."""
+def _training_sequences(cfg: TrainConfig, llm, work: Path) -> tuple[list[list[int]], list[list[int]], int]:  # noqa: ANN001
+    """(train, held-out, n) token sequences: corpus text split by file, and the target's own
+    conversations (generated once, kept in `work`); the first n held-out ones are corpus text."""
     tok = llm.engine.tokenizer
     files = corpus_files(cfg.corpus)
 
@@ -490,6 +492,7 @@ def _training_sequences(cfg: TrainConfig, llm, work: Path) -> tuple[list[list[in
     n_held_text = cfg.heldout_tokens - (cfg.heldout_tokens // 2 if n_gen else 0)
     train_seqs = _sequences(train_files, encode, cfg.seq_len, cfg.tokens - n_gen, cfg.seed)
     held_seqs = _sequences(held_files, encode, cfg.seq_len, n_held_text, cfg.seed)
+    held_corpus = len(held_seqs)
     if n_gen:
         train_seqs += _generated_sequences(llm, train_files, n_gen, cfg.seq_len, cfg.seed, work, cfg.generate_max_tokens)
         held_seqs += _generated_sequences(llm, held_files, cfg.heldout_tokens // 2, cfg.seq_len, cfg.seed + 1000, work,
@@ -497,7 +500,7 @@ def _training_sequences(cfg: TrainConfig, llm, work: Path) -> tuple[list[list[in
     if not train_seqs or not held_seqs:
         raise ConfigError(f"The corpus has too little text for --seq-len {cfg.seq_len} (train {len(train_seqs)}, "
                           f"held-out {len(held_seqs)} sequences).")
-    return train_seqs, held_seqs
+    return train_seqs, held_seqs, held_corpus
 
 
 def train_draft(cfg: TrainConfig) -> dict:
@@ -544,7 +547,7 @@ def train_draft(cfg: TrainConfig) -> dict:
     engine.runner.feature_layers = layers  # checks them against the target
     cfg = replace(cfg, feature_layers=layers if cfg.method == "eagle" else ())
     t0 = time.perf_counter()
-    train_paths, held_paths = _features(cfg, llm, work)
+    train_paths, held_paths, held_corpus = _features(cfg, llm, work)
     extract_s = time.perf_counter() - t0
     toks, feats = _load_shards(train_paths)
     htoks, hfeats = _load_shards(held_paths)
@@ -580,13 +583,15 @@ def train_draft(cfg: TrainConfig) -> dict:
             step, train_s = st["step"], st["train_s"]
             hist = _History(**st["hist"])
 
-    def evaluate() -> list[float]:
+    def evaluate(rows: slice = slice(None)) -> list[float]:
+        """Held-out top-1 agreement by depth over held-out sequences `rows` (all by default)."""
         head.eval()
         accs = []
+        ht, hf = htoks[rows], hfeats[rows]
         with torch.no_grad():
-            for b in range(0, len(htoks), per_step):
+            for b in range(0, len(ht), per_step):
                 with torch.autocast("cpu", dtype=amp, enabled=amp != torch.float32):
-                    _, a = trainer.losses(htoks[b : b + per_step], hfeats[b : b + per_step], 0.0)
+                    _, a = trainer.losses(ht[b : b + per_step], hf[b : b + per_step], 0.0)
                 accs.append(a)
         head.train()
         return [sum(a[d] for a in accs) / len(accs) for d in range(trainer.depth)]
@@ -636,6 +641,11 @@ def train_draft(cfg: TrainConfig) -> dict:
         hist.eval_steps.append(step)
         hist.eval_acc.append(evaluate())
     final = hist.eval_acc[-1]
+    # By kind: the corpus's source text is far easier to predict than the target's own answers
+    # (SmolLM2's default head: 0.49 over both, 0.26 depth-1 on the bench's prose outputs), and
+    # serving drafts the latter.
+    kinds = {"corpus": slice(0, held_corpus), "conversations": slice(held_corpus, None)}
+    by_kind = {k: [round(a, 4) for a in evaluate(rows)] for k, rows in kinds.items() if len(htoks[rows])}
     card = {
         "method": cfg.method,
         "target": fp,
@@ -654,6 +664,7 @@ def train_draft(cfg: TrainConfig) -> dict:
         "tokens_seen": int(step * per_step * cfg.seq_len),
         "heldout_accept_depth1": round(final[0], 4),
         "heldout_accept_by_depth": [round(a, 4) for a in final],
+        "heldout_accept_by_kind": by_kind,
         "train_dtype": str(amp).removeprefix("torch."),
         "extract_s": round(extract_s, 1),
         "train_s": round(train_s, 1),
@@ -760,7 +771,7 @@ def _fit_exit(cfg: TrainConfig, llm, work: Path, fp: str, out: Path, token_ids: 
     arch = engine.arch
     n_layers, hidden = arch.num_layers, arch.hidden_size
     cands = exit_candidates(n_layers, cfg.layers)
-    train_seqs, held_seqs = _training_sequences(cfg, llm, work)
+    train_seqs, held_seqs, _ = _training_sequences(cfg, llm, work)
     states = _LayerStates(engine, cands)
     per_batch = max(1, cfg.batch_tokens // cfg.seq_len)
     state_path = work / "state-layerskip.pt"
