@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -158,7 +159,8 @@ def _truncate(
     untouched = (k == vocab) & ~nucleus
     c = min(TRUNCATE_CANDIDATES, vocab)
     cand, idx = logits.topk(c, dim=-1)  # descending
-    remove = _nucleus(logits, cand, k, top_p, nucleus)
+    stats = _RowStats.of(logits) if bool(nucleus.any()) else None
+    remove = _nucleus(logits, cand, k, top_p, nucleus, stats)
     fits = (k <= c) | (remove[:, -1] & (k == vocab))  # top-k, or the nucleus, ends among the candidates
     out = torch.full_like(logits, float("-inf")).scatter_(-1, idx, cand.masked_fill(remove, float("-inf")))
     if bool(untouched.any()):
@@ -166,14 +168,19 @@ def _truncate(
     rest = ~fits & ~untouched
     by_mass = (rest & nucleus & (k == vocab)).nonzero().squeeze(1)  # top-p alone, nucleus past the candidates
     if by_mass.numel():
-        cut, done = _nucleus_by_buckets(logits[by_mass], top_p[by_mass])
+        whole = by_mass.numel() == logits.shape[0]  # every row (T = 1, top_p 0.95: often): no row copies
+        assert stats is not None
+        cut, done = (_nucleus_by_buckets(logits, top_p, stats) if whole else
+                     _nucleus_by_buckets(logits[by_mass], top_p[by_mass], stats.rows(by_mass)))
+        if whole and bool(done.all()):
+            return cut
         out[by_mass[done]] = cut[done]
         rest[by_mass[done]] = False
     rest = rest.nonzero().squeeze(1)
     if rest.numel():
         sub = logits[rest]
         sorted_logits, order = sub.sort(dim=-1, descending=True)
-        drop = _nucleus(sub, sorted_logits, k[rest], top_p[rest], nucleus[rest])
+        drop = _nucleus(sub, sorted_logits, k[rest], top_p[rest], nucleus[rest], stats.rows(rest) if stats else None)
         out[rest] = torch.empty_like(sub).scatter_(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return out
 
@@ -185,7 +192,27 @@ NUCLEUS_BUCKETS_PER_NAT = 128
 NUCLEUS_BUCKETS = 4096
 
 
-def _nucleus_by_buckets(logits: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class _RowStats(NamedTuple):
+    """Per row: the largest logit, e^(logit - largest) and the sum of those, computed once for the
+    candidates' normaliser and the buckets' masses (each pass over a 49k row costs as much as the
+    cut itself)."""
+
+    row_max: torch.Tensor  # [N]
+    e: torch.Tensor  # [N, V]
+    total: torch.Tensor  # [N]
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> _RowStats:
+        row_max = logits.max(dim=-1).values
+        e = (logits - row_max[:, None]).exp()
+        return cls(row_max, e, e.sum(-1))
+
+    def rows(self, idx: torch.Tensor) -> _RowStats:
+        return _RowStats(self.row_max[idx], self.e[idx], self.total[idx])
+
+
+def _nucleus_by_buckets(logits: torch.Tensor, top_p: torch.Tensor,
+                        stats: _RowStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-p of rows whose nucleus is too wide for the candidates, without a full sort.
 
     The probabilities go into buckets by log-probability. The bucket where the running mass
@@ -202,16 +229,18 @@ def _nucleus_by_buckets(logits: torch.Tensor, top_p: torch.Tensor) -> tuple[torc
     (SmolLM2, prose and code prompts)."""
     n = logits.shape[0]
     last = NUCLEUS_BUCKETS - 1
-    gap = logits.max(-1, keepdim=True).values - logits  # nats below the likeliest token
-    bucket = (gap * NUCLEUS_BUCKETS_PER_NAT).clamp_(max=last).long()
-    probs = gap.neg_().exp_()
-    probs /= probs.sum(-1, keepdim=True)
+    stats = stats if stats is not None else _RowStats.of(logits)
+    gap = stats.row_max[:, None] - logits  # nats below the likeliest token
+    # int32 bucket ids (scatter and gather take them): half the bytes of int64 in the passes below.
+    bucket = gap.mul_(NUCLEUS_BUCKETS_PER_NAT).clamp_(max=last).to(torch.int32)
+    probs = stats.e / stats.total[:, None]  # e^(logit - max) is e^-(gap) exactly: a - b = -(b - a)
     mass = torch.zeros(n, NUCLEUS_BUCKETS, dtype=probs.dtype, device=probs.device).scatter_add_(1, bucket, probs)
     through = mass.double().cumsum(-1)
     tp = top_p.double()[:, None]
     cut = (through < tp).sum(-1).clamp_(max=last)  # the first bucket whose running mass reaches top_p
     before = torch.where(cut > 0, through.gather(1, (cut - 1).clamp(min=0)[:, None])[:, 0], 0.0)
-    in_cut = bucket == cut[:, None]
+    cut32 = cut.to(torch.int32)[:, None]  # compared as int32: no int64 copy of the bucket ids
+    in_cut = bucket == cut32
     count = in_cut.sum(-1)
     done = (cut < last) & (count <= 4 * TRUNCATE_CANDIDATES)
     width = int(count[done].max()) if bool(done.any()) else 1
@@ -221,13 +250,13 @@ def _nucleus_by_buckets(logits: torch.Tensor, top_p: torch.Tensor) -> tuple[torc
     ids = ids.gather(1, logits.gather(1, ids).sort(dim=-1, descending=True, stable=True).indices)
     member = in_cut.gather(1, ids)
     p = probs.gather(1, ids).double().masked_fill(~member, 0.0)
-    keep = bucket < cut[:, None]
+    keep = bucket < cut32
     keep.scatter_(1, ids, keep.gather(1, ids) | (member & (before[:, None] + p.cumsum(-1) - p < tp)))
     return logits.masked_fill(~keep, float("-inf")), done
 
 
 def _nucleus(logits: torch.Tensor, desc: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
-             nucleus: torch.Tensor) -> torch.Tensor:
+             nucleus: torch.Tensor, stats: _RowStats | None = None) -> torch.Tensor:
     """Which of `desc` (a row's best values, descending: the top candidates or the whole sorted
     row) top-k (k: tokens it keeps, the vocabulary when off) and top-p remove; never the first.
     A token is dropped when the mass strictly before it already reaches top_p; the mass is of the
@@ -238,8 +267,8 @@ def _nucleus(logits: torch.Tensor, desc: torch.Tensor, k: torch.Tensor, top_p: t
     if bool(nucleus.any()):
         c = min(TRUNCATE_CANDIDATES, logits.shape[-1])
         kept = desc.masked_fill(remove, float("-inf"))
-        row_max = logits.max(dim=-1).values
-        whole = row_max + (logits - row_max[:, None]).exp().sum(-1).log()
+        stats = stats if stats is not None else _RowStats.of(logits)
+        whole = stats.row_max + stats.total.log()
         norm = torch.where(k <= c, kept[:, :c].logsumexp(-1), torch.where(k == logits.shape[-1], whole, kept.logsumexp(-1)))
         probs = (kept - norm[:, None]).exp()
         mass_before = probs.cumsum(dim=-1) - probs
