@@ -728,6 +728,23 @@ def test_api_key_from_env_file_or_flag(tmp_path, monkeypatch):
         resolve_api_key(parse("--api-key-file", str(tmp_path / "missing")))
 
 
+def test_logprobs_mode_takes_vllms_names_and_the_short_ones():
+    """--logprobs-mode as vLLM spells it (and raw / processed), each to the engine's canonical name."""
+    from specserve.cli import engine_kwargs
+    from specserve.config import ModelConfig
+
+    for flag, mode in (("raw_logprobs", "raw_logprobs"), ("processed_logprobs", "processed_logprobs"),
+                       ("raw_logits", "raw_logits"), ("processed_logits", "processed_logits"),
+                       ("raw", "raw_logprobs"), ("processed", "processed_logprobs")):
+        kw = engine_kwargs(build_parser().parse_args(["serve", "--model", "m", "--logprobs-mode", flag]))
+        assert ModelConfig("m", logprobs_mode=kw["logprobs_mode"]).logprobs_mode == mode
+    assert engine_kwargs(build_parser().parse_args(["serve", "--model", "m"]))["logprobs_mode"] == "raw_logprobs"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "m", "--logprobs-mode", "logits"])
+    with pytest.raises(ConfigError, match="logprobs_mode"):
+        ModelConfig("m", logprobs_mode="logits")
+
+
 def test_protect_metrics_without_a_key_is_refused_before_loading(monkeypatch, capsys):
     monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
     assert main(["serve", "--model", "no-such-model", "--protect-metrics"]) == 1
