@@ -641,9 +641,9 @@ def train_draft(cfg: TrainConfig) -> dict:
         hist.eval_steps.append(step)
         hist.eval_acc.append(evaluate())
     final = hist.eval_acc[-1]
-    # By kind: the corpus's source text is far easier to predict than the target's own answers
-    # (SmolLM2's default head: 0.49 over both, 0.26 depth-1 on the bench's prose outputs), and
-    # serving drafts the latter.
+    # By kind: corpus text and the target's own conversations differ (SmolLM2's default head at
+    # depth 1: 0.40 and 0.59, and 0.26 on its answers to bench/prompts.py's prose asks, whose
+    # subjects and wordings no training conversation uses).
     kinds = {"corpus": slice(0, held_corpus), "conversations": slice(held_corpus, None)}
     by_kind = {k: [round(a, 4) for a in evaluate(rows)] for k, rows in kinds.items() if len(htoks[rows])}
     card = {
