@@ -210,6 +210,24 @@ def test_a_bfloat16_copy_of_the_target_finds_its_heads_and_legacy_heads_still_se
     assert llm.engine.spec_counters["num_draft_tokens"] > 0
 
 
+def test_held_out_conversations_share_no_ask_with_the_training_ones(tmp_path):
+    """Greedy answers to the same ask are the same text: held-out conversations come from subjects
+    and wordings no training conversation uses, or the held-out top-1 would score memorised text."""
+    from specserve.spec.train import PROSE_ASKS, TOPICS, chat_prompts
+
+    src = tmp_path / "m.py"
+    src.write_text('def area(w, h):\n    """Return the area of a w by h rectangle."""\n    return w * h\n')
+    train = set(chat_prompts([src], 400, seed=0))
+    held = set(chat_prompts([src], 400, seed=1000, held=True))
+    prose = lambda ps: {p for p in ps if not p.startswith(("Write a Python", "Explain what", "Write a docstring",  # noqa: E731
+                                                            "How would I", "Rewrite this"))}
+    assert len(prose(train)) > 50 and len(prose(held)) > 10 and not prose(train) & prose(held)
+    topic_of = lambda p: next(t for t in TOPICS if t in p)  # noqa: E731
+    assert not {topic_of(p) for p in prose(train)} & {topic_of(p) for p in prose(held)}
+    held_asks = [a for a in PROSE_ASKS if any(p == a.format(t=topic_of(p)) for p in prose(held))]
+    assert held_asks and not any(p == a.format(t=topic_of(p)) for p in prose(train) for a in held_asks)
+
+
 def test_train_draft_end_to_end_on_smollm2_resumes_and_serves(smollm_path, tmp_path):
     """A tiny budget: features, a few steps, the card, the plot; a rerun with more epochs resumes
     from the checkpoint; the head serves with greedy output equal to plain decoding."""

@@ -131,9 +131,17 @@ CODE_ASKS = ("Write a Python function `{name}({args})` that does this: {doc}",
              "Rewrite this function to be clearer:\n\n```python\n{src}\n```")
 
 
-def chat_prompts(files: list[Path], n: int, seed: int) -> list[str]:
+def held_out(items: tuple[str, ...], held: bool) -> tuple[str, ...]:
+    """Every fourth of `items` (held) or the others: held-out conversations ask about subjects, in
+    wordings, that no training conversation uses (greedy answers to the same ask are the same text,
+    so a shared ask would put training text in the held-out set)."""
+    return tuple(x for i, x in enumerate(items) if (i % 4 == 3) == held)
+
+
+def chat_prompts(files: list[Path], n: int, seed: int, held: bool = False) -> list[str]:
     """n user messages: half about the corpus's functions (write, explain, comment, rewrite one),
-    half everyday prose asks; a seeded order."""
+    half everyday prose asks (the held-out or the training share of TOPICS and PROSE_ASKS); a
+    seeded order."""
     import ast
 
     rng = random.Random(seed)
@@ -158,17 +166,17 @@ def chat_prompts(files: list[Path], n: int, seed: int) -> list[str]:
             ask = rng.choice(CODE_ASKS)
             out.append(ask.format(name=name, args=args, doc=doc, doc_lower=doc[0].lower() + doc[1:], src=src))
         else:
-            out.append(rng.choice(PROSE_ASKS).format(t=rng.choice(TOPICS)))
+            out.append(rng.choice(held_out(PROSE_ASKS, held)).format(t=rng.choice(held_out(TOPICS, held))))
     return out
 
 
 def _generated_sequences(llm, files: list[Path], want: int, seq_len: int, seed: int, work: Path,  # noqa: ANN001
-                         max_tokens: int) -> list[list[int]]:
+                         max_tokens: int, held: bool = False) -> list[list[int]]:
     """Conversations the target writes itself (greedy, as most serving is), chat template and
     all, concatenated and cut into seq_len windows; kept in work/ so a rerun does not regenerate."""
     from specserve import SamplingParams
 
-    path = work / f"generated-{seed}.json"
+    path = work / f"generated-{'held' if held else 'train'}-{seed}.json"  # (earlier runs' files mixed the asks)
     stream: list[int] = []
     if path.is_file():
         try:
@@ -178,7 +186,7 @@ def _generated_sequences(llm, files: list[Path], want: int, seq_len: int, seed: 
     rounds = 0
     while len(stream) < want and rounds < 8:  # a conversation's length is known only once written
         n = max(4, -(-(want - len(stream)) // max_tokens))  # prompt + answer: about max_tokens or more each
-        prompts = chat_prompts(files, n, seed + 7919 * rounds + len(stream))
+        prompts = chat_prompts(files, n, seed + 7919 * rounds + len(stream), held)
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
                         SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=True)
         for o in outs:
@@ -496,7 +504,7 @@ def _training_sequences(cfg: TrainConfig, llm, work: Path) -> tuple[list[list[in
     if n_gen:
         train_seqs += _generated_sequences(llm, train_files, n_gen, cfg.seq_len, cfg.seed, work, cfg.generate_max_tokens)
         held_seqs += _generated_sequences(llm, held_files, cfg.heldout_tokens // 2, cfg.seq_len, cfg.seed + 1000, work,
-                                          cfg.generate_max_tokens)
+                                          cfg.generate_max_tokens, held=True)
     if not train_seqs or not held_seqs:
         raise ConfigError(f"The corpus has too little text for --seq-len {cfg.seq_len} (train {len(train_seqs)}, "
                           f"held-out {len(held_seqs)} sequences).")
