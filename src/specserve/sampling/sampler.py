@@ -110,22 +110,17 @@ def process_logits(
     return logits
 
 
+_UNTRUNCATED = SamplingParams(temperature=0.0)  # a greedy row's settings: no top-k, top-p or min-p
+
+
 def processed_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [N, V], one request per row
     """Rows as logprobs_mode processed_* reports them: each through its request's temperature,
     min-p, top-k and top-p (`process_logits`); a greedy request's row unchanged (vLLM's greedy
-    rows: no temperature, no truncation)."""
-    drawn = [not p.is_greedy for p in params]
-    dev = logits.device
-    top_k = [p.effective_top_k if d else 0 for p, d in zip(params, drawn)]
-    top_p = [float(p.top_p) if d else 1.0 for p, d in zip(params, drawn)]
-    min_p = [float(p.min_p) if d else 0.0 for p, d in zip(params, drawn)]
-    return process_logits(
-        logits,
-        torch.tensor([float(p.temperature) if d else 1.0 for p, d in zip(params, drawn)], dtype=torch.float32, device=dev),
-        torch.tensor(top_k, dtype=torch.long, device=dev), torch.tensor(top_p, dtype=torch.float32, device=dev),
-        any(k > 0 for k in top_k), any(x < 1.0 for x in top_p),
-        torch.tensor(min_p, dtype=torch.float32, device=dev), any(x > 0.0 for x in min_p),
-    )
+    rows: no temperature, no truncation, whatever top_k / top_p it carries)."""
+    meta = SamplingMetadata.build([_UNTRUNCATED if p.is_greedy else p for p in params], [0] * len(params),
+                                  logits.device)
+    return process_logits(logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p,
+                          meta.min_p, meta.any_min_p)
 
 
 def logits_to_probs(logits: torch.Tensor, *settings: object, **flags: object) -> torch.Tensor:  # [N, V] probabilities
@@ -180,7 +175,8 @@ def _truncate(
     if rest.numel():
         sub = logits[rest]
         sorted_logits, order = sub.sort(dim=-1, descending=True)
-        drop = _nucleus(sub, sorted_logits, k[rest], top_p[rest], nucleus[rest], stats.rows(rest) if stats else None)
+        drop = _nucleus(sub, sorted_logits, k[rest], top_p[rest], nucleus[rest],
+                        stats.rows(rest, with_e=False) if stats else None)
         out[rest] = torch.empty_like(sub).scatter_(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return out
 
@@ -198,7 +194,7 @@ class _RowStats(NamedTuple):
     cut itself)."""
 
     row_max: torch.Tensor  # [N]
-    e: torch.Tensor  # [N, V]
+    e: torch.Tensor | None  # [N, V] (None where only the normaliser is wanted)
     total: torch.Tensor  # [N]
 
     @classmethod
@@ -207,8 +203,9 @@ class _RowStats(NamedTuple):
         e = (logits - row_max[:, None]).exp()
         return cls(row_max, e, e.sum(-1))
 
-    def rows(self, idx: torch.Tensor) -> _RowStats:
-        return _RowStats(self.row_max[idx], self.e[idx], self.total[idx])
+    def rows(self, idx: torch.Tensor, with_e: bool = True) -> _RowStats:
+        """The stats of rows `idx` (e copied only with_e: the sorted rows' normaliser needs none)."""
+        return _RowStats(self.row_max[idx], self.e[idx] if with_e and self.e is not None else None, self.total[idx])
 
 
 def _nucleus_by_buckets(logits: torch.Tensor, top_p: torch.Tensor,
@@ -229,7 +226,7 @@ def _nucleus_by_buckets(logits: torch.Tensor, top_p: torch.Tensor,
     (SmolLM2, prose and code prompts)."""
     n = logits.shape[0]
     last = NUCLEUS_BUCKETS - 1
-    stats = stats if stats is not None else _RowStats.of(logits)
+    stats = stats if stats is not None and stats.e is not None else _RowStats.of(logits)
     gap = stats.row_max[:, None] - logits  # nats below the likeliest token
     # int32 bucket ids (scatter and gather take them): half the bytes of int64 in the passes below.
     bucket = gap.mul_(NUCLEUS_BUCKETS_PER_NAT).clamp_(max=last).to(torch.int32)
