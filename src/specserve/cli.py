@@ -592,9 +592,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="head file to write (default: the cache, where --draft-model auto finds it)")
     p.add_argument("--corpus", default=None, help="directory of text files (default: the Python standard library)")
     p.add_argument("--tokens", type=int, default=None,
-                   help="training tokens (target features extracted once; default 150k, layerskip 32k)")
+                   help="training tokens (target features extracted once; default 220k, layerskip 32k)")
     p.add_argument("--heldout-tokens", type=int, default=8192, help="held-out tokens (files never trained on)")
-    p.add_argument("--generated-share", type=float, default=0.5,
+    p.add_argument("--generated-share", type=float, default=0.75,
                    help="share of --tokens from conversations the target writes itself, greedy (prompts built from "
                         "the corpus's functions and everyday topics); the rest is corpus text")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")

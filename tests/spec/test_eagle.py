@@ -213,19 +213,45 @@ def test_a_bfloat16_copy_of_the_target_finds_its_heads_and_legacy_heads_still_se
 def test_held_out_conversations_share_no_ask_with_the_training_ones(tmp_path):
     """Greedy answers to the same ask are the same text: held-out conversations come from subjects
     and wordings no training conversation uses, or the held-out top-1 would score memorised text."""
-    from specserve.spec.train import PROSE_ASKS, TOPICS, chat_prompts
+    from specserve.spec import asks
+    from specserve.spec.asks import chat_prompts
 
     src = tmp_path / "m.py"
     src.write_text('def area(w, h):\n    """Return the area of a w by h rectangle."""\n    return w * h\n')
-    train = set(chat_prompts([src], 400, seed=0))
-    held = set(chat_prompts([src], 400, seed=1000, held=True))
-    prose = lambda ps: {p for p in ps if not p.startswith(("Write a Python", "Explain what", "Write a docstring",  # noqa: E731
-                                                            "How would I", "Rewrite this"))}
-    assert len(prose(train)) > 50 and len(prose(held)) > 10 and not prose(train) & prose(held)
-    topic_of = lambda p: next(t for t in TOPICS if t in p)  # noqa: E731
-    assert not {topic_of(p) for p in prose(train)} & {topic_of(p) for p in prose(held)}
-    held_asks = [a for a in PROSE_ASKS if any(p == a.format(t=topic_of(p)) for p in prose(held))]
-    assert held_asks and not any(p == a.format(t=topic_of(p)) for p in prose(train) for a in held_asks)
+    train = chat_prompts([src], 800, seed=0)
+    held = chat_prompts([src], 200, seed=1000, held=True)
+    assert len(set(train)) == len(train) == 800 and len(set(held)) == len(held) == 200  # distinct asks
+
+    def parts(p: str, asks: tuple[str, ...], slot: str, fills: tuple[str, ...], styles: tuple[str, ...]):
+        """(wording, fill) of a prompt built from `asks` with `slot` filled from `fills`, or None."""
+        for a in asks:
+            pre, post = a.split(slot)
+            for s in set(styles):
+                if p.startswith(pre) and p.endswith(post + s) and p[len(pre) : len(p) - len(post + s)] in fills:
+                    return a, p[len(pre) : len(p) - len(post + s)]
+        return None
+
+    def split(prompts: list[str]) -> tuple[set, set]:
+        prose = {x for p in prompts if (x := parts(p, asks.PROSE_ASKS, "{t}", asks.TOPICS, asks.STYLES))}
+        tasks = {x for p in prompts if (x := parts(p, asks.TASK_ASKS, "{task}", asks.TASKS, asks.CODE_STYLES))}
+        return prose, tasks
+
+    (tp, tt), (hp, ht) = split(train), split(held)
+    assert len(tp) > 300 and len(tt) > 100 and len(hp) > 60 and len(ht) > 15  # half prose, a quarter tasks
+    for tr, he in ((tp, hp), (tt, ht)):
+        assert not {w for w, _ in tr} & {w for w, _ in he}  # no wording in both
+        assert not {f for _, f in tr} & {f for _, f in he}  # no subject or task in both
+    # bench/prompts.py's asks stay held out from every head trained here.
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_prompts", Path(__file__).resolve().parents[2] / "bench" / "prompts.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert not set(bench.CODING + bench.PROSE) & set(train + held)
+    for subject in ("bicycle", "autumn", "neighbours", "heist", "rabbit", "fishing village", "job interview",
+                    "hot chocolate", "interval", "LRU", "CSV", "binary search", "word frequencies", "prime", "flatten", "email address"):
+        assert not any(subject in f for _, f in tp | hp | tt | ht), subject
 
 
 def test_train_draft_end_to_end_on_smollm2_resumes_and_serves(smollm_path, tmp_path):
@@ -314,3 +340,36 @@ def test_an_mtp_module_shipped_in_deepseek_names_is_imported(tiny, tmp_path):
     with pytest.raises(ConfigError, match="another model"):
         LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="mtp", draft_model=str(tmp_path / "bad.safetensors"),
             profile_spec_costs=False)
+
+
+def test_generated_conversations_mark_the_answers_and_held_out_agreement_counts_only_them(tmp_path):
+    """The held-out conversations' agreement scores the target's answers, not its chat template
+    and the ask (the same few templates in every conversation would flatter a head); the stream
+    and its marks are kept, so a rerun does not generate again."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from specserve.spec.train import _agreement, _generated_sequences
+
+    src = tmp_path / "m.py"
+    src.write_text('def area(w, h):\n    """Return the area of a w by h rectangle."""\n    return w * h\n')
+
+    class Writer:  # stands in for LLM.chat: prompt i is 3 tokens, its answer 5
+        calls = 0
+
+        def chat(self, conversations, params, use_tqdm=False):  # noqa: ANN001
+            Writer.calls += 1
+            return [SimpleNamespace(prompt_token_ids=[1000 + i] * 3,
+                                    outputs=[SimpleNamespace(token_ids=[2000 + i] * 5)]) for i in range(len(conversations))]
+
+    seqs, answers = _generated_sequences(Writer(), [src], want=40, seq_len=8, seed=0, work=tmp_path, max_tokens=4)
+    assert len(seqs) == 5 and all(len(s) == len(a) == 8 for s, a in zip(seqs, answers))
+    for s, a in zip(seqs, answers):
+        assert a == [t >= 2000 for t in s]  # answer tokens, and only they
+    again = _generated_sequences(Writer(), [src], want=40, seq_len=8, seed=0, work=tmp_path, max_tokens=4)
+    assert Writer.calls == 1 and again == (seqs, answers)
+
+    pred, want = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[1, 0, 3, 0]])
+    assert _agreement(pred, want, None) == (2, 4)
+    assert _agreement(pred, want, torch.tensor([[False, True, True, True]])) == (1, 3)
