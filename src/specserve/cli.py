@@ -594,9 +594,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=None,
                    help="training tokens (target features extracted once; default 220k, layerskip 32k)")
     p.add_argument("--heldout-tokens", type=int, default=8192, help="held-out tokens (files never trained on)")
-    p.add_argument("--generated-share", type=float, default=0.75,
-                   help="share of --tokens from conversations the target writes itself, greedy (prompts built from "
-                        "the corpus's functions and everyday topics); the rest is corpus text")
+    p.add_argument("--generated-share", type=float, default=None,
+                   help="share of --tokens from conversations the target writes itself, greedy (asks about everyday "
+                        "subjects, programming tasks and the corpus's functions; default 0.75, layerskip 0.5); the "
+                        "rest is corpus text")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
     p.add_argument("--epochs", type=float, default=4.0, help="passes over the training tokens (default 4)")
     p.add_argument("--batch-tokens", type=int, default=512, help="tokens per optimizer step")

@@ -50,7 +50,7 @@ class TrainConfig:
     corpus: str | None = None  # a directory of text files; default: the Python standard library
     tokens: int | None = None  # training tokens to extract features for (default 220k; layerskip 32k)
     heldout_tokens: int = 8_192
-    generated_share: float = 0.75  # of --tokens: conversations the target writes itself (rest: corpus text)
+    generated_share: float | None = None  # of --tokens: the target's own conversations (default 0.75, layerskip 0.5)
     generate_max_tokens: int = 256  # longest answer the target writes per conversation
     work_dir: str | None = None  # features, conversations, checkpoint (default: the cache)
     seq_len: int = 256
@@ -77,6 +77,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.tokens is None:
             self.tokens = LAYERSKIP_TOKENS if self.method == "layerskip" else DEFAULT_TOKENS
+        if self.generated_share is None:  # (layerskip keeps the share its measured exits were fitted on)
+            self.generated_share = 0.5 if self.method == "layerskip" else 0.75
 
 
 @dataclass
@@ -777,7 +779,7 @@ def _fit_exit(cfg: TrainConfig, llm, work: Path, fp: str, out: Path, token_ids: 
     arch = engine.arch
     n_layers, hidden = arch.num_layers, arch.hidden_size
     cands = exit_candidates(n_layers, cfg.layers)
-    train_seqs, held_seqs, _ = _training_sequences(cfg, llm, work)
+    train_seqs, held_seqs, *_ = _training_sequences(cfg, llm, work)
     states = _LayerStates(engine, cands)
     per_batch = max(1, cfg.batch_tokens // cfg.seq_len)
     state_path = work / "state-layerskip.pt"
