@@ -50,8 +50,8 @@ def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5, device: str = "cp
 
 
 def write_json(name: str, payload: dict[str, Any]) -> Path:
-    """Write results JSON under bench/results/."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    """Write results JSON under bench/results/ (a name with folders in it gets them)."""
     path = RESULTS_DIR / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str))
     return path
