@@ -363,7 +363,9 @@ def test_generated_conversations_mark_the_answers_and_held_out_agreement_counts_
             return [SimpleNamespace(prompt_token_ids=[1000 + i] * 3,
                                     outputs=[SimpleNamespace(token_ids=[2000 + i] * 5)]) for i in range(len(conversations))]
 
+    (tmp_path / "generated-train-0.json").write_text("[1, 2, 3]")  # an older run's file: other asks, no marks
     seqs, answers = _generated_sequences(Writer(), [src], want=40, seq_len=8, seed=0, work=tmp_path, max_tokens=4)
+    assert not list(tmp_path.glob("generated-*.json"))  # replaced, not left behind
     assert len(seqs) == 5 and all(len(s) == len(a) == 8 for s, a in zip(seqs, answers))
     for s, a in zip(seqs, answers):
         assert a == [t >= 2000 for t in s]  # answer tokens, and only they
