@@ -169,12 +169,13 @@ def _corpus_functions(files: list[Path], rng: random.Random) -> list[tuple[str, 
             continue
         lines = text.splitlines()
         for node in ast.walk(tree):
-            first = (ast.get_docstring(node) or "").strip().splitlines()[:1] if isinstance(node, ast.FunctionDef) else []
-            if first and node.end_lineno:  # (a docstring of blanks has no first line)
-                doc = first[0].rstrip(".")
-                src = "\n".join(lines[node.lineno - 1 : min(node.end_lineno, node.lineno + 30)])
-                if 10 < len(doc) < 120 and len(src) < 1500:
-                    funcs.append((node.name, ", ".join(a.arg for a in node.args.args), doc, src))
+            if not isinstance(node, ast.FunctionDef) or not node.end_lineno:
+                continue
+            first = (ast.get_docstring(node) or "").strip().splitlines()[:1]  # none for a docstring of blanks
+            doc = first[0].rstrip(".") if first else ""
+            src = "\n".join(lines[node.lineno - 1 : min(node.end_lineno, node.lineno + 30)])
+            if 10 < len(doc) < 120 and len(src) < 1500:
+                funcs.append((node.name, ", ".join(a.arg for a in node.args.args), doc, src))
     return funcs
 
 
