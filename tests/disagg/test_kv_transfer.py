@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -489,6 +490,21 @@ def test_a_draft_transfer_whose_request_ended_stops_the_prefill_workers_draft(sm
     instead of computing KV nobody will read, and no block or channel file is left behind."""
     pre_eng, dec_eng = _draft_engines(smollm_checkpoint)
     pre, dec = WorkerCore("prefill", pre_eng, "p-cancel"), WorkerCore("decode", dec_eng, "d-cancel", transfer_timeout_s=5.0)
+    # The decode worker steps only once the prefill worker has sent its first draft pass: else
+    # on a machine where the decode step wins the race the draft is cancelled before it starts
+    # (draft_bytes 0), which would not show that a running draft stops between its passes.
+    first_pass = threading.Event()
+    send_draft, step = pre.connector._send_draft, dec_eng.step
+
+    def sent_one(todo):
+        send_draft(todo)
+        first_pass.set()
+
+    def step_after_first_pass():
+        first_pass.wait(10)
+        return step()
+
+    pre.connector._send_draft, dec_eng.step = sent_one, step_after_first_pass
     before = _shm_files()
     try:
         ids = smollm_checkpoint.tokenizer.encode("Once upon a time, " * 120)  # ~600 tokens: ~19 draft passes of 32
