@@ -532,8 +532,8 @@ def test_a_draft_transfer_whose_request_ended_stops_the_prefill_workers_draft(sm
 def test_layer_zero_start_runs_the_first_step_while_later_layers_arrive(pair, smollm_llm, smollm_checkpoint):
     """With kv_layer_start "first" a decode worker admits a request once layer 0 of its prompt KV
     is in and waits for each later layer inside that first step: here the layers arrive one by
-    one (Ray's transport), each 10 ms after the step took the one before, the step waits for them, and the output
-    equals co-located decoding."""
+    one (Ray's transport), each 10 ms after the step took the one before, the step waits for
+    them, and the output equals co-located decoding."""
     from specserve.disagg.kv_transfer import STATUS_DONE, open_receiver
 
     pre, _ = pair

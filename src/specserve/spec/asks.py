@@ -171,8 +171,10 @@ def _corpus_functions(files: list[Path], rng: random.Random) -> list[tuple[str, 
         for node in ast.walk(tree):
             if not isinstance(node, ast.FunctionDef) or not node.end_lineno:
                 continue
-            first = (ast.get_docstring(node) or "").strip().splitlines()[:1]  # none for a docstring of blanks
-            doc = first[0].rstrip(".") if first else ""
+            first = (ast.get_docstring(node) or "").strip().splitlines()[:1]
+            if not first:  # no docstring, or one of blanks
+                continue
+            doc = first[0].rstrip(".")
             src = "\n".join(lines[node.lineno - 1 : min(node.end_lineno, node.lineno + 30)])
             if 10 < len(doc) < 120 and len(src) < 1500:
                 funcs.append((node.name, ", ".join(a.arg for a in node.args.args), doc, src))

@@ -147,7 +147,8 @@ def _generated_sequences(llm, files: list[Path], want: int, seq_len: int, seed: 
             answer += [False] * len(o.prompt_token_ids) + [True] * len(o.outputs[0].token_ids)
         path.write_text(json.dumps({"ids": stream, "answer": [int(a) for a in answer]}))
         rounds += 1
-        for old in work.glob("generated-*.json"):  # what they held is rewritten here
+    if rounds:  # what the older files held is rewritten here
+        for old in work.glob("generated-*.json"):
             old.unlink(missing_ok=True)
     usable = min(len(stream), want) // seq_len * seq_len
     cuts = range(0, usable, seq_len)
