@@ -20,6 +20,7 @@ from specserve.engine.graphs import StepGraphs
 from specserve.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
 from specserve.kv_cache.layer_load import KVLoad, LayerLoader, LayerWriter
+from specserve.kv_cache.pages import zeroed_pages
 from specserve.kv_cache.tiers import TieredKVStore
 from specserve.models.arch import ArchConfig
 from specserve.models.block_linear import (
@@ -211,7 +212,7 @@ class ModelRunner:
         page_dtype = torch.int8 if quantized else self.dtype
         shapes = [(shape, page_dtype)] * 2 + ([(shape[:3], torch.float32)] * 2 if quantized else [])
         self.kv_caches: list[KVCache] = [
-            tuple(torch.zeros(shp, dtype=dt, device=self.device) for shp, dt in shapes)
+            tuple(zeroed_pages(shp, dt, self.device) for shp, dt in shapes)
             for _ in range(arch.num_layers)
         ]
         self.sampler = Sampler(self.device, model_config.seed)

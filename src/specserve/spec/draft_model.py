@@ -207,31 +207,55 @@ class _TreeDraft:
                          tuple(self.cands[self.cands[c].parent].fed if self.cands[c].parent >= 0 else -1 for c in self.fed))
 
 
-def expand_candidates(t: _TreeDraft, parent: int, logits: torch.Tensor, generator: torch.Generator,
-                      device: torch.device, children: int = CHILDREN) -> None:  # logits: [V]
-    """Give candidate `parent` (-1: the root) of tree `t` its children from the drafter's
-    next-token logits: the `children` most likely tokens for a greedy request (deterministic
-    candidates), else draws without replacement from the processed distribution (seeded requests
-    draw from a stream of their own, so the draft does not depend on the batch)."""
-    params = t.req.sampling_params
-    depth = t.depth(parent) + 1
-    logits = drafter_logits(logits[None], [t.req], [t.req.num_output_tokens + depth - 1])[0]
-    if params.is_greedy:
-        p = logits.float().softmax(-1)
-        top = p.topk(children)
-        picks = list(zip(top.indices.tolist(), top.values.tolist()))
-    else:
-        meta = SamplingMetadata.build([params], [t.req.num_output_tokens + depth - 1], device)
-        p = logits_to_probs(logits[None].float(), meta.temperature, meta.top_k, meta.top_p, meta.any_top_k,
-                            meta.any_top_p, meta.min_p, meta.any_min_p)[0]
-        n = min(children, int((p > 0).sum()))
-        g = generator
-        if params.seed is not None:  # the same draft wherever the request is batched
-            g = request_generator(params.seed + STREAM_DRAFT + 7919 * (parent + 2), t.req.num_output_tokens + depth,
-                                  device)
-        toks = torch.multinomial(p, n, replacement=False, generator=g).tolist()
-        picks = [(x, float(p[x])) for x in toks]
-    t.add_children(parent, p, picks)
+def expand_rows(rows: Sequence[tuple[_TreeDraft, int]], logits: torch.Tensor, generator: torch.Generator,
+                device: torch.device, children: int = CHILDREN) -> None:  # logits: [len(rows), V]
+    """Give each (tree t, candidate parent) of `rows` (parent -1: the root) its children from
+    the drafter's next-token logits in the same row: the `children` most likely tokens for a
+    greedy request (deterministic candidates), else draws without replacement from the processed
+    distribution (seeded requests draw from a stream of their own, so the draft does not depend
+    on the batch). The rows are processed together: one softmax, top-k and draw for the pass,
+    where a pass over a batch of trees would otherwise pay a dozen small operations per row."""
+    if not rows:
+        return
+    depths = [t.depth(parent) + 1 for t, parent in rows]
+    indices = [t.req.num_output_tokens + d - 1 for (t, _), d in zip(rows, depths)]
+    logits = drafter_logits(logits, [t.req for t, _ in rows], indices).float()
+    greedy = [t.req.sampling_params.is_greedy for t, _ in rows]
+    picks: list[list[tuple[int, float]]] = [[] for _ in rows]
+    probs: list[torch.Tensor] = [logits[0]] * len(rows)
+    g_rows = [i for i, g in enumerate(greedy) if g]
+    if g_rows:
+        p = (logits if len(g_rows) == len(rows) else logits[g_rows]).softmax(-1)
+        top = p.topk(min(children, p.shape[-1]), dim=-1)
+        for i, r, toks, vals in zip(range(len(g_rows)), g_rows, top.indices.tolist(), top.values.tolist()):
+            picks[r] = list(zip(toks, vals))
+            probs[r] = p[i]
+    s_rows = [i for i, g in enumerate(greedy) if not g]
+    if s_rows:
+        reqs = [rows[i][0].req for i in s_rows]
+        meta = SamplingMetadata.build([q.sampling_params for q in reqs], [indices[i] for i in s_rows], device)
+        p = logits_to_probs(logits if len(s_rows) == len(rows) else logits[s_rows], meta.temperature, meta.top_k,
+                            meta.top_p, meta.any_top_k, meta.any_top_p, meta.min_p, meta.any_min_p)
+        n = (p > 0).sum(-1).clamp(max=children).tolist()
+        shared = [i for i, q in enumerate(reqs) if q.sampling_params.seed is None and n[i] == children]
+        drawn: dict[int, list[int]] = {}
+        if shared:  # unseeded rows with enough support: one draw for them all
+            sel = torch.tensor(shared)
+            drawn = dict(zip(shared, torch.multinomial(p[sel], children, replacement=False, generator=generator).tolist()))
+        for i, q in enumerate(reqs):
+            if i not in drawn:
+                g = generator
+                seed = q.sampling_params.seed
+                if seed is not None:  # the same draft wherever the request is batched
+                    _, parent = rows[s_rows[i]]
+                    g = request_generator(seed + STREAM_DRAFT + 7919 * (parent + 2), q.num_output_tokens + depths[s_rows[i]],
+                                          device)
+                drawn[i] = torch.multinomial(p[i], n[i], replacement=False, generator=g).tolist()
+            vals = p[i, drawn[i]].tolist()
+            picks[s_rows[i]] = list(zip(drawn[i], vals))
+            probs[s_rows[i]] = p[i]
+    for (t, parent), dist, pk in zip(rows, probs, picks):
+        t.add_children(parent, dist, pk)
 
 
 def grow_trees(trees: Sequence[_TreeDraft], cost_ratio: float, p_min: float,
@@ -637,16 +661,15 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
             return {}
         logits = self.runner.forward_logits(self.runner.feed_inputs(entries))  # [B, V]: each root's next token
         self.num_forwards += 1
-        for i, t in enumerate(trees):
+        for t in trees:
             t.seq.num_computed_tokens = len(t.seq.all_token_ids)
-            self._expand(t, -1, logits[i])
+        expand_rows([(t, -1) for t in trees], logits, self.generator, self.device)
 
         def run_pass(step: list[tuple[_TreeDraft, list[int]]]) -> None:
             entries = [t.entry(picked, self.kv.block_ids(t.req.request_id)) for t, picked in step]
             logits = self.runner.forward_logits(self.runner.feed_inputs(entries))  # [sum picked, V]
             self.num_forwards += 1
-            for row, (t, c) in enumerate(picked_rows(step)):
-                self._expand(t, c, logits[row])
+            expand_rows(picked_rows(step), logits, self.generator, self.device)
 
         later = grow_trees(trees, self.pass_cost_ratio, self.p_min, run_pass)
         out = {}
@@ -657,9 +680,6 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
                 out[t.req.request_id] = draft
         self.record_timing(t0, later, len(trees))
         return out
-
-    def _expand(self, t: _TreeDraft, parent: int, logits: torch.Tensor) -> None:  # logits: [V]
-        expand_candidates(t, parent, logits, self.generator, self.device)
 
     def _entry(self, req: Request, tokens: list[int], start: int) -> ScheduledRequest:
         return ScheduledRequest(

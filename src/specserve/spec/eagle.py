@@ -43,6 +43,7 @@ from torch import nn
 from specserve.attention import build_attention_metadata
 from specserve.errors import ConfigError
 from specserve.kv_cache.manager import KVCacheManager
+from specserve.kv_cache.pages import zeroed_pages
 from specserve.models.arch import ArchConfig
 from specserve.models.linear import storage_bytes
 from specserve.models.llama import DecoderLayer, RestrictedLMHead, RMSNorm, RotaryEmbedding
@@ -54,7 +55,7 @@ from specserve.spec.draft_model import (
     CandidateWidth,
     PassTimer,
     _TreeDraft,
-    expand_candidates,
+    expand_rows,
     grow_trees,
     picked_rows,
 )
@@ -406,7 +407,7 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions).to(self.device)
         self.block_size = block_size
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_cache = (torch.zeros(shape, device=self.device), torch.zeros(shape, device=self.device))
+        self.kv_cache = (zeroed_pages(shape, torch.float32, self.device), zeroed_pages(shape, torch.float32, self.device))
         self.kv = KVCacheManager(num_blocks, block_size, False, name="eagle")
         self.p_min = p_min
         self.children = CHILDREN if tree else 1
@@ -668,16 +669,14 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
             seq = t.seq
             seq.num_computed_tokens += counts[i]
             seq.pending = []
-            self._expand(t, -1, logits[i], h_root[i])
+        self._expand([(t, -1) for t in trees], logits, h_root)
 
         def run_pass(step: list[tuple[_EagleTree, list[int]]]) -> None:
             toks, feats, pos, starts, tails = zip(*(t.feed(picked) for t, picked in step))
             h = self._pass([x for ts in toks for x in ts], torch.cat(feats), [x for ps in pos for x in ps], list(starts),
                            [len(picked) for _, picked in step], [self.kv.block_ids(t.req.request_id) for t, _ in step],
                            list(tails))
-            logits = self._logits(h)
-            for row, (t, c) in enumerate(picked_rows(step)):
-                self._expand(t, c, logits[row], h[row])
+            self._expand(picked_rows(step), self._logits(h), h)
 
         later = grow_trees(trees, self.pass_cost_ratio, self.p_min, run_pass)
         out = {}
@@ -691,9 +690,12 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
         self.record_timing(t0, [per_pass] * (1 + len(later)), len(trees))
         return out
 
-    def _expand(self, t: _EagleTree, parent: int, logits: torch.Tensor, h: torch.Tensor) -> None:
-        expand_candidates(t, parent, logits, self.generator, self.device, self.children)
-        t.hid.append(h)
+    def _expand(self, rows: list[tuple[_EagleTree, int]], logits: torch.Tensor, h: torch.Tensor) -> None:
+        """Each row's children (`expand_rows`); the row's feature becomes the tree's next
+        parent feature, in candidate-row order."""
+        expand_rows(rows, logits, self.generator, self.device, self.children)  # type: ignore[arg-type]
+        for (t, _), feat in zip(rows, h):
+            t.hid.append(feat)
 
 
 @register_proposer("mtp")

@@ -47,7 +47,7 @@ from specserve.spec.draft_model import (
     CandidateWidth,
     PassTimer,
     _TreeDraft,
-    expand_candidates,
+    expand_rows,
     grow_trees,
     picked_rows,
 )
@@ -224,13 +224,11 @@ class LayerSkipProposer(PassTimer, CandidateWidth, Proposer):
         if not trees:
             return {}
         logits = self._logits(entries)
-        for i, t in enumerate(trees):
-            expand_candidates(t, -1, logits[i], self.generator, self.device, self.children)
+        expand_rows([(t, -1) for t in trees], logits, self.generator, self.device, self.children)
 
         def run_pass(step: list[tuple[_TreeDraft, list[int]]]) -> None:
             logits = self._logits([t.entry(picked, tables[t.req.request_id]) for t, picked in step])
-            for row, (t, c) in enumerate(picked_rows(step)):
-                expand_candidates(t, c, logits[row], self.generator, self.device, self.children)
+            expand_rows(picked_rows(step), logits, self.generator, self.device, self.children)
 
         later = grow_trees(trees, self.pass_cost_ratio, self.p_min, run_pass)
         out = {}

@@ -27,7 +27,7 @@ from specserve.spec.draft_model import (
     CandidateWidth,
     PassTimer,
     _TreeDraft,
-    expand_candidates,
+    expand_rows,
 )
 from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
 from specserve.spec.tree import DraftTree
@@ -151,10 +151,9 @@ class MedusaProposer(PassTimer, CandidateWidth, Proposer):
             t = _TreeDraft(req, seq, k, k)  # type: ignore[arg-type]
             level = [-1]
             for d in range(min(len(dists), k)):
-                nxt = []
-                for parent in level:
-                    expand_candidates(t, parent, dists[d, i], self.generator, self.device, self.children)
-                    nxt += t.root_kids if parent < 0 else t.cands[parent].kids
+                expand_rows([(t, parent) for parent in level], dists[d, i].expand(len(level), -1), self.generator,
+                            self.device, self.children)
+                nxt = [c for parent in level for c in (t.root_kids if parent < 0 else t.cands[parent].kids)]
                 nxt.sort(key=lambda c: -t.cands[c].score)
                 level = [c for c in nxt[:EXPAND_PER_DEPTH] if t.cands[c].score >= EXPAND_MIN]
                 if not level:
