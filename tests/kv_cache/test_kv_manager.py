@@ -56,6 +56,26 @@ def test_pool_lru_eviction_order_and_double_free():
         pool.allocate(5)
 
 
+def test_pool_hands_out_never_used_blocks_first_then_the_lru_queue():
+    """Blocks are made on first use; the never-used ids come, in order, before every released
+    block (as if the queue started 0..N-1), and the integrity check sees all of them."""
+    pool = BlockPool(6)
+    assert pool.num_free_blocks == 6 and pool.blocks == []
+    a, b = pool.allocate(2)
+    pool.register(a, hash_block_tokens(None, [1]))
+    pool.release([a])
+    assert pool.num_free_blocks == 5
+    got = pool.allocate(5)
+    assert [x.block_id for x in got] == [2, 3, 4, 5, 0] and got[-1] is a and a.block_hash is None
+    assert pool.num_free_blocks == 0 and [x.block_id for x in pool.blocks] == list(range(6))
+    refs = {i: 1 for i in range(6)}
+    assert pool.check_integrity(refs) == []
+    small = BlockPool(4)
+    small.allocate(1)
+    assert small.check_integrity({0: 1}) == []
+    assert any("never used" in p for p in small.check_integrity({0: 1, 3: 1}))
+
+
 def test_allocate_append_rollback_free():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     s = Seq("a", list(range(10)))
