@@ -122,22 +122,21 @@ def apply_min_tokens(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledReque
     min_tokens: the root row samples output token output_index, a node's row the one after it.
     One indexed write for the batch. Requests with a grammar are left to its masks
     (`min_tokens_rows`, grammar.forbid_unless_only)."""
-    rows: list[torch.Tensor] = []
-    cols: list[torch.Tensor] = []
+    rows: list[int] = []
+    cols: list[int] = []
     at = 0
     vocab = logits.shape[1]
     for sr in sampled_reqs:
         n = 1 + sr.num_spec_tokens
         if sr.min_tokens_ban is not None and sr.grammar is None:
-            mine = [at + i for i in min_tokens_rows(sr)]
-            ids = sr.min_tokens_ban[sr.min_tokens_ban < vocab].cpu()
-            if mine and ids.numel():
-                rows.append(torch.tensor(mine, dtype=torch.long).repeat_interleave(ids.numel()))
-                cols.append(ids.repeat(len(mine)))
+            ids = [i for i in sr.min_tokens_ban.tolist() if i < vocab]  # a few ids: host lists, no tensor ops
+            for r in min_tokens_rows(sr):
+                rows += [at + r] * len(ids)
+                cols += ids
         at += n
     if rows:
         dev = logits.device
-        logits[torch.cat(rows).to(dev), torch.cat(cols).to(dev)] = float("-inf")
+        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
 
 
 def drafter_logits(logits: torch.Tensor, reqs: Sequence[Request], output_indices: Sequence[int]) -> torch.Tensor:
