@@ -23,6 +23,7 @@ import torch
 from specserve.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
 from specserve.models.arch import ArchConfig
 from specserve.models.block_linear import PackedWeight, kernel_can_read, packed_from_gguf
+from specserve.models.gguf_file import GGUFFile
 from specserve.models.gguf_quants import _one_thread_per_op, dequantize_many
 from specserve.models.tokenizer import Tokenizer
 from specserve.progress import spinner
@@ -147,7 +148,7 @@ def _plain_memmap() -> Iterator[None]:
             module.np = np
 
 
-def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """Parse a GGUF file's header, raising CorruptModelError for anything malformed or truncated."""
     p = Path(path)
     try:
@@ -163,8 +164,7 @@ def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
             "file or a HF model directory, and re-download the file if it should be GGUF."
         )
     try:
-        with _plain_memmap():
-            reader = gguf.GGUFReader(p)
+        reader = GGUFFile(p)
     except Exception as exc:  # the reader signals damage with assorted ValueError/IndexError/...
         raise CorruptModelError(
             f"{p} could not be parsed as GGUF ({type(exc).__name__}: {exc}); the file is probably "
@@ -180,12 +180,12 @@ def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
     return reader
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
     return default if field is None else field.contents()
 
 
-def _require_int(reader: gguf.GGUFReader, key: str) -> int:
+def _require_int(reader: GGUFFile, key: str) -> int:
     value = _field(reader, key)
     if isinstance(value, list):
         raise UnsupportedModelError(
@@ -200,7 +200,7 @@ def _require_int(reader: gguf.GGUFReader, key: str) -> int:
     return int(value)
 
 
-def arch_from_gguf(reader: gguf.GGUFReader) -> ArchConfig:
+def arch_from_gguf(reader: GGUFFile) -> ArchConfig:
     """Translate a GGUF's ``general.architecture`` and ``<arch>.*`` metadata into an ArchConfig."""
     source = str(_field(reader, "general.architecture", ""))
     key = _ARCH_ALIASES.get(source)

@@ -30,6 +30,7 @@ from specserve.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
+from specserve.models.gguf_file import GGUFFile
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer"]
 
@@ -121,7 +122,7 @@ def _byte_level_pre_tokenizer(pre: str) -> tuple[Any, bool]:
     return gpt2, False
 
 
-def _gguf_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def _gguf_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
     if field is None:
         return default
@@ -187,7 +188,7 @@ class Tokenizer:
     # --- construction -----------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader, *, name: str = "") -> Tokenizer:
+    def from_gguf(cls, reader: GGUFFile, *, name: str = "") -> Tokenizer:
         """Build the byte-level BPE tokenizer described by a GGUF's ``tokenizer.*`` metadata."""
         name = name or str(_gguf_value(reader, "general.name", "") or "")
         model = _gguf_value(reader, "tokenizer.ggml.model")
