@@ -129,6 +129,19 @@ def test_fused_products_equal_separate_ones():
         assert torch.equal(alone, act[i:i + 1]), i
 
 
+def test_the_kernel_builds_from_a_copy_in_its_cache_directory():
+    """ninja compiles the copy of the source kept in the (content-keyed) build directory, so
+    another checkout with the same source finds the same build command and does not rebuild."""
+    import specserve.kernels as kmod
+
+    kernels()
+    build = kmod._build_dir()
+    copy = build / kmod._SOURCE.name
+    assert copy.read_bytes() == kmod._SOURCE.read_bytes()
+    ninja = (build / "build.ninja").read_text()
+    assert str(copy) in ninja and str(kmod._SOURCE) not in ninja
+
+
 def test_bad_shapes_are_refused():
     pw = random_blocks(12, 8, 256)
     with pytest.raises(RuntimeError, match="not a multiple"):

@@ -3,8 +3,9 @@
 `qmatmul(x, w, qtype, bias)` multiplies float32 activations by a weight matrix kept in a GGUF
 block format (see qmatmul.cpp). It is built with torch's C++ extension machinery and
 `-march=native` (AVX2 paths on x86; a portable fallback elsewhere) into
-``$SPECSERVE_CACHE/kernels/<key>`` where the key covers the source, torch version and CPU, so
-a cache shared between machines never hands one a binary built for another. The first build
+``$SPECSERVE_CACHE/kernels/<key>`` where the key covers the source, torch (version and install)
+and CPU, so a cache shared between machines never hands one a binary built for another; the
+source is compiled from a copy in that directory, so checkouts with the same source share it. The first build
 takes about a minute; later processes load it in milliseconds.
 
 The kernels prefetch weight blocks some distance ahead of the one they read (into L2). The best
@@ -82,6 +83,8 @@ def _build_dir() -> Path:
     key = hashlib.sha256()
     key.update(_SOURCE.read_bytes())
     key.update(torch.__version__.encode())
+    # torch's headers are part of the build command: two environments each get their own build.
+    key.update(str(Path(torch.__file__).resolve().parent).encode())
     key.update(_cpu_key().encode())
     if (march := _march()) != "native":
         key.update(march.encode())
@@ -144,7 +147,7 @@ def _load() -> ModuleType:
                 spinner("compiling specserve's native kernels for this CPU (once)") if fresh else contextlib.nullcontext():
             module = cpp_extension.load(
                 name="specserve_qmatmul",
-                sources=[str(_SOURCE)],
+                sources=[str(_source_copy(build))],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build),
@@ -157,6 +160,20 @@ def _load() -> ModuleType:
         ) from exc
     _prefetch_from_env(module)
     return module
+
+
+def _source_copy(build: Path) -> Path:
+    """The kernel source inside its build directory, which ninja compiles from. The build
+    command names the source's path, so compiling a checkout's own file made two checkouts with
+    the same source (the directory's key) rebuild each other's kernels, a minute each time one
+    ran after the other. Called under the build lock."""
+    copy = build / _SOURCE.name
+    source = _SOURCE.read_bytes()
+    if not copy.is_file() or copy.read_bytes() != source:
+        tmp = copy.with_suffix(".tmp")
+        tmp.write_bytes(source)
+        os.replace(tmp, copy)
+    return copy
 
 
 def _prefetch_pinned() -> str | None:
