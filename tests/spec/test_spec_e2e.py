@@ -829,6 +829,9 @@ def test_spec_metrics_in_outputs(smollm_checkpoint):
                 "mean_accepted_len", "target_forwards_per_token"):
         assert key in m
     assert m["num_accepted_tokens"] > 0 and m["target_forwards_per_token"] < 1.0
+    lengths = m["accepted_lengths"]  # the histogram kept step by step is the list's
+    assert m["accepted_length_histogram"] == {k: lengths.count(k) for k in sorted(set(lengths))}
+    assert list(m["accepted_length_histogram"]) == sorted(m["accepted_length_histogram"])
 
 
 def test_runtime_switch_and_per_request_opt_out(smollm_checkpoint):
