@@ -134,10 +134,7 @@ class Request:
         self.num_accepted_tokens = 0
         self.drafted_per_position: list[int] = []  # steps whose draft reached depth j + 1 and tested it
         self.accepted_per_position: list[int] = []  # of those, steps that accepted a node at depth j + 1
-        self.accepted_lengths: list[int] = []  # accepted drafts per speculative step
-        # Their histogram, kept as they come: every step's output reports it, and recounting
-        # the whole list each step was quadratic in the length of a generation.
-        self.accepted_length_counts: dict[int, int] = {}
+        self.accepted_lengths: list[int] = []  # accepted drafts per speculative step (a histogram's data)
 
     def __getstate__(self) -> dict:
         # A live KV source (open shared memory, locks) never travels between processes.
@@ -157,7 +154,6 @@ class Request:
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
         self.accepted_lengths.append(num_accepted)
-        self.accepted_length_counts[num_accepted] = self.accepted_length_counts.get(num_accepted, 0) + 1
         while len(self.drafted_per_position) < depth:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)

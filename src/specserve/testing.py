@@ -9,9 +9,13 @@ import atexit
 import random
 import shutil
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -101,3 +105,40 @@ def write_random_head(ckpt: Any, path: str | Path, method: str = "eagle", seed: 
             "num_heads": 3, **card}
     save_head(path, head, torch.arange(arch.vocab_size), meta)
     return Path(path)
+
+
+class _PlainMemmapNumpy:
+    """Stand-in for the numpy module inside gguf's reader whose memmap returns a plain ndarray.
+
+    GGUFReader slices its memmap once per metadata string; for a 150k-token vocabulary that is
+    millions of memmap-subclass slices whose Python-level ``__array_finalize__`` dominates the
+    load time. A base-class view of the same mapping behaves identically and parses ~2x faster.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
+
+    @staticmethod
+    def memmap(*args: Any, **kwargs: Any) -> np.ndarray:
+        return np.memmap(*args, **kwargs).view(np.ndarray)
+
+
+_READER_PATCH_LOCK = threading.Lock()
+
+
+@contextmanager
+def plain_memmap() -> Iterator[None]:
+    """gguf-py's reader made ~2x faster while the block runs, for tests that load a GGUF with
+    transformers (which parses it with gguf-py); specserve reads GGUF with its own parser."""
+    import gguf.gguf_reader
+
+    module = gguf.gguf_reader
+    if getattr(module, "np", None) is not np:  # a gguf release that reads files differently
+        yield
+        return
+    with _READER_PATCH_LOCK:
+        module.np = _PlainMemmapNumpy()  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            module.np = np

@@ -20,12 +20,12 @@ from specserve.models.arch import ArchConfig
 from specserve.models.bundled import ensure_bundled
 from specserve.models.loader import (
     LoadedCheckpoint,
-    _plain_memmap,
     expected_shapes,
     load_model_files,
     open_gguf,
 )
 from specserve.models.tokenizer import Tokenizer
+from specserve.testing import plain_memmap
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,7 +80,7 @@ def gguf_pair(request):
     path = _bundled_or_skip(request.param)
     ours = load_model_files(path)
     # The plain-memmap patch only speeds up gguf's reader (HF parses the file twice).
-    with _plain_memmap():
+    with plain_memmap():
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32
         )

@@ -17,8 +17,9 @@ from specserve.errors import (
     UnsupportedModelError,
 )
 from specserve.models.bundled import ensure_bundled
-from specserve.models.loader import _plain_memmap, open_gguf
+from specserve.models.loader import open_gguf
 from specserve.models.tokenizer import IncrementalDetokenizer, Tokenizer, _byte_level_pre_tokenizer
+from specserve.testing import plain_memmap
 
 MODELS = {"smollm2": "smollm2-135m-instruct", "qwen05": "qwen2.5-coder-0.5b-instruct"}
 
@@ -89,7 +90,7 @@ def pair(request):
     path = _bundled_or_skip(MODELS[request.param])
     transformers = pytest.importorskip("transformers")
     ours = _ours(request.param)
-    with _plain_memmap():  # only speeds up gguf's reader
+    with plain_memmap():  # only speeds up gguf's reader
         hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return ours, hf
 

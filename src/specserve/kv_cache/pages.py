@@ -20,7 +20,7 @@ def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     """A contiguous zero tensor; on the CPU backed by an anonymous, page-aligned memory map that
     lives as long as the tensor (or any view of it) does."""
     device = torch.device(device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

@@ -17,6 +17,7 @@ Anything that runs past the end of the file raises ValueError.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from typing import Any, NamedTuple
@@ -76,6 +77,7 @@ class GGUFFile:
             if version not in (2, 3):
                 raise ValueError("unsupported GGUF version (this reader reads versions 2 and 3)")
         self.version = version
+        self._length = struct.Struct(self._order + "Q")  # a string's byte length
         n_tensors, n_fields = self._unpack("QQ", 8)
         off = 24
         self.fields: dict[str, GGUFField] = {}
@@ -117,7 +119,9 @@ class GGUFFile:
         return struct.unpack_from(fmt, self._buf, off)
 
     def _string(self, off: int) -> tuple[str, int]:
-        (n,) = self._unpack("Q", off)
+        if off + 8 > self._size:  # the vocabulary's 150k strings come here: no format strings built per call
+            raise ValueError(f"a string at byte {off} runs past the end of the file")
+        (n,) = self._length.unpack_from(self._buf, off)
         off += 8
         if off + n > self._size:
             raise ValueError(f"a string at byte {off} runs past the end of the file")
@@ -141,21 +145,10 @@ class GGUFFile:
             return list(self._unpack(f"{count}{fmt}", off)), off + count * size
         if count * 8 > self._size - off:  # every string or array item takes at least 8 bytes
             raise ValueError(f"an array at byte {off} runs past the end of the file")
+        read = self._string if item == _STRING else functools.partial(self._value, item)
         out = []
-        if item == _STRING:
-            buf, size, order = self._buf, self._size, self._order + "Q"
-            for _ in range(count):
-                if off + 8 > size:
-                    raise ValueError("a string array runs past the end of the file")
-                (n,) = struct.unpack_from(order, buf, off)
-                off += 8
-                if off + n > size:
-                    raise ValueError("a string array runs past the end of the file")
-                out.append(str(buf[off : off + n], "utf-8"))
-                off += n
-            return out, off
         for _ in range(count):
-            value, off = self._value(item, off)
+            value, off = read(off)
             out.append(value)
         return out, off
 

@@ -222,12 +222,12 @@ def expand_rows(rows: Sequence[tuple[_TreeDraft, int]], logits: torch.Tensor, ge
     logits = drafter_logits(logits, [t.req for t, _ in rows], indices).float()
     greedy = [t.req.sampling_params.is_greedy for t, _ in rows]
     picks: list[list[tuple[int, float]]] = [[] for _ in rows]
-    probs: list[torch.Tensor] = [logits[0]] * len(rows)
+    probs: list[torch.Tensor | None] = [None] * len(rows)  # the distribution each row's children came from
     g_rows = [i for i, g in enumerate(greedy) if g]
     if g_rows:
         p = (logits if len(g_rows) == len(rows) else logits[g_rows]).softmax(-1)
         top = p.topk(min(children, p.shape[-1]), dim=-1)
-        for i, r, toks, vals in zip(range(len(g_rows)), g_rows, top.indices.tolist(), top.values.tolist()):
+        for i, (r, toks, vals) in enumerate(zip(g_rows, top.indices.tolist(), top.values.tolist())):
             picks[r] = list(zip(toks, vals))
             probs[r] = p[i]
     s_rows = [i for i, g in enumerate(greedy) if not g]
@@ -255,7 +255,7 @@ def expand_rows(rows: Sequence[tuple[_TreeDraft, int]], logits: torch.Tensor, ge
             picks[s_rows[i]] = list(zip(drawn[i], vals))
             probs[s_rows[i]] = p[i]
     for (t, parent), dist, pk in zip(rows, probs, picks):
-        t.add_children(parent, dist, pk)
+        t.add_children(parent, dist, pk)  # type: ignore[arg-type]  # every row is greedy or sampled
 
 
 def grow_trees(trees: Sequence[_TreeDraft], cost_ratio: float, p_min: float,
