@@ -169,8 +169,14 @@ def test_adaptive_policy_learns_the_draft_cost_without_the_catch_up_pass(tiny):
     the policy concludes drafting is slow and switches it off for good."""
     import time
 
+    from specserve.spec.policy import StepTimer
+
     llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="draft", spec_policy="adaptive",
               draft_checkpoint=tiny, draft_num_layers=1, num_spec_tokens=3)
+    # A target step as slow as a real model's: whether drafting pays must not hang on how this
+    # machine timed two passes of a tiny model at start-up (both mostly Python overhead, and
+    # close enough that noise sometimes switched drafting off from the first step).
+    llm.engine.policy.target_time = StepTimer({1: 0.05, 16: 0.05})
     prop = llm.engine.proposer
     real = prop.runner.forward_logits
 
