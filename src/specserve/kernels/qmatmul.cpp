@@ -1986,7 +1986,7 @@ class DecoderStack {
 // the multi-row passes use AVX-512), 12 independent chains so latency never limits it: the compute
 // roof under the verify-cost curve (bench/roofline.py). The chains live in registers through each
 // burst: kept in an array, GCC stored each one to the stack after every instruction, and the loop
-// measured the store port instead, half the multiply rate of a Zen 3 (82 against ~165 GMAC/s a core).
+// measured the store port instead, under half the multiply rate of a Zen 3 (82 against 183 GMAC/s a core).
 #if SPECSERVE_AVX2
 template <typename V, typename Op>
 __attribute__((noinline)) void int8_burst(V* acc, V b, Op op) {
