@@ -40,10 +40,23 @@ def test_json_schema_chat_parses_and_validates_streaming_or_not(client, smol_ser
 
 def test_json_object_and_guided_extras(client):
     bob = [{"role": "user", "content": "Return a JSON object with the keys name and age for Bob, who is 42."}]
-    r = client.chat.completions.create(model="smollm2", messages=bob, max_tokens=128, temperature=0.7, seed=3,
+    # Greedy: speculation leaves greedy output exactly as plain, so this text is the same on every
+    # machine and ends. A sampled text's tokens depend on what the adaptive policy drafted (timing)
+    # and "any JSON object" has no bound: one may nest until max_tokens, so sampled requests only
+    # promise a dict where they stop and an object's opening where they do not.
+    r = client.chat.completions.create(model="smollm2", messages=bob, max_tokens=128, temperature=0,
                                        response_format={"type": "json_object"})
     assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
     assert isinstance(json.loads(r.choices[0].message.content), dict)
+    sampled = client.chat.completions.create(model="smollm2", messages=bob, max_tokens=48, temperature=0.7, seed=3,
+                                             n=4, response_format={"type": "json_object"})
+    for ch in sampled.choices:
+        text = ch.message.content
+        assert text.startswith("{"), text
+        if ch.finish_reason == "stop":
+            assert isinstance(json.loads(text), dict), text
+        else:
+            assert ch.finish_reason == "length" and sampled.usage.completion_tokens > 0
     c = client.completions.create(model="smollm2", prompt="Is water wet? Answer:", max_tokens=8, temperature=0.9,
                                   extra_body={"guided_choice": ["yes", "no"]})
     assert c.choices[0].text in ("yes", "no")
