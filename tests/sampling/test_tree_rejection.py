@@ -210,35 +210,70 @@ def test_tree_helpers():
         DraftTree((1,), (-1,), SiblingDraw.IID)
 
 
-def test_one_hot_children_take_the_general_rule_without_a_dense_proposal():
-    """_test_one_hot (n-gram, lookahead and reference children) changes r exactly as the general
-    step does with p = one-hot(x): accept iff coin <= r(x), else r(x) dropped and r renormalised."""
-    from specserve.sampling.tree_rejection import _test_one_hot
+def test_one_hot_trees_emit_what_plain_sampling_emits_for_the_same_seed():
+    """Deterministic children are coupled to the plain draw: a seeded request emits, position by
+    position, the token the plain sampler draws from that position's q, whichever one-hot tree
+    was drafted (none, a wrong guess, the right one, several branches). Only how far one pass
+    gets changes. Logits depend on the last token alone here, so each row's q is known."""
+    g = torch.Generator().manual_seed(8)
+    table = torch.randn(V, V, generator=g) * 1.5  # next-token logits given the last token
+    for seed in range(40):
+        params = [SamplingParams(temperature=0.9, top_p=0.95, seed=seed)]
+        meta = SamplingMetadata.build(params, [7], torch.device("cpu"))
+        probs = logits_to_probs(table, meta.temperature.expand(V), meta.top_k.expand(V), meta.top_p.expand(V),
+                                meta.any_top_k, meta.any_top_p)
+        want, last = [], 0
+        for step in range(7, 11):  # what decoding without a draft emits from last token 0
+            last = int(sample_from_probs(probs[last : last + 1], [seed], [step], None)[0])
+            want.append(last)
+        rng = torch.Generator().manual_seed(100 + seed)
+        wrong = [(w + 1 + int(r)) % V for w, r in zip(want, torch.randint(0, V - 1, (3,), generator=rng))]  # != want
+        trees = [DraftTree.chain(want[:3]), DraftTree.chain(wrong), DraftTree((), ()),
+                 DraftTree((wrong[0], want[0], want[1], wrong[1], want[2]), (-1, -1, 1, 1, 2)),
+                 DraftTree.chain(want[:1] + wrong[:2])]
+        for tree in trees:
+            prev = [0] + [tree.token_ids[n] for n in range(len(tree))]  # each row's last token
+            logits = table[[0] + [tree.token_ids[n] for n in range(len(tree))]]
+            (res,) = verify_trees(logits, [tree], meta, torch.Generator().manual_seed(seed))
+            assert res.token_ids == want[: len(res.token_ids)], (seed, tree, prev)
+            assert len(res.token_ids) == len(tree.match(want)) + 1
 
-    g = torch.Generator().manual_seed(5)
-    n = 64
-    r = torch.softmax(torch.randn(n, V, generator=g, dtype=torch.float64) * 2, dim=-1)
-    r[0] = 0.0
-    r[0, 3] = 1.0  # all mass on the child: rejecting it has probability 0
-    x = torch.randint(0, V, (n,), generator=g)
-    x[0] = 3
-    coins = torch.rand(n, generator=g, dtype=torch.float64)
-    coins[0] = 1.0
-    live = torch.rand(n, generator=g) < 0.8
-    c = torch.arange(n) + 10
-    rows = torch.arange(n)
-    p = torch.zeros(n, V, dtype=torch.float64)
-    p[rows, x] = 1.0
-    want_r = r.clone()
-    ok = live & (coins * p[rows, x] <= want_r[rows, x])
-    rej = live & ~ok
-    left = (want_r[rej] - p[rej]).clamp_(min=0.0)
-    mass = left.sum(1, keepdim=True)
-    want_r[rej] = torch.where(mass > 0, left / mass.clamp(min=1e-300), want_r[rej])
-    got_acc = torch.full((n,), -1)
-    excluded = torch.zeros(n, V, dtype=torch.bool)
-    _test_one_hot(r, rows, x, live, coins, c, got_acc, excluded)
-    assert torch.equal(r, want_r)
-    assert torch.equal(got_acc >= 0, ok) and torch.equal(got_acc[ok], c[ok])
-    assert torch.equal(excluded[rows, x], rej)
-    assert bool(ok[0]) == bool(live[0])  # coin 1 <= r(x) = 1: accepted when live
+
+def test_one_hot_chains_emit_what_plain_sampling_emits_for_the_same_seed():
+    """The chain sampler couples one-hot drafts the same way (mass below x against the plain
+    uniform, without a cdf of the row): a seeded request's tokens do not depend on the drafts."""
+    from specserve.sampling.rejection import SpecBatch, rejection_sample
+
+    g = torch.Generator().manual_seed(9)
+    table = torch.randn(V, V, generator=g) * 1.5
+    for seed in range(40):
+        params = SamplingParams(temperature=0.8, top_k=6, seed=seed)
+        meta = SamplingMetadata.build([params], [3], torch.device("cpu"))
+        probs = logits_to_probs(table, meta.temperature.expand(V), meta.top_k.expand(V), meta.top_p.expand(V),
+                                meta.any_top_k, meta.any_top_p)
+        want, last = [], 0
+        for step in range(3, 7):
+            last = int(sample_from_probs(probs[last : last + 1], [seed], [step], None)[0])
+            want.append(last)
+        rng = torch.Generator().manual_seed(200 + seed)
+        for drafts in (want[:3], [int(t) for t in torch.randint(0, V, (3,), generator=rng)], want[:1] + [want[0]], []):
+            logits = table[[0] + drafts]
+            batch = SpecBatch([len(drafts)], [drafts], [None], meta)
+            res = rejection_sample(logits, batch, torch.Generator().manual_seed(seed))
+            assert res.token_ids[0] == want[: len(res.token_ids[0])], (seed, drafts)
+
+
+def test_mass_around_takes_the_same_sums_for_few_rows_and_many():
+    from specserve.sampling.sampler import inverse_cdf, mass_around
+
+    g = torch.Generator().manual_seed(10)
+    probs = torch.softmax(torch.randn(200, 300, generator=g) * 3, dim=-1)
+    x = torch.randint(0, 300, (200,), generator=g)
+    lo_many, total_many = mass_around(probs, x)
+    lo_few, total_few = (torch.cat(t) for t in zip(*(mass_around(probs[i : i + 50], x[i : i + 50])
+                                                      for i in range(0, 200, 50))))
+    assert torch.allclose(lo_many, lo_few, rtol=0, atol=1e-12) and torch.allclose(total_many, total_few, atol=1e-12)
+    u = torch.rand(200, dtype=torch.float64, generator=g)
+    t = u * total_many
+    is_x = (t > lo_many) & (t <= lo_many + probs[torch.arange(200), x].double())
+    assert torch.equal(is_x, inverse_cdf(probs, u) == x)

@@ -367,6 +367,27 @@ def test_drafts_follow_logit_bias_and_min_tokens(tiny, tree):
         assert c["num_accepted_tokens"] >= 0.4 * c["num_draft_tokens"]
 
 
+@pytest.mark.parametrize("which", ["ngram", "lookahead", "reference", "reference-chain"])
+def test_seeded_sampling_with_a_deterministic_proposer_emits_the_plain_text(tiny, which):
+    """Proposers without a draft distribution (one-hot candidates) are verified by coupling to the
+    plain draw, so a seeded sampled request emits exactly what decoding without speculation emits:
+    its text does not depend on whether, or what, the (timing-driven) adaptive policy drafted."""
+    prompts = _tiny_prompts(24, seed=11)
+    plain = [SamplingParams(max_tokens=16, temperature=0.5, top_p=0.95, top_k=40 if i % 2 else 0, seed=300 + i,
+                            ignore_eos=True) for i in range(len(prompts))]
+    want = _llm(tiny).generate(prompts, plain)
+    params = plain
+    if which.startswith("reference"):  # every other request gets its own future as the reference
+        params = [replace(p, reference_token_ids=list(pr) + (list(w.token_ids) if i % 2 else []))
+                  for i, (p, pr, w) in enumerate(zip(plain, prompts, want))]
+    llm = _spec_llm(tiny, which)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    eng = llm.engine
+    assert eng.spec_counters["num_accepted_tokens"] > 0, "nothing was accepted: the test would be vacuous"
+    assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+
+
 @pytest.mark.parametrize("which", ["reference", "reference-chain", "ngram"])
 def test_copied_drafts_leave_out_what_the_request_bans(tiny, which):
     """Model-free proposers copy text without reading the request: a copied token with logit_bias

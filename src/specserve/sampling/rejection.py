@@ -13,9 +13,20 @@ distributions p_1..p_K and target distributions q_1..q_{K+1} from one verify pas
 So every step emits between 1 and K+1 tokens, and each emitted token is distributed exactly as
 the target alone would have sampled it. Both p and q are the *processed* distributions
 (temperature, top-k, top-p applied by `logits_to_probs`). A deterministic proposer (n-gram,
-reference text) has p = one-hot(x): acceptance is then u <= q(x) and the recovered
+reference text) has p = one-hot(x): acceptance then has probability q(x) and the recovered
 distribution is q with x removed. Greedy requests are the limit T -> 0: accept while the draft
 equals the target argmax, and the argmax at the first mismatch is the recovered token.
+
+**One-hot drafts are coupled to plain sampling.** For p = one-hot(x) the rule above is the
+same as: draw the token the plain sampler would draw at this output position (inverse cdf of q
+with that position's plain uniform u), keep x if the draw is x, else emit the draw and stop.
+P(keep) = q(x), and given a rejection the draw is distributed as q with x removed, so the two
+rules emit the same distribution; the second also emits *the same tokens* as decoding without
+speculation for the same uniforms. A seeded request drafted by n-gram, lookahead or reference
+text therefore gets the text it gets without speculation, whatever the adaptive policy decided
+(which depends on timing). The test "the draw is x" needs only the mass below x and the total
+(`mass_around`), not the row's cdf. Proposals with a distribution (a draft model) keep the
+rule above: its acceptance, sum min(p, q), is higher than a coupled draw's, sum p * q.
 """
 
 from __future__ import annotations
@@ -26,7 +37,9 @@ import torch
 
 from specserve.sampling.sampler import (
     SamplingMetadata,
+    inverse_cdf,
     logits_to_probs,
+    mass_around,
     sample_from_probs,
     uniforms,
 )
@@ -142,6 +155,14 @@ def _sample_rows(
         u = _uniforms(meta, req_of_row, pos_of_row, device, generator)
         # Accept with probability min(1, q/p): u * p <= q avoids dividing by p.
         sampled_accept = (u * p_x.double() <= q_x.double()) & (p_x > 0) & is_draft_row
+        # One-hot drafts: keep x where the plain sampler's draw at that position is x.
+        u_plain = _uniforms(meta, req_of_row, pos_of_row, device, generator, stream=0)
+        coupled_row = is_draft_row & ~greedy_row & _expand(_one_hot_requests(batch, device), rows_per_req)
+        if bool(coupled_row.any()):
+            rows = coupled_row.nonzero().squeeze(1)
+            lo, total = mass_around(q[rows], flat_drafts[rows])
+            t = u_plain[rows] * total
+            sampled_accept[rows] = (t > lo) & (t <= lo + q_x[rows].double())
         accept = torch.where(greedy_row, accept, sampled_accept)
 
     # A request stops at its first rejected draft row, or at its bonus row if none is rejected;
@@ -155,18 +176,22 @@ def _sample_rows(
         # Only a request's stop row emits a drawn token, so only those rows are drawn from (a
         # 152k-id row's float64 residual and cdf cost ~1 ms; a K = 8 chain has nine rows).
         at_stop = (pos_of_row == acc_of_row).nonzero().squeeze(1)  # [n_req]
-        qs, ps = q[at_stop], p[at_stop]
-        # Recovered distribution normalize(max(0, q - p)); if q <= p everywhere (can only
-        # happen when q == p, where rejection has probability 0) fall back to q.
-        residual = (qs - ps).clamp_(min=0)
-        mass = residual.sum(dim=-1, keepdim=True)
-        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), qs)
-        seeds_row, steps_row = _row_seeds(meta, req_of_row[at_stop], pos_of_row[at_stop])
-        recovered = sample_from_probs(residual, seeds_row, steps_row, generator, STREAM_RECOVER)
-        # Bonus (and K=0) rows: the plain sampler's draw for that output position, so a
-        # request that does not speculate samples exactly as it would without speculation.
-        plain = sample_from_probs(qs, seeds_row, steps_row, generator)
-        drawn = torch.where(is_draft_row[at_stop], recovered, plain)
+        qs = q[at_stop]
+        # Bonus (and K=0) rows and one-hot rejections: the plain sampler's draw for that output
+        # position, so a request that does not speculate samples exactly as it would without.
+        plain = inverse_cdf(qs, u_plain[at_stop])
+        recover = is_draft_row[at_stop] & ~coupled_row[at_stop]
+        drawn = plain
+        if bool(recover.any()):
+            ps = p[at_stop]
+            # Recovered distribution normalize(max(0, q - p)); if q <= p everywhere (can only
+            # happen when q == p, where rejection has probability 0) fall back to q.
+            residual = (qs - ps).clamp_(min=0)
+            mass = residual.sum(dim=-1, keepdim=True)
+            residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), qs)
+            seeds_row, steps_row = _row_seeds(meta, req_of_row[at_stop], pos_of_row[at_stop])
+            recovered = sample_from_probs(residual, seeds_row, steps_row, generator, STREAM_RECOVER)
+            drawn = torch.where(recover, recovered, plain)
         final = target_argmax.clone()
         final[at_stop] = torch.where(greedy_row[at_stop], target_argmax[at_stop], drawn)
     emitted_mask = pos_of_row <= acc_of_row
@@ -187,6 +212,13 @@ def _sample_rows(
             logprobs.append(lp[at : at + a + 1])
             at += a + 1
     return SpecResult(out_tokens, num_acc, logprobs)
+
+
+def _one_hot_requests(batch: SpecBatch, device: torch.device) -> torch.Tensor:  # [n_req] bool
+    """Requests whose drafts come without a distribution (a deterministic proposer)."""
+    if batch.flat_draft_probs is not None:
+        return torch.zeros(len(batch.num_draft), dtype=torch.bool, device=device)
+    return torch.tensor([dp is None for dp in batch.draft_probs], dtype=torch.bool, device=device)
 
 
 def _draft_probs_rows(
@@ -232,7 +264,7 @@ def _row_seeds(
 
 def _uniforms(
     meta: SamplingMetadata, req_of_row: torch.Tensor, pos_of_row: torch.Tensor,
-    device: torch.device, generator: torch.Generator | None,
+    device: torch.device, generator: torch.Generator | None, stream: int = STREAM_ACCEPT,
 ) -> torch.Tensor:  # [rows] float64 U(0, 1]
     seeds, steps = _row_seeds(meta, req_of_row, pos_of_row)
-    return uniforms(seeds, steps, device, generator, STREAM_ACCEPT)
+    return uniforms(seeds, steps, device, generator, stream)

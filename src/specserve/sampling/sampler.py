@@ -301,10 +301,29 @@ def sample_from_probs(
     The cumulative sum is taken in float64 so rounding cannot shift mass between tokens, and
     a token with zero probability can never be returned (its cdf equals its predecessor's).
     """
-    cdf = probs.double().cumsum(dim=-1)  # [N, V]
-    u = uniforms(seeds, steps, probs.device, generator, stream)
-    target = (u * cdf[:, -1]).unsqueeze(1)
-    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    return inverse_cdf(probs, uniforms(seeds, steps, probs.device, generator, stream))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [N, V], [N] in (0, 1] -> [N] int64
+    """The first token whose cumulative mass (float64) reaches u times the row's total."""
+    cdf = probs.double().cumsum(dim=-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+def mass_around(probs: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, V], [N]
+    """Per row, in float64: the mass of the ids below x[i] and the row's total, so that
+    `inverse_cdf(probs, u)` returns x[i] exactly when lo < u * total <= lo + probs[i, x[i]]
+    (up to the last bit of the summation order). Without a cdf of the whole row: a few rows
+    (a chain's drafts over a 152k vocabulary) take one slice sum each; many rows (tests, a
+    small vocabulary) one masked sum."""
+    if probs.shape[0] <= 64:
+        xs = x.tolist()
+        lo = torch.stack([probs[i, :t].sum(dtype=torch.float64) for i, t in enumerate(xs)])
+        rest = torch.stack([probs[i, t:].sum(dtype=torch.float64) for i, t in enumerate(xs)])
+        return lo, lo + rest
+    below = torch.arange(probs.shape[1], device=probs.device)[None, :] < x[:, None]
+    lo = torch.where(below, probs, 0.0).sum(1, dtype=torch.float64)
+    return lo, lo + torch.where(below, 0.0, probs).sum(1, dtype=torch.float64)
 
 
 def top_logprobs(

@@ -34,6 +34,16 @@ it was built from the draft alone, so the next level is the same argument with t
 node as root. (With one-hot p_j, max(0, r_j - p_j) only drops x_j: r_j(x_j) <= 1.) If r_j <= p_j
 everywhere, r_j = p_j and rejection has probability 0; the code then keeps r_j.
 
+Deterministic children are coupled to plain sampling: at such a node the walk draws the token
+the plain sampler would draw at this output position (inverse cdf of q with that position's
+plain uniform), follows the child with that token if there is one, else emits the draw and
+stops. The child x_j is followed with probability q(x_j), as under the sequential test above
+(q(x_1) + (1 - q(x_1)) * q(x_2) / (1 - q(x_1)) + ... = q(x_1) + q(x_2) + ...), and given that
+no child matched the draw is distributed as q without the children, which is r_{m+1}: the same
+distribution, and the tokens a step without a draft would emit for the same uniforms. So a
+seeded request's text does not depend on whether an n-gram, lookahead or reference tree was
+drafted for it (the adaptive policy's choice depends on timing).
+
 Randomness: a seeded request draws from generators keyed by (seed, output position, stream),
 so its output does not depend on how it was batched; the accept coins of one node's children
 are consecutive draws of that position's accept stream.
@@ -47,7 +57,12 @@ from typing import NamedTuple
 import torch
 
 from specserve.sampling.rejection import STREAM_ACCEPT, STREAM_RECOVER
-from specserve.sampling.sampler import SamplingMetadata, logits_to_probs, request_generator
+from specserve.sampling.sampler import (
+    SamplingMetadata,
+    inverse_cdf,
+    logits_to_probs,
+    request_generator,
+)
 from specserve.spec.tree import DraftTree, SiblingDraw
 
 
@@ -120,6 +135,7 @@ class _Tables(NamedTuple):
     dist_index: torch.Tensor  # [U, N] row of `dists` each node was drawn from (-1: deterministic)
     dists: torch.Tensor  # [R, V] every tree's draft distributions, zero-padded to the target's vocabulary
     without_replacement: torch.Tensor  # [U] bool
+    deterministic: torch.Tensor  # [U] bool: one-hot children, coupled to the plain draw
 
 
 def _tables(trees: Sequence[DraftTree], vocab: int) -> _Tables:
@@ -161,7 +177,8 @@ def _tables(trees: Sequence[DraftTree], vocab: int) -> _Tables:
             dist_index[ut, : len(parents)] = offs[:, None] + torch.tensor(dist_row, dtype=torch.long)[None, :]
             base += pad.shape[0]
     wor = torch.tensor([t.draw is SiblingDraw.WITHOUT_REPLACEMENT for t in uniq])
-    return _Tables(torch.tensor(which, dtype=torch.long), shape, kids, tokens, dist_index, torch.cat(blocks), wor)
+    det = torch.tensor([t.draw is SiblingDraw.DETERMINISTIC for t in uniq])
+    return _Tables(torch.tensor(which, dtype=torch.long), shape, kids, tokens, dist_index, torch.cat(blocks), wor, det)
 
 
 def _walk_sampled(
@@ -201,81 +218,64 @@ def _walk_sampled(
         m = req[act]
         q = logits_to_probs(target_logits[base[act] + cur + 1], meta.temperature[m], meta.top_k[m], meta.top_p[m],
                             meta.any_top_k, meta.any_top_p, meta.min_p[m], meta.any_min_p).double()  # [na, V]
-        r = q.clone()  # what is left of the target distribution
         kids = tab.kids[tab.shape[which], cur + 1]  # [na, W]
-        coins = (_coins([seeds[i] for i in act.tolist()], [steps0[i] + depth for i in act.tolist()], STREAM_ACCEPT,
-                        kids.shape[1], generator) if seeded else _shared_coins(na, kids.shape[1], generator))
-        accepted = torch.full((na,), -1, dtype=torch.long)
-        excluded = torch.zeros(na, vocab, dtype=torch.bool)
-        rows = ar[:na]
-        for j in range(kids.shape[1]):
-            c = kids[:, j]
-            live = (c >= 0) & (accepted < 0)
-            if not bool(live.any()):
-                break
-            cc = c.clamp(min=0)
-            x = tab.tokens[which, cc]
-            di = tab.dist_index[which, cc]
-            det = di < 0
-            if bool(det.all()):  # every proposal one-hot: no dense p (same numbers as below)
-                _test_one_hot(r, rows, x, live, coins[:, j], c, accepted, excluded)
-                continue
-            p = tab.dists[di.clamp(min=0)].clone()  # [na, V] the child's proposal
-            p[det] = 0.0
-            p[rows[det], x[det]] = 1.0
-            wor = tab.without_replacement[which] & ~det
-            if bool((wor & excluded.any(1)).any()):
-                p[wor] = p[wor].masked_fill(excluded[wor], 0.0)
-                p[wor] = p[wor] / p[wor].sum(1, keepdim=True).clamp(min=1e-300)
-            px, rx = p[rows, x], r[rows, x]
-            ok = live & (px > 0) & (coins[:, j] * px <= rx)  # accept with min(1, r(x) / p(x))
-            accepted[ok] = c[ok]
-            rej = live & ~ok
-            if bool(rej.any()):
-                left = (r[rej] - p[rej]).clamp_(min=0.0)
-                mass = left.sum(1, keepdim=True)
-                # mass 0 means r == p: a rejection of probability 0 (rounding); keep r then.
-                r[rej] = torch.where(mass > 0, left / mass.clamp(min=1e-300), r[rej])
-                excluded[rows[rej], x[rej]] = True
         has_kids = kids[:, 0] >= 0
+        # Leaves (bonus token) and nodes with one-hot children take the plain sampler's draw of
+        # this position; a one-hot child is followed when its token is that draw.
+        plain_rows = ~has_kids | tab.deterministic[which]
+        plain = torch.full((na,), -1, dtype=torch.long)
+        if bool(plain_rows.any()):
+            sel = plain_rows.nonzero().squeeze(1)
+            u = (_coins([seeds[i] for i in act[sel].tolist()], [steps0[i] + depth for i in act[sel].tolist()], 0, 1,
+                        generator) if seeded else _shared_coins(sel.numel(), 1, generator))[:, 0]
+            plain[sel] = inverse_cdf(q[sel], u)
+        kid_tokens = tab.tokens[which[:, None], kids.clamp(min=0)]  # [na, W]
+        match = (kids >= 0) & (kid_tokens == plain[:, None]) & plain_rows[:, None]
+        accepted = torch.where(match.any(1), kids.gather(1, match.int().argmax(1, keepdim=True)).squeeze(1), -1)
+        tested = has_kids & ~plain_rows  # children drawn from a distribution: the sequential test
+        r = q.clone()  # what is left of the target distribution
+        if bool(tested.any()):
+            coins = (_coins([seeds[i] for i in act.tolist()], [steps0[i] + depth for i in act.tolist()], STREAM_ACCEPT,
+                            kids.shape[1], generator) if seeded else _shared_coins(na, kids.shape[1], generator))
+            excluded = torch.zeros(na, vocab, dtype=torch.bool)
+            rows = ar[:na]
+            for j in range(kids.shape[1]):
+                c = kids[:, j]
+                live = (c >= 0) & (accepted < 0) & tested
+                if not bool(live.any()):
+                    break
+                cc = c.clamp(min=0)
+                x = tab.tokens[which, cc]
+                p = tab.dists[tab.dist_index[which, cc].clamp(min=0)].clone()  # [na, V] the child's proposal
+                wor = tab.without_replacement[which]
+                if bool((wor & excluded.any(1)).any()):
+                    p[wor] = p[wor].masked_fill(excluded[wor], 0.0)
+                    p[wor] = p[wor] / p[wor].sum(1, keepdim=True).clamp(min=1e-300)
+                px, rx = p[rows, x], r[rows, x]
+                ok = live & (px > 0) & (coins[:, j] * px <= rx)  # accept with min(1, r(x) / p(x))
+                accepted[ok] = c[ok]
+                rej = live & ~ok
+                if bool(rej.any()):
+                    left = (r[rej] - p[rej]).clamp_(min=0.0)
+                    mass = left.sum(1, keepdim=True)
+                    # mass 0 means r == p: a rejection of probability 0 (rounding); keep r then.
+                    r[rej] = torch.where(mass > 0, left / mass.clamp(min=1e-300), r[rej])
+                    excluded[rows[rej], x[rej]] = True
         stop = accepted < 0
-        # Every child rejected: draw from what is left (recover stream); a leaf: the bonus
-        # token from its q (plain stream, as a request that did not speculate would).
-        final_u = torch.ones(na, dtype=torch.float64)
-        for stream, sel in ((STREAM_RECOVER, stop & has_kids), (0, stop & ~has_kids)):
-            if bool(sel.any()):
-                if not seeded:
-                    final_u[sel] = _shared_coins(int(sel.sum()), 1, generator)[:, 0]
-                    continue
-                s = sel.nonzero().squeeze(1).tolist()
-                final_u[sel] = _coins([seeds[act[i]] for i in s], [steps0[act[i]] + depth for i in s], stream, 1,
-                                      generator)[:, 0]
-        drawn = _draw_rows(r, final_u)
+        drawn = plain
+        recover = stop & tested  # every sampled child rejected: draw from what is left of q
+        if bool(recover.any()):
+            sel = recover.nonzero().squeeze(1)
+            u = (_coins([seeds[i] for i in act[sel].tolist()], [steps0[i] + depth for i in act[sel].tolist()],
+                        STREAM_RECOVER, 1, generator) if seeded else _shared_coins(sel.numel(), 1, generator))[:, 0]
+            drawn = plain.clone()
+            drawn[sel] = inverse_cdf(r[sel], u)
         emitted[act, depth] = torch.where(stop, drawn, tab.tokens[which, accepted.clamp(min=0)])
         node[act] = torch.where(stop, node[act], accepted)
         done[act[stop]] = True
         trail[act[~stop], depth] = accepted[~stop]
     lengths = (emitted >= 0).sum(1).tolist()  # tokens are emitted at depths 0, 1, ... without gaps
     return [(toks[:n], nodes[: n - 1]) for toks, nodes, n in zip(emitted.tolist(), trail.tolist(), lengths)]
-
-
-def _test_one_hot(r: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, live: torch.Tensor, coins: torch.Tensor,
-                  c: torch.Tensor, accepted: torch.Tensor, excluded: torch.Tensor) -> None:
-    """One child per row whose proposal is one-hot at x (p(x) = 1): accept with probability
-    r(x); on rejection r <- r without x, renormalised. The general step's arithmetic with p
-    one-hot (max(0, r - p) is r with r(x) zeroed, since r(x) <= 1), without materialising p:
-    a dense float64 p and r - p per child cost ~1 ms a row of a 152k vocabulary. Changes r,
-    accepted and excluded in place."""
-    ok = live & (coins <= r[rows, x])
-    accepted[ok] = c[ok]
-    rej = (live & ~ok).nonzero().squeeze(1)
-    if rej.numel():
-        left = r[rej]
-        left[torch.arange(rej.numel()), x[rej]] = 0.0
-        mass = left.sum(1, keepdim=True)
-        # mass 0 means r was all on x: a rejection of probability 0 (rounding); keep r then.
-        r[rej] = torch.where(mass > 0, left / mass.clamp(min=1e-300), r[rej])
-        excluded[rej, x[rej]] = True
 
 
 def _shared_coins(n: int, count: int, generator: torch.Generator | None) -> torch.Tensor:  # [n, count] in (0, 1]
@@ -307,9 +307,3 @@ def _coins(seeds: Sequence[int | None], steps: Sequence[int], stream: int, count
             g = request_generator(s + stream, steps[i], device)
             u[i] = torch.rand(count, dtype=torch.float64, device=device, generator=g).cpu()
     return 1.0 - u
-
-
-def _draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # probs [n, V], u [n] in (0, 1] -> [n]
-    """Inverse-CDF draws: the first token whose cumulative mass reaches u * total."""
-    cdf = probs.cumsum(dim=-1)
-    return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp_(max=probs.shape[-1] - 1)
