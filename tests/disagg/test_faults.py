@@ -400,6 +400,7 @@ def _live_disagg_server(router_factory: Callable) -> Iterator[tuple[object, str]
         thread.join(60)
 
 
+@pytest.mark.slow
 def test_killed_prefill_worker_degrades_to_local_prefill_then_restarts(local_ray, smollm_llm):
     """SIGKILL the prefill worker with prompts in it: every request is still served, /health says
     'degraded' while the decode worker prefills for itself, then 'ok' once a fresh worker is up."""

@@ -7,6 +7,7 @@ import pytest
 from specserve import SamplingParams
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # a second Ray node on 2 cores: about 40 s
 
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402

@@ -295,6 +295,7 @@ def test_engine_loads_layer_by_layer_exactly_and_recovers_from_a_block_failing_m
     third.engine.close()
 
 
+@pytest.mark.slow
 def test_engine_without_layer_wise_loads_is_exact_too(smollm_checkpoint, tmp_path):
     """The float path (module by module) and loads verified whole before the forward give the same tokens."""
     ref = _outputs(_engine(smollm_checkpoint, dtype="float32", quantization="none", enable_prefix_caching=False))

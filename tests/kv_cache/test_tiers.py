@@ -356,6 +356,7 @@ def test_kill_9_while_writing_blocks_never_serves_a_corrupt_block(smollm_checkpo
     llm.engine.close()
 
 
+@pytest.mark.slow
 def test_served_tiers_export_metrics_and_flush_the_disk_at_shutdown(smollm_checkpoint, reference, tmp_path):
     import httpx
 

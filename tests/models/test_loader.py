@@ -74,7 +74,8 @@ def _assert_weights_match(
 # --- real GGUF files vs HF's GGUF loader ------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
+@pytest.fixture(scope="module", params=["smollm2-135m-instruct",
+                                        pytest.param("qwen2.5-coder-0.5b-instruct", marks=pytest.mark.slow)])
 def gguf_pair(request):
     """(our checkpoint, HF's model loaded from the same GGUF) — each loaded once per module."""
     path = _bundled_or_skip(request.param)

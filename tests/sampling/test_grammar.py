@@ -174,10 +174,11 @@ def as_tree(kind: SiblingDraw, tokens: tuple[int, ...], p: torch.Tensor, root: i
     return DraftTree(tokens, PARENTS, kind, dists, tuple(i // WIDTH for i in range(len(PARENTS))))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind,temperature,top_k", [
-    (SiblingDraw.DETERMINISTIC, 1.0, 0), (SiblingDraw.IID, 0.8, 0), (SiblingDraw.WITHOUT_REPLACEMENT, 1.2, 5),
-], ids=["deterministic", "iid-T0.8", "without-replacement-T1.2-k5"])
+    pytest.param(SiblingDraw.DETERMINISTIC, 1.0, 0, id="deterministic"),
+    pytest.param(SiblingDraw.IID, 0.8, 0, id="iid-T0.8", marks=pytest.mark.slow),
+    pytest.param(SiblingDraw.WITHOUT_REPLACEMENT, 1.2, 5, id="without-replacement-T1.2-k5", marks=pytest.mark.slow),
+])
 def test_constrained_tree_speculation_emits_constrained_target(compiler, kind, temperature, top_k) -> None:
     g = torch.Generator().manual_seed(5)
     q_logits = torch.randn(3, V, V, generator=g) * 1.5  # [depth, last token, next]

@@ -107,16 +107,20 @@ CASES = [  # (kind, width, depth, temperature, top_k, top_p)
         [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 4, 0.9), (0.8, 0, 1.0), (1.2, 6, 1.0), (1.0, 0, 0.7), (0.5, 3, 1.0)],
     )
 ]
-# CI runs the widest and deepest shape of each kind at 10^6 draws (about a minute each);
-# SPECSERVE_TREE_FULL=1 runs all 24 (3 kinds x 8 shapes: widths 1-4, depths 1-4).
+# The slow tier runs the widest and deepest shape of each kind at 10^6 draws (about a minute
+# each), the quick tier the same shapes at 2 * 10^5; SPECSERVE_TREE_FULL=1 runs all 24 at 10^6
+# (3 kinds x 8 shapes: widths 1-4, depths 1-4).
 FULL = os.environ.get("SPECSERVE_TREE_FULL") == "1"
-SELECTED = [c for c in CASES if FULL or (c[1], c[2]) == (4, 4)]
+SELECTED = [
+    pytest.param(*c, draws, id=f"{c[0].value}-w{c[1]}-d{c[2]}-T{c[3]}-k{c[4]}-p{c[5]}-n{draws}",
+                 marks=[pytest.mark.slow] if draws == DRAWS else [])
+    for c in CASES if FULL or (c[1], c[2]) == (4, 4)
+    for draws in ((DRAWS,) if FULL else (DRAWS, DRAWS // 5))
+]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind,width,depth,temperature,top_k,top_p", SELECTED,
-                         ids=[f"{c[0].value}-w{c[1]}-d{c[2]}-T{c[3]}-k{c[4]}-p{c[5]}" for c in SELECTED])
-def test_tree_verification_emits_the_target_distribution(kind, width, depth, temperature, top_k, top_p):
+@pytest.mark.parametrize("kind,width,depth,temperature,top_k,top_p,draws", SELECTED)
+def test_tree_verification_emits_the_target_distribution(kind, width, depth, temperature, top_k, top_p, draws):
     g = torch.Generator().manual_seed(1000 * width + depth)
     q_logits = torch.randn(depth + 1, V, V, generator=g) * 1.5  # [depth, last token, next]
     p_logits = q_logits + torch.randn(depth + 1, V, V, generator=g)  # a draft close to, not equal to, the target
@@ -132,7 +136,7 @@ def test_tree_verification_emits_the_target_distribution(kind, width, depth, tem
     # its passes over them took 40% of the test's time.
     gc.disable()
     try:
-        for _ in range(DRAWS // CHUNK):
+        for _ in range(max(1, draws // CHUNK)):
             trees, tokens = draft_trials(kind, parents, p, root, CHUNK, g)
             meta = SamplingMetadata.build([params] * CHUNK, [0] * CHUNK, torch.device("cpu"))
             results = verify_trees(target_rows(trees, tokens, q_logits, root), trees, meta, gen)

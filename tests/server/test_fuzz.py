@@ -179,7 +179,7 @@ def draft_server(tiny_tok_checkpoint):
         yield live
 
 
-@pytest.fixture(params=["ngram", "draft"])
+@pytest.fixture(params=["ngram", pytest.param("draft", marks=pytest.mark.slow)])
 def valid_server(request):
     return request.getfixturevalue("fuzz_server" if request.param == "ngram" else "draft_server")
 

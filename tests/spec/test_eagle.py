@@ -254,6 +254,7 @@ def test_held_out_conversations_share_no_ask_with_the_training_ones(tmp_path):
         assert not any(subject in f for _, f in tp | hp | tt | ht), subject
 
 
+@pytest.mark.slow
 def test_train_draft_end_to_end_on_smollm2_resumes_and_serves(smollm_path, tmp_path):
     """A tiny budget: features, a few steps, the card, the plot; a rerun with more epochs resumes
     from the checkpoint; the head serves with greedy output equal to plain decoding."""

@@ -290,8 +290,13 @@ def _assert_same_distribution(base, spec, vocab=12):
         assert p_pos > 1e-3, f"position {pos}: TV={tv:.4f}, permutation p={p_pos:.4f}"
 
 
-@pytest.mark.parametrize("which", ["draft-truncated", "ngram", "lookahead", "draft-restricted", "draft-pmin", "eagle",
-                                   "medusa", "mtp", "layerskip"])
+@pytest.mark.parametrize("which", [
+    # The quick tier keeps a model drafter (layer-skip); deterministic proposers' sampled tokens
+    # are tested there equal to plain sampling's (test_seeded_sampling_with_a_deterministic_...).
+    "layerskip", *(pytest.param(w, marks=pytest.mark.slow)
+                   for w in ("ngram", "draft-truncated", "lookahead", "draft-restricted", "draft-pmin", "eagle",
+                             "medusa", "mtp")),
+])
 def test_tiny_sampled_distribution_matches(which):
     """First 4 generated tokens with speculation vs without: same joint distribution.
 
@@ -424,6 +429,7 @@ def test_copied_drafts_leave_out_what_the_request_bans(tiny, which):
     assert not any(t in (ban, stop) for d in verified for t in d.token_ids)
 
 
+@pytest.mark.slow
 def test_logit_bias_sampled_distribution_matches_under_speculation():
     """With temperature, a biased request's first tokens have the same joint distribution with
     and without speculation (permutation test as above), and the bias moved them."""
@@ -607,6 +613,7 @@ def test_penalties_keep_greedy_speculation_exact(tiny, which):
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
 
 
+@pytest.mark.slow
 def test_penalties_sampled_distribution_matches_under_speculation():
     """With temperature and penalties that change along a draft's path, the first tokens' joint
     distribution is the same with and without speculation (permutation test as above)."""
@@ -628,6 +635,7 @@ def test_penalties_sampled_distribution_matches_under_speculation():
     _assert_same_distribution(base, spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["draft-truncated", "ngram"])
 def test_min_p_sampled_distribution_matches_under_speculation(which):
     """min_p truncates the target distribution drafts are verified against exactly as plain
@@ -700,6 +708,7 @@ def test_min_tokens_masks_stop_tokens_until_reached_and_greedy_speculation_stays
         SamplingParams(max_tokens=4, min_tokens=-1)
 
 
+@pytest.mark.slow
 def test_min_tokens_sampled_distribution_matches_under_speculation():
     """With temperature, a stop token that min_tokens masks for the first two positions: the
     outputs (their lengths included) have the same distribution with and without speculation."""
@@ -771,7 +780,8 @@ def smol_base(smollm_checkpoint):
     return prompts, llm.generate(prompts, _greedy(16))
 
 
-@pytest.mark.parametrize("which", ["ngram", "reference", "draft"])
+@pytest.mark.parametrize("which", ["ngram", pytest.param("reference", marks=pytest.mark.slow),
+                                   pytest.param("draft", marks=pytest.mark.slow)])
 def test_smollm2_greedy_spec_equals_plain(smollm_checkpoint, smol_base, which):
     prompts, base = smol_base
     kw = {}
@@ -790,7 +800,7 @@ def test_smollm2_greedy_spec_equals_plain(smollm_checkpoint, smol_base, which):
     assert llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("method", ["none", "ngram"])
+@pytest.mark.parametrize("method", [pytest.param("none", marks=pytest.mark.slow), "ngram"])
 def test_smollm2_min_tokens_holds_back_eos_and_stop_strings(smollm_checkpoint, method):
     """min_tokens on a real tokenizer: EOS is masked until then (a short chat answer runs on), and
     a stop string counts only where it ends after the text of the first min_tokens tokens, also
@@ -964,6 +974,7 @@ def test_bad_spec_config_errors():
         SpecConfig(method="ngram", num_spec_tokens=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_seeded_sampling_with_spec_is_reproducible(smollm_checkpoint, seed):
     llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, spec_method="draft",

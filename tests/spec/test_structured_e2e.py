@@ -57,7 +57,7 @@ def plain(smollm_checkpoint) -> LLM:
     return _llm(smollm_checkpoint)
 
 
-@pytest.mark.parametrize("method", ["ngram", "lookahead", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "lookahead", pytest.param("draft", marks=pytest.mark.slow)])
 def test_greedy_constrained_speculation_equals_constrained_plain(smollm_checkpoint, plain, method):
     prompts = [chat(plain, p) for p in PROMPTS]
     params = SamplingParams(max_tokens=96, temperature=0, structured_output=StructuredOutput.json(SCHEMA))
