@@ -160,9 +160,7 @@ def _sample_rows(
         coupled_row = is_draft_row & ~greedy_row & _expand(_one_hot_requests(batch, device), rows_per_req)
         if bool(coupled_row.any()):
             rows = coupled_row.nonzero().squeeze(1)
-            lo, total = mass_around(q[rows], flat_drafts[rows])
-            t = u_plain[rows] * total
-            sampled_accept[rows] = (t > lo) & (t <= lo + q_x[rows].double())
+            sampled_accept[rows] = _coupled_accept(q, rows, flat_drafts[rows], u_plain[rows], req_of_row[rows])
         accept = torch.where(greedy_row, accept, sampled_accept)
 
     # A request stops at its first rejected draft row, or at its bonus row if none is rejected;
@@ -212,6 +210,30 @@ def _sample_rows(
             logprobs.append(lp[at : at + a + 1])
             at += a + 1
     return SpecResult(out_tokens, num_acc, logprobs)
+
+
+def _coupled_accept(
+    q: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, u: torch.Tensor, req: torch.Tensor
+) -> torch.Tensor:  # [len(rows)] bool
+    """Whether the plain draw (uniform u) of each one-hot draft row of q is its draft x. A few
+    rows (a chain or two) are tested in order and a request's rows after its first miss are
+    skipped (never emitted; each row costs a pass over the vocabulary); many rows at once."""
+    if rows.numel() > 64:
+        lo, total = mass_around(q[rows], x)
+        t = u * total
+        return (t > lo) & (t <= lo + q[rows, x].double())
+    out = torch.zeros(rows.numel(), dtype=torch.bool, device=q.device)
+    missed: set[int] = set()
+    for i, (r, rq) in enumerate(zip(rows.tolist(), req.tolist())):
+        if rq in missed:
+            continue
+        lo, total = mass_around(q[r : r + 1], x[i : i + 1])
+        t = u[i] * total[0]
+        hit = bool(t > lo[0]) and bool(t <= lo[0] + q[r, x[i]].double())
+        out[i] = hit
+        if not hit:
+            missed.add(rq)
+    return out
 
 
 def _one_hot_requests(batch: SpecBatch, device: torch.device) -> torch.Tensor:  # [n_req] bool
