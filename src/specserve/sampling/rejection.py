@@ -155,11 +155,13 @@ def _sample_rows(
         u = _uniforms(meta, req_of_row, pos_of_row, device, generator)
         # Accept with probability min(1, q/p): u * p <= q avoids dividing by p.
         sampled_accept = (u * p_x.double() <= q_x.double()) & (p_x > 0) & is_draft_row
-        # One-hot drafts: keep x where the plain sampler's draw at that position is x.
-        u_plain = _uniforms(meta, req_of_row, pos_of_row, device, generator, stream=0)
+        # One-hot drafts: keep x where the plain sampler's draw at that position is x. The plain
+        # uniforms are drawn for these rows and (below) for the other stop rows only.
+        u_plain = torch.empty(total_rows, dtype=torch.float64, device=device)
         coupled_row = is_draft_row & ~greedy_row & _expand(_one_hot_requests(batch, device), rows_per_req)
         if bool(coupled_row.any()):
             rows = coupled_row.nonzero().squeeze(1)
+            u_plain[rows] = _uniforms(meta, req_of_row[rows], pos_of_row[rows], device, generator, stream=0)
             sampled_accept[rows] = _coupled_accept(q, rows, flat_drafts[rows], u_plain[rows], req_of_row[rows])
         accept = torch.where(greedy_row, accept, sampled_accept)
 
@@ -177,6 +179,10 @@ def _sample_rows(
         qs = q[at_stop]
         # Bonus (and K=0) rows and one-hot rejections: the plain sampler's draw for that output
         # position, so a request that does not speculate samples exactly as it would without.
+        # A one-hot rejection reuses the uniform its test used (unseeded, a new one would not do).
+        fresh = at_stop[~coupled_row[at_stop]]
+        if fresh.numel():
+            u_plain[fresh] = _uniforms(meta, req_of_row[fresh], pos_of_row[fresh], device, generator, stream=0)
         plain = inverse_cdf(qs, u_plain[at_stop])
         recover = is_draft_row[at_stop] & ~coupled_row[at_stop]
         drawn = plain

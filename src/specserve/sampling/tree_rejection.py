@@ -207,6 +207,14 @@ def _walk_sampled(
     emitted = torch.full((b, levels), -1, dtype=torch.long)  # token emitted at each depth
     trail = torch.full((b, levels), -1, dtype=torch.long)  # node accepted at each depth
     ar = torch.arange(b)
+
+    def level_coins(walkers: torch.Tensor, stream: int, count: int) -> torch.Tensor:  # [len(walkers), count]
+        """Uniforms of `stream` at this level for the walks `walkers` (indices of requests)."""
+        if not seeded:
+            return _shared_coins(walkers.numel(), count, generator)
+        ws = walkers.tolist()
+        return _coins([seeds[i] for i in ws], [steps0[i] + depth for i in ws], stream, count, generator)
+
     for depth in range(levels):
         act = (~done).nonzero().squeeze(1)
         if act.numel() == 0:
@@ -226,17 +234,14 @@ def _walk_sampled(
         plain = torch.full((na,), -1, dtype=torch.long)
         if bool(plain_rows.any()):
             sel = plain_rows.nonzero().squeeze(1)
-            u = (_coins([seeds[i] for i in act[sel].tolist()], [steps0[i] + depth for i in act[sel].tolist()], 0, 1,
-                        generator) if seeded else _shared_coins(sel.numel(), 1, generator))[:, 0]
-            plain[sel] = inverse_cdf(q[sel], u)
+            plain[sel] = inverse_cdf(q[sel], level_coins(act[sel], 0, 1)[:, 0])
         kid_tokens = tab.tokens[which[:, None], kids.clamp(min=0)]  # [na, W]
         match = (kids >= 0) & (kid_tokens == plain[:, None]) & plain_rows[:, None]
         accepted = torch.where(match.any(1), kids.gather(1, match.int().argmax(1, keepdim=True)).squeeze(1), -1)
         tested = has_kids & ~plain_rows  # children drawn from a distribution: the sequential test
-        r = q.clone()  # what is left of the target distribution
         if bool(tested.any()):
-            coins = (_coins([seeds[i] for i in act.tolist()], [steps0[i] + depth for i in act.tolist()], STREAM_ACCEPT,
-                            kids.shape[1], generator) if seeded else _shared_coins(na, kids.shape[1], generator))
+            r = q.clone()  # what is left of the target distribution
+            coins = level_coins(act, STREAM_ACCEPT, kids.shape[1])
             excluded = torch.zeros(na, vocab, dtype=torch.bool)
             rows = ar[:na]
             for j in range(kids.shape[1]):
@@ -266,10 +271,8 @@ def _walk_sampled(
         recover = stop & tested  # every sampled child rejected: draw from what is left of q
         if bool(recover.any()):
             sel = recover.nonzero().squeeze(1)
-            u = (_coins([seeds[i] for i in act[sel].tolist()], [steps0[i] + depth for i in act[sel].tolist()],
-                        STREAM_RECOVER, 1, generator) if seeded else _shared_coins(sel.numel(), 1, generator))[:, 0]
             drawn = plain.clone()
-            drawn[sel] = inverse_cdf(r[sel], u)
+            drawn[sel] = inverse_cdf(r[sel], level_coins(act[sel], STREAM_RECOVER, 1)[:, 0])
         emitted[act, depth] = torch.where(stop, drawn, tab.tokens[which, accepted.clamp(min=0)])
         node[act] = torch.where(stop, node[act], accepted)
         done[act[stop]] = True
