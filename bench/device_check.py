@@ -6,7 +6,11 @@ One prepared run for a lent GPU (it also runs on the CPU, which is how it is che
           alone, for n-gram (chain and tree, float and int8 KV), lookahead, a draft model,
           layerskip and EAGLE / MTP / Medusa heads (random ones on the tiny model), and with a real
           model the reference proposer and a trained EAGLE head; the KV pool is whole afterwards.
-          On a tiny random model (built here, no download) and, when given, a real one.
+          On a tiny random model (built here, no download) and, when given, a real one. Seeded
+          sampled runs with a deterministic proposer emit plain decoding's tokens.
+  sampling the verifiers on the device's tensors and generator: chain rejection sampling is
+          exact (chi-square, 10^6 draws, drafts from p and one-hot), and one-hot chains and trees
+          are coupled to the plain sampler's draws for a seed.
   speed   the device's default dtype. Plain decode tokens/s at batch 1..64, prompt tokens/s,
           and batch-1 speculation against plain (real model only): the speedups over our own
           plain path on this device.
@@ -26,6 +30,7 @@ import gc
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +81,8 @@ SHOW = (
     "speedup",
     "mean_accepted",
     "prompt_tokens_per_s",
+    "p_first",
+    "p_bonus",
 )
 
 
@@ -222,15 +229,29 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
             rcases["real eagle chain"] = dict(
                 spec_method="eagle", draft_model=args.eagle, spec_tree="chain"
             )
+        # Seeded sampling: a deterministic proposer's drafts are coupled to the plain draw, so
+        # the text equals plain decoding's with the same seeds (a real vocabulary's sums).
+        sparams = [
+            replace(p, temperature=0.7, top_p=0.95, seed=100 + i) for i, p in enumerate(rparams)
+        ]
+        sbase = [
+            o.token_ids
+            for o in LLM(args.model, spec_method="none", **rkw).generate(
+                rprompts, sparams, use_tqdm=False
+            )
+        ]
+        for method in ("ngram", "reference", "lookahead"):
+            rcases[f"real seeded sampled {method} == plain"] = dict(spec_method=method)
         for name, extra in rcases.items():
+            seeded = name.startswith("real seeded")
             run_case(
                 results,
                 name,
-                lambda extra=extra: compare_exact(
+                lambda extra=extra, seeded=seeded: compare_exact(
                     lambda: LLM(args.model, spec_policy="always", **rkw, **extra),
-                    rbase,
+                    sbase if seeded else rbase,
                     rprompts,
-                    rparams,
+                    sparams if seeded else rparams,
                 ),
             )
     return results
@@ -328,6 +349,142 @@ def _features_exact(kw: dict, prompts: list, draft: Any) -> list[dict]:
         ),
     }.items():
         run_case(results, name, lambda extra=extra: sampled(extra))
+
+    # A deterministic proposer's drafts are coupled to the plain draw: a seeded sampled request
+    # emits the tokens plain decoding emits with the same seed, whatever was drafted.
+    seeded = [
+        SamplingParams(max_tokens=24, temperature=0.5, top_p=0.95, top_k=40 if i % 2 else 0,
+                       seed=300 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    plain = LLM("tiny", spec_method="none", enforce_eager=True, **kw).generate(
+        prompts, seeded, use_tqdm=False
+    )
+    # Every other request gets its own future as the reference text (the rest their prompt).
+    with_ref = [
+        replace(p, reference_token_ids=list(pr) + (list(o.token_ids) if i % 2 else []))
+        for i, (p, pr, o) in enumerate(zip(seeded, prompts, plain))
+    ]
+    for name, extra, params in (
+        ("tiny seeded sampled ngram tree == plain", dict(spec_method="ngram", spec_tree="auto"), seeded),
+        ("tiny seeded sampled ngram chain == plain", dict(spec_method="ngram", spec_tree="chain"), seeded),
+        ("tiny seeded sampled lookahead == plain", dict(spec_method="lookahead"), seeded),
+        ("tiny seeded sampled reference tree == plain", dict(spec_method="reference"), with_ref),
+    ):
+        run_case(
+            results,
+            name,
+            lambda extra=extra, params=params: compare_exact(
+                lambda: LLM("tiny", spec_policy="always", num_spec_tokens=6, **kw, **extra),
+                [o.token_ids for o in plain],
+                prompts,
+                params,
+            ),
+        )
+    return results
+
+
+def section_sampling(args: argparse.Namespace) -> list[dict]:
+    """The verifiers on the device's tensors and generator: chain rejection sampling emits the
+    target's distribution (chi-square over 10^6 draws, drafts sampled from p and one-hot), and
+    one-hot drafts (chains and trees) are coupled to the plain sampler: for a seed, the emitted
+    tokens are a prefix of what plain sampling draws, whatever the drafts."""
+    from scipy.stats import chisquare
+
+    from specserve.sampling.rejection import SpecBatch, rejection_sample
+    from specserve.sampling.sampler import SamplingMetadata, logits_to_probs, sample_from_probs
+    from specserve.sampling.tree_rejection import verify_trees
+    from specserve.spec.tree import DraftTree
+
+    dev = torch.device(args.device)
+    vocab, chunk, draws = 50, 100_000, args.draws
+    results: list[dict] = []
+    log(f"sampling: the verifiers on {dev}, {draws:,} draws per distribution case")
+
+    def probs_of(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        meta = SamplingMetadata.build([params] * logits.shape[0], [0] * logits.shape[0], dev)
+        return logits_to_probs(logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p)
+
+    def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+        counts, probs = counts.double().cpu(), probs.double().cpu()
+        zero = probs == 0
+        expected = probs[~zero] / probs[~zero].sum() * counts.sum()
+        return float(chisquare(counts[~zero].numpy(), expected.numpy()).pvalue), int(counts[zero].sum())
+
+    def distribution(params: SamplingParams, k: int, one_hot: bool) -> dict:
+        g = torch.Generator(device=dev).manual_seed(11)
+        target = torch.randn(k + 1, vocab, device=dev, generator=g) * 2.0
+        q = probs_of(target, params)
+        p = probs_of(target[:k] + torch.randn(k, vocab, device=dev, generator=g) * 1.5, params)
+        first = torch.zeros(vocab, dtype=torch.long, device=dev)
+        bonus = torch.zeros(vocab, dtype=torch.long, device=dev)
+        accepted = 0
+        for _ in range(draws // chunk):
+            if one_hot:
+                drafts = p.argmax(-1).repeat(chunk, 1)
+            else:
+                drafts = torch.stack([torch.multinomial(p[j], chunk, True, generator=g) for j in range(k)], 1)
+            meta = SamplingMetadata.build([params] * chunk, [0] * chunk, dev)
+            batch = SpecBatch([k] * chunk, drafts.tolist(), [None] * chunk, meta,
+                              None if one_hot else p.repeat(chunk, 1))
+            res = rejection_sample(target.repeat(chunk, 1), batch, g)
+            first += torch.bincount(torch.tensor([t[0] for t in res.token_ids], device=dev), minlength=vocab)
+            last = [t[-1] for t, a in zip(res.token_ids, res.num_accepted) if a == k]
+            if last:
+                bonus += torch.bincount(torch.tensor(last, device=dev), minlength=vocab)
+            accepted += sum(res.num_accepted)
+        p_first, bad_first = chi2(first, q[0])
+        p_bonus, bad_bonus = chi2(bonus, q[k]) if bonus.sum() > 1000 else (1.0, 0)
+        return {
+            "p_first": p_first, "p_bonus": p_bonus, "bonus_draws": int(bonus.sum()),
+            "mean_accepted": round(accepted / draws, 3),
+            "ok": p_first > 1e-3 and p_bonus > 1e-3 and bad_first + bad_bonus == 0,
+        }
+
+    def coupled(tree: bool) -> dict:
+        """For 64 seeds: plain sampling's first four draws on the device, then drafts that are
+        that text, random tokens, or a prefix with a wrong tail; the verifier's tokens must be a
+        prefix of the plain draws."""
+        g = torch.Generator(device=dev).manual_seed(9)
+        table = torch.randn(vocab, vocab, device=dev, generator=g) * 1.5  # next-token logits by last token
+        matched = of = 0
+        for seed in range(64):
+            params = SamplingParams(temperature=0.8, top_k=6 if seed % 2 else 0, top_p=0.9, seed=seed)
+            probs = probs_of(table, params)
+            want, last = [], 0
+            for step in range(3, 7):
+                last = int(sample_from_probs(probs[last : last + 1], [seed], [step], None)[0])
+                want.append(last)
+            meta = SamplingMetadata.build([params], [3], dev)
+            rand = [int(t) for t in torch.randint(0, vocab, (3,), device=dev, generator=g)]
+            for drafts in (want[:3], rand, want[:1] + [want[0]], []):
+                logits = table[[0] + drafts]
+                if tree:  # the drafts as the first branch, a random sibling beside each node
+                    toks = [t for d in drafts for t in (d, (d + 1 + seed % (vocab - 1)) % vocab)]
+                    parents = [-1 if j < 2 else 2 * (j // 2 - 1) for j in range(len(toks))]
+                    logits = table[[0] + toks]
+                    (r,) = verify_trees(logits, [DraftTree(tuple(toks), tuple(parents))], meta, g)
+                    got = r.token_ids
+                else:
+                    got = rejection_sample(logits, SpecBatch([len(drafts)], [drafts], [None], meta), g).token_ids[0]
+                of += 1
+                matched += got == want[: len(got)]
+        return {"matched": matched, "of": of, "ok": matched == of}
+
+    cases = {
+        "sampling chain K3 T1.0 drafts from p": lambda: distribution(SamplingParams(temperature=1.0), 3, False),
+        "sampling chain K3 T0.8 top-p 0.7 drafts from p": lambda: distribution(
+            SamplingParams(temperature=0.8, top_p=0.7), 3, False
+        ),
+        "sampling chain K3 T1.0 one-hot": lambda: distribution(SamplingParams(temperature=1.0), 3, True),
+        "sampling chain K3 top-k 20 top-p 0.9 one-hot": lambda: distribution(
+            SamplingParams(temperature=1.0, top_k=20, top_p=0.9), 3, True
+        ),
+        "sampling one-hot chain coupled to plain draws": lambda: coupled(tree=False),
+        "sampling one-hot tree coupled to plain draws": lambda: coupled(tree=True),
+    }
+    for name, fn in cases.items():
+        run_case(results, name, fn)
     return results
 
 
@@ -576,7 +733,7 @@ def plot(payload: dict, path: Path) -> None:
         axes[1].set_yticks(range(len(spec)), names, fontsize=7)
         axes[1].axvline(1.0, color="k", lw=0.8)
         axes[1].set_xlabel("speedup over own plain, batch 1 greedy")
-    exact = payload["exact"]
+    exact = payload["exact"] + payload["sampling"]
     ok = sum(r["ok"] for r in exact)
     m = payload["machine"]
     fig.suptitle(
@@ -597,7 +754,10 @@ def main() -> int:
         "--model", default=None, help="a bundled name or a model path (omit: the tiny model only)"
     )
     ap.add_argument("--eagle", default=None, help="an EAGLE head trained for --model")
-    ap.add_argument("--sections", nargs="+", default=["exact", "speed"], choices=["exact", "speed"])
+    ap.add_argument(
+        "--sections", nargs="+", default=["exact", "sampling", "speed"], choices=["exact", "sampling", "speed"]
+    )
+    ap.add_argument("--draws", type=int, default=1_000_000, help="draws per distribution case (sampling)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--kv-cache-gib", type=float, default=4.0)
@@ -629,6 +789,7 @@ def main() -> int:
         "eagle": args.eagle,
         "machine": machine_info(),
         "exact": [],
+        "sampling": [],
         "speed": [],
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -645,6 +806,9 @@ def main() -> int:
     if "exact" in args.sections:
         payload["exact"] = section_exact(args, real, real_prompts)
         save()
+    if "sampling" in args.sections:
+        payload["sampling"] = section_sampling(args)
+        save()
     if "speed" in args.sections and real is not None:
         section_speed(args, real, real_prompts, payload["speed"], save)
     save()
@@ -652,7 +816,7 @@ def main() -> int:
         plot(payload, args.out / f"{name}.png")
     except Exception as e:  # noqa: BLE001 - a missing plot never loses the figures
         log(f"plot failed: {e}")
-    failed = [r["case"] for r in payload["exact"] + payload["speed"] if not r["ok"]]
+    failed = [r["case"] for r in payload["exact"] + payload["sampling"] + payload["speed"] if not r["ok"]]
     log(f"wrote {args.out / name}.json; failed cases: {failed or 'none'}")
     return 1 if failed else 0
 
