@@ -73,3 +73,33 @@ def test_step_buckets(target):
     assert graphs.key(meta([1] * 31 + [60], [100] * 32)) is None  # mostly padding: eager
     llm.engine.runner.model.model.layer_hooks = object()  # a connector moving KV layer by layer: eager
     assert graphs.key(meta([1], [10])) is None
+
+
+def test_a_step_that_builds_its_graph_does_not_teach_the_policy_its_cost(target, monkeypatch):
+    """Capturing a bucket's graph takes 30-40x a replay of it on a GPU. The speculation policy
+    learns T(n) from step times: a capture step's time must not land there (it said a 23-token
+    step cost 140 ms where it costs 4.4). Here building a bucket sleeps as a capture would."""
+    import time
+
+    build = StepGraphs._build
+
+    def slow_build(self, key):  # noqa: ANN001, ANN202
+        time.sleep(0.25)
+        return build(self, key)
+
+    monkeypatch.setattr(StepGraphs, "_build", slow_build)
+    llm = LLM("tiny", dtype="float32", checkpoint=target, spec_method="ngram", spec_tree="auto",
+              profile_spec_costs=False)
+    graphs = _padded(llm)
+    prompts = repetitive_prompts(6)
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(prompts)
+    seen: list[tuple[int, float]] = []
+    timer = llm.engine.policy.target_time
+    observe = timer.observe
+    monkeypatch.setattr(timer, "observe", lambda n, s: (seen.append((n, s)), observe(n, s)))
+    for p, sp in zip(prompts, params):
+        llm.generate([p], [sp], use_tqdm=False)
+    assert graphs.num_graphs >= 2  # buckets were built, some steps during the run
+    assert seen and max(s for _, s in seen) < 0.2, "a step that built a graph taught the policy its time"
+    assert all(v < 0.2 for v in timer.points.values())
+    assert llm.engine.num_steps > len(seen)  # the build steps were left out, the rest observed

@@ -84,6 +84,9 @@ class StepGraphs:
         self._graphs: dict[GraphKey, _Graph] = {}
         self._failed: set[GraphKey] = set()
         self.num_replays = 0
+        # The last step built its bucket (warm-up runs and the capture: tens to hundreds of ms on
+        # a GPU). Its time says nothing about what the shape costs from then on.
+        self.built_in_step = False
 
     @property
     def num_graphs(self) -> int:
@@ -110,11 +113,13 @@ class StepGraphs:
                 meta: AttentionMetadata) -> torch.Tensor | None:  # [num_tokens, hidden] or None
         """The model's hidden states of the step's tokens (and its kept streams in
         `model.model.captured`) through the step's graph; None when the step runs eagerly."""
+        self.built_in_step = False
         key = self.key(meta)
         if key is None:
             return None
         g = self._graphs.get(key)
         if g is None:
+            self.built_in_step = True
             g = self._build(key)
             if g is None:
                 return None

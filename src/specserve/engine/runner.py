@@ -241,6 +241,7 @@ class ModelRunner:
         self.forward_time_s = 0.0
         self.grammar_time_s = 0.0  # structured output: building and applying the masks
         self.last_forward_time_s = 0.0
+        self.last_forward_built_graph = False
         if self.native_ops:
             from specserve.kernels import tune_prefetch, tune_wide_passes
 
@@ -364,6 +365,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # honest step times for the cost model
         self.last_forward_time_s = time.perf_counter() - t0
+        # A step that captured a CUDA graph first: its time is not the shape's cost.
+        self.last_forward_built_graph = self.step_graphs is not None and self.step_graphs.built_in_step
         self.forward_time_s += self.last_forward_time_s
         self.num_steps += 1
         return logits
