@@ -103,3 +103,26 @@ def test_a_step_that_builds_its_graph_does_not_teach_the_policy_its_cost(target,
     assert seen and max(s for _, s in seen) < 0.2, "a step that built a graph taught the policy its time"
     assert all(v < 0.2 for v in timer.points.values())
     assert llm.engine.num_steps > len(seen)  # the build steps were left out, the rest observed
+
+
+def test_eager_prompt_steps_beside_graphs_do_not_teach_the_policy_their_cost(target, monkeypatch):
+    """With graphs on, a prompt chunk too long for a bucket runs eagerly, several times dearer
+    than as many decode and verify rows replayed (22 ms for a 113-token SmolLM2 prompt on an H200
+    against 5 for 136 decode rows): the policy's T(n) learns decode and verify steps only. Without
+    graphs every step is learned, as before."""
+    prompts = [p * 8 for p in repetitive_prompts(3)]  # 100+ tokens: past the largest bucket
+    assert min(len(p) for p in prompts) > 64
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * len(prompts)
+    for graphs_on in (True, False):
+        llm = LLM("tiny", dtype="float32", checkpoint=target, spec_method="ngram", profile_spec_costs=False)
+        if graphs_on:
+            _padded(llm)
+        seen: list[int] = []
+        timer = llm.engine.policy.target_time
+        observe = timer.observe
+        monkeypatch.setattr(timer, "observe", lambda n, s, seen=seen, observe=observe: (seen.append(n), observe(n, s)))
+        for p, sp in zip(prompts, params):
+            llm.generate([p], [sp], use_tqdm=False)
+        prompt_steps = [n for n in seen if n > 64]
+        assert seen, "no step was learned at all"
+        assert bool(prompt_steps) is not graphs_on, (graphs_on, seen)

@@ -714,10 +714,7 @@ class LLMEngine:
 
     def _account_step(self, sched_out: SchedulerOutput, sampled: dict[str, SampledTokens]) -> None:
         t = self.runner.last_forward_time_s
-        # A step that captured a CUDA graph took 30-40x a replay of it (SmolLM2-shaped model on an
-        # H200: 140-150 ms against 4.4 for a 23-token prompt's first step): kept, it taught the
-        # policy that n tokens cost that much for as long as the point lasted.
-        if not self.runner.last_forward_built_graph:
+        if self._teaches_step_cost(sched_out):
             self.policy.target_time.observe(sched_out.num_batched_tokens, t)
         spec = False
         for sr in sched_out.scheduled:
@@ -739,6 +736,20 @@ class LLMEngine:
                 self.drafted_per_position[j] += 1
                 self.accepted_per_position[j] += int(j < st.num_accepted_tokens)
         self.spec_counters["verify_time_s" if spec else "decode_time_s"] += t
+
+    def _teaches_step_cost(self, sched_out: SchedulerOutput) -> bool:
+        """Whether the step's forward time is what the policy's T(n) should learn for n tokens.
+
+        Not a step that captured a CUDA graph: it took 30-40x a replay (SmolLM2-shaped model on an
+        H200: 126-150 ms against 4.4 for the first step of a 23-token prompt), and the point
+        stayed in the curve trees are pruned on. Nor, with graphs on, a step that carried a prompt
+        chunk and ran eagerly: SmolLM2's 113-154-token prompts took 22-23 ms where 136 decode rows
+        replayed take 5, so batched verifies looked 4-5x dearer than they are. Decode and verify
+        steps, the shapes the policy prices, are always learned."""
+        runner = self.runner
+        if runner.last_forward_built_graph:
+            return False
+        return not runner.last_forward_eager or all(sr.num_new_tokens <= 1 for sr in sched_out.scheduled)
 
     def _propose_next(self) -> None:
         """Ask the policy for K per decoding request and the proposer for that many drafts."""

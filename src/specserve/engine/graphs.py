@@ -87,6 +87,7 @@ class StepGraphs:
         # The last step built its bucket (warm-up runs and the capture: tens to hundreds of ms on
         # a GPU). Its time says nothing about what the shape costs from then on.
         self.built_in_step = False
+        self.replayed_in_step = False  # the last step ran through a bucket (else eagerly)
 
     @property
     def num_graphs(self) -> int:
@@ -114,6 +115,7 @@ class StepGraphs:
         """The model's hidden states of the step's tokens (and its kept streams in
         `model.model.captured`) through the step's graph; None when the step runs eagerly."""
         self.built_in_step = False
+        self.replayed_in_step = False
         key = self.key(meta)
         if key is None:
             return None
@@ -129,6 +131,7 @@ class StepGraphs:
         else:
             g.hidden, g.captured = self._body(g)
         self.num_replays += 1
+        self.replayed_in_step = True
         assert g.hidden is not None
         self.model.model.captured = [c.index_select(0, rows) for c in g.captured]
         return g.hidden.index_select(0, rows)

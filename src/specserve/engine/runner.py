@@ -242,6 +242,7 @@ class ModelRunner:
         self.grammar_time_s = 0.0  # structured output: building and applying the masks
         self.last_forward_time_s = 0.0
         self.last_forward_built_graph = False
+        self.last_forward_eager = False  # graphs are on and the last step ran without one
         if self.native_ops:
             from specserve.kernels import tune_prefetch, tune_wide_passes
 
@@ -365,8 +366,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # honest step times for the cost model
         self.last_forward_time_s = time.perf_counter() - t0
-        # A step that captured a CUDA graph first: its time is not the shape's cost.
-        self.last_forward_built_graph = self.step_graphs is not None and self.step_graphs.built_in_step
+        # A step that captured a CUDA graph first: its time is not the shape's cost. With graphs
+        # on, a step that ran eagerly (a long prompt chunk) costs several times what the same
+        # number of decode and verify rows replayed costs.
+        graphs = self.step_graphs
+        self.last_forward_built_graph = graphs is not None and graphs.built_in_step
+        self.last_forward_eager = graphs is not None and not graphs.replayed_in_step
         self.forward_time_s += self.last_forward_time_s
         self.num_steps += 1
         return logits
