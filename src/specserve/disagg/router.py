@@ -525,9 +525,9 @@ class DisaggRouter:
             return True
         pre.pending_tokens += m
         job.prefill_worker = pre
+        budget = self.transfer_timeout_s + 0.05 * m
         try:
             ref = pre.actor.prefill.remote(internal, tokens[:m], desc, job.request.priority)
-            budget = self.transfer_timeout_s + 0.05 * m
             st = await asyncio.wait_for(asyncio.wrap_future(ref.future()), budget)
         except Exception as exc:  # noqa: BLE001 - dead, hung, or a failed transfer
             if isinstance(exc, ray.exceptions.RayActorError):
@@ -537,7 +537,9 @@ class DisaggRouter:
             else:
                 pre.num_failures += 1
                 bad_prefill.add(pre.name)
-                logger.warning("prefill of %s on %s failed: %s", internal, pre.name, exc)
+                why = (f"no answer within {budget:.1f} s" if isinstance(exc, TimeoutError)
+                       else f"{type(exc).__name__}: {exc}")  # a timeout's own message is empty
+                logger.warning("prefill of %s on %s failed: %s", internal, pre.name, why)
                 with contextlib.suppress(Exception):
                     pre.actor.abort.remote([internal])
             self._by_internal.pop(internal, None)
