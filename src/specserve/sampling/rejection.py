@@ -130,13 +130,11 @@ def _sample_rows(
     num_acc = torch.zeros(n_req, dtype=torch.long, device=device)
     last = torch.zeros(n_req, dtype=torch.long, device=device)  # the token emitted at the stop row
 
-    if meta.any_greedy and bool(meta.greedy.any()):
+    if meta.any_greedy:  # (an empty set of greedy rows passes through as empty tensors)
         # Greedy requests: keep drafts while they equal the target argmax; the argmax of the first
         # mismatching row (or of the bonus row) is emitted.
         g = meta.greedy.nonzero().squeeze(1)
-        n_rows = ks[g] + 1
-        local = torch.repeat_interleave(torch.arange(g.numel(), device=device), n_rows)
-        pos = torch.arange(int(n_rows.sum()), device=device) - (torch.cumsum(n_rows, 0) - n_rows)[local]
+        local, pos = _runs(ks[g] + 1)
         req = g[local]
         am = target_logits.index_select(0, starts[req] + pos).argmax(dim=-1)
         is_draft = pos < ks[req]
@@ -163,17 +161,14 @@ def _sample_rows(
     while live.numel():
         if j >= chunk_j0 + span:  # the next chunk of positions, for the requests still going
             span, chunk_j0 = max(1, 2 * span), j
-            n_rows = torch.clamp(ks[live] + 1 - j, max=span)
-            local = torch.repeat_interleave(torch.arange(live.numel(), device=device), n_rows)
-            row0 = torch.cumsum(n_rows, 0) - n_rows
+            local, pos = _runs(torch.clamp(ks[live] + 1 - j, max=span))
             req = live[local]
             chunk = logits_to_probs(
-                target_logits.index_select(0, starts[req] + j + torch.arange(local.numel(), device=device)
-                                           - row0[local]),
+                target_logits.index_select(0, starts[req] + j + pos),
                 meta.temperature[req], meta.top_k[req], meta.top_p[req], meta.any_top_k, meta.any_top_p,
                 meta.min_p[req], meta.any_min_p,
             )
-            chunk_row0[live] = row0
+            chunk_row0[live] = (pos == 0).nonzero().squeeze(1)  # each request's first row in the chunk
         q = chunk.index_select(0, chunk_row0[live] + (j - chunk_j0))  # [len(live), V] position j
         bonus = ks[live] == j
         coupled = one_hot[live] & ~bonus
@@ -228,9 +223,7 @@ def _sample_rows(
     out_tokens = [ids[:a] + [t] for ids, a, t in zip(batch.draft_token_ids, accepted, ends)]
     logprobs = None
     if meta.need_logprobs:
-        n_rows = num_acc + 1
-        local = torch.repeat_interleave(torch.arange(n_req, device=device), n_rows)
-        pos = torch.arange(int(n_rows.sum()), device=device) - (torch.cumsum(n_rows, 0) - n_rows)[local]
+        local, pos = _runs(num_acc + 1)
         emitted = torch.tensor([t for toks in out_tokens for t in toks], dtype=torch.long, device=device)
         lp = torch.log_softmax(target_logits.index_select(0, starts[local] + pos), dim=-1)
         flat = lp.gather(1, emitted[:, None]).squeeze(1).tolist()
@@ -239,6 +232,13 @@ def _sample_rows(
             logprobs.append(flat[at : at + len(toks)])
             at += len(toks)
     return SpecResult(out_tokens, accepted, logprobs)
+
+
+def _runs(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [sum(lengths)] each
+    """Consecutive runs of the given lengths: each element's run and its position in the run."""
+    local = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    pos = torch.arange(local.numel(), device=lengths.device) - (torch.cumsum(lengths, 0) - lengths)[local]
+    return local, pos
 
 
 def _coupled_accept(q: torch.Tensor, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [N] bool
