@@ -653,6 +653,29 @@ def test_fields_sent_at_their_defaults_are_accepted(edge):
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
 
 
+
+def test_declared_fields_sent_as_null_take_their_defaults(edge):
+    """OpenAI documents n, stream, echo and chat logprobs as nullable; clients that serialise every
+    field send null for what they leave unset. Null means the default; a required field stays required."""
+    nulls = {"n": None, "stream": None, "logprobs": None, "ignore_eos": None, "min_tokens": None,
+             "priority": None, "request_class": None, "add_generation_prompt": None}
+    r = _post(edge, "/v1/chat/completions", {**CHAT, **nulls})
+    assert r.status_code == 200, r.text
+    body = r.json()  # stream null: one JSON body, not an event stream
+    assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+    texts = []
+    for echo in (None, False):  # greedy: the same text, without the prompt echoed
+        r = _post(edge, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0, "echo": echo,
+                                            "n": None, "stream": None})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 1
+        texts.append(r.json()["choices"][0]["text"])
+    assert texts[0] == texts[1]
+    for path, body, param in (("/v1/chat/completions", {"messages": None}, "messages"),
+                              ("/v1/completions", {"prompt": None, "max_tokens": 2}, "prompt")):
+        r = _post(edge, path, body)
+        assert r.status_code == 400 and param in r.json()["error"]["param"], r.text
+
 # ---------------------------------------------------------------------- 6. draining
 def test_drain_answers_503_with_the_listener_open_and_ends_streams_properly(tiny_tok_checkpoint):
     llm = LLM(

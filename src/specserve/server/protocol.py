@@ -7,9 +7,10 @@ medium batch sizes), `reference_text` (for the reference proposer), and vLLM's `
 structured-output extras `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (OpenAI's
 `response_format` json_object / json_schema is standard).
 
-Nothing is silently ignored: a field this module does not declare is refused with a 400 that
-names it, unless it is null or one of the values below that ask for nothing (clients such as
-LangChain send some of them at their defaults):
+A declared field sent as null takes its default (`"stream": null` streams nothing; a required
+field such as `messages` is still refused). Nothing is silently ignored: a field this module
+does not declare is refused with a 400 that names it, unless it is null or one of the values
+below that ask for nothing (clients such as LangChain send some of them at their defaults):
 
 - both endpoints: `store` false, `metadata` {}, `service_tier` "auto" / "default", `tools` [],
   `tool_choice` "none", `parallel_tool_calls` true / false, `functions` [], `function_call`
@@ -94,10 +95,20 @@ def _same(value: Any, allowed: Any) -> bool:
 
 class _Body(BaseModel):
     """A request body or a part of one: an undeclared field is refused unless it is null or one of
-    the values its `NOOP_VALUES` entry lists (values that ask for nothing)."""
+    the values its `NOOP_VALUES` entry lists (values that ask for nothing). A declared optional
+    field sent as null takes its default: the OpenAI API documents `n`, `stream`, `echo` and chat
+    `logprobs` as nullable, and clients that serialise every field send them so."""
 
     model_config = ConfigDict(extra="allow")
     NOOP_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or all(v is not None for v in data.values()):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Body:
