@@ -123,6 +123,9 @@ def test_transfer_pipelining_model(compute_ms):
 def test_latency():
     assert calc.request_latency(0.2, 0.03, 100) == pytest.approx(0.2 + 99 * 0.03)
     assert calc.request_latency(0.2, 0.03, 1) == pytest.approx(0.2)
+    # `calc latency` takes milliseconds: a bad value is reported as given, under its flag's name
+    with pytest.raises(calc.CalcInputError, match=r"--ttft-ms and --tpot-ms must be >= 0 and finite, got inf and 0.02"):
+        calc.latency_report(math.inf, 0.02, 10)
 
 
 def test_roofline_ridge_balances_memory_and_compute():

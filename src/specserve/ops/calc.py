@@ -608,6 +608,8 @@ def transfer_report(
 
 def latency_report(ttft_ms: float, tpot_ms: float, num_tokens: int) -> Report:
     """`calc latency`: end-to-end latency of an N-token answer."""
+    if not (ttft_ms >= 0 and tpot_ms >= 0 and math.isfinite(ttft_ms + tpot_ms)):  # in the units asked for
+        raise CalcInputError(f"--ttft-ms and --tpot-ms must be >= 0 and finite, got {ttft_ms} and {tpot_ms}.")
     total = request_latency(ttft_ms / 1e3, tpot_ms / 1e3, num_tokens)
     return Report(
         "latency",
