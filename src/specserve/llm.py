@@ -167,13 +167,28 @@ class LLM:
         return results
 
     @staticmethod
-    def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str):
-            return [prompts]
+    def _as_prompt_list(prompts: Prompt | Sequence[Prompt] | dict | Sequence[dict]) -> list[Prompt]:
+        """Prompts as a list: a string, token ids, vLLM's {"prompt": text} / {"prompt_token_ids":
+        ids} dicts, or a list of any of these."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a string, token ids, a {{'prompt_token_ids': ids}} dict or a list of "
+                            f"these, got {type(prompts).__name__}.")
         seq = list(prompts)
-        if seq and all(isinstance(t, int) for t in seq):
+        if seq and all(isinstance(t, int) and not isinstance(t, bool) for t in seq):
             return [seq]  # a single prompt given as token ids
-        return seq
+        out: list[Prompt] = []
+        for i, p in enumerate(seq):
+            if isinstance(p, dict):
+                keys = set(p) & {"prompt", "prompt_token_ids"}
+                if len(keys) != 1:
+                    raise TypeError(f"prompt {i}: a dict prompt holds 'prompt' (text) or 'prompt_token_ids', got keys {sorted(p)}.")
+                p = p[keys.pop()]
+            if not isinstance(p, (str, Sequence)):
+                raise TypeError(f"prompt {i} must be a string or token ids, got {type(p).__name__}.")
+            out.append(p)
+        return out
 
     def chat(
         self, messages: list[dict[str, str]] | list[list[dict[str, str]]],

@@ -125,7 +125,7 @@ def structured_output_from_openai(
 class SamplingParams:
     """How to pick tokens and when to stop, for one request."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as fit (context window or KV cache), as vLLM
     # vLLM's: EOS and stop_token_ids are masked, and stop strings not matched, until this many
     # tokens were generated. At most max_tokens.
     min_tokens: int = 0
@@ -175,10 +175,11 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(msg)
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
-        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
-                or not 0 <= self.min_tokens <= self.max_tokens):
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
+            raise bad(f"max_tokens must be an integer >= 1 (or None: as many as fit), got {self.max_tokens!r}.")
+        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0
+                or (self.max_tokens is not None and self.min_tokens > self.max_tokens)):
             raise bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}.")
         if not _is_number(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
             raise bad(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}.")

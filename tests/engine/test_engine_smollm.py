@@ -144,6 +144,35 @@ def test_bad_requests_change_nothing(smollm_checkpoint):
     assert eng.kv_manager.num_free_blocks == free and eng.check_integrity()
 
 
+
+def test_max_tokens_none_generates_as_many_as_fit(smollm_checkpoint):
+    """vLLM's convention: max_tokens=None runs to the end of the request's room (here the
+    64-token context window), finish_reason 'length' there; a min_tokens beyond it is refused."""
+    llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, max_model_len=64)
+    prompt = list(range(1, 11))
+    out = llm.generate(prompt, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 64 - 10 and out.finish_reason == "length"
+    eos = llm.generate(prompt, SamplingParams(max_tokens=None, temperature=0))[0].outputs[0]
+    assert eos.token_ids == out.token_ids[: len(eos.token_ids)]  # the same greedy text, stopped at EOS if it came
+    with pytest.raises(RequestTooLongError, match=r"10 prompt \+ 60 max_tokens"):
+        llm.generate(prompt, SamplingParams(max_tokens=None, min_tokens=60))
+    eng = llm.engine
+    assert not eng.has_unfinished_requests() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+
+
+def test_prompt_forms_and_bad_prompt_types(smollm_llm: LLM):
+    """Text, token ids, and vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts give the same
+    tokens; anything else is a TypeError that says what a prompt may be (a dict was read as its keys)."""
+    ids = smollm_llm.tokenizer.encode("The capital of France is")
+    want = smollm_llm.generate("The capital of France is", _greedy(8))[0].token_ids
+    for form in (ids, {"prompt_token_ids": ids}, {"prompt": "The capital of France is"}, [{"prompt_token_ids": ids}]):
+        assert smollm_llm.generate(form, _greedy(8))[0].token_ids == want, form
+    for bad, named in ((None, "NoneType"), (5, "int"), ({"text": "hi"}, "'text'"), ([None], "prompt 0")):
+        with pytest.raises(TypeError, match=named):
+            smollm_llm.generate(bad, _greedy(8))
+    eng = smollm_llm.engine
+    assert not eng.has_unfinished_requests() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+
 def test_reference_text_is_tokenized_when_prepared(smollm_llm: LLM):
     """The reference proposer's text is tokenized by prepare_request (on the caller's thread:
     the server's tokenizer pool), never on the engine thread."""

@@ -130,12 +130,17 @@ class RequestPreparer:
 
         The whole request, prompt plus max_tokens, must fit in one request's room
         (max_request_tokens): one that cannot is refused here (RequestTooLongError) instead of
-        being preempted over and over and cut short with finish_reason 'length'. Callers that
-        size max_tokens themselves afterwards (the server, when a client leaves it out) pass
-        check_max_tokens=False."""
+        being preempted over and over and cut short with finish_reason 'length'. max_tokens None
+        (vLLM's convention) gives the request that whole room. Callers that size max_tokens
+        themselves afterwards (the server, when a client leaves it out) pass check_max_tokens=False."""
         params = params or SamplingParams()
         prompt_text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
+        if params.max_tokens is None:  # as many as fit: the request's whole room
+            room = self.max_request_tokens - len(token_ids)
+            if params.min_tokens > room:
+                raise self.too_long(len(token_ids), params.min_tokens)
+            params = replace(params, max_tokens=room)
         if check_max_tokens and len(token_ids) + params.max_tokens > self.max_request_tokens:
             raise self.too_long(len(token_ids), params.max_tokens)
         if params.stop and self.tokenizer is None:
