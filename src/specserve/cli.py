@@ -450,6 +450,35 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
+def _port(text: str) -> int:
+    """--port: a TCP port number."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port number is 0-65535, got {port}")
+    return port
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Refuse a host:port the server could not listen on, before the model loads. (Another
+    process may still take the port in between; the server's own bind then reports it.)"""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        raise ConfigError(f"--host {host!r} does not resolve: {e.strerror or e}.") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port or --host.") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the OpenAI-compatible server until SIGTERM/SIGINT (then drain and exit)."""
     import logging
@@ -465,6 +494,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     access = dict(api_key=api_key, protect_metrics=args.protect_metrics,
                   **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
     name = args.served_model_name or args.model
+    _check_listen(args.host, args.port)  # before the minutes a model may take to load
     if args.disagg:
         from specserve.disagg.launch import launch
         from specserve.server.metrics import DisaggMetrics
@@ -626,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: --model)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which clients get 429")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")

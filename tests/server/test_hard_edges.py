@@ -772,3 +772,21 @@ def test_protect_metrics_without_a_key_is_refused_before_loading(monkeypatch, ca
     monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
     assert main(["serve", "--model", "no-such-model", "--protect-metrics"]) == 1
     assert "--protect-metrics needs an API key" in capsys.readouterr().err
+
+
+def test_a_port_the_server_cannot_listen_on_is_refused_before_loading(monkeypatch, capsys):
+    """A port in use, out of range, or a host that does not resolve: refused at once (the model
+    named here does not exist, so reaching the load would give another error)."""
+    import socket
+
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", "no-such-model", "--port", str(port)]) == 1
+        assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert main(["serve", "--model", "no-such-model", "--host", "no.such.host.invalid"]) == 1
+    assert "does not resolve" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "m", "--port", "99999"])
