@@ -466,17 +466,21 @@ def _check_listen(host: str, port: int) -> None:
     process may still take the port in between; the server's own bind then reports it.)"""
     import socket
 
+    def why(e: OSError) -> str:  # "Address already in use" -> "address already in use", mid-sentence
+        text = str(e.strerror or e)
+        return text[:1].lower() + text[1:]
+
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as e:
-        raise ConfigError(f"--host {host!r} does not resolve: {e.strerror or e}.") from None
+        raise ConfigError(f"--host {host!r} does not resolve: {why(e)}.") from None
     family, kind, proto, _, addr = infos[0]
     with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
         try:
             sock.bind(addr)
         except OSError as e:
-            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port or --host.") from None
+            raise ConfigError(f"cannot listen on {host}:{port}: {why(e)}; pick another --port or --host.") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

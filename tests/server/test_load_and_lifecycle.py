@@ -144,15 +144,18 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
 
 def test_serve_exits_with_an_error_when_its_port_is_taken():
     """The engine steps in the main thread and uvicorn in another: when uvicorn cannot bind, the
-    main thread must not wait for an event loop that never starts."""
+    main thread must not wait for an event loop that never starts. `serve` checks the port before
+    loading the model; the port can still be taken between that check and uvicorn's bind, so the
+    check is skipped here to reach uvicorn's failure."""
     import socket
 
+    skip_check = "import sys, specserve.cli as c; c._check_listen = lambda host, port: None; sys.exit(c.main(sys.argv[1:]))"
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "specserve.cli", "serve", "--model", "smollm2-135m-instruct", "--port", str(port),
+            [sys.executable, "-c", skip_check, "serve", "--model", "smollm2-135m-instruct", "--port", str(port),
              "--dtype", "float32", "--log-level", "warning"],
             capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
