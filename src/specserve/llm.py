@@ -185,7 +185,7 @@ class LLM:
                 if len(keys) != 1:
                     raise TypeError(f"prompt {i}: a dict prompt holds 'prompt' (text) or 'prompt_token_ids', got keys {sorted(p)}.")
                 p = p[keys.pop()]
-            if not isinstance(p, (str, Sequence)):
+            if not isinstance(p, Sequence):  # text or token ids
                 raise TypeError(f"prompt {i} must be a string or token ids, got {type(p).__name__}.")
             out.append(p)
         return out

@@ -217,10 +217,14 @@ def transfer_time(
 
 
 # ---------------------------------------------------------------------- latency
+def _check_times(ttft: float, tpot: float, names: str = "TTFT and TPOT") -> None:
+    if not (ttft >= 0 and tpot >= 0 and math.isfinite(ttft + tpot)):
+        raise CalcInputError(f"{names} must be >= 0 and finite, got {ttft} and {tpot}.")
+
+
 def request_latency(ttft_s: float, tpot_s: float, num_tokens: int) -> float:
     """End-to-end latency of a request: TTFT + (N - 1) * TPOT."""
-    if not (ttft_s >= 0 and tpot_s >= 0 and math.isfinite(ttft_s + tpot_s)):
-        raise CalcInputError(f"TTFT and TPOT must be >= 0, got {ttft_s} and {tpot_s}.")
+    _check_times(ttft_s, tpot_s)
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
         raise CalcInputError(
             f"the number of output tokens must be a whole number >= 1, got {num_tokens!r}."
@@ -608,8 +612,7 @@ def transfer_report(
 
 def latency_report(ttft_ms: float, tpot_ms: float, num_tokens: int) -> Report:
     """`calc latency`: end-to-end latency of an N-token answer."""
-    if not (ttft_ms >= 0 and tpot_ms >= 0 and math.isfinite(ttft_ms + tpot_ms)):  # in the units asked for
-        raise CalcInputError(f"--ttft-ms and --tpot-ms must be >= 0 and finite, got {ttft_ms} and {tpot_ms}.")
+    _check_times(ttft_ms, tpot_ms, "--ttft-ms and --tpot-ms")  # in the units asked for
     total = request_latency(ttft_ms / 1e3, tpot_ms / 1e3, num_tokens)
     return Report(
         "latency",

@@ -144,6 +144,9 @@ def _sample_rows(
         num_acc[g] = first
         last[g] = am[pos == first[local]]
 
+    live = (~meta.greedy).nonzero().squeeze(1)  # sampled requests whose drafts so far were all kept
+    if not live.numel():  # greedy requests that asked for logprobs: nothing below to do
+        return _result(target_logits, batch, starts, num_acc, last)
     one_hot = torch.tensor(_one_hot_requests(batch), dtype=torch.bool, device=device)
     probs = _draft_prob_rows(batch)  # [sum K_i, V'] or None: row draft0[i] + j is request i's p_j
     vocab = target_logits.shape[-1]
@@ -155,7 +158,6 @@ def _sample_rows(
         rs = reqs.tolist()
         return uniforms([meta.seeds[r] for r in rs], [meta.steps[r] + j for r in rs], device, generator, stream)
 
-    live = (~meta.greedy).nonzero().squeeze(1)  # sampled requests whose drafts so far were all kept
     chunk, chunk_row0, chunk_j0, span = target_logits.new_empty(0), ks.new_zeros(n_req), 0, 0
     j = 0
     while live.numel():
@@ -219,12 +221,19 @@ def _sample_rows(
         live = live[keep]
         j += 1
 
+    return _result(target_logits, batch, starts, num_acc, last)
+
+
+def _result(target_logits: torch.Tensor, batch: SpecBatch, starts: torch.Tensor, num_acc: torch.Tensor,
+            last: torch.Tensor) -> SpecResult:
+    """Each request's kept drafts and the token of its stop row (num_acc, last: [n_req]), with
+    the emitted tokens' logprobs where asked (starts: each request's first logits row)."""
     accepted, ends = num_acc.tolist(), last.tolist()
     out_tokens = [ids[:a] + [t] for ids, a, t in zip(batch.draft_token_ids, accepted, ends)]
     logprobs = None
-    if meta.need_logprobs:
+    if batch.meta.need_logprobs:
         local, pos = _runs(num_acc + 1)
-        emitted = torch.tensor([t for toks in out_tokens for t in toks], dtype=torch.long, device=device)
+        emitted = torch.tensor([t for toks in out_tokens for t in toks], dtype=torch.long, device=target_logits.device)
         lp = torch.log_softmax(target_logits.index_select(0, starts[local] + pos), dim=-1)
         flat = lp.gather(1, emitted[:, None]).squeeze(1).tolist()
         logprobs, at = [], 0
