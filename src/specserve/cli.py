@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from specserve.config import KV_TIER_LOADS, SPEC_METHODS
+from specserve.config import KV_TIER_LOADS, SPEC_METHODS, spec_kwargs_from_vllm
 from specserve.errors import ConfigError, SpecServeError
 
 
@@ -83,6 +83,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-p-min", type=float, default=None,
                    help="a draft stops after a token it gives a probability below this (default 0.8; 0: "
                         "always draft --num-spec-tokens); exactness is unaffected")
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's form, instead of --spec-method / --draft-model: e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4}' or '{\"model\": \"NAME\", "
+                        "\"num_speculative_tokens\": 5}' (methods: draft_model, ngram, suffix, eagle, eagle3, medusa, "
+                        "mtp, or ours; disable_by_batch_size N stops speculating at batch N)")
     s.add_argument("--ngram-min", type=int, default=1)
     s.add_argument("--ngram-max", type=int, default=4)
     s.add_argument("--lookahead-window", type=int, default=6, help="lookahead: Jacobi window length")
@@ -96,7 +101,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """LLM(...) keyword arguments from parsed engine flags."""
+    """LLM(...) keyword arguments from parsed engine flags (--speculative-config resolved into
+    the flags it stands for, so every engine a command builds, disaggregated workers too, gets
+    plain keyword arguments)."""
+    kwargs = _flag_kwargs(args)
+    if getattr(args, "speculative_config", None) is not None:
+        if args.spec_method is not None or args.draft_model is not None:
+            raise ConfigError("give --speculative-config or --spec-method / --draft-model, not both.")
+        kwargs.update(spec_kwargs_from_vllm(args.speculative_config))
+    return kwargs
+
+
+def _flag_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         device=args.device, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, linear_backend=args.linear_backend,
         enforce_eager=args.enforce_eager, logprobs_mode=args.logprobs_mode,

@@ -209,6 +209,70 @@ SPEC_POLICIES = ("adaptive", "always", "off")
 SPEC_TREES = ("auto", "tree", "chain")
 
 
+# vLLM's speculative_config methods -> ours. vLLM's suffix decoding (suffix trees over prompt and
+# output) is what our ngram proposer does within a request; eagle3's fused low/mid/high features
+# are our eagle head's default.
+_VLLM_METHODS = {"draft_model": "draft", "eagle3": "eagle", "suffix": "ngram", "deepseek_mtp": "mtp"}
+# vLLM's keys -> LLM(...) keyword arguments (disable_by_batch_size is handled apart).
+_VLLM_KEYS = {"model": "draft_model", "num_speculative_tokens": "num_spec_tokens", "quantization": "draft_quantization",
+              "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}
+# Keys accepted with these values only: they ask for nothing beyond what specserve does anyway.
+_VLLM_NOOPS = {"draft_tensor_parallel_size": (None, 1), "revision": (None,), "code_revision": (None,)}
+
+
+def spec_kwargs_from_vllm(cfg: object) -> dict[str, object]:
+    """LLM(...) keyword arguments from vLLM's speculative_config (a dict, or its JSON text):
+    {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4},
+    {"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 5},
+    {"method": "eagle3", "model": "head.safetensors"}. Methods are vLLM's (draft_model, ngram,
+    suffix, eagle, eagle3, medusa, mtp, deepseek_mtp and the other *_mtp) or ours (SPEC_METHODS);
+    disable_by_batch_size N stops speculation at batch N and above. A key specserve has no
+    counterpart for is refused by name, never ignored."""
+    if isinstance(cfg, str):
+        import json
+
+        try:
+            cfg = json.loads(cfg)
+        except ValueError as e:
+            raise ConfigError(f"speculative_config is not valid JSON: {e}.") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"speculative_config must be a dict (JSON object), got {type(cfg).__name__}.")
+    known = {"method", "disable_by_batch_size", *_VLLM_KEYS, *_VLLM_NOOPS}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ConfigError(f"speculative_config keys {unknown} have no counterpart in specserve; it takes "
+                          f"{', '.join(sorted(known))}.")
+    for key, allowed in _VLLM_NOOPS.items():
+        if key in cfg and cfg[key] not in allowed:
+            raise ConfigError(f"speculative_config {key}={cfg[key]!r} is not supported (only {allowed[-1]!r}).")
+    method = cfg.get("method")
+    if method is None:
+        if not cfg.get("model"):
+            raise ConfigError("speculative_config needs a method (e.g. 'ngram', 'eagle', 'draft_model') or a draft model.")
+        method = "draft_model"
+    if not isinstance(method, str):
+        raise ConfigError(f"speculative_config method must be a string, got {method!r}.")
+    ours = _VLLM_METHODS.get(method, "mtp" if method.endswith("_mtp") else method)
+    if ours not in SPEC_METHODS or ours == "none":
+        raise ConfigError(f"speculative_config method {method!r} is not one specserve has; use one of "
+                          f"{', '.join(sorted({*_VLLM_METHODS, *SPEC_METHODS} - {'none'}))}.")
+    out: dict[str, object] = {"spec_method": ours}
+    for key, name in _VLLM_KEYS.items():
+        if cfg.get(key) is not None:
+            out[name] = cfg[key]
+    for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        if cfg.get(key) is not None and (not isinstance(cfg[key], int) or isinstance(cfg[key], bool)):
+            raise ConfigError(f"speculative_config {key} must be an integer, got {cfg[key]!r}.")
+    if "ngram_min" in out and "ngram_max" not in out:  # a minimum above our default maximum raises it
+        out["ngram_max"] = max(out["ngram_min"], SpecConfig.ngram_max)  # type: ignore[call-overload]
+    n = cfg.get("disable_by_batch_size")
+    if n is not None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"speculative_config disable_by_batch_size must be an integer >= 1, got {n!r}.")
+        out["spec_off_batch"], out["spec_on_batch"] = n, min(SpecConfig.on_batch, n)
+    return out
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding: which proposer, how many tokens, and when to speculate."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -14,8 +14,11 @@ from specserve.config import (
     ModelConfig,
     SchedulerConfig,
     SpecConfig,
+    spec_kwargs_from_vllm,
 )
 from specserve.engine.engine import LLMEngine
+from specserve.errors import ConfigError
+from specserve.models.chat import ChatError, render_chat
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -71,7 +74,18 @@ class LLM:
         profile_spec_costs: bool = True,
         checkpoint: Any = None,
         draft_checkpoint: Any = None,
+        speculative_config: dict[str, Any] | str | None = None,
     ) -> None:
+        if speculative_config is not None:  # vLLM's form (config.spec_kwargs_from_vllm)
+            if spec_method is not None or draft_model is not None:
+                raise ConfigError("give speculation as speculative_config or as spec_method / draft_model, not both.")
+            spec = spec_kwargs_from_vllm(speculative_config)
+            spec_method, draft_model = spec.pop("spec_method"), spec.pop("draft_model", None)
+            num_spec_tokens = spec.pop("num_spec_tokens", num_spec_tokens)
+            draft_quantization = spec.pop("draft_quantization", draft_quantization)
+            ngram_min, ngram_max = spec.pop("ngram_min", ngram_min), spec.pop("ngram_max", ngram_max)
+            spec_on_batch, spec_off_batch = spec.pop("spec_on_batch", spec_on_batch), spec.pop("spec_off_batch", spec_off_batch)
+            assert not spec, spec
         if spec_method is None:
             spec_method = "draft" if (draft_model or draft_checkpoint is not None) else "none"
         config = EngineConfig(
@@ -112,16 +126,20 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
-        priorities: Sequence[int] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (one SamplingParams for all, or one each); outputs in order.
+        Arguments as vLLM's: `priority` one per prompt (lower is served first).
 
         With params.n > 1 a prompt's output holds n completions in `.outputs`.
         """
+        params = sampling_params
         plist = self._as_prompt_list(prompts)
+        if priority is not None and len(priority) != len(plist):
+            raise ValueError(f"got {len(plist)} prompts but {len(priority)} priorities")
         if params is None:
             params = SamplingParams()
         params_list = [params] * len(plist) if isinstance(params, SamplingParams) else list(params)
@@ -136,7 +154,7 @@ class LLM:
                 for j in range(p.n):
                     sub = p if p.n == 1 else _nth_sample_params(p, j)
                     rid = engine.add_request(
-                        prompt, sub, priority=priorities[i] if priorities else 0, index=j
+                        prompt, sub, priority=priority[i] if priority else 0, index=j
                     )
                     ids.append(rid)
                     submitted.append(rid)
@@ -191,15 +209,29 @@ class LLM:
         return out
 
     def chat(
-        self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-        params: SamplingParams | None = None, **kw: Any,
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render conversation(s) with the model's chat template, then generate."""
+        """Render one conversation or a list of them with the model's chat template (or
+        `chat_template`), then generate; arguments as vLLM's `LLM.chat`. Messages are checked as
+        the server checks them (models.chat): a bad role or content raises ChatError, a ValueError."""
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so it has no chat template")
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]  # type: ignore[arg-type]
-        return self.generate(prompts, params, **kw)
+            raise ChatError("this model has no tokenizer, so it has no chat template; use generate() with token ids.")
+        many = (isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], Sequence)
+                and not isinstance(messages[0], (str, bytes)))  # a list of conversations
+        convs = list(messages) if many else [messages]
+        prompts = [render_chat(self.tokenizer, c, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
+                               continue_final_message=continue_final_message,
+                               chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
+                   for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
 def _nth_sample_params(p: SamplingParams, j: int) -> SamplingParams:

@@ -93,6 +93,11 @@ class CompletionOutput:
         """True once a finish reason is set."""
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the generated tokens' logprobs (None unless logprobs were asked for)."""
+        return None if self.logprobs is None else float(sum(self.logprobs))
+
 
 @dataclass
 class RequestOutput:

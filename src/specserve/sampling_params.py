@@ -137,7 +137,9 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False
+    # True: each output token's logprob. vLLM's spelling works too: an integer k is True with
+    # top_logprobs k (0: the sampled token's alone), None is False.
+    logprobs: bool | int | None = False
     top_logprobs: int = 0  # with logprobs: also this many most likely tokens at each position
     # vLLM's: the logprob of every prompt token after the first under the model (raw logits), and
     # this many most likely tokens at each of those positions; None: off. The prompt is computed
@@ -169,7 +171,25 @@ class SamplingParams:
             self.stop = []
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self._logprobs_as_vllm()
         self._validate()
+
+    def _logprobs_as_vllm(self) -> None:
+        """vLLM's logprobs=k (an integer: the sampled token's logprob and the k likeliest) as
+        logprobs=True, top_logprobs=k; None as False."""
+        k = self.logprobs
+        if k is None:
+            self.logprobs = False
+        elif isinstance(k, int) and not isinstance(k, bool):
+            if not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(f"logprobs must be True / False or, as vLLM's, an integer in "
+                                          f"[0, {MAX_TOP_LOGPROBS}] (the likeliest tokens to return), got {k!r}.")
+            if self.top_logprobs not in (0, k):
+                raise InvalidRequestError(f"logprobs={k} already asks for the {k} likeliest tokens; "
+                                          f"top_logprobs={self.top_logprobs!r} disagrees.")
+            self.logprobs, self.top_logprobs = True, k
+        elif not isinstance(k, bool):
+            raise InvalidRequestError(f"logprobs must be True / False or an integer (vLLM's), got {k!r}.")
 
     def _validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:

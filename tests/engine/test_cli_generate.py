@@ -49,3 +49,41 @@ def test_generate_prompt_logprobs_in_json(capsys):
     assert all(len(t) == 2 and t[0][1] >= t[1][1] for t in d["prompt_top_logprobs"][1:])
     code, _, err = _generate(capsys, "--prompt-logprobs", "30")
     assert code == 1 and "prompt_logprobs" in err
+
+
+def test_speculative_config_in_vllms_form(capsys):
+    """--speculative-config / LLM(speculative_config=) take vLLM's dict: the n-gram run below is the
+    plain run token for token and reports speculation metrics; keys and methods specserve has no
+    counterpart for are refused by name, before a model loads."""
+    from specserve.config import spec_kwargs_from_vllm
+    from specserve.errors import ConfigError
+
+    assert spec_kwargs_from_vllm({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}) == {
+        "spec_method": "ngram", "num_spec_tokens": 5, "ngram_max": 3}
+    assert spec_kwargs_from_vllm('{"model": "d", "num_speculative_tokens": 4, "disable_by_batch_size": 4}') == {
+        "spec_method": "draft", "draft_model": "d", "num_spec_tokens": 4, "spec_off_batch": 4, "spec_on_batch": 4}
+    assert spec_kwargs_from_vllm({"method": "eagle3", "model": "h.safetensors"})["spec_method"] == "eagle"
+    assert spec_kwargs_from_vllm({"method": "glm4_moe_mtp"})["spec_method"] == "mtp"
+    assert spec_kwargs_from_vllm({"method": "ngram", "prompt_lookup_min": 6}) == {
+        "spec_method": "ngram", "ngram_min": 6, "ngram_max": 6}
+    for bad, match in (({"method": "mlp_speculator"}, "not one specserve has"), ({"num_speculative_tokens": 3}, "needs a method"),
+                       ({"method": "ngram", "acceptance_method": "x"}, r"\['acceptance_method'\] have no counterpart"),
+                       ({"method": "ngram", "draft_tensor_parallel_size": 2}, "not supported"),
+                       ({"method": "ngram", "num_speculative_tokens": "5"}, "must be an integer"),
+                       ("{not json", "not valid JSON"), ([1], "must be a dict")):
+        try:
+            spec_kwargs_from_vllm(bad)
+        except ConfigError as e:
+            assert __import__("re").search(match, str(e)), (bad, str(e))
+        else:
+            raise AssertionError(f"accepted {bad!r}")
+    code, plain, _ = _generate(capsys)
+    code2, spec, _ = _generate(capsys, "--speculative-config",
+                               '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}',
+                               "--spec-policy", "always")
+    assert code == code2 == 0 and spec[0]["token_ids"] == plain[0]["token_ids"]
+    assert spec[0]["metrics"]["num_draft_tokens"] > 0 and plain[0]["metrics"]["num_draft_tokens"] == 0
+    code, _, err = _generate(capsys, "--speculative-config", '{"method": "ngram"}', "--spec-method", "ngram")
+    assert code == 1 and "not both" in err
+    code, _, err = _generate(capsys, "--speculative-config", '{"method": "typo"}')
+    assert code == 1 and "'typo' is not one specserve has" in err

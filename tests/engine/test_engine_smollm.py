@@ -106,6 +106,24 @@ def test_logprobs_are_returned(smollm_llm: LLM):
     assert all(lp <= 0 for lp in lps)
 
 
+def test_logprobs_as_an_integer_means_vllms_top_k(smollm_llm: LLM):
+    """vLLM's SamplingParams(logprobs=k) returns the sampled token's logprob and the k likeliest;
+    an integer used to pass as True and silently return no alternatives."""
+    want = smollm_llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, logprobs=True, top_logprobs=3))[0]
+    got = smollm_llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, logprobs=3))[0].outputs[0]
+    assert got.top_logprobs == want.outputs[0].top_logprobs and len(got.top_logprobs[0]) == 3
+    assert got.logprobs == want.outputs[0].logprobs
+    assert got.cumulative_logprob == pytest.approx(sum(got.logprobs)) and got.cumulative_logprob < 0
+    assert smollm_llm.generate("Hello", _greedy(2))[0].outputs[0].cumulative_logprob is None
+    zero = SamplingParams(logprobs=0)
+    assert zero.logprobs is True and zero.top_logprobs == 0
+    assert SamplingParams(logprobs=None).logprobs is False
+    for bad, match in ((dict(logprobs=-1), r"integer in \[0, "), (dict(logprobs=3, top_logprobs=2), "disagrees"),
+                       (dict(logprobs="yes"), "True / False")):
+        with pytest.raises(InvalidRequestError, match=match):
+            SamplingParams(**bad)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(top_k=-5), dict(stop=[""])],
@@ -172,6 +190,47 @@ def test_prompt_forms_and_bad_prompt_types(smollm_llm: LLM):
             smollm_llm.generate(bad, _greedy(8))
     eng = smollm_llm.engine
     assert not eng.has_unfinished_requests() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+
+def test_chat_checks_messages_as_the_server_does(smollm_llm: LLM):
+    """LLM.chat takes vLLM's arguments and OpenAI's message forms (text parts, developer as
+    system, continue_final_message); a bad message raises ChatError naming the field before
+    anything is scheduled, where the template used to render an unknown role as given."""
+    from specserve.models.chat import ChatError
+
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    want = smollm_llm.chat(conv, _greedy(8))[0]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": "Name a colour.", "name": None}]
+    got = smollm_llm.chat(parts, sampling_params=_greedy(8), use_tqdm=False)[0]
+    assert got.prompt_token_ids == want.prompt_token_ids and got.token_ids == want.token_ids
+    two = smollm_llm.chat([conv, conv], _greedy(8))
+    assert [o.token_ids for o in two] == [want.token_ids] * 2
+    cont = smollm_llm.chat(conv + [{"role": "assistant", "content": "My favourite is"}], _greedy(4),
+                           add_generation_prompt=False, continue_final_message=True)[0]
+    assert smollm_llm.tokenizer.decode(cont.prompt_token_ids).endswith("My favourite is")
+    bad = [
+        ([{"role": "wizard", "content": "hi"}], r"messages\[0\]\.role is 'wizard'"),
+        ([{"role": "user", "content": "hi"}, {"role": "user", "content": 5}], r"messages\[1\]\.content must be"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], r"'image_url' part"),
+        ([{"role": "user", "content": [{"type": "text"}]}], r"content\[0\]\.text must be a string"),
+        ([{"role": "user", "content": "hi", "name": 3}], r"name must be a string"),
+        (["hi"], r"messages\[0\] must be a dict"),
+        ([], "non-empty list"),
+    ]
+    for messages, match in bad:
+        with pytest.raises(ChatError, match=match):
+            smollm_llm.chat(messages, _greedy(8))
+    with pytest.raises(ChatError, match="add_generation_prompt false"):
+        smollm_llm.chat(conv, _greedy(8), continue_final_message=True)
+    with pytest.raises(ChatError, match="may not set"):
+        smollm_llm.chat(conv, _greedy(8), chat_template_kwargs={"messages": []})
+    with pytest.raises(ValueError, match="2 prompts but 1 priorities"):
+        smollm_llm.generate(["a", "b"], _greedy(8), priority=[0])
+    assert smollm_llm.generate(["a", "b"], sampling_params=_greedy(4), priority=[1, 0])[0].token_ids == \
+        smollm_llm.generate("a", _greedy(4))[0].token_ids
+    eng = smollm_llm.engine
+    assert not eng.has_unfinished_requests() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+
 
 def test_reference_text_is_tokenized_when_prepared(smollm_llm: LLM):
     """The reference proposer's text is tokenized by prepare_request (on the caller's thread:

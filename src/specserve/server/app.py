@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve.engine.engine import LLMEngine, PreparedRequest
 from specserve.errors import ConfigError, InvalidRequestError, SpecServeError
 from specserve.llm import _nth_sample_params
+from specserve.models.chat import ChatError, render_chat
 from specserve.models.tokenizer import Tokenizer
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams, structured_output_from_openai
@@ -395,36 +396,18 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ chat
     async def _render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
-        """The conversation through the model's chat template (its errors are the client's: 400).
-        With continue_final_message the text stops where the last message's content ends (as
-        transformers' and vLLM's), so the model continues it."""
+        """The conversation through the model's chat template (models.chat.render_chat; its errors
+        are the client's: 400)."""
+        assert req.messages is not None
         if self.tokenizer is None:
             raise APIError(400, "This model has no tokenizer, hence no chat template; use /v1/completions.")
-        assert req.messages is not None
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
-                     **({"name": m.name} if m.name else {})} for m in req.messages]
-        kwargs = req.chat_template_kwargs or {}
-        taken = sorted(set(kwargs) & {"messages", "add_generation_prompt", "chat_template"})
-        if taken:
-            raise APIError(400, f"chat_template_kwargs may not set {taken}: they have their own fields.",
-                           param="chat_template_kwargs")
-        final = messages[-1]["content"].strip()
-        if req.continue_final_message and (req.add_generation_prompt or not final):
-            raise APIError(400, "continue_final_message continues the last message: it needs add_generation_prompt "
-                           "false and a last message with text.", param="continue_final_message")
+        messages = [{"role": m.role, "content": m.text(), "name": m.name} for m in req.messages]
         try:
-            prompt = await run_in_threadpool(partial(self.tokenizer.apply_chat_template, messages,
-                                                     req.add_generation_prompt, **kwargs))
-        except SpecServeError as e:
-            raise APIError(400, str(e), param="messages") from e
-        except Exception as e:  # noqa: BLE001 - template errors (raise_exception in jinja) are client errors
-            raise APIError(400, f"The chat template rejected these messages: {e}", param="messages") from e
-        if req.continue_final_message:
-            at = prompt.rfind(final)
-            if at < 0:
-                raise APIError(400, "The chat template does not write the last message's text as it is, so it "
-                               "cannot be continued.", param="continue_final_message")
-            prompt = prompt[: at + len(final)]
+            prompt = await run_in_threadpool(partial(
+                render_chat, self.tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs))
+        except ChatError as e:
+            raise APIError(400, str(e), param=e.param) from e
         self._check_prompt_chars(prompt, "messages")
         return prompt
 
