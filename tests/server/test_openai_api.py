@@ -86,11 +86,21 @@ def test_extra_body_fields(client):
     assert r.choices[0].text is not None
 
 
+def client_models_retrieve(base: str, name: str):
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0).models.retrieve(name)
+
+
 def test_models_health_metrics_admin(smol_server):
     base = smol_server.base_url
     models = httpx.get(base + "/v1/models").json()
     assert models["data"][0]["id"] == "smollm2"
     assert httpx.get(base + "/health").json()["status"] == "ok"
+    # OpenAI's retrieve-model, vLLM's /version and /ping
+    assert client_models_retrieve(base, "smollm2").id == "smollm2"
+    missing = httpx.get(base + "/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(base + "/version").json()["version"]
+    assert httpx.get(base + "/ping").json()["status"] == httpx.post(base + "/ping").json()["status"] == "ok"
     text = httpx.get(base + "/metrics").text
     for name in ("specserve_time_to_first_token_seconds", "specserve_time_per_output_token_seconds",
                  "specserve_e2e_request_latency_seconds", "specserve_request_queue_time_seconds",

@@ -717,6 +717,25 @@ def build_app(server: OpenAIServer) -> FastAPI:
         card = ModelCard(id=server.model_name, max_model_len=server.engine.max_model_len)
         return ModelList(data=[card]).model_dump()
 
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str) -> Response:
+        """OpenAI's retrieve-model (client.models.retrieve): this server's card, or 404."""
+        if model not in (server.model_name, server.engine.model_name):
+            return _error_response(404, f"The model '{model}' does not exist; this server serves '{server.model_name}'.",
+                                   "not_found_error", param="model", code="model_not_found")
+        return JSONResponse(ModelCard(id=server.model_name, max_model_len=server.engine.max_model_len).model_dump())
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from specserve import __version__
+
+        return {"version": __version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness probe: /health's answer."""
+        return await health()
+
     @app.get("/health")
     async def health() -> Response:
         ae = server.async_engine
