@@ -65,9 +65,11 @@ case "$task" in
         # SmolLM2 with speculation); a --model given keeps its own proposer choice.
         given() { local flag="$1" a; shift; for a in "$@"; do [[ "$a" == "$flag" || "$a" == "$flag="* ]] && return 0; done; return 1; }
         defaults=()
-        if ! given --model "$@"; then
+        # (a model may also come first, vLLM's way: ./dev.sh serve qwen2.5-coder-1.5b-instruct ...)
+        if ! given --model "$@" && [[ -z "${1:-}" || "${1:-}" == -* ]]; then
             defaults+=(--model smollm2-135m-instruct)
-            given --spec-method "$@" || given --draft-model "$@" || defaults+=(--spec-method ngram)
+            given --spec-method "$@" || given --draft-model "$@" || given --speculative-config "$@" \
+                || defaults+=(--spec-method ngram)
         fi
         given --spec-policy "$@" || defaults+=(--spec-policy adaptive)
         given --port "$@" || defaults+=(--port 8000)

@@ -18,7 +18,9 @@ from specserve.errors import ConfigError, SpecServeError
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an engine."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", required=True, help="bundled model name, GGUF file or HF directory")
+    g.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
+                   help="the model, as vLLM's positional argument (or --model)")
+    g.add_argument("--model", default=None, help="bundled model name, GGUF file or HF directory")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--dtype", default="auto",
                    help="auto (bf16 on GPU / CPUs with native bf16, else float32), bfloat16, float32")
@@ -43,7 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=64, help="max concurrently running requests")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_false", help=argparse.SUPPRESS)
     g.add_argument("--kv-host-gib", type=float, default=0.0, metavar="G",
                    help="prefix cache host-memory tier: blocks leaving the KV cache are kept in G GiB of RAM "
                         "and loaded back on a prefix hit (default 0: off)")
@@ -55,7 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how disk-tier hits reach the KV cache: layer (read and verified layer by layer while the "
                         "forward runs), whole (all before the forward), auto (layer when a CPU is spare beyond "
                         "--threads; default)")
-    g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    g.add_argument("--no-chunked-prefill", "--no-enable-chunked-prefill", action="store_true", help="disable chunked prefill")
+    g.add_argument("--enable-chunked-prefill", dest="no_chunked_prefill", action="store_false", help=argparse.SUPPRESS)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--spec-method", choices=list(SPEC_METHODS), default=None,
@@ -747,6 +751,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `specserve` command."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if hasattr(args, "model_arg"):  # a command with engine flags: the model as MODEL or --model, once
+        if args.model_arg is not None and args.model is not None and args.model_arg != args.model:
+            parser.error(f"the model is given twice: {args.model_arg!r} and --model {args.model!r}")
+        args.model = args.model or args.model_arg
+        if args.model is None:
+            parser.error(f"{args.command} needs a model: specserve {args.command} MODEL (or --model MODEL)")
     try:
         return COMMANDS[args.command](args)
     except SpecServeError as e:

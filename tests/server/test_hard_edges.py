@@ -768,6 +768,24 @@ def test_logprobs_mode_takes_vllms_names_and_the_short_ones():
         ModelConfig("m", logprobs_mode="logits")
 
 
+def test_the_model_as_vllms_positional_argument_and_vllms_flag_spellings(monkeypatch, capsys):
+    """`specserve serve MODEL` as `vllm serve MODEL` (or --model, not both, not neither), and
+    vLLM's --no-enable-prefix-caching / --enable-chunked-prefill spellings of our flags."""
+    from specserve.cli import engine_kwargs
+
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
+    assert main(["serve", "no-such-model", "--port", "0"]) == 1
+    assert "Model 'no-such-model' is neither a bundled model" in capsys.readouterr().err
+    for argv, match in ((["serve", "a", "--model", "b"], "given twice"), (["serve", "--port", "0"], "needs a model")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert match in capsys.readouterr().err
+    kw = engine_kwargs(build_parser().parse_args(["serve", "m", "--no-enable-prefix-caching", "--no-enable-chunked-prefill"]))
+    assert kw["enable_prefix_caching"] is False and kw["enable_chunked_prefill"] is False
+    kw = engine_kwargs(build_parser().parse_args(["serve", "m", "--enable-prefix-caching", "--enable-chunked-prefill"]))
+    assert kw["enable_prefix_caching"] is True and kw["enable_chunked_prefill"] is True
+
+
 def test_protect_metrics_without_a_key_is_refused_before_loading(monkeypatch, capsys):
     monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
     assert main(["serve", "--model", "no-such-model", "--protect-metrics"]) == 1
