@@ -123,6 +123,10 @@ class LLM:
         """The model's tokenizer (None for token-id-only test models)."""
         return self.engine.tokenizer
 
+    def get_tokenizer(self):  # noqa: ANN201
+        """vLLM's accessor: the model's tokenizer (encode, decode, apply_chat_template)."""
+        return self.engine.tokenizer
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

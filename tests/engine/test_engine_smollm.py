@@ -199,6 +199,8 @@ def test_chat_checks_messages_as_the_server_does(smollm_llm: LLM):
 
     conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
     want = smollm_llm.chat(conv, _greedy(8))[0]
+    text = smollm_llm.get_tokenizer().apply_chat_template(conv)
+    assert want.prompt_token_ids == smollm_llm.get_tokenizer().encode(text)
     parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
              {"role": "user", "content": "Name a colour.", "name": None}]
     got = smollm_llm.chat(parts, sampling_params=_greedy(8), use_tqdm=False)[0]
