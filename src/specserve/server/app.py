@@ -731,9 +731,13 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
         return {"version": __version__}
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping() -> Response:
         """vLLM's (SageMaker's) liveness probe: /health's answer."""
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post() -> Response:  # (its own name: one OpenAPI operation id per method)
         return await health()
 
     @app.get("/health")
