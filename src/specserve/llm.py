@@ -134,13 +134,21 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
         priority: Sequence[int] | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priorities: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (one SamplingParams for all, or one each); outputs in order.
-        Arguments as vLLM's: `priority` one per prompt (lower is served first).
+        Arguments as vLLM's: `priority` one per prompt (lower is served first). `params=` and
+        `priorities=` are this API's earlier names for the same two arguments.
 
         With params.n > 1 a prompt's output holds n completions in `.outputs`.
         """
-        params = sampling_params
+        if sampling_params is not None and params is not None:
+            raise TypeError("generate() got both sampling_params= and its older name params=")
+        if priority is not None and priorities is not None:
+            raise TypeError("generate() got both priority= and its older name priorities=")
+        params = sampling_params if sampling_params is not None else params
+        priority = priority if priority is not None else priorities
         plist = self._as_prompt_list(prompts)
         if priority is not None and len(priority) != len(plist):
             raise ValueError(f"got {len(plist)} prompts but {len(priority)} priorities")

@@ -229,7 +229,10 @@ def test_chat_checks_messages_as_the_server_does(smollm_llm: LLM):
     with pytest.raises(ValueError, match="2 prompts but 1 priorities"):
         smollm_llm.generate(["a", "b"], _greedy(8), priority=[0])
     assert smollm_llm.generate(["a", "b"], sampling_params=_greedy(4), priority=[1, 0])[0].token_ids == \
-        smollm_llm.generate("a", _greedy(4))[0].token_ids
+        smollm_llm.generate("a", _greedy(4))[0].token_ids == \
+        smollm_llm.generate(["a", "b"], params=_greedy(4), priorities=[1, 0])[0].token_ids  # the earlier names
+    with pytest.raises(TypeError, match="both sampling_params= and its older name params="):
+        smollm_llm.generate("a", sampling_params=_greedy(4), params=_greedy(4))
     eng = smollm_llm.engine
     assert not eng.has_unfinished_requests() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
 
