@@ -230,6 +230,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Render one conversation or a list of them with the model's chat template (or
         `chat_template`), then generate; arguments as vLLM's `LLM.chat`. Messages are checked as
@@ -243,7 +244,7 @@ class LLM:
                                continue_final_message=continue_final_message,
                                chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
                    for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, params=params)  # (params=: the earlier name)
 
 
 def _nth_sample_params(p: SamplingParams, j: int) -> SamplingParams:

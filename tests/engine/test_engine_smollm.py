@@ -205,7 +205,7 @@ def test_chat_checks_messages_as_the_server_does(smollm_llm: LLM):
              {"role": "user", "content": "Name a colour.", "name": None}]
     got = smollm_llm.chat(parts, sampling_params=_greedy(8), use_tqdm=False)[0]
     assert got.prompt_token_ids == want.prompt_token_ids and got.token_ids == want.token_ids
-    two = smollm_llm.chat([conv, conv], _greedy(8))
+    two = smollm_llm.chat([conv, conv], params=_greedy(8))  # (params=: the earlier name)
     assert [o.token_ids for o in two] == [want.token_ids] * 2
     cont = smollm_llm.chat(conv + [{"role": "assistant", "content": "My favourite is"}], _greedy(4),
                            add_generation_prompt=False, continue_final_message=True)[0]
