@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -229,8 +230,6 @@ def spec_kwargs_from_vllm(cfg: object) -> dict[str, object]:
     disable_by_batch_size N stops speculation at batch N and above. A key specserve has no
     counterpart for is refused by name, never ignored."""
     if isinstance(cfg, str):
-        import json
-
         try:
             cfg = json.loads(cfg)
         except ValueError as e:

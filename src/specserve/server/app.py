@@ -149,8 +149,16 @@ class OpenAIServer:
         await asyncio.shield(self._drain_task)
 
     # ------------------------------------------------------------------ validation
+    def serves(self, model: str) -> bool:
+        """Whether `model` names this server's model (its served name or the engine's)."""
+        return model in (self.model_name, self.engine.model_name)
+
+    def model_card(self) -> ModelCard:
+        """The card /v1/models lists and /v1/models/{model} returns."""
+        return ModelCard(id=self.model_name, max_model_len=self.engine.max_model_len)
+
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name, self.engine.model_name):
+        if model is not None and not self.serves(model):
             raise APIError(400, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
                            param="model", code="model_not_found")
 
@@ -401,7 +409,7 @@ class OpenAIServer:
         assert req.messages is not None
         if self.tokenizer is None:
             raise APIError(400, "This model has no tokenizer, hence no chat template; use /v1/completions.")
-        messages = [{"role": m.role, "content": m.text(), "name": m.name} for m in req.messages]
+        messages = [m.model_dump(include={"role", "content", "name"}) for m in req.messages]  # text parts as dicts
         try:
             prompt = await run_in_threadpool(partial(
                 render_chat, self.tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
@@ -714,16 +722,15 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = ModelCard(id=server.model_name, max_model_len=server.engine.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=[server.model_card()]).model_dump()
 
     @app.get("/v1/models/{model:path}")
     async def model_card(model: str) -> Response:
         """OpenAI's retrieve-model (client.models.retrieve): this server's card, or 404."""
-        if model not in (server.model_name, server.engine.model_name):
+        if not server.serves(model):
             return _error_response(404, f"The model '{model}' does not exist; this server serves '{server.model_name}'.",
                                    "not_found_error", param="model", code="model_not_found")
-        return JSONResponse(ModelCard(id=server.model_name, max_model_len=server.engine.max_model_len).model_dump())
+        return JSONResponse(server.model_card().model_dump())
 
     @app.get("/version")
     async def version() -> dict[str, str]:

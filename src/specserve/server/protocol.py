@@ -233,14 +233,6 @@ class ChatMessage(_Body):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
-        """The message's text (parts concatenated)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
-
 
 class _ChatTemplateFields(_Body):
     """How messages go through the chat template (chat completions and /tokenize)."""
