@@ -200,6 +200,62 @@ def test_positions_the_policy_pruned_are_not_counted_as_misses():
     assert all(r > 0.99 for r in st.rates[: st.depth_asked]) and st.rates[st.depth_asked:] == [0.8] * (4 - st.depth_asked)
 
 
+def test_a_wholly_accepted_run_tests_the_next_position():
+    """A draft accepted whole leaves the position past it untested, so its estimate would stay at
+    the prior however long the copy run lasts and K would never grow. The policy tests it next
+    step (K grows by one a step through a run), but not where that position was tested within
+    RUN_PROBE_STALE steps (its estimate is current) and not past num_spec_tokens. In a tree,
+    prune() keeps whatever pays plus the main path down to the tested position."""
+    from specserve.spec.policy import NEVER, RUN_PROBE_STALE
+    from specserve.spec.tree import DraftTree
+
+    target = {1: 0.045, 2: 0.049, 3: 0.053, 4: 0.057, 5: 0.065, 9: 0.09}
+    p = SpecPolicy(SpecConfig(method="ngram", num_spec_tokens=8), draft_cost_is_per_token=False, prior_acceptance=0.5)
+    p.target_time, p.draft_time = StepTimer(target), StepTimer({1: 0.0})
+    r = _req("a", [1])
+    st = p.stats("a")
+    st.rates = [0.97, 0.97, 0.97] + [0.3] * 5
+    assert p.choose([r]) == [3]  # what the cost model affords
+    p.observe("a", 3, 3)  # accepted whole
+    for k in (4, 5, 6):
+        assert p.choose([r]) == [k] and st.run_probe == k
+        p.observe("a", k, k)
+    st.rates = [0.97, 0.97, 0.97] + [0.3] * 5
+    assert p.choose([r]) == [7]  # the run goes on: the next position, whatever the cost model says
+    p.observe("a", 7, 7)
+    assert p.choose([r]) == [8]
+    p.observe("a", 8, 8)  # at num_spec_tokens: nothing further to test
+    st.rates = [0.97, 0.97, 0.97] + [0.3] * 5
+    assert p.choose([r]) == [3] and st.run_probe == 0
+    p.observe("a", 3, 3)  # accepted whole, but position 3 was tested two steps ago
+    assert p.choose([r]) == [3]
+    p.observe("a", 4, 3)  # position 3 tested now, and missed
+    for _ in range(RUN_PROBE_STALE - 1):
+        p.observe("a", 3, 3)
+        assert p.choose([r]) == [3]
+    p.observe("a", 3, 3)
+    assert p.choose([r]) == [4]  # stale again: tested anew
+    p.observe("a", 4, 1)  # a partial acceptance is no run
+    assert p.choose([r]) == [3]
+
+    p.trees = True
+    st.rates = [0.97, 0.97, 0.97] + [0.3] * 5
+    st.full_run, st.tested = 5, [NEVER] * 8
+    budget = p.choose([r])[0]
+    assert st.run_probe == 6 and budget >= 6
+    # A chain of 8 with a sibling at every depth, scored so that prune alone keeps two or three nodes.
+    parents, scores = [], []
+    for d in range(8):
+        main = len(parents) - 2 if d else -1
+        parents += [main, main]
+        scores += [0.97 ** (d + 1), 0.01]
+    tree = DraftTree(tuple(range(16)), tuple(parents), scores=tuple(scores))
+    kept = p.prune([r], {"a": tree})["a"]
+    assert kept.max_depth == 6 and len(kept) < 16
+    st.run_probe = 0
+    assert p.prune([r], {"a": tree})["a"].max_depth < 6
+
+
 def test_a_cap_the_proposer_rarely_fills_is_charged_only_what_it_delivers():
     """Same chance of an accepted token per position, but a draft that stops early about half the
     time after each token: the passes and verify tokens that do not happen are not charged, so

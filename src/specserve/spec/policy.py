@@ -34,6 +34,16 @@ request held at K = 0 probes only where drafting would pay for it with the poole
 would buy nothing but its cost.
 (Measured on a 2-vCPU Xeon, Qwen2.5-Coder 1.5B + 0.5B draft, coding prompts: before this the
 policy settled on K = 1 for most steps, 26.2 tok/s; a fixed K = 3 gave 28.6.)
+
+A step whose drafts were all accepted says nothing about the position past them: that position
+is censored, and its estimate stays wherever it last was (at first the prior). In a run where
+the target copies its context (an edit of the prompt's code) every step is accepted whole, so
+the estimates of the positions the cost model already affords climb to 1 while the next one
+never moves, and K stays where it started. So a request whose last verify accepted every draft
+it tested also tests the next position, unless that position was tested within the last
+RUN_PROBE_STALE steps (then its estimate is current, and the cost model's answer stands): in a
+copy run K grows by one a step. (Qwen2.5-Coder 1.5B, prompt lookup, edit prompts, Zen 5: K
+stayed at 4-5 through runs of full acceptances, the 6th position's estimate still the prior.)
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ EWMA = 0.15  # weight of the newest observation in acceptance and timing estimat
 POOLED_EWMA = 0.05  # the same for the acceptance pooled over requests (a new request's prior)
 TREE_NODES_PER_K = 2  # a tree may hold this many nodes per draft position the chain model affords
 PROBE_EVERY = 16  # re-try k=1 (or k+1) this often for a request the cost model held back
+RUN_PROBE_STALE = 4  # after a wholly accepted draft, test the next position unless tested this recently
+NEVER = -(1 << 30)  # AcceptanceStats.tested of a position not tested yet
 CATCHUP_FREE = 2  # tokens a drafting request's proposer processes every step anyway (not a catch-up)
 
 
@@ -102,12 +114,17 @@ class AcceptanceStats:
     asked: int = 0  # positions the proposal now being verified tests (see SpecPolicy.observe_proposal)
     depth_asked: int = 0  # tree proposers: the chain K the node budget was sized from
     probing: bool = False  # this step's K is a probe (prune() keeps its draft whole)
+    run_probe: int = 0  # this step tests the position past a wholly accepted run: prune() keeps the main path this deep
     steps_off: int = 0  # steps with k = 0 since the last probe
     steps_short: int = 0  # steps with 0 < k < max since the last probe of one position more
+    full_run: int = 0  # the last verify accepted all of its drafts, this many (0: it did not)
+    tested: list[int] = field(default_factory=list)  # the policy step each position was last tested at
 
     def __post_init__(self) -> None:
         if not self.reach:
             self.reach = [1.0] * len(self.rates)
+        if not self.tested:
+            self.tested = [NEVER] * len(self.rates)
 
     def update(self, num_asked: int, num_accepted: int, weight: float = EWMA) -> None:
         """Position j was tested iff j < num_asked and every earlier draft was accepted; an
@@ -158,6 +175,7 @@ class SpecPolicy:
     trees: bool = False  # the proposer drafts trees: budgets are node counts, pruned after drafting
     _stats: dict[str, AcceptanceStats] = field(default_factory=dict)
     _pooled: AcceptanceStats | None = None
+    _step: int = 0  # choose() calls so far: the clock of AcceptanceStats.tested
 
     @property
     def pooled(self) -> AcceptanceStats:
@@ -209,6 +227,9 @@ class SpecPolicy:
             st.asked = 0
             st.update(asked, num_accepted)
             self.pooled.update(asked, num_accepted, POOLED_EWMA)
+            for j in range(min(asked, num_accepted + 1, len(st.tested))):
+                st.tested[j] = self._step
+            st.full_run = asked if num_accepted >= asked else 0
 
     def choose(self, requests: Sequence[Request], num_other_tokens: int = 0,
                catchup: Sequence[int] | None = None) -> list[int]:
@@ -223,6 +244,7 @@ class SpecPolicy:
         n = len(requests)
         if not self.enabled or self.config.policy == "off" or n == 0:
             return [0] * n
+        self._step += 1
         if self.config.policy == "always":  # every request, whatever the batch size
             ks = [0 if r.sampling_params.speculative is False else kmax for r in requests]
         else:
@@ -274,8 +296,17 @@ class SpecPolicy:
                 heapq.heappush(heap, (-gains[rid][keep[rid]], rid))
         out = {rid: t for rid, t in drafts.items() if rid not in gains}
         for rid, n in keep.items():
-            if n:
-                out[rid] = drafts[rid].truncate(n)
+            tree = drafts[rid]
+            depth = self.stats(rid).run_probe
+            if depth and tree.max_depth > 0:
+                # A run probe: whatever pays, and the main path down to the tested position.
+                main, node = [], -1
+                while tree.children[node + 1] and len(main) < depth:
+                    node = tree.children[node + 1][0]
+                    main.append(node)
+                out[rid] = tree.select(sorted(set(range(n)) | set(main)))
+            elif n:
+                out[rid] = tree.truncate(n)
         return out
 
     @staticmethod
@@ -397,7 +428,7 @@ class SpecPolicy:
         pooled_gain, pooled_size = self.pooled.expected_accepted(1), self.pooled.expected_proposed(1)
         passes = max((sizes[i][k] for i, k in enumerate(ks)), default=0.0)
         for i, st in enumerate(stats):
-            st.probing = False
+            st.probing, st.run_probe = False, 0
             if eligible[i] and ks[i] == 0:
                 st.steps_off += 1
                 if st.steps_off >= PROBE_EVERY:
@@ -412,7 +443,10 @@ class SpecPolicy:
             st.steps_off = 0
             if eligible[i] and ks[i] < kmax:
                 st.steps_short += 1
-                if st.steps_short >= PROBE_EVERY:
+                run = st.full_run
+                if 0 < run < kmax and ks[i] <= run and self._step - st.tested[run] >= RUN_PROBE_STALE:
+                    ks[i] = st.run_probe = run + 1  # the position past a wholly accepted run
+                elif st.steps_short >= PROBE_EVERY:
                     ks[i], st.steps_short, st.probing = ks[i] + 1, 0, True
             else:
                 st.steps_short = 0
