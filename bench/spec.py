@@ -69,6 +69,8 @@ class Bench:
     def llm(self, method: str, policy: str = "adaptive", k: int = 4, **kw: Any) -> LLM:
         gc.collect()
         quant = self.args.quantization
+        if "+" in method:  # "draft+ngram": the draft model with --spec-copy ngram in front of it
+            method, kw["spec_copy"] = method.split("+", 1)
         if method == "none-int8":  # the plain baseline on the int8 weight-only target, for reference
             method, quant = "none", "int8"
         if method == "eagle":
@@ -449,7 +451,9 @@ def main() -> int:
                     help="model drafters stop a branch after a token they give p below this (default: the engine's)")
     ap.add_argument("--extra-baselines", nargs="*", default=[],
                     help="extra batch-1 rows: none-int8 = plain decoding of the int8 target")
-    ap.add_argument("--tree-methods", nargs="+", default=["draft", "ngram", "reference", "lookahead"])
+    ap.add_argument("--tree-methods", nargs="+", default=["draft", "ngram", "reference", "lookahead"],
+                    help="proposers of the trees section; METHOD+COPY (draft+ngram, eagle+reference) puts "
+                         "--spec-copy COPY in front of a model drafter")
     ap.add_argument("--sections", nargs="+", default=["trees", "batch1", "ksweep", "batchsweep", "hf"])
     ap.add_argument("--tree-policy", default="adaptive", choices=["adaptive", "always"],
                     help="trees section: the policy (always: every step drafts, to measure acceptance)")

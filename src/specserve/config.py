@@ -208,6 +208,11 @@ SPEC_POLICIES = ("adaptive", "always", "off")
 # pass); chain: every draft is one path (the classic K-token draft); auto: what measured faster
 # for the proposer (ProposerTraits.tree_by_default).
 SPEC_TREES = ("auto", "tree", "chain")
+# --spec-copy: a model drafter's requests that repeat their context (ngram) or their reference text
+# (reference) are drafted by copying where a tail of copy_min_match tokens matches (spec/hybrid.py).
+SPEC_COPIES = ("none", "ngram", "reference")
+# Proposers that draft with a model pass: the ones a copier can go in front of.
+MODEL_DRAFTERS = ("draft", "eagle", "medusa", "mtp", "layerskip")
 
 
 # vLLM's speculative_config methods -> ours. vLLM's suffix decoding (suffix trees over prompt and
@@ -295,6 +300,8 @@ class SpecConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     lookahead_window: int = 6  # lookahead: Jacobi window length
+    copy: str = "none"  # none | ngram | reference: copy before drafting with the model (see SPEC_COPIES)
+    copy_min_match: int = 3  # a copy needs the request's last this many tokens to occur earlier
     # Reference thresholds: speculate freely at batch <= on_batch, never at batch >= off_batch,
     # only priority requests (priority < 0) in between. The cost model decides within them.
     on_batch: int = 8
@@ -329,6 +336,14 @@ class SpecConfig:
             )
         if not 1 <= self.lookahead_window <= 32:
             raise ConfigError(f"lookahead_window must be in [1, 32], got {self.lookahead_window}.")
+        if self.copy not in SPEC_COPIES:
+            raise ConfigError(f"Unknown spec copy source {self.copy!r}; use one of {', '.join(SPEC_COPIES)}.")
+        if self.copy != "none" and self.method not in MODEL_DRAFTERS:
+            raise ConfigError(f"--spec-copy {self.copy} goes in front of a model drafter (--spec-method "
+                              f"{'|'.join(MODEL_DRAFTERS)}); --spec-method {self.method} "
+                              + ("has none." if self.method == "none" else "copies already."))
+        if not 1 <= self.copy_min_match <= 32:
+            raise ConfigError(f"copy_min_match must be in [1, 32], got {self.copy_min_match}.")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}.")
         if not 0 <= self.on_batch <= self.off_batch:

@@ -599,6 +599,12 @@ def test_prefill_workers_hold_the_draft_unless_told_not_to():
         assert dec.get("spec_method") in (None, "draft") and dec["draft_model"] == MODEL
         assert (pre["spec_method"], pre.get("spec_policy")) == (("draft", "off") if drafts else ("none", pre.get("spec_policy")))
         assert ("draft_model" in pre) is drafts
+    # A prefill worker without the drafter drops --spec-copy too (a copier needs a drafter behind it).
+    args = build_parser().parse_args(base + ["--spec-copy", "ngram", "--prefill-draft-kv", "off"])
+    specs = worker_specs(MODEL, engine_kwargs(args), 1, 1, role_engine_kwargs=role_engine_kwargs(args))
+    pre = prefill_engine_kwargs(specs["prefill-0"].engine_kwargs)
+    assert pre["spec_method"] == "none" and "spec_copy" not in pre
+    assert specs["decode-0"].engine_kwargs["spec_copy"] == "ngram"
 
 
 def test_a_prompt_whose_blocks_are_all_in_the_shared_store_skips_the_prefill_worker(tmp_path):

@@ -258,14 +258,14 @@ def test_local_channel_carries_every_part_of_an_int8_layer():
     assert all(torch.equal(a, b) for a, b in zip(ch.read(1, 0, 5), parts))
 
 
-def _draft_engines(smollm_checkpoint, prefill_override=None):
+def _draft_engines(smollm_checkpoint, prefill_override=None, spec_copy="none"):
     """A prefill and a decode engine whose draft is the target itself (greedy drafts then match
     the target wherever the draft's KV is right, so wrong KV would show as lost acceptance)."""
     from specserve.disagg.worker import prefill_engine_kwargs
 
     kw = dict(dtype="float32", checkpoint=smollm_checkpoint, kv_cache_gib=0.25, num_threads=1,
               draft_model="smollm2-135m-instruct", draft_checkpoint=smollm_checkpoint, num_spec_tokens=3,
-              spec_policy="always", profile_spec_costs=False, spec_tree="chain")
+              spec_policy="always", profile_spec_costs=False, spec_tree="chain", spec_copy=spec_copy)
     pre = LLM("smollm2-135m-instruct", max_num_batched_tokens=32, **(prefill_engine_kwargs(kw) | (prefill_override or {})))
     dec = LLM("smollm2-135m-instruct", **kw)
     return pre.engine, dec.engine
@@ -297,21 +297,25 @@ def _final_and_draft_transfers(dec, rid):
     return final, drafts
 
 
-@pytest.mark.parametrize("draft_on_prefill", [True, False])
-def test_the_drafts_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoint, smollm_llm, draft_on_prefill):
+@pytest.mark.parametrize(("draft_on_prefill", "spec_copy"), [(True, "none"), (False, "none"), (True, "ngram")])
+def test_the_drafts_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoint, smollm_llm, draft_on_prefill, spec_copy):
     """With the decode workers' draft on the prefill worker too, the draft's prompt KV travels
     beside the target's: the decode worker's draft never feeds the prompt itself (its widest pass
     is a few tokens, not the prompt), accepts as a draft with the right KV does, greedy output
     equals co-located plain decoding, and both draft pools end whole. (The prefill worker runs the
     draft once the target's KV is sent, so the request's first few tokens decode without drafts.) Without a draft on the
-    prefill worker the draft channel reports failure at once and the draft catches up itself."""
+    prefill worker the draft channel reports failure at once and the draft catches up itself. With
+    --spec-copy in front of the draft (a hybrid) the draft's prompt KV travels the same way."""
     from specserve.disagg.worker import draft_kv_fingerprint
 
-    pre_eng, dec_eng = _draft_engines(smollm_checkpoint, None if draft_on_prefill else {"spec_method": "none"})
+    override = None if draft_on_prefill else {"spec_method": "none", "spec_copy": "none"}
+    pre_eng, dec_eng = _draft_engines(smollm_checkpoint, override, spec_copy)
     assert (draft_kv_fingerprint(pre_eng) == draft_kv_fingerprint(dec_eng)) is draft_on_prefill
     pre, dec = WorkerCore("prefill", pre_eng, "p-draft"), WorkerCore("decode", dec_eng, "d-draft", transfer_timeout_s=5.0)
     widest = _widest_draft_feed(dec_eng)
-    params = SamplingParams(max_tokens=12, temperature=0.0)
+    # A hybrid decodes its first tokens by copying while the draft's KV is on its way: given 12
+    # tokens, a request could end before the draft had drafted anything.
+    params = SamplingParams(max_tokens=12 if spec_copy == "none" else 48, temperature=0.0)
     prompts = PROMPTS[1:3]  # 60 and 70 tokens: three prefill chunks each
     want = [o.outputs[0].token_ids for o in smollm_llm.generate(prompts, params, use_tqdm=False)]
     tok, eos = smollm_llm.tokenizer, smollm_llm.engine.eos_token_ids
@@ -330,7 +334,7 @@ def test_the_drafts_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoint, s
             assert final is not None and final.error is None
             assert final.outputs[0].token_ids == want[i], prompt
             drafts += dec.poll(0.1)[1]["draft_transfers"]
-            assert [d["ok"] for d in drafts] == [draft_on_prefill]
+            assert [d["ok"] for d in drafts] == [draft_on_prefill], str(drafts)
             if draft_on_prefill:
                 assert drafts[0]["bytes"] == m * layout.bytes_per_token()
                 # Only the tokens decoded before the draft's KV landed and the fed drafts, never the prompt.

@@ -256,6 +256,25 @@ def test_a_wholly_accepted_run_tests_the_next_position():
     assert p.prune([r], {"a": tree})["a"].max_depth < 6
 
 
+def test_copied_drafts_are_charged_no_draft_pass_and_learned_apart():
+    """A hybrid (--spec-copy) copies for requests whose context has a match and drafts with a
+    model for the rest. A copy makes no draft pass, so where the model's passes are too dear to
+    draft at all a copied request still drafts deep; and each source's acceptance is learned on
+    its own (a copy run's says nothing of the model's)."""
+    p = _policy(CHEAP_VERIFY, {1: 0.1, 2: 0.1}, acceptance=0.9)
+    a, b = _req("a", [1]), _req("b", [1])
+    assert p.choose([a, b]) == [0, 0]  # a pass costs a target step: the model does not pay
+    assert p.choose([a, b], free=[True, False]) == [4, 0]
+    for _ in range(30):
+        p.observe_proposal("a", 4, 4, free=True)
+        p.observe("a", 4, 0, free=True)  # copies rejected
+    assert p.stats("a", free=True).rates[0] < 0.01
+    assert p.stats("a").rates == [0.9] * 4 and p.pooled.rates == [0.9] * 4  # the model's untouched
+    assert p.pooled_for(True).rates[0] < 0.5 and p.stats("c", free=True).rates[0] < 0.5  # a new request's copy prior
+    p.forget("a")
+    assert p.stats("a", free=True).rates[0] == p.pooled_for(True).rates[0]
+
+
 def test_a_cap_the_proposer_rarely_fills_is_charged_only_what_it_delivers():
     """Same chance of an accepted token per position, but a draft that stops early about half the
     time after each token: the passes and verify tokens that do not happen are not charged, so

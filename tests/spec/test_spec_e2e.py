@@ -54,7 +54,7 @@ def _greedy(n=20, **kw):
 
 
 PROPOSERS = ["ngram", "reference", "reference-chain", "lookahead", "draft-truncated", "draft-full", "draft-restricted",
-             "draft-pmin", "eagle", "eagle-chain", "medusa", "mtp", "layerskip", "layerskip-chain"]
+             "draft-pmin", "eagle", "eagle-chain", "medusa", "mtp", "layerskip", "layerskip-chain", "copy-draft", "copy-eagle"]
 _HEADS: dict[tuple[int, str], str] = {}
 
 
@@ -71,6 +71,10 @@ def _head(ckpt, method: str) -> str:
 
 
 def _spec_llm(ckpt, which, policy="always", **kw):
+    if which == "copy-draft":  # prompt lookup where a 2-token tail matches, the one-layer draft's trees elsewhere
+        return _spec_llm(ckpt, "draft-truncated", policy, spec_copy="ngram", spec_copy_min_match=2, **kw)
+    if which == "copy-eagle":  # the reference where it matches, the EAGLE head's chains elsewhere
+        return _spec_llm(ckpt, "eagle-chain", policy, spec_copy="reference", **kw)
     if which.startswith("draft"):
         layers = None if which == "draft-full" else 1
         if which == "draft-restricted":  # draft LM head over the lower half of the vocabulary only
@@ -101,7 +105,7 @@ def _spec_llm(ckpt, which, policy="always", **kw):
 
 
 def _params_for(which, prompt, baseline_out):
-    if which.startswith("reference"):
+    if which.startswith(("reference", "copy-eagle")):
         # Half the requests get their own future as the reference (long accepted runs), half a
         # shuffled copy (mostly rejected drafts).
         ref = list(prompt) + list(baseline_out)
@@ -128,10 +132,12 @@ def test_tiny_greedy_spec_equals_plain_batched_and_alone(tiny, which):
         assert eng.spec_counters["num_accepted_tokens"] == eng.spec_counters["num_draft_tokens"]
     assert eng.check_integrity()
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
-    if which.startswith(("draft", "eagle", "medusa", "mtp")):
+    if which.startswith(("draft", "eagle", "medusa", "mtp", "copy")):
         assert not eng.proposer.live_request_ids()
-    if which.startswith(("draft", "eagle", "mtp")):
+    if which.startswith(("draft", "eagle", "mtp", "copy")):
         assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
+    if which.startswith("copy"):  # both sources drafted, and both kinds of draft were verified
+        assert eng.proposer.num_copied > 0 and eng.proposer.num_modelled > 0
 
 
 def test_draft_stops_after_the_first_token_it_is_unsure_of():
@@ -293,7 +299,8 @@ def _assert_same_distribution(base, spec, vocab=12):
 @pytest.mark.parametrize("which", [
     # The quick tier keeps a model drafter (layer-skip); deterministic proposers' sampled tokens
     # are tested there equal to plain sampling's (test_seeded_sampling_with_a_deterministic_...).
-    "layerskip", *(pytest.param(w, marks=pytest.mark.slow)
+    # copy-draft: copied (one-hot) and drafted (the draft's distributions) drafts in one batch.
+    "layerskip", "copy-draft", *(pytest.param(w, marks=pytest.mark.slow)
                    for w in ("ngram", "draft-truncated", "lookahead", "draft-restricted", "draft-pmin", "eagle",
                              "medusa", "mtp")),
 ])
@@ -324,6 +331,8 @@ def test_tiny_sampled_distribution_matches(which):
     spec = spec_llm.generate([prompt] * n, params, use_tqdm=False)
     counters = spec_llm.engine.spec_counters
     assert counters["num_accepted_tokens"] > 1000
+    if which.startswith("copy"):
+        assert spec_llm.engine.proposer.num_copied > 1000 and spec_llm.engine.proposer.num_modelled > 1000
     if which == "draft-pmin":  # proposals of several lengths, not all cut to one token
         assert 1.2 < counters["num_draft_tokens"] / counters["num_drafts"] < 3.0
     _assert_same_distribution(base, spec)
@@ -781,12 +790,15 @@ def smol_base(smollm_checkpoint):
 
 
 @pytest.mark.parametrize("which", ["ngram", pytest.param("reference", marks=pytest.mark.slow),
-                                   pytest.param("draft", marks=pytest.mark.slow)])
+                                   pytest.param("draft", marks=pytest.mark.slow),
+                                   pytest.param("copy-draft", marks=pytest.mark.slow)])
 def test_smollm2_greedy_spec_equals_plain(smollm_checkpoint, smol_base, which):
     prompts, base = smol_base
     kw = {}
-    if which == "draft":
+    if which.endswith("draft"):
         kw = dict(draft_checkpoint=smollm_checkpoint, draft_num_layers=24)
+    if which.startswith("copy"):
+        which, kw["spec_copy"] = "draft", "ngram"
     llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, spec_method=which, spec_policy="always",
               spec_tree="tree", max_num_seqs=64, max_num_batched_tokens=2048, profile_spec_costs=False, **kw)
     params = [_greedy(16, reference_text=CODE) for _ in prompts]
@@ -972,6 +984,14 @@ def test_bad_spec_config_errors():
         SpecConfig(method="no-such-method")
     with pytest.raises(ConfigError):
         SpecConfig(method="ngram", num_spec_tokens=0)
+    with pytest.raises(ConfigError, match="copies already"):  # a copier goes in front of a model drafter only
+        SpecConfig(method="ngram", copy="ngram")
+    with pytest.raises(ConfigError, match="has none"):
+        SpecConfig(method="none", copy="reference")
+    with pytest.raises(ConfigError, match="Unknown spec copy source"):
+        SpecConfig(method="eagle", copy="suffix")
+    with pytest.raises(ConfigError, match="copy_min_match"):
+        SpecConfig(method="eagle", copy="ngram", copy_min_match=0)
 
 
 @pytest.mark.slow

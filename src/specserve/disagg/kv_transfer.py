@@ -902,7 +902,7 @@ def travelling_drafter(engine: Any) -> Any:
     """The engine's proposer if its prompt KV can travel between workers (a `PromptKVTraveller`:
     a draft model, an EAGLE or MTP head), else None."""
     proposer = engine.proposer
-    return proposer if proposer is not None and proposer.traits.prompt_kv_travels else None
+    return proposer.prompt_kv_traveller() if proposer is not None else None
 
 
 def draft_kv_layout_of(engine: Any) -> KVLayout | None:

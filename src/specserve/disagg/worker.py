@@ -395,7 +395,8 @@ def prefill_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
 def without_speculation(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """LLM(...) arguments of an engine that does not speculate: the drafter's settings dropped."""
     kwargs = {k: v for k, v in engine_kwargs.items()
-              if k not in ("draft_model", "draft_num_layers", "draft_quantization", "draft_vocab_size", "draft_p_min")}
+              if k not in ("draft_model", "draft_num_layers", "draft_quantization", "draft_vocab_size", "draft_p_min",
+                           "spec_copy", "spec_copy_min_match")}
     return {**kwargs, "spec_method": "none"}
 
 

@@ -322,6 +322,7 @@ class LLMEngine:
         self.connector: EngineConnector | None = None
         self._pending_outputs: list[RequestOutput] = []
         self._forced_drafts: set[str] = set()  # requests whose coming draft is text their grammar forces
+        self._copied: set[str] = set()  # requests whose coming draft a hybrid proposer copied (no draft pass)
         self._states: dict[str, _OutputState] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -730,7 +731,8 @@ class LLMEngine:
                 self.spec_counters["num_forced_tokens"] += st.num_accepted_tokens
                 continue
             spec = True
-            self.policy.observe(sr.request_id, sr.draft.max_depth, st.num_accepted_tokens)
+            self.policy.observe(sr.request_id, sr.draft.max_depth, st.num_accepted_tokens,
+                                free=sr.request_id in self._copied)
             c = self.spec_counters
             c["num_drafts"] += 1
             c["num_draft_tokens"] += st.num_draft_tokens
@@ -759,6 +761,7 @@ class LLMEngine:
     def _propose_next(self) -> None:
         """Ask the policy for K per decoding request and the proposer for that many drafts."""
         decoding = [r for r in self.scheduler.running if r.is_decoding]
+        self._copied = set()
         if not decoding:
             return
         prefill_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.running if not r.is_decoding)
@@ -766,7 +769,8 @@ class LLMEngine:
         # How far a stateful drafter is behind each request: asked only where catching up costs.
         catchup = ([self.proposer.catchup_tokens(r) for r in decoding]  # type: ignore[union-attr]
                    if self.policy.catchup_s_per_token > 0 and self.policy.config.policy == "adaptive" else None)
-        ks = self.policy.choose(decoding, other, catchup)
+        free = self.proposer.free_drafts(decoding)  # type: ignore[union-attr]
+        ks = self.policy.choose(decoding, other, catchup, free)
         for i, req in enumerate(decoding):
             if ks[i]:
                 # Never draft past the context window or past the last token max_tokens allows.
@@ -782,7 +786,7 @@ class LLMEngine:
                                              / max(self.policy.target_time(len(decoding) + other), 1e-9))
         proposals = self.proposer.propose(decoding, ks)  # type: ignore[union-attr]
         delivered = {rid: tree.max_depth for rid, tree in proposals.items()}
-        proposals = self.policy.prune(decoding, proposals, other)
+        proposals = self.policy.prune(decoding, proposals, other, free)
         dt = time.perf_counter() - t0
         self.spec_counters["draft_time_s"] += dt
         if self.policy.draft_cost_is_per_token:  # the draft model
@@ -791,11 +795,12 @@ class LLMEngine:
             per_pass = getattr(self.proposer, "last_pass_time_s", None)
             if per_pass is not None:
                 self.policy.draft_time.observe(sum(1 for k in ks if k), per_pass)
+        self._copied = {r.request_id for i, r in enumerate(decoding) if free and free[i] and ks[i]}
         for req, k in zip(decoding, ks):
             prop = proposals.get(req.request_id)
             if k and req.request_id in delivered:  # before the grammar's cut: what it cuts would be rejected, a miss
                 self.policy.observe_proposal(req.request_id, k, delivered[req.request_id],
-                                             prop.max_depth if prop is not None else 0)
+                                             prop.max_depth if prop is not None else 0, free=req.request_id in self._copied)
             if prop is not None:
                 prop = prune_banned(prop, req)  # a copied token the request bans (logit_bias, min_tokens)
             if prop is not None and req.grammar is not None:

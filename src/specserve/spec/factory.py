@@ -240,7 +240,17 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerContext], Proposer]] = {
 
 
 def build_proposer(ctx: ProposerContext) -> Proposer | None:
-    """The proposer for ctx.spec.method, or None for 'none'."""
+    """The proposer for ctx.spec.method, or None for 'none'; with --spec-copy, a copier in front
+    of it (specserve.spec.hybrid)."""
     if ctx.spec.method == "none":
         return None
-    return PROPOSER_BUILDERS[ctx.spec.method](ctx)
+    drafter = PROPOSER_BUILDERS[ctx.spec.method](ctx)
+    if ctx.spec.copy == "none":
+        return drafter
+    from dataclasses import replace
+
+    from specserve.spec.hybrid import HybridProposer
+
+    n = ctx.spec.copy_min_match
+    copier = PROPOSER_BUILDERS[ctx.spec.copy](replace(ctx, spec=replace(ctx.spec, ngram_min=n, ngram_max=max(n, ctx.spec.ngram_max))))
+    return HybridProposer(copier, drafter, ctx.spec.copy, n)

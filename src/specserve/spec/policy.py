@@ -44,6 +44,12 @@ it tested also tests the next position, unless that position was tested within t
 RUN_PROBE_STALE steps (then its estimate is current, and the cost model's answer stands): in a
 copy run K grows by one a step. (Qwen2.5-Coder 1.5B, prompt lookup, edit prompts, Zen 5: K
 stayed at 4-5 through runs of full acceptances, the 6th position's estimate still the prior.)
+
+A hybrid proposer (`--spec-copy`) copies where a request's context has a match and drafts with
+a model elsewhere. The two sources are accepted very differently (a copy run: nearly always or
+not at all; a model: a steady fraction), so the policy keeps an estimate per source for each
+request, and one pooled per source; a copied draft makes no draft pass and is charged none.
+The proposer says before K is chosen which requests it will copy for (`free` below).
 """
 
 from __future__ import annotations
@@ -173,8 +179,10 @@ class SpecPolicy:
     catchup_s_per_token: float = 0.0  # seconds per token of a proposer catching a request up (0: free)
     enabled: bool = True
     trees: bool = False  # the proposer drafts trees: budgets are node counts, pruned after drafting
-    _stats: dict[str, AcceptanceStats] = field(default_factory=dict)
+    free_prior: float = 0.5  # a copier's prior acceptance (drafts made without a draft pass)
+    _stats: dict[tuple[str, bool], AcceptanceStats] = field(default_factory=dict)
     _pooled: AcceptanceStats | None = None
+    _pooled_free: AcceptanceStats | None = None
     _step: int = 0  # choose() calls so far: the clock of AcceptanceStats.tested
 
     @property
@@ -184,18 +192,30 @@ class SpecPolicy:
             self._pooled = AcceptanceStats([self.prior_acceptance] * self.config.num_spec_tokens)
         return self._pooled
 
-    def stats(self, request_id: str) -> AcceptanceStats:
-        """The request's acceptance estimate (created on first use, from the pooled one)."""
-        st = self._stats.get(request_id)
+    def pooled_for(self, free: bool) -> AcceptanceStats:
+        """The pooled estimate of drafts made with a draft pass (free=False) or without (a copy)."""
+        if not free:
+            return self.pooled
+        if self._pooled_free is None:
+            self._pooled_free = AcceptanceStats([self.free_prior] * self.config.num_spec_tokens)
+        return self._pooled_free
+
+    def stats(self, request_id: str, free: bool = False) -> AcceptanceStats:
+        """The request's acceptance estimate for drafts of one source (created on first use, from
+        that source's pooled one)."""
+        st = self._stats.get((request_id, free))
         if st is None:
-            st = self._stats[request_id] = AcceptanceStats(list(self.pooled.rates), list(self.pooled.reach))
+            pooled = self.pooled_for(free)
+            st = self._stats[(request_id, free)] = AcceptanceStats(list(pooled.rates), list(pooled.reach))
         return st
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's estimate."""
-        self._stats.pop(request_id, None)
+        """Drop a finished request's estimates."""
+        self._stats.pop((request_id, False), None)
+        self._stats.pop((request_id, True), None)
 
-    def observe_proposal(self, request_id: str, k: int, num_proposed: int, num_kept: int | None = None) -> None:
+    def observe_proposal(self, request_id: str, k: int, num_proposed: int, num_kept: int | None = None,
+                         free: bool = False) -> None:
         """Record how deep a proposal asked for with budget k went (num_proposed positions), and
         how deep it stays after prune() (num_kept, default all of it).
 
@@ -209,36 +229,37 @@ class SpecPolicy:
         was asked for only below the chain K its node budget was sized from."""
         if k <= 0:
             return
-        st = self.stats(request_id)
+        st = self.stats(request_id, free)
         limit = min(k, st.depth_asked) if self.trees and st.depth_asked > 0 else k
         st.update_reach(limit, num_proposed)
-        self.pooled.update_reach(limit, num_proposed, POOLED_EWMA)
+        self.pooled_for(free).update_reach(limit, num_proposed, POOLED_EWMA)
         kept = num_proposed if num_kept is None else min(num_kept, num_proposed)
         st.asked = min(limit, num_proposed + 1) if kept == num_proposed else kept
         if num_proposed == 0:  # nothing to verify: position 0 missed now
-            self.observe(request_id, 0, 0)
+            self.observe(request_id, 0, 0, free)
 
-    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+    def observe(self, request_id: str, num_draft: int, num_accepted: int, free: bool = False) -> None:
         """Record a verify result (of a proposal of num_draft tokens, asked for as recorded by
-        observe_proposal, else num_draft)."""
-        st = self.stats(request_id)
+        observe_proposal, else num_draft; free: a copied draft, see the module docstring)."""
+        st = self.stats(request_id, free)
         if num_draft > 0 or st.asked > 0:
             asked = max(st.asked, num_draft)
             st.asked = 0
             st.update(asked, num_accepted)
-            self.pooled.update(asked, num_accepted, POOLED_EWMA)
+            self.pooled_for(free).update(asked, num_accepted, POOLED_EWMA)
             for j in range(min(asked, num_accepted + 1, len(st.tested))):
                 st.tested[j] = self._step
             st.full_run = asked if num_accepted >= asked else 0
 
     def choose(self, requests: Sequence[Request], num_other_tokens: int = 0,
-               catchup: Sequence[int] | None = None) -> list[int]:
+               catchup: Sequence[int] | None = None, free: Sequence[bool] | None = None) -> list[int]:
         """K for each request (0 = no speculation this step).
 
         `requests` are the decoding requests of the next step; num_other_tokens counts prompt
         tokens the step will also carry (they make the verify tokens relatively cheaper);
         catchup[i] the tokens the proposer must process for request i before drafting for it
-        (Proposer.catchup_tokens).
+        (Proposer.catchup_tokens); free[i] that request i's draft will be copied, with no draft
+        pass (Proposer.free_drafts).
         """
         kmax = self.config.num_spec_tokens
         n = len(requests)
@@ -249,17 +270,18 @@ class SpecPolicy:
             ks = [0 if r.sampling_params.speculative is False else kmax for r in requests]
         else:
             eligible = [self._eligible(r, n) for r in requests]
-            ks = self._cost_model_choice(requests, eligible, num_other_tokens, catchup or [0] * n)
+            ks = self._cost_model_choice(requests, eligible, num_other_tokens, catchup or [0] * n, free or [False] * n)
         if self.trees:
-            for r, k in zip(requests, ks):
-                self.stats(r.request_id).depth_asked = k
+            for i, (r, k) in enumerate(zip(requests, ks)):
+                self.stats(r.request_id, bool(free and free[i])).depth_asked = k
             # K says how deep speculation pays for a request (the chain model); a tree proposer
             # may draft twice that many nodes (alternatives where it is unsure, at most
             # max_draft_nodes) and prune() keeps those worth verifying.
             return [min(TREE_NODES_PER_K * k, max(k, self.config.max_draft_nodes)) for k in ks]
         return ks
 
-    def prune(self, requests: Sequence[Request], drafts: dict[str, DraftTree], num_other_tokens: int = 0) -> dict[str, DraftTree]:
+    def prune(self, requests: Sequence[Request], drafts: dict[str, DraftTree], num_other_tokens: int = 0,
+              free: Sequence[bool] | None = None) -> dict[str, DraftTree]:
         """Keep, across the batch, the draft nodes whose predicted acceptance pays for verifying
         them: nodes join in order of predicted acceptance (each tree as a prefix of its nodes,
         which proposers list best first, parents before children) while the step's expected
@@ -268,11 +290,12 @@ class SpecPolicy:
         if not drafts or self.config.policy == "always":
             return drafts
         gains: dict[str, list[float]] = {}
+        copied = {r.request_id for i, r in enumerate(requests) if free and free[i]}
         for req in requests:
             tree = drafts.get(req.request_id)
             if tree is None or not tree.scores:
                 continue
-            st = self.stats(req.request_id)
+            st = self.stats(req.request_id, req.request_id in copied)
             # A probe's draft is verified whole: pruned by the very estimate the probe is there
             # to correct, it would teach nothing and the estimate would stay where it fell.
             if not st.probing:
@@ -297,7 +320,7 @@ class SpecPolicy:
         out = {rid: t for rid, t in drafts.items() if rid not in gains}
         for rid, n in keep.items():
             tree = drafts[rid]
-            depth = self.stats(rid).run_probe
+            depth = self.stats(rid, rid in copied).run_probe
             if depth and tree.max_depth > 0:
                 # A run probe: whatever pays, and the main path down to the tested position.
                 main, node = [], -1
@@ -358,7 +381,7 @@ class SpecPolicy:
         return extra * self.catchup_s_per_token * (1.0 + accepted) / left
 
     def _cost_model_choice(self, requests: Sequence[Request], eligible: list[bool], other: int,
-                           catchup: Sequence[int]) -> list[int]:
+                           catchup: Sequence[int], free: Sequence[bool]) -> list[int]:
         """Maximise expected tokens per second of the step over the K of every request.
 
         The draft pass has a fixed cost shared by everyone who speculates, so the objective is
@@ -369,16 +392,19 @@ class SpecPolicy:
 
         K is a cap: a proposer may deliver fewer (see AcceptanceStats.reach), so the step's cost
         counts the expected delivered drafts, and the draft passes those of the longest request;
-        a request that starts drafting adds its catch-up, spread over its remaining steps.
+        a request that starts drafting adds its catch-up, spread over its remaining steps. A
+        copied draft (free) is verified like any other but makes no draft pass and no catch-up.
         """
         kmax = self.config.num_spec_tokens
         n = len(requests)
-        stats = [self.stats(r.request_id) for r in requests]
-        # Tabulated once: expected accepted and expected delivered drafts of request i asking for k.
+        stats = [self.stats(r.request_id, f) for r, f in zip(requests, free)]
+        # Tabulated once: expected accepted and expected delivered drafts of request i asking for k,
+        # and the draft passes it needs (none for a copy).
         gains = [[st.expected_accepted(k) for k in range(kmax + 1)] for st in stats]
         sizes = [[st.expected_proposed(k) for k in range(kmax + 1)] for st in stats]
-        catch = [[0.0] + [self._catchup_cost(r, c, g[k]) for k in range(1, kmax + 1)]
-                 for r, c, g in zip(requests, catchup, gains)]
+        walks = [[0.0] * (kmax + 1) if f else s for s, f in zip(sizes, free)]
+        catch = [[0.0] * (kmax + 1) if f else [0.0] + [self._catchup_cost(r, c, g[k]) for k in range(1, kmax + 1)]
+                 for r, c, g, f in zip(requests, catchup, gains, free)]
         verify = n + other
 
         def rate(tokens: float, drafted: float, passes: float, n_spec: int, caught: float) -> float:
@@ -386,21 +412,22 @@ class SpecPolicy:
 
         ks, best = [0] * n, rate(n, 0, 0, 0, 0.0)
         idx = [i for i in range(n) if eligible[i]]
+        modelled = [not f for f in free]  # requests in the draft passes when they draft
         for k in range(1, kmax + 1) if idx else ():
             r = rate(n + sum(gains[i][k] for i in idx), sum(sizes[i][k] for i in idx),
-                     max(sizes[i][k] for i in idx), len(idx), sum(catch[i][k] for i in idx))
+                     max(walks[i][k] for i in idx), sum(modelled[i] for i in idx), sum(catch[i][k] for i in idx))
             if r > best:
                 ks, best = [k if eligible[i] else 0 for i in range(n)], r
-        # Running totals make each candidate move O(1); the two largest delivered-draft counts
-        # give the passes when any one request changes.
+        # Running totals make each candidate move O(1); the two largest pass counts give the
+        # passes when any one request changes.
         tokens = n + sum(gains[i][k] for i, k in enumerate(ks))
         drafted = sum(sizes[i][k] for i, k in enumerate(ks))
         caught = sum(catch[i][k] for i, k in enumerate(ks))
-        n_spec = sum(1 for k in ks if k)
+        n_spec = sum(1 for i, k in enumerate(ks) if k and modelled[i])
         for _ in range(2 * n * kmax):  # each move strictly improves the rate; this bounds the loop
-            order = sorted(range(n), key=lambda i: sizes[i][ks[i]], reverse=True)[:2]
-            first = sizes[order[0]][ks[order[0]]]
-            second = sizes[order[1]][ks[order[1]]] if len(order) > 1 else 0.0
+            order = sorted(range(n), key=lambda i: walks[i][ks[i]], reverse=True)[:2]
+            first = walks[order[0]][ks[order[0]]]
+            second = walks[order[1]][ks[order[1]]] if len(order) > 1 else 0.0
             move = None
             for i in idx:
                 others = second if i == order[0] else first
@@ -409,7 +436,7 @@ class SpecPolicy:
                         continue
                     old = ks[i]
                     r = rate(tokens + gains[i][new] - gains[i][old], drafted + sizes[i][new] - sizes[i][old],
-                             max(others, sizes[i][new]), n_spec + (new > 0) - (old > 0),
+                             max(others, walks[i][new]), n_spec + modelled[i] * ((new > 0) - (old > 0)),
                              caught + catch[i][new] - catch[i][old])
                     if r > best * (1 + 1e-9) and (move is None or r > move[2]):
                         move = (i, new, r)
@@ -420,25 +447,26 @@ class SpecPolicy:
             tokens += gains[i][new] - gains[i][old]
             drafted += sizes[i][new] - sizes[i][old]
             caught += catch[i][new] - catch[i][old]
-            n_spec += (new > 0) - (old > 0)
+            n_spec += modelled[i] * ((new > 0) - (old > 0))
             ks[i] = new
         # Give held-back requests an occasional probe one position further, so an estimate
         # that fell below break-even can recover (switched off: k = 1; short: k + 1). A request
         # at k = 0 probes only where a typical one (the pooled acceptance) would draft now.
-        pooled_gain, pooled_size = self.pooled.expected_accepted(1), self.pooled.expected_proposed(1)
-        passes = max((sizes[i][k] for i, k in enumerate(ks)), default=0.0)
+        passes = max((walks[i][k] for i, k in enumerate(ks)), default=0.0)
         for i, st in enumerate(stats):
             st.probing, st.run_probe = False, 0
             if eligible[i] and ks[i] == 0:
                 st.steps_off += 1
                 if st.steps_off >= PROBE_EVERY:
-                    cost = self._catchup_cost(requests[i], catchup[i], pooled_gain)
-                    r = rate(tokens + pooled_gain, drafted + pooled_size, max(passes, pooled_size), n_spec + 1,
-                             caught + cost)
+                    pooled = self.pooled_for(free[i])
+                    gain, size = pooled.expected_accepted(1), pooled.expected_proposed(1)
+                    walk = size * modelled[i]
+                    cost = self._catchup_cost(requests[i], catchup[i], gain) * modelled[i]
+                    r = rate(tokens + gain, drafted + size, max(passes, walk), n_spec + modelled[i], caught + cost)
                     if r > best:
                         ks[i], st.steps_off, best, st.probing = 1, 0, r, True
-                        tokens, drafted, caught, n_spec = tokens + pooled_gain, drafted + pooled_size, caught + cost, n_spec + 1
-                        passes = max(passes, pooled_size)
+                        tokens, drafted, caught = tokens + gain, drafted + size, caught + cost
+                        n_spec, passes = n_spec + modelled[i], max(passes, walk)
                 continue
             st.steps_off = 0
             if eligible[i] and ks[i] < kmax:

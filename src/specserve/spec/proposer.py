@@ -116,6 +116,15 @@ class Proposer(ABC):
         A proposer may return fewer nodes than asked (or none) when it has no good guess.
         """
 
+    def prompt_kv_traveller(self) -> PromptKVTraveller | None:
+        """The drafter whose prompt KV travels between disaggregated workers (traits.prompt_kv_travels)."""
+        return self if self.traits.prompt_kv_travels and isinstance(self, PromptKVTraveller) else None
+
+    def free_drafts(self, requests: Sequence[Request]) -> list[bool] | None:
+        """Before K is chosen: which requests' next drafts will take no draft pass (a hybrid's
+        copies, see specserve.spec.hybrid); None when that is what traits.cost says for all."""
+        return None
+
     def observe(self, request: Request, draft: DraftTree, result: SampledTokens) -> None:  # noqa: B027
         """After verification (traits.needs_verify_outputs): the draft and what the target did
         with it (result.node_argmax: the target's argmax at the root and at every node)."""

@@ -1,0 +1,151 @@
+"""Copying first, a model drafter for the rest (`--spec-copy ngram|reference`).
+
+Requests that repeat their context (an edit of the prompt's code, a quoted passage, a list that
+follows a pattern) are drafted best by copying: a long continuation for no forward pass at all.
+Everywhere else a model drafter is better than nothing. This proposer asks a model-free copier
+first and the model drafter only for the requests the copier has nothing for: a request whose
+last `min_match` tokens occur earlier in its context (ngram) or in its reference text (reference)
+gets the copy that step, and the draft passes are made for the others alone. SuffixDecoding's
+hybrid with EAGLE (Oliaro et al. 2025) and Arctic Inference's suffix + draft speculation do the
+same.
+
+Verification does not care where a draft came from: a copied draft is deterministic (one-hot p),
+the model's carries its distributions, and each is verified by the rule for how it was drawn. A
+stateful drafter (a draft model's KV cache, an EAGLE head's features) skips the steps a request
+was copied and catches up on the tokens they accepted the next time it drafts for it, as it does
+after any step the policy gave it no draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from specserve.spec.proposer import PromptKVTraveller, Proposer, ProposerTraits
+from specserve.spec.tree import DraftTree
+
+if TYPE_CHECKING:
+    from specserve.engine.scheduler import SampledTokens
+    from specserve.request import Request
+
+# Copiers the hybrid takes: model-free proposers that draft nothing where they have no match.
+COPIERS = ("ngram", "reference")
+
+
+class HybridProposer(Proposer):
+    """A copier's draft where it has one, else the model drafter's; traits are the drafter's."""
+
+    def __init__(self, copier: Proposer, drafter: Proposer, copier_name: str, min_match: int) -> None:
+        if copier.traits.cost != "flat" or drafter.traits.cost != "per_pass":
+            raise ValueError("a hybrid pairs a model-free copier with a model drafter")
+        self.copier = copier
+        self.drafter = drafter
+        self.copier_name = copier_name
+        self.min_match = min_match
+        # The drafter's: its cost per pass, trees, hidden states, prompt KV that travels.
+        self.traits: ProposerTraits = drafter.traits
+        self.copied: set[str] = set()  # requests the last propose() copied for
+        self._drafted = False  # the drafter made passes in the last propose()
+        self.num_copied = 0  # drafts the copier gave (counted over the proposer's life)
+        self.num_modelled = 0  # drafts the drafter gave
+
+    # ------------------------------------------------------------------ what the engine sets / reads
+    @property
+    def pass_cost_ratio(self) -> float:  # type: ignore[override]
+        return self.drafter.pass_cost_ratio
+
+    @pass_cost_ratio.setter
+    def pass_cost_ratio(self, value: float) -> None:
+        self.drafter.pass_cost_ratio = value
+
+    @property
+    def last_pass_time_s(self) -> float | None:
+        """The drafter's last pass time, None when the last step copied for every request (no
+        pass to learn the draft cost from)."""
+        return getattr(self.drafter, "last_pass_time_s", None) if self._drafted else None
+
+    @property
+    def tree(self) -> bool:
+        """Trees or chains, for both (the bench switches them at run time)."""
+        return bool(getattr(self.drafter, "tree", False))
+
+    @tree.setter
+    def tree(self, value: bool) -> None:
+        for p in (self.copier, self.drafter):
+            if hasattr(p, "tree"):
+                p.tree = value
+
+    def prompt_kv_traveller(self) -> PromptKVTraveller | None:
+        """The drafter's prompt KV travels as it would alone (the copier has none)."""
+        return self.drafter.prompt_kv_traveller()
+
+    def __getattr__(self, name: str) -> object:
+        """Anything else is the drafter's (its runner, its KV cache manager, its head)."""
+        if name in ("copier", "drafter"):  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.drafter, name)
+
+    # ------------------------------------------------------------------ lifecycle
+    def add_request(self, request: Request) -> None:
+        """Both keep per-request state (the reference text; the drafter's caches)."""
+        self.copier.add_request(request)
+        self.drafter.add_request(request)
+
+    def remove_request(self, request_id: str, finished: bool = True) -> None:
+        """Both release the request."""
+        self.copier.remove_request(request_id, finished)
+        self.drafter.remove_request(request_id, finished)
+
+    # ------------------------------------------------------------------ drafting
+    def free_drafts(self, requests: Sequence[Request]) -> list[bool]:
+        """The requests the copier has a match for now: their drafts make no draft pass."""
+        have = self.copier.propose(requests, [1] * len(requests))
+        return [r.request_id in have for r in requests]
+
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
+        """The copier's drafts, then the drafter's for the requests left without one."""
+        copies = self.copier.propose(requests, num_tokens)
+        self.copied = set(copies)
+        rest = [(r, k) for r, k in zip(requests, num_tokens) if k > 0 and r.request_id not in copies]
+        out = dict(copies)
+        self._drafted = bool(rest)
+        if rest:
+            out.update(self.drafter.propose([r for r, _ in rest], [k for _, k in rest]))
+        self.num_copied += len(copies)
+        self.num_modelled += len(out) - len(copies)
+        return out
+
+    def observe(self, request: Request, draft: DraftTree, result: SampledTokens) -> None:
+        """Verify outputs go to the drafter (copiers learn nothing from them)."""
+        self.drafter.observe(request, draft, result)
+
+    def observe_hidden(self, hidden: dict) -> None:
+        """Every verified token's features reach a feature drafter, copied steps' included."""
+        self.drafter.observe_hidden(hidden)
+
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.drafter.feature_layers()
+
+    def time_pass(self, batch: int) -> float:
+        return self.drafter.time_pass(batch)
+
+    def catchup_tokens(self, request: Request) -> int:
+        return self.drafter.catchup_tokens(request)
+
+    def time_catchup(self, tokens: int) -> float:
+        return self.drafter.time_catchup(tokens)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def check_integrity(self) -> bool:
+        return self.copier.check_integrity() and self.drafter.check_integrity()
+
+    def live_request_ids(self) -> list[str]:
+        return sorted(set(self.copier.live_request_ids()) | set(self.drafter.live_request_ids()))
+
+    def describe(self) -> str:
+        inner = self.drafter.describe()
+        copy = f"copying first ({self.copier_name}, tails of >= {self.min_match} tokens)"
+        return f"{inner}; {copy}" if inner else copy
+
+    def memory_bytes(self) -> int:
+        return self.drafter.memory_bytes() + self.copier.memory_bytes()
