@@ -9,7 +9,7 @@ Sections (all by default, in one run):
               T=0.7, on coding prompts and on "edit this code" prompts (reference = the code)
   ksweep      K = 1..8 with the draft model: measured acceptance and tokens per step against
               the geometric-model prediction (1 - b^(K+1)) / (1 - b), and the speedup
-  batchsweep  batch 1..32: policy none vs always vs adaptive (draft model)
+  batchsweep  batch 1..64: policy none vs always vs adaptive (--batch-method, the draft model by default)
   hf          HF transformers on the same GGUF pair: plain, assisted generation
               (assistant_model) and prompt lookup (prompt_lookup_num_tokens), batch 1 greedy
 
@@ -262,8 +262,8 @@ def section_ksweep(b: Bench) -> list[dict]:
 
 
 def section_batchsweep(b: Bench) -> list[dict]:
-    """Throughput at batch 1..32 for policy none / always / adaptive (draft model)."""
-    llm = b.llm("draft", "adaptive", 4)
+    """Throughput at batch 1..64 for policy none / always / adaptive (--batch-method: the draft model)."""
+    llm = b.llm(b.args.batch_method, "adaptive", 4)
     eng = llm.engine
     rows = []
     prompts = [p for p, _ in b.coding]
@@ -451,6 +451,7 @@ def main() -> int:
                     help="model drafters stop a branch after a token they give p below this (default: the engine's)")
     ap.add_argument("--extra-baselines", nargs="*", default=[],
                     help="extra batch-1 rows: none-int8 = plain decoding of the int8 target")
+    ap.add_argument("--batch-method", default="draft", help="batchsweep: the proposer (METHOD+COPY as --tree-methods)")
     ap.add_argument("--tree-methods", nargs="+", default=["draft", "ngram", "reference", "lookahead"],
                     help="proposers of the trees section; METHOD+COPY (draft+ngram, eagle+reference) puts "
                          "--spec-copy COPY in front of a model drafter")

@@ -784,6 +784,7 @@ class LLMEngine:
             # What one draft pass costs next to a target step: where growing a tree stops paying.
             self.proposer.pass_cost_ratio = (self.policy.draft_time(len(decoding))  # type: ignore[union-attr]
                                              / max(self.policy.target_time(len(decoding) + other), 1e-9))
+        copied = self._copied = {r.request_id for i, r in enumerate(decoding) if free and free[i] and ks[i]}
         proposals = self.proposer.propose(decoding, ks)  # type: ignore[union-attr]
         delivered = {rid: tree.max_depth for rid, tree in proposals.items()}
         proposals = self.policy.prune(decoding, proposals, other, free)
@@ -794,8 +795,8 @@ class LLMEngine:
             # request stopped after that pass (K = 1, or an unsure first draft).
             per_pass = getattr(self.proposer, "last_pass_time_s", None)
             if per_pass is not None:
-                self.policy.draft_time.observe(sum(1 for k in ks if k), per_pass)
-        self._copied = {r.request_id for i, r in enumerate(decoding) if free and free[i] and ks[i]}
+                # over the requests the drafter drafted for (not those a hybrid copied for)
+                self.policy.draft_time.observe(sum(1 for r, k in zip(decoding, ks) if k and r.request_id not in copied), per_pass)
         for req, k in zip(decoding, ks):
             prop = proposals.get(req.request_id)
             if k and req.request_id in delivered:  # before the grammar's cut: what it cuts would be rejected, a miss
