@@ -95,9 +95,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--ngram-min", type=int, default=1)
     s.add_argument("--ngram-max", type=int, default=4)
     s.add_argument("--lookahead-window", type=int, default=6, help="lookahead: Jacobi window length")
-    s.add_argument("--spec-copy", choices=["none", "ngram", "reference"], default="none",
+    s.add_argument("--spec-copy", choices=["auto", "none", "ngram", "reference"], default="auto",
                    help="with a model drafter: copy from the request's context (ngram) or reference text (reference) "
-                        "where its last --spec-copy-min-match tokens occur there, and draft with the model elsewhere")
+                        "where its last --spec-copy-min-match tokens occur there, and draft with the model elsewhere "
+                        "(auto, the default: ngram in front of a model drafter; none: the drafter alone)")
     s.add_argument("--spec-copy-min-match", type=int, default=3, metavar="N",
                    help="--spec-copy: tokens of the request's tail that must match before a copy is drafted")
     s.add_argument("--spec-on-batch", type=int, default=8, help="speculate freely at batch <= this")

@@ -209,8 +209,9 @@ SPEC_POLICIES = ("adaptive", "always", "off")
 # for the proposer (ProposerTraits.tree_by_default).
 SPEC_TREES = ("auto", "tree", "chain")
 # --spec-copy: a model drafter's requests that repeat their context (ngram) or their reference text
-# (reference) are drafted by copying where a tail of copy_min_match tokens matches (spec/hybrid.py).
-SPEC_COPIES = ("none", "ngram", "reference")
+# (reference) are drafted by copying where a tail of copy_min_match tokens matches (spec/hybrid.py);
+# auto: ngram in front of a model drafter, nothing in front of the others.
+SPEC_COPIES = ("auto", "none", "ngram", "reference")
 # Proposers that draft with a model pass: the ones a copier can go in front of.
 MODEL_DRAFTERS = ("draft", "eagle", "medusa", "mtp", "layerskip")
 
@@ -300,7 +301,7 @@ class SpecConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     lookahead_window: int = 6  # lookahead: Jacobi window length
-    copy: str = "none"  # none | ngram | reference: copy before drafting with the model (see SPEC_COPIES)
+    copy: str = "auto"  # auto | none | ngram | reference: copy before drafting with the model (see SPEC_COPIES)
     copy_min_match: int = 3  # a copy needs the request's last this many tokens to occur earlier
     # Reference thresholds: speculate freely at batch <= on_batch, never at batch >= off_batch,
     # only priority requests (priority < 0) in between. The cost model decides within them.
@@ -338,7 +339,7 @@ class SpecConfig:
             raise ConfigError(f"lookahead_window must be in [1, 32], got {self.lookahead_window}.")
         if self.copy not in SPEC_COPIES:
             raise ConfigError(f"Unknown spec copy source {self.copy!r}; use one of {', '.join(SPEC_COPIES)}.")
-        if self.copy != "none" and self.method not in MODEL_DRAFTERS:
+        if self.copy not in ("auto", "none") and self.method not in MODEL_DRAFTERS:
             raise ConfigError(f"--spec-copy {self.copy} goes in front of a model drafter (--spec-method "
                               f"{'|'.join(MODEL_DRAFTERS)}); --spec-method {self.method} "
                               + ("has none." if self.method == "none" else "copies already."))
@@ -355,6 +356,13 @@ class SpecConfig:
     def enabled(self) -> bool:
         """True when a proposer is configured."""
         return self.method != "none"
+
+    @property
+    def copy_source(self) -> str:
+        """What copies in front of the proposer: `copy`, with auto resolved (none, ngram, reference)."""
+        if self.copy == "auto":
+            return "ngram" if self.method in MODEL_DRAFTERS else "none"
+        return self.copy
 
     def use_trees(self, proposer_default: bool) -> bool:
         """Whether a proposer that can branch drafts trees: as asked, or its measured default."""

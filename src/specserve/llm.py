@@ -68,7 +68,7 @@ class LLM:
         ngram_min: int = 1,
         ngram_max: int = 4,
         lookahead_window: int = 6,
-        spec_copy: str = "none",
+        spec_copy: str = "auto",
         spec_copy_min_match: int = 3,
         spec_on_batch: int = 8,
         spec_off_batch: int = 32,

@@ -71,10 +71,15 @@ def _head(ckpt, method: str) -> str:
 
 
 def _spec_llm(ckpt, which, policy="always", **kw):
+    # The model drafters' variants test the drafter itself: no copier in front of it (the default
+    # puts prompt lookup there; the copy-* variants test that pairing).
+    kw.setdefault("spec_copy", "none")
     if which == "copy-draft":  # prompt lookup where a 2-token tail matches, the one-layer draft's trees elsewhere
-        return _spec_llm(ckpt, "draft-truncated", policy, spec_copy="ngram", spec_copy_min_match=2, **kw)
+        kw["spec_copy"] = "ngram"
+        return _spec_llm(ckpt, "draft-truncated", policy, spec_copy_min_match=2, **kw)
     if which == "copy-eagle":  # the reference where it matches, the EAGLE head's chains elsewhere
-        return _spec_llm(ckpt, "eagle-chain", policy, spec_copy="reference", **kw)
+        kw["spec_copy"] = "reference"
+        return _spec_llm(ckpt, "eagle-chain", policy, **kw)
     if which.startswith("draft"):
         layers = None if which == "draft-full" else 1
         if which == "draft-restricted":  # draft LM head over the lower half of the vocabulary only
@@ -151,7 +156,7 @@ def test_draft_stops_after_the_first_token_it_is_unsure_of():
 
     _, ckpt = tiny_checkpoint("llama", seed=9, vocab=12, layers=2)
     p_min = 0.1
-    llm = _llm(ckpt, "draft", draft=ckpt, draft_num_layers=1, k=4, draft_p_min=p_min, spec_tree="chain")
+    llm = _llm(ckpt, "draft", draft=ckpt, draft_num_layers=1, k=4, draft_p_min=p_min, spec_tree="chain", spec_copy="none")
     prop = llm.engine.proposer
     reqs = [Request(str(i), [1, 5, 7, 5, 7, 5], SamplingParams(temperature=1.0, seed=i, max_tokens=8))
             for i in range(64)]

@@ -65,7 +65,7 @@ def test_draft_model_trees_accept_the_drafts_argmax_path_when_draft_is_target(ti
     """Draft = target, greedy: the draft's most likely child is the target's argmax at every
     level, so each step accepts the whole first-child path of its tree (and no other)."""
     llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="draft", draft_checkpoint=tiny, spec_tree="tree",
-              spec_policy="always", num_spec_tokens=8, profile_spec_costs=False)
+              spec_policy="always", num_spec_tokens=8, profile_spec_costs=False, spec_copy="none")
     runner = llm.engine.runner
     execute = runner.execute
     checked = Counter()

@@ -769,7 +769,10 @@ class LLMEngine:
         # How far a stateful drafter is behind each request: asked only where catching up costs.
         catchup = ([self.proposer.catchup_tokens(r) for r in decoding]  # type: ignore[union-attr]
                    if self.policy.catchup_s_per_token > 0 and self.policy.config.policy == "adaptive" else None)
-        free = self.proposer.free_drafts(decoding)  # type: ignore[union-attr]
+        spec = self.policy.config
+        # Which drafts a hybrid will copy (no draft pass), unless no request may draft at this batch size.
+        none_may = spec.policy == "adaptive" and len(decoding) >= spec.off_batch
+        free = None if none_may else self.proposer.free_drafts(decoding)  # type: ignore[union-attr]
         ks = self.policy.choose(decoding, other, catchup, free)
         for i, req in enumerate(decoding):
             if ks[i]:

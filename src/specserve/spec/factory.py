@@ -245,12 +245,15 @@ def build_proposer(ctx: ProposerContext) -> Proposer | None:
     if ctx.spec.method == "none":
         return None
     drafter = PROPOSER_BUILDERS[ctx.spec.method](ctx)
-    if ctx.spec.copy == "none":
+    source = ctx.spec.copy_source
+    if source == "none":
         return drafter
     from dataclasses import replace
 
     from specserve.spec.hybrid import HybridProposer
+    from specserve.spec.policy import TREE_NODES_PER_K
 
     n = ctx.spec.copy_min_match
-    copier = PROPOSER_BUILDERS[ctx.spec.copy](replace(ctx, spec=replace(ctx.spec, ngram_min=n, ngram_max=max(n, ctx.spec.ngram_max))))
-    return HybridProposer(copier, drafter, ctx.spec.copy, n)
+    copier = PROPOSER_BUILDERS[source](replace(ctx, spec=replace(ctx.spec, ngram_min=n, ngram_max=max(n, ctx.spec.ngram_max))))
+    budget = max(TREE_NODES_PER_K * ctx.spec.num_spec_tokens, ctx.spec.max_draft_nodes)  # the most a step asks for
+    return HybridProposer(copier, drafter, source, n, budget)

@@ -35,13 +35,17 @@ COPIERS = ("ngram", "reference")
 class HybridProposer(Proposer):
     """A copier's draft where it has one, else the model drafter's; traits are the drafter's."""
 
-    def __init__(self, copier: Proposer, drafter: Proposer, copier_name: str, min_match: int) -> None:
+    def __init__(self, copier: Proposer, drafter: Proposer, copier_name: str, min_match: int, budget: int = 64) -> None:
         if copier.traits.cost != "flat" or drafter.traits.cost != "per_pass":
             raise ValueError("a hybrid pairs a model-free copier with a model drafter")
         self.copier = copier
         self.drafter = drafter
         self.copier_name = copier_name
         self.min_match = min_match
+        self.budget = budget  # the most nodes a step may ask for (the copies free_drafts makes are cut to k)
+        # free_drafts' copies, kept for the propose() of the same step, and the request lengths it saw
+        self._copies: dict[str, DraftTree] = {}
+        self._looked: dict[str, int] = {}
         # The drafter's: its cost per pass, trees, hidden states, prompt KV that travels.
         self.traits: ProposerTraits = drafter.traits
         self.copied: set[str] = set()  # requests the last propose() copied for
@@ -98,13 +102,32 @@ class HybridProposer(Proposer):
 
     # ------------------------------------------------------------------ drafting
     def free_drafts(self, requests: Sequence[Request]) -> list[bool]:
-        """The requests the copier has a match for now: their drafts make no draft pass."""
-        have = self.copier.propose(requests, [1] * len(requests))
-        return [r.request_id in have for r in requests]
+        """The requests the copier has a match for now: their drafts make no draft pass. The
+        copies (of the largest budget a step may ask for) are kept for this step's propose()."""
+        self._copies = self.copier.propose(requests, [self.budget] * len(requests))
+        self._looked = {r.request_id: len(r.all_token_ids) for r in requests}
+        return [r.request_id in self._copies for r in requests]
+
+    def _copy(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
+        """This step's copies cut to k nodes (the copier lists nodes best first, parents before
+        children); the copier is asked anew for a request free_drafts did not see as it is now."""
+        out, ask = {}, []
+        for r, k in zip(requests, num_tokens):
+            if k <= 0:
+                continue
+            if self._looked.get(r.request_id) == len(r.all_token_ids):
+                if r.request_id in self._copies:
+                    out[r.request_id] = self._copies[r.request_id].truncate(k)
+            else:
+                ask.append((r, k))
+        if ask:
+            out.update(self.copier.propose([r for r, _ in ask], [k for _, k in ask]))
+        self._copies, self._looked = {}, {}
+        return out
 
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
         """The copier's drafts, then the drafter's for the requests left without one."""
-        copies = self.copier.propose(requests, num_tokens)
+        copies = self._copy(requests, num_tokens)
         self.copied = set(copies)
         rest = [(r, k) for r, k in zip(requests, num_tokens) if k > 0 and r.request_id not in copies]
         out = dict(copies)
