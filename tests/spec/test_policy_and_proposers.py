@@ -275,6 +275,23 @@ def test_copied_drafts_are_charged_no_draft_pass_and_learned_apart():
     assert p.stats("a", free=True).rates[0] == p.pooled_for(True).rates[0]
 
 
+def test_a_copy_is_preferred_only_where_it_promises_as_much_as_the_models_draft():
+    """Where the copier has a match and the model drafts well for the request while its copies
+    are mostly rejected (prose with a repeated phrase), the model drafts; a copy declined
+    PROBE_EVERY times in a row is taken anyway so its estimate can recover; where copies are
+    accepted (a copy run) the copy wins, having no draft pass to pay for."""
+    from specserve.spec.policy import PROBE_EVERY
+
+    p = _policy(CHEAP_VERIFY, {1: 0.01}, acceptance=0.8)
+    r, s = _req("r", [1]), _req("s", [1])
+    p.stats("r", free=True).rates = [0.1] * 4
+    p.stats("s", free=True).rates = [0.99] * 4
+    picks = [p.prefer_copy([r, s], [True, True]) for _ in range(PROBE_EVERY)]
+    assert [a for a, _ in picks] == [False] * (PROBE_EVERY - 1) + [True]
+    assert all(b for _, b in picks)
+    assert p.prefer_copy([r, s], [False, False]) == [False, False]  # no copy to be had
+
+
 def test_a_cap_the_proposer_rarely_fills_is_charged_only_what_it_delivers():
     """Same chance of an accepted token per position, but a draft that stops early about half the
     time after each token: the passes and verify tokens that do not happen are not charged, so

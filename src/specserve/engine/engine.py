@@ -773,6 +773,10 @@ class LLMEngine:
         # Which drafts a hybrid will copy (no draft pass), unless no request may draft at this batch size.
         none_may = spec.policy == "adaptive" and len(decoding) >= spec.off_batch
         free = None if none_may else self.proposer.free_drafts(decoding)  # type: ignore[union-attr]
+        if free is not None:  # a copy where it promises as much as the model's draft, else the model
+            chosen = self.policy.prefer_copy(decoding, free)
+            self.proposer.decline_free({r.request_id for r, f, c in zip(decoding, free, chosen) if f and not c})  # type: ignore[union-attr]
+            free = chosen
         ks = self.policy.choose(decoding, other, catchup, free)
         for i, req in enumerate(decoding):
             if ks[i]:

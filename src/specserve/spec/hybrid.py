@@ -108,6 +108,11 @@ class HybridProposer(Proposer):
         self._looked = {r.request_id: len(r.all_token_ids) for r in requests}
         return [r.request_id in self._copies for r in requests]
 
+    def decline_free(self, request_ids: set[str]) -> None:
+        """The drafter drafts for these this step: their copies are dropped."""
+        for rid in request_ids:
+            self._copies.pop(rid, None)
+
     def _copy(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
         """This step's copies cut to k nodes (the copier lists nodes best first, parents before
         children); the copier is asked anew for a request free_drafts did not see as it is now."""

@@ -121,9 +121,13 @@ class Proposer(ABC):
         return self if self.traits.prompt_kv_travels and isinstance(self, PromptKVTraveller) else None
 
     def free_drafts(self, requests: Sequence[Request]) -> list[bool] | None:
-        """Before K is chosen: which requests' next drafts will take no draft pass (a hybrid's
+        """Before K is chosen: which requests' next drafts could take no draft pass (a hybrid's
         copies, see specserve.spec.hybrid); None when that is what traits.cost says for all."""
         return None
+
+    def decline_free(self, request_ids: set[str]) -> None:  # noqa: B027 - optional hook
+        """This step drafts for these requests the way that takes a pass (the policy declined
+        the free drafts free_drafts offered)."""
 
     def observe(self, request: Request, draft: DraftTree, result: SampledTokens) -> None:  # noqa: B027
         """After verification (traits.needs_verify_outputs): the draft and what the target did
