@@ -210,7 +210,8 @@ SPEC_POLICIES = ("adaptive", "always", "off")
 SPEC_TREES = ("auto", "tree", "chain")
 # --spec-copy: a model drafter's requests that repeat their context (ngram) or their reference text
 # (reference) are drafted by copying where a tail of copy_min_match tokens matches (spec/hybrid.py);
-# auto: ngram in front of a model drafter, nothing in front of the others.
+# auto: the reference where a request has one, else ngram, in front of a model drafter; nothing
+# in front of the others.
 SPEC_COPIES = ("auto", "none", "ngram", "reference")
 # Proposers that draft with a model pass: the ones a copier can go in front of.
 MODEL_DRAFTERS = ("draft", "eagle", "medusa", "mtp", "layerskip")
@@ -359,9 +360,11 @@ class SpecConfig:
 
     @property
     def copy_source(self) -> str:
-        """What copies in front of the proposer: `copy`, with auto resolved (none, ngram, reference)."""
+        """What copies in front of the proposer: `copy`, with auto resolved: a request's reference
+        text where it has one and it matches, else its context ("reference+ngram"), in front of a
+        model drafter; nothing in front of the others."""
         if self.copy == "auto":
-            return "ngram" if self.method in MODEL_DRAFTERS else "none"
+            return "reference+ngram" if self.method in MODEL_DRAFTERS else "none"
         return self.copy
 
     def use_trees(self, proposer_default: bool) -> bool:

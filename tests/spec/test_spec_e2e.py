@@ -54,7 +54,7 @@ def _greedy(n=20, **kw):
 
 
 PROPOSERS = ["ngram", "reference", "reference-chain", "lookahead", "draft-truncated", "draft-full", "draft-restricted",
-             "draft-pmin", "eagle", "eagle-chain", "medusa", "mtp", "layerskip", "layerskip-chain", "copy-draft", "copy-eagle"]
+             "draft-pmin", "eagle", "eagle-chain", "medusa", "mtp", "layerskip", "layerskip-chain", "copy-draft", "copy-eagle", "copy-auto"]
 _HEADS: dict[tuple[int, str], str] = {}
 
 
@@ -80,6 +80,9 @@ def _spec_llm(ckpt, which, policy="always", **kw):
     if which == "copy-eagle":  # the reference where it matches, the EAGLE head's chains elsewhere
         kw["spec_copy"] = "reference"
         return _spec_llm(ckpt, "eagle-chain", policy, **kw)
+    if which == "copy-auto":  # the default: the reference where there is one, else the context, else the draft
+        kw["spec_copy"] = "auto"
+        return _spec_llm(ckpt, "draft-truncated", policy, **kw)
     if which.startswith("draft"):
         layers = None if which == "draft-full" else 1
         if which == "draft-restricted":  # draft LM head over the lower half of the vocabulary only
@@ -110,7 +113,7 @@ def _spec_llm(ckpt, which, policy="always", **kw):
 
 
 def _params_for(which, prompt, baseline_out):
-    if which.startswith(("reference", "copy-eagle")):
+    if which.startswith(("reference", "copy-eagle", "copy-auto")):
         # Half the requests get their own future as the reference (long accepted runs), half a
         # shuffled copy (mostly rejected drafts).
         ref = list(prompt) + list(baseline_out)
@@ -143,6 +146,8 @@ def test_tiny_greedy_spec_equals_plain_batched_and_alone(tiny, which):
         assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
     if which.startswith("copy"):  # both sources drafted, and both kinds of draft were verified
         assert eng.proposer.num_copied > 0 and eng.proposer.num_modelled > 0
+    if which == "copy-auto":
+        assert [type(c).__name__ for c in eng.proposer.copier.copiers] == ["ReferenceProposer", "NgramProposer"]
 
 
 def test_draft_stops_after_the_first_token_it_is_unsure_of():

@@ -250,10 +250,12 @@ def build_proposer(ctx: ProposerContext) -> Proposer | None:
         return drafter
     from dataclasses import replace
 
-    from specserve.spec.hybrid import HybridProposer
+    from specserve.spec.hybrid import FirstOf, HybridProposer
     from specserve.spec.policy import TREE_NODES_PER_K
 
     n = ctx.spec.copy_min_match
-    copier = PROPOSER_BUILDERS[source](replace(ctx, spec=replace(ctx.spec, ngram_min=n, ngram_max=max(n, ctx.spec.ngram_max))))
+    sub = replace(ctx, spec=replace(ctx.spec, ngram_min=n, ngram_max=max(n, ctx.spec.ngram_max)))
+    copiers = [PROPOSER_BUILDERS[name](sub) for name in source.split("+")]
+    copier = copiers[0] if len(copiers) == 1 else FirstOf(copiers)
     budget = max(TREE_NODES_PER_K * ctx.spec.num_spec_tokens, ctx.spec.max_draft_nodes)  # the most a step asks for
     return HybridProposer(copier, drafter, source, n, budget)

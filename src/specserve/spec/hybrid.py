@@ -1,11 +1,12 @@
-"""Copying first, a model drafter for the rest (`--spec-copy ngram|reference`).
+"""Copying first, a model drafter for the rest (`--spec-copy auto|ngram|reference`).
 
 Requests that repeat their context (an edit of the prompt's code, a quoted passage, a list that
 follows a pattern) are drafted best by copying: a long continuation for no forward pass at all.
 Everywhere else a model drafter is better than nothing. This proposer asks a model-free copier
 first and the model drafter only for the requests the copier has nothing for: a request whose
 last `min_match` tokens occur earlier in its context (ngram) or in its reference text (reference)
-gets the copy that step, and the draft passes are made for the others alone. SuffixDecoding's
+gets the copy that step, and the draft passes are made for the others alone (`auto`: the
+reference text where a request has one and it matches, else the context). SuffixDecoding's
 hybrid with EAGLE (Oliaro et al. 2025) and Arctic Inference's suffix + draft speculation do the
 same.
 
@@ -30,6 +31,51 @@ if TYPE_CHECKING:
 
 # Copiers the hybrid takes: model-free proposers that draft nothing where they have no match.
 COPIERS = ("ngram", "reference")
+
+
+class FirstOf(Proposer):
+    """Several copiers in turn: each request takes the first one's draft that has one."""
+
+    def __init__(self, copiers: Sequence[Proposer]) -> None:
+        self.copiers = list(copiers)
+
+    @property
+    def tree(self) -> bool:
+        """Whether any of them drafts trees (the bench switches them all at run time)."""
+        return any(getattr(c, "tree", False) for c in self.copiers)
+
+    @tree.setter
+    def tree(self, value: bool) -> None:
+        for c in self.copiers:
+            if hasattr(c, "tree"):
+                c.tree = value
+
+    def add_request(self, request: Request) -> None:
+        for c in self.copiers:
+            c.add_request(request)
+
+    def remove_request(self, request_id: str, finished: bool = True) -> None:
+        for c in self.copiers:
+            c.remove_request(request_id, finished)
+
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
+        out: dict[str, DraftTree] = {}
+        left = [(r, k) for r, k in zip(requests, num_tokens) if k > 0]
+        for c in self.copiers:
+            if not left:
+                break
+            out.update(c.propose([r for r, _ in left], [k for _, k in left]))
+            left = [(r, k) for r, k in left if r.request_id not in out]
+        return out
+
+    def check_integrity(self) -> bool:
+        return all(c.check_integrity() for c in self.copiers)
+
+    def live_request_ids(self) -> list[str]:
+        return sorted({rid for c in self.copiers for rid in c.live_request_ids()})
+
+    def memory_bytes(self) -> int:
+        return sum(c.memory_bytes() for c in self.copiers)
 
 
 class HybridProposer(Proposer):
