@@ -359,13 +359,13 @@ class SpecConfig:
         return self.method != "none"
 
     @property
-    def copy_source(self) -> str:
-        """What copies in front of the proposer: `copy`, with auto resolved: a request's reference
-        text where it has one and it matches, else its context ("reference+ngram"), in front of a
-        model drafter; nothing in front of the others."""
+    def copiers(self) -> tuple[str, ...]:
+        """The copiers in front of the proposer, tried in turn: `copy`, with auto resolved (a
+        request's reference text where it has one and it matches, else its context, in front of a
+        model drafter; nothing in front of the others)."""
         if self.copy == "auto":
-            return "reference+ngram" if self.method in MODEL_DRAFTERS else "none"
-        return self.copy
+            return ("reference", "ngram") if self.method in MODEL_DRAFTERS else ()
+        return () if self.copy == "none" else (self.copy,)
 
     def use_trees(self, proposer_default: bool) -> bool:
         """Whether a proposer that can branch drafts trees: as asked, or its measured default."""

@@ -808,7 +808,7 @@ class LLMEngine:
             prop = proposals.get(req.request_id)
             if k and req.request_id in delivered:  # before the grammar's cut: what it cuts would be rejected, a miss
                 self.policy.observe_proposal(req.request_id, k, delivered[req.request_id],
-                                             prop.max_depth if prop is not None else 0, free=req.request_id in self._copied)
+                                             prop.max_depth if prop is not None else 0, free=req.request_id in copied)
             if prop is not None:
                 prop = prune_banned(prop, req)  # a copied token the request bans (logit_bias, min_tokens)
             if prop is not None and req.grammar is not None:

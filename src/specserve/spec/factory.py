@@ -245,8 +245,8 @@ def build_proposer(ctx: ProposerContext) -> Proposer | None:
     if ctx.spec.method == "none":
         return None
     drafter = PROPOSER_BUILDERS[ctx.spec.method](ctx)
-    source = ctx.spec.copy_source
-    if source == "none":
+    names = ctx.spec.copiers
+    if not names:
         return drafter
     from dataclasses import replace
 
@@ -255,7 +255,7 @@ def build_proposer(ctx: ProposerContext) -> Proposer | None:
 
     n = ctx.spec.copy_min_match
     sub = replace(ctx, spec=replace(ctx.spec, ngram_min=n, ngram_max=max(n, ctx.spec.ngram_max)))
-    copiers = [PROPOSER_BUILDERS[name](sub) for name in source.split("+")]
+    copiers = [PROPOSER_BUILDERS[name](sub) for name in names]
     copier = copiers[0] if len(copiers) == 1 else FirstOf(copiers)
     budget = max(TREE_NODES_PER_K * ctx.spec.num_spec_tokens, ctx.spec.max_draft_nodes)  # the most a step asks for
-    return HybridProposer(copier, drafter, source, n, budget)
+    return HybridProposer(copier, drafter, "+".join(names), n, budget)

@@ -29,10 +29,6 @@ if TYPE_CHECKING:
     from specserve.engine.scheduler import SampledTokens
     from specserve.request import Request
 
-# Copiers the hybrid takes: model-free proposers that draft nothing where they have no match.
-COPIERS = ("ngram", "reference")
-
-
 class FirstOf(Proposer):
     """Several copiers in turn: each request takes the first one's draft that has one."""
 
@@ -82,6 +78,8 @@ class HybridProposer(Proposer):
     """A copier's draft where it has one, else the model drafter's; traits are the drafter's."""
 
     def __init__(self, copier: Proposer, drafter: Proposer, copier_name: str, min_match: int, budget: int = 64) -> None:
+        # copier: a model-free proposer that drafts nothing where it has no match (ngram,
+        # reference, or several in turn: FirstOf)
         if copier.traits.cost != "flat" or drafter.traits.cost != "per_pass":
             raise ValueError("a hybrid pairs a model-free copier with a model drafter")
         self.copier = copier
@@ -94,7 +92,6 @@ class HybridProposer(Proposer):
         self._looked: dict[str, int] = {}
         # The drafter's: its cost per pass, trees, hidden states, prompt KV that travels.
         self.traits: ProposerTraits = drafter.traits
-        self.copied: set[str] = set()  # requests the last propose() copied for
         self._drafted = False  # the drafter made passes in the last propose()
         self.num_copied = 0  # drafts the copier gave (counted over the proposer's life)
         self.num_modelled = 0  # drafts the drafter gave
@@ -179,7 +176,6 @@ class HybridProposer(Proposer):
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
         """The copier's drafts, then the drafter's for the requests left without one."""
         copies = self._copy(requests, num_tokens)
-        self.copied = set(copies)
         rest = [(r, k) for r, k in zip(requests, num_tokens) if k > 0 and r.request_id not in copies]
         out = dict(copies)
         self._drafted = bool(rest)

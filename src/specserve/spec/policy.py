@@ -82,6 +82,7 @@ class StepTimer:
 
     def __init__(self, points: dict[int, float] | None = None) -> None:
         self.points: dict[int, float] = dict(points or {})
+        self._xs: list[int] = []  # sorted(points), redone when a point is added (none is ever removed)
 
     def observe(self, n: int, seconds: float) -> None:
         """Fold one measurement of an n-token step into the estimate at n (EWMA)."""
@@ -94,7 +95,9 @@ class StepTimer:
         """Estimated seconds for a step of n tokens (n may be an expected, fractional count)."""
         if not self.points:
             return 1.0  # unknown: a flat cost, i.e. verifying extra tokens looks free
-        xs = sorted(self.points)
+        xs = self._xs
+        if len(xs) != len(self.points):  # the policy asks many times a step; points are added rarely
+            xs = self._xs = sorted(self.points)
         if n <= xs[0]:
             return self.points[xs[0]]
         if n >= xs[-1]:
@@ -148,11 +151,19 @@ class AcceptanceStats:
 
     def expected_accepted(self, k: int) -> float:
         """E(k): expected accepted drafts when up to k are asked for."""
-        return _expected_run(self.rates, k)
+        return _expected_runs(self.rates, k)[k]
 
     def expected_proposed(self, k: int) -> float:
         """Expected drafts delivered (verified, and for a draft model: passes) out of k asked for."""
-        return _expected_run(self.reach, k)
+        return _expected_runs(self.reach, k)[k]
+
+    def accepted_by_k(self, kmax: int) -> list[float]:
+        """[E(0), ..., E(kmax)] in one pass."""
+        return _expected_runs(self.rates, kmax)
+
+    def proposed_by_k(self, kmax: int) -> list[float]:
+        """expected_proposed(k) for k = 0..kmax in one pass."""
+        return _expected_runs(self.reach, kmax)
 
 
 def _fold_run(est: list[float], limit: int, run: int, weight: float) -> None:
@@ -162,14 +173,15 @@ def _fold_run(est: list[float], limit: int, run: int, weight: float) -> None:
         est[j] = (1 - weight) * est[j] + weight * (1.0 if j < run else 0.0)
 
 
-def _expected_run(chances: list[float], k: int) -> float:
-    """Expected length of the run of successes among the first k positions, position j
-    succeeding with chances[j] given every earlier one did."""
-    total, run = 0.0, 1.0
-    for j in range(k):
+def _expected_runs(chances: list[float], kmax: int) -> list[float]:
+    """Expected length of the run of successes among the first k positions, for k = 0..kmax,
+    position j succeeding with chances[j] given every earlier one did."""
+    out, total, run = [0.0], 0.0, 1.0
+    for j in range(kmax):
         run *= chances[j]
         total += run
-    return total
+        out.append(total)
+    return out
 
 
 @dataclass
@@ -388,11 +400,11 @@ class SpecPolicy:
 
     def _best_rate(self, st: AcceptanceStats, per_pass: bool) -> float:
         """Tokens per second of one request drafting alone at its best K under estimate st."""
+        kmax = self.config.num_spec_tokens
+        pass_s = self.draft_time(1) if per_pass else 0.0
         best = 1.0 / self.target_time(1)
-        for k in range(1, self.config.num_spec_tokens + 1):
-            size = st.expected_proposed(k)
-            t = self.target_time(1 + size) + (self.draft_time(1) * size if per_pass else 0.0)
-            best = max(best, (1.0 + st.expected_accepted(k)) / t)
+        for gain, size in list(zip(st.accepted_by_k(kmax), st.proposed_by_k(kmax)))[1:]:
+            best = max(best, (1.0 + gain) / (self.target_time(1 + size) + pass_s * size))
         return best
 
     def _eligible(self, req: Request, batch: int) -> bool:
@@ -433,8 +445,8 @@ class SpecPolicy:
         stats = [self.stats(r.request_id, f) for r, f in zip(requests, free)]
         # Tabulated once: expected accepted and expected delivered drafts of request i asking for k,
         # and the draft passes it needs (none for a copy).
-        gains = [[st.expected_accepted(k) for k in range(kmax + 1)] for st in stats]
-        sizes = [[st.expected_proposed(k) for k in range(kmax + 1)] for st in stats]
+        gains = [st.accepted_by_k(kmax) for st in stats]
+        sizes = [st.proposed_by_k(kmax) for st in stats]
         walks = [[0.0] * (kmax + 1) if f else s for s, f in zip(sizes, free)]
         catch = [[0.0] * (kmax + 1) if f else [0.0] + [self._catchup_cost(r, c, g[k]) for k in range(1, kmax + 1)]
                  for r, c, g, f in zip(requests, catchup, gains, free)]
