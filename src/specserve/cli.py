@@ -95,6 +95,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--ngram-min", type=int, default=1)
     s.add_argument("--ngram-max", type=int, default=4)
     s.add_argument("--lookahead-window", type=int, default=6, help="lookahead: Jacobi window length")
+    s.add_argument("--lookahead-corpus", default="stdlib",
+                   help="lookahead: text whose n-grams also draft: stdlib (the Python standard library's "
+                        "source, the default), a directory of text files, or none")
     s.add_argument("--spec-copy", choices=["auto", "none", "ngram", "reference"], default="auto",
                    help="with a model drafter: copy from the request's context (ngram) or reference text (reference) "
                         "where its last --spec-copy-min-match tokens occur there, and draft with the model elsewhere "
@@ -136,6 +139,7 @@ def _flag_kwargs(args: argparse.Namespace) -> dict:
         draft_model=args.draft_model, spec_method=args.spec_method, num_spec_tokens=args.num_spec_tokens,
         spec_policy=args.spec_policy, spec_tree=args.spec_tree, max_draft_nodes=args.max_draft_nodes, draft_num_layers=args.draft_num_layers,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, lookahead_window=args.lookahead_window,
+        lookahead_corpus=args.lookahead_corpus,
         spec_copy=args.spec_copy, spec_copy_min_match=args.spec_copy_min_match,
         spec_on_batch=args.spec_on_batch, spec_off_batch=args.spec_off_batch,
         spec_release_after_s=None if args.spec_release_after < 0 else args.spec_release_after,

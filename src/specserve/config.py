@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 
 import torch
 
@@ -302,6 +303,9 @@ class SpecConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     lookahead_window: int = 6  # lookahead: Jacobi window length
+    # lookahead: the corpus whose n-grams also draft (specserve.spec.corpus): "stdlib" (the Python
+    # standard library's source), a directory of text files, or "none"
+    lookahead_corpus: str = "stdlib"
     copy: str = "auto"  # auto | none | ngram | reference: copy before drafting with the model (see SPEC_COPIES)
     copy_min_match: int = 3  # a copy needs the request's last this many tokens to occur earlier
     # Reference thresholds: speculate freely at batch <= on_batch, never at batch >= off_batch,
@@ -338,6 +342,9 @@ class SpecConfig:
             )
         if not 1 <= self.lookahead_window <= 32:
             raise ConfigError(f"lookahead_window must be in [1, 32], got {self.lookahead_window}.")
+        if self.lookahead_corpus not in ("stdlib", "none") and not Path(self.lookahead_corpus).is_dir():
+            raise ConfigError(f"lookahead_corpus {self.lookahead_corpus!r} is not a directory; give a directory "
+                              "of text files, 'stdlib' (the Python standard library's source) or 'none'.")
         if self.copy not in SPEC_COPIES:
             raise ConfigError(f"Unknown spec copy source {self.copy!r}; use one of {', '.join(SPEC_COPIES)}.")
         if self.copy not in ("auto", "none") and self.method not in MODEL_DRAFTERS:

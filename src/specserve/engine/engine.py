@@ -345,6 +345,7 @@ class LLMEngine:
             prior_acceptance=traits.prior_acceptance if traits is not None else 0.5,
             enabled=self.proposer is not None,
             trees=traits is not None and traits.trees and spec.use_trees(traits.tree_by_default),
+            scored=traits is not None and traits.scores_predict_acceptance,
         )
         self.spec_counters = {"draft_time_s": 0.0, "verify_time_s": 0.0, "decode_time_s": 0.0,
                               "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
@@ -732,7 +733,8 @@ class LLMEngine:
                 continue
             spec = True
             self.policy.observe(sr.request_id, sr.draft.max_depth, st.num_accepted_tokens,
-                                free=sr.request_id in self._copied)
+                                free=sr.request_id in self._copied,
+                                predicted=sum(sr.draft.scores) if sr.draft.scores else None)
             c = self.spec_counters
             c["num_drafts"] += 1
             c["num_draft_tokens"] += st.num_draft_tokens

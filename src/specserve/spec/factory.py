@@ -48,7 +48,15 @@ def _build_reference(ctx: ProposerContext) -> Proposer:
 def _build_lookahead(ctx: ProposerContext) -> Proposer:
     from specserve.spec.lookahead import LookaheadProposer
 
-    return LookaheadProposer(ctx.spec.lookahead_window, max(2, ctx.spec.ngram_max))
+    corpus = None
+    tok = ctx.tokenizer
+    if ctx.spec.lookahead_corpus != "none" and tok is not None:
+        from specserve.spec.corpus import load_corpus
+
+        corpus = load_corpus(ctx.spec.lookahead_corpus, lambda text: tok.encode(text, add_special_tokens=False),
+                             tok.fingerprint())
+    return LookaheadProposer(ctx.spec.lookahead_window, max(2, ctx.spec.ngram_max), corpus,
+                             tree=ctx.spec.use_trees(LookaheadProposer.traits.tree_by_default))
 
 
 def _build_draft(ctx: ProposerContext) -> Proposer:

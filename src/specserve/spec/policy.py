@@ -70,6 +70,8 @@ from specserve.spec.tree import DraftTree
 EWMA = 0.15  # weight of the newest observation in acceptance and timing estimates
 
 POOLED_EWMA = 0.05  # the same for the acceptance pooled over requests (a new request's prior)
+SCORE_EWMA = 0.1  # weight of the newest verify in a request's score calibration
+SCORE_PRIOR_WEIGHT = 2.0  # the pooled calibration counts as this many predicted acceptances
 TREE_NODES_PER_K = 2  # a tree may hold this many nodes per draft position the chain model affords
 PROBE_EVERY = 16  # re-try k=1 (or k+1) this often for a request the cost model held back
 RUN_PROBE_STALE = 4  # after a wholly accepted draft, test the next position unless tested this recently
@@ -132,6 +134,10 @@ class AcceptanceStats:
     steps_short: int = 0  # steps with 0 < k < max since the last probe of one position more
     declined: int = 0  # a copy's estimate: copies declined in a row for the model's draft (see prefer_copy)
     full_run: int = 0  # the last verify accepted all of its drafts, this many (0: it did not)
+    # Score calibration (proposers whose scores predict acceptance): accepted drafts and the
+    # scores' prediction of them, both decayed, over this request's verifies.
+    score_accepted: float = 0.0
+    score_predicted: float = 0.0
     tested: list[int] = field(default_factory=list)  # the policy step each position was last tested at
 
     def __post_init__(self) -> None:
@@ -144,6 +150,17 @@ class AcceptanceStats:
         """Position j was tested iff j < num_asked and every earlier draft was accepted; an
         undelivered position counts as a miss."""
         _fold_run(self.rates, num_asked, num_accepted, weight)
+
+    def update_scores(self, predicted: float, accepted: int, weight: float = SCORE_EWMA) -> None:
+        """Fold one verify into the score calibration: its drafts' summed scores against the
+        drafts it accepted."""
+        self.score_predicted = (1 - weight) * self.score_predicted + predicted
+        self.score_accepted = (1 - weight) * self.score_accepted + accepted
+
+    def calibration(self, prior: float) -> float:
+        """Accepted drafts per unit of score, shrunk towards `prior` while little is measured."""
+        c = (self.score_accepted + SCORE_PRIOR_WEIGHT * prior) / (self.score_predicted + SCORE_PRIOR_WEIGHT)
+        return min(max(c, 0.05), 4.0)
 
     def update_reach(self, k: int, num_proposed: int, weight: float = EWMA) -> None:
         """Asked for k tokens, got num_proposed: positions up to that one were each tried."""
@@ -196,6 +213,10 @@ class SpecPolicy:
     catchup_s_per_token: float = 0.0  # seconds per token of a proposer catching a request up (0: free)
     enabled: bool = True
     trees: bool = False  # the proposer drafts trees: budgets are node counts, pruned after drafting
+    # The proposer's tree scores predict acceptance (ProposerTraits.scores_predict_acceptance):
+    # every eligible request drafts its full node budget and prune() keeps the nodes whose
+    # calibrated score pays for verifying them.
+    scored: bool = False
     free_prior: float = 0.5  # a copier's prior acceptance (drafts made without a draft pass)
     _stats: dict[tuple[str, bool], AcceptanceStats] = field(default_factory=dict)
     _pooled: AcceptanceStats | None = None
@@ -255,10 +276,16 @@ class SpecPolicy:
         if num_proposed == 0:  # nothing to verify: position 0 missed now
             self.observe(request_id, 0, 0, free)
 
-    def observe(self, request_id: str, num_draft: int, num_accepted: int, free: bool = False) -> None:
+    def observe(self, request_id: str, num_draft: int, num_accepted: int, free: bool = False,
+                predicted: float | None = None) -> None:
         """Record a verify result (of a proposal of num_draft tokens, asked for as recorded by
-        observe_proposal, else num_draft; free: a copied draft, see the module docstring)."""
+        observe_proposal, else num_draft; free: a copied draft, see the module docstring;
+        predicted: the verified tree's summed scores, for a proposer whose scores predict
+        acceptance)."""
         st = self.stats(request_id, free)
+        if predicted is not None and self.scored:
+            st.update_scores(predicted, num_accepted)
+            self.pooled_for(free).update_scores(predicted, num_accepted, POOLED_EWMA)
         if num_draft > 0 or st.asked > 0:
             asked = max(st.asked, num_draft)
             st.asked = 0
@@ -285,6 +312,10 @@ class SpecPolicy:
         self._step += 1
         if self.config.policy == "always":  # every request, whatever the batch size
             ks = [0 if r.sampling_params.speculative is False else kmax for r in requests]
+        elif self.scored and self.trees:
+            # Drafting costs next to nothing; which nodes pay is decided node by node in prune().
+            budget = max(kmax, self.config.max_draft_nodes)
+            return [budget if self._eligible(r, n) else 0 for r in requests]
         else:
             eligible = [self._eligible(r, n) for r in requests]
             ks = self._cost_model_choice(requests, eligible, num_other_tokens, catchup or [0] * n, free or [False] * n)
@@ -315,7 +346,10 @@ class SpecPolicy:
             st = self.stats(req.request_id, req.request_id in copied)
             # A probe's draft is verified whole: pruned by the very estimate the probe is there
             # to correct, it would teach nothing and the estimate would stay where it fell.
-            if not st.probing:
+            if self.scored and self.trees:
+                c = st.calibration(self.pooled_for(req.request_id in copied).calibration(1.0))
+                gains[req.request_id] = [min(1.0, c * sc) for sc in tree.scores]
+            elif not st.probing:
                 gains[req.request_id] = self.node_gains(st, tree)
         if not gains:
             return drafts

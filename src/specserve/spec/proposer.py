@@ -31,6 +31,9 @@ class ProposerTraits:
     needs_verify_outputs: bool = False
     # Reads the target's hidden states (feature-level drafters).
     needs_hidden_states: bool = False
+    # Its draft trees' scores estimate each node's chance to be accepted (up to a factor the
+    # policy learns): the policy then prices every node by its score instead of by a chain K.
+    scores_predict_acceptance: bool = False
     # The prior acceptance a new request starts from before any is measured.
     prior_acceptance: float = 0.5
     # Its prompt KV can travel between disaggregated workers (it is a `PromptKVTraveller`).

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import sysconfig
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 
 from specserve.errors import ConfigError
 from specserve.spec.asks import chat_prompts
+from specserve.spec.corpus import corpus_files
 
 METHODS = ("eagle", "medusa", "mtp", "layerskip")
 LAYERSKIP_TOKENS = 32_768  # default --tokens for an exit: a least-squares fit of hidden x hidden needs far fewer than a head
@@ -99,22 +99,6 @@ def default_head_vocab(vocab_size: int) -> int:
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's low and middle features: after the 2nd layer and after half the stack."""
     return tuple(sorted({i for i in (2, num_layers // 2) if 0 < i < num_layers}))
-
-
-def corpus_files(corpus: str | None) -> list[Path]:
-    """The corpus's text files in a fixed order (default: the standard library's .py files)."""
-    if corpus is None:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
-    else:
-        root = Path(corpus)
-        if not root.is_dir():
-            raise ConfigError(f"--corpus {corpus} is not a directory.")
-        files = [p for p in root.rglob("*") if p.is_file() and p.suffix in (".py", ".txt", ".md", ".rst", ".json", "")]
-    files = sorted(files)
-    if not files:
-        raise ConfigError(f"No text files under {root}.")
-    return files
 
 
 def _generated_sequences(llm, files: list[Path], want: int, seq_len: int, seed: int, work: Path,  # noqa: ANN001

@@ -1,0 +1,203 @@
+"""Next-token statistics of a local text corpus: a drafting source that needs no model.
+
+Retrieval-based speculation (REST, He et al. 2023) drafts what followed the context's tail in
+a datastore of text. Code repeats itself across projects (``self.``, ``for i in range(``,
+``raise ValueError(``), so a corpus of code guesses a coding model's next tokens often enough
+to pay where verifying a few extra tokens costs little. Here the datastore is an n-gram table:
+for each context of ORDERS tokens seen in the corpus, the TOP tokens that followed it and how
+often. A lookup backs off from the longest order that matches; a continuation's share of its
+context's count estimates its chance to be right.
+
+The default corpus is the Python standard library's source, which every Python install
+carries (nothing is downloaded). The table is built once per tokenizer and corpus (a few
+seconds per million tokens) and kept under ``$SPECSERVE_CACHE/corpus``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sysconfig
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from specserve.errors import ConfigError
+
+ORDERS = (1, 2, 3, 4, 6)  # context lengths kept, the longest that matches is used
+TOP = 4  # continuations kept per context, the most frequent
+MIN_COUNT = 2  # contexts of >= 2 tokens: continuations seen once are dropped (noise, and most of the table)
+TABLE_VERSION = 1  # bump when the table's layout or what it keeps changes
+_P = 1_000_003  # polynomial hash base: a context's key = sum t_j * P^(k-1-j) mod 2^64
+_MASK = (1 << 64) - 1
+
+
+def corpus_files(corpus: str | None) -> list[Path]:
+    """The corpus's text files in a fixed order (default: the standard library's .py files)."""
+    if corpus is None or corpus == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
+    else:
+        root = Path(corpus)
+        if not root.is_dir():
+            raise ConfigError(f"corpus {corpus} is not a directory; give a directory of text files or 'stdlib'.")
+        files = [p for p in root.rglob("*") if p.is_file() and p.suffix in (".py", ".txt", ".md", ".rst", ".json", "")]
+    files = sorted(files)
+    if not files:
+        raise ConfigError(f"No text files under {root}.")
+    return files
+
+
+def _keys(tokens: np.ndarray, k: int) -> np.ndarray:
+    """[len - k + 1] uint64: the key of every k-token window of tokens."""
+    n = len(tokens) - k + 1
+    h = np.zeros(max(n, 0), dtype=np.uint64)
+    for j in range(k):
+        h = h * np.uint64(_P) + tokens[j : j + n].astype(np.uint64)
+    return h
+
+
+class _Table:
+    """One order's table: sorted unique context keys, and per key its continuations, most
+    frequent first (CSR: continuations of keys[i] are toks[start[i]:start[i + 1]])."""
+
+    __slots__ = ("keys", "start", "toks", "counts", "totals")
+
+    def __init__(self, keys: np.ndarray, start: np.ndarray, toks: np.ndarray, counts: np.ndarray,
+                 totals: np.ndarray) -> None:
+        self.keys = keys  # [K] uint64, ascending
+        self.start = start  # [K + 1] int64
+        self.toks = toks  # [N] int32
+        self.counts = counts  # [N] int32
+        self.totals = totals  # [K] int32: how often the context occurred (all continuations, before TOP)
+
+    @classmethod
+    def build(cls, docs: Sequence[np.ndarray], k: int, min_count: int) -> _Table:
+        keys = np.concatenate([_keys(d[:-1], k) for d in docs if len(d) > k] or [np.zeros(0, np.uint64)])
+        nxt = np.concatenate([d[k:] for d in docs if len(d) > k] or [np.zeros(0, np.int64)])
+        order = np.lexsort((nxt, keys))
+        keys, nxt = keys[order], nxt[order]
+        # Runs of equal (key, next): one row each with its count.
+        edge = np.flatnonzero((keys[1:] != keys[:-1]) | (nxt[1:] != nxt[:-1])) + 1
+        first = np.r_[0, edge].astype(np.int64) if len(keys) else np.zeros(0, np.int64)
+        cnt = np.diff(np.r_[first, len(keys)]).astype(np.int64)
+        pk, pn = keys[first], nxt[first]
+        # Totals per key, before any continuation is dropped.
+        kedge = np.r_[0, np.flatnonzero(pk[1:] != pk[:-1]) + 1] if len(pk) else np.zeros(0, np.int64)
+        ktot = np.add.reduceat(cnt, kedge) if len(pk) else np.zeros(0, np.int64)
+        tot = np.repeat(ktot, np.diff(np.r_[kedge, len(pk)]))
+        keep = cnt >= min_count
+        pk, pn, cnt, tot = pk[keep], pn[keep], cnt[keep], tot[keep]
+        order = np.lexsort((-cnt, pk))  # per key, most frequent first
+        pk, pn, cnt, tot = pk[order], pn[order], cnt[order], tot[order]
+        kedge = np.r_[0, np.flatnonzero(pk[1:] != pk[:-1]) + 1] if len(pk) else np.zeros(0, np.int64)
+        rank = np.arange(len(pk)) - np.repeat(kedge, np.diff(np.r_[kedge, len(pk)]))
+        top = rank < TOP
+        pk, pn, cnt, tot = pk[top], pn[top], cnt[top], tot[top]
+        kedge = np.r_[0, np.flatnonzero(pk[1:] != pk[:-1]) + 1] if len(pk) else np.zeros(0, np.int64)
+        return cls(pk[kedge].astype(np.uint64), np.r_[kedge, len(pk)].astype(np.int64), pn.astype(np.int32),
+                   cnt.astype(np.int32), tot[kedge].astype(np.int32))
+
+    def lookup(self, key: int) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """(tokens, counts, total) of the context with this key, or None."""
+        i = int(np.searchsorted(self.keys, np.uint64(key)))
+        if i >= len(self.keys) or int(self.keys[i]) != key:
+            return None
+        a, b = int(self.start[i]), int(self.start[i + 1])
+        return self.toks[a:b], self.counts[a:b], int(self.totals[i])
+
+
+class CorpusNgrams:
+    """The n-gram tables of one corpus under one tokenizer."""
+
+    def __init__(self, tables: dict[int, _Table], num_tokens: int) -> None:
+        self.tables = tables
+        self.num_tokens = num_tokens  # corpus size in tokens
+        self._orders = sorted(tables, reverse=True)
+
+    @classmethod
+    def from_token_docs(cls, docs: Sequence[Sequence[int]], min_count: int = MIN_COUNT) -> CorpusNgrams:
+        """Tables over already tokenized documents (an n-gram never spans two documents)."""
+        arrays = [np.asarray(d, dtype=np.int64) for d in docs]
+        tables = {k: _Table.build(arrays, k, 1 if k == 1 else min_count) for k in ORDERS}
+        return cls(tables, sum(len(a) for a in arrays))
+
+    def next_tokens(self, context: Sequence[int]) -> tuple[int, list[tuple[int, float]]]:
+        """(order, [(token, share)]): what followed the longest of the context's tails the
+        corpus has, most frequent first; share = count / the context's occurrences. (0, []) when
+        not even the last token occurred."""
+        h = 0
+        power = 1
+        hashes: dict[int, int] = {}
+        longest = min(len(context), self._orders[0])
+        for m in range(1, longest + 1):  # key of the last m tokens, built from the end
+            h = (h + int(context[-m]) * power) & _MASK
+            power = (power * _P) & _MASK
+            hashes[m] = h
+        for k in self._orders:
+            if k > longest:
+                continue
+            hit = self.tables[k].lookup(hashes[k])
+            if hit is None:
+                continue
+            toks, counts, total = hit
+            return k, [(int(t), int(c) / total) for t, c in zip(toks, counts)]
+        return 0, []
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: Path) -> None:
+        """Write atomically (a crash never leaves a half table under the final name)."""
+        arrays: dict[str, np.ndarray] = {"num_tokens": np.asarray(self.num_tokens)}
+        for k, t in self.tables.items():
+            for name in _Table.__slots__:
+                arrays[f"{k}_{name}"] = getattr(t, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: Path) -> CorpusNgrams:
+        """Read a table written by save()."""
+        with np.load(path) as z:
+            tables = {k: _Table(*(z[f"{k}_{name}"] for name in _Table.__slots__)) for k in ORDERS}
+            return cls(tables, int(z["num_tokens"]))
+
+
+def corpus_fingerprint(files: Sequence[Path], tokenizer_id: str) -> str:
+    """Names the table: the tokenizer, the files (path, size, mtime) and the table's layout."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(f"{TABLE_VERSION}|{ORDERS}|{TOP}|{MIN_COUNT}|{tokenizer_id}".encode())
+    for p in files:
+        st = p.stat()
+        h.update(f"|{p}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def load_corpus(corpus: str | None, encode: Callable[[str], list[int]], tokenizer_id: str,
+                cache_root: Path | None = None) -> CorpusNgrams:
+    """The corpus's tables for this tokenizer: from the cache, or built (and cached) now."""
+    from specserve.models.bundled import cache_dir
+    from specserve.progress import bar
+
+    files = corpus_files(corpus)
+    path = (cache_root or cache_dir() / "corpus") / f"{corpus_fingerprint(files, tokenizer_id)}.npz"
+    if path.exists():
+        try:
+            return CorpusNgrams.load(path)
+        except (OSError, KeyError, ValueError):
+            path.unlink(missing_ok=True)  # damaged: build it again
+    docs = [encode(p.read_text(encoding="utf-8", errors="replace"))
+            for p in bar(files, desc="corpus n-grams: tokenizing", unit="file")]
+    table = CorpusNgrams.from_token_docs(docs)
+    with contextlib.suppress(OSError):  # a read-only cache: use the table without keeping it
+        table.save(path)
+    return table

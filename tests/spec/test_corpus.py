@@ -1,0 +1,135 @@
+"""Corpus n-gram tables (spec/corpus.py), lookahead drafting from them, and the policy's pricing
+of drafts whose scores predict acceptance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specserve.config import SpecConfig
+from specserve.errors import ConfigError
+from specserve.request import Request
+from specserve.sampling_params import SamplingParams
+from specserve.spec.corpus import CorpusNgrams, load_corpus
+from specserve.spec.lookahead import TRUST_PRIOR, LookaheadProposer
+from specserve.spec.policy import SCORE_EWMA, SCORE_PRIOR_WEIGHT, SpecPolicy, StepTimer
+from specserve.spec.tree import DraftTree
+
+
+def _req(rid, tokens):
+    return Request(rid, tokens, SamplingParams())
+
+
+def test_table_backs_off_to_the_longest_context_seen_and_counts_shares():
+    # "5 1 2" is followed by 3 three times; "1 2" by 3 three times and by 4 twice.
+    docs = [[5, 1, 2, 3] * 3, [1, 2, 4, 0, 1, 2, 4]]
+    table = CorpusNgrams.from_token_docs(docs, min_count=2)
+    order, nxt = table.next_tokens([7, 5, 1, 2])
+    assert order == 3 and nxt == [(3, 1.0)]
+    order, nxt = table.next_tokens([9, 1, 2])  # "9 1 2" never occurred: back off to "1 2"
+    assert order == 2 and nxt[0] == (3, pytest.approx(3 / 5)) and nxt[1] == (4, pytest.approx(2 / 5))
+    assert table.next_tokens([42]) == (0, [])  # an unseen token
+    assert table.num_tokens == 12 + 7
+
+
+def test_table_drops_rare_continuations_but_keeps_their_share_of_the_total():
+    docs = [[1, 2, 3, 1, 2, 3, 1, 2, 9]]  # "1 2" -> 3 twice, -> 9 once
+    order, nxt = CorpusNgrams.from_token_docs(docs, min_count=2).next_tokens([0, 1, 2])
+    assert order == 2 and nxt == [(3, pytest.approx(2 / 3))]  # 9 (seen once) dropped, still counted
+    # An n-gram never spans two documents.
+    table = CorpusNgrams.from_token_docs([[1, 2], [3, 4]], min_count=1)
+    assert table.next_tokens([2]) == (0, [])
+
+
+def test_corpus_is_built_once_and_loaded_after(tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.py").write_text("for i in range(10):\n    print(i)\n" * 5)
+    calls = []
+
+    def encode(text):
+        calls.append(text)
+        return [ord(c) for c in text]
+
+    cache = tmp_path / "cache"
+    first = load_corpus(str(root), encode, "tok-a", cache)
+    assert len(calls) == 1 and len(list(cache.glob("*.npz"))) == 1
+    again = load_corpus(str(root), encode, "tok-a", cache)
+    assert len(calls) == 1  # from the cache: nothing tokenized
+    ctx = [ord(c) for c in "for i in ra"]
+    assert again.next_tokens(ctx) == first.next_tokens(ctx) and first.next_tokens(ctx)[1][0][0] == ord("n")
+    load_corpus(str(root), encode, "tok-b", cache)  # another tokenizer: its own table
+    assert len(calls) == 2 and len(list(cache.glob("*.npz"))) == 2
+    for f in cache.glob("*.npz"):  # a damaged table is built again, not trusted
+        f.write_bytes(b"not a table")
+    load_corpus(str(root), encode, "tok-a", cache)
+    assert len(calls) == 3 and not list(cache.glob("*.tmp"))
+
+
+def test_a_corpus_that_is_not_a_directory_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="not a directory"):
+        SpecConfig(method="lookahead", lookahead_corpus=str(tmp_path / "missing"))
+    assert SpecConfig(method="lookahead", lookahead_corpus="none").lookahead_corpus == "none"
+
+
+def test_lookahead_drafts_the_corpus_continuation_and_learns_whom_to_trust():
+    corpus = CorpusNgrams.from_token_docs([[7, 8, 9, 10] * 4], min_count=2)
+    prop = LookaheadProposer(window=2, ngram=3, corpus=corpus)
+    r = _req("a", [1, 2, 3, 7, 8])
+    prop.add_request(r)
+    draft = prop.propose([r], [4])["a"]
+    assert draft.main_path_tokens()[:2] == (9, 10)  # "7 8" -> 9 -> 10 from the corpus
+    assert all(a >= b for a, b in zip(draft.scores, draft.scores[1:]))  # best first, parents first
+    before = dict(prop.trust)
+    r.append_output_tokens([9])  # the target went on with the corpus's guess
+    prop.propose([r], [4])
+    assert prop.trust["corpus3"] > before["corpus3"] or prop.trust["corpus2"] > before["corpus2"]
+    assert prop.trust["window"] <= before["window"]  # the window guessed the prompt's tail: wrong
+    assert set(TRUST_PRIOR) >= set(prop.trust)
+
+
+def test_lookahead_without_a_corpus_or_in_chain_mode():
+    r = _req("a", [4, 5, 6, 4, 5, 6, 4, 5])
+    prop = LookaheadProposer(window=3, ngram=3)
+    prop.add_request(r)
+    draft = prop.propose([r], [6])["a"]
+    assert draft.main_path_tokens()[0] == 6  # "4 5" occurred twice, followed by 6
+    chain = LookaheadProposer(window=3, ngram=3, tree=False)
+    chain.add_request(r)
+    assert chain.propose([r], [6])["a"].is_chain
+
+
+def _scored_policy(t1=0.020, t2=0.021, t3=0.022, t9=0.040):
+    p = SpecPolicy(SpecConfig(method="lookahead", num_spec_tokens=4, max_draft_nodes=8),
+                   draft_cost_is_per_token=False, trees=True, scored=True)
+    p.target_time = StepTimer({1: t1, 2: t2, 3: t3, 9: t9})
+    return p
+
+
+def test_a_scored_proposer_drafts_every_step_and_prune_keeps_what_its_scores_pay_for():
+    p = _scored_policy()
+    reqs = [_req("a", [1, 2, 3])]
+    assert p.choose(reqs) == [8]  # the full node budget: the nodes are priced in prune()
+    tree = DraftTree((5, 6, 7, 8), (-1, 0, 0, 1), scores=(0.6, 0.3, 0.04, 0.01))
+    kept = p.prune(reqs, {"a": tree})["a"]
+    assert kept.token_ids == (5, 6)  # 0.04 does not pay for one more token of verify
+    # A run of misses lowers the request's calibration, and with it what prune keeps.
+    for _ in range(30):
+        p.observe("a", 2, 0, predicted=0.9)
+    assert p.stats("a").calibration(p.pooled.calibration(1.0)) < 0.2
+    assert "a" not in p.prune(reqs, {"a": tree}) or len(p.prune(reqs, {"a": tree})["a"]) < 2
+    # At a batch past off_batch nobody drafts.
+    many = [_req(str(i), [1]) for i in range(p.config.off_batch)]
+    assert not any(p.choose(many))
+
+
+def test_calibration_starts_at_the_prior_and_follows_the_measured_ratio():
+    p = _scored_policy()
+    st = p.stats("a")
+    assert st.calibration(1.0) == pytest.approx(1.0)
+    for _ in range(200):
+        p.observe("a", 4, 1, predicted=2.0)
+    # steady state: accepted 1 / SCORE_EWMA against predicted 2 / SCORE_EWMA, shrunk towards the prior
+    want = (1 / SCORE_EWMA + SCORE_PRIOR_WEIGHT) / (2 / SCORE_EWMA + SCORE_PRIOR_WEIGHT)
+    assert st.calibration(1.0) == pytest.approx(want, abs=1e-3) and want < 0.6
+    assert np.isclose(p.pooled.calibration(1.0), 0.5, atol=0.1)
