@@ -73,6 +73,8 @@ class Bench:
             method, kw["spec_copy"] = method.split("+", 1)
         if method == "none-int8":  # the plain baseline on the int8 weight-only target, for reference
             method, quant = "none", "int8"
+        if method == "lookahead" and self.args.lookahead_corpus:
+            kw.setdefault("lookahead_corpus", self.args.lookahead_corpus)
         if method == "eagle":
             kw.setdefault("draft_model", self.args.eagle_head or "auto")
         if self.args.draft_p_min is not None:
@@ -458,6 +460,8 @@ def main() -> int:
     ap.add_argument("--eagle-head", default=None, help="EAGLE head file for --tree-methods eagle (default: the cache's)")
     ap.add_argument("--draft-p-min", type=float, default=None,
                     help="model drafters stop a branch after a token they give p below this (default: the engine's)")
+    ap.add_argument("--lookahead-corpus", default=None,
+                    help="lookahead's corpus: stdlib, python, a directory or none (default: the engine's)")
     ap.add_argument("--extra-baselines", nargs="*", default=[],
                     help="extra batch-1 rows: none-int8 = plain decoding of the int8 target")
     ap.add_argument("--batch-rounds", type=int, default=3, help="batchsweep: interleaved rounds (medians reported)")

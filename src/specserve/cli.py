@@ -97,7 +97,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--lookahead-window", type=int, default=6, help="lookahead: Jacobi window length")
     s.add_argument("--lookahead-corpus", default="stdlib",
                    help="lookahead: text whose n-grams also draft: stdlib (the Python standard library's "
-                        "source, the default), a directory of text files, or none")
+                        "source, the default), python (that and the installed packages' source: slower to "
+                        "build once, guesses more), a directory of text files, or none")
     s.add_argument("--spec-copy", choices=["auto", "none", "ngram", "reference"], default="auto",
                    help="with a model drafter: copy from the request's context (ngram) or reference text (reference) "
                         "where its last --spec-copy-min-match tokens occur there, and draft with the model elsewhere "

@@ -304,7 +304,7 @@ class SpecConfig:
     ngram_max: int = 4
     lookahead_window: int = 6  # lookahead: Jacobi window length
     # lookahead: the corpus whose n-grams also draft (specserve.spec.corpus): "stdlib" (the Python
-    # standard library's source), a directory of text files, or "none"
+    # standard library's source), "python" (that and the installed packages'), a directory, or "none"
     lookahead_corpus: str = "stdlib"
     copy: str = "auto"  # auto | none | ngram | reference: copy before drafting with the model (see SPEC_COPIES)
     copy_min_match: int = 3  # a copy needs the request's last this many tokens to occur earlier
@@ -342,9 +342,10 @@ class SpecConfig:
             )
         if not 1 <= self.lookahead_window <= 32:
             raise ConfigError(f"lookahead_window must be in [1, 32], got {self.lookahead_window}.")
-        if self.lookahead_corpus not in ("stdlib", "none") and not Path(self.lookahead_corpus).is_dir():
+        if self.lookahead_corpus not in ("stdlib", "python", "none") and not Path(self.lookahead_corpus).is_dir():
             raise ConfigError(f"lookahead_corpus {self.lookahead_corpus!r} is not a directory; give a directory "
-                              "of text files, 'stdlib' (the Python standard library's source) or 'none'.")
+                              "of text files, 'stdlib' (the Python standard library's source), 'python' (that and "
+                              "the installed packages' source) or 'none'.")
         if self.copy not in SPEC_COPIES:
             raise ConfigError(f"Unknown spec copy source {self.copy!r}; use one of {', '.join(SPEC_COPIES)}.")
         if self.copy not in ("auto", "none") and self.method not in MODEL_DRAFTERS:

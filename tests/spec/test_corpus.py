@@ -47,9 +47,9 @@ def test_corpus_is_built_once_and_loaded_after(tmp_path):
     (root / "a.py").write_text("for i in range(10):\n    print(i)\n" * 5)
     calls = []
 
-    def encode(text):
-        calls.append(text)
-        return [ord(c) for c in text]
+    def encode(texts):
+        calls.extend(texts)
+        return [[ord(c) for c in text] for text in texts]
 
     cache = tmp_path / "cache"
     first = load_corpus(str(root), encode, "tok-a", cache)
@@ -72,6 +72,15 @@ def test_a_corpus_that_is_not_a_directory_is_refused(tmp_path):
     assert SpecConfig(method="lookahead", lookahead_corpus="none").lookahead_corpus == "none"
 
 
+def test_the_python_corpus_holds_the_stdlib_and_more():
+    from specserve.spec.corpus import corpus_files
+
+    stdlib = corpus_files("stdlib")
+    python = corpus_files("python")
+    assert set(stdlib) < set(python) and any("site-packages" in p.parts for p in python)
+    assert python == sorted(python) or python[: len(stdlib)] == stdlib  # a fixed order either way
+
+
 def test_lookahead_drafts_the_corpus_continuation_and_learns_whom_to_trust():
     corpus = CorpusNgrams.from_token_docs([[7, 8, 9, 10] * 4], min_count=2)
     prop = LookaheadProposer(window=2, ngram=3, corpus=corpus)
@@ -83,9 +92,10 @@ def test_lookahead_drafts_the_corpus_continuation_and_learns_whom_to_trust():
     before = dict(prop.trust)
     r.append_output_tokens([9])  # the target went on with the corpus's guess
     prop.propose([r], [4])
-    assert prop.trust["corpus3"] > before["corpus3"] or prop.trust["corpus2"] > before["corpus2"]
-    assert prop.trust["window"] <= before["window"]  # the window guessed the prompt's tail: wrong
-    assert set(TRUST_PRIOR) >= set(prop.trust)
+    root = {s for s, onward in prop.trust if not onward}
+    assert root == set(TRUST_PRIOR)
+    assert prop.trust[("corpus3", False)] > before[("corpus3", False)] or prop.trust[("corpus2", False)] > before[("corpus2", False)]
+    assert prop.trust[("window", False)] <= before[("window", False)]  # the window guessed the prompt's tail: wrong
 
 
 def test_lookahead_without_a_corpus_or_in_chain_mode():

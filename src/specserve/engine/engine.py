@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -49,6 +50,7 @@ T = TypeVar("T")
 MIN_FORCED_DRAFT = 8
 # Without measured step times, forced text is drafted only up to this many decoding requests.
 FORCED_DRAFT_MAX_BATCH = 4
+PROFILE_ROUNDS = 3  # rounds of profile_costs (the median ratio of each point is kept)
 CATCHUP_PROFILE_TOKENS = 64  # one request's tokens in the pass that times a proposer's catch-up
 # When the model declares a longer context than this, default to it (KV memory stays modest).
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -372,12 +374,23 @@ class LLMEngine:
         sizes = sorted({16, 32, 64, 2 * (kmax + 1), 4 * (kmax + 1), 8 * (kmax + 1)} - set(verify))
         sizes = [n for n in sizes if n <= max(limit * (kmax + 1), 1) and n <= budget]
         self.runner.time_decode_step(1)  # warm-up
-        times: dict[int, float] = {}
-        points = [(n, True) for n in verify] + [(n, False) for n in sizes]
-        for n, one_request in bar(points * 2, desc="profiling step costs for the speculation policy", unit="step"):
-            t = self.runner.time_decode_step(1, tokens_per_req=n, repeats=1) if one_request else self.runner.time_decode_step(n, repeats=1)
-            times[n] = min(times.get(n, float("inf")), t)
-        self.policy.target_time.points.update(times)
+        points = [(n, True) for n in verify if n > 1] + [(n, False) for n in sizes]
+        # Each round times one token before and after its points and keeps each point's ratio to
+        # it: a shared machine's memory speed moves between phases (10-25% within minutes here),
+        # which bent a curve of absolute minima (T(2) 15% above T(1) where the medians say 4%).
+        # The curve is the median one-token time times the median ratios.
+        ones: list[float] = []
+        ratios: dict[int, list[float]] = {n: [] for n, _ in points}
+        for _ in bar(range(PROFILE_ROUNDS), desc="profiling step costs for the speculation policy", unit="round"):
+            before = self.runner.time_decode_step(1, repeats=1)
+            times = {n: self.runner.time_decode_step(1, tokens_per_req=n, repeats=1) if one_request
+                     else self.runner.time_decode_step(n, repeats=1) for n, one_request in points}
+            one = (before + self.runner.time_decode_step(1, repeats=1)) / 2
+            ones.append(one)
+            for n, t in times.items():
+                ratios[n].append(t / one)
+        t1 = statistics.median(ones)
+        self.policy.target_time.points.update({1: t1, **{n: t1 * statistics.median(r) for n, r in ratios.items()}})
         if self.proposer is not None and self.proposer.traits.cost == "per_pass":
             self.proposer.time_pass(1)  # warm-up
             for b in sorted({1, 2, 4, 8, 16, 32}):

@@ -53,8 +53,7 @@ def _build_lookahead(ctx: ProposerContext) -> Proposer:
     if ctx.spec.lookahead_corpus != "none" and tok is not None:
         from specserve.spec.corpus import load_corpus
 
-        corpus = load_corpus(ctx.spec.lookahead_corpus, lambda text: tok.encode(text, add_special_tokens=False),
-                             tok.fingerprint())
+        corpus = load_corpus(ctx.spec.lookahead_corpus, tok.encode_many, tok.fingerprint())
     return LookaheadProposer(ctx.spec.lookahead_window, max(2, ctx.spec.ngram_max), corpus,
                              tree=ctx.spec.use_trees(LookaheadProposer.traits.tree_by_default))
 

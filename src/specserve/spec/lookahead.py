@@ -43,14 +43,15 @@ if TYPE_CHECKING:
 
 POOL_PER_KEY = 8  # continuations kept per key token (the most weighted)
 # How far each source is trusted: the chance that its likeliest next token is the target's,
-# learned per proposer from every step (a source's other candidates get that chance scaled by
-# their share against its likeliest one). The priors are where they start.
+# learned per proposer from every verified node (the target's argmax there) and from every
+# step's root; a source's other candidates get that chance scaled by their share against its
+# likeliest one. Kept apart for the root and for nodes past it ("onward": the path so far
+# taken as right). The priors are where they start.
 TRUST_PRIOR = {"window": 0.1, "pool": 0.2, "match": 0.4, "corpus1": 0.2, "corpus2": 0.3, "corpus3": 0.4,
                "corpus4": 0.45, "corpus6": 0.5}
 TRUST_EWMA = 0.02  # weight of one step's outcome in a source's trust
 # Past the root, a continuation of the request's own text whose earlier tokens were right is
-# right far more often than a first guess (a window converges on stretches, a copy runs on):
-# its chance there, fixed.
+# right far more often than a first guess (a window converges on stretches, a copy runs on).
 TRUST_ONWARD = {"window": 0.8, "pool": 0.5, "match": 0.7}
 MATCH_MIN, MATCH_MAX = 2, 6  # context tails looked up in the request's own text
 MATCHES = 4  # its most recent matches, each a continuation
@@ -70,7 +71,8 @@ class _State:
         self.folded = 0  # key positions of the request's text whose n-grams are in the pool
         self.drafted: list[int] = []  # the window as drafted last step
         self.guessed_at = -1  # the position the sources' last root guesses were for
-        self.guesses: dict[str, int] = {}  # source -> the next token it found likeliest there
+        # path below the root -> source -> the next token it found likeliest there (last draft)
+        self.guesses: dict[tuple[int, ...], dict[str, int]] = {}
 
 
 @register_proposer("lookahead")
@@ -85,7 +87,8 @@ class LookaheadProposer(Proposer):
         self.n = ngram
         self.corpus = corpus
         self.tree = tree  # False: the best child at every level only (a chain)
-        self.trust = dict(TRUST_PRIOR)
+        self.trust = {(s, False): t for s, t in TRUST_PRIOR.items()}
+        self.trust.update({(s, True): TRUST_ONWARD.get(s, t) for s, t in TRUST_PRIOR.items()})
         self._states: dict[str, _State] = {}
 
     def add_request(self, request: Request) -> None:
@@ -121,17 +124,17 @@ class LookaheadProposer(Proposer):
                    ("pool", list(st.pool.get(ids[-1], {}).items())),
                    ("match", [(ids[s : s + k], 1.0) for s in starts[-MATCHES:].tolist()] if n else [])]
             st.guessed_at = len(ids)
-            st.guesses = {}
             tree = self._grow(ids[-CONTEXT_TAIL:], own, k, st.guesses)
             if tree is not None:
                 out[req.request_id] = tree
         return out
 
-    def _grow(self, tail: list[int], own: list[tuple[str, list]], budget: int, guesses: dict[str, int]) -> DraftTree | None:
+    def _grow(self, tail: list[int], own: list[tuple[str, list]], budget: int,
+              guesses: dict[tuple[int, ...], dict[str, int]]) -> DraftTree | None:
         """Best-first: the budget's nodes of highest path score (a node's score is its parent's
         times its own chance given the path, so parents always come before their children).
         `own`: per source of the request's own text, its continuations (token sequence, weight);
-        `guesses` receives each source's likeliest token at the root."""
+        `guesses` receives, per expanded path, each source's likeliest token after it."""
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
@@ -140,7 +143,7 @@ class LookaheadProposer(Proposer):
 
         def push_children(parent: int, path: tuple[int, ...], score: float, live: list) -> None:
             nonlocal order
-            kids = self._children(tail + list(path), len(path), live, guesses if parent < 0 and not path else None)
+            kids = self._children(tail + list(path), len(path), live, guesses.setdefault(path, {}))
             for tok, p, through in kids if self.tree else kids[:1]:
                 order += 1
                 heapq.heappush(heap, (-score * p, order, parent, (*path, tok), through))
@@ -159,7 +162,7 @@ class LookaheadProposer(Proposer):
         return DraftTree(tuple(tokens), tuple(parents), scores=tuple(scores))
 
     def _children(self, context: list[int], depth: int, own: list[tuple[str, list]],
-                  guesses: dict[str, int] | None) -> list[tuple[int, float, list]]:
+                  guesses: dict[str, int]) -> list[tuple[int, float, list]]:
         """[(token, chance, own sources' continuations through it)] at `depth` past the
         request's last token, most likely first. Each source gives its tokens a chance (its
         trust for its likeliest, scaled by share for the others); a token's chance is the
@@ -169,9 +172,8 @@ class LookaheadProposer(Proposer):
 
         def offer(source: str, shares: dict[int, float]) -> None:
             top = max(shares.values())
-            if guesses is not None:
-                guesses[source] = max(shares, key=shares.__getitem__)
-            trust = TRUST_ONWARD.get(source, self.trust[source]) if depth else self.trust[source]
+            guesses[source] = max(shares, key=shares.__getitem__)
+            trust = self.trust[(source, depth > 0)]
             for t, w in shares.items():
                 miss[t] = miss.get(t, 1.0) * (1.0 - trust * w / top)
 
@@ -197,13 +199,17 @@ class LookaheadProposer(Proposer):
         return [(t, c / norm, through.get(t, [])) for t, c in ranked]
 
     def _learn_trust(self, st: _State, ids: list[int]) -> None:
-        """Score the sources' last root guesses against the token the request went on with."""
-        if 0 <= st.guessed_at < len(ids):
-            actual = ids[st.guessed_at]
-            for source, guess in st.guesses.items():
-                self.trust[source] += TRUST_EWMA * (float(guess == actual) - self.trust[source])
+        """A step whose draft was not verified (pruned away): score the sources' root guesses
+        against the token the request went on with."""
+        if 0 <= st.guessed_at < len(ids) and () in st.guesses:
+            self._score(st.guesses[()], ids[st.guessed_at], onward=False)
         st.guesses = {}
         st.guessed_at = -1
+
+    def _score(self, guesses: dict[str, int], actual: int, onward: bool) -> None:
+        for source, guess in guesses.items():
+            key = (source, onward)
+            self.trust[key] += TRUST_EWMA * (float(guess == actual) - self.trust[key])
 
     def observe(self, request: Request, draft: DraftTree, result: SampledTokens) -> None:
         """Jacobi step: the target's outputs along the window become the next guesses; the
@@ -211,6 +217,14 @@ class LookaheadProposer(Proposer):
         st = self._states.get(request.request_id)
         if st is None or not result.node_argmax:
             return
+        # Every verified node tells each source that guessed after it whether the target agreed.
+        paths: list[tuple[int, ...]] = []
+        for tok, parent in zip(draft.token_ids, draft.parents):
+            paths.append((*(paths[parent] if parent >= 0 else ()), tok))
+        for path, argmax in zip([(), *paths], result.node_argmax):
+            if path in st.guesses:
+                self._score(st.guesses[path], argmax, onward=bool(path))
+        st.guesses = {}  # scored: not again at the next proposal
         nodes = draft.match(st.drafted)
         outs = [result.node_argmax[0]] + [result.node_argmax[n + 1] for n in nodes]  # outs[j]: prediction after y_j
         ys = [draft.token_ids[n] for n in nodes]

@@ -72,6 +72,7 @@ EWMA = 0.15  # weight of the newest observation in acceptance and timing estimat
 POOLED_EWMA = 0.05  # the same for the acceptance pooled over requests (a new request's prior)
 SCORE_EWMA = 0.1  # weight of the newest verify in a request's score calibration
 SCORE_PRIOR_WEIGHT = 2.0  # the pooled calibration counts as this many predicted acceptances
+PRUNE_MIN_GAIN = 0.01  # prune() never weighs nodes with a smaller chance to be accepted
 TREE_NODES_PER_K = 2  # a tree may hold this many nodes per draft position the chain model affords
 PROBE_EVERY = 16  # re-try k=1 (or k+1) this often for a request the cost model held back
 RUN_PROBE_STALE = 4  # after a wholly accepted draft, test the next position unless tested this recently
@@ -354,20 +355,30 @@ class SpecPolicy:
         if not gains:
             return drafts
         base = len(requests) + num_other_tokens + sum(len(t) for rid, t in drafts.items() if rid not in gains)
-        keep = dict.fromkeys(gains, 0)
+        # The nodes in order of gain; keep the prefix of that order with the best rate. (Not the
+        # first node that fails to pay: the measured T(n) is not convex everywhere, e.g. a kernel
+        # that handles 4 rows at once makes the third token dear and the fourth nearly free.)
         tokens, verify = float(len(requests)), base
-        rate = tokens / self.target_time(verify)
+        best, best_m = tokens / self.target_time(verify), 0
+        taken = dict.fromkeys(gains, 0)
+        order: list[str] = []
         heap = [(-g[0], rid) for rid, g in gains.items()]
         heapq.heapify(heap)
         while heap:
             neg, rid = heapq.heappop(heap)
-            new_rate = (tokens - neg) / self.target_time(verify + 1)
-            if new_rate <= rate:
-                break  # gains only fall from here and T(n) only grows
-            tokens, verify, rate = tokens - neg, verify + 1, new_rate
+            if neg > -PRUNE_MIN_GAIN:
+                break  # the rest gain less still
+            tokens, verify = tokens - neg, verify + 1
+            order.append(rid)
+            rate = tokens / self.target_time(verify)
+            if rate > best:
+                best, best_m = rate, len(order)
+            taken[rid] += 1
+            if taken[rid] < len(gains[rid]):
+                heapq.heappush(heap, (-gains[rid][taken[rid]], rid))
+        keep = dict.fromkeys(gains, 0)
+        for rid in order[:best_m]:
             keep[rid] += 1
-            if keep[rid] < len(gains[rid]):
-                heapq.heappush(heap, (-gains[rid][keep[rid]], rid))
         out = {rid: t for rid, t in drafts.items() if rid not in gains}
         for rid, n in keep.items():
             tree = drafts[rid]
