@@ -143,3 +143,27 @@ def test_calibration_starts_at_the_prior_and_follows_the_measured_ratio():
     want = (1 / SCORE_EWMA + SCORE_PRIOR_WEIGHT) / (2 / SCORE_EWMA + SCORE_PRIOR_WEIGHT)
     assert st.calibration(1.0) == pytest.approx(want, abs=1e-3) and want < 0.6
     assert np.isclose(p.pooled.calibration(1.0), 0.5, atol=0.1)
+
+
+def test_a_scored_draft_pays_for_the_host_work_a_speculative_step_adds():
+    p = _scored_policy()
+    reqs = [_req("a", [1, 2, 3])]
+    tree = DraftTree((5, 6), (-1, 0), scores=(0.3, 0.1))
+    assert len(p.prune(reqs, {"a": tree})["a"]) == 2
+    p.verify_overhead_s = 0.010  # half a step of host work: 0.3 + 0.1 tokens do not pay for it
+    assert "a" not in p.prune(reqs, {"a": tree})
+
+
+def test_the_engine_learns_the_host_overhead_of_steps_with_drafts():
+    from types import SimpleNamespace
+
+    from specserve.engine.engine import LLMEngine
+
+    eng = SimpleNamespace(_host_s={False: None, True: None}, policy=SimpleNamespace(verify_overhead_s=0.0))
+    plain = SimpleNamespace(scheduled=[SimpleNamespace(num_new_tokens=1, draft=None)])
+    spec = SimpleNamespace(scheduled=[SimpleNamespace(num_new_tokens=3, draft=object())])
+    prompt = SimpleNamespace(scheduled=[SimpleNamespace(num_new_tokens=40, draft=None)])
+    LLMEngine._account_host_time(eng, plain, 0.001)
+    LLMEngine._account_host_time(eng, prompt, 0.050)  # a prompt chunk teaches neither
+    LLMEngine._account_host_time(eng, spec, 0.003)
+    assert eng.policy.verify_overhead_s == pytest.approx(0.002)

@@ -50,6 +50,7 @@ T = TypeVar("T")
 MIN_FORCED_DRAFT = 8
 # Without measured step times, forced text is drafted only up to this many decoding requests.
 FORCED_DRAFT_MAX_BATCH = 4
+HOST_EWMA = 0.05  # weight of one step in the host-time estimates
 PROFILE_ROUNDS = 3  # rounds of profile_costs (the median ratio of each point is kept)
 CATCHUP_PROFILE_TOKENS = 64  # one request's tokens in the pass that times a proposer's catch-up
 # When the model declares a longer context than this, default to it (KV memory stays modest).
@@ -349,6 +350,7 @@ class LLMEngine:
             trees=traits is not None and traits.trees and spec.use_trees(traits.tree_by_default),
             scored=traits is not None and traits.scores_predict_acceptance,
         )
+        self._host_s: dict[bool, float | None] = {False: None, True: None}  # see _account_host_time
         self.spec_counters = {"draft_time_s": 0.0, "verify_time_s": 0.0, "decode_time_s": 0.0,
                               "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                               "num_forced_tokens": 0}
@@ -652,6 +654,7 @@ class LLMEngine:
                 self.proposer.remove_request(rid, finished=False)
         if sched_out.is_empty:
             return pending
+        t_exec = time.perf_counter()
         try:
             sampled = self.runner.execute(sched_out)
         except Exception as exc:  # a model failure must not take every other request down
@@ -671,6 +674,7 @@ class LLMEngine:
             if (req := self.scheduler.requests.get(rid)) is not None:
                 req.add_prompt_logprobs(first, lps, tops)
         self._account_step(sched_out, sampled)
+        self._account_host_time(sched_out, time.perf_counter() - t_exec - self.runner.last_forward_time_s)
         results = self.scheduler.update_from_output(sched_out, sampled)
         self._save_to_tiers()
         if self.runner.capture_hidden and self.proposer is not None:
@@ -758,6 +762,18 @@ class LLMEngine:
                 self.drafted_per_position[j] += 1
                 self.accepted_per_position[j] += int(j < st.num_accepted_tokens)
         self.spec_counters["verify_time_s" if spec else "decode_time_s"] += t
+
+    def _account_host_time(self, sched_out: SchedulerOutput, host_s: float) -> None:
+        """Learn what a step with drafts costs on the host beyond one without: the execute time
+        the forward does not account for, decode steps only, one EWMA for each kind."""
+        if any(sr.num_new_tokens > 1 and sr.draft is None for sr in sched_out.scheduled):
+            return  # a prompt chunk's host work is not a draft's
+        with_drafts = any(sr.draft is not None for sr in sched_out.scheduled)
+        old = self._host_s[with_drafts]
+        self._host_s[with_drafts] = host_s if old is None else (1 - HOST_EWMA) * old + HOST_EWMA * host_s
+        plain, spec = self._host_s[False], self._host_s[True]
+        if plain is not None and spec is not None:
+            self.policy.verify_overhead_s = max(0.0, spec - plain)
 
     def _teaches_step_cost(self, sched_out: SchedulerOutput) -> bool:
         """Whether the step's forward time is what the policy's T(n) should learn for n tokens.

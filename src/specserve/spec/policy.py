@@ -218,6 +218,9 @@ class SpecPolicy:
     # every eligible request drafts its full node budget and prune() keeps the nodes whose
     # calibrated score pays for verifying them.
     scored: bool = False
+    # Host seconds a step with drafts spends beyond one without (tree masks, verification,
+    # bookkeeping), measured by the engine: what a scored proposer's first kept node also pays.
+    verify_overhead_s: float = 0.0
     free_prior: float = 0.5  # a copier's prior acceptance (drafts made without a draft pass)
     _stats: dict[tuple[str, bool], AcceptanceStats] = field(default_factory=dict)
     _pooled: AcceptanceStats | None = None
@@ -370,7 +373,7 @@ class SpecPolicy:
                 break  # the rest gain less still
             tokens, verify = tokens - neg, verify + 1
             order.append(rid)
-            rate = tokens / self.target_time(verify)
+            rate = tokens / (self.target_time(verify) + (self.verify_overhead_s if self.scored else 0.0))
             if rate > best:
                 best, best_m = rate, len(order)
             taken[rid] += 1
