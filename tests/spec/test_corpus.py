@@ -167,3 +167,29 @@ def test_the_engine_learns_the_host_overhead_of_steps_with_drafts():
     LLMEngine._account_host_time(eng, prompt, 0.050)  # a prompt chunk teaches neither
     LLMEngine._account_host_time(eng, spec, 0.003)
     assert eng.policy.verify_overhead_s == pytest.approx(0.002)
+
+
+def test_a_scored_proposer_stops_drafting_where_its_yield_does_not_pay_and_probes():
+    p = _scored_policy(t1=0.020, t2=0.0205, t3=0.021, t9=0.030)
+    p.propose_s = 0.002  # a tenth of a step per request
+    reqs = [_req("a", [1]), _req("b", [1])]
+    for _ in range(40):
+        p.observe("a", 3, 2, predicted=2.0, nodes=3)  # yields 2 tokens a step: pays
+        p.observe_nothing_drafted("b")  # never yields
+    ks = p.choose(reqs)
+    assert ks[0] > 0 and ks[1] == 0
+    for _ in range(14):
+        assert p.choose(reqs)[1] == 0
+    assert p.choose(reqs)[1] > 0  # the 16th step held back probes
+
+
+def test_a_phase_change_seen_at_one_step_size_moves_the_whole_curve():
+    t = StepTimer({1: 0.020, 3: 0.022, 9: 0.030})
+    for _ in range(200):
+        t.observe_scaled(1, 0.016)  # the machine got 20% faster; only decode steps ran
+    assert t(1) == pytest.approx(0.016, rel=1e-3)
+    # The shape is kept, but for point 1's own slow share of the move (SHAPE_EWMA against PHASE_EWMA).
+    assert t(3) / t(1) == pytest.approx(0.022 / 0.020, rel=0.03)
+    assert t(9) / t(1) == pytest.approx(0.030 / 0.020, rel=0.03)
+    t.observe_scaled(5, 0.025)  # a size not measured yet: its own point
+    assert t.points[5] == 0.025

@@ -739,7 +739,7 @@ class LLMEngine:
     def _account_step(self, sched_out: SchedulerOutput, sampled: dict[str, SampledTokens]) -> None:
         t = self.runner.last_forward_time_s
         if self._teaches_step_cost(sched_out):
-            self.policy.target_time.observe(sched_out.num_batched_tokens, t)
+            self.policy.target_time.observe_scaled(sched_out.num_batched_tokens, t)
         spec = False
         for sr in sched_out.scheduled:
             st = sampled.get(sr.request_id)
@@ -751,7 +751,7 @@ class LLMEngine:
             spec = True
             self.policy.observe(sr.request_id, sr.draft.max_depth, st.num_accepted_tokens,
                                 free=sr.request_id in self._copied,
-                                predicted=sum(sr.draft.scores) if sr.draft.scores else None)
+                                predicted=sum(sr.draft.scores) if sr.draft.scores else None, nodes=len(sr.draft))
             c = self.spec_counters
             c["num_drafts"] += 1
             c["num_draft_tokens"] += st.num_draft_tokens
@@ -824,6 +824,9 @@ class LLMEngine:
                                              / max(self.policy.target_time(len(decoding) + other), 1e-9))
         copied = self._copied = {r.request_id for i, r in enumerate(decoding) if free and free[i] and ks[i]}
         proposals = self.proposer.propose(decoding, ks)  # type: ignore[union-attr]
+        if self.policy.scored:  # what the proposer's host time per request is (choose() weighs it)
+            per = (time.perf_counter() - t0) / max(1, sum(1 for k in ks if k))
+            self.policy.propose_s = per if self.policy.propose_s == 0.0 else (1 - HOST_EWMA) * self.policy.propose_s + HOST_EWMA * per
         delivered = {rid: tree.max_depth for rid, tree in proposals.items()}
         proposals = self.policy.prune(decoding, proposals, other, free)
         dt = time.perf_counter() - t0
@@ -846,6 +849,8 @@ class LLMEngine:
                 prop = req.grammar.prune(prop)  # cut what the grammar could never accept
             if prop is not None and len(prop):
                 req.draft = prop
+            elif k:
+                self.policy.observe_nothing_drafted(req.request_id, free=req.request_id in copied)
 
     def _draft_forced(self) -> None:
         """Structured output: where the grammar forces the next text (`{"name":"`), draft its usual

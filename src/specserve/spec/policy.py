@@ -69,6 +69,8 @@ from specserve.spec.tree import DraftTree
 
 EWMA = 0.15  # weight of the newest observation in acceptance and timing estimates
 
+PHASE_EWMA = 0.1  # share of a step-time measurement's ratio to the estimate that moves the whole curve
+SHAPE_EWMA = 0.01  # and the share that moves its own point only
 POOLED_EWMA = 0.05  # the same for the acceptance pooled over requests (a new request's prior)
 SCORE_EWMA = 0.1  # weight of the newest verify in a request's score calibration
 SCORE_PRIOR_WEIGHT = 2.0  # the pooled calibration counts as this many predicted acceptances
@@ -93,6 +95,23 @@ class StepTimer:
             return
         old = self.points.get(n)
         self.points[n] = seconds if old is None else (1 - EWMA) * old + EWMA * seconds
+
+    def observe_scaled(self, n: int, seconds: float) -> None:
+        """Fold one measurement of an n-token step into the curve: every point moves by a share of
+        its ratio to the estimate, and point n a little more on its own. Why: a shared machine's memory speed changes between phases (10-25% within minutes
+        on the VMs measured), and it changes every step size alike. Without it a phase change
+        reached only the sizes that ran (decode steps, T(1)), and the curve's ratios, on which
+        trees are pruned, stretched or shrank with the phase."""
+        if n <= 0 or seconds <= 0:
+            return
+        if n not in self.points:
+            self.observe(n, seconds)
+            return
+        f = 1.0 + PHASE_EWMA * (seconds / self(n) - 1.0)
+        for x in self.points:
+            self.points[x] *= f
+        # The point's own share, slower: where the curve's shape itself was off.
+        self.points[n] = (1 - SHAPE_EWMA) * self.points[n] + SHAPE_EWMA * seconds
 
     def __call__(self, n: float) -> float:
         """Estimated seconds for a step of n tokens (n may be an expected, fractional count)."""
@@ -139,6 +158,8 @@ class AcceptanceStats:
     # scores' prediction of them, both decayed, over this request's verifies.
     score_accepted: float = 0.0
     score_predicted: float = 0.0
+    drafted_yield: float | None = None  # accepted drafts per verified step (EWMA; None: not measured)
+    drafted_nodes: float = 0.0  # draft nodes verified per such step (EWMA)
     tested: list[int] = field(default_factory=list)  # the policy step each position was last tested at
 
     def __post_init__(self) -> None:
@@ -152,11 +173,16 @@ class AcceptanceStats:
         undelivered position counts as a miss."""
         _fold_run(self.rates, num_asked, num_accepted, weight)
 
-    def update_scores(self, predicted: float, accepted: int, weight: float = SCORE_EWMA) -> None:
-        """Fold one verify into the score calibration: its drafts' summed scores against the
-        drafts it accepted."""
+    def update_scores(self, predicted: float, accepted: int, nodes: int, weight: float = SCORE_EWMA) -> None:
+        """Fold one verify of `nodes` drafts into the score calibration (their summed scores
+        against the drafts it accepted) and into the step's yield."""
         self.score_predicted = (1 - weight) * self.score_predicted + predicted
         self.score_accepted = (1 - weight) * self.score_accepted + accepted
+        if self.drafted_yield is None:
+            self.drafted_yield, self.drafted_nodes = float(accepted), float(nodes)
+        else:
+            self.drafted_yield = (1 - weight) * self.drafted_yield + weight * accepted
+            self.drafted_nodes = (1 - weight) * self.drafted_nodes + weight * nodes
 
     def calibration(self, prior: float) -> float:
         """Accepted drafts per unit of score, shrunk towards `prior` while little is measured."""
@@ -221,6 +247,7 @@ class SpecPolicy:
     # Host seconds a step with drafts spends beyond one without (tree masks, verification,
     # bookkeeping), measured by the engine: what a scored proposer's first kept node also pays.
     verify_overhead_s: float = 0.0
+    propose_s: float = 0.0  # host seconds a scored proposer takes per request it drafts for (measured)
     free_prior: float = 0.5  # a copier's prior acceptance (drafts made without a draft pass)
     _stats: dict[tuple[str, bool], AcceptanceStats] = field(default_factory=dict)
     _pooled: AcceptanceStats | None = None
@@ -281,15 +308,15 @@ class SpecPolicy:
             self.observe(request_id, 0, 0, free)
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int, free: bool = False,
-                predicted: float | None = None) -> None:
+                predicted: float | None = None, nodes: int = 0) -> None:
         """Record a verify result (of a proposal of num_draft tokens, asked for as recorded by
         observe_proposal, else num_draft; free: a copied draft, see the module docstring;
         predicted: the verified tree's summed scores, for a proposer whose scores predict
         acceptance)."""
         st = self.stats(request_id, free)
         if predicted is not None and self.scored:
-            st.update_scores(predicted, num_accepted)
-            self.pooled_for(free).update_scores(predicted, num_accepted, POOLED_EWMA)
+            st.update_scores(predicted, num_accepted, nodes)
+            self.pooled_for(free).update_scores(predicted, num_accepted, nodes, POOLED_EWMA)
         if num_draft > 0 or st.asked > 0:
             asked = max(st.asked, num_draft)
             st.asked = 0
@@ -298,6 +325,12 @@ class SpecPolicy:
             for j in range(min(asked, num_accepted + 1, len(st.tested))):
                 st.tested[j] = self._step
             st.full_run = asked if num_accepted >= asked else 0
+
+    def observe_nothing_drafted(self, request_id: str, free: bool = False) -> None:
+        """A scored proposer drafted for the request but nothing was verified (no candidate, or
+        prune kept none): a step of zero yield."""
+        if self.scored:
+            self.stats(request_id, free).update_scores(0.0, 0, 0)
 
     def choose(self, requests: Sequence[Request], num_other_tokens: int = 0,
                catchup: Sequence[int] | None = None, free: Sequence[bool] | None = None) -> list[int]:
@@ -317,9 +350,12 @@ class SpecPolicy:
         if self.config.policy == "always":  # every request, whatever the batch size
             ks = [0 if r.sampling_params.speculative is False else kmax for r in requests]
         elif self.scored and self.trees:
-            # Drafting costs next to nothing; which nodes pay is decided node by node in prune().
+            # Which nodes pay is decided node by node in prune(); here only whether drafting for a
+            # request at all pays for the proposer's own time.
             budget = max(kmax, self.config.max_draft_nodes)
-            return [budget if self._eligible(r, n) else 0 for r in requests]
+            if n == 1:  # alone, the proposer's time is a few percent of a step: prune() decides
+                return [budget if self._eligible(requests[0], 1) else 0]
+            return [budget if d else 0 for d in self._scored_choice(requests, num_other_tokens, free or [False] * n)]
         else:
             eligible = [self._eligible(r, n) for r in requests]
             ks = self._cost_model_choice(requests, eligible, num_other_tokens, catchup or [0] * n, free or [False] * n)
@@ -454,6 +490,47 @@ class SpecPolicy:
         for gain, size in list(zip(st.accepted_by_k(kmax), st.proposed_by_k(kmax)))[1:]:
             best = max(best, (1.0 + gain) / (self.target_time(1 + size) + pass_s * size))
         return best
+
+    def _scored_choice(self, requests: Sequence[Request], other: int, free: Sequence[bool]) -> list[bool]:
+        """Which requests a scored proposer drafts for: those whose measured yield (accepted
+        drafts per step, at the nodes they were verified with) pays for the proposer's time and
+        the verify, added best first while the step's expected tokens per second rises. A
+        request held back probes every PROBE_EVERY steps, so its yield stays current."""
+        n = len(requests)
+        verify = n + other
+        tokens, seconds = float(n), self.target_time(verify)
+        rate = tokens / seconds
+        cands = []
+        out = [False] * n
+        for i, r in enumerate(requests):
+            if not self._eligible(r, n):
+                continue
+            st = self.stats(r.request_id, free[i])
+            pooled = self.pooled_for(free[i])
+            y = st.drafted_yield if st.drafted_yield is not None else pooled.drafted_yield
+            if y is None:  # nothing measured yet: draft, and learn
+                out[i] = True
+                continue
+            nodes = st.drafted_nodes if st.drafted_yield is not None else pooled.drafted_nodes
+            cands.append((y / (self.propose_s + self.target_time(verify + nodes) - self.target_time(verify) + 1e-9),
+                          i, y, nodes))
+        drafted = sum(out)
+        extra_nodes = 0.0
+        for _, i, y, nodes in sorted(cands, reverse=True):
+            overhead = self.verify_overhead_s if drafted == 0 else 0.0
+            t = self.target_time(verify + extra_nodes + nodes) + self.propose_s * (drafted + 1) + overhead
+            if (tokens + y) / t > rate:
+                tokens, rate, drafted, extra_nodes = tokens + y, (tokens + y) / t, drafted + 1, extra_nodes + nodes
+                out[i] = True
+        for i, r in enumerate(requests):
+            st = self.stats(r.request_id, free[i])
+            if out[i] or not self._eligible(r, n):
+                st.steps_off = 0
+                continue
+            st.steps_off += 1
+            if st.steps_off >= PROBE_EVERY:
+                out[i], st.steps_off = True, 0
+        return out
 
     def _eligible(self, req: Request, batch: int) -> bool:
         if req.sampling_params.speculative is False:
