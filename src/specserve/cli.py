@@ -95,10 +95,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--ngram-min", type=int, default=1)
     s.add_argument("--ngram-max", type=int, default=4)
     s.add_argument("--lookahead-window", type=int, default=6, help="lookahead: Jacobi window length")
-    s.add_argument("--lookahead-corpus", default="stdlib",
-                   help="lookahead: text whose n-grams also draft: stdlib (the Python standard library's "
-                        "source, the default), python (that and the installed packages' source: slower to "
-                        "build once, guesses more), a directory of text files, or none")
+    s.add_argument("--lookahead-corpus", default="auto",
+                   help="lookahead: text whose n-grams also draft: auto (the Python standard library's source, "
+                        "and the model's own answers once `specserve build-corpus` wrote them), stdlib, python "
+                        "(the stdlib and the installed packages' source: minutes to build once), a directory of "
+                        "text files, or none")
     s.add_argument("--spec-copy", choices=["auto", "none", "ngram", "reference"], default="auto",
                    help="with a model drafter: copy from the request's context (ngram) or reference text (reference) "
                         "where its last --spec-copy-min-match tokens occur there, and draft with the model elsewhere "
@@ -383,6 +384,21 @@ def _layer_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers or 'none', got {text!r}") from None
 
 
+def cmd_build_corpus(args: argparse.Namespace) -> int:
+    """specserve build-corpus: the model's own answers, for lookahead's corpus."""
+    from specserve import LLM
+    from specserve.models.bundled import resolve_model
+    from specserve.spec.corpus import self_text_path, write_self_text
+
+    out = Path(args.out) if args.out else self_text_path(resolve_model(args.model))
+    llm = LLM(args.model, spec_method="none", quantization=args.quantization, max_num_seqs=args.batch,
+              num_threads=args.threads)
+    card = write_self_text(llm, out, args.asks, args.max_tokens, args.seed)
+    print(f"wrote {card['path']}: {card['tokens']:,} tokens answering {card['asks']} asks in {card['seconds']:.0f} s")
+    print("  `--spec-method lookahead` drafts from it with the default --lookahead-corpus auto")
+    return 0
+
+
 def cmd_train_draft(args: argparse.Namespace) -> int:
     """specserve train-draft: self-distil a drafter head for a model on this CPU."""
     from specserve.spec.train import TrainConfig, train_draft
@@ -578,6 +594,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "profile": cmd_profile,
     "plan": cmd_plan,
     "train-draft": cmd_train_draft,
+    "build-corpus": cmd_build_corpus,
     "serve": cmd_serve,
 }
 
@@ -645,6 +662,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "threads each): the relay's per-step and per-request cost the planner charges `--disagg` plans")
 
     from specserve.ops.plan import add_arguments as add_plan_arguments
+
+    p = sub.add_parser("build-corpus", help="the model's own answers to generic asks, for lookahead's corpus",
+                       description="Greedy answers of the model to --asks generic asks (none of the benchmarks'); "
+                                   "lookahead's default corpus (auto) adds them to the standard library's source.")
+    p.add_argument("--model", required=True, help="model (bundled name, GGUF or HF dir)")
+    p.add_argument("--asks", type=int, default=256, help="how many asks to answer")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer at most")
+    p.add_argument("--batch", type=int, default=32, help="answers generated at once")
+    p.add_argument("--seed", type=int, default=0, help="which asks")
+    p.add_argument("--quantization", default=None, help="as for serve (default: the model's fast path)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    p.add_argument("--out", default=None, help="text file to write (default: the cache, where lookahead finds it)")
 
     p = sub.add_parser("train-draft", help="train a drafter head (EAGLE) on the target's own features, on this CPU",
                        description="Self-distillation over a local corpus (default: the Python standard library's "

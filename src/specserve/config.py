@@ -198,6 +198,7 @@ class SchedulerConfig:
             raise ConfigError("max_waiting must be >= 0 when given.")
 
 
+LOOKAHEAD_CORPORA = ("auto", "stdlib", "python", "none")  # or a directory of text files
 SPEC_METHODS = ("none", "draft", "ngram", "reference", "lookahead", "eagle", "medusa", "mtp", "layerskip")
 # Methods whose --draft-model is a file `specserve train-draft` fits for the target (auto: the cached one).
 HEAD_METHODS = ("eagle", "medusa", "mtp", "layerskip")
@@ -303,9 +304,10 @@ class SpecConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     lookahead_window: int = 6  # lookahead: Jacobi window length
-    # lookahead: the corpus whose n-grams also draft (specserve.spec.corpus): "stdlib" (the Python
-    # standard library's source), "python" (that and the installed packages'), a directory, or "none"
-    lookahead_corpus: str = "stdlib"
+    # lookahead: the corpus whose n-grams also draft (specserve.spec.corpus): "auto" (the Python
+    # standard library's source and the model's own answers once `specserve build-corpus` wrote
+    # them), "stdlib", "python" (the stdlib and the installed packages'), a directory, or "none"
+    lookahead_corpus: str = "auto"
     copy: str = "auto"  # auto | none | ngram | reference: copy before drafting with the model (see SPEC_COPIES)
     copy_min_match: int = 3  # a copy needs the request's last this many tokens to occur earlier
     # Reference thresholds: speculate freely at batch <= on_batch, never at batch >= off_batch,
@@ -342,9 +344,10 @@ class SpecConfig:
             )
         if not 1 <= self.lookahead_window <= 32:
             raise ConfigError(f"lookahead_window must be in [1, 32], got {self.lookahead_window}.")
-        if self.lookahead_corpus not in ("stdlib", "python", "none") and not Path(self.lookahead_corpus).is_dir():
+        if self.lookahead_corpus not in LOOKAHEAD_CORPORA and not Path(self.lookahead_corpus).is_dir():
             raise ConfigError(f"lookahead_corpus {self.lookahead_corpus!r} is not a directory; give a directory "
-                              "of text files, 'stdlib' (the Python standard library's source), 'python' (that and "
+                              "of text files, 'auto' (the stdlib and the model's own answers from `specserve "
+                              "build-corpus`), 'stdlib' (the Python standard library's source), 'python' (that and "
                               "the installed packages' source) or 'none'.")
         if self.copy not in SPEC_COPIES:
             raise ConfigError(f"Unknown spec copy source {self.copy!r}; use one of {', '.join(SPEC_COPIES)}.")

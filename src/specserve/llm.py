@@ -68,7 +68,7 @@ class LLM:
         ngram_min: int = 1,
         ngram_max: int = 4,
         lookahead_window: int = 6,
-        lookahead_corpus: str = "stdlib",
+        lookahead_corpus: str = "auto",
         spec_copy: str = "auto",
         spec_copy_min_match: int = 3,
         spec_on_batch: int = 8,

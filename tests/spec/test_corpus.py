@@ -193,3 +193,33 @@ def test_a_phase_change_seen_at_one_step_size_moves_the_whole_curve():
     assert t(9) / t(1) == pytest.approx(0.030 / 0.020, rel=0.03)
     t.observe_scaled(5, 0.025)  # a size not measured yet: its own point
     assert t.points[5] == 0.025
+
+
+def test_auto_adds_the_models_own_answers_where_they_exist(tmp_path):
+    from specserve.spec.corpus import SELF_WEIGHT, corpus_files
+
+    calls = []
+
+    def encode(texts):
+        calls.append(len(texts))
+        return [[ord(c) for c in text[:2000]] for text in texts]
+
+    own = tmp_path / "own.txt"
+    stdlib = load_corpus("auto", encode, "tok", tmp_path / "cache", self_text=own)  # no answers yet: the stdlib
+    n_stdlib = sum(calls)
+    assert n_stdlib == len(corpus_files("stdlib"))
+    own.write_text("☃♞ ☃♞ ☃♞ ☃♞", encoding="utf-8")  # characters the stdlib's first 2000 of a file lack
+    both = load_corpus("auto", encode, "tok", tmp_path / "cache", self_text=own)
+    assert sum(calls) == 2 * n_stdlib + SELF_WEIGHT  # a new table: the stdlib and the answers, weighted
+    assert both.num_tokens == stdlib.num_tokens + SELF_WEIGHT * len("☃♞ ☃♞ ☃♞ ☃♞")
+    assert both.next_tokens([ord("☃")])[1][0][0] == ord("♞")
+
+
+def test_build_corpus_writes_the_models_answers(smollm_llm, tmp_path):
+    from specserve.spec.corpus import self_text_path, write_self_text
+
+    path = self_text_path("/models/x.gguf", root=tmp_path)
+    assert path.parent == tmp_path and path.name.startswith("x-") and path != self_text_path("/other/x.gguf", root=tmp_path)
+    card = write_self_text(smollm_llm, path, num_asks=3, max_tokens=8)
+    assert card["asks"] == 3 and 3 <= card["tokens"] <= 24
+    assert path.read_text().strip() and not list(tmp_path.glob("*.tmp"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,9 +52,14 @@ def _build_lookahead(ctx: ProposerContext) -> Proposer:
     corpus = None
     tok = ctx.tokenizer
     if ctx.spec.lookahead_corpus != "none" and tok is not None:
-        from specserve.spec.corpus import load_corpus
+        from specserve.models.bundled import resolve_model
+        from specserve.spec.corpus import load_corpus, self_text_path
 
-        corpus = load_corpus(ctx.spec.lookahead_corpus, tok.encode_many, tok.fingerprint())
+        own = None
+        if ctx.spec.lookahead_corpus == "auto":
+            with contextlib.suppress(Exception):  # a model given as a loaded checkpoint has no file: no answers
+                own = self_text_path(resolve_model(ctx.model.model))
+        corpus = load_corpus(ctx.spec.lookahead_corpus, tok.encode_many, tok.fingerprint(), self_text=own)
     return LookaheadProposer(ctx.spec.lookahead_window, max(2, ctx.spec.ngram_max), corpus,
                              tree=ctx.spec.use_trees(LookaheadProposer.traits.tree_by_default))
 
