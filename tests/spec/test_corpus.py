@@ -64,6 +64,10 @@ def test_corpus_is_built_once_and_loaded_after(tmp_path):
         f.write_bytes(b"not a table")
     load_corpus(str(root), encode, "tok-a", cache)
     assert len(calls) == 3 and not list(cache.glob("*.tmp"))
+    # The corpus changed: a new table replaces tok-a's old one (tok-b's stays).
+    (root / "b.py").write_text("while True:\n    pass\n")
+    load_corpus(str(root), encode, "tok-a", cache)
+    assert len(calls) == 5 and len(list(cache.glob("*.npz"))) == 2
 
 
 def test_a_corpus_that_is_not_a_directory_is_refused(tmp_path):
@@ -223,3 +227,22 @@ def test_build_corpus_writes_the_models_answers(smollm_llm, tmp_path):
     card = write_self_text(smollm_llm, path, num_asks=3, max_tokens=8)
     assert card["asks"] == 3 and 3 <= card["tokens"] <= 24
     assert path.read_text().strip() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_an_unreadable_corpus_file_is_skipped(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "good.py").write_text("ab" * 20)
+    (root / "bad.py").write_text("cd" * 20)
+    real = Path.read_text
+
+    def read_text(self, *a, **kw):
+        if self.name == "bad.py":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    table = load_corpus(str(root), lambda texts: [[ord(c) for c in t] for t in texts], "tok", tmp_path / "cache")
+    assert table.num_tokens == 40 and table.next_tokens([ord("a")])[1][0][0] == ord("b")

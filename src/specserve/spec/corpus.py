@@ -243,7 +243,10 @@ def load_corpus(corpus: str | None, encode_many: Callable[[list[str]], list[list
     files = corpus_files("stdlib" if corpus == "auto" else corpus)
     if corpus == "auto" and self_text is not None and self_text.is_file():
         files += [self_text] * SELF_WEIGHT
-    path = (cache_root or cache_dir() / "corpus") / f"{corpus_fingerprint(files, tokenizer_id)}.npz"
+    root = cache_root or cache_dir() / "corpus"
+    # One table per tokenizer and corpus: a table built after the corpus changed replaces the last.
+    kind = hashlib.blake2b(f"{tokenizer_id}|{corpus}|{self_text}".encode(), digest_size=4).hexdigest()
+    path = root / f"{kind}-{corpus_fingerprint(files, tokenizer_id)}.npz"
     if path.exists():
         try:
             return CorpusNgrams.load(path)
@@ -251,10 +254,21 @@ def load_corpus(corpus: str | None, encode_many: Callable[[list[str]], list[list
             path.unlink(missing_ok=True)  # damaged: build it again
     docs: list[np.ndarray] = []  # int32 arrays: a list of Python ints per token took 9 GB for 74M tokens
     for i in bar(range(0, len(files), ENCODE_CHUNK), desc=f"corpus n-grams: tokenizing {len(files)} files", unit="chunk"):
-        texts = [p.read_text(encoding="utf-8", errors="replace") for p in files[i : i + ENCODE_CHUNK]]
+        texts = [_read(p) for p in files[i : i + ENCODE_CHUNK]]
         docs += [np.asarray(ids, dtype=np.int32) for ids in encode_many(texts)]
     with spinner("corpus n-grams: building the tables"):
         table = CorpusNgrams.from_token_docs(docs)
     with contextlib.suppress(OSError):  # a read-only cache: use the table without keeping it
         table.save(path)
+        for old in root.glob(f"{kind}-*.npz"):
+            if old != path:
+                old.unlink(missing_ok=True)
     return table
+
+
+def _read(path: Path) -> str:
+    """A corpus file's text ("" where it cannot be read: one unreadable file skips, not fails)."""
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
