@@ -275,7 +275,9 @@ class SpecPolicy:
         st = self._stats.get((request_id, free))
         if st is None:
             pooled = self.pooled_for(free)
-            st = self._stats[(request_id, free)] = AcceptanceStats(list(pooled.rates), list(pooled.reach))
+            st = self._stats[(request_id, free)] = AcceptanceStats(list(pooled.rates), list(pooled.reach),
+                                                                   drafted_yield=pooled.drafted_yield,
+                                                                   drafted_nodes=pooled.drafted_nodes)
         return st
 
     def forget(self, request_id: str) -> None:
@@ -353,8 +355,6 @@ class SpecPolicy:
             # Which nodes pay is decided node by node in prune(); here only whether drafting for a
             # request at all pays for the proposer's own time.
             budget = max(kmax, self.config.max_draft_nodes)
-            if n == 1:  # alone, the proposer's time is a few percent of a step: prune() decides
-                return [budget if self._eligible(requests[0], 1) else 0]
             return [budget if d else 0 for d in self._scored_choice(requests, num_other_tokens, free or [False] * n)]
         else:
             eligible = [self._eligible(r, n) for r in requests]
