@@ -390,6 +390,8 @@ def cmd_build_corpus(args: argparse.Namespace) -> int:
     from specserve.models.bundled import resolve_model
     from specserve.spec.corpus import self_text_path, write_self_text
 
+    if args.asks < 1 or args.max_tokens < 1 or args.batch < 1:
+        raise ConfigError("--asks, --max-tokens and --batch must be at least 1.")
     out = Path(args.out) if args.out else self_text_path(resolve_model(args.model))
     llm = LLM(args.model, spec_method="none", quantization=args.quantization, max_num_seqs=args.batch,
               num_threads=args.threads)

@@ -246,3 +246,10 @@ def test_an_unreadable_corpus_file_is_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "read_text", read_text)
     table = load_corpus(str(root), lambda texts: [[ord(c) for c in t] for t in texts], "tok", tmp_path / "cache")
     assert table.num_tokens == 40 and table.next_tokens([ord("a")])[1][0][0] == ord("b")
+
+
+def test_build_corpus_refuses_an_empty_ask_count(capsys):
+    from specserve.cli import main
+
+    assert main(["build-corpus", "--model", "smollm2-135m-instruct", "--asks", "0"]) != 0
+    assert "--asks" in capsys.readouterr().err
