@@ -39,7 +39,7 @@ from specserve.spec.factory import (
     drafter_kv_bytes_per_token,
     reserved_kv_blocks,
 )
-from specserve.spec.policy import SpecPolicy
+from specserve.spec.policy import SpecPolicy, ewma
 from specserve.spec.proposer import Proposer
 from specserve.spec.tree import DraftTree
 
@@ -769,8 +769,7 @@ class LLMEngine:
         if any(sr.num_new_tokens > 1 and sr.draft is None for sr in sched_out.scheduled):
             return  # a prompt chunk's host work is not a draft's
         with_drafts = any(sr.draft is not None for sr in sched_out.scheduled)
-        old = self._host_s[with_drafts]
-        self._host_s[with_drafts] = host_s if old is None else (1 - HOST_EWMA) * old + HOST_EWMA * host_s
+        self._host_s[with_drafts] = ewma(self._host_s[with_drafts], host_s, HOST_EWMA)
         plain, spec = self._host_s[False], self._host_s[True]
         if plain is not None and spec is not None:
             self.policy.verify_overhead_s = max(0.0, spec - plain)
@@ -826,7 +825,7 @@ class LLMEngine:
         proposals = self.proposer.propose(decoding, ks)  # type: ignore[union-attr]
         if self.policy.scored:  # what the proposer's host time per request is (choose() weighs it)
             per = (time.perf_counter() - t0) / max(1, sum(1 for k in ks if k))
-            self.policy.propose_s = per if self.policy.propose_s == 0.0 else (1 - HOST_EWMA) * self.policy.propose_s + HOST_EWMA * per
+            self.policy.propose_s = ewma(self.policy.propose_s or None, per, HOST_EWMA)
         delivered = {rid: tree.max_depth for rid, tree in proposals.items()}
         proposals = self.policy.prune(decoding, proposals, other, free)
         dt = time.perf_counter() - t0

@@ -14,9 +14,9 @@ built in about 20 s on two cores. With it goes, once ``specserve build-corpus --
 written them, the target's own greedy answers to a few hundred generic asks (specserve.spec.asks,
 none of them a benchmark's): what a model writes repeats its own habits, and 26k tokens of
 Qwen 1.5B's answers predicted its output on held-out coding asks better than the 7.9M tokens of
-the stdlib did (offline: 1.50 against 1.43 tokens per step at 4 nodes; together 1.58). ``python`` adds every installed package's source (torch, numpy and
-whatever else the environment holds: 57M tokens here, a few minutes to build) and guesses
-more often. Tables are built once per tokenizer and corpus and kept under
+the stdlib did (offline: 1.50 against 1.43 tokens per step at 4 nodes; together 1.58).
+``python`` adds every installed package's source (torch, numpy and whatever else the
+environment holds: 74M tokens here, 3 minutes and 8.4 GB to build) and guesses more often. Tables are built once per tokenizer and corpus and kept under
 ``$SPECSERVE_CACHE/corpus``.
 """
 
@@ -29,6 +29,7 @@ import sysconfig
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -83,22 +84,33 @@ def write_self_text(llm, path: Path, num_asks: int = SELF_ASKS, max_tokens: int 
     from specserve.spec.asks import chat_prompts
 
     asks = chat_prompts(corpus_files("stdlib"), num_asks, seed)
-    tok = llm.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": a}]) for a in asks]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
-    texts = [o.outputs[0].text for o in outs]
+    outs = llm.chat([[{"role": "user", "content": a}] for a in asks], SamplingParams(max_tokens=max_tokens, temperature=0))
+    text = "\n\n".join(o.outputs[0].text for o in outs)
+    _write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+    return {"path": str(path), "asks": len(asks), "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "seconds": time.perf_counter() - t0}
+
+
+def _write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """write(file) into a temporary file beside path, then rename it over path: a crash never
+    leaves a half-written file under the final name."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("\n\n".join(texts))
+        with os.fdopen(fd, "wb") as f:
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return {"path": str(path), "asks": len(asks), "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-            "seconds": time.perf_counter() - t0}
+
+
+def _run_starts(keys: np.ndarray) -> np.ndarray:
+    """[R] int64: where each run of equal values starts in sorted keys."""
+    if not len(keys):
+        return np.zeros(0, np.int64)
+    return np.r_[0, np.flatnonzero(keys[1:] != keys[:-1]) + 1].astype(np.int64)
 
 
 def _keys(tokens: np.ndarray, k: int) -> np.ndarray:
@@ -136,18 +148,18 @@ class _Table:
         cnt = np.diff(np.r_[first, len(keys)]).astype(np.int64)
         pk, pn = keys[first], nxt[first]
         # Totals per key, before any continuation is dropped.
-        kedge = np.r_[0, np.flatnonzero(pk[1:] != pk[:-1]) + 1] if len(pk) else np.zeros(0, np.int64)
+        kedge = _run_starts(pk)
         ktot = np.add.reduceat(cnt, kedge) if len(pk) else np.zeros(0, np.int64)
         tot = np.repeat(ktot, np.diff(np.r_[kedge, len(pk)]))
         keep = cnt >= min_count
         pk, pn, cnt, tot = pk[keep], pn[keep], cnt[keep], tot[keep]
         order = np.lexsort((-cnt, pk))  # per key, most frequent first
         pk, pn, cnt, tot = pk[order], pn[order], cnt[order], tot[order]
-        kedge = np.r_[0, np.flatnonzero(pk[1:] != pk[:-1]) + 1] if len(pk) else np.zeros(0, np.int64)
+        kedge = _run_starts(pk)
         rank = np.arange(len(pk)) - np.repeat(kedge, np.diff(np.r_[kedge, len(pk)]))
         top = rank < TOP
         pk, pn, cnt, tot = pk[top], pn[top], cnt[top], tot[top]
-        kedge = np.r_[0, np.flatnonzero(pk[1:] != pk[:-1]) + 1] if len(pk) else np.zeros(0, np.int64)
+        kedge = _run_starts(pk)
         return cls(pk[kedge].astype(np.uint64), np.r_[kedge, len(pk)].astype(np.int64), pn.astype(np.int32),
                    cnt.astype(np.int32), tot[kedge].astype(np.int32))
 
@@ -179,11 +191,10 @@ class CorpusNgrams:
         """(order, [(token, share)]): what followed the longest of the context's tails the
         corpus has, most frequent first; share = count / the context's occurrences. (0, []) when
         not even the last token occurred."""
-        h = 0
-        power = 1
-        hashes: dict[int, int] = {}
+        h, power = 0, 1
         longest = min(len(context), self._orders[0])
-        for m in range(1, longest + 1):  # key of the last m tokens, built from the end
+        hashes = [0] * (longest + 1)  # hashes[m]: key of the last m tokens, built from the end
+        for m in range(1, longest + 1):
             h = (h + int(context[-m]) * power) & _MASK
             power = (power * _P) & _MASK
             hashes[m] = h
@@ -204,15 +215,7 @@ class CorpusNgrams:
         for k, t in self.tables.items():
             for name in _Table.__slots__:
                 arrays[f"{k}_{name}"] = getattr(t, name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _write_atomic(path, lambda f: np.savez(f, **arrays))
 
     @classmethod
     def load(cls, path: Path) -> CorpusNgrams:

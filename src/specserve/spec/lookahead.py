@@ -1,6 +1,6 @@
 """Lookahead decoding (Fu et al. 2024): a model-free proposer fed by the target's own outputs.
 
-Two sources of candidates, verified together in one target pass as one draft tree:
+Candidates from several sources, verified together in one target pass as one draft tree:
 
 * A Jacobi window: guesses y_1..y_W for the next W tokens. The target computes every one of
   them in the verify pass anyway (they are a branch of the tree), so it also gives, at each, its
@@ -12,9 +12,10 @@ Two sources of candidates, verified together in one target pass as one draft tre
   way lookahead decoding collects n-grams from its lookahead branch. Continuations of the
   request's last token become branches, weighted by how often they were seen.
 
-* A corpus (optional, on by default: the Python standard library's source, see
-  specserve.spec.corpus): what followed the context's tail in a datastore of text (REST, He et
-  al. 2023). On a small model's coding output the window and the pool alone were right about
+* The request's own earlier occurrences of its last 2-6 tokens, and what followed them.
+* A corpus (on by default: the Python standard library's source and the model's own answers
+  from `specserve build-corpus`, see specserve.spec.corpus): what followed the context's tail in
+  a datastore of text (REST, He et al. 2023). On a small model's coding output the window and the pool alone were right about
   one step in twenty; the corpus guesses ``self``, ``range(``, ``return`` and their like.
 
 The draft grows best first: a node's children are the tokens the sources give after its path,

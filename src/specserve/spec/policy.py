@@ -82,6 +82,11 @@ NEVER = -(1 << 30)  # AcceptanceStats.tested of a position not tested yet
 CATCHUP_FREE = 2  # tokens a drafting request's proposer processes every step anyway (not a catch-up)
 
 
+def ewma(old: float | None, new: float, weight: float) -> float:
+    """An exponentially weighted mean's next value (the first measurement: itself)."""
+    return new if old is None else (1 - weight) * old + weight * new
+
+
 class StepTimer:
     """Forward time as a function of tokens in the step, piecewise linear over measured points."""
 
@@ -93,15 +98,15 @@ class StepTimer:
         """Fold one measurement of an n-token step into the estimate at n (EWMA)."""
         if n <= 0 or seconds <= 0:
             return
-        old = self.points.get(n)
-        self.points[n] = seconds if old is None else (1 - EWMA) * old + EWMA * seconds
+        self.points[n] = ewma(self.points.get(n), seconds, EWMA)
 
     def observe_scaled(self, n: int, seconds: float) -> None:
         """Fold one measurement of an n-token step into the curve: every point moves by a share of
-        its ratio to the estimate, and point n a little more on its own. Why: a shared machine's memory speed changes between phases (10-25% within minutes
-        on the VMs measured), and it changes every step size alike. Without it a phase change
-        reached only the sizes that ran (decode steps, T(1)), and the curve's ratios, on which
-        trees are pruned, stretched or shrank with the phase."""
+        its ratio to the estimate, and point n a little more on its own. Why: a shared machine's
+        memory speed changes between phases (10-25% within minutes on the VMs measured), and it
+        changes every step size alike. Without it a phase change reached only the sizes that ran
+        (decode steps, T(1)), and the curve's ratios, on which trees are pruned, stretched or
+        shrank with the phase."""
         if n <= 0 or seconds <= 0:
             return
         if n not in self.points:
@@ -178,11 +183,9 @@ class AcceptanceStats:
         against the drafts it accepted) and into the step's yield."""
         self.score_predicted = (1 - weight) * self.score_predicted + predicted
         self.score_accepted = (1 - weight) * self.score_accepted + accepted
-        if self.drafted_yield is None:
-            self.drafted_yield, self.drafted_nodes = float(accepted), float(nodes)
-        else:
-            self.drafted_yield = (1 - weight) * self.drafted_yield + weight * accepted
-            self.drafted_nodes = (1 - weight) * self.drafted_nodes + weight * nodes
+        first = self.drafted_yield is None
+        self.drafted_yield = ewma(self.drafted_yield, float(accepted), weight)
+        self.drafted_nodes = float(nodes) if first else ewma(self.drafted_nodes, float(nodes), weight)
 
     def calibration(self, prior: float) -> float:
         """Accepted drafts per unit of score, shrunk towards `prior` while little is measured."""
@@ -241,8 +244,9 @@ class SpecPolicy:
     enabled: bool = True
     trees: bool = False  # the proposer drafts trees: budgets are node counts, pruned after drafting
     # The proposer's tree scores predict acceptance (ProposerTraits.scores_predict_acceptance):
-    # every eligible request drafts its full node budget and prune() keeps the nodes whose
-    # calibrated score pays for verifying them.
+    # a request drafts its full node budget where its measured yield pays for the proposer's
+    # time (_scored_choice), and prune() keeps the nodes whose calibrated score pays for
+    # verifying them.
     scored: bool = False
     # Host seconds a step with drafts spends beyond one without (tree masks, verification,
     # bookkeeping), measured by the engine: what a scored proposer's first kept node also pays.
@@ -399,6 +403,7 @@ class SpecPolicy:
         # that handles 4 rows at once makes the third token dear and the fourth nearly free.)
         tokens, verify = float(len(requests)), base
         best, best_m = tokens / self.target_time(verify), 0
+        overhead = self.verify_overhead_s if self.scored else 0.0
         taken = dict.fromkeys(gains, 0)
         order: list[str] = []
         heap = [(-g[0], rid) for rid, g in gains.items()]
@@ -409,7 +414,7 @@ class SpecPolicy:
                 break  # the rest gain less still
             tokens, verify = tokens - neg, verify + 1
             order.append(rid)
-            rate = tokens / (self.target_time(verify) + (self.verify_overhead_s if self.scored else 0.0))
+            rate = tokens / (self.target_time(verify) + overhead)
             if rate > best:
                 best, best_m = rate, len(order)
             taken[rid] += 1
@@ -493,43 +498,35 @@ class SpecPolicy:
 
     def _scored_choice(self, requests: Sequence[Request], other: int, free: Sequence[bool]) -> list[bool]:
         """Which requests a scored proposer drafts for: those whose measured yield (accepted
-        drafts per step, at the nodes they were verified with) pays for the proposer's time and
-        the verify, added best first while the step's expected tokens per second rises. A
-        request held back probes every PROBE_EVERY steps, so its yield stays current."""
+        drafts per step, at the nodes they were verified with; the pooled one where the request
+        has none) pays for the proposer's time and the verify, added best first while the step's
+        expected tokens per second rises. Where no yield is measured yet a request drafts, and
+        learns. A request held back probes every PROBE_EVERY steps, so its yield stays current."""
         n = len(requests)
         verify = n + other
-        tokens, seconds = float(n), self.target_time(verify)
-        rate = tokens / seconds
-        cands = []
-        out = [False] * n
-        for i, r in enumerate(requests):
-            if not self._eligible(r, n):
-                continue
-            st = self.stats(r.request_id, free[i])
-            pooled = self.pooled_for(free[i])
-            y = st.drafted_yield if st.drafted_yield is not None else pooled.drafted_yield
-            if y is None:  # nothing measured yet: draft, and learn
-                out[i] = True
-                continue
-            nodes = st.drafted_nodes if st.drafted_yield is not None else pooled.drafted_nodes
-            cands.append((y / (self.propose_s + self.target_time(verify + nodes) - self.target_time(verify) + 1e-9),
-                          i, y, nodes))
-        drafted = sum(out)
-        extra_nodes = 0.0
-        for _, i, y, nodes in sorted(cands, reverse=True):
-            overhead = self.verify_overhead_s if drafted == 0 else 0.0
-            t = self.target_time(verify + extra_nodes + nodes) + self.propose_s * (drafted + 1) + overhead
+        tokens, rate = float(n), n / self.target_time(verify)
+        stats = [self.stats(r.request_id, f) for r, f in zip(requests, free)]
+        eligible = [self._eligible(r, n) for r in requests]
+        measured = [st if st.drafted_yield is not None else self.pooled_for(f) for st, f in zip(stats, free)]
+        out = [e and m.drafted_yield is None for e, m in zip(eligible, measured)]
+        cands = sorted(((m.drafted_yield / (self.propose_s + self.target_time(verify + m.drafted_nodes)  # type: ignore[operator]
+                                            - self.target_time(verify) + 1e-9), i)
+                        for i, (e, m) in enumerate(zip(eligible, measured)) if e and not out[i]), reverse=True)
+        drafted, extra_nodes = sum(out), 0.0
+        for _, i in cands:
+            y, nodes = measured[i].drafted_yield or 0.0, measured[i].drafted_nodes
+            t = (self.target_time(verify + extra_nodes + nodes) + self.propose_s * (drafted + 1)
+                 + (self.verify_overhead_s if drafted == 0 else 0.0))
             if (tokens + y) / t > rate:
                 tokens, rate, drafted, extra_nodes = tokens + y, (tokens + y) / t, drafted + 1, extra_nodes + nodes
                 out[i] = True
-        for i, r in enumerate(requests):
-            st = self.stats(r.request_id, free[i])
-            if out[i] or not self._eligible(r, n):
+        for i, st in enumerate(stats):
+            if out[i] or not eligible[i]:
                 st.steps_off = 0
-                continue
-            st.steps_off += 1
-            if st.steps_off >= PROBE_EVERY:
-                out[i], st.steps_off = True, 0
+            else:
+                st.steps_off += 1
+                if st.steps_off >= PROBE_EVERY:
+                    out[i], st.steps_off = True, 0
         return out
 
     def _eligible(self, req: Request, batch: int) -> bool:
