@@ -43,6 +43,7 @@ def log(msg: str) -> None:
 def decode_rate(llm: LLM, prompt: str, max_tokens: int) -> tuple[int, float]:
     """(tokens after the first, seconds from the first token to the last)."""
     llm.engine.kv_manager.reset_prefix_cache()
+    llm.engine.reset_suffix_cache()  # earlier runs' outputs would draft this one's
     out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)[0]
     m = out.metrics
     return m.num_generated_tokens - 1, m.e2e_s - m.ttft_s

@@ -226,6 +226,7 @@ async def run_colocated(args: argparse.Namespace, kinds: list[str], slo: dict[st
     for kind in kinds:
         await drive(ae, llm.engine, workload(kind, args, llm.tokenizer, warm_up=True))
         llm.engine.kv_manager.reset_prefix_cache()
+        llm.engine.reset_suffix_cache()  # earlier runs' outputs would draft this one's
         t0 = time.perf_counter()
         results = await drive(ae, llm.engine, workload(kind, args, llm.tokenizer))
         res[kind] = {"summary": summarize(results, time.perf_counter() - t0, slo), "requests": results}

@@ -44,6 +44,7 @@ def rate(llm: LLM, prompts: list, params: list, repeats: int = 3) -> float:
     best = 0.0
     for _ in range(repeats):
         llm.engine.kv_manager.reset_prefix_cache()
+        llm.engine.reset_suffix_cache()  # earlier runs' outputs would draft this one's
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         if torch.cuda.is_available():

@@ -133,6 +133,7 @@ def run_specserve(ckpts: Checkpoints, sets: dict[str, list[str]], max_tokens: in
         gen, decode_s, texts, acc, drafted = 0, 0.0, [], 0, 0
         for prompt in prompts:
             llm.engine.kv_manager.reset_prefix_cache()
+            llm.engine.reset_suffix_cache()  # earlier runs' outputs would draft this one's
             out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)[0]
             m = out.metrics
             gen += m.num_generated_tokens

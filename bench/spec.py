@@ -93,6 +93,7 @@ class Bench:
         # must not be billed to whichever configuration happens to run first.
         llm.generate(self.coding[0][0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
         llm.engine.kv_manager.reset_prefix_cache()
+        llm.engine.reset_suffix_cache()  # earlier runs' outputs would draft this one's
         return llm
 
 
@@ -106,6 +107,7 @@ def run_sequential(llm: LLM, prompts: list[tuple[str, str | None]], temperature:
     for i, (prompt, ref) in enumerate(prompts):
         # Every configuration starts cold: no prompt is served from an earlier run's cache.
         eng.kv_manager.reset_prefix_cache()
+        eng.reset_suffix_cache()  # earlier runs' outputs would draft this one's
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=1000 + i,
                                 reference_text=ref, ignore_eos=False)
         out = llm.generate(prompt, params, use_tqdm=False)[0]
@@ -165,6 +167,7 @@ def section_trees(b: Bench) -> list[dict]:
                 for mode in TREE_MODES:
                     _set_tree_mode(llm, mode)
                     eng.kv_manager.reset_prefix_cache()
+                    eng.reset_suffix_cache()  # earlier runs' outputs would draft this one's
                     params = SamplingParams(max_tokens=b.args.max_tokens, temperature=0, reference_text=ref)
                     out = llm.generate(prompt, params, use_tqdm=False)[0]
                     m, a = out.metrics, acc[mode]
@@ -287,6 +290,7 @@ def section_batchsweep(b: Bench) -> list[dict]:
                     eng.policy.config = dataclasses.replace(eng.policy.config, policy=policy)
                 params = SamplingParams(max_tokens=b.args.batch_max_tokens, temperature=0, ignore_eos=True)
                 eng.kv_manager.reset_prefix_cache()
+                eng.reset_suffix_cache()  # earlier runs' outputs would draft this one's
                 t0 = time.perf_counter()
                 outs = llm.generate(batch_prompts, params, use_tqdm=False)
                 dt = time.perf_counter() - t0

@@ -71,6 +71,7 @@ def run(llm: LLM, prompts: list[str], structured: bool, batch: int, max_tokens: 
                             speculative=None if forced else False)
     eng = llm.engine
     eng.kv_manager.reset_prefix_cache()
+    eng.reset_suffix_cache()  # earlier runs' outputs would draft this one's
     c0, g0, f0 = dict(eng.spec_counters), eng.runner.grammar_time_s, eng.runner.forward_time_s
     t0 = time.perf_counter()
     outs = []

@@ -84,8 +84,10 @@ def measure_prefill(llm: LLM, ids: list[int]) -> dict:
     """Prompt tokens per second: one prompt, timed to its first token (chunked prefill)."""
     eng = llm.engine
     eng.kv_manager.reset_prefix_cache()
+    eng.reset_suffix_cache()  # earlier runs' outputs would draft this one's
     llm.generate([ids[:32]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)  # warm-up
     eng.kv_manager.reset_prefix_cache()
+    eng.reset_suffix_cache()  # earlier runs' outputs would draft this one's
     t0 = time.perf_counter()
     llm.generate([ids], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     dt = time.perf_counter() - t0

@@ -100,6 +100,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "and the model's own answers once `specserve build-corpus` wrote them), stdlib, python "
                         "(the stdlib and the installed packages' source: minutes to build once), a directory of "
                         "text files, or none")
+    s.add_argument("--suffix-cache-requests", type=int, default=10_000,
+                   help="ngram and lookahead also draft from the outputs of the last N finished requests "
+                        "(SuffixDecoding's global cache; vLLM's suffix_decoding_max_cached_requests); 0: off")
     s.add_argument("--spec-copy", choices=["auto", "none", "ngram", "reference"], default="auto",
                    help="with a model drafter: copy from the request's context (ngram) or reference text (reference) "
                         "where its last --spec-copy-min-match tokens occur there, and draft with the model elsewhere "
@@ -141,7 +144,7 @@ def _flag_kwargs(args: argparse.Namespace) -> dict:
         draft_model=args.draft_model, spec_method=args.spec_method, num_spec_tokens=args.num_spec_tokens,
         spec_policy=args.spec_policy, spec_tree=args.spec_tree, max_draft_nodes=args.max_draft_nodes, draft_num_layers=args.draft_num_layers,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, lookahead_window=args.lookahead_window,
-        lookahead_corpus=args.lookahead_corpus,
+        lookahead_corpus=args.lookahead_corpus, suffix_cache_requests=args.suffix_cache_requests,
         spec_copy=args.spec_copy, spec_copy_min_match=args.spec_copy_min_match,
         spec_on_batch=args.spec_on_batch, spec_off_batch=args.spec_off_batch,
         spec_release_after_s=None if args.spec_release_after < 0 else args.spec_release_after,

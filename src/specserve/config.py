@@ -225,7 +225,8 @@ MODEL_DRAFTERS = ("draft", "eagle", "medusa", "mtp", "layerskip")
 _VLLM_METHODS = {"draft_model": "draft", "eagle3": "eagle", "suffix": "ngram", "deepseek_mtp": "mtp"}
 # vLLM's keys -> LLM(...) keyword arguments (disable_by_batch_size is handled apart).
 _VLLM_KEYS = {"model": "draft_model", "num_speculative_tokens": "num_spec_tokens", "quantization": "draft_quantization",
-              "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}
+              "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max",
+              "suffix_decoding_max_cached_requests": "suffix_cache_requests"}
 # Keys accepted with these values only: they ask for nothing beyond what specserve does anyway.
 _VLLM_NOOPS = {"draft_tensor_parallel_size": (None, 1), "revision": (None,), "code_revision": (None,)}
 
@@ -308,6 +309,9 @@ class SpecConfig:
     # standard library's source and the model's own answers once `specserve build-corpus` wrote
     # them), "stdlib", "python" (the stdlib and the installed packages'), a directory, or "none"
     lookahead_corpus: str = "auto"
+    # ngram and lookahead also draft from the outputs of the last this many finished requests
+    # (SuffixDecoding's global cache, specserve.spec.served; vLLM's suffix_decoding_max_cached_requests); 0: off
+    suffix_cache_requests: int = 10_000
     copy: str = "auto"  # auto | none | ngram | reference: copy before drafting with the model (see SPEC_COPIES)
     copy_min_match: int = 3  # a copy needs the request's last this many tokens to occur earlier
     # Reference thresholds: speculate freely at batch <= on_batch, never at batch >= off_batch,
@@ -342,6 +346,8 @@ class SpecConfig:
             raise ConfigError(
                 f"Unknown draft quantization {self.draft_quantization!r}; use one of {', '.join(QUANTIZATIONS)}."
             )
+        if self.suffix_cache_requests < 0:
+            raise ConfigError(f"suffix_cache_requests must be >= 0 (0 turns the cache off), got {self.suffix_cache_requests}.")
         if not 1 <= self.lookahead_window <= 32:
             raise ConfigError(f"lookahead_window must be in [1, 32], got {self.lookahead_window}.")
         if self.lookahead_corpus not in LOOKAHEAD_CORPORA and not Path(self.lookahead_corpus).is_dir():

@@ -69,6 +69,7 @@ class LLM:
         ngram_max: int = 4,
         lookahead_window: int = 6,
         lookahead_corpus: str = "auto",
+        suffix_cache_requests: int = 10_000,
         spec_copy: str = "auto",
         spec_copy_min_match: int = 3,
         spec_on_batch: int = 8,
@@ -114,7 +115,8 @@ class LLM:
                 draft_num_layers=draft_num_layers, draft_kv_cache_gib=draft_kv_cache_gib,
                 draft_quantization=draft_quantization, draft_vocab_size=draft_vocab_size,
                 draft_p_min=draft_p_min, ngram_min=ngram_min, ngram_max=ngram_max,
-                lookahead_window=lookahead_window, lookahead_corpus=lookahead_corpus, copy=spec_copy, copy_min_match=spec_copy_min_match, on_batch=spec_on_batch, off_batch=spec_off_batch,
+                lookahead_window=lookahead_window, lookahead_corpus=lookahead_corpus,
+                suffix_cache_requests=suffix_cache_requests, copy=spec_copy, copy_min_match=spec_copy_min_match, on_batch=spec_on_batch, off_batch=spec_off_batch,
                 profile_on_start=profile_spec_costs, release_after_s=spec_release_after_s,
             ),
             num_threads=num_threads,
@@ -129,6 +131,11 @@ class LLM:
     def get_tokenizer(self):  # noqa: ANN201
         """vLLM's accessor: the model's tokenizer (encode, decode, apply_chat_template)."""
         return self.engine.tokenizer
+
+    def reset_suffix_cache(self) -> None:
+        """Forget the earlier requests' outputs that ngram and lookahead draft from (benchmarks that
+        run one prompt several times call it between runs, as they reset the prefix cache)."""
+        self.engine.reset_suffix_cache()
 
     def generate(
         self,

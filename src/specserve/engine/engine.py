@@ -421,6 +421,11 @@ class LLMEngine:
         self.runner.feature_layers = proposer.feature_layers() if self.runner.capture_hidden else ()
         return proposer
 
+    def reset_suffix_cache(self) -> None:
+        """Forget the finished requests' outputs the proposer drafts from (specserve.spec.served)."""
+        if self.proposer is not None:
+            self.proposer.reset_served()
+
     def set_speculation(self, enabled: bool) -> None:
         """Turn speculation off or on at run time (takes effect from the next step). Switching on
         reloads a drafter released while off (`release_idle_drafter`)."""
@@ -905,6 +910,7 @@ class LLMEngine:
                 self.connector.request_finished(req)
             self.policy.forget(req.request_id)
             if self.proposer is not None:
+                self.proposer.request_finished(req)
                 self.proposer.remove_request(req.request_id, finished=True)
 
     def _make_output(self, req: Request, new_tokens: list[int]) -> RequestOutput:

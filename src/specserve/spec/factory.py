@@ -13,6 +13,7 @@ from specserve.defaults import default_draft_vocab
 from specserve.errors import ConfigError, TokenizerMismatchError
 from specserve.models.tokenizer import Tokenizer
 from specserve.spec.proposer import Proposer
+from specserve.spec.served import ServedOutputs
 
 
 @dataclass
@@ -31,10 +32,17 @@ class ProposerContext:
     target_block_ids: Callable[[str], list[int]] | None = None  # a request's target block table (read only)
 
 
+def _served(ctx: ProposerContext) -> ServedOutputs | None:
+    """The engine's store of earlier requests' outputs (None when --suffix-cache-requests is 0)."""
+    n = ctx.spec.suffix_cache_requests
+    return ServedOutputs(max_requests=n) if n > 0 else None
+
+
 def _build_ngram(ctx: ProposerContext) -> Proposer:
     from specserve.spec.ngram import NgramProposer
 
-    return NgramProposer(ctx.spec.ngram_min, ctx.spec.ngram_max, tree=ctx.spec.use_trees(NgramProposer.traits.tree_by_default))
+    return NgramProposer(ctx.spec.ngram_min, ctx.spec.ngram_max, tree=ctx.spec.use_trees(NgramProposer.traits.tree_by_default),
+                         served=_served(ctx))
 
 
 def _build_reference(ctx: ProposerContext) -> Proposer:
@@ -60,7 +68,7 @@ def _build_lookahead(ctx: ProposerContext) -> Proposer:
             with contextlib.suppress(Exception):  # a model given as a loaded checkpoint has no file: no answers
                 own = self_text_path(resolve_model(ctx.model.model))
         corpus = load_corpus(ctx.spec.lookahead_corpus, tok.encode_many, tok.fingerprint(), self_text=own)
-    return LookaheadProposer(ctx.spec.lookahead_window, max(2, ctx.spec.ngram_max), corpus,
+    return LookaheadProposer(ctx.spec.lookahead_window, max(2, ctx.spec.ngram_max), corpus, served=_served(ctx),
                              tree=ctx.spec.use_trees(LookaheadProposer.traits.tree_by_default))
 
 

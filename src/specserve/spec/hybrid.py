@@ -54,6 +54,14 @@ class FirstOf(Proposer):
         for c in self.copiers:
             c.remove_request(request_id, finished)
 
+    def request_finished(self, request: Request) -> None:
+        for c in self.copiers:
+            c.request_finished(request)
+
+    def reset_served(self) -> None:
+        for c in self.copiers:
+            c.reset_served()
+
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
         out: dict[str, DraftTree] = {}
         left = [(r, k) for r, k in zip(requests, num_tokens) if k > 0]
@@ -137,6 +145,16 @@ class HybridProposer(Proposer):
         """Both keep per-request state (the reference text; the drafter's caches)."""
         self.copier.add_request(request)
         self.drafter.add_request(request)
+
+    def request_finished(self, request: Request) -> None:
+        """Both learn from what it wrote."""
+        self.copier.request_finished(request)
+        self.drafter.request_finished(request)
+
+    def reset_served(self) -> None:
+        """Both forget earlier requests' outputs."""
+        self.copier.reset_served()
+        self.drafter.reset_served()
 
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Both release the request."""

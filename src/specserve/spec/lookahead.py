@@ -13,6 +13,8 @@ Candidates from several sources, verified together in one target pass as one dra
   request's last token become branches, weighted by how often they were seen.
 
 * The request's own earlier occurrences of its last 2-6 tokens, and what followed them.
+* Earlier requests' outputs that share at least the context's last 4 tokens, and what followed
+  there (SuffixDecoding's global cache, see specserve.spec.served).
 * A corpus (on by default: the Python standard library's source and the model's own answers
   from `specserve build-corpus`, see specserve.spec.corpus): what followed the context's tail in
   a datastore of text (REST, He et al. 2023). On a small model's coding output the window and the pool alone were right about
@@ -35,12 +37,14 @@ from typing import TYPE_CHECKING
 
 from specserve.request import Request
 from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
+from specserve.spec.served import ServedSource
 from specserve.spec.suffix import suffix_matches
 from specserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
     from specserve.engine.scheduler import SampledTokens
     from specserve.spec.corpus import CorpusNgrams
+    from specserve.spec.served import ServedOutputs
 
 POOL_PER_KEY = 8  # continuations kept per key token (the most weighted)
 # How far each source is trusted: the chance that its likeliest next token is the target's,
@@ -48,12 +52,12 @@ POOL_PER_KEY = 8  # continuations kept per key token (the most weighted)
 # step's root; a source's other candidates get that chance scaled by their share against its
 # likeliest one. Kept apart for the root and for nodes past it ("onward": the path so far
 # taken as right). The priors are where they start.
-TRUST_PRIOR = {"window": 0.1, "pool": 0.2, "match": 0.4, "corpus1": 0.2, "corpus2": 0.3, "corpus3": 0.4,
+TRUST_PRIOR = {"window": 0.1, "pool": 0.2, "match": 0.4, "served": 0.5, "corpus1": 0.2, "corpus2": 0.3, "corpus3": 0.4,
                "corpus4": 0.45, "corpus6": 0.5}
 TRUST_EWMA = 0.02  # weight of one step's outcome in a source's trust
 # Past the root, a continuation of the request's own text whose earlier tokens were right is
 # right far more often than a first guess (a window converges on stretches, a copy runs on).
-TRUST_ONWARD = {"window": 0.8, "pool": 0.5, "match": 0.7}
+TRUST_ONWARD = {"window": 0.8, "pool": 0.5, "match": 0.7, "served": 0.8}
 MATCH_MIN, MATCH_MAX = 2, 6  # context tails looked up in the request's own text
 MATCHES = 4  # its most recent matches, each a continuation
 CORPUS_BRANCHES = 3  # corpus continuations considered per node
@@ -77,16 +81,18 @@ class _State:
 
 
 @register_proposer("lookahead")
-class LookaheadProposer(Proposer):
+class LookaheadProposer(ServedSource, Proposer):
     """Jacobi window plus n-gram pool; learns from the target's outputs at every draft node."""
 
     traits = ProposerTraits(cost="flat", trees=True, tree_by_default=True, needs_verify_outputs=True, prior_acceptance=0.4,
                             scores_predict_acceptance=True)
 
-    def __init__(self, window: int = 6, ngram: int = 4, corpus: CorpusNgrams | None = None, tree: bool = True) -> None:
+    def __init__(self, window: int = 6, ngram: int = 4, corpus: CorpusNgrams | None = None, tree: bool = True,
+                 served: ServedOutputs | None = None) -> None:
         self.window = window
         self.n = ngram
         self.corpus = corpus
+        self.served = served
         self.tree = tree  # False: the best child at every level only (a chain)
         self.trust = {(s, False): t for s, t in TRUST_PRIOR.items()}
         self.trust.update({(s, True): TRUST_ONWARD.get(s, t) for s, t in TRUST_PRIOR.items()})
@@ -121,9 +127,11 @@ class LookaheadProposer(Proposer):
             # Where the last MATCH_MIN+ tokens occurred before, what followed them (the pool's
             # one-token key cannot tell those places from the others).
             n, starts = suffix_matches(ids, ids, MATCH_MIN, MATCH_MAX, exclude_tail=True)
+            served = self.served.continuations(ids, k)[1] if self.served is not None else []
             own = [("window", [(st.drafted, 1.0)] if st.drafted else []),
                    ("pool", list(st.pool.get(ids[-1], {}).items())),
-                   ("match", [(ids[s : s + k], 1.0) for s in starts[-MATCHES:].tolist()] if n else [])]
+                   ("match", [(ids[s : s + k], 1.0) for s in starts[-MATCHES:].tolist()] if n else []),
+                   ("served", served)]
             st.guessed_at = len(ids)
             tree = self._grow(ids[-CONTEXT_TAIL:], own, k, st.guesses)
             if tree is not None:

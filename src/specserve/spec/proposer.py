@@ -112,6 +112,14 @@ class Proposer(ABC):
         """Called when a request finishes or is aborted (finished=True) or is preempted
         (finished=False): release what it holds; a preempted request comes back later."""
 
+    def request_finished(self, request: Request) -> None:  # noqa: B027 - optional hook
+        """Called with a request that finished (or was aborted), before remove_request: what it
+        wrote may draft later requests (specserve.spec.served)."""
+
+    def reset_served(self) -> None:  # noqa: B027 - optional hook
+        """Forget what earlier requests wrote (request_finished); benchmarks that run one prompt
+        several times call it between the runs."""
+
     @abstractmethod
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
         """A draft of up to num_tokens[i] nodes continuing requests[i].all_token_ids.
