@@ -151,7 +151,8 @@ def test_suffix_cache_off(tiny):
 
 def test_ngram_scores_predict_acceptance_by_shared_context_and_learn_from_the_target():
     from specserve.engine.scheduler import SampledTokens
-    from specserve.spec.ngram import TRUST_EWMA, shared_bucket
+    from specserve.spec.ngram import TRUST_EWMA
+    from specserve.spec.served import shared_bucket
 
     store = ServedOutputs()
     store.add(list(range(100, 140)))

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from specserve.request import Request
 from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
-from specserve.spec.served import ServedSource
+from specserve.spec.served import TRUST_PRIOR_ONWARD, TRUST_PRIOR_ROOT, ServedSource, shared_bucket
 from specserve.spec.suffix import suffix_matches
 from specserve.spec.tree import DraftTree
 
@@ -52,12 +52,16 @@ POOL_PER_KEY = 8  # continuations kept per key token (the most weighted)
 # step's root; a source's other candidates get that chance scaled by their share against its
 # likeliest one. Kept apart for the root and for nodes past it ("onward": the path so far
 # taken as right). The priors are where they start.
-TRUST_PRIOR = {"window": 0.1, "pool": 0.2, "match": 0.4, "served": 0.5, "corpus1": 0.2, "corpus2": 0.3, "corpus3": 0.4,
+TRUST_PRIOR = {"window": 0.1, "pool": 0.2, "match": 0.4, "corpus1": 0.2, "corpus2": 0.3, "corpus3": 0.4,
                "corpus4": 0.45, "corpus6": 0.5}
 TRUST_EWMA = 0.02  # weight of one step's outcome in a source's trust
 # Past the root, a continuation of the request's own text whose earlier tokens were right is
 # right far more often than a first guess (a window converges on stretches, a copy runs on).
-TRUST_ONWARD = {"window": 0.8, "pool": 0.5, "match": 0.7, "served": 0.8}
+TRUST_ONWARD = {"window": 0.8, "pool": 0.5, "match": 0.7}
+# Earlier requests' outputs are trusted by how much context their match shares: one source per
+# served.py bucket ("served0", "served1", ...), with that bucket's priors.
+TRUST_PRIOR.update({f"served{b}": t for b, t in enumerate(TRUST_PRIOR_ROOT)})
+TRUST_ONWARD.update({f"served{b}": t for b, t in enumerate(TRUST_PRIOR_ONWARD)})
 MATCH_MIN, MATCH_MAX = 2, 6  # context tails looked up in the request's own text
 MATCHES = 4  # its most recent matches, each a continuation
 CORPUS_BRANCHES = 3  # corpus continuations considered per node
@@ -127,11 +131,11 @@ class LookaheadProposer(ServedSource, Proposer):
             # Where the last MATCH_MIN+ tokens occurred before, what followed them (the pool's
             # one-token key cannot tell those places from the others).
             n, starts = suffix_matches(ids, ids, MATCH_MIN, MATCH_MAX, exclude_tail=True)
-            served = self.served.continuations(ids, k)[1] if self.served is not None else []
+            shared, served = self.served.continuations(ids, k) if self.served is not None else (0, [])
             own = [("window", [(st.drafted, 1.0)] if st.drafted else []),
                    ("pool", list(st.pool.get(ids[-1], {}).items())),
                    ("match", [(ids[s : s + k], 1.0) for s in starts[-MATCHES:].tolist()] if n else []),
-                   ("served", served)]
+                   (f"served{shared_bucket(shared)}", served)]
             st.guessed_at = len(ids)
             tree = self._grow(ids[-CONTEXT_TAIL:], own, k, st.guesses)
             if tree is not None:

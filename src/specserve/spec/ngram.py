@@ -3,7 +3,6 @@ request's own text or in earlier requests' outputs (SuffixDecoding)."""
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -13,7 +12,13 @@ from specserve.spec.proposer import (
     ProposerTraits,
     register_proposer,
 )
-from specserve.spec.served import ServedOutputs, ServedSource
+from specserve.spec.served import (
+    TRUST_PRIOR_ONWARD,
+    TRUST_PRIOR_ROOT,
+    ServedOutputs,
+    ServedSource,
+    shared_bucket,
+)
 from specserve.spec.suffix import suffix_matches, top_path, weighted_tree
 from specserve.spec.tree import DraftTree
 
@@ -24,16 +29,10 @@ if TYPE_CHECKING:
 MAX_OCCURRENCES = 64
 MATCHES_MEASURED = 4  # the request's latest own matches whose shared context is measured
 MAX_SHARED = 32  # how far back a match's shared context is measured
-# A served output's continuation is drafted up to this many tokens per token of context it shares
-# (vLLM's suffix_decoding_max_spec_factor, 1.0 there too): a short chance match drafts little.
-SERVED_SPEC_FACTOR = 1.0
 # How far a draft is trusted: the chance that its likeliest token is the target's, learned from
 # every verified step, by source (the request's own text or the served outputs), by place (the
-# root, or past a node the target took) and by how much context the match shares (the
-# strongest sign of a copy that holds). SHARED_BUCKETS are the buckets' lower bounds.
-SHARED_BUCKETS = (1, 2, 3, 4, 6, 10, 18)
-TRUST_PRIOR_ROOT = (0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.8)
-TRUST_PRIOR_ONWARD = (0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.9)
+# root, or past a node the target took) and by how much context the match shares (served.py's
+# buckets and priors).
 TRUST_EWMA = 0.02  # weight of one observation in a trust
 
 
@@ -47,11 +46,6 @@ def shared_length(tokens: Sequence[int], starts: Sequence[int], limit: int) -> i
             n += 1
         best = max(best, n)
     return best
-
-
-def shared_bucket(shared: int) -> int:
-    """Index of the SHARED_BUCKETS bucket of a match sharing `shared` tokens of context."""
-    return bisect.bisect_right(SHARED_BUCKETS, shared) - 1
 
 
 @register_proposer("ngram")
@@ -103,9 +97,8 @@ class NgramProposer(ServedSource, Proposer):
             own = shared_length(toks, starts[-MATCHES_MEASURED:].tolist(), MAX_SHARED) if n else 0
             shared, served = self.served.continuations(toks, k) if self.served is not None else (0, [])
             if shared > own:
-                # An earlier output shares more of the context's tail than the request's own text
-                # does: it drafts, as far as SuffixDecoding's spec factor lets its match length go.
-                source, conts = "served", [(c[: max(1, int(SERVED_SPEC_FACTOR * shared))], w) for c, w in served]
+                # An earlier output shares more of the context's tail than the request's own text does.
+                source, conts = "served", served
             else:
                 source, shared = "own", own
                 conts = [(toks[s : s + k], 1.0) for s in starts[::-1][:MAX_OCCURRENCES].tolist()] if n else []

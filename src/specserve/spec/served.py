@@ -15,6 +15,7 @@ changes only what is drafted: verification keeps the output the target's.
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -29,6 +30,20 @@ MAX_MATCH = 32  # how far back a hit's shared context is measured (SuffixDecodin
 MAX_HITS = 16  # the most recent hits of a key weighed per lookup (bounds a lookup's time)
 _POS_BITS = 32  # an index entry is entry_no << _POS_BITS | position
 COMPACT_MIN = 1 << 16  # dropped outputs' index entries rebuilt away once they pass this and the live ones
+# A hit's continuation is drafted up to this many tokens per token of context it shares (vLLM's
+# suffix_decoding_max_spec_factor, 1.0 there too): a short chance match drafts little.
+SPEC_FACTOR = 1.0
+# How far a copy is trusted grows with the context its match shares (the strongest sign of a copy
+# that holds): the chance its next token is the target's, at the root and past a node the target
+# took, before any is measured; SHARED_BUCKETS are the buckets' lower bounds (see shared_bucket).
+SHARED_BUCKETS = (1, 2, 3, 4, 6, 10, 18)
+TRUST_PRIOR_ROOT = (0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.8)
+TRUST_PRIOR_ONWARD = (0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.9)
+
+
+def shared_bucket(shared: int) -> int:
+    """Index of the SHARED_BUCKETS bucket of a match sharing `shared` tokens of context."""
+    return bisect.bisect_right(SHARED_BUCKETS, shared) - 1
 
 
 class ServedOutputs:
@@ -79,8 +94,8 @@ class ServedOutputs:
 
     def continuations(self, context: Sequence[int], budget: int) -> tuple[int, list[tuple[list[int], float]]]:
         """(shared, continuations): the most context any recent hit shares (0: no hit of at least
-        KEY_LEN tokens) and the up-to-`budget`-token continuations of the hits sharing that much,
-        latest first, each of weight 1."""
+        KEY_LEN tokens) and the continuations of the hits sharing that much, latest first, each of
+        weight 1 and at most `budget` and SPEC_FACTOR * shared tokens long."""
         if budget <= 0 or len(context) < KEY_LEN or not self._entries:
             return 0, []
         hits = self._index.get(hash(tuple(context[-KEY_LEN:])))
@@ -106,7 +121,8 @@ class ServedOutputs:
             seen += 1
             if seen >= MAX_HITS:
                 break
-        return best, [(c, 1.0) for c in found]
+        n = min(budget, max(1, int(SPEC_FACTOR * best)))
+        return best, [(c[:n], 1.0) for c in found]
 
     def memory_bytes(self) -> int:
         """About what the outputs and their index hold (the index's Python ints and lists included)."""
