@@ -129,6 +129,7 @@ def test_repeated_requests_draft_from_earlier_outputs_and_stay_exact(tiny, metho
     base = [o.token_ids for o in LLM("tiny", spec_method="none", **kw).generate(prompts, params)]
     llm = LLM("tiny", spec_method=method, spec_policy="always", num_spec_tokens=8, lookahead_corpus="none", **kw)
     eng = llm.engine
+    assert "also from the outputs of the last 10,000 requests" in eng.describe()["speculation"]
     first = llm.generate(prompts, params)  # batched: the store fills as they finish
     assert [o.token_ids for o in first] == base
     assert len(eng.proposer.served) == len(prompts)
@@ -146,6 +147,7 @@ def test_suffix_cache_off(tiny):
               suffix_cache_requests=0)
     llm.generate(repetitive_prompts(n=2), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert llm.engine.proposer.served is None
+    assert "outputs of the last" not in llm.engine.describe()["speculation"]
     llm.reset_suffix_cache()  # nothing to forget: no error
 
 

@@ -154,3 +154,7 @@ class ServedSource:
         """Forget the served outputs."""
         if self.served is not None:
             self.served.clear()
+
+    def describe(self) -> str:
+        """For the start-up summary."""
+        return f"also from the outputs of the last {self.served.max_requests:,} requests" if self.served is not None else ""
