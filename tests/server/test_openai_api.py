@@ -233,3 +233,16 @@ def test_continue_final_message_and_chat_template_kwargs(client, smol_server):
                        ({"chat_template_kwargs": [1]}, "chat_template_kwargs")):
         r = httpx.post(base + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
+def test_a_retried_ask_drafts_from_the_first_answer(client, smol_server):
+    """The server keeps finished requests' outputs (--suffix-cache-requests): the same ask again
+    is drafted from the first answer and comes out the same."""
+    eng = smol_server.engine
+    msgs = [{"role": "user", "content": "List five facts about the planet Saturn, one per line."}]
+    first = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=64, temperature=0)
+    smol_server.wait_idle()
+    before = eng.spec_counters["num_accepted_tokens"]
+    again = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=64, temperature=0)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert eng.spec_counters["num_accepted_tokens"] - before >= again.usage.completion_tokens // 2
