@@ -153,8 +153,7 @@ def test_suffix_cache_off(tiny):
 
 def test_ngram_scores_predict_acceptance_by_shared_context_and_learn_from_the_target():
     from specserve.engine.scheduler import SampledTokens
-    from specserve.spec.ngram import TRUST_EWMA
-    from specserve.spec.served import shared_bucket
+    from specserve.spec.copy_trust import TRUST_EWMA, shared_bucket
 
     store = ServedOutputs()
     store.add(list(range(100, 140)))
@@ -167,20 +166,20 @@ def test_ngram_scores_predict_acceptance_by_shared_context_and_learn_from_the_ta
     assert a.token_ids == (120, 121, 122, 123) and b.token_ids[0] == 1
     # Scores fall along a path and a long shared context is trusted more.
     assert all(x > y for x, y in zip(a.scores, a.scores[1:]))
-    assert a.scores[0] == pytest.approx(ng.trust[("served", False)][shared_bucket(20)])
-    assert a.scores[0] > b.scores[0] == pytest.approx(ng.trust[("own", False)][shared_bucket(2)])
+    assert a.scores[0] == pytest.approx(ng.copies.trust[("served", False)][shared_bucket(20)])
+    assert a.scores[0] > b.scores[0] == pytest.approx(ng.copies.trust[("own", False)][shared_bucket(2)])
     # The target took 120 and 121, then went another way: root right, onward right once, wrong once.
-    before_root, before_on = ng.trust[("served", False)][shared_bucket(20)], ng.trust[("served", True)][shared_bucket(20)]
+    before_root, before_on = ng.copies.trust[("served", False)][shared_bucket(20)], ng.copies.trust[("served", True)][shared_bucket(20)]
     ng.observe(long, a, SampledTokens([120, 121, 7], num_draft_tokens=4, num_accepted_tokens=2,
                                       accepted_nodes=(0, 1), node_argmax=(120, 121, 7, 123, 124)))
-    assert ng.trust[("served", False)][shared_bucket(20)] == pytest.approx(before_root + TRUST_EWMA * (1 - before_root))
+    assert ng.copies.trust[("served", False)][shared_bucket(20)] == pytest.approx(before_root + TRUST_EWMA * (1 - before_root))
     on = before_on + TRUST_EWMA * (1 - before_on)
-    assert ng.trust[("served", True)][shared_bucket(20)] == pytest.approx(on + TRUST_EWMA * (0 - on))
+    assert ng.copies.trust[("served", True)][shared_bucket(20)] == pytest.approx(on + TRUST_EWMA * (0 - on))
     # A draft the policy pruned away is scored against the token the request went on with.
-    root = ng.trust[("own", False)][shared_bucket(2)]
+    root = ng.copies.trust[("own", False)][shared_bucket(2)]
     short.append_output_tokens([6])  # not the drafted 1
     ng.propose([short], [0])
-    assert ng.trust[("own", False)][shared_bucket(2)] == pytest.approx(root - TRUST_EWMA * root)
+    assert ng.copies.trust[("own", False)][shared_bucket(2)] == pytest.approx(root - TRUST_EWMA * root)
     # Chains carry scores too.
     chain = NgramProposer(tree=False, served=store).propose([long], [3])["long"]
     assert chain.is_chain and len(chain.scores) == 3

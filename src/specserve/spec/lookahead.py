@@ -36,8 +36,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from specserve.request import Request
+from specserve.spec.copy_trust import TRUST_PRIOR_ONWARD, TRUST_PRIOR_ROOT, shared_bucket
 from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
-from specserve.spec.served import TRUST_PRIOR_ONWARD, TRUST_PRIOR_ROOT, ServedSource, shared_bucket
+from specserve.spec.served import ServedSource
 from specserve.spec.suffix import suffix_matches
 from specserve.spec.tree import DraftTree
 
@@ -59,7 +60,7 @@ TRUST_EWMA = 0.02  # weight of one step's outcome in a source's trust
 # right far more often than a first guess (a window converges on stretches, a copy runs on).
 TRUST_ONWARD = {"window": 0.8, "pool": 0.5, "match": 0.7}
 # Earlier requests' outputs are trusted by how much context their match shares: one source per
-# served.py bucket ("served0", "served1", ...), with that bucket's priors.
+# copy_trust.py bucket ("served0", "served1", ...), with that bucket's priors.
 TRUST_PRIOR.update({f"served{b}": t for b, t in enumerate(TRUST_PRIOR_ROOT)})
 TRUST_ONWARD.update({f"served{b}": t for b, t in enumerate(TRUST_PRIOR_ONWARD)})
 MATCH_MIN, MATCH_MAX = 2, 6  # context tails looked up in the request's own text

@@ -15,7 +15,6 @@ changes only what is drafted: verification keeps the output the target's.
 
 from __future__ import annotations
 
-import bisect
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -33,17 +32,6 @@ COMPACT_MIN = 1 << 16  # dropped outputs' index entries rebuilt away once they p
 # A hit's continuation is drafted up to this many tokens per token of context it shares (vLLM's
 # suffix_decoding_max_spec_factor, 1.0 there too): a short chance match drafts little.
 SPEC_FACTOR = 1.0
-# How far a copy is trusted grows with the context its match shares (the strongest sign of a copy
-# that holds): the chance its next token is the target's, at the root and past a node the target
-# took, before any is measured; SHARED_BUCKETS are the buckets' lower bounds (see shared_bucket).
-SHARED_BUCKETS = (1, 2, 3, 4, 6, 10, 18)
-TRUST_PRIOR_ROOT = (0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.8)
-TRUST_PRIOR_ONWARD = (0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.9)
-
-
-def shared_bucket(shared: int) -> int:
-    """Index of the SHARED_BUCKETS bucket of a match sharing `shared` tokens of context."""
-    return bisect.bisect_right(SHARED_BUCKETS, shared) - 1
 
 
 class ServedOutputs:
