@@ -246,3 +246,7 @@ def test_a_retried_ask_drafts_from_the_first_answer(client, smol_server):
     again = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=64, temperature=0)
     assert again.choices[0].message.content == first.choices[0].message.content
     assert eng.spec_counters["num_accepted_tokens"] - before >= again.usage.completion_tokens // 2
+    smol_server.wait_idle()
+    metrics = httpx.get(smol_server.base_url + "/metrics", timeout=30).text
+    kept = [line for line in metrics.splitlines() if line.startswith("specserve_suffix_cache_tokens{")]
+    assert kept and float(kept[0].split()[-1]) >= first.usage.completion_tokens

@@ -132,13 +132,13 @@ def test_repeated_requests_draft_from_earlier_outputs_and_stay_exact(tiny, metho
     assert "also from the outputs of the last 10,000 requests" in eng.describe()["speculation"]
     first = llm.generate(prompts, params)  # batched: the store fills as they finish
     assert [o.token_ids for o in first] == base
-    assert len(eng.proposer.served) == len(prompts)
+    assert len(eng.proposer.served) == len(prompts) and eng.suffix_cache_tokens == 32 * len(prompts)
     again = [llm.generate(p, params)[0] for p in prompts]  # alone, each after its own earlier output
     assert [o.token_ids for o in again] == base
     steps = lambda outs: sum(o.metrics.extra["num_target_steps"] for o in outs)  # noqa: E731
     assert steps(again) < 0.6 * steps(first)
     llm.reset_suffix_cache()
-    assert len(eng.proposer.served) == 0
+    assert len(eng.proposer.served) == 0 and eng.suffix_cache_tokens == 0
     assert eng.kv_manager.check_integrity() and eng.proposer.check_integrity()
 
 

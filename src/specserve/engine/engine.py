@@ -451,6 +451,11 @@ class LLMEngine:
         return self.proposer is not None or self.drafter_released
 
     @property
+    def suffix_cache_tokens(self) -> int:
+        """Tokens of finished requests' outputs the proposer keeps to draft later ones from."""
+        return self.proposer.served_tokens() if self.proposer is not None else 0
+
+    @property
     def drafter_memory_bytes(self) -> int:
         """Bytes the proposer holds now (a draft model's weights and KV cache; 0 when released)."""
         return self.proposer.memory_bytes() if self.proposer is not None else 0

@@ -146,6 +146,8 @@ class ServerMetrics:
                                   registry=r)
         self.drafter_bytes = Gauge("specserve_drafter_memory_bytes", "Bytes of drafter weights and KV cache "
                                    "loaded (0 once released while speculation is off).", labels, registry=r)
+        self.suffix_tokens = Gauge("specserve_suffix_cache_tokens", "Tokens of finished requests' outputs kept "
+                                   "to draft later requests from (--suffix-cache-requests).", labels, registry=r)
         self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of admitted requests.", labels,
                                      registry=r)
         self.generation_tokens = Counter("specserve_generation_tokens", "Generated tokens.", labels, registry=r)
@@ -232,6 +234,7 @@ class ServerMetrics:
             self.hit_rate.labels(m).set(usage.prefix_hit_rate)
             self.spec_enabled.labels(m).set(1 if engine.speculation_enabled else 0)
             self.drafter_bytes.labels(m).set(getattr(engine, "drafter_memory_bytes", 0))
+            self.suffix_tokens.labels(m).set(getattr(engine, "suffix_cache_tokens", 0))
             self.baseline.observe(time.perf_counter(), sum(1 for r in engine.scheduler.running if r.is_decoding),
                                   engine.policy.target_time)
             c = engine.spec_counters

@@ -62,6 +62,9 @@ class FirstOf(Proposer):
         for c in self.copiers:
             c.reset_served()
 
+    def served_tokens(self) -> int:
+        return sum(c.served_tokens() for c in self.copiers)
+
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
         out: dict[str, DraftTree] = {}
         left = [(r, k) for r, k in zip(requests, num_tokens) if k > 0]
@@ -155,6 +158,9 @@ class HybridProposer(Proposer):
         """Both forget earlier requests' outputs."""
         self.copier.reset_served()
         self.drafter.reset_served()
+
+    def served_tokens(self) -> int:
+        return self.copier.served_tokens() + self.drafter.served_tokens()
 
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Both release the request."""

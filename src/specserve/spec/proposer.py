@@ -116,6 +116,10 @@ class Proposer(ABC):
         """Called with a request that finished (or was aborted), before remove_request: what it
         wrote may draft later requests (specserve.spec.served)."""
 
+    def served_tokens(self) -> int:
+        """Tokens of earlier requests' outputs kept to draft from (request_finished)."""
+        return 0
+
     def reset_served(self) -> None:  # noqa: B027 - optional hook
         """Forget what earlier requests wrote (request_finished); benchmarks that run one prompt
         several times call it between the runs."""

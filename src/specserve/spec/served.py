@@ -143,6 +143,10 @@ class ServedSource:
         if self.served is not None:
             self.served.clear()
 
+    def served_tokens(self) -> int:
+        """Tokens of the served outputs kept."""
+        return self.served.num_tokens if self.served is not None else 0
+
     def describe(self) -> str:
         """For the start-up summary."""
         return f"also from the outputs of the last {self.served.max_requests:,} requests" if self.served is not None else ""
