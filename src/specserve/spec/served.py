@@ -112,10 +112,6 @@ class ServedOutputs:
         n = min(budget, max(1, int(SPEC_FACTOR * best)))
         return best, [(c[:n], 1.0) for c in found]
 
-    def memory_bytes(self) -> int:
-        """About what the outputs and their index hold (the index's Python ints and lists included)."""
-        return 4 * self.num_tokens + 40 * (self._live + self._stale) + 100 * len(self._index)
-
     def _compact(self) -> None:
         """Rebuild the index from the outputs still kept."""
         entries = list(self._entries.items())
