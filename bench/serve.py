@@ -160,6 +160,7 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
            "--max-waiting", "1024", "--log-level", "warning", "--dtype", args.dtype]
     if args.draft_model:
         cmd += ["--draft-model", args.draft_model]
+    cmd += ["--suffix-cache-requests", str(args.suffix_cache_requests)]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
@@ -216,6 +217,9 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--spec-method", default="ngram")
+    ap.add_argument("--suffix-cache-requests", type=int, default=10_000,
+                    help="the server's store of earlier outputs (0: off); this workload repeats its 8 coding and "
+                         "8 edit asks within a run, so with it on later repeats draft from earlier answers")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--rates", nargs="+", type=float, default=[0.25, 0.5, 1.0, 2.0])
     ap.add_argument("--long-rates", nargs="+", type=float, default=[0.1, 0.2, 0.4],
