@@ -183,3 +183,21 @@ def test_ngram_scores_predict_acceptance_by_shared_context_and_learn_from_the_ta
     # Chains carry scores too.
     chain = NgramProposer(tree=False, served=store).propose([long], [3])["long"]
     assert chain.is_chain and len(chain.scores) == 3
+
+
+def test_in_front_of_a_model_drafter_seeded_samples_copy_only_their_own_text(tiny):
+    store = ServedOutputs()
+    store.add([10, 11, 12, 13, 14, 15, 16, 17])
+    copier = NgramProposer(tree=False, served=store, served_for_seeded=False)
+    seeded = Request("s", [1, 10, 11, 12, 13, 14], SamplingParams(temperature=0.8, seed=3))
+    greedy = Request("g", [1, 10, 11, 12, 13, 14], SamplingParams(temperature=0))
+    unseeded = Request("u", [1, 10, 11, 12, 13, 14], SamplingParams(temperature=0.8))
+    drafts = copier.propose([seeded, greedy, unseeded], [4, 4, 4])
+    # A model drafter's sampled draft and a copy give different (equally distributed) tokens, so a
+    # seeded request's draft may not depend on what other requests wrote.
+    assert "s" not in drafts and drafts["g"].token_ids == drafts["u"].token_ids == (15, 16, 17)
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, profile_spec_costs=False, spec_method="draft",
+              draft_checkpoint=tiny)
+    copiers = getattr(llm.engine.proposer.copier, "copiers", [llm.engine.proposer.copier])
+    ngrams = [c for c in copiers if isinstance(c, NgramProposer)]
+    assert ngrams and not ngrams[0].served_for_seeded and ngrams[0].served is not None

@@ -29,6 +29,7 @@ class ProposerContext:
     target_num_blocks: int
     draft_checkpoint: object | None = None  # tests: an already loaded draft checkpoint
     target_runner: object | None = None  # the target's ModelRunner (feature-level drafters share its embedding and head)
+    copier: bool = False  # built as a copier in front of a model drafter (specserve.spec.hybrid)
     target_block_ids: Callable[[str], list[int]] | None = None  # a request's target block table (read only)
 
 
@@ -42,7 +43,7 @@ def _build_ngram(ctx: ProposerContext) -> Proposer:
     from specserve.spec.ngram import NgramProposer
 
     return NgramProposer(ctx.spec.ngram_min, ctx.spec.ngram_max, tree=ctx.spec.use_trees(NgramProposer.traits.tree_by_default),
-                         served=_served(ctx))
+                         served=_served(ctx), served_for_seeded=not ctx.copier)
 
 
 def _build_reference(ctx: ProposerContext) -> Proposer:
@@ -275,7 +276,7 @@ def build_proposer(ctx: ProposerContext) -> Proposer | None:
     from specserve.spec.policy import TREE_NODES_PER_K
 
     n = ctx.spec.copy_min_match
-    sub = replace(ctx, spec=replace(ctx.spec, ngram_min=n, ngram_max=max(n, ctx.spec.ngram_max)))
+    sub = replace(ctx, spec=replace(ctx.spec, ngram_min=n, ngram_max=max(n, ctx.spec.ngram_max)), copier=True)
     copiers = [PROPOSER_BUILDERS[name](sub) for name in names]
     copier = copiers[0] if len(copiers) == 1 else FirstOf(copiers)
     budget = max(TREE_NODES_PER_K * ctx.spec.num_spec_tokens, ctx.spec.max_draft_nodes)  # the most a step asks for

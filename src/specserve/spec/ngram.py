@@ -48,11 +48,15 @@ class NgramProposer(ServedSource, Proposer):
                             prior_acceptance=0.5, scores_predict_acceptance=True)
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4, tree: bool = True,
-                 served: ServedOutputs | None = None) -> None:
+                 served: ServedOutputs | None = None, served_for_seeded: bool = True) -> None:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self.tree = tree
         self.served = served
+        # False in front of a model drafter: there a copy instead of the model's sampled draft
+        # changes which (equally distributed) tokens a sampled request gets, so a seeded one is
+        # copied from its own text only and its tokens stay a function of its context and seed.
+        self.served_for_seeded = served_for_seeded
         self.copies = CopyTrust(("own", "served"))
 
     def remove_request(self, request_id: str, finished: bool = True) -> None:
@@ -69,7 +73,9 @@ class NgramProposer(ServedSource, Proposer):
                 continue
             n, starts = suffix_matches(toks, toks, self.ngram_min, self.ngram_max, exclude_tail=True)
             own = shared_length(toks, starts[-MATCHES_MEASURED:].tolist(), toks) if n else 0
-            shared, served = self.served.continuations(toks, k) if self.served is not None else (0, [])
+            p = req.sampling_params
+            use_served = self.served is not None and (self.served_for_seeded or p.seed is None or p.temperature == 0)
+            shared, served = self.served.continuations(toks, k) if use_served else (0, [])
             if shared > own:  # an earlier output shares more of the context's tail than the request's own text does
                 source, conts = "served", served
             else:
