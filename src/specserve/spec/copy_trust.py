@@ -66,7 +66,8 @@ class CopyTrust:
         for j, p in enumerate(tree.parents):
             parent_share, parent_score, trust = (1.0, 1.0, root) if p < 0 else (share[p], scores[p], onward)
             scores.append(parent_score * trust * share[j] / parent_share)
-        self._last[request_id] = (source, bucket, position, tree.token_ids[tree.children[0][0]])
+        # node 0 is the likeliest root child (parents come first; nodes best first)
+        self._last[request_id] = (source, bucket, position, tree.token_ids[0])
         return DraftTree(tree.token_ids, tree.parents, scores=tuple(scores))
 
     def score_unverified(self, request_id: str, tokens: Sequence[int]) -> None:

@@ -132,17 +132,17 @@ class LookaheadProposer(ServedSource, Proposer):
             self._learn_trust(st, ids)
             self._fold(st, ids)
             st.drafted = st.window[: min(k, self.window)]
-            # Where the last MATCH_MIN+ tokens occurred before, what followed them (the pool's
-            # one-token key cannot tell those places from the others).
-            n, starts = suffix_matches(ids, ids, MATCH_MIN, MATCH_MAX, exclude_tail=True)
             shared, served = self.served.continuations(ids, k) if self.served is not None else (0, [])
-            own = [("window", [(st.drafted, 1.0)] if st.drafted else []),
-                   ("pool", list(st.pool.get(ids[-1], {}).items())),
-                   ("match", [(ids[s : s + k], 1.0) for s in starts[-MATCHES:].tolist()] if n else []),
-                   (f"served{shared_bucket(shared)}", served)]
-            alone = shared >= SERVED_ALONE
-            if alone:  # the request is retracing an earlier answer: the budget goes to that copy
-                own = own[-1:]
+            alone = shared >= SERVED_ALONE  # retracing an earlier answer: the budget goes to that copy
+            own = []
+            if not alone:
+                # Where the last MATCH_MIN+ tokens occurred before, what followed them (the pool's
+                # one-token key cannot tell those places from the others).
+                n, starts = suffix_matches(ids, ids, MATCH_MIN, MATCH_MAX, exclude_tail=True)
+                own = [("window", [(st.drafted, 1.0)] if st.drafted else []),
+                       ("pool", list(st.pool.get(ids[-1], {}).items())),
+                       ("match", [(ids[s : s + k], 1.0) for s in starts[-MATCHES:].tolist()] if n else [])]
+            own.append((f"served{shared_bucket(shared)}", served))
             st.guessed_at = len(ids)
             tree = self._grow(ids[-CONTEXT_TAIL:], own, k, st.guesses, corpus=not alone)
             if tree is not None:

@@ -114,14 +114,10 @@ class ServedOutputs:
 
     def _compact(self) -> None:
         """Rebuild the index from the outputs still kept."""
-        entries = list(self._entries.items())
-        self._entries.clear()
-        self._index.clear()
-        self.num_tokens = self._stale = self._live = 0
-        next_no = self._next
-        for _, arr in entries:
-            self.add(arr.tolist())
-        self._next = max(self._next, next_no)
+        kept = list(self._entries.values())
+        self.clear()
+        for arr in kept:
+            self.add(arr)
 
 
 class ServedSource:
