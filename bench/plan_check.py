@@ -16,10 +16,14 @@ their ratio (the acceptance bar: within 20%).
 --worker-profile: disaggregated workers run one thread each in bench/disagg.py (default: --profile);
 its `co_run` (recorded where a second one-thread worker fits) is how much the prefill and decode
 workers slow each other down on this machine's two cores.
-Speculation: the point's verify steps D, draft tokens verified T and accepted tokens A give
-K = round(T / D) drafts per verify step; its requests' decode steps S (output tokens after the
-first, less A) give the per-token acceptance b with 1 + A / S = (1 - b^(K+1)) / (1 - b): the
-tokens a decode step yields on average, steps where the proposer found nothing to draft included.
+Speculation: verify steps D, draft tokens verified T and accepted tokens A give K = round(T / D)
+drafts per verify step; decode steps S (output tokens after the first, less A) give the per-token
+acceptance b with 1 + A / S = (1 - b^(K+1)) / (1 - b): the tokens a decode step yields on
+average, steps where the proposer found nothing to draft included. Each request's own counters
+(the server's `usage.speculation`) give its own K and b where the trace has them: with the
+server's store of earlier outputs a repeated ask copies its whole answer in long drafts while a
+new one drafts little, and one (K, b) for the whole point puts every request in between. Traces
+recorded before the server reported them fall back to the point's counters (/metrics).
 
 Each prediction also comes with a band: the same trace simulated on a machine --drift faster and
 slower. A shared VM's speed moves by about that much between a profile and a benchmark run
@@ -63,6 +67,15 @@ def speculation(counters: dict[str, float] | None, output_tokens: int) -> tuple[
     return k, acceptance_for(alpha, k) if alpha > 1 else 0.0
 
 
+def request_speculation(spec: dict[str, int] | None, output_tokens: int) -> tuple[int, float]:
+    """(K, per-token acceptance) of one request from its usage.speculation counters (0, 0 when it
+    verified no draft)."""
+    if not spec or spec.get("verify_steps", 0) <= 0:
+        return 0, 0.0
+    counters = {"drafts": spec["verify_steps"], "draft_tokens": spec["draft_tokens"], "accepted_tokens": spec["accepted_tokens"]}
+    return speculation(counters, max(output_tokens - 1, 0))
+
+
 def _ratio(predicted: float | None, measured: float | None) -> float | None:
     return predicted / measured if predicted is not None and measured else None
 
@@ -100,6 +113,9 @@ def check_serve(payload: dict[str, Any], cost: MeasuredCostModel, seed: int, dri
         label = f"{p['workload']} {p['rate']:g} req/s, spec {p['speculation']}"
         trace = [TraceRequest(r["arrival_s"], r["prompt_tokens"], max(r["tokens"], 1), label, a,
                               r.get("cached_tokens", 0)) for r in reqs]
+        if k and all("speculation" in r for r in reqs):  # each request's own drafts and acceptance
+            own = [request_speculation(r["speculation"], r["tokens"]) for r in reqs]
+            trace = [t._replace(acceptance=b, spec_k=kr) for t, (kr, b) in zip(trace, own)]
         dep = Deployment(max_num_batched_tokens=cost.max_num_batched_tokens, max_num_seqs=SERVE_MAX_NUM_SEQS,
                          spec=SpecSetting(k))
         pred, faster, slower = (s.overall for s in _predict(trace, dep, cost, seed, drift))

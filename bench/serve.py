@@ -74,6 +74,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict[s
     t0 = time.perf_counter()
     first = last = None
     tokens = prompt_tokens = cached_tokens = 0
+    spec = None
     status = 0
     try:
         async with client.stream("POST", url, json=body) as resp:
@@ -90,6 +91,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict[s
                     tokens = chunk["usage"]["completion_tokens"]
                     prompt_tokens = chunk["usage"]["prompt_tokens"]
                     cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    spec = chunk["usage"].get("speculation")  # its verify steps, draft and accepted tokens
                 for ch in chunk.get("choices", []):
                     if ch.get("delta", {}).get("content"):
                         first = first or now
@@ -100,7 +102,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict[s
     ttft = (first or end) - t0
     tpot = (last - first) / (tokens - 1) if first and last and tokens > 1 else None
     return {"ok": True, "status": 200, "ttft": ttft, "tpot": tpot, "e2e": end - t0, "tokens": tokens,
-            "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens}
+            "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens, "speculation": spec}
 
 
 async def run_point(base: str, bodies: list[dict], rate: float, seed: int) -> dict[str, Any]:

@@ -240,6 +240,22 @@ def test_speculation_tpot_is_step_cost_over_expected_tokens(cost):
     assert plain.tpot_s == pytest.approx(step(1))
 
 
+def test_a_replayed_request_drafts_its_own_k(cost):
+    """A trace request with its own K (a replayed request's measured drafts per verify step)
+    drafts that many whenever the policy drafts, beside requests that take the policy's K."""
+    a, k, own = 0.95, 4, 12
+    dep = Deployment(spec=SpecSetting(k))
+    [policy_k] = simulate([TraceRequest(0.0, 100, 6000, acceptance=a)], dep, cost).requests
+    [long_k] = simulate([TraceRequest(0.0, 100, 6000, acceptance=a, spec_k=own)], dep, cost).requests
+    assert policy_k.tpot_s == pytest.approx(step(k + 1) / calc.expected_tokens(a, k), rel=0.03)
+    assert long_k.tpot_s == pytest.approx(step(own + 1) / calc.expected_tokens(a, own), rel=0.03)
+    # Batched with a request of the policy's K, each keeps its own; one that never drafts stays plain.
+    res = simulate([TraceRequest(0.0, 100, 3000, acceptance=a, spec_k=own), TraceRequest(0.0, 100, 3000, acceptance=a),
+                    TraceRequest(0.0, 100, 3000)], dep, cost)
+    fast, slow, plain = res.requests
+    assert fast.tpot_s < slow.tpot_s < plain.tpot_s
+
+
 def test_speculation_pays_for_drafts_and_stops_when_they_do_not_pay():
     # A draft model whose pass costs as much as a target step: K drafts cost K steps, never worth it.
     costly = MeasuredCostModel.from_profile(synthetic_profile(

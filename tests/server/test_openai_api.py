@@ -250,3 +250,34 @@ def test_a_retried_ask_drafts_from_the_first_answer(client, smol_server):
     metrics = httpx.get(smol_server.base_url + "/metrics", timeout=30).text
     kept = [line for line in metrics.splitlines() if line.startswith("specserve_suffix_cache_tokens{")]
     assert kept and float(kept[0].split()[-1]) >= first.usage.completion_tokens
+
+
+def test_usage_counts_each_requests_drafts(client, smol_server):
+    """usage.completion_tokens_details carries OpenAI's predicted-output counters for the request's
+    drafts (accepted and rejected draft tokens) and usage.speculation its verify steps, streamed or
+    not; they equal the engine's counters over that request. A request that never drafts reports
+    zeros and no speculation block."""
+    eng = smol_server.engine
+    msgs = [{"role": "user", "content": "List five facts about the planet Mars, one per line."}]
+    client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=48, temperature=0)
+    smol_server.wait_idle()
+    for stream in (False, True):
+        smol_server.wait_idle()
+        before = dict(eng.spec_counters)
+        kw = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=48, temperature=0, **kw)
+        usage = next(c.usage for c in r if c.usage is not None) if stream else r.usage
+        smol_server.wait_idle()
+        drafted = eng.spec_counters["num_draft_tokens"] - before["num_draft_tokens"]
+        accepted = eng.spec_counters["num_accepted_tokens"] - before["num_accepted_tokens"]
+        steps = eng.spec_counters["num_drafts"] - before["num_drafts"]
+        assert accepted > 0, "the repeated ask drafts from the first answer"
+        details = usage.completion_tokens_details
+        assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (accepted, drafted - accepted)
+        assert usage.speculation == {"verify_steps": steps, "draft_tokens": drafted, "accepted_tokens": accepted}
+        assert accepted <= usage.completion_tokens - steps  # every verify step also yields the target's own token
+    plain = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=16, temperature=0,
+                                           extra_body={"speculative": False})
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    assert plain.usage.completion_tokens_details.rejected_prediction_tokens == 0
+    assert plain.usage.speculation is None

@@ -22,7 +22,9 @@ What it models, each piece as specserve does it:
   step, for the decoding requests whose class drafts with per-token acceptance a > 0, the
   uniform K in 1..k with the most expected tokens per second, sum_i E_i(K) / (T(step with
   K drafts each) + T_draft(K)), E(K) = (1 - a^(K+1)) / (1 - a); speculate when that beats
-  plain decoding by more than `threshold`. A verified draft keeps its first j tokens with
+  plain decoding by more than `threshold` (a request whose trace gives its own K, as a replayed
+  request's measured drafts per verify step, drafts that many whenever the policy drafts: a copy
+  of an earlier answer runs longer than the policy's K). A verified draft keeps its first j tokens with
   probability a^j (1 - a) (j < K), all K with a^K, plus one token from the target. While
   speculation is on, every step also pays what the policy and a model-free proposer cost
   (`CostModel.spec_step_s`), drafting or not: the real policy runs every step; a step that
@@ -118,6 +120,7 @@ class TraceRequest(NamedTuple):
     request_class: str = "default"
     acceptance: float = 0.0  # per-token acceptance of its drafts
     cached_tokens: int = 0  # prompt tokens a prefix cache already holds (not computed again)
+    spec_k: int = 0  # drafts per verify step of its own (a replayed request's measured K); 0: the policy's K
 
 
 @dataclass(frozen=True)
@@ -322,7 +325,7 @@ class _Engine:
                 budget -= n
             else:
                 # Never draft past the last token the request may produce; drop drafts that do not fit.
-                drafts = min(k if r.trace.acceptance > 0 else 0, r.trace.output_tokens - r.generated - 1, budget - 1)
+                drafts = min(_own_k(r, k), r.trace.output_tokens - r.generated - 1, budget - 1)
                 decodes.append((r, drafts))
                 budget -= 1 + drafts
         capacity = self.sim.cost.kv_capacity_tokens
@@ -353,12 +356,13 @@ class _Engine:
         n, m = len(decoding), len(eligible)
         context = sum(r.trace.prompt_tokens + r.generated for r in decoding)
         longest = max(r.trace.prompt_tokens + r.generated for r in decoding)
-        gains = [sim.expected(r.trace.acceptance) for r in eligible]
+        gains = [sim.expected(r.trace.acceptance, max(spec.k, r.trace.spec_k)) for r in eligible]
 
         def rate(k: int) -> float:
-            shape = StepShape(n, n + k * m, context, longest, prefill)
-            tokens = n + sum(g[k] - 1 for g in gains)
-            extra = sim.cost.draft_s(m, k) + (sim.cost.spec_verify_s(n) if k else 0.0)
+            ks = [_own_k(r, k) for r in eligible]
+            shape = StepShape(n, n + sum(ks), context, longest, prefill)
+            tokens = n + sum(g[kr] - 1 for g, kr in zip(gains, ks))
+            extra = sim.cost.draft_s(m, max(ks)) + (sim.cost.spec_verify_s(n) if k else 0.0)
             return tokens / (sim.cost.step_s(shape, self.role) + extra)
 
         plain = best = rate(0)
@@ -402,6 +406,11 @@ class _Engine:
         self.kick(now)
 
 
+def _own_k(r: _Req, k: int) -> int:
+    """Drafts for request r in a step where the policy drafts k per request (0: none)."""
+    return 0 if k <= 0 or r.trace.acceptance <= 0 else (r.trace.spec_k or k)
+
+
 class _Simulation:
     """Event loop, router and shared state of one run."""
 
@@ -429,12 +438,10 @@ class _Simulation:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, payload))
 
-    def expected(self, acceptance: float) -> list[float]:
-        """E(K) for K = 0..k at this acceptance (cached)."""
-        table = self._expected.get(acceptance)
-        if table is None:
-            table = [expected_tokens(acceptance, k) for k in range(self.deployment.spec.k + 1)]
-            self._expected[acceptance] = table
+    def expected(self, acceptance: float, upto: int) -> list[float]:
+        """E(K) for K = 0..upto (at least) at this acceptance (cached)."""
+        table = self._expected.setdefault(acceptance, [])
+        table.extend(expected_tokens(acceptance, k) for k in range(len(table), upto + 1))
         return table
 
     def accepted(self, acceptance: float, drafts: int) -> int:

@@ -616,8 +616,14 @@ class OpenAIServer:
         completion = 0 if prompt_only else sum(o.metrics.num_generated_tokens for o in finals)
         n_per_prompt = max(1, len(finals) // max(1, len(prompt_lens)))
         cached = sum(o.metrics.num_cached_prompt_tokens for o in finals[::n_per_prompt])
+        spec = {key: sum(int(o.metrics.extra.get(counter) or 0) for o in finals) for key, counter in
+                (("verify_steps", "num_spec_steps"), ("draft_tokens", "num_draft_tokens"),
+                 ("accepted_tokens", "num_accepted_tokens"))}
+        details = {"accepted_prediction_tokens": spec["accepted_tokens"],
+                   "rejected_prediction_tokens": spec["draft_tokens"] - spec["accepted_tokens"]}
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                         prompt_tokens_details={"cached_tokens": cached})
+                         prompt_tokens_details={"cached_tokens": cached}, completion_tokens_details=details,
+                         speculation=spec if spec["verify_steps"] else None)
 
 
 def _normalize_prompts(prompt: Any) -> list[str | list[int]]:

@@ -254,12 +254,22 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
 
 
 class UsageInfo(BaseModel):
-    """Token counts of a response."""
+    """Token counts of a response.
+
+    `completion_tokens_details` carries OpenAI's predicted-output counters for the speculative
+    drafts: `accepted_prediction_tokens` (draft tokens the target accepted, part of the
+    completion) and `rejected_prediction_tokens` (draft tokens it verified and rejected).
+    `speculation` (specserve's, null when the request never verified a draft) adds the verify
+    steps: `verify_steps` target passes that checked a draft, `draft_tokens` nodes verified,
+    `accepted_tokens` of them accepted; tokens per decode step = 1 + accepted / decode steps.
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: dict[str, int] | None = None
+    completion_tokens_details: dict[str, int] | None = None
+    speculation: dict[str, int] | None = None
 
 
 class CompletionLogprobs(BaseModel):
