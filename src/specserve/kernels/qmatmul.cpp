@@ -1536,6 +1536,21 @@ inline void prefetch_row(const float* row, int64_t D) {
   for (int64_t o = 0; o < D * 4; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
 }
 
+// hsum of four vectors at once, [hsum(a0), hsum(a1), hsum(a2), hsum(a3)]: each sum in
+// hsum's order, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), so bit for bit the same, in
+// 12 shuffles and adds where four hsums take 24 (a key's score must not depend on whether it
+// falls in a block of four or in the tail).
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {  // by value: an array argument made GCC spill one accumulator
+  const __m256 s01 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20), _mm256_permute2f128_ps(a0, a1, 0x31));
+  const __m256 s23 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20), _mm256_permute2f128_ps(a2, a3, 0x31));
+  // lanes: [r0 r1 r2 r3] of a[0] | of a[1] (s01), of a[2] | of a[3] (s23), r = low half + high half
+  const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));  // r0 + r2, r1 + r3
+  const __m256 w = _mm256_add_ps(_mm256_shuffle_ps(u, u, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(u, u, _MM_SHUFFLE(3, 1, 3, 1)));  // [a0 a2 a0 a2 | a1 a3 a1 a3]
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));
+}
+
 // Scores of GH query heads (rows of q, D apart) against KB keys: each score is one chain of
 // fused multiply-adds over D in 8-value steps, then hsum, so it depends only on q and that key
 // whatever GH and KB are. Each key chunk is loaded once for all GH heads.
@@ -1552,9 +1567,48 @@ inline void scores_block(const float* q, const float* k, const int64_t* off, int
       for (int u = 0; u < KB; ++u) acc[h][u] = _mm256_fmadd_ps(qc, kr[u], acc[h][u]);
     }
   }
-  for (int h = 0; h < GH; ++h)
-    for (int u = 0; u < KB; ++u) out[h * n + u] = hsum(acc[h][u]) * scale;
+  if constexpr (KB == 4) {
+    const __m128 sc = _mm_set1_ps(scale);
+    for (int h = 0; h < GH; ++h) _mm_storeu_ps(out + h * n, _mm_mul_ps(hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), sc));
+  } else {
+    for (int h = 0; h < GH; ++h)
+      for (int u = 0; u < KB; ++u) out[h * n + u] = hsum(acc[h][u]) * scale;
+  }
 }
+
+#if SPECSERVE_AVX512
+// scores_block<GH, 4> with two keys per 512-bit register (lanes 0-7 one key, 8-15 the next):
+// each key's 8 lanes run the same fused multiply-add chain over D as the 256-bit kernel and
+// hsum4 adds them up in hsum's order, so every score is bit for bit the 256-bit one, from half
+// the multiply-add instructions (a 2,048-token verify of 9 tokens spends most of its attention
+// here).
+// Eight floats at a and eight at b in one register (AVX-512F forms only, no DQ needed); the top eight back.
+inline __m512 join8(const float* a, const float* b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+template <int GH>
+inline void scores_block_x2(const float* q, const float* k, const int64_t* off, int64_t D, float scale, float* out, int64_t n) {
+  __m512 acc[GH][2];
+  for (int h = 0; h < GH; ++h) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
+  const float *k0 = k + off[0], *k1 = k + off[1], *k2 = k + off[2], *k3 = k + off[3];
+  for (int64_t c = 0; c < D; c += 8) {
+    const __m512 k01 = join8(k0 + c, k1 + c), k23 = join8(k2 + c, k3 + c);
+    for (int h = 0; h < GH; ++h) {
+      const __m512 qc = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q + h * D + c))));
+      acc[h][0] = _mm512_fmadd_ps(qc, k01, acc[h][0]);
+      acc[h][1] = _mm512_fmadd_ps(qc, k23, acc[h][1]);
+    }
+  }
+  const __m128 sc = _mm_set1_ps(scale);
+  for (int h = 0; h < GH; ++h) {
+    const __m128 s = hsum4(_mm512_castps512_ps256(acc[h][0]), high8(acc[h][0]), _mm512_castps512_ps256(acc[h][1]), high8(acc[h][1]));
+    _mm_storeu_ps(out + h * n, _mm_mul_ps(s, sc));
+  }
+}
+#endif
 
 // Scores of n keys for GH heads; head h's go to out[h * stride + i]. A key's score does not
 // depend on which block of 4 it falls in, so any split of the keys gives the same values.
@@ -1566,7 +1620,11 @@ inline void scores_heads(const float* q, const float* k, const int64_t* off, int
   for (; i + 4 <= n; i += 4) {
     if (i + ahead + 4 <= n)
       for (int u = 0; u < 4; ++u) prefetch_row(k + off[i + ahead + u], D);
+#if SPECSERVE_AVX512
+    scores_block_x2<GH>(q, k, off + i, D, scale, out + i, stride);
+#else
     scores_block<GH, 4>(q, k, off + i, D, scale, out + i, stride);
+#endif
   }
   for (; i < n; ++i) scores_block<GH, 1>(q, k, off + i, D, scale, out + i, stride);
 }
@@ -1577,6 +1635,22 @@ inline void scores_heads(const float* q, const float* k, const int64_t* off, int
 template <int GH>
 inline void values_heads(const float* w, int64_t stride, const float* v, const int64_t* off, int64_t n, int64_t D, float* acc_out) {
   const int64_t ahead = attn_ahead_rows(D);
+#if SPECSERVE_AVX512
+  // 16 columns per 512-bit register: per column the same multiply-adds in the same key order.
+  if (D % 16 == 0) {
+    for (int64_t c = 0; c < D; c += 16) {
+      __m512 acc[GH];
+      for (int h = 0; h < GH; ++h) acc[h] = _mm512_loadu_ps(acc_out + h * D + c);
+      for (int64_t i = 0; i < n; ++i) {
+        if (i + ahead < n) _mm_prefetch(reinterpret_cast<const char*>(v + off[i + ahead] + c), _MM_HINT_T1);
+        const __m512 vr = _mm512_loadu_ps(v + off[i] + c);
+        for (int h = 0; h < GH; ++h) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(w[h * stride + i]), vr, acc[h]);
+      }
+      for (int h = 0; h < GH; ++h) _mm512_storeu_ps(acc_out + h * D + c, acc[h]);
+    }
+    return;
+  }
+#endif
   for (int64_t c = 0; c < D; c += 16) {
     const bool two = c + 16 <= D;
     __m256 acc[GH][2];
@@ -1611,8 +1685,18 @@ inline void attention_scores(const float* q, int64_t G, const float* k, const in
                              float scale, float* out) {
 #if SPECSERVE_AVX2
   if (D % 8 == 0) {
-    for (int64_t g = 0; g < G; g += 3) {
-      switch (std::min<int64_t>(3, G - g)) {
+#if SPECSERVE_AVX512
+    constexpr int64_t kHeads = 6;  // 12 accumulators of 32 registers: each pair of keys loaded once for six heads
+#else
+    constexpr int64_t kHeads = 3;
+#endif
+    for (int64_t g = 0; g < G; g += kHeads) {
+      switch (std::min<int64_t>(kHeads, G - g)) {
+#if SPECSERVE_AVX512
+        case 6: scores_heads<6>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
+        case 5: scores_heads<5>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
+        case 4: scores_heads<4>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
+#endif
         case 3: scores_heads<3>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
         case 2: scores_heads<2>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
         default: scores_heads<1>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
