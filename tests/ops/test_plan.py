@@ -104,6 +104,20 @@ def test_a_steps_rows_share_one_forward():
     assert m.step_s(StepShape(prefill=((512, 1000),))) == pytest.approx(0.200 + 512 * 1000 * 1e-8)
 
 
+def test_draft_rows_attend_over_the_context_beyond_the_verify_tables():
+    """The verify table is timed at one context (128 here); each draft row of a step at a longer
+    context also attends over the keys beyond it, at the fitted c per (query, key) pair (a 9-token
+    verify at a 1k-token context cost twice the one at 128 on SmolLM2, and the table alone missed it)."""
+    p = synthetic_profile()
+    p["prefill_context"] = {"chunk": 512, "offsets": [0, 1000], "step_s": [step(512), step(512) + 512 * 1000 * 1e-8]}
+    m = MeasuredCostModel.from_profile(p)
+    assert m.pair_s == pytest.approx(1e-8) and m.verify_context == 128
+    near, far = (m.step_s(StepShape(4, 20, 4 * ctx, ctx)) for ctx in (100, 2128))
+    assert near == pytest.approx(step(20))
+    assert far - near == pytest.approx(16 * 2000 * 1e-8)  # 16 draft rows x 2,000 keys past the table's context
+    assert m.step_s(StepShape(4, 4, 4 * 2128, 2128)) == pytest.approx(step(4))  # decodes alone: the decode table
+
+
 def test_served_overhead():
     served = MeasuredCostModel.from_profile(synthetic_profile(), served=True)
     assert served.step_s(StepShape(1, 1, 32, 32)) == pytest.approx(step(1) + 0.002)

@@ -243,11 +243,13 @@ class MeasuredCostModel:
     A step of d decoding requests (n tokens each on average, context L, T = d * n token rows)
     and prompt chunks (p tokens after o others) costs
 
-        overhead(d + chunks) + D(d, L) + [V(d, n) - V(d, 1)]
+        overhead(d + chunks) + D(d, L) + [V(d, n) - V(d, 1)] + c * (T - d) * max(0, L - L_V)
             + [G(T + sum p) - G(T)] + c * sum (p (p + 1) / 2 + p * o)  (+ c * pad)
 
     D: the decode table by batch and context; V: the verify table by batch and tokens per
-    request (its growth over n = 1 is what the drafts add); c: seconds per (query, key) pair of
+    request (its growth over n = 1 is what the drafts add), timed at context L_V; each draft
+    row also attends over the L - L_V keys the context has beyond it (the decode table carries
+    that for the one row a request always has); c: seconds per (query, key) pair of
     attention, fitted on chunks timed after a context. G(m) = P(m) - c * m (m + 1) / 2 is the
     prefill table P less its chunk's own causal attention: what a forward over m token rows
     costs in its matmuls. A step's rows go through one forward, so its chunks' rows cost what
@@ -286,6 +288,7 @@ class MeasuredCostModel:
     max_num_seqs: int
     decode: Surface  # [context][batch] seconds
     verify: Surface  # [batch][tokens per request] seconds, at one context
+    verify_context: float  # L_V: the context the verify table was timed at
     prefill: Curve  # chunk tokens -> seconds, nothing before the chunk
     padded_attention: bool  # attention pads each request to the step's longest query and context
     pair_s: float  # c: seconds per (query, key) pair of multi-token attention
@@ -321,8 +324,9 @@ class MeasuredCostModel:
             rows[i] = [min(a, b) for a, b in zip(rows[i], rows[i + 1])]
         decode = decode._replace(values=tuple(tuple(v) for v in rows))
         verify = r.surface("verify.batches", "verify.tokens", "verify.step_s")
+        verify_context = r.number("verify.context")
         if verify.cols[0] == 1:  # one token per request is a decode step: the faster of the two timings
-            context = float(r.get("verify.context"))
+            context = verify_context
             verify = verify._replace(values=tuple(
                 (min(row[0], decode(context, b)), *row[1:]) for b, row in zip(verify.rows, verify.values)))
         one_token = decode(decode.rows[0], 1)  # a one-token prompt chunk is a decode step
@@ -410,6 +414,7 @@ class MeasuredCostModel:
             max_num_seqs=r.whole("engine.max_num_seqs"),
             decode=decode,
             verify=verify,
+            verify_context=verify_context,
             prefill=prefill,
             padded_attention=attention == "padded",
             pair_s=pair_s,
@@ -447,6 +452,7 @@ class MeasuredCostModel:
             context = shape.decode_max_context if self.padded_attention else shape.decode_context / d
             t += max(self.decode(context + 1, d), 1e-6)
             t += self._verify_extra_s(d, shape.decode_tokens / d)
+            t += self.pair_s * (shape.decode_tokens - d) * max(0.0, context - self.verify_context)
             rows = shape.decode_tokens
         if shape.prefill:
             chunk_rows = sum(p for p, _ in shape.prefill)
