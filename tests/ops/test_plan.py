@@ -270,6 +270,20 @@ def test_a_replayed_request_drafts_its_own_k(cost):
     assert fast.tpot_s < slow.tpot_s < plain.tpot_s
 
 
+def test_the_policy_decides_per_request_which_drafts_pay(cost):
+    """As the engine's policy, the simulated one lets the requests whose drafts pay draft and holds
+    back the rest: a request copying its answer (acceptance 0.99) beside seven whose drafts are
+    rarely accepted drafts K tokens a step alone, where one K and one decision for all the batch
+    had all eight draft a single token."""
+    a, k = 0.99, 4
+    trace = [TraceRequest(0.0, 100, 400, acceptance=a)] + [TraceRequest(0.0, 100, 2000, acceptance=0.05)] * 7
+    res = simulate(trace, Deployment(spec=SpecSetting(k)), cost)
+    copy, *others = res.requests
+    assert copy.tpot_s == pytest.approx(step(8 + k) / calc.expected_tokens(a, k), rel=0.2)  # draws and prefill steps
+    assert copy.tpot_s < 0.5 * step(8 + 8) / calc.expected_tokens(a, 1)  # the shared decision: K = 1 for all eight
+    assert all(o.tpot_s == pytest.approx(step(7), rel=0.02) for o in others)  # never draft; plain steps once alone
+
+
 def test_speculation_pays_for_drafts_and_stops_when_they_do_not_pay():
     # A draft model whose pass costs as much as a target step: K drafts cost K steps, never worth it.
     costly = MeasuredCostModel.from_profile(synthetic_profile(

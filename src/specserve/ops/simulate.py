@@ -19,10 +19,13 @@ What it models, each piece as specserve does it:
   chunk is left, unless the link fell behind (`calc.transfer_time`). The decode worker then
   computes the last prompt token and samples the first output token in an ordinary step;
 - **speculation** by the adaptive policy's rule in simplified form (`spec/policy.py`): each
-  step, for the decoding requests whose class drafts with per-token acceptance a > 0, the
-  uniform K in 1..k with the most expected tokens per second, sum_i E_i(K) / (T(step with
-  K drafts each) + T_draft(K)), E(K) = (1 - a^(K+1)) / (1 - a); speculate when that beats
-  plain decoding by more than `threshold` (a request whose trace gives its own K, as a replayed
+  step, for the decoding requests whose class drafts with per-token acceptance a > 0, the K in
+  1..k and the requests that draft with the most expected tokens per second, sum_i E_i(K) /
+  (T(step with K drafts each) + T_draft(K)), E(K) = (1 - a^(K+1)) / (1 - a): as the engine's
+  policy decides per request, the requests whose drafts gain the most tokens per verified row
+  draft, as many of them as raise the step's rate (a request with little acceptance does not
+  hold back one that copies its answer); speculate when that beats plain decoding by more than
+  `threshold` (a request whose trace gives its own K, as a replayed
   request's measured drafts per verify step, drafts that many whenever the policy drafts: a copy
   of an earlier answer runs longer than the policy's K). A verified draft keeps its first j tokens with
   probability a^j (1 - a) (j < K), all K with a^K, plus one token from the target. While
@@ -313,7 +316,7 @@ class _Engine:
     def _schedule(self, now: float) -> _Step:
         d = self.sim.deployment
         budget = d.max_num_batched_tokens
-        k = self._choose_k() if d.spec.k and self.role != "prefill" else 0
+        k, drafting = self._choose_k() if d.spec.k and self.role != "prefill" else (0, frozenset())
         decodes: list[tuple[_Req, int]] = []
         chunks: list[tuple[_Req, int]] = []
         for r in self.running:
@@ -325,7 +328,7 @@ class _Engine:
                 budget -= n
             else:
                 # Never draft past the last token the request may produce; drop drafts that do not fit.
-                drafts = min(_own_k(r, k), r.trace.output_tokens - r.generated - 1, budget - 1)
+                drafts = min(_own_k(r, k) if r in drafting else 0, r.trace.output_tokens - r.generated - 1, budget - 1)
                 decodes.append((r, drafts))
                 budget -= 1 + drafts
         capacity = self.sim.cost.kv_capacity_tokens
@@ -341,37 +344,50 @@ class _Engine:
             budget -= n
         return _Step(now, decodes, chunks)
 
-    def _choose_k(self) -> int:
-        """The policy's K for this step's decodes (see the module docstring)."""
+    def _choose_k(self) -> tuple[int, frozenset[_Req]]:
+        """The policy's K for this step's decodes and the requests that draft (see the module
+        docstring)."""
         sim = self.sim
         spec = sim.deployment.spec
         decoding = [r for r in self.running if r.computed >= r.target]
         eligible = [r for r in decoding if r.trace.acceptance > 0 and r.trace.output_tokens - r.generated > 1]
         if not eligible:
-            return 0
+            return 0, frozenset()
         budget = sim.deployment.max_num_batched_tokens
         pending = sum(r.target - r.computed for r in self.running if r.computed < r.target)
         other = min(pending, max(0, budget - len(decoding)))
         prefill = ((other, 0),) if other else ()
-        n, m = len(decoding), len(eligible)
+        n = len(decoding)
         context = sum(r.trace.prompt_tokens + r.generated for r in decoding)
         longest = max(r.trace.prompt_tokens + r.generated for r in decoding)
-        gains = [sim.expected(r.trace.acceptance, max(spec.k, r.trace.spec_k)) for r in eligible]
+        # Requests alike (same acceptance and own K) draft together, as the policy treats them alike.
+        groups: dict[tuple[float, int], list[_Req]] = {}
+        for r in eligible:
+            groups.setdefault((r.trace.acceptance, r.trace.spec_k), []).append(r)
+        gains = {key: sim.expected(key[0], max(spec.k, key[1])) for key in groups}
 
-        def rate(k: int) -> float:
-            ks = [_own_k(r, k) for r in eligible]
-            shape = StepShape(n, n + sum(ks), context, longest, prefill)
-            tokens = n + sum(g[kr] - 1 for g, kr in zip(gains, ks))
-            extra = sim.cost.draft_s(m, max(ks)) + (sim.cost.spec_verify_s(n) if k else 0.0)
-            return tokens / (sim.cost.step_s(shape, self.role) + extra)
+        def rate(k: int, members: Sequence[tuple[float, int]]) -> float:
+            rows = tokens = 0.0
+            for key in members:
+                kr = key[1] or k
+                rows += kr * len(groups[key])
+                tokens += (gains[key][kr] - 1) * len(groups[key])
+            shape = StepShape(n, n + int(rows), context, longest, prefill)
+            drafting = sum(len(groups[key]) for key in members)
+            kmax = max((key[1] or k for key in members), default=0)
+            extra = sim.cost.draft_s(drafting, kmax) + sim.cost.spec_verify_s(n) if members else 0.0
+            return (n + tokens) / (sim.cost.step_s(shape, self.role) + extra)
 
-        plain = best = rate(0)
-        best_k = 0
+        plain = best = rate(0, ())
+        best_k, best_set = 0, ()
         for k in range(1, spec.k + 1):
-            r = rate(k)
-            if r > best:
-                best_k, best = k, r
-        return best_k if best > spec.threshold * plain else 0
+            # The groups whose drafts gain the most tokens per verified row first; the best prefix drafts.
+            order = sorted(groups, key=lambda key: (1 - gains[key][key[1] or k]) / (key[1] or k))
+            for j in range(1, len(order) + 1):
+                if (v := rate(k, order[:j])) > best:
+                    best, best_k, best_set = v, k, order[:j]
+        drafting = frozenset(r for key in best_set for r in groups[key])
+        return (best_k, drafting) if best > spec.threshold * plain else (0, frozenset())
 
     def end_step(self, now: float, step: _Step) -> None:
         """Apply a finished step: prompt progress, first tokens, accepted drafts, finished requests."""
