@@ -462,7 +462,8 @@ def test_paired_groups_give_the_unpaired_bits_for_any_pass_width(qtype):
 def test_vnni_kernels_are_bit_identical_to_the_avx2_ones(tmp_path):
     """Where the CPU has AVX512-VNNI the interleaved kernels use vpdpbusd; an AVX2-only build of
     the same source must give exactly the same products (so results never depend on the CPU's
-    extensions, and the exactness arguments made for the AVX2 kernels carry over)."""
+    extensions, and the exactness arguments made for the AVX2 kernels carry over). So must its
+    attention, whose AVX-512 build runs 512 bits wide."""
     if not kernels().has_vnni():
         pytest.skip("this CPU has no AVX512-VNNI: only the AVX2 kernels exist here")
     from torch.utils import cpp_extension
@@ -479,6 +480,21 @@ def test_vnni_kernels_are_bit_identical_to_the_avx2_ones(tmp_path):
             for m in (1, 3, 4, 5, 8, 9, 33):
                 x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) * 3
                 assert torch.equal(avx2.qmatmul(x, data, kq), kernels().qmatmul(x, data, kq)), (qtype, paired, m)
+    # Attention: on AVX-512 the scores take two keys per 512-bit register and the values 16 columns,
+    # each key's and column's arithmetic that of the 256-bit kernels.
+    g = torch.Generator().manual_seed(5)
+    for hq, hkv, d in ((9, 3, 64), (12, 2, 128), (4, 4, 8), (10, 2, 24), (8, 2, 16)):
+        for t, n_keys in ((1, 37), (2, 300), (9, 300), (17, 70)):
+            blocks = n_keys // 16 + 3
+            kc, vc = (torch.randn(blocks, 16, hkv, d, generator=g) for _ in range(2))
+            perm = torch.randperm(blocks, generator=g)
+            tables = torch.stack([perm, perm.roll(1)]).to(torch.int64)
+            mask = torch.rand(2, 1, t, n_keys, generator=g) < 0.8
+            mask[..., 0] = True
+            q = torch.randn(2 * t, hq, d, generator=g)
+            index = torch.arange(2 * t, dtype=torch.int64)
+            assert torch.equal(avx2.paged_attention(q, kc, vc, tables, mask, index, 0.1),
+                               kernels().paged_attention(q, kc, vc, tables, mask, index, 0.1)), (hq, hkv, d, t, n_keys)
 
 
 def test_march_override_builds_elsewhere_and_refuses_junk(monkeypatch):
