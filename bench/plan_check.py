@@ -70,10 +70,7 @@ def speculation(counters: dict[str, float] | None, output_tokens: int) -> tuple[
 def request_speculation(spec: dict[str, int] | None, output_tokens: int) -> tuple[int, float]:
     """(K, per-token acceptance) of one request from its usage.speculation counters (0, 0 when it
     verified no draft)."""
-    if not spec or spec.get("verify_steps", 0) <= 0:
-        return 0, 0.0
-    counters = {"drafts": spec["verify_steps"], "draft_tokens": spec["draft_tokens"], "accepted_tokens": spec["accepted_tokens"]}
-    return speculation(counters, max(output_tokens - 1, 0))
+    return speculation({**spec, "drafts": spec["verify_steps"]}, max(output_tokens - 1, 0)) if spec else (0, 0.0)
 
 
 def _ratio(predicted: float | None, measured: float | None) -> float | None:

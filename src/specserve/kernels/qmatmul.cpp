@@ -1577,11 +1577,6 @@ inline void scores_block(const float* q, const float* k, const int64_t* off, int
 }
 
 #if SPECSERVE_AVX512
-// scores_block<GH, 4> with two keys per 512-bit register (lanes 0-7 one key, 8-15 the next):
-// each key's 8 lanes run the same fused multiply-add chain over D as the 256-bit kernel and
-// hsum4 adds them up in hsum's order, so every score is bit for bit the 256-bit one, from half
-// the multiply-add instructions (a 2,048-token verify of 9 tokens spends most of its attention
-// here).
 // Eight floats at a and eight at b in one register (AVX-512F forms only, no DQ needed); the top eight back.
 inline __m512 join8(const float* a, const float* b) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
@@ -1589,6 +1584,11 @@ inline __m512 join8(const float* a, const float* b) {
 }
 inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
+// scores_block<GH, 4> with two keys per 512-bit register (lanes 0-7 one key, 8-15 the next):
+// each key's 8 lanes run the same fused multiply-add chain over D as the 256-bit kernel and
+// hsum4 adds them up in hsum's order, so every score is bit for bit the 256-bit one, from half
+// the multiply-add instructions (a 2,048-token verify of 9 tokens spends most of its attention
+// here).
 template <int GH>
 inline void scores_block_x2(const float* q, const float* k, const int64_t* off, int64_t D, float scale, float* out, int64_t n) {
   __m512 acc[GH][2];

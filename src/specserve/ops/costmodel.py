@@ -326,9 +326,8 @@ class MeasuredCostModel:
         verify = r.surface("verify.batches", "verify.tokens", "verify.step_s")
         verify_context = r.number("verify.context")
         if verify.cols[0] == 1:  # one token per request is a decode step: the faster of the two timings
-            context = verify_context
             verify = verify._replace(values=tuple(
-                (min(row[0], decode(context, b)), *row[1:]) for b, row in zip(verify.rows, verify.values)))
+                (min(row[0], decode(verify_context, b)), *row[1:]) for b, row in zip(verify.rows, verify.values)))
         one_token = decode(decode.rows[0], 1)  # a one-token prompt chunk is a decode step
         prefill = r.curve("prefill.chunks", "prefill.step_s")
         if prefill.xs[0] > 1:

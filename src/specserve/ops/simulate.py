@@ -19,15 +19,15 @@ What it models, each piece as specserve does it:
   chunk is left, unless the link fell behind (`calc.transfer_time`). The decode worker then
   computes the last prompt token and samples the first output token in an ordinary step;
 - **speculation** by the adaptive policy's rule in simplified form (`spec/policy.py`): each
-  step, for the decoding requests whose class drafts with per-token acceptance a > 0, the K in
-  1..k and the requests that draft with the most expected tokens per second, sum_i E_i(K) /
-  (T(step with K drafts each) + T_draft(K)), E(K) = (1 - a^(K+1)) / (1 - a): as the engine's
-  policy decides per request, the requests whose drafts gain the most tokens per verified row
-  draft, as many of them as raise the step's rate (a request with little acceptance does not
-  hold back one that copies its answer); speculate when that beats plain decoding by more than
-  `threshold` (a request whose trace gives its own K, as a replayed
-  request's measured drafts per verify step, drafts that many whenever the policy drafts: a copy
-  of an earlier answer runs longer than the policy's K). A verified draft keeps its first j tokens with
+  step, among the decoding requests whose class drafts with per-token acceptance a > 0, the K
+  in 1..k and the requests that draft with the most expected tokens per second, sum_i E_i(K) /
+  (T(step with K drafts each) + T_draft(K)), E(K) = (1 - a^(K+1)) / (1 - a); speculate when
+  that beats plain decoding by more than `threshold`. As the engine's policy decides per
+  request, the requests whose drafts gain the most tokens per verified row draft, as many as
+  raise the step's rate (requests alike together), so one with little acceptance does not hold
+  back one that copies its answer. A request whose trace gives its own K (a replayed request's
+  measured drafts per verify step) drafts that many whenever it drafts: a copy of an earlier
+  answer runs longer than the policy's K. A verified draft keeps its first j tokens with
   probability a^j (1 - a) (j < K), all K with a^K, plus one token from the target. While
   speculation is on, every step also pays what the policy and a model-free proposer cost
   (`CostModel.spec_step_s`), drafting or not: the real policy runs every step; a step that
@@ -367,15 +367,16 @@ class _Engine:
         gains = {key: sim.expected(key[0], max(spec.k, key[1])) for key in groups}
 
         def rate(k: int, members: Sequence[tuple[float, int]]) -> float:
-            rows = tokens = 0.0
+            """Expected tokens per second of the step when the groups `members` draft (own K, or k)."""
+            rows, tokens, requests, kmax = 0, 0.0, 0, 0
             for key in members:
-                kr = key[1] or k
-                rows += kr * len(groups[key])
-                tokens += (gains[key][kr] - 1) * len(groups[key])
-            shape = StepShape(n, n + int(rows), context, longest, prefill)
-            drafting = sum(len(groups[key]) for key in members)
-            kmax = max((key[1] or k for key in members), default=0)
-            extra = sim.cost.draft_s(drafting, kmax) + sim.cost.spec_verify_s(n) if members else 0.0
+                kr, size = key[1] or k, len(groups[key])
+                rows += kr * size
+                tokens += (gains[key][kr] - 1) * size
+                requests += size
+                kmax = max(kmax, kr)
+            shape = StepShape(n, n + rows, context, longest, prefill)
+            extra = sim.cost.draft_s(requests, kmax) + sim.cost.spec_verify_s(n) if members else 0.0
             return (n + tokens) / (sim.cost.step_s(shape, self.role) + extra)
 
         plain = best = rate(0, ())
