@@ -1629,24 +1629,56 @@ inline void scores_heads(const float* q, const float* k, const int64_t* off, int
   for (; i < n; ++i) scores_block<GH, 1>(q, k, off + i, D, scale, out + i, stride);
 }
 
+#if SPECSERVE_AVX512
+// values_heads' AVX-512 sweep over the n keys for columns [c, c + 16 * NG) of GH heads: each key's
+// weights broadcast once and its row's NG 16-value pieces loaded once for all heads.
+template <int GH, int NG>
+inline void values_sweep512(const float* w, int64_t stride, const float* v, const int64_t* off, int64_t n, int64_t D, int64_t c,
+                            int64_t ahead, float* acc_out) {
+  __m512 acc[GH][NG];
+  for (int h = 0; h < GH; ++h)
+    for (int g = 0; g < NG; ++g) acc[h][g] = _mm512_loadu_ps(acc_out + h * D + c + 16 * g);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + ahead < n)
+      for (int g = 0; g < NG; g += 4) _mm_prefetch(reinterpret_cast<const char*>(v + off[i + ahead] + c + 16 * g), _MM_HINT_T1);
+    __m512 wb[GH];
+    for (int h = 0; h < GH; ++h) wb[h] = _mm512_set1_ps(w[h * stride + i]);
+    const float* vr = v + off[i] + c;
+    for (int g = 0; g < NG; ++g) {
+      const __m512 x = _mm512_loadu_ps(vr + 16 * g);
+      for (int h = 0; h < GH; ++h) acc[h][g] = _mm512_fmadd_ps(wb[h], x, acc[h][g]);
+    }
+  }
+  for (int h = 0; h < GH; ++h)
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(acc_out + h * D + c + 16 * g, acc[h][g]);
+}
+#endif
+
 // acc[h * D + c] += sum_i w[h * stride + i] * v_i[c] for GH heads and n keys, summed in key
 // order per value onto what acc holds (so keys may come in chunks: the sums are the same);
-// 16 values of the head at a time, each value row chunk loaded once for all GH heads.
+// 16 values of the head at a time (AVX2) or up to 128 (AVX-512), each value row piece loaded
+// once for all GH heads.
 template <int GH>
 inline void values_heads(const float* w, int64_t stride, const float* v, const int64_t* off, int64_t n, int64_t D, float* acc_out) {
   const int64_t ahead = attn_ahead_rows(D);
 #if SPECSERVE_AVX512
-  // 16 columns per 512-bit register: per column the same multiply-adds in the same key order.
+  // 16 columns per 512-bit register, as many registers per sweep as GH heads leave room for (at
+  // most 24 accumulators): per column the same multiply-adds in the same key order as one
+  // register per sweep, but each value row is read in one sweep instead of D / 16 (SmolLM2's
+  // rows are 4 such pieces, each a cache line a whole row's stride from the next).
   if (D % 16 == 0) {
-    for (int64_t c = 0; c < D; c += 16) {
-      __m512 acc[GH];
-      for (int h = 0; h < GH; ++h) acc[h] = _mm512_loadu_ps(acc_out + h * D + c);
-      for (int64_t i = 0; i < n; ++i) {
-        if (i + ahead < n) _mm_prefetch(reinterpret_cast<const char*>(v + off[i + ahead] + c), _MM_HINT_T1);
-        const __m512 vr = _mm512_loadu_ps(v + off[i] + c);
-        for (int h = 0; h < GH; ++h) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(w[h * stride + i]), vr, acc[h]);
+    constexpr int kGroups = GH <= 3 ? 8 : GH == 4 ? 6 : 4;
+    for (int64_t c = 0; c < D;) {
+      switch (std::min<int64_t>(kGroups, (D - c) / 16)) {
+        case 8: values_sweep512<GH, (kGroups >= 8 ? 8 : 1)>(w, stride, v, off, n, D, c, ahead, acc_out); c += 16 * (kGroups >= 8 ? 8 : 1); break;
+        case 7: values_sweep512<GH, (kGroups >= 7 ? 7 : 1)>(w, stride, v, off, n, D, c, ahead, acc_out); c += 16 * (kGroups >= 7 ? 7 : 1); break;
+        case 6: values_sweep512<GH, (kGroups >= 6 ? 6 : 1)>(w, stride, v, off, n, D, c, ahead, acc_out); c += 16 * (kGroups >= 6 ? 6 : 1); break;
+        case 5: values_sweep512<GH, (kGroups >= 5 ? 5 : 1)>(w, stride, v, off, n, D, c, ahead, acc_out); c += 16 * (kGroups >= 5 ? 5 : 1); break;
+        case 4: values_sweep512<GH, 4>(w, stride, v, off, n, D, c, ahead, acc_out); c += 64; break;
+        case 3: values_sweep512<GH, 3>(w, stride, v, off, n, D, c, ahead, acc_out); c += 48; break;
+        case 2: values_sweep512<GH, 2>(w, stride, v, off, n, D, c, ahead, acc_out); c += 32; break;
+        default: values_sweep512<GH, 1>(w, stride, v, off, n, D, c, ahead, acc_out); c += 16; break;
       }
-      for (int h = 0; h < GH; ++h) _mm512_storeu_ps(acc_out + h * D + c, acc[h]);
     }
     return;
   }
