@@ -42,3 +42,32 @@ def test_a_large_cache_costs_resident_memory_only_where_written():
     del x
     gc.collect()
     assert _resident_mib() - before < 64  # returned to the system with the tensor
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+@pytest.mark.skipif(_thp_mode() in (None, "never"), reason="no transparent huge pages on this machine")
+def test_a_large_cache_starts_on_a_huge_page_and_asks_for_them():
+    """A cache of 2 MiB or more starts on a 2 MiB boundary and its map is eligible for huge pages
+    even where they are madvise-only (the kernel's own verdict, /proc/self/smaps THPeligible)."""
+    x = zeroed_pages((256, 16, 4, 64), torch.float32)  # 4 MiB
+    assert x.data_ptr() % (2 << 20) == 0
+    addr, eligible = x.data_ptr(), None
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(a, 16) for a in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "THPeligible:":
+                eligible = line.split()[1]
+    assert eligible == "1"
+    small = zeroed_pages((4, 16, 2, 8), torch.float32)
+    assert int(small.count_nonzero()) == 0 and int(x.count_nonzero()) == 0

@@ -6,14 +6,25 @@ every byte up front: about a second per GiB on a 2-core VM, paid by every engine
 whole budget is resident from then on. On the CPU the cache is instead an anonymous memory map:
 the kernel hands out zero pages as they are first written, so start-up costs nothing and
 resident memory grows with the KV actually used. Other devices allocate as before.
+
+Maps of 2 MiB or more are aligned to 2 MiB and advised as huge pages (where transparent huge
+pages are `madvise`-only, as on many distributions, no torch allocation gets them): decode
+attention gathers every key and value row of a long context, a TLB miss every 4 KiB and a page
+edge the prefetchers stop at. Resident memory then grows by 2 MiB pages as blocks are first
+written. ``$SPECSERVE_KV_HUGE=0`` keeps 4 KiB pages.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import math
 import mmap
+import os
 
 import torch
+
+HUGE_PAGE = 2 << 20
 
 
 def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -23,4 +34,11 @@ def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or os.environ.get("SPECSERVE_KV_HUGE") == "0":
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    # Room to start on a 2 MiB boundary; the pages before it are never touched, so never resident.
+    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % HUGE_PAGE
+    with contextlib.suppress(OSError):  # advice only: small pages work too
+        m.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    return torch.frombuffer(m, dtype=dtype, offset=start, count=math.prod(shape)).view(shape)
