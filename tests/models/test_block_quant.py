@@ -84,6 +84,34 @@ def test_each_row_is_independent_of_the_batch(qtype, rows):
         assert torch.equal(lin(x[a:b]), full[a:b]), (a, b)
 
 
+@pytest.mark.parametrize("rows", [8, 24, 40, 136, 1000, 4104])
+def test_every_tile_runs_once_whatever_the_thread_count(rows):
+    """The threads split a product's 16-row tiles into owned shares and steal each other's last
+    tiles: for any row count and thread count every output is written once, and the same as one
+    thread's (a tile's arithmetic does not depend on who runs it), fused products included."""
+    pw = random_blocks(12, rows=rows, cols=512, seed=rows)
+    up = random_blocks(12, rows=rows, cols=512, seed=rows + 1)
+    lin, lin_up = BlockQuantLinear(pw, torch.randn(rows)), BlockQuantLinear(up)
+    k = kernels()
+    before = torch.get_num_threads()
+    try:
+        results = {}
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            for m in (1, 9):
+                x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+                fused = k.qmatmul_multi(x, [lin.qweight, lin_up.qweight], [lin.kernel_qtype, lin_up.kernel_qtype],
+                                        [lin.bias, None], False)
+                gated = k.qmatmul_multi(x, [lin.qweight, lin_up.qweight], [lin.kernel_qtype, lin_up.kernel_qtype],
+                                        [None, None], True)
+                got = (lin(x), fused, gated)
+                assert all(torch.isfinite(t).all() for t in got)
+                ref = results.setdefault(m, got)
+                assert all(torch.equal(a, b) for a, b in zip(ref, got)), (threads, m)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("qtype", sorted(INTERLEAVED))
 def test_interleaved_layout_round_trips_and_agrees_with_rows(qtype):
     """The 8-row layout holds exactly the file's information: it converts back byte for byte,
