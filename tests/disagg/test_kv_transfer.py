@@ -313,9 +313,10 @@ def test_the_drafts_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoint, s
     assert (draft_kv_fingerprint(pre_eng) == draft_kv_fingerprint(dec_eng)) is draft_on_prefill
     pre, dec = WorkerCore("prefill", pre_eng, "p-draft"), WorkerCore("decode", dec_eng, "d-draft", transfer_timeout_s=5.0)
     widest = _widest_draft_feed(dec_eng)
-    # A hybrid decodes its first tokens by copying while the draft's KV is on its way: given 12
-    # tokens, a request could end before the draft had drafted anything.
-    params = SamplingParams(max_tokens=12 if spec_copy == "none" else 48, temperature=0.0)
+    # The decode worker decodes without drafts (a hybrid: by copying) while the draft's KV is on its
+    # way, and a request that ends first cancels the rest of it: given 12 tokens, a request could end
+    # before the draft's KV had all come (SmolLM2 decodes a token in under 3 ms on 2 Zen 5 threads).
+    params = SamplingParams(max_tokens=48, temperature=0.0)
     prompts = PROMPTS[1:3]  # 60 and 70 tokens: three prefill chunks each
     want = [o.outputs[0].token_ids for o in smollm_llm.generate(prompts, params, use_tqdm=False)]
     tok, eos = smollm_llm.tokenizer, smollm_llm.engine.eos_token_ids
@@ -337,8 +338,10 @@ def test_the_drafts_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoint, s
             assert [d["ok"] for d in drafts] == [draft_on_prefill], str(drafts)
             if draft_on_prefill:
                 assert drafts[0]["bytes"] == m * layout.bytes_per_token()
-                # Only the tokens decoded before the draft's KV landed and the fed drafts, never the prompt.
-                assert widest["max"] < m // 2
+                # Only the tokens decoded before the draft's KV landed and the fed drafts, never the
+                # prompt (which takes at least m in one pass, as below). How many tokens a hybrid
+                # decodes by copying before it lands depends on the machine: 22 of 48 on a Zen 5.
+                assert widest["max"] < m
             else:
                 assert widest["max"] >= m  # it caught up on the prompt itself
         counters = dec_eng.spec_counters
@@ -400,7 +403,7 @@ def test_an_eagle_heads_prompt_kv_comes_from_the_prefill_worker(smollm_checkpoin
     ref_llm = LLM("smollm2-135m-instruct", **kw)  # co-located, the same head
     assert (draft_kv_fingerprint(pre_eng) == draft_kv_fingerprint(dec_eng)) is head_on_prefill
     pre, dec = WorkerCore("prefill", pre_eng, "p-eagle"), WorkerCore("decode", dec_eng, "d-eagle", transfer_timeout_s=5.0)
-    params = SamplingParams(max_tokens=12, temperature=0.0)
+    params = SamplingParams(max_tokens=48, temperature=0.0)  # outlives the head's KV on its way (above)
     prompt = PROMPTS[2]  # 70 tokens: three prefill chunks of 32
     want = smollm_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     ids = smollm_llm.tokenizer.encode(prompt)
