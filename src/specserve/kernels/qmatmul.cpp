@@ -1890,28 +1890,37 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
     thread_local std::vector<int64_t> slots[kAttnTile];
     thread_local std::vector<float> p[kAttnTile], acc, inv;
     int64_t n[kAttnTile];
+    int64_t listed = -1, longest = 0;  // the tile whose key lists `slots` holds (items of a tile are consecutive)
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tile = uneven ? tiles - 1 - item / Hkv : item / Hkv, kvh = item % Hkv;
       const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
-      int64_t longest = 0;
-      for (int64_t u = 0; u < nt; ++u) {
-        const int64_t b = qip[t0 + u] / Q, r = qip[t0 + u] % Q;
-        const bool* allowed = mp + (b * Q + r) * L;
-        slots[u].clear();
-        for (int64_t blk = 0; blk * BS < L; ++blk) {
-          const int64_t base = btp[b * MB + blk] * BS, j0 = blk * BS, j1 = std::min(L, j0 + BS);
-          for (int64_t j = j0; j < j1; ++j)
-            if (allowed[j]) slots[u].push_back(((base + j - j0) * Hkv + kvh) * D);  // float offset of the key row
+      // Each token's allowed key rows as offsets of KV head 0's part (head kvh's is kvh * D further
+      // on), listed once for all the tile's KV heads: a long context's mask is read once a token,
+      // not once a head.
+      if (tile != listed) {
+        listed = tile;
+        longest = 0;
+        for (int64_t u = 0; u < nt; ++u) {
+          const int64_t b = qip[t0 + u] / Q, r = qip[t0 + u] % Q;
+          const bool* allowed = mp + (b * Q + r) * L;
+          slots[u].clear();
+          for (int64_t blk = 0; blk * BS < L; ++blk) {
+            const int64_t base = btp[b * MB + blk] * BS, j0 = blk * BS, j1 = std::min(L, j0 + BS);
+            for (int64_t j = j0; j < j1; ++j)
+              if (allowed[j]) slots[u].push_back((base + j - j0) * Hkv * D);  // float offset of the key row
+          }
+          n[u] = static_cast<int64_t>(slots[u].size());
+          longest = std::max(longest, n[u]);
+          p[u].resize(G * n[u]);
         }
-        n[u] = static_cast<int64_t>(slots[u].size());
-        longest = std::max(longest, n[u]);
-        p[u].resize(G * n[u]);
       }
+      const float* kh = kp + kvh * D;
+      const float* vh = vp + kvh * D;
       const int64_t step = nt > 1 ? chunk : std::max<int64_t>(longest, 1);  // one token: nothing to share
       for (int64_t c0 = 0; c0 < longest; c0 += step)
         for (int64_t u = 0; u < nt; ++u)
           if (c0 < n[u])
-            attention_scores(qp + ((t0 + u) * Hq + kvh * G) * D, G, kp, slots[u].data() + c0, std::min(step, n[u] - c0), n[u], D,
+            attention_scores(qp + ((t0 + u) * Hq + kvh * G) * D, G, kh, slots[u].data() + c0, std::min(step, n[u] - c0), n[u], D,
                              sc, p[u].data() + c0);
       inv.resize(nt * G);
       for (int64_t u = 0; u < nt; ++u)
@@ -1920,7 +1929,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
       for (int64_t c0 = 0; c0 < longest; c0 += step)
         for (int64_t u = 0; u < nt; ++u)
           if (c0 < n[u])
-            attention_values(p[u].data() + c0, G, n[u], vp, slots[u].data() + c0, std::min(step, n[u] - c0), D, acc.data() + u * G * D);
+            attention_values(p[u].data() + c0, G, n[u], vh, slots[u].data() + c0, std::min(step, n[u] - c0), D, acc.data() + u * G * D);
       for (int64_t u = 0; u < nt; ++u) {
         float* o = op + ((t0 + u) * Hq + kvh * G) * D;
         for (int64_t g = 0; g < G; ++g)
