@@ -505,6 +505,8 @@ def test_a_draft_transfer_whose_request_ended_stops_the_prefill_workers_draft(sm
 
     def sent_one(todo):
         send_draft(todo)
+        if first_pass.is_set():  # later passes: each as slow as on a slow machine, so the decode
+            time.sleep(0.02)     # worker's cancel lands within the prompt however fast the draft runs
         first_pass.set()
 
     def step_after_first_pass():
