@@ -1330,29 +1330,22 @@ void parallel_tiles(int64_t tiles, Body&& body) {
   const auto pack = [](uint64_t lo, uint64_t hi) { return lo | hi << 32; };
   std::vector<Share> shares(threads);
   for (int64_t t = 0; t < threads; ++t) shares[t].range.store(pack(tiles * t / threads, tiles * (t + 1) / threads));
+  // Claims tiles [a, b) of a share: a quarter of what is left from its front (its owner), or its
+  // last tile (another thread). False once the share is empty.
+  const auto claim = [&](std::atomic<uint64_t>& share, bool front, int64_t& a, int64_t& b) {
+    for (uint64_t r = share.load(std::memory_order_relaxed);;) {  // a failed exchange reloads r
+      const int64_t lo = static_cast<int64_t>(r & 0xffffffffu), hi = static_cast<int64_t>(r >> 32);
+      if (lo >= hi) return false;
+      a = front ? lo : hi - 1;
+      b = front ? lo + std::max<int64_t>(1, (hi - lo) / 4) : hi;
+      if (share.compare_exchange_weak(r, front ? pack(b, hi) : pack(lo, a), std::memory_order_relaxed)) return true;
+    }
+  };
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
-    for (int64_t me = first; me < last; ++me) {
-      auto& own = shares[me].range;
-      for (uint64_t r = own.load(std::memory_order_relaxed);;) {  // own share, front first
-        const int64_t lo = static_cast<int64_t>(r & 0xffffffffu), hi = static_cast<int64_t>(r >> 32);
-        if (lo >= hi) break;
-        const int64_t take = std::max<int64_t>(1, (hi - lo) / 4);
-        if (own.compare_exchange_weak(r, pack(lo + take, hi), std::memory_order_relaxed)) {
-          body(lo, lo + take);
-          r = own.load(std::memory_order_relaxed);
-        }
-      }
-      for (int64_t k = 1; k < threads; ++k) {  // then the others' last tiles, one at a time
-        auto& other = shares[(me + k) % threads].range;
-        for (uint64_t r = other.load(std::memory_order_relaxed);;) {
-          const int64_t lo = static_cast<int64_t>(r & 0xffffffffu), hi = static_cast<int64_t>(r >> 32);
-          if (lo >= hi) break;
-          if (other.compare_exchange_weak(r, pack(lo, hi - 1), std::memory_order_relaxed)) {
-            body(hi - 1, hi);
-            r = other.load(std::memory_order_relaxed);
-          }
-        }
-      }
+    for (int64_t me = first, a, b; me < last; ++me) {
+      while (claim(shares[me].range, true, a, b)) body(a, b);
+      for (int64_t k = 1; k < threads; ++k)
+        while (claim(shares[(me + k) % threads].range, false, a, b)) body(a, b);
     }
   });
 }
@@ -1701,6 +1694,16 @@ inline void values_sweep512(const float* w, int64_t stride, const float* v, cons
   for (int h = 0; h < GH; ++h)
     for (int g = 0; g < NG; ++g) _mm512_storeu_ps(acc_out + h * D + c + 16 * g, acc[h][g]);
 }
+
+// values_sweep512 over min(NG, groups) registers of columns from c; returns the columns it took.
+template <int GH, int NG>
+inline int64_t values_sweep_upto(const float* w, int64_t stride, const float* v, const int64_t* off, int64_t n, int64_t D, int64_t c,
+                                 int64_t ahead, float* acc_out, int64_t groups) {
+  if constexpr (NG > 1)
+    if (groups < NG) return values_sweep_upto<GH, NG - 1>(w, stride, v, off, n, D, c, ahead, acc_out, groups);
+  values_sweep512<GH, NG>(w, stride, v, off, n, D, c, ahead, acc_out);
+  return 16 * NG;
+}
 #endif
 
 // acc[h * D + c] += sum_i w[h * stride + i] * v_i[c] for GH heads and n keys, summed in key
@@ -1717,18 +1720,7 @@ inline void values_heads(const float* w, int64_t stride, const float* v, const i
   // rows are 4 such pieces, each a cache line a whole row's stride from the next).
   if (D % 16 == 0) {
     constexpr int kGroups = GH <= 3 ? 8 : GH == 4 ? 6 : 4;
-    for (int64_t c = 0; c < D;) {
-      switch (std::min<int64_t>(kGroups, (D - c) / 16)) {
-        case 8: values_sweep512<GH, (kGroups >= 8 ? 8 : 1)>(w, stride, v, off, n, D, c, ahead, acc_out); c += 16 * (kGroups >= 8 ? 8 : 1); break;
-        case 7: values_sweep512<GH, (kGroups >= 7 ? 7 : 1)>(w, stride, v, off, n, D, c, ahead, acc_out); c += 16 * (kGroups >= 7 ? 7 : 1); break;
-        case 6: values_sweep512<GH, (kGroups >= 6 ? 6 : 1)>(w, stride, v, off, n, D, c, ahead, acc_out); c += 16 * (kGroups >= 6 ? 6 : 1); break;
-        case 5: values_sweep512<GH, (kGroups >= 5 ? 5 : 1)>(w, stride, v, off, n, D, c, ahead, acc_out); c += 16 * (kGroups >= 5 ? 5 : 1); break;
-        case 4: values_sweep512<GH, 4>(w, stride, v, off, n, D, c, ahead, acc_out); c += 64; break;
-        case 3: values_sweep512<GH, 3>(w, stride, v, off, n, D, c, ahead, acc_out); c += 48; break;
-        case 2: values_sweep512<GH, 2>(w, stride, v, off, n, D, c, ahead, acc_out); c += 32; break;
-        default: values_sweep512<GH, 1>(w, stride, v, off, n, D, c, ahead, acc_out); c += 16; break;
-      }
-    }
+    for (int64_t c = 0; c < D;) c += values_sweep_upto<GH, kGroups>(w, stride, v, off, n, D, c, ahead, acc_out, (D - c) / 16);
     return;
   }
 #endif

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-HUGE_PAGE = 2 << 20
+from specserve.kernels import HUGE_PAGE
 
 
 def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
