@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 from dataclasses import dataclass, field
@@ -18,7 +19,34 @@ from specserve.errors import ConfigError
 QUANTIZATIONS = ("none", "int8", "int4", "auto", "w8a8")
 # Too lossy and batch-dependent for a target; a draft's numerics only move the acceptance rate.
 DRAFT_ONLY_QUANTIZATIONS = ("w8a8",)
-KV_CACHE_DTYPES = ("auto", "int8")
+
+
+class KVCacheDtype(str, enum.Enum):
+    """How the paged KV cache stores keys and values (a str: compares, prints and serialises as
+    its value, so configs, fingerprints and JSON keep the user's spelling)."""
+
+    AUTO = "auto"  # float16 for a model on the native CPU kernels (specserve.defaults), else the model's dtype
+    FP32 = "fp32"  # float32
+    FP16 = "fp16"  # float16: half a float32 cache's bytes; the native CPU kernels widen it as they read
+    INT8 = "int8"  # int8 with a float32 scale per (token, head): ~3.8x a float32 cache's tokens
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+    @property
+    def quantized(self) -> bool:
+        """Keys and values stored as integers with per-(token, head) scales beside them."""
+        return self is KVCacheDtype.INT8
+
+    def storage(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The element type of the K and V pages for a model computing in model_dtype."""
+        return {KVCacheDtype.AUTO: model_dtype, KVCacheDtype.FP32: torch.float32, KVCacheDtype.FP16: torch.float16,
+                KVCacheDtype.INT8: torch.int8}[self]
+
+
+KV_CACHE_DTYPES = tuple(d.value for d in KVCacheDtype)
 # How a step writes lower-tier prefix hits into the pool (kv_cache/layer_load.py).
 KV_TIER_LOADS = ("auto", "layer", "whole")
 
@@ -139,7 +167,7 @@ class CacheConfig:
     kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None  # tests: an exact block count instead of a budget
-    kv_cache_dtype: str = "auto"  # auto: the model dtype | int8: per-(token, head) scaled int8
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO  # a string is accepted and converted (see KVCacheDtype)
     # Lower tiers of the prefix cache (kv_cache/tiers.py): host memory, then local disk.
     kv_host_gib: float = 0.0  # 0: no host tier
     kv_disk_dir: str | None = None  # None: no disk tier
@@ -162,6 +190,7 @@ class CacheConfig:
             raise ConfigError(
                 f"Unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}."
             )
+        object.__setattr__(self, "kv_cache_dtype", KVCacheDtype(self.kv_cache_dtype))
         if self.kv_tier_load not in KV_TIER_LOADS:
             raise ConfigError(f"Unknown kv_tier_load {self.kv_tier_load!r}; use one of {', '.join(KV_TIER_LOADS)}.")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -213,26 +213,31 @@ def test_transfer_that_never_arrives_times_out_without_leaking(pair, smollm_llm)
     assert _shm_files() <= before
 
 
-def test_int8_kv_travels_as_int8_with_its_scales_and_decodes_as_colocated(smollm_checkpoint):
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp16"])
+def test_a_small_kv_travels_as_held_and_decodes_as_colocated(smollm_checkpoint, kv_dtype):
     """An int8 KV cache is sent as it is held (int8 K/V + float32 scales per token and head):
-    about a quarter of float32's bytes, and the decode worker's pages equal the prefill worker's,
-    so greedy output equals a co-located int8 engine's."""
+    about a quarter of float32's bytes; a float16 one as float16, half. The decode worker's pages
+    equal the prefill worker's, so greedy output equals a co-located engine's with that cache."""
     def engine(**kw):
         return LLM("smollm2-135m-instruct", dtype="float32", checkpoint=smollm_checkpoint, kv_cache_gib=0.25,
-                   kv_cache_dtype="int8", num_threads=1, **kw).engine
+                   kv_cache_dtype=kv_dtype, num_threads=1, **kw).engine
 
     layout = kv_layout_of(engine())
-    assert [dt for _, dt in layout.parts()] == [torch.int8, torch.int8, torch.float32, torch.float32]
     float_layout = KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, "float32")
-    assert layout.bytes_per_token() / float_layout.bytes_per_token() == pytest.approx(
-        (layout.head_dim + 4) / (4 * layout.head_dim))  # 68 / 256 for head_dim 64
+    if kv_dtype == "int8":
+        assert [dt for _, dt in layout.parts()] == [torch.int8, torch.int8, torch.float32, torch.float32]
+        assert layout.bytes_per_token() / float_layout.bytes_per_token() == pytest.approx(
+            (layout.head_dim + 4) / (4 * layout.head_dim))  # 68 / 256 for head_dim 64
+    else:
+        assert [dt for _, dt in layout.parts()] == [torch.float16, torch.float16]
+        assert layout.bytes_per_token() * 2 == float_layout.bytes_per_token()
 
     colocated = LLM("smollm2-135m-instruct", dtype="float32", checkpoint=smollm_checkpoint, kv_cache_gib=0.25,
-                    kv_cache_dtype="int8", num_threads=1)
+                    kv_cache_dtype=kv_dtype, num_threads=1)
     params = SamplingParams(max_tokens=16, temperature=0.0)
     want = [o.outputs[0].token_ids for o in colocated.generate(PROMPTS, params, use_tqdm=False)]
-    pre = WorkerCore("prefill", engine(max_num_batched_tokens=32), "p-int8")
-    dec = WorkerCore("decode", engine(), "d-int8", transfer_timeout_s=5.0)
+    pre = WorkerCore("prefill", engine(max_num_batched_tokens=32), f"p-{kv_dtype}")
+    dec = WorkerCore("decode", engine(), f"d-{kv_dtype}", transfer_timeout_s=5.0)
     try:
         tok, eos = colocated.tokenizer, colocated.engine.eos_token_ids
         sent = 0

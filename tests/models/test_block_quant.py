@@ -271,6 +271,27 @@ def test_native_attention_of_a_token_does_not_depend_on_its_step():
             assert torch.equal(alone[0], step[i]), (d, i)
 
 
+@pytest.mark.parametrize(("heads", "n_kv", "d"), [(9, 3, 64), (12, 2, 128), (6, 2, 24), (4, 2, 12)])
+def test_native_attention_reads_a_float16_cache_as_its_widened_values(heads, n_kv, d):
+    """A float16 cache widens exactly as it loads: bit for bit what a float32 cache holding the
+    same rounded values gives (AVX-512 and 256-bit loads, and the scalar loop for d = 12), for
+    decode, tree and prefill rows; and close to the gather + SDPA path over the same cache."""
+    from specserve.attention import paged_attention
+
+    torch.manual_seed(3)
+    tree = torch.ones(5, 5, dtype=torch.bool).tril()
+    tree[3, 1] = False
+    q, kc, vc, meta = _attention_step([1, 5, 40], [300, 20, 0], [list(range(20)), [20, 21], [22, 23, 24]],
+                                      [None, tree, None], bs=16, nblocks=26, n_kv=n_kv, heads=heads, d=d)
+    kh, vh = kc.half(), vc.half()
+    args = (meta.block_tables, meta.attn_mask, meta.query_index, d**-0.5)
+    half = kernels().paged_attention(q, kh, vh, *args)
+    assert torch.equal(half, kernels().paged_attention(q, kh.float(), vh.float(), *args))
+    torch.testing.assert_close(half, paged_attention(q, kh, vh, meta, d**-0.5), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="float32 or float16 caches"):
+        kernels().paged_attention(q, kh, vc, *args)
+
+
 def test_native_decode_attention_split_by_work_keeps_each_token_exact():
     """A decode batch is split between threads where the keys to read are halved (a long
     request beside short ones no longer runs all its heads on one thread): each token's output
@@ -418,16 +439,19 @@ def test_int4_quantizes_a_float_model(tiny_qwen2):
     assert len(b.token_ids) == 8 and all(0 <= t < ckpt.arch.vocab_size for t in b.token_ids)
 
 
-@pytest.mark.parametrize("spec", ["none", "ngram"])
-def test_native_decoder_stack_is_bit_identical_to_the_module_path(tiny_qwen2, spec):
+@pytest.mark.parametrize(("spec", "kv_dtype"), [("none", "fp32"), ("ngram", "fp32"), ("ngram", "auto")])
+def test_native_decoder_stack_is_bit_identical_to_the_module_path(tiny_qwen2, spec, kv_dtype):
     """The one-call DecoderStack (q/k/v biases, interleaved Q4_K/Q8_0, batched prefill, decode and
     verify steps) gives exactly the module path's log-probs, and the module path is what runs
-    when the stack is removed."""
+    when the stack is removed; with a float16 cache too (the stack rounds the keys and values it
+    writes as torch's .to(float16) does)."""
     _, ckpt = tiny_qwen2
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], [3, 4, 3, 4, 3, 4, 3, 4]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
     llm = LLM("tiny", dtype="float32", checkpoint=ckpt, quantization="int4", spec_method=spec, spec_policy="always",
-              profile_spec_costs=False)
+              profile_spec_costs=False, kv_cache_dtype=kv_dtype)
+    # auto: float16 on these kernels (specserve.defaults.native_cpu_model)
+    assert llm.engine.runner.kv_caches[0][0].dtype == (torch.float16 if kv_dtype == "auto" else torch.float32)
     model = llm.engine.runner.model.model
     assert model.native_stack is not None and model.native_stack.num_layers == len(model.layers)
     fast = llm.generate(prompts, params)
@@ -521,8 +545,9 @@ def test_vnni_kernels_are_bit_identical_to_the_avx2_ones(tmp_path):
             mask[..., 0] = True
             q = torch.randn(2 * t, hq, d, generator=g)
             index = torch.arange(2 * t, dtype=torch.int64)
-            assert torch.equal(avx2.paged_attention(q, kc, vc, tables, mask, index, 0.1),
-                               kernels().paged_attention(q, kc, vc, tables, mask, index, 0.1)), (hq, hkv, d, t, n_keys)
+            for kk, vv in ((kc, vc), (kc.half(), vc.half())):
+                assert torch.equal(avx2.paged_attention(q, kk, vv, tables, mask, index, 0.1),
+                                   kernels().paged_attention(q, kk, vv, tables, mask, index, 0.1)), (hq, hkv, d, t, n_keys, kk.dtype)
 
 
 def test_march_override_builds_elsewhere_and_refuses_junk(monkeypatch):

@@ -38,7 +38,7 @@ def _spy(llm: LLM) -> Counter:
     return seen
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp16"])
 def test_ngram_trees_are_exact_batched_and_alone(tiny, kv_cache_dtype):
     prompts = repetitive_prompts()
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

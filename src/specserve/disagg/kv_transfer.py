@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specserve.config import KVCacheDtype
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.errors import SpecServeError
 from specserve.kv_cache.manager import slot_indices
@@ -63,14 +64,14 @@ class KVLayout:
     """Shape of one model's KV per token: must match on both sides of a transfer.
 
     A layer's KV travels as the parts its paged cache holds (ModelRunner.kv_caches): K and V in
-    the model's dtype, or with an int8 cache K and V in int8 plus their per-(token, head) float32
+    the model's dtype or in float16, or with an int8 cache K and V in int8 plus their per-(token, head) float32
     scales, so an int8 cache moves ~1/4 of a float32 cache's bytes and lands bit for bit."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name of the model's activations, e.g. "float32"
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "int8"
+    kv_cache_dtype: str = "auto"  # a KVCacheDtype value: "auto" (the model dtype), "fp16" or "int8"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -80,10 +81,9 @@ class KVLayout:
     def parts(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(per-token shape, dtype) of each tensor of one layer, in the cache's order."""
         kv = (self.num_kv_heads, self.head_dim)
-        if self.kv_cache_dtype == "int8":
-            return [(kv, torch.int8), (kv, torch.int8), ((self.num_kv_heads,), torch.float32),
-                    ((self.num_kv_heads,), torch.float32)]
-        return [(kv, self.torch_dtype), (kv, self.torch_dtype)]
+        kv_dtype = KVCacheDtype(self.kv_cache_dtype)
+        pages = [(kv, kv_dtype.storage(self.torch_dtype))] * 2
+        return pages + [((self.num_kv_heads,), torch.float32)] * 2 if kv_dtype.quantized else pages
 
     def bytes_per_token(self) -> int:
         """KV bytes of one token over all layers."""

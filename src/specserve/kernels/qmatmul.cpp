@@ -1571,12 +1571,19 @@ inline float softmax_(float* p, int64_t n) {
 // D = 128: 14.6 -> 10.1 / 8.1 -> 6.7 ms; a 256-token context unchanged.
 constexpr int64_t kAttnAheadBytes = 32768;
 
-inline int64_t attn_ahead_rows(int64_t D) { return kAttnAheadBytes / (D * static_cast<int64_t>(sizeof(float))); }
+template <typename KT>
+inline int64_t attn_ahead_rows(int64_t D) { return kAttnAheadBytes / (D * static_cast<int64_t>(sizeof(KT))); }
 
-inline void prefetch_row(const float* row, int64_t D) {
+template <typename KT>
+inline void prefetch_row(const KT* row, int64_t D) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t o = 0; o < D * 4; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+  for (int64_t o = 0; o < D * static_cast<int64_t>(sizeof(KT)); o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
 }
+
+// Eight cache values as float32: a float32 cache's as they are, a float16 cache's widened (exact,
+// so the arithmetic after the load is the same for both).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // hsum of four vectors at once, [hsum(a0), hsum(a1), hsum(a2), hsum(a3)]: each sum in
 // hsum's order, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), so bit for bit the same, in
@@ -1596,14 +1603,14 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {  // by value: 
 // Scores of GH query heads (rows of q, D apart) against KB keys: each score is one chain of
 // fused multiply-adds over D in 8-value steps, then hsum, so it depends only on q and that key
 // whatever GH and KB are. Each key chunk is loaded once for all GH heads.
-template <int GH, int KB>
-inline void scores_block(const float* q, const float* k, const int64_t* off, int64_t D, float scale, float* out, int64_t n) {
+template <int GH, int KB, typename KT>
+inline void scores_block(const float* q, const KT* k, const int64_t* off, int64_t D, float scale, float* out, int64_t n) {
   __m256 acc[GH][KB];
   for (int h = 0; h < GH; ++h)
     for (int u = 0; u < KB; ++u) acc[h][u] = _mm256_setzero_ps();
   for (int64_t c = 0; c < D; c += 8) {
     __m256 kr[KB];
-    for (int u = 0; u < KB; ++u) kr[u] = _mm256_loadu_ps(k + off[u] + c);
+    for (int u = 0; u < KB; ++u) kr[u] = load8(k + off[u] + c);
     for (int h = 0; h < GH; ++h) {
       const __m256 qc = _mm256_loadu_ps(q + h * D + c);
       for (int u = 0; u < KB; ++u) acc[h][u] = _mm256_fmadd_ps(qc, kr[u], acc[h][u]);
@@ -1624,18 +1631,24 @@ inline __m512 join8(const float* a, const float* b) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
                                              _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
 }
+inline __m512 join8(const c10::Half* a, const c10::Half* b) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
 inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // scores_block<GH, 4> with two keys per 512-bit register (lanes 0-7 one key, 8-15 the next):
 // each key's 8 lanes run the same fused multiply-add chain over D as the 256-bit kernel and
 // hsum4 adds them up in hsum's order, so every score is bit for bit the 256-bit one, from half
 // the multiply-add instructions (a 2,048-token verify of 9 tokens spends most of its attention
 // here).
-template <int GH>
-inline void scores_block_x2(const float* q, const float* k, const int64_t* off, int64_t D, float scale, float* out, int64_t n) {
+template <int GH, typename KT>
+inline void scores_block_x2(const float* q, const KT* k, const int64_t* off, int64_t D, float scale, float* out, int64_t n) {
   __m512 acc[GH][2];
   for (int h = 0; h < GH; ++h) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
-  const float *k0 = k + off[0], *k1 = k + off[1], *k2 = k + off[2], *k3 = k + off[3];
+  const KT *k0 = k + off[0], *k1 = k + off[1], *k2 = k + off[2], *k3 = k + off[3];
   for (int64_t c = 0; c < D; c += 8) {
     const __m512 k01 = join8(k0 + c, k1 + c), k23 = join8(k2 + c, k3 + c);
     for (int h = 0; h < GH; ++h) {
@@ -1654,40 +1667,41 @@ inline void scores_block_x2(const float* q, const float* k, const int64_t* off, 
 
 // Scores of n keys for GH heads; head h's go to out[h * stride + i]. A key's score does not
 // depend on which block of 4 it falls in, so any split of the keys gives the same values.
-template <int GH>
-inline void scores_heads(const float* q, const float* k, const int64_t* off, int64_t n, int64_t stride, int64_t D, float scale,
+template <int GH, typename KT>
+inline void scores_heads(const float* q, const KT* k, const int64_t* off, int64_t n, int64_t stride, int64_t D, float scale,
                          float* out) {
-  const int64_t ahead = attn_ahead_rows(D);
+  const int64_t ahead = attn_ahead_rows<KT>(D);
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
     if (i + ahead + 4 <= n)
       for (int u = 0; u < 4; ++u) prefetch_row(k + off[i + ahead + u], D);
 #if SPECSERVE_AVX512
-    scores_block_x2<GH>(q, k, off + i, D, scale, out + i, stride);
+    scores_block_x2<GH, KT>(q, k, off + i, D, scale, out + i, stride);
 #else
-    scores_block<GH, 4>(q, k, off + i, D, scale, out + i, stride);
+    scores_block<GH, 4, KT>(q, k, off + i, D, scale, out + i, stride);
 #endif
   }
-  for (; i < n; ++i) scores_block<GH, 1>(q, k, off + i, D, scale, out + i, stride);
+  for (; i < n; ++i) scores_block<GH, 1, KT>(q, k, off + i, D, scale, out + i, stride);
 }
 
 #if SPECSERVE_AVX512
 // values_heads' AVX-512 sweep over the n keys for columns [c, c + 16 * NG) of GH heads: each key's
 // weights broadcast once and its row's NG 16-value pieces loaded once for all heads.
-template <int GH, int NG>
-inline void values_sweep512(const float* w, int64_t stride, const float* v, const int64_t* off, int64_t n, int64_t D, int64_t c,
+template <int GH, int NG, typename KT>
+inline void values_sweep512(const float* w, int64_t stride, const KT* v, const int64_t* off, int64_t n, int64_t D, int64_t c,
                             int64_t ahead, float* acc_out) {
   __m512 acc[GH][NG];
   for (int h = 0; h < GH; ++h)
     for (int g = 0; g < NG; ++g) acc[h][g] = _mm512_loadu_ps(acc_out + h * D + c + 16 * g);
   for (int64_t i = 0; i < n; ++i) {
     if (i + ahead < n)
-      for (int g = 0; g < NG; g += 4) _mm_prefetch(reinterpret_cast<const char*>(v + off[i + ahead] + c + 16 * g), _MM_HINT_T1);
+      for (int64_t b = 0; b < 16 * NG * static_cast<int64_t>(sizeof(KT)); b += 256)
+        _mm_prefetch(reinterpret_cast<const char*>(v + off[i + ahead] + c) + b, _MM_HINT_T1);
     __m512 wb[GH];
     for (int h = 0; h < GH; ++h) wb[h] = _mm512_set1_ps(w[h * stride + i]);
-    const float* vr = v + off[i] + c;
+    const KT* vr = v + off[i] + c;
     for (int g = 0; g < NG; ++g) {
-      const __m512 x = _mm512_loadu_ps(vr + 16 * g);
+      const __m512 x = load16(vr + 16 * g);
       for (int h = 0; h < GH; ++h) acc[h][g] = _mm512_fmadd_ps(wb[h], x, acc[h][g]);
     }
   }
@@ -1696,12 +1710,12 @@ inline void values_sweep512(const float* w, int64_t stride, const float* v, cons
 }
 
 // values_sweep512 over min(NG, groups) registers of columns from c; returns the columns it took.
-template <int GH, int NG>
-inline int64_t values_sweep_upto(const float* w, int64_t stride, const float* v, const int64_t* off, int64_t n, int64_t D, int64_t c,
+template <int GH, int NG, typename KT>
+inline int64_t values_sweep_upto(const float* w, int64_t stride, const KT* v, const int64_t* off, int64_t n, int64_t D, int64_t c,
                                  int64_t ahead, float* acc_out, int64_t groups) {
   if constexpr (NG > 1)
-    if (groups < NG) return values_sweep_upto<GH, NG - 1>(w, stride, v, off, n, D, c, ahead, acc_out, groups);
-  values_sweep512<GH, NG>(w, stride, v, off, n, D, c, ahead, acc_out);
+    if (groups < NG) return values_sweep_upto<GH, NG - 1, KT>(w, stride, v, off, n, D, c, ahead, acc_out, groups);
+  values_sweep512<GH, NG, KT>(w, stride, v, off, n, D, c, ahead, acc_out);
   return 16 * NG;
 }
 #endif
@@ -1710,9 +1724,9 @@ inline int64_t values_sweep_upto(const float* w, int64_t stride, const float* v,
 // order per value onto what acc holds (so keys may come in chunks: the sums are the same);
 // 16 values of the head at a time (AVX2) or up to 128 (AVX-512), each value row piece loaded
 // once for all GH heads.
-template <int GH>
-inline void values_heads(const float* w, int64_t stride, const float* v, const int64_t* off, int64_t n, int64_t D, float* acc_out) {
-  const int64_t ahead = attn_ahead_rows(D);
+template <int GH, typename KT>
+inline void values_heads(const float* w, int64_t stride, const KT* v, const int64_t* off, int64_t n, int64_t D, float* acc_out) {
+  const int64_t ahead = attn_ahead_rows<KT>(D);
 #if SPECSERVE_AVX512
   // 16 columns per 512-bit register, as many registers per sweep as GH heads leave room for (at
   // most 24 accumulators): per column the same multiply-adds in the same key order as one
@@ -1720,7 +1734,7 @@ inline void values_heads(const float* w, int64_t stride, const float* v, const i
   // rows are 4 such pieces, each a cache line a whole row's stride from the next).
   if (D % 16 == 0) {
     constexpr int kGroups = GH <= 3 ? 8 : GH == 4 ? 6 : 4;
-    for (int64_t c = 0; c < D;) c += values_sweep_upto<GH, kGroups>(w, stride, v, off, n, D, c, ahead, acc_out, (D - c) / 16);
+    for (int64_t c = 0; c < D;) c += values_sweep_upto<GH, kGroups, KT>(w, stride, v, off, n, D, c, ahead, acc_out, (D - c) / 16);
     return;
   }
 #endif
@@ -1733,9 +1747,9 @@ inline void values_heads(const float* w, int64_t stride, const float* v, const i
     }
     for (int64_t i = 0; i < n; ++i) {
       if (i + ahead < n) _mm_prefetch(reinterpret_cast<const char*>(v + off[i + ahead] + c), _MM_HINT_T1);
-      const float* vr = v + off[i] + c;
-      const __m256 v0 = _mm256_loadu_ps(vr);
-      const __m256 v1 = two ? _mm256_loadu_ps(vr + 8) : _mm256_setzero_ps();
+      const KT* vr = v + off[i] + c;
+      const __m256 v0 = load8(vr);
+      const __m256 v1 = two ? load8(vr + 8) : _mm256_setzero_ps();
       for (int h = 0; h < GH; ++h) {
         const __m256 wh = _mm256_set1_ps(w[h * stride + i]);
         acc[h][0] = _mm256_fmadd_ps(wh, v0, acc[h][0]);
@@ -1754,7 +1768,8 @@ inline void values_heads(const float* w, int64_t stride, const float* v, const i
 // key rows at k + off[i]; then, after the softmax, acc_g += sum_i w[g * stride + i] * v_i. The
 // heads of one KV group go through together so each key and value row is read once, not once
 // per head.
-inline void attention_scores(const float* q, int64_t G, const float* k, const int64_t* off, int64_t n, int64_t stride, int64_t D,
+template <typename KT>
+inline void attention_scores(const float* q, int64_t G, const KT* k, const int64_t* off, int64_t n, int64_t stride, int64_t D,
                              float scale, float* out) {
 #if SPECSERVE_AVX2
   if (D % 8 == 0) {
@@ -1766,13 +1781,13 @@ inline void attention_scores(const float* q, int64_t G, const float* k, const in
     for (int64_t g = 0; g < G; g += kHeads) {
       switch (std::min<int64_t>(kHeads, G - g)) {
 #if SPECSERVE_AVX512
-        case 6: scores_heads<6>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
-        case 5: scores_heads<5>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
-        case 4: scores_heads<4>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
+        case 6: scores_heads<6, KT>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
+        case 5: scores_heads<5, KT>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
+        case 4: scores_heads<4, KT>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
 #endif
-        case 3: scores_heads<3>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
-        case 2: scores_heads<2>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
-        default: scores_heads<1>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
+        case 3: scores_heads<3, KT>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
+        case 2: scores_heads<2, KT>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
+        default: scores_heads<1, KT>(q + g * D, k, off, n, stride, D, scale, out + g * stride); break;
       }
     }
     return;
@@ -1781,23 +1796,24 @@ inline void attention_scores(const float* q, int64_t G, const float* k, const in
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < n; ++i) {
       float dot = 0.f;
-      for (int64_t c = 0; c < D; ++c) dot += q[g * D + c] * k[off[i] + c];
+      for (int64_t c = 0; c < D; ++c) dot = std::fma(q[g * D + c], static_cast<float>(k[off[i] + c]), dot);  // fused whatever KT is
       out[g * stride + i] = dot * scale;
     }
 }
 
-inline void attention_values(const float* w, int64_t G, int64_t stride, const float* v, const int64_t* off, int64_t n, int64_t D,
+template <typename KT>
+inline void attention_values(const float* w, int64_t G, int64_t stride, const KT* v, const int64_t* off, int64_t n, int64_t D,
                              float* acc) {
 #if SPECSERVE_AVX2
   if (D % 8 == 0) {
     for (int64_t g = 0; g < G; g += 6) {
       switch (std::min<int64_t>(6, G - g)) {
-        case 6: values_heads<6>(w + g * stride, stride, v, off, n, D, acc + g * D); break;
-        case 5: values_heads<5>(w + g * stride, stride, v, off, n, D, acc + g * D); break;
-        case 4: values_heads<4>(w + g * stride, stride, v, off, n, D, acc + g * D); break;
-        case 3: values_heads<3>(w + g * stride, stride, v, off, n, D, acc + g * D); break;
-        case 2: values_heads<2>(w + g * stride, stride, v, off, n, D, acc + g * D); break;
-        default: values_heads<1>(w + g * stride, stride, v, off, n, D, acc + g * D); break;
+        case 6: values_heads<6, KT>(w + g * stride, stride, v, off, n, D, acc + g * D); break;
+        case 5: values_heads<5, KT>(w + g * stride, stride, v, off, n, D, acc + g * D); break;
+        case 4: values_heads<4, KT>(w + g * stride, stride, v, off, n, D, acc + g * D); break;
+        case 3: values_heads<3, KT>(w + g * stride, stride, v, off, n, D, acc + g * D); break;
+        case 2: values_heads<2, KT>(w + g * stride, stride, v, off, n, D, acc + g * D); break;
+        default: values_heads<1, KT>(w + g * stride, stride, v, off, n, D, acc + g * D); break;
       }
     }
     return;
@@ -1806,7 +1822,7 @@ inline void attention_values(const float* w, int64_t G, int64_t stride, const fl
   for (int64_t g = 0; g < G; ++g)
     for (int64_t c = 0; c < D; ++c) {
       float a = acc[g * D + c];
-      for (int64_t i = 0; i < n; ++i) a += w[g * stride + i] * v[off[i] + c];
+      for (int64_t i = 0; i < n; ++i) a = std::fma(w[g * stride + i], static_cast<float>(v[off[i] + c]), a);
       acc[g * D + c] = a;
     }
 }
@@ -1824,11 +1840,12 @@ constexpr int64_t kAttnChunkBytes = 16384;  // key (or value) rows read once per
 // every token: ~30% of the FMA peak). Used for every step shape, so a token never changes path
 // with its batch; and the tiling changes no arithmetic (a key's score does not depend on its
 // neighbours, and each output sums its values in key order onto the same accumulator).
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& block_tables, const torch::Tensor& mask, const torch::Tensor& query_index,
-                              double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32,
-              "paged_attention: float32 tensors");
+// KT: the cache's element type, float or c10::Half (float16 pages widen exactly as they load, so
+// a float16 cache gives bit for bit what a float32 cache holding the same rounded values would).
+template <typename KT>
+torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                const torch::Tensor& block_tables, const torch::Tensor& mask, const torch::Tensor& query_index,
+                                double scale) {
   const auto qc = q.contiguous();
   const auto bt = block_tables.contiguous();
   const auto mk = mask.contiguous();
@@ -1843,8 +1860,8 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   const int64_t G = Hq / Hkv;
   auto out = torch::empty_like(qc);
   const float* qp = qc.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const KT* kp = k_cache.data_ptr<KT>();
+  const KT* vp = v_cache.data_ptr<KT>();
   const int64_t* btp = bt.data_ptr<int64_t>();
   const bool* mp = mk.data_ptr<bool>();
   const int64_t* qip = qi.data_ptr<int64_t>();
@@ -1871,7 +1888,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   }
   tile_start.push_back(T);
   const int64_t tiles = static_cast<int64_t>(tile_start.size()) - 1;
-  const int64_t chunk = std::max<int64_t>(16, kAttnChunkBytes / (D * static_cast<int64_t>(sizeof(float))));
+  const int64_t chunk = std::max<int64_t>(16, kAttnChunkBytes / (D * static_cast<int64_t>(sizeof(KT))));
   // Items (tile, KV head). A prefill's tiles see ever more keys: the shared counter hands out the
   // last (longest) tiles first and the short ones even out the end (a static split gave one
   // thread three quarters of a causal prefill's work). Decode batches (one token per tile, like
@@ -1899,15 +1916,15 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
           for (int64_t blk = 0; blk * BS < L; ++blk) {
             const int64_t base = btp[b * MB + blk] * BS, j0 = blk * BS, j1 = std::min(L, j0 + BS);
             for (int64_t j = j0; j < j1; ++j)
-              if (allowed[j]) slots[u].push_back((base + j - j0) * Hkv * D);  // float offset of the key row
+              if (allowed[j]) slots[u].push_back((base + j - j0) * Hkv * D);  // element offset of the key row
           }
           n[u] = static_cast<int64_t>(slots[u].size());
           longest = std::max(longest, n[u]);
           p[u].resize(G * n[u]);
         }
       }
-      const float* kh = kp + kvh * D;
-      const float* vh = vp + kvh * D;
+      const KT* kh = kp + kvh * D;
+      const KT* vh = vp + kvh * D;
       const int64_t step = nt > 1 ? chunk : std::max<int64_t>(longest, 1);  // one token: nothing to share
       for (int64_t c0 = 0; c0 < longest; c0 += step)
         for (int64_t u = 0; u < nt; ++u)
@@ -1958,6 +1975,17 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
     for (int64_t t = t0; t < t1; ++t) run(cut[t], cut[t + 1]);
   });
   return out;
+}
+
+// Native paged attention over a float32 or float16 cache (k and v of one type); q is float32.
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& block_tables, const torch::Tensor& mask, const torch::Tensor& query_index,
+                              double scale) {
+  const auto kt = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == kt && (kt == torch::kFloat32 || kt == torch::kHalf),
+              "paged_attention: a float32 query and float32 or float16 caches");
+  if (kt == torch::kHalf) return paged_attention_t<c10::Half>(q, k_cache, v_cache, block_tables, mask, query_index, scale);
+  return paged_attention_t<float>(q, k_cache, v_cache, block_tables, mask, query_index, scale);
 }
 
 // The 8-row interleaved layout of Q4_K / Q6_K / Q8_0 / Q5_0 / Q4_0 / Q4_1 rows (see "Interleaved K-quants" above).
@@ -2084,8 +2112,22 @@ void write_kv_slots(const torch::Tensor& k, const torch::Tensor& v, torch::Tenso
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "write_kv: slot ", sp[t], " outside the cache");
   for (auto [src, dst] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
     const float* s = src->data_ptr<float>();
-    float* d = dst->data_ptr<float>();
     const int64_t ts = src->stride(0);
+    if (dst->scalar_type() == torch::kHalf) {  // rounded to nearest even, as torch's .to(float16)
+      c10::Half* d = dst->data_ptr<c10::Half>();
+      for (int64_t t = 0; t < T; ++t) {
+        const float* a = s + t * ts;
+        c10::Half* b = d + sp[t] * row;
+        int64_t i = 0;
+#if SPECSERVE_AVX2
+        for (; i + 8 <= row; i += 8)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(b + i), _mm256_cvtps_ph(_mm256_loadu_ps(a + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; i < row; ++i) b[i] = c10::Half(a[i]);
+      }
+      continue;
+    }
+    float* d = dst->data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) std::memcpy(d + sp[t] * row, s + t * ts, row * sizeof(float));
   }
 }
@@ -2099,7 +2141,7 @@ void add_(torch::Tensor& x, const torch::Tensor& y) {
 }
 
 // A whole decoder stack (pre-norm Llama/Qwen2 blocks with block-quantized projections and a
-// float32 paged KV cache) in one call: the per-layer Python of the module path (module calls,
+// float32 or float16 paged KV cache) in one call: the per-layer Python of the module path (module calls,
 // views, residual adds: ~0.15 ms a layer, several ms of a ~45 ms decode step) disappears.
 // It runs the very same kernels in the same order as that path, so results are bit-identical.
 class DecoderStack {
@@ -2132,8 +2174,9 @@ class DecoderStack {
       const int64_t* qt = qt_.data() + 7 * l;
       auto& kc = kv[2 * l];
       auto& vc = kv[2 * l + 1];
-      TORCH_CHECK(kc.scalar_type() == torch::kFloat32 && vc.scalar_type() == torch::kFloat32 && kc.is_contiguous() && vc.is_contiguous() &&
-                      kc.size(2) == hkv_ && kc.size(3) == d_, "DecoderStack: contiguous float32 [blocks, block_size, n_kv, d] caches");
+      TORCH_CHECK((kc.scalar_type() == torch::kFloat32 || kc.scalar_type() == torch::kHalf) && vc.scalar_type() == kc.scalar_type() &&
+                      kc.is_contiguous() && vc.is_contiguous() && kc.size(2) == hkv_ && kc.size(3) == d_,
+                  "DecoderStack: contiguous float32 or float16 [blocks, block_size, n_kv, d] caches");
       auto h = rms_norm(x, w[0], eps_);
       auto qkv = qmatmul_multi(h, {w[1], w[2], w[3]}, {qt[0], qt[1], qt[2]}, {b_[3 * l], b_[3 * l + 1], b_[3 * l + 2]}, false);
       auto q = qkv.narrow(1, 0, qs).view({T, hq_, d_});
