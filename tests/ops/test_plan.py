@@ -641,7 +641,9 @@ def test_profile_smollm2_round_trips(tmp_path, capsys):
     assert rc == 0
     profile = json.loads(out.read_text())
     model = MeasuredCostModel.from_profile(profile)
-    assert profile["model"]["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2-135M, float32 KV
+    # SmolLM2-135M, float16 KV (the native kernels' default)
+    assert profile["model"]["kv_cache_dtype"] == "fp16"
+    assert profile["model"]["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
     assert profile["drafter"]["cost"] == "flat"
     assert len(profile["drafter"]["verify_step_s"]) == len(profile["drafter"]["batches"])  # drafting steps timed
     assert model.spec_verify_s(1) > 0

@@ -745,6 +745,7 @@ def record_profile(
             "name": cfg.model.model, "architecture": engine.arch.architecture, "num_layers": engine.arch.num_layers,
             "dtype": str(runner.dtype).removeprefix("torch."), "quantization": cfg.model.quantization,
             "weight_bytes": runner.weight_bytes_per_step(),
+            "kv_cache_dtype": str(cfg.cache.kv_cache_dtype),
             "kv_bytes_per_token": kv_bytes_per_token(engine.arch, cfg.cache, runner.dtype),
             "kv_capacity_tokens": engine.kv_manager.capacity_tokens,
         },
