@@ -288,8 +288,35 @@ def test_native_attention_reads_a_float16_cache_as_its_widened_values(heads, n_k
     half = kernels().paged_attention(q, kh, vh, *args)
     assert torch.equal(half, kernels().paged_attention(q, kh.float(), vh.float(), *args))
     torch.testing.assert_close(half, paged_attention(q, kh, vh, meta, d**-0.5), rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="float32 or float16 caches"):
+    with pytest.raises(RuntimeError, match="float32, float16 or int8 caches"):  # k and v of one type
         kernels().paged_attention(q, kh, vc, *args)
+
+
+@pytest.mark.parametrize(("heads", "n_kv", "d"), [(9, 3, 64), (12, 2, 128), (6, 2, 24), (4, 2, 12)])
+def test_native_attention_reads_an_int8_cache_with_its_scales(heads, n_kv, d):
+    """An int8 cache (values and a float32 scale per slot and KV head) attends close to the gather
+    + dequantize + SDPA path over the same cache, and each token's output is bit-identical to the
+    same token alone; caches without scales, or scales without an int8 cache, are refused."""
+    from specserve.attention import paged_attention, quantize_kv
+
+    torch.manual_seed(4)
+    tree = torch.ones(5, 5, dtype=torch.bool).tril()
+    tree[3, 1] = False
+    q, kc, vc, meta = _attention_step([1, 5, 40], [300, 20, 0], [list(range(20)), [20, 21], [22, 23, 24]],
+                                      [None, tree, None], bs=16, nblocks=26, n_kv=n_kv, heads=heads, d=d)
+    (k8, ks), (v8, vs) = quantize_kv(kc), quantize_kv(vc)
+    args = (meta.block_tables, meta.attn_mask, meta.query_index, d**-0.5)
+    out = kernels().paged_attention(q, k8, v8, *args, ks, vs)
+    torch.testing.assert_close(out, paged_attention(q, k8, v8, meta, d**-0.5, (ks, vs)), rtol=1e-4, atol=1e-5)
+    for i in (0, 3, 20, q.shape[0] - 1):
+        b, r = divmod(int(meta.query_index[i]), meta.attn_mask.shape[2])
+        alone = kernels().paged_attention(q[i : i + 1], k8, v8, meta.block_tables[b : b + 1],
+                                          meta.attn_mask[b : b + 1, :, r : r + 1], torch.zeros(1, dtype=torch.long), d**-0.5, ks, vs)
+        assert torch.equal(alone[0], out[i]), i
+    with pytest.raises(RuntimeError, match="scales with \\(only\\) an int8 cache"):
+        kernels().paged_attention(q, k8, v8, *args)
+    with pytest.raises(RuntimeError, match="scales with \\(only\\) an int8 cache"):
+        kernels().paged_attention(q, kc, vc, *args, ks, vs)
 
 
 def test_native_decode_attention_split_by_work_keeps_each_token_exact():
@@ -439,19 +466,19 @@ def test_int4_quantizes_a_float_model(tiny_qwen2):
     assert len(b.token_ids) == 8 and all(0 <= t < ckpt.arch.vocab_size for t in b.token_ids)
 
 
-@pytest.mark.parametrize(("spec", "kv_dtype"), [("none", "fp32"), ("ngram", "fp32"), ("ngram", "auto")])
+@pytest.mark.parametrize(("spec", "kv_dtype"), [("none", "fp32"), ("ngram", "fp32"), ("ngram", "auto"), ("ngram", "int8")])
 def test_native_decoder_stack_is_bit_identical_to_the_module_path(tiny_qwen2, spec, kv_dtype):
     """The one-call DecoderStack (q/k/v biases, interleaved Q4_K/Q8_0, batched prefill, decode and
     verify steps) gives exactly the module path's log-probs, and the module path is what runs
     when the stack is removed; with a float16 cache too (the stack rounds the keys and values it
-    writes as torch's .to(float16) does)."""
+    writes as torch's .to(float16) does) and an int8 one (it quantizes as attention.quantize_kv)."""
     _, ckpt = tiny_qwen2
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], [3, 4, 3, 4, 3, 4, 3, 4]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
     llm = LLM("tiny", dtype="float32", checkpoint=ckpt, quantization="int4", spec_method=spec, spec_policy="always",
               profile_spec_costs=False, kv_cache_dtype=kv_dtype)
     # auto: float16 on these kernels (specserve.defaults.native_cpu_model)
-    assert llm.engine.runner.kv_caches[0][0].dtype == (torch.float16 if kv_dtype == "auto" else torch.float32)
+    assert llm.engine.runner.kv_caches[0][0].dtype == {"auto": torch.float16, "int8": torch.int8}.get(kv_dtype, torch.float32)
     model = llm.engine.runner.model.model
     assert model.native_stack is not None and model.native_stack.num_layers == len(model.layers)
     fast = llm.generate(prompts, params)
@@ -520,6 +547,7 @@ def test_vnni_kernels_are_bit_identical_to_the_avx2_ones(tmp_path):
         pytest.skip("this CPU has no AVX512-VNNI: only the AVX2 kernels exist here")
     from torch.utils import cpp_extension
 
+    from specserve.attention import quantize_kv
     from specserve.kernels import _SOURCE, _ninja_on_path
 
     _ninja_on_path()
@@ -545,9 +573,10 @@ def test_vnni_kernels_are_bit_identical_to_the_avx2_ones(tmp_path):
             mask[..., 0] = True
             q = torch.randn(2 * t, hq, d, generator=g)
             index = torch.arange(2 * t, dtype=torch.int64)
-            for kk, vv in ((kc, vc), (kc.half(), vc.half())):
-                assert torch.equal(avx2.paged_attention(q, kk, vv, tables, mask, index, 0.1),
-                                   kernels().paged_attention(q, kk, vv, tables, mask, index, 0.1)), (hq, hkv, d, t, n_keys, kk.dtype)
+            (k8, ks), (v8, vs) = quantize_kv(kc), quantize_kv(vc)
+            for kv in ((kc, vc), (kc.half(), vc.half()), (k8, v8, ks, vs)):
+                assert torch.equal(avx2.paged_attention(q, *kv[:2], tables, mask, index, 0.1, *kv[2:]),
+                                   kernels().paged_attention(q, *kv[:2], tables, mask, index, 0.1, *kv[2:])), (hq, hkv, d, t, n_keys, kv[0].dtype)
 
 
 def test_march_override_builds_elsewhere_and_refuses_junk(monkeypatch):

@@ -167,7 +167,7 @@ def test_smaller_kv_caches_hold_more_tokens_in_the_same_budget(smollm_checkpoint
 
 
 @pytest.mark.parametrize(("quantization", "kv_dtype", "tol"),
-                         [("none", "int8", KV_LOGPROB_TOL), ("none", "fp16", KV_LOGPROB_TOL / 10),
+                         [("none", "int8", KV_LOGPROB_TOL), ("auto", "int8", KV_LOGPROB_TOL), ("none", "fp16", KV_LOGPROB_TOL / 10),
                           ("auto", "auto", KV_LOGPROB_TOL / 10)])  # auto on auto: float16 pages the native kernels read
 def test_smaller_kv_cache_logprobs_stay_close_to_float32(smollm_checkpoint, smollm_llm, quantization, kv_dtype, tol):
     tok = smollm_checkpoint.tokenizer

@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -1584,6 +1585,10 @@ inline void prefetch_row(const KT* row, int64_t D) {
 // so the arithmetic after the load is the same for both).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// An int8 cache's values as they are (its per-(slot, head) scales apply after: see paged_attention_t).
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 
 // hsum of four vectors at once, [hsum(a0), hsum(a1), hsum(a2), hsum(a3)]: each sum in
 // hsum's order, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), so bit for bit the same, in
@@ -1635,9 +1640,14 @@ inline __m512 join8(const c10::Half* a, const c10::Half* b) {
   return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
+inline __m512 join8(const int8_t* a, const int8_t* b) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)))));
+}
 inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
 
 // scores_block<GH, 4> with two keys per 512-bit register (lanes 0-7 one key, 8-15 the next):
 // each key's 8 lanes run the same fused multiply-add chain over D as the 256-bit kernel and
@@ -1840,12 +1850,16 @@ constexpr int64_t kAttnChunkBytes = 16384;  // key (or value) rows read once per
 // every token: ~30% of the FMA peak). Used for every step shape, so a token never changes path
 // with its batch; and the tiling changes no arithmetic (a key's score does not depend on its
 // neighbours, and each output sums its values in key order onto the same accumulator).
-// KT: the cache's element type, float or c10::Half (float16 pages widen exactly as they load, so
-// a float16 cache gives bit for bit what a float32 cache holding the same rounded values would).
+// KT: the cache's element type, float, c10::Half or int8_t. Float16 pages widen exactly as they
+// load, so a float16 cache gives bit for bit what a float32 cache holding the same rounded values
+// would. An int8 cache (kscale / vscale: a float32 scale per slot and KV head) runs the same loops
+// on its integer values: each key's score is then multiplied by its k scale, and each softmax
+// weight by its value's v scale before the values pass.
 template <typename KT>
 torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                 const torch::Tensor& block_tables, const torch::Tensor& mask, const torch::Tensor& query_index,
-                                double scale) {
+                                double scale, const float* kscale = nullptr, const float* vscale = nullptr) {
+  constexpr bool kScaled = std::is_same_v<KT, int8_t>;
   const auto qc = q.contiguous();
   const auto bt = block_tables.contiguous();
   const auto mk = mask.contiguous();
@@ -1896,7 +1910,7 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
   const bool uneven = tiles < T;
   const auto run = [&](int64_t begin, int64_t end) {
     // Scratch kept per thread across calls: a decode step's items are short, and grabs many.
-    thread_local std::vector<int64_t> slots[kAttnTile];
+    thread_local std::vector<int64_t> slots[kAttnTile], slot_ids[kAttnTile];
     thread_local std::vector<float> p[kAttnTile], acc, inv;
     int64_t n[kAttnTile];
     int64_t listed = -1, longest = 0;  // the tile whose key lists `slots` holds (items of a tile are consecutive)
@@ -1913,10 +1927,14 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
           const int64_t b = qip[t0 + u] / Q, r = qip[t0 + u] % Q;
           const bool* allowed = mp + (b * Q + r) * L;
           slots[u].clear();
+          slot_ids[u].clear();
           for (int64_t blk = 0; blk * BS < L; ++blk) {
             const int64_t base = btp[b * MB + blk] * BS, j0 = blk * BS, j1 = std::min(L, j0 + BS);
             for (int64_t j = j0; j < j1; ++j)
-              if (allowed[j]) slots[u].push_back((base + j - j0) * Hkv * D);  // element offset of the key row
+              if (allowed[j]) {
+                slots[u].push_back((base + j - j0) * Hkv * D);  // element offset of the key row
+                if constexpr (kScaled) slot_ids[u].push_back(base + j - j0);
+              }
           }
           n[u] = static_cast<int64_t>(slots[u].size());
           longest = std::max(longest, n[u]);
@@ -1931,9 +1949,21 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
           if (c0 < n[u])
             attention_scores(qp + ((t0 + u) * Hq + kvh * G) * D, G, kh, slots[u].data() + c0, std::min(step, n[u] - c0), n[u], D,
                              sc, p[u].data() + c0);
+      if constexpr (kScaled)  // an int8 key's score: its integer dot product times the key's scale
+        for (int64_t u = 0; u < nt; ++u)
+          for (int64_t i = 0; i < n[u]; ++i) {
+            const float ks = kscale[slot_ids[u][i] * Hkv + kvh];
+            for (int64_t g = 0; g < G; ++g) p[u][g * n[u] + i] *= ks;
+          }
       inv.resize(nt * G);
       for (int64_t u = 0; u < nt; ++u)
         for (int64_t g = 0; g < G; ++g) inv[u * G + g] = softmax_(p[u].data() + g * n[u], n[u]);
+      if constexpr (kScaled)  // and each weight carries its value's scale into the integer values
+        for (int64_t u = 0; u < nt; ++u)
+          for (int64_t i = 0; i < n[u]; ++i) {
+            const float vs = vscale[slot_ids[u][i] * Hkv + kvh];
+            for (int64_t g = 0; g < G; ++g) p[u][g * n[u] + i] *= vs;
+          }
       acc.assign(nt * G * D, 0.f);
       for (int64_t c0 = 0; c0 < longest; c0 += step)
         for (int64_t u = 0; u < nt; ++u)
@@ -1977,13 +2007,27 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
   return out;
 }
 
-// Native paged attention over a float32 or float16 cache (k and v of one type); q is float32.
+// Native paged attention over a float32, float16 or int8 cache (k and v of one type; int8 with
+// its float32 [blocks, block_size, n_kv] k and v scales); q is float32.
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& mask, const torch::Tensor& query_index,
-                              double scale) {
+                              double scale, const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
   const auto kt = k_cache.scalar_type();
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == kt && (kt == torch::kFloat32 || kt == torch::kHalf),
-              "paged_attention: a float32 query and float32 or float16 caches");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == kt &&
+                  (kt == torch::kFloat32 || kt == torch::kHalf || kt == torch::kChar),
+              "paged_attention: a float32 query and float32, float16 or int8 caches");
+  const bool int8 = kt == torch::kChar;
+  TORCH_CHECK(k_scale.has_value() == int8 && v_scale.has_value() == int8, "paged_attention: k and v scales with (only) an int8 cache");
+  if (int8) {
+    const auto& ks = *k_scale;
+    const auto& vs = *v_scale;
+    TORCH_CHECK(ks.scalar_type() == torch::kFloat32 && vs.scalar_type() == torch::kFloat32 && ks.is_contiguous() && vs.is_contiguous() &&
+                    ks.dim() == 3 && ks.sizes() == vs.sizes() && ks.size(0) == k_cache.size(0) && ks.size(1) == k_cache.size(1) &&
+                    ks.size(2) == k_cache.size(2),
+                "paged_attention: contiguous float32 [blocks, block_size, n_kv] scales");
+    return paged_attention_t<int8_t>(q, k_cache, v_cache, block_tables, mask, query_index, scale, ks.data_ptr<float>(),
+                                     vs.data_ptr<float>());
+  }
   if (kt == torch::kHalf) return paged_attention_t<c10::Half>(q, k_cache, v_cache, block_tables, mask, query_index, scale);
   return paged_attention_t<float>(q, k_cache, v_cache, block_tables, mask, query_index, scale);
 }
@@ -2104,15 +2148,33 @@ torch::Tensor interleave_rows(const torch::Tensor& w, int64_t qtype, bool paired
 }
 
 // Store the new tokens' keys and values [T, Hkv, D] into their cache slots (float32 cache).
+// An int8 cache's quantization of one (token, head) row of d values, as specserve.attention.quantize_kv
+// computes it: scale = max(amax |x|, 1e-8) / 127, q = round-half-even(x / scale) clamped to +-127.
+inline void quantize_row(const float* x, int64_t d, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float sc = std::max(amax, 1e-8f) / 127.0f;
+  for (int64_t i = 0; i < d; ++i) q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] / sc), -127.f, 127.f));
+  *scale = sc;
+}
+
 void write_kv_slots(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                    const torch::Tensor& slots) {
+                    const torch::Tensor& slots, torch::Tensor* k_scale = nullptr, torch::Tensor* v_scale = nullptr) {
   const int64_t T = k.size(0), row = k.size(1) * k.size(2);
   const int64_t capacity = k_cache.size(0) * k_cache.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "write_kv: slot ", sp[t], " outside the cache");
-  for (auto [src, dst] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
+  for (auto [src, dst, scl] : {std::tuple{&k, &k_cache, k_scale}, std::tuple{&v, &v_cache, v_scale}}) {
     const float* s = src->data_ptr<float>();
     const int64_t ts = src->stride(0);
+    if (dst->scalar_type() == torch::kChar) {  // per (token, head): int8 values and their float32 scale
+      const int64_t heads = src->size(1), d = src->size(2);
+      int8_t* d8 = dst->data_ptr<int8_t>();
+      float* sc = scl->data_ptr<float>();
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < heads; ++h) quantize_row(s + t * ts + h * d, d, d8 + sp[t] * row + h * d, sc + sp[t] * heads + h);
+      continue;
+    }
     if (dst->scalar_type() == torch::kHalf) {  // rounded to nearest even, as torch's .to(float16)
       c10::Half* d = dst->data_ptr<c10::Half>();
       for (int64_t t = 0; t < T; ++t) {
@@ -2141,7 +2203,7 @@ void add_(torch::Tensor& x, const torch::Tensor& y) {
 }
 
 // A whole decoder stack (pre-norm Llama/Qwen2 blocks with block-quantized projections and a
-// float32 or float16 paged KV cache) in one call: the per-layer Python of the module path (module calls,
+// float32, float16 or int8 paged KV cache) in one call: the per-layer Python of the module path (module calls,
 // views, residual adds: ~0.15 ms a layer, several ms of a ~45 ms decode step) disappears.
 // It runs the very same kernels in the same order as that path, so results are bit-identical.
 class DecoderStack {
@@ -2163,7 +2225,9 @@ class DecoderStack {
   torch::Tensor forward(const torch::Tensor& x_in, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin,
                         std::vector<torch::Tensor> kv, const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                         const torch::Tensor& mask, const torch::Tensor& query_index, double scale) {
-    TORCH_CHECK(static_cast<int64_t>(kv.size()) == 2 * layers_, "DecoderStack: one (k, v) cache pair per layer");
+    const int64_t parts = layers_ > 0 ? static_cast<int64_t>(kv.size()) / layers_ : 0;
+    TORCH_CHECK(static_cast<int64_t>(kv.size()) == parts * layers_ && (parts == 2 || parts == 4),
+                "DecoderStack: one (k, v) cache pair per layer (int8: k, v, k scales, v scales)");
     TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "DecoderStack: float32 [T, hidden] input");
     auto x = x_in.contiguous().clone();
     const int64_t T = x.size(0), qs = hq_ * d_, ks = hkv_ * d_;
@@ -2172,19 +2236,28 @@ class DecoderStack {
     for (int64_t l = 0; l < layers_; ++l) {
       const torch::Tensor* w = w_.data() + 9 * l;
       const int64_t* qt = qt_.data() + 7 * l;
-      auto& kc = kv[2 * l];
-      auto& vc = kv[2 * l + 1];
-      TORCH_CHECK((kc.scalar_type() == torch::kFloat32 || kc.scalar_type() == torch::kHalf) && vc.scalar_type() == kc.scalar_type() &&
-                      kc.is_contiguous() && vc.is_contiguous() && kc.size(2) == hkv_ && kc.size(3) == d_,
-                  "DecoderStack: contiguous float32 or float16 [blocks, block_size, n_kv, d] caches");
+      auto& kc = kv[parts * l];
+      auto& vc = kv[parts * l + 1];
+      TORCH_CHECK((kc.scalar_type() == torch::kFloat32 || kc.scalar_type() == torch::kHalf || kc.scalar_type() == torch::kChar) &&
+                      vc.scalar_type() == kc.scalar_type() && (parts == 4) == (kc.scalar_type() == torch::kChar) && kc.is_contiguous() &&
+                      vc.is_contiguous() && kc.size(2) == hkv_ && kc.size(3) == d_,
+                  "DecoderStack: contiguous float32, float16 or int8 (with scales) [blocks, block_size, n_kv, d] caches");
+      c10::optional<torch::Tensor> kscl, vscl;
+      if (parts == 4) {
+        kscl = kv[parts * l + 2];
+        vscl = kv[parts * l + 3];
+        TORCH_CHECK(kscl->scalar_type() == torch::kFloat32 && vscl->scalar_type() == torch::kFloat32 && kscl->is_contiguous() &&
+                        vscl->is_contiguous() && kscl->numel() == kc.size(0) * kc.size(1) * hkv_ && vscl->numel() == kscl->numel(),
+                    "DecoderStack: contiguous float32 [blocks, block_size, n_kv] scales");
+      }
       auto h = rms_norm(x, w[0], eps_);
       auto qkv = qmatmul_multi(h, {w[1], w[2], w[3]}, {qt[0], qt[1], qt[2]}, {b_[3 * l], b_[3 * l + 1], b_[3 * l + 2]}, false);
       auto q = qkv.narrow(1, 0, qs).view({T, hq_, d_});
       auto k = qkv.narrow(1, qs, ks).view({T, hkv_, d_});
       auto v = qkv.narrow(1, qs + ks, ks).view({T, hkv_, d_});
       rope_(q, k, cos, sin, positions);
-      write_kv_slots(k, v, kc, vc, slots);
-      auto att = paged_attention(q, kc, vc, block_tables, mask, query_index, scale);
+      write_kv_slots(k, v, kc, vc, slots, kscl ? &*kscl : nullptr, vscl ? &*vscl : nullptr);
+      auto att = paged_attention(q, kc, vc, block_tables, mask, query_index, scale, kscl, vscl);
       add_(x, qmatmul_multi(att.view({T, qs}), {w[4]}, {qt[3]}, {c10::nullopt}, false));
       h = rms_norm(x, w[5], eps_);
       auto g = qmatmul_multi(h, {w[6], w[7]}, {qt[4], qt[5]}, {c10::nullopt, c10::nullopt}, true);
@@ -2313,7 +2386,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row", py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("rope_", &rope_, "rotate-half RoPE in place", py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("positions"));
   m.def("paged_attention", &paged_attention, "attention of a few tokens per request over the paged KV cache", py::arg("q"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("mask"), py::arg("query_index"), py::arg("scale"));
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("mask"), py::arg("query_index"), py::arg("scale"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("interleave_rows", &interleave_rows, "Q4_K/Q6_K/Q8_0/Q5_0/Q4_0/Q4_1 rows -> the 8-row interleaved layout (paired: two groups "
         "per row, blocks alternating)", py::arg("w"), py::arg("qtype"), py::arg("paired") = false);
   m.def("has_avx2", &has_avx2, "whether the AVX2 kernels were compiled in");

@@ -117,9 +117,9 @@ class Attention(nn.Module):
         # Native ops use the native attention for every step shape: the kernels round activations to
         # int8, which turns a 1e-7 difference between two attention codes into a different rounding
         # step, so a token must always take the same path whatever else shares its step.
-        if self.native is not None and scales is None:
+        if self.native is not None:
             out = self.native.paged_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.attn_mask, meta.query_index, self.scale
+                q, k_cache, v_cache, meta.block_tables, meta.attn_mask, meta.query_index, self.scale, *(scales or ())
             )
         else:
             out = paged_attention(q, k_cache, v_cache, meta, self.scale, scales)
@@ -190,8 +190,8 @@ class LlamaModel(nn.Module):
         # written, or load a layer's KV just before it is needed). See specserve.disagg.
         self.layer_hooks: LayerHooks | None = None
         # The whole stack in one native call (specserve.kernels.DecoderStack; enable_native_ops
-        # builds it when every projection is block-quantized). Used when no hooks are set and the
-        # KV cache is float; it runs the same kernels as the module path, bit for bit.
+        # builds it when every projection is block-quantized). Used when no hooks are set; it runs
+        # the same kernels as the module path, bit for bit.
         self.native_stack = None
         # Set for a step that loads prefix blocks from a lower tier beside its forward
         # (kv_cache/layer_load.py): blocks until the KV of layers [0, n) is in place.
@@ -216,7 +216,7 @@ class LlamaModel(nn.Module):
         self.captured = []
         if self.capture_layers and hooks is None:
             x = self._forward_capturing(x, positions, kv_caches, meta, wait)
-        elif stack is not None and hooks is None and len(kv_caches[0]) == 2 and stack.num_layers == len(self.layers):
+        elif stack is not None and hooks is None and stack.num_layers == len(self.layers):
             if wait is None:
                 kv = [t for pair in kv_caches for t in pair]
                 rope = self.rotary
@@ -272,9 +272,9 @@ class LlamaModel(nn.Module):
                    layers: range, stack: object | None = None) -> torch.Tensor:  # [num_tokens, hidden], before any norm
         """The residual stream after `layers` (a contiguous range) starting from x: a layer-skip
         draft's first layers, or early-exit features. `stack`: a native DecoderStack over exactly
-        those layers (block_linear.partial_decoder_stack), used when the KV cache is float."""
+        those layers (block_linear.partial_decoder_stack)."""
         caches = kv_caches[layers.start : layers.stop]
-        if stack is not None and len(caches[0]) == 2:
+        if stack is not None:
             kv = [t for pair in caches for t in pair]
             return stack.forward(x, positions, self.rotary.cos, self.rotary.sin, kv, meta.slot_mapping, meta.block_tables,
                                  meta.attn_mask, meta.query_index, self.layers[0].self_attn.scale)
