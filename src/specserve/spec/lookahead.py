@@ -39,7 +39,7 @@ from specserve.request import Request
 from specserve.spec.copy_trust import TRUST_PRIOR_ONWARD, TRUST_PRIOR_ROOT, shared_bucket
 from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
 from specserve.spec.served import ServedSource
-from specserve.spec.suffix import suffix_matches
+from specserve.spec.suffix import TokenArray, suffix_matches
 from specserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ SERVED_ALONE = 18
 class _State:
     """One request's window and pool."""
 
-    __slots__ = ("window", "pool", "folded", "drafted", "guessed_at", "guesses")
+    __slots__ = ("window", "pool", "folded", "drafted", "guessed_at", "guesses", "tokens")
 
     def __init__(self, window: list[int]) -> None:
         self.window = window  # guesses for the tokens after the request's last one
@@ -86,6 +86,7 @@ class _State:
         self.guessed_at = -1  # the position the sources' last root guesses were for
         # path below the root -> source -> the next token it found likeliest there (last draft)
         self.guesses: dict[tuple[int, ...], dict[str, int]] = {}
+        self.tokens = TokenArray()  # the request's text as an array, for the per-step search
 
 
 @register_proposer("lookahead")
@@ -138,7 +139,8 @@ class LookaheadProposer(ServedSource, Proposer):
             if not alone:
                 # Where the last MATCH_MIN+ tokens occurred before, what followed them (the pool's
                 # one-token key cannot tell those places from the others).
-                n, starts = suffix_matches(ids, ids, MATCH_MIN, MATCH_MAX, exclude_tail=True)
+                arr = st.tokens.sync(ids)
+                n, starts = suffix_matches(arr, arr, MATCH_MIN, MATCH_MAX, exclude_tail=True)
                 own = [("window", [(st.drafted, 1.0)] if st.drafted else []),
                        ("pool", list(st.pool.get(ids[-1], {}).items())),
                        ("match", [(ids[s : s + k], 1.0) for s in starts[-MATCHES:].tolist()] if n else [])]

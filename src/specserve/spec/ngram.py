@@ -14,7 +14,7 @@ from specserve.spec.proposer import (
     register_proposer,
 )
 from specserve.spec.served import ServedOutputs, ServedSource
-from specserve.spec.suffix import suffix_matches, top_path, weighted_tree
+from specserve.spec.suffix import TokenArray, suffix_matches, top_path, weighted_tree
 from specserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -58,10 +58,13 @@ class NgramProposer(ServedSource, Proposer):
         # copied from its own text only and its tokens stay a function of its context and seed.
         self.served_for_seeded = served_for_seeded
         self.copies = CopyTrust(("own", "served"))
+        self._arrays: dict[str, TokenArray] = {}  # each request's text as an array, grown as it grows
 
     def remove_request(self, request_id: str, finished: bool = True) -> None:
-        """Its last draft is not scored any more."""
+        """Its last draft is not scored any more (and a finished request's array goes)."""
         self.copies.forget(request_id)
+        if finished:
+            self._arrays.pop(request_id, None)
 
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
         """Drafts of up to k nodes for each request with k > 0 (fewer, or none, without matches)."""
@@ -71,7 +74,10 @@ class NgramProposer(ServedSource, Proposer):
             self.copies.score_unverified(req.request_id, toks)
             if k <= 0:
                 continue
-            n, starts = suffix_matches(toks, toks, self.ngram_min, self.ngram_max, exclude_tail=True)
+            if (mirror := self._arrays.get(req.request_id)) is None:
+                mirror = self._arrays[req.request_id] = TokenArray()
+            arr = mirror.sync(toks)
+            n, starts = suffix_matches(arr, arr, self.ngram_min, self.ngram_max, exclude_tail=True)
             own = shared_length(toks, starts[-MATCHES_MEASURED:].tolist(), toks) if n else 0
             p = req.sampling_params
             use_served = self.served is not None and (self.served_for_seeded or p.seed is None or p.temperature == 0)

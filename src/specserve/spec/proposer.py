@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from specserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from specserve.engine.scheduler import SampledTokens
@@ -191,7 +192,7 @@ class Proposer(ABC):
 
 
 def longest_suffix_match(
-    haystack: Sequence[int], context: Sequence[int], n_min: int, n_max: int,
+    haystack: Sequence[int] | np.ndarray, context: Sequence[int], n_min: int, n_max: int,
     k: int, prefer_from: int | None = None, exclude_tail: bool = False,
 ) -> tuple[list[int], int]:
     """Continuation in `haystack` of the longest suffix of `context` (n from n_max down to n_min).
@@ -208,7 +209,7 @@ def longest_suffix_match(
         return [], -1
     after = starts[starts - n >= prefer_from] if prefer_from is not None else starts[:0]
     start = int(after[0] if after.size else starts[-1])
-    return list(haystack[start : start + k]), start
+    return [int(t) for t in haystack[start : start + k]], start
 
 
 PROPOSERS: dict[str, type[Proposer]] = {}

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from specserve.request import Request
 from specserve.spec.proposer import (
     Proposer,
@@ -49,6 +51,7 @@ class ReferenceProposer(Proposer):
         self.ngram_max = ngram_max
         self.tree = tree
         self._refs: dict[str, list[int]] = {}
+        self._ref_arrays: dict[str, np.ndarray] = {}  # the same, as arrays: searched every step
         self._cursor: dict[str, int] = {}
         # (reference position, output length): the output up to that length was copying the
         # reference, whose next token is at that position (-1: not anchored yet).
@@ -62,12 +65,14 @@ class ReferenceProposer(Proposer):
             ids = self.encode(params.reference_text)
         if ids:
             self._refs[request.request_id] = list(ids)
+            self._ref_arrays[request.request_id] = np.asarray(ids, dtype=np.int64)
             self._cursor[request.request_id] = 0
 
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Forget the reference of a finished request (a preempted one keeps it)."""
         if finished:
             self._refs.pop(request_id, None)
+            self._ref_arrays.pop(request_id, None)
             self._cursor.pop(request_id, None)
             self._anchor.pop(request_id, None)
 
@@ -85,7 +90,7 @@ class ReferenceProposer(Proposer):
 
     def _chain(self, req: Request, ref: list[int], k: int) -> DraftTree | None:
         draft, start = longest_suffix_match(
-            ref, req.all_token_ids, self.ngram_min, self.ngram_max, k, prefer_from=self._cursor.get(req.request_id, 0),
+            self._ref_arrays[req.request_id], req.all_token_ids, self.ngram_min, self.ngram_max, k, prefer_from=self._cursor.get(req.request_id, 0),
         )
         if not draft:
             return None
@@ -99,7 +104,7 @@ class ReferenceProposer(Proposer):
         while 0 <= pos < len(ref) and seen < len(toks) and toks[seen] == ref[pos]:  # the output kept copying
             pos, seen = pos + 1, seen + 1
         tracking = pos >= 0 and seen == len(toks)
-        n, starts = suffix_matches(ref, toks, self.ngram_min, self.ngram_max)
+        n, starts = suffix_matches(self._ref_arrays[rid], toks, self.ngram_min, self.ngram_max)
         if not tracking and n:
             # Follow the reference in order: the first match at or after the anchor, else the first.
             ahead = starts[starts >= max(pos, 0)]
