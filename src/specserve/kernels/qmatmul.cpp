@@ -1711,7 +1711,7 @@ inline void values_sweep512(const float* w, int64_t stride, const KT* v, const i
     for (int g = 0; g < NG; ++g) acc[h][g] = _mm512_loadu_ps(acc_out + h * D + c + 16 * g);
   for (int64_t i = 0; i < n; ++i) {
     if (i + ahead < n)
-      for (int64_t b = 0; b < 16 * NG * static_cast<int64_t>(sizeof(KT)); b += 256)
+      for (int64_t b = 0; b < 16 * NG * static_cast<int64_t>(sizeof(KT)); b += 64)  // every line (one in four missed the rest)
         _mm_prefetch(reinterpret_cast<const char*>(v + off[i + ahead] + c) + b, _MM_HINT_T1);
     __m512 wb[GH];
     for (int h = 0; h < GH; ++h) wb[h] = _mm512_set1_ps(w[h * stride + i]);
