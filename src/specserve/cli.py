@@ -11,7 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from specserve.config import KV_CACHE_DTYPES, KV_TIER_LOADS, SPEC_METHODS, spec_kwargs_from_vllm
+from specserve.config import (
+    KV_CACHE_DTYPE_ALIASES,
+    KV_CACHE_DTYPES,
+    KV_TIER_LOADS,
+    SPEC_METHODS,
+    spec_kwargs_from_vllm,
+)
 from specserve.errors import ConfigError, SpecServeError
 
 
@@ -38,8 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="default: auto for a GGUF model on the CPU, else none. none: float weights (a GGUF's "
                         "blocks decoded once; exact reference); auto: keep a GGUF's quantized blocks and compute "
                         "from them (native kernels, fastest on CPU); int4: 4-bit blocks; int8: weight-only int8 per row")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="KV cache storage: auto = model dtype; fp16 = float16 (2x a float32 cache's tokens); "
+    g.add_argument("--kv-cache-dtype", default="auto", type=str.lower, choices=[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES],
+                   metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+                   help="KV cache storage: auto = fp16 on the native CPU kernels, else the model dtype; fp32; "
+                        "fp16 (also float16, f16, half: 2x a float32 cache's tokens); "
                         "int8 = per-(token, head) scaled int8 (~3.8x the tokens)")
     g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache memory budget in GiB")
     g.add_argument("--max-model-len", type=int, default=None, help="context window (default: model's, capped at 8192)")

@@ -47,6 +47,8 @@ class KVCacheDtype(str, enum.Enum):
 
 
 KV_CACHE_DTYPES = tuple(d.value for d in KVCacheDtype)
+# Other spellings users bring from torch, llama.cpp (-ctk f16) and numpy.
+KV_CACHE_DTYPE_ALIASES = {"float32": "fp32", "f32": "fp32", "float16": "fp16", "f16": "fp16", "half": "fp16"}
 # How a step writes lower-tier prefix hits into the pool (kv_cache/layer_load.py).
 KV_TIER_LOADS = ("auto", "layer", "whole")
 
@@ -186,6 +188,9 @@ class CacheConfig:
                                                or self.kv_remote_store is not None)
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_dtype, str) and not isinstance(self.kv_cache_dtype, KVCacheDtype):
+            spelled = self.kv_cache_dtype.strip().lower()
+            object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_ALIASES.get(spelled, spelled))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"Unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}."

@@ -164,6 +164,10 @@ def test_smaller_kv_caches_hold_more_tokens_in_the_same_budget(smollm_checkpoint
 
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="fp4")
+    # torch's, llama.cpp's and numpy's spellings are accepted and stored as the canonical name
+    for spelled, canonical in (("float16", "fp16"), ("F16", "fp16"), ("half", "fp16"), ("float32", "fp32"), ("int8", "int8")):
+        assert CacheConfig(kv_cache_dtype=spelled).kv_cache_dtype == canonical
+        assert str(CacheConfig(kv_cache_dtype=spelled).kv_cache_dtype) == canonical
 
 
 @pytest.mark.parametrize(("quantization", "kv_dtype", "tol"),
