@@ -66,6 +66,10 @@ class NgramProposer(ServedSource, Proposer):
         if finished:
             self._arrays.pop(request_id, None)
 
+    def live_request_ids(self) -> list[str]:
+        """Requests whose text is mirrored for the search."""
+        return list(self._arrays)
+
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
         """Drafts of up to k nodes for each request with k > 0 (fewer, or none, without matches)."""
         out = {}
