@@ -1655,6 +1655,17 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
 
+// hsum4 of the four 8-lane halves of a and b ([a low, a high, b low, b high]) in 512-bit steps:
+// each 128-bit quarter of u holds one key's r_j = l_j + l_(j+4), then (r0 + r2) + (r1 + r3) in
+// lane 0 of each quarter, the very additions hsum4 makes (so bit for bit its result) in 8
+// instructions where extracting the halves and hsum4 took 16.
+inline __m128 hsum4_x2(__m512 a, __m512 b) {
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, _MM_SHUFFLE(1, 0, 3, 2)));  // r0 + r2, r1 + r3 (twice)
+  const __m512 w = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));  // lane 0: (r0 + r2) + (r1 + r3)
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w));
+}
+
 // scores_block<GH, 4> with two keys per 512-bit register (lanes 0-7 one key, 8-15 the next):
 // each key's 8 lanes run the same fused multiply-add chain over D as the 256-bit kernel and
 // hsum4 adds them up in hsum's order, so every score is bit for bit the 256-bit one, from half
@@ -1674,10 +1685,7 @@ inline void scores_block_x2(const float* q, const KT* k, const int64_t* off, int
     }
   }
   const __m128 sc = _mm_set1_ps(scale);
-  for (int h = 0; h < GH; ++h) {
-    const __m128 s = hsum4(_mm512_castps512_ps256(acc[h][0]), high8(acc[h][0]), _mm512_castps512_ps256(acc[h][1]), high8(acc[h][1]));
-    _mm_storeu_ps(out + h * n, _mm_mul_ps(s, sc));
-  }
+  for (int h = 0; h < GH; ++h) _mm_storeu_ps(out + h * n, _mm_mul_ps(hsum4_x2(acc[h][0], acc[h][1]), sc));
 }
 #endif
 
