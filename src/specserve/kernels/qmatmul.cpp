@@ -1373,6 +1373,28 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
+#if SPECSERVE_AVX512
+// exp8's arithmetic on 16 lanes: every step the same IEEE operation per lane (floor as a
+// round-down roundscale), so each lane's result is bit for bit exp8's.
+inline __m512 exp16(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n)));
+}
+#endif
+
 // out[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i] for n values. Each value goes through
 // the same vector arithmetic wherever it sits (a short tail is padded to 8), so a product's
 // result never depends on its column's place in a tile. Scalar expf here was ~8% of a 9-token
@@ -1540,7 +1562,18 @@ inline float softmax_(float* p, int64_t n) {
   for (int64_t i = full; i < n; ++i) mx = std::max(mx, p[i]);
   const __m256 vm = _mm256_set1_ps(mx);
   __m256 vden = _mm256_setzero_ps();
-  for (int64_t i = 0; i < full; i += 8) {
+  int64_t i0 = 0;
+#if SPECSERVE_AVX512
+  // 16 at a time, each half added to the sum in the 8-wide order (the same sum, bit for bit).
+  const __m512 vm16 = _mm512_set1_ps(mx);
+  for (; i0 + 16 <= full; i0 += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + i0), vm16));
+    _mm512_storeu_ps(p + i0, e);
+    vden = _mm256_add_ps(vden, _mm512_castps512_ps256(e));
+    vden = _mm256_add_ps(vden, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+#endif
+  for (int64_t i = i0; i < full; i += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), vm));
     _mm256_storeu_ps(p + i, e);
     vden = _mm256_add_ps(vden, e);
