@@ -23,7 +23,8 @@ DRAFT_ONLY_QUANTIZATIONS = ("w8a8",)
 
 class KVCacheDtype(str, enum.Enum):
     """How the paged KV cache stores keys and values (a str: compares, prints and serialises as
-    its value, so configs, fingerprints and JSON keep the user's spelling)."""
+    its value, so configs, fingerprints and JSON hold the plain name; CacheConfig maps other
+    spellings, KV_CACHE_DTYPE_ALIASES, onto it)."""
 
     AUTO = "auto"  # float16 for a model on the native CPU kernels (specserve.defaults), else the model's dtype
     FP32 = "fp32"  # float32
