@@ -1987,17 +1987,23 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
         for (int64_t u = 0; u < nt; ++u) {
           const int64_t b = qip[t0 + u] / Q, r = qip[t0 + u] % Q;
           const bool* allowed = mp + (b * Q + r) * L;
-          slots[u].clear();
-          slot_ids[u].clear();
+          // Written through raw pointers into lists that only grow (push_back was not inlined:
+          // 3.5% of a float16 prefill's attention, 12.5% of an int8 one's with its second list).
+          if (static_cast<int64_t>(slots[u].size()) < L) slots[u].resize(L);
+          if (kScaled && static_cast<int64_t>(slot_ids[u].size()) < L) slot_ids[u].resize(L);
+          int64_t* out = slots[u].data();
+          int64_t* ids = kScaled ? slot_ids[u].data() : nullptr;
+          int64_t cnt = 0;
           for (int64_t blk = 0; blk * BS < L; ++blk) {
             const int64_t base = btp[b * MB + blk] * BS, j0 = blk * BS, j1 = std::min(L, j0 + BS);
             for (int64_t j = j0; j < j1; ++j)
               if (allowed[j]) {
-                slots[u].push_back((base + j - j0) * Hkv * D);  // element offset of the key row
-                if constexpr (kScaled) slot_ids[u].push_back(base + j - j0);
+                out[cnt] = (base + j - j0) * Hkv * D;  // element offset of the key row
+                if constexpr (kScaled) ids[cnt] = base + j - j0;
+                ++cnt;
               }
           }
-          n[u] = static_cast<int64_t>(slots[u].size());
+          n[u] = cnt;
           longest = std::max(longest, n[u]);
           p[u].resize(G * n[u]);
         }
