@@ -144,6 +144,12 @@ class ModelConfig:
                               f"(or {' / '.join(LOGPROBS_MODE_ALIASES)}).")
         object.__setattr__(self, "logprobs_mode", mode)  # frozen: the canonical name from here on
 
+    @property
+    def native_cpu(self) -> bool:
+        """The model runs on the native CPU kernels: block-quantized weights (quantization auto /
+        int4) and float32 activations on the CPU (its KV cache then defaults to float16)."""
+        return self.device == "cpu" and self.quantization in ("auto", "int4") and self.torch_dtype == torch.float32
+
     @cached_property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype of weights and activations.
@@ -189,14 +195,13 @@ class CacheConfig:
                                                or self.kv_remote_store is not None)
 
     def __post_init__(self) -> None:
-        if isinstance(self.kv_cache_dtype, str) and not isinstance(self.kv_cache_dtype, KVCacheDtype):
-            spelled = self.kv_cache_dtype.strip().lower()
-            object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_ALIASES.get(spelled, spelled))
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+        spelled = str(self.kv_cache_dtype).strip().lower()
+        kv_dtype = KV_CACHE_DTYPE_ALIASES.get(spelled, spelled)
+        if kv_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"Unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}."
             )
-        object.__setattr__(self, "kv_cache_dtype", KVCacheDtype(self.kv_cache_dtype))
+        object.__setattr__(self, "kv_cache_dtype", KVCacheDtype(kv_dtype))  # frozen: the enum from here on
         if self.kv_tier_load not in KV_TIER_LOADS:
             raise ConfigError(f"Unknown kv_tier_load {self.kv_tier_load!r}; use one of {', '.join(KV_TIER_LOADS)}.")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

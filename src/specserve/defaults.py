@@ -8,7 +8,7 @@ EPYC against 2.8 tok/s decoded to float32). Exact float decoding stays one flag 
 p < 0.8), and a bundled target names its bundled smaller sibling with `--draft-model auto`.
 
 The KV cache of a model on the native CPU kernels is float16 (half the bytes of float32, exact
-to read; see native_cpu_model).
+to read; see resolve_defaults).
 
 `resolve_defaults` turns an EngineConfig whose fields say "pick for me" (None, "auto") into an
 explicit one, once, before the engine builds anything; everything downstream sees plain values.
@@ -20,9 +20,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-import torch
-
-from specserve.config import HEAD_METHODS, EngineConfig, KVCacheDtype, ModelConfig
+from specserve.config import HEAD_METHODS, EngineConfig, KVCacheDtype
 from specserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -75,21 +73,15 @@ def resolve_defaults(config: EngineConfig, model_path: Path | None, has_blocks: 
         model = dataclasses.replace(model, quantization=default_quantization(model.device, bool(is_gguf)))
     if spec.draft_model == "auto" and spec.method not in HEAD_METHODS:  # heads: the one trained here (factory)
         spec = dataclasses.replace(spec, draft_model=bundled_draft(config.model.model))
+    # A model on the native CPU kernels keeps float16 KV (as llama.cpp does): the kernels widen it
+    # exactly as they read it, twice the tokens fit in --kv-cache-gib, and long contexts decode
+    # faster (SmolLM2 at 2,048 / 4,000 tokens of context: 6.03 -> 4.78 / 9.17 -> 6.81 ms a token on a
+    # 2-vCPU Zen 5) for a mean log-prob change of ~0.0004 nats a token
+    # (tests/models/test_quantization.py). `--kv-cache-dtype fp32` keeps float32.
     cache = config.cache
-    if cache.kv_cache_dtype is KVCacheDtype.AUTO and native_cpu_model(model):
+    if cache.kv_cache_dtype is KVCacheDtype.AUTO and model.native_cpu:
         cache = dataclasses.replace(cache, kv_cache_dtype=KVCacheDtype.FP16)
     return dataclasses.replace(config, model=model, spec=spec, cache=cache)
-
-
-def native_cpu_model(model: ModelConfig) -> bool:
-    """The model will run on the native CPU kernels (block-quantized weights, float32 activations).
-
-    Its KV cache then defaults to float16 (`--kv-cache-dtype auto`), as llama.cpp's does: the
-    kernels widen it exactly as they read it, twice the tokens fit in --kv-cache-gib, and long
-    contexts decode faster (SmolLM2 at 2,048 / 4,000 tokens of context: 6.03 -> 4.78 / 9.17 ->
-    6.81 ms a token on a 2-vCPU Zen 5) for a mean log-prob change of ~0.0004 nats a token
-    (tests/models/test_quantization.py). `--kv-cache-dtype fp32` keeps float32."""
-    return model.device == "cpu" and model.quantization in ("auto", "int4") and model.torch_dtype == torch.float32
 
 
 def default_draft_vocab(requested: int | None, vocab_size: int) -> int | None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from specserve.attention import AttentionMetadata, build_attention_metadata
-from specserve.config import CacheConfig, KVCacheDtype, ModelConfig, usable_cpus
+from specserve.config import CacheConfig, ModelConfig, usable_cpus
 from specserve.engine.graphs import StepGraphs
 from specserve.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
@@ -130,7 +130,7 @@ class StepConnector(LayerHooks, Protocol):
 
 def kv_bytes_per_token(arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
     """KV bytes one token occupies across all layers (int8: 1 byte per element + a float32 scale per head)."""
-    kv = KVCacheDtype(cache.kv_cache_dtype)
+    kv = cache.kv_cache_dtype
     scales = 2 * arch.num_layers * arch.num_kv_heads * 4 if kv.quantized else 0
     return arch.kv_bytes_per_token(kv.storage(dtype).itemsize) + scales
 
@@ -181,7 +181,7 @@ class ModelRunner:
             self.linear_backend = self.quantization
             if self.quantization == "auto":  # float tensors of the file stay float: fastest float backend
                 apply_linear_backend(self.model, resolve_linear_backend(model_config.linear_backend, self.device, self.dtype))
-            if self.quantization in ("auto", "int4") and self.dtype == torch.float32:
+            if model_config.native_cpu:
                 enable_native_ops(self.model)
                 self.native_ops = True
         else:
@@ -207,7 +207,7 @@ class ModelRunner:
         # Zero-filled: masked-out slots are still multiplied by a zero weight, so they must be finite.
         # An int8 cache adds per-(slot, head) k and v scales; zero scales make never-written
         # slots dequantize to exact zeros too.
-        self.kv_cache_dtype = KVCacheDtype(cache_config.kv_cache_dtype)
+        self.kv_cache_dtype = cache_config.kv_cache_dtype
         quantized = self.kv_cache_dtype.quantized
         page_dtype = self.kv_cache_dtype.storage(self.dtype)
         shapes = [(shape, page_dtype)] * 2 + ([(shape[:3], torch.float32)] * 2 if quantized else [])

@@ -50,8 +50,8 @@ class ReferenceProposer(Proposer):
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self.tree = tree
-        self._refs: dict[str, list[int]] = {}
-        self._ref_arrays: dict[str, np.ndarray] = {}  # the same, as arrays: searched every step
+        # Each request's reference tokens, as a list and as the array searched every step.
+        self._refs: dict[str, tuple[list[int], np.ndarray]] = {}
         self._cursor: dict[str, int] = {}
         # (reference position, output length): the output up to that length was copying the
         # reference, whose next token is at that position (-1: not anchored yet).
@@ -64,15 +64,13 @@ class ReferenceProposer(Proposer):
         if ids is None and params.reference_text and self.encode is not None:
             ids = self.encode(params.reference_text)
         if ids:
-            self._refs[request.request_id] = list(ids)
-            self._ref_arrays[request.request_id] = np.asarray(ids, dtype=np.int64)
+            self._refs[request.request_id] = (list(ids), np.asarray(ids, dtype=np.int64))
             self._cursor[request.request_id] = 0
 
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Forget the reference of a finished request (a preempted one keeps it)."""
         if finished:
             self._refs.pop(request_id, None)
-            self._ref_arrays.pop(request_id, None)
             self._cursor.pop(request_id, None)
             self._anchor.pop(request_id, None)
 
@@ -81,30 +79,30 @@ class ReferenceProposer(Proposer):
         out = {}
         for req, k in zip(requests, num_tokens):
             ref = self._refs.get(req.request_id)
-            if k <= 0 or not ref:
+            if k <= 0 or ref is None:
                 continue
-            draft = self._tree(req, ref, k) if self.tree else self._chain(req, ref, k)
+            draft = self._tree(req, *ref, k) if self.tree else self._chain(req, ref[1], k)
             if draft is not None:
                 out[req.request_id] = draft
         return out
 
-    def _chain(self, req: Request, ref: list[int], k: int) -> DraftTree | None:
+    def _chain(self, req: Request, ref: np.ndarray, k: int) -> DraftTree | None:
         draft, start = longest_suffix_match(
-            self._ref_arrays[req.request_id], req.all_token_ids, self.ngram_min, self.ngram_max, k, prefer_from=self._cursor.get(req.request_id, 0),
+            ref, req.all_token_ids, self.ngram_min, self.ngram_max, k, prefer_from=self._cursor.get(req.request_id, 0),
         )
         if not draft:
             return None
         self._cursor[req.request_id] = start
         return DraftTree.chain(draft)
 
-    def _tree(self, req: Request, ref: list[int], k: int) -> DraftTree | None:
+    def _tree(self, req: Request, ref: list[int], ref_array: np.ndarray, k: int) -> DraftTree | None:
         rid = req.request_id
         toks = req.all_token_ids
         pos, seen = self._anchor.get(rid, (-1, len(toks)))
         while 0 <= pos < len(ref) and seen < len(toks) and toks[seen] == ref[pos]:  # the output kept copying
             pos, seen = pos + 1, seen + 1
         tracking = pos >= 0 and seen == len(toks)
-        n, starts = suffix_matches(self._ref_arrays[rid], toks, self.ngram_min, self.ngram_max)
+        n, starts = suffix_matches(ref_array, toks, self.ngram_min, self.ngram_max)
         if not tracking and n:
             # Follow the reference in order: the first match at or after the anchor, else the first.
             ahead = starts[starts >= max(pos, 0)]
