@@ -365,14 +365,64 @@ def test_generated_conversations_mark_the_answers_and_held_out_agreement_counts_
                                     outputs=[SimpleNamespace(token_ids=[2000 + i] * 5)]) for i in range(len(conversations))]
 
     (tmp_path / "generated-train-0.json").write_text("[1, 2, 3]")  # an older run's file: other asks, no marks
-    seqs, answers = _generated_sequences(Writer(), [src], want=40, seq_len=8, seed=0, work=tmp_path, max_tokens=4)
+    seqs, answers, feats = _generated_sequences(Writer(), [src], want=40, seq_len=8, seed=0, work=tmp_path, max_tokens=4)
     assert not list(tmp_path.glob("generated-*.json"))  # replaced, not left behind
     assert len(seqs) == 5 and all(len(s) == len(a) == 8 for s, a in zip(seqs, answers))
+    assert feats == [None] * 5  # no runner: features come from a pass of their own
     for s, a in zip(seqs, answers):
         assert a == [t >= 2000 for t in s]  # answer tokens, and only they
+    # each conversation's last answer token is never fed to the target (no feature): left out
+    flat = [t for s in seqs for t in s]
+    assert flat[:7] == [1000] * 3 + [2000] * 4 and flat[7] == 1001
     again = _generated_sequences(Writer(), [src], want=40, seq_len=8, seed=0, work=tmp_path, max_tokens=4)
-    assert Writer.calls == 1 and again == (seqs, answers)
+    assert Writer.calls == 1 and again == (seqs, answers, [None] * 5)
 
     pred, want = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[1, 0, 3, 0]])
     assert _agreement(pred, want, None) == (2, 4)
     assert _agreement(pred, want, torch.tensor([[False, True, True, True]])) == (1, 3)
+
+
+def test_conversation_features_are_kept_as_the_target_writes_them(tiny, tmp_path):
+    """train-draft keeps the target's features of the conversations it writes (prompt chunks and
+    every decode step, batched) instead of a second pass over them: each window's rows equal the
+    target's features of the same tokens over the whole conversation, and _extract stores them in
+    the shards, running the target only for sequences without them."""
+    from specserve.spec.train import TrainConfig, _extract, _generated_sequences
+
+    src = tmp_path / "m.py"
+    src.write_text('def area(w, h):\n    """Return the area of a w by h rectangle."""\n    return w * h\n')
+
+    class Chat:  # LLM.chat over raw token prompts (the tiny model has no chat template)
+        def __init__(self, llm):
+            self.llm = llm
+
+        def chat(self, conversations, params, use_tqdm=False):  # noqa: ANN001
+            prompts = [[3 + (7 * i + j) % 200 for j in range(5 + i % 4)] for i in range(len(conversations))]
+            params.ignore_eos = True  # every answer max_tokens long
+            return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, enable_prefix_caching=False, max_num_seqs=3,
+              max_num_batched_tokens=16)  # small chunks and batches: rows arrive in many pieces
+    runner = llm.engine.runner
+    runner.feature_layers = (1,)
+    seqs, _, feats = _generated_sequences(Chat(llm), [src], want=64, seq_len=16, seed=0, work=tmp_path,
+                                          max_tokens=12, runner=runner)
+    assert runner.hidden_sink is None and not runner.capture_hidden  # switched off afterwards
+    width = 2 * llm.engine.arch.hidden_size  # layer 1's residual stream beside the last hidden state
+    assert len(seqs) == 4 and all(f is not None and f.shape == (16, width) and f.dtype == torch.float16 for f in feats)
+    cfg = TrainConfig(model="tiny", seq_len=16, batch_tokens=32)
+    # Conversation 0 (5 prompt tokens, 11 of its 12 answer tokens) is window 0: its rows, written
+    # over several prompt chunks and decode steps beside other requests, are the target's
+    # features of those 16 tokens in one pass (to float16 rounding).
+    assert seqs[0][:5] == [3 + j for j in range(5)] and seqs[1][:6] == [10 + j for j in range(6)]
+    one = _extract(cfg, llm.engine, [seqs[0]], tmp_path, "one")
+    torch.testing.assert_close(feats[0].float(), torch.load(one[0], weights_only=True)["feats"][0].float(),
+                               atol=2e-3, rtol=2e-3)
+    paths = _extract(cfg, llm.engine, seqs, tmp_path, "t", {j: f for j, f in enumerate(feats) if j != 2})
+    stored = torch.load(paths[0], weights_only=True)
+    assert stored["tokens"].tolist() == seqs
+    for j in (0, 1, 3):
+        assert torch.equal(stored["feats"][j], feats[j])  # kept as written, no pass of their own
+    # Sequence 2 had none: computed by a pass over the window alone.
+    alone = _extract(cfg, llm.engine, [seqs[2]], tmp_path, "u")
+    assert torch.equal(stored["feats"][2], torch.load(alone[0], weights_only=True)["feats"][0])

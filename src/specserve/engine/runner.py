@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -226,8 +226,11 @@ class ModelRunner:
         self.failed_load_requests: list[str] = []  # the step's requests whose block tables hold one
         self.num_layer_wise_loads = 0  # steps whose forward ran beside their lower-tier loads
         self.last_logits: torch.Tensor | None = None
-        # Feature-level proposers: keep each step's hidden states of the verified tokens (take_hidden).
+        # Feature-level proposers: keep each step's hidden states of the verified tokens (take_hidden),
+        # or hand them to hidden_sink as each step makes them (train-draft: the target's features of
+        # the conversations it writes, without a second pass over them).
         self.capture_hidden = False
+        self.hidden_sink: Callable[[str, HiddenRows], None] | None = None
         self._hidden: dict[str, HiddenRows] = {}
         self.kept_hidden: torch.Tensor | None = None
         self._prompt_logprobs: dict[str, tuple[int, list[float], list[list[tuple[int, float]]]]] = {}
@@ -556,7 +559,10 @@ class ModelRunner:
             base += n
         picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device))
         for rid, start, first, count in spans:
-            self._hidden[rid] = HiddenRows(start, picked[first : first + count])
+            if self.hidden_sink is not None:
+                self.hidden_sink(rid, HiddenRows(start, picked[first : first + count]))
+            else:
+                self._hidden[rid] = HiddenRows(start, picked[first : first + count])
 
     def _sample_and_verify(self, out: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampledTokens]:
         """Sample one token per finishing request, or verify its draft (chains or trees)."""

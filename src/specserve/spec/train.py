@@ -3,8 +3,9 @@
 1. Corpus: text files (default: the Python standard library's own sources, which every Python
    install carries, so nothing is downloaded), split by file into train and held-out, tokenized
    and cut into sequences of `seq_len` tokens.
-2. Features: the target runs over every sequence (its own kernels, as when serving) and its last
-   hidden states are kept (float16 shards in the work directory; a rerun skips shards it has).
+2. Features: the target's hidden states of every token (its own kernels, as when serving), kept
+   as float16 shards in the work directory (a rerun skips shards it has). The conversations'
+   come from the forwards that wrote them (the runner's hidden_sink); corpus text takes a pass.
 3. Training (EAGLE): the head reads (f_i, x_{i+1}) and learns f_{i+1}: smooth-L1 on the feature
    plus cross-entropy against the target's own next-token distribution (its LM head on f_{i+1},
    over the head's vocabulary), for `depth` unrolled passes that feed the head its own predicted
@@ -102,10 +103,16 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
 
 
 def _generated_sequences(llm, files: list[Path], want: int, seq_len: int, seed: int, work: Path,  # noqa: ANN001
-                         max_tokens: int, held: bool = False) -> tuple[list[list[int]], list[list[bool]]]:
+                         max_tokens: int, held: bool = False, runner=None,  # noqa: ANN001 - ModelRunner
+                         ) -> tuple[list[list[int]], list[list[bool]], list[torch.Tensor | None]]:
     """Conversations the target writes itself (greedy, as most serving is), chat template and
-    all, concatenated and cut into seq_len windows, and per token whether the target wrote it (an
-    answer token, not the template or the ask); kept in work/ so a rerun does not regenerate."""
+    all, concatenated and cut into seq_len windows, per token whether the target wrote it (an
+    answer token, not the template or the ask), and per window the target's features where the
+    writing already computed them (with `runner`, whose feature layers are set: its forwards over
+    every prompt and answer token are the features a separate pass would compute, so that pass
+    is skipped for them), else None. A conversation's last token is never fed, so it has no
+    feature and is left out. The stream is kept in work/ so a rerun does not regenerate (its
+    features then come from the shards, or from a pass over the stream)."""
     from specserve import SamplingParams
 
     # (The older generated-*.json files hold conversations from other asks and no answer marks.)
@@ -120,15 +127,21 @@ def _generated_sequences(llm, files: list[Path], want: int, seq_len: int, seed: 
             stream, answer = [], []
         if len(answer) != len(stream):
             stream, answer = [], []
+    feats: list[tuple[int, torch.Tensor]] = []  # (stream offset, rows) of what this run wrote
     rounds = 0
     while len(stream) < want and rounds < 8:  # a conversation's length is known only once written
         n = max(4, -(-(want - len(stream)) // max_tokens))  # prompt + answer: about max_tokens or more each
         prompts = chat_prompts(files, n, seed + 7919 * rounds + len(stream), held)
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
-                        SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=True)
+        with _captured_rows(runner) as rows:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
+                            SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=True)
         for o in outs:
-            stream += list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-            answer += [False] * len(o.prompt_token_ids) + [True] * len(o.outputs[0].token_ids)
+            ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)[:-1]
+            got = _assemble(rows.get(o.request_id, []), len(ids)) if runner is not None else None
+            if got is not None:
+                feats.append((len(stream), got))
+            stream += ids
+            answer += [False] * len(o.prompt_token_ids) + [True] * (len(ids) - len(o.prompt_token_ids))
         path.write_text(json.dumps({"ids": stream, "answer": [int(a) for a in answer]}))
         rounds += 1
     if rounds:  # what the older files held is rewritten here
@@ -136,7 +149,56 @@ def _generated_sequences(llm, files: list[Path], want: int, seq_len: int, seed: 
             old.unlink(missing_ok=True)
     usable = min(len(stream), want) // seq_len * seq_len
     cuts = range(0, usable, seq_len)
-    return [stream[i : i + seq_len] for i in cuts], [answer[i : i + seq_len] for i in cuts]
+    return ([stream[i : i + seq_len] for i in cuts], [answer[i : i + seq_len] for i in cuts],
+            [_window(feats, i, seq_len) for i in cuts])
+
+
+@contextmanager
+def _captured_rows(runner) -> Iterator[dict[str, list]]:  # noqa: ANN001 - ModelRunner or None
+    """While the block runs, every hidden-state row `runner`'s forwards compute, per request:
+    {request id: [(start position, float16 rows), ...]} (nothing without a runner)."""
+    rows: dict[str, list] = {}
+    if runner is None:
+        yield rows
+        return
+
+    def sink(rid: str, hidden) -> None:  # noqa: ANN001 - HiddenRows
+        rows.setdefault(rid, []).append((hidden.start_pos, hidden.rows.half()))
+
+    runner.capture_hidden, runner.hidden_sink = True, sink
+    try:
+        yield rows
+    finally:
+        runner.capture_hidden, runner.hidden_sink = False, None
+
+
+def _assemble(pieces: list, n: int) -> torch.Tensor | None:
+    """The rows of positions 0..n-1 from (start, rows) pieces (a later piece wins where a
+    recomputation after preemption repeats positions); None if any position is missing."""
+    if not pieces:
+        return None
+    out = torch.empty(n, pieces[0][1].shape[-1], dtype=torch.float16)
+    have = torch.zeros(n, dtype=torch.bool)
+    for start, r in pieces:
+        r = r[: max(0, n - start)]
+        out[start : start + len(r)] = r
+        have[start : start + len(r)] = True
+    return out if bool(have.all()) else None
+
+
+def _window(feats: list[tuple[int, torch.Tensor]], start: int, length: int) -> torch.Tensor | None:
+    """Features of stream[start : start + length] if the conversations written here cover it."""
+    parts, at = [], start
+    for off, rows in feats:
+        if off <= at < off + len(rows):
+            take = rows[at - off : min(len(rows), start + length - off)]
+            parts.append(take)
+            at += len(take)
+            if at == start + length:
+                return torch.cat(parts) if len(parts) > 1 else parts[0]
+        elif off > at:
+            return None
+    return None
 
 
 def split_files(files: list[Path], seed: int) -> tuple[list[Path], list[Path]]:
@@ -226,10 +288,13 @@ def _bar(total: int, desc: str, unit: str):  # noqa: ANN202
     return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=True)
 
 
-def _extract(cfg: TrainConfig, engine, seqs: list[list[int]], work: Path, name: str) -> list[Path]:  # noqa: ANN001
+def _extract(cfg: TrainConfig, engine, seqs: list[list[int]], work: Path, name: str,  # noqa: ANN001
+             known: dict[int, torch.Tensor] | None = None) -> list[Path]:
     """Feature shards of `seqs` under work/ (name-NNNNN.pt, name-fA-B-NNNNN.pt with the runner's
-    feature layers A, B), reusing those already there."""
+    feature layers A, B), reusing those already there; `known` gives the features of sequences
+    (by index) that need no pass of their own."""
     layers = engine.runner.feature_layers
+    known = known or {}
     if layers:
         name = f"{name}-f{'-'.join(map(str, layers))}"
     per_batch = max(1, cfg.batch_tokens // cfg.seq_len)
@@ -248,15 +313,20 @@ def _extract(cfg: TrainConfig, engine, seqs: list[list[int]], work: Path, name: 
                     continue
             except Exception:  # noqa: BLE001 - a torn shard is redone
                 pass
-        todo.append((path, chunk))
+        todo.append((path, k, chunk))
     if not todo:
         return paths
-    bar = _bar(sum(len(c) * cfg.seq_len for _, c in todo), f"target features ({name})", "tok")
-    for path, chunk in todo:
-        feats = torch.cat([ex(chunk[b : b + per_batch]) for b in range(0, len(chunk), per_batch)])
-        for _ in chunk:
-            bar.update(cfg.seq_len)
-        _save_atomic({"tokens": torch.tensor(chunk, dtype=torch.int32), "feats": feats}, path)
+    missing = sum(k + j not in known for _, k, c in todo for j in range(len(c)))
+    bar = _bar(missing * cfg.seq_len, f"target features ({name})", "tok")
+    for path, k, chunk in todo:
+        rows = [known.get(k + j) for j in range(len(chunk))]
+        need = [j for j, r in enumerate(rows) if r is None]
+        for b in range(0, len(need), per_batch):
+            idx = need[b : b + per_batch]
+            for j, r in zip(idx, ex([chunk[j] for j in idx])):
+                rows[j] = r
+            bar.update(len(idx) * cfg.seq_len)
+        _save_atomic({"tokens": torch.tensor(chunk, dtype=torch.int32), "feats": torch.stack(rows)}, path)
     bar.close()
     return paths
 
@@ -452,20 +522,29 @@ def _fast_dtype(hidden: int, vocab: int) -> torch.dtype:
     return torch.bfloat16 if best[torch.bfloat16] < 0.7 * best[torch.float32] else torch.float32
 
 
-def _features(cfg: TrainConfig, llm, work: Path) -> tuple[list[Path], list[Path], int]:  # noqa: ANN001 - LLM
+def _features(cfg: TrainConfig, llm, work: Path) -> tuple[list[Path], list[Path], int, list[list[bool]]]:  # noqa: ANN001 - LLM
     """Feature shards (train, held-out) of corpus text and of the target's own conversations,
-    reusing whatever an earlier run left in `work`, and how many held-out sequences (the first)
-    are corpus text."""
-    train_seqs, held_seqs, held_corpus, held_answers = _training_sequences(cfg, llm, work)
-    return (_extract(cfg, llm.engine, train_seqs, work, "train"), _extract(cfg, llm.engine, held_seqs, work, "heldout"),
-            held_corpus, held_answers)
+    reusing whatever an earlier run left in `work`, how many held-out sequences (the first) are
+    corpus text, and the held-out answer marks. The conversations' features are kept as the
+    target writes them (no second pass over them)."""
+    train, held = _training_sequences(cfg, llm, work, capture=True)
+    return (_extract(cfg, llm.engine, train.seqs, work, "train", train.known),
+            _extract(cfg, llm.engine, held.seqs, work, "heldout", held.known), held.num_corpus, held.answers)
 
 
-def _training_sequences(cfg: TrainConfig, llm, work: Path  # noqa: ANN001
-                        ) -> tuple[list[list[int]], list[list[int]], int, list[list[bool]]]:
-    """(train, held-out, n, answers): token sequences of corpus text split by file and of the
-    target's own conversations (generated once, kept in `work`); the first n held-out ones are
-    corpus text; `answers` marks the held-out conversations' answer tokens (corpus text: all)."""
+@dataclass
+class _Sequences:
+    """Token sequences to train or evaluate on: corpus text first, then the target's conversations."""
+
+    seqs: list[list[int]]
+    answers: list[list[bool]]  # per token: corpus text or an answer the target wrote (what is scored)
+    num_corpus: int  # the first num_corpus sequences are corpus text
+    known: dict[int, torch.Tensor]  # features computed while the target wrote them, by sequence index
+
+
+def _training_sequences(cfg: TrainConfig, llm, work: Path, capture: bool = False) -> tuple[_Sequences, _Sequences]:  # noqa: ANN001
+    """(train, held-out): corpus text split by file and the target's own conversations
+    (generated once, kept in `work`; with `capture`, their features kept as they are written)."""
     tok = llm.engine.tokenizer
     files = corpus_files(cfg.corpus)
 
@@ -477,21 +556,24 @@ def _training_sequences(cfg: TrainConfig, llm, work: Path  # noqa: ANN001
     if not held_files or not train_files:
         raise ConfigError(f"The corpus needs at least 2 files (train and held-out); it has {len(files)}.")
     n_held_text = cfg.heldout_tokens - (cfg.heldout_tokens // 2 if n_gen else 0)
-    train_seqs = _sequences(train_files, encode, cfg.seq_len, cfg.tokens - n_gen, cfg.seed)
-    held_seqs = _sequences(held_files, encode, cfg.seq_len, n_held_text, cfg.seed)
-    held_corpus = len(held_seqs)
-    held_answers = [[True] * len(s) for s in held_seqs]
-    if n_gen:
-        train_seqs += _generated_sequences(llm, train_files, n_gen, cfg.seq_len, cfg.seed, work,
-                                           cfg.generate_max_tokens)[0]
-        seqs, answers = _generated_sequences(llm, held_files, cfg.heldout_tokens // 2, cfg.seq_len, cfg.seed + 1000,
-                                             work, cfg.generate_max_tokens, held=True)
-        held_seqs += seqs
-        held_answers += answers
-    if not train_seqs or not held_seqs:
-        raise ConfigError(f"The corpus has too little text for --seq-len {cfg.seq_len} (train {len(train_seqs)}, "
-                          f"held-out {len(held_seqs)} sequences).")
-    return train_seqs, held_seqs, held_corpus, held_answers
+    runner = llm.engine.runner if capture else None
+    out = []
+    for files_, want_text, want_gen, seed, held in ((train_files, cfg.tokens - n_gen, n_gen, cfg.seed, False),
+                                                    (held_files, n_held_text, cfg.heldout_tokens // 2, cfg.seed + 1000, True)):
+        seqs = _sequences(files_, encode, cfg.seq_len, want_text, cfg.seed)
+        part = _Sequences(seqs, [[True] * len(x) for x in seqs], len(seqs), {})
+        if n_gen:
+            gen, answers, feats = _generated_sequences(llm, files_, want_gen, cfg.seq_len, seed, work,
+                                                       cfg.generate_max_tokens, held=held, runner=runner)
+            part.known = {part.num_corpus + j: f for j, f in enumerate(feats) if f is not None}
+            part.seqs += gen
+            part.answers += answers
+        out.append(part)
+    train, held = out
+    if not train.seqs or not held.seqs:
+        raise ConfigError(f"The corpus has too little text for --seq-len {cfg.seq_len} (train {len(train.seqs)}, "
+                          f"held-out {len(held.seqs)} sequences).")
+    return train, held
 
 
 def train_draft(cfg: TrainConfig) -> dict:
@@ -508,8 +590,10 @@ def train_draft(cfg: TrainConfig) -> dict:
         torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
+    # No prefix cache: the conversations' features are taken from the forwards that write them, so
+    # every token of every prompt is computed (the shared chat template is a few dozen tokens).
     llm = LLM(cfg.model, spec_method="none", quantization=cfg.quantization, max_model_len=max(cfg.seq_len, 2048),
-              max_num_batched_tokens=max(cfg.batch_tokens, cfg.seq_len))
+              max_num_batched_tokens=max(cfg.batch_tokens, cfg.seq_len), enable_prefix_caching=False)
     engine = llm.engine
     tok = engine.tokenizer
     if tok is None:
@@ -767,7 +851,8 @@ def _fit_exit(cfg: TrainConfig, llm, work: Path, fp: str, out: Path, token_ids: 
     arch = engine.arch
     n_layers, hidden = arch.num_layers, arch.hidden_size
     cands = exit_candidates(n_layers, cfg.layers)
-    train_seqs, held_seqs, *_ = _training_sequences(cfg, llm, work)
+    train, held = _training_sequences(cfg, llm, work)
+    train_seqs, held_seqs = train.seqs, held.seqs
     states = _LayerStates(engine, cands)
     per_batch = max(1, cfg.batch_tokens // cfg.seq_len)
     state_path = work / "state-layerskip.pt"
