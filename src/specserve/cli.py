@@ -418,7 +418,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from specserve.spec.train import TrainConfig, train_draft
 
     fields = ("model", "method", "out", "corpus", "tokens", "heldout_tokens", "generated_share", "seq_len", "epochs", "batch_tokens", "lr",
-              "depth", "intermediate_size", "head_vocab", "max_minutes", "fresh", "seed", "quantization", "threads", "work_dir", "layers")
+              "depth", "intermediate_size", "head_vocab", "max_minutes", "budget_minutes", "fresh", "seed", "quantization", "threads", "work_dir", "layers")
     card = train_draft(TrainConfig(**{f: getattr(args, f) for f in fields}, feature_layers=args.feature_layers))
     if card["method"] == "layerskip":
         done = "" if card["complete"] else " (stopped early: rerun to resume)"
@@ -721,6 +721,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "none: the last hidden state alone)")
     p.add_argument("--head-vocab", type=int, default=None, help="ids the head's LM head reads (default 16k / 32k)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop after this long (a rerun resumes)")
+    p.add_argument("--budget-minutes", type=float, default=10.0,
+                   help="without --tokens: take as many of the default tokens as this machine gets through in "
+                        "this long (measured at the start; training stops there, a rerun resumes); 0: all of them "
+                        "(default 10)")
     p.add_argument("--fresh", action="store_true", help="discard a previous run's features and checkpoint")
     p.add_argument("--work-dir", default=None,
                    help="features, conversations and checkpoints (default: $SPECSERVE_CACHE/train/<target>)")

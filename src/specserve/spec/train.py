@@ -1,5 +1,7 @@
 """`specserve train-draft`: train a feature-level drafter head by self-distillation, on the CPU.
 
+0. Budget: without --tokens, the run takes as many of the default tokens as this machine gets
+   through in --budget-minutes (10), timed at its start (_fit_budget), and stops training there.
 1. Corpus: text files (default: the Python standard library's own sources, which every Python
    install carries, so nothing is downloaded), split by file into train and held-out, tokenized
    and cut into sequences of `seq_len` tokens.
@@ -17,9 +19,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,6 +43,16 @@ CHECKPOINT_EVERY_S = 60.0
 # SmolLM2-135M on a 2-vCPU Zen 5, 250k tokens at 3/4 conversations: 600 s (generation 3 min, features
 # 1 min, 4 epochs 5.6 min); 220k keeps a fresh run inside 10 minutes.
 DEFAULT_TOKENS = 220_000
+# A run without --tokens fits this many minutes on the machine it runs on (issue 18's budget for a
+# SmolLM2 head on two cores): where the default tokens would take longer (an AVX2-only CPU trains in
+# float32, ~6x slower than with AVX512-BF16), fewer are taken, as measured there.
+BUDGET_MINUTES = 10.0
+# Batched greedy generation costs more per token than the mean of a full batch's decode step per
+# request and a prefill's per token (half the tokens are prompts): the batch thins out as answers
+# end, and every step pays the engine's own time (SmolLM2, Zen 5: 0.48-0.57 ms a token in two
+# default runs, against 0.40-0.44 for that mean).
+GENERATION_OVERHEAD = 1.45
+BUDGET_USE = 0.9  # share of what is left of the budget that the planned work may take
 
 
 @dataclass
@@ -66,6 +80,9 @@ class TrainConfig:
     intermediate_size: int | None = None  # the head's MLP width (default: the target's)
     head_vocab: int | None = None  # the head's LM-head ids (default: see default_head_vocab)
     max_minutes: float | None = None  # stop (resumable) after this much wall time
+    # Without --tokens: the tokens are cut, as measured on this machine, so that the run fits this
+    # many minutes (and training stops there); None or 0: the default tokens whatever they take.
+    budget_minutes: float | None = BUDGET_MINUTES
     fresh: bool = False  # ignore a previous run's features and checkpoint
     seed: int = 0
     quantization: str | None = None  # the target's precision (default: as served)
@@ -76,6 +93,7 @@ class TrainConfig:
     feature_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        self.tokens_asked = self.tokens is not None  # (a budget cuts only the default)
         if self.tokens is None:
             self.tokens = LAYERSKIP_TOKENS if self.method == "layerskip" else DEFAULT_TOKENS
         if self.generated_share is None:  # (layerskip keeps the share its measured exits were fitted on)
@@ -576,6 +594,101 @@ def _training_sequences(cfg: TrainConfig, llm, work: Path, capture: bool = False
     return train, held
 
 
+@dataclass
+class Rates:
+    """Seconds per token of a run's phases on this machine (measured by _measure_rates)."""
+
+    generate: float  # a conversation token the target writes (prompt and answer)
+    extract: float  # a corpus token's feature pass
+    train: float  # a training token, one epoch
+
+
+def budget_tokens(cfg: TrainConfig, rates: Rates, seconds_left: float) -> int:
+    """The most training tokens (whole sequences, at most cfg.tokens) whose generation, features,
+    training epochs and held-out evaluations fit `seconds_left`; at least one optimizer step's
+    worth, so a run on a very slow machine still writes a head (it can be resumed for more)."""
+    share = cfg.generated_share
+    per_token = share * rates.generate + (1 - share) * rates.extract + cfg.epochs * rates.train
+    held = cfg.heldout_tokens
+    # held-out text (half conversations), then ~11 evaluations of it, forward only (~1/3 of a step)
+    fixed = held * (rates.generate + rates.extract) / 2 + 11 * held * rates.train / 3
+    n = int(max(0.0, seconds_left - fixed) / per_token)
+    floor = max(cfg.batch_tokens, cfg.seq_len)
+    return max(floor, min(cfg.tokens, n)) // cfg.seq_len * cfg.seq_len
+
+
+def _measure_rates(cfg: TrainConfig, llm, token_ids: torch.Tensor, layers: tuple[int, ...]) -> Rates:  # noqa: ANN001
+    """Time, on this machine, a feature pass over one batch, a batched decode step and two
+    optimizer steps of the head on random data (the global random state is left as it was)."""
+    engine = llm.engine
+    runner = engine.runner
+    arch = engine.arch
+    per_batch = max(1, cfg.batch_tokens // cfg.seq_len)
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.seed + 1)
+        seqs = torch.randint(0, arch.vocab_size, (per_batch, cfg.seq_len)).tolist()
+        ex = _Extractor(engine)
+        ex(seqs)  # warm-up
+        t0 = time.perf_counter()
+        ex(seqs)
+        extract = (time.perf_counter() - t0) / (per_batch * cfg.seq_len)
+        batch = max(1, min(64, engine.config.scheduler.max_num_seqs))
+        step = runner.time_decode_step(batch, context=cfg.generate_max_tokens) / batch
+        if not math.isfinite(step):  # a pool too small for the batch: a decode token as dear as 3 prompt tokens
+            step = 3 * extract
+        generate = GENERATION_OVERHEAD * (step + extract) / 2  # about as many prompt tokens as answer tokens
+        frozen = _Frozen(engine, token_ids)
+        trainer = TRAINERS[cfg.method](replace(cfg, feature_layers=layers if cfg.method == "eagle" else ()), arch, frozen)
+        width = arch.hidden_size * ((len(layers) + 1) if cfg.method == "eagle" else 1)
+        toks = torch.randint(0, arch.vocab_size, (per_batch, cfg.seq_len))
+        feats = torch.randn(per_batch, cfg.seq_len, width).half()
+        opt = torch.optim.AdamW(trainer.module.parameters(), lr=1e-4)
+        amp = _fast_dtype(arch.hidden_size, len(token_ids))
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=amp, enabled=amp != torch.float32):
+                loss, _ = trainer.losses(toks, feats, cfg.noise)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    return Rates(generate, extract, min(times[1:]) / (per_batch * cfg.seq_len))
+
+
+def _fit_budget(cfg: TrainConfig, llm, work: Path, token_ids: torch.Tensor, layers: tuple[int, ...],  # noqa: ANN001
+                t_start: float) -> TrainConfig:
+    """cfg with its tokens cut to what fits cfg.budget_minutes on this machine (and training
+    stopping there), when --tokens was not given. The plan is kept in `work`, so a rerun (a
+    resume) trains on the same tokens."""
+    if cfg.tokens_asked or not cfg.budget_minutes:
+        return cfg
+    budget_s = 60 * cfg.budget_minutes
+    # One plan per work directory and seed, whatever the method: eagle, medusa and mtp then share the
+    # conversations and feature shards (a method with cheaper steps just finishes sooner).
+    path = work / f"plan-{cfg.seed}.json"
+    saved = None
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        saved = json.loads(path.read_text())
+    if isinstance(saved, dict) and saved.get("budget_minutes") == cfg.budget_minutes and saved.get("default") == cfg.tokens:
+        tokens = int(saved["tokens"])
+    else:
+        rates = _measure_rates(cfg, llm, token_ids, layers)
+        # A tenth kept back for what the rates leave out (loading the shards, checkpoints, the card):
+        # a 3-minute budget on the Zen 5 planned on all of it stopped at 681 of 784 steps.
+        tokens = budget_tokens(cfg, rates, BUDGET_USE * (budget_s - (time.perf_counter() - t_start)))
+        path.write_text(json.dumps({"budget_minutes": cfg.budget_minutes, "default": cfg.tokens, "tokens": tokens,
+                                    "rates_s_per_token": asdict(rates)}) + "\n")
+    if tokens < cfg.tokens:
+        print(f"train-draft: {tokens:,} training tokens of the default {cfg.tokens:,}, to fit the "
+              f"{cfg.budget_minutes:g}-minute budget on this machine (--tokens {cfg.tokens} for the full run, "
+              f"--budget-minutes 0 to lift the budget; a rerun resumes)", file=sys.stderr, flush=True)
+    limit = cfg.budget_minutes if cfg.max_minutes is None else min(cfg.max_minutes, cfg.budget_minutes)
+    out = replace(cfg, tokens=tokens, max_minutes=limit)
+    out.tokens_asked = False
+    return out
+
+
 def train_draft(cfg: TrainConfig) -> dict:
     """Train (or resume) a head for cfg.model; returns its card."""
     from specserve import LLM
@@ -620,6 +733,7 @@ def train_draft(cfg: TrainConfig) -> dict:
     # serves every method; the others read the last hidden state alone).
     layers = default_feature_layers(arch.num_layers) if cfg.feature_layers is None else tuple(cfg.feature_layers)
     engine.runner.feature_layers = layers  # checks them against the target
+    cfg = _fit_budget(cfg, llm, work, token_ids, layers, t_start)
     cfg = replace(cfg, feature_layers=layers if cfg.method == "eagle" else ())
     t0 = time.perf_counter()
     train_paths, held_paths, held_corpus, held_answers = _features(cfg, llm, work)
