@@ -56,6 +56,12 @@ def test_a_plan_is_kept_and_an_explicit_token_count_or_no_budget_is_left_alone(t
     for asked in (TrainConfig(model="m", tokens=300_000), TrainConfig(model="m", budget_minutes=0)):
         assert _fit_budget(asked, None, tmp_path, None, (), now) is asked
     assert len(calls) == 2
+    fast = Rates(generate=0.57e-3, extract=0.38e-3, train=0.32e-3)  # the default fits: nothing to say
+    monkeypatch.setattr(train, "_measure_rates", lambda *a: fast)
+    (tmp_path / "x").mkdir()
+    capsys.readouterr()
+    assert _fit_budget(cfg, None, tmp_path / "x", None, (), t_start=time.perf_counter()).tokens == 219_904
+    assert capsys.readouterr().err == ""
 
 
 def test_the_rates_are_measured_on_the_target_without_touching_the_random_state():

@@ -679,7 +679,7 @@ def _fit_budget(cfg: TrainConfig, llm, work: Path, token_ids: torch.Tensor, laye
         tokens = budget_tokens(cfg, rates, BUDGET_USE * (budget_s - (time.perf_counter() - t_start)))
         path.write_text(json.dumps({"budget_minutes": cfg.budget_minutes, "default": cfg.tokens, "tokens": tokens,
                                     "rates_s_per_token": asdict(rates)}) + "\n")
-    if tokens < cfg.tokens:
+    if tokens < cfg.tokens // cfg.seq_len * cfg.seq_len:  # (whole sequences: the default's own are 219,904)
         print(f"train-draft: {tokens:,} training tokens of the default {cfg.tokens:,}, to fit the "
               f"{cfg.budget_minutes:g}-minute budget on this machine (--tokens {cfg.tokens} for the full run, "
               f"--budget-minutes 0 to lift the budget; a rerun resumes)", file=sys.stderr, flush=True)
