@@ -83,3 +83,11 @@ def test_the_rates_are_measured_on_the_target_without_touching_the_random_state(
         rates = _measure_rates(cfg, llm, torch.arange(256), (1,))
         assert all(math.isfinite(r) and r > 0 for r in (rates.generate, rates.extract, rates.train))
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_negative_budget_is_refused_before_anything_loads():
+    from specserve.errors import ConfigError
+    from specserve.spec.train import train_draft
+
+    with pytest.raises(ConfigError, match="budget-minutes must be >= 0"):
+        train_draft(TrainConfig(model="no-such-model", budget_minutes=-1))

@@ -155,7 +155,7 @@ def _generated_sequences(llm, files: list[Path], want: int, seq_len: int, seed: 
                             SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=True)
         for o in outs:
             ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)[:-1]
-            got = _assemble(rows.get(o.request_id, []), len(ids)) if runner is not None else None
+            got = _assemble(rows.pop(o.request_id, []), len(ids)) if runner is not None else None
             if got is not None:
                 feats.append((len(stream), got))
             stream += ids
@@ -684,9 +684,7 @@ def _fit_budget(cfg: TrainConfig, llm, work: Path, token_ids: torch.Tensor, laye
               f"{cfg.budget_minutes:g}-minute budget on this machine (--tokens {cfg.tokens} for the full run, "
               f"--budget-minutes 0 to lift the budget; a rerun resumes)", file=sys.stderr, flush=True)
     limit = cfg.budget_minutes if cfg.max_minutes is None else min(cfg.max_minutes, cfg.budget_minutes)
-    out = replace(cfg, tokens=tokens, max_minutes=limit)
-    out.tokens_asked = False
-    return out
+    return replace(cfg, tokens=tokens, max_minutes=limit)
 
 
 def train_draft(cfg: TrainConfig) -> dict:
@@ -699,6 +697,8 @@ def train_draft(cfg: TrainConfig) -> dict:
         raise ConfigError(f"--method {cfg.method!r} is not trainable here; use one of {', '.join(METHODS)}.")
     if cfg.seq_len < 16 or cfg.tokens < cfg.seq_len:
         raise ConfigError("--tokens must cover at least one sequence of --seq-len (>= 16) tokens.")
+    if cfg.budget_minutes is not None and not cfg.budget_minutes >= 0:
+        raise ConfigError(f"--budget-minutes must be >= 0 (0: no budget), got {cfg.budget_minutes}.")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
