@@ -35,7 +35,7 @@ def test_a_plan_is_kept_and_an_explicit_token_count_or_no_budget_is_left_alone(t
 
     calls = []
 
-    def measure(cfg, llm, token_ids, layers):
+    def measure(cfg, llm, frozen, layers):
         calls.append(cfg.tokens)
         return Rates(generate=1.5e-3, extract=1.9e-3, train=2.05e-3)
 
@@ -70,7 +70,7 @@ def test_the_rates_are_measured_on_the_target_without_touching_the_random_state(
     import torch
 
     from specserve import LLM
-    from specserve.spec.train import _measure_rates
+    from specserve.spec.train import _Frozen, _measure_rates
     from specserve.testing import tiny_checkpoint
 
     _, ckpt = tiny_checkpoint("llama", seed=5, vocab=256, layers=2)
@@ -78,9 +78,10 @@ def test_the_rates_are_measured_on_the_target_without_touching_the_random_state(
     llm.engine.runner.feature_layers = (1,)
     torch.manual_seed(123)
     before = torch.get_rng_state()
+    frozen = _Frozen(llm.engine, torch.arange(256))
     for method in ("eagle", "medusa"):
         cfg = TrainConfig(model="tiny", method=method, seq_len=16, batch_tokens=32, generate_max_tokens=16)
-        rates = _measure_rates(cfg, llm, torch.arange(256), (1,))
+        rates = _measure_rates(cfg, llm, frozen, (1,))
         assert all(math.isfinite(r) and r > 0 for r in (rates.generate, rates.extract, rates.train))
     assert torch.equal(torch.get_rng_state(), before)
 

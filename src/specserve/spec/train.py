@@ -617,9 +617,10 @@ def budget_tokens(cfg: TrainConfig, rates: Rates, seconds_left: float) -> int:
     return max(floor, min(cfg.tokens, n)) // cfg.seq_len * cfg.seq_len
 
 
-def _measure_rates(cfg: TrainConfig, llm, token_ids: torch.Tensor, layers: tuple[int, ...]) -> Rates:  # noqa: ANN001
+def _measure_rates(cfg: TrainConfig, llm, frozen: _Frozen, layers: tuple[int, ...]) -> Rates:  # noqa: ANN001
     """Time, on this machine, a feature pass over one batch, a batched decode step and two
-    optimizer steps of the head on random data (the global random state is left as it was)."""
+    optimizer steps of the head on random data, against the run's own frozen target pieces (the
+    global random state is left as it was)."""
     engine = llm.engine
     runner = engine.runner
     arch = engine.arch
@@ -637,13 +638,12 @@ def _measure_rates(cfg: TrainConfig, llm, token_ids: torch.Tensor, layers: tuple
         if not math.isfinite(step):  # a pool too small for the batch: a decode token as dear as 3 prompt tokens
             step = 3 * extract
         generate = GENERATION_OVERHEAD * (step + extract) / 2  # about as many prompt tokens as answer tokens
-        frozen = _Frozen(engine, token_ids)
         trainer = TRAINERS[cfg.method](replace(cfg, feature_layers=layers if cfg.method == "eagle" else ()), arch, frozen)
         width = arch.hidden_size * ((len(layers) + 1) if cfg.method == "eagle" else 1)
         toks = torch.randint(0, arch.vocab_size, (per_batch, cfg.seq_len))
         feats = torch.randn(per_batch, cfg.seq_len, width).half()
         opt = torch.optim.AdamW(trainer.module.parameters(), lr=1e-4)
-        amp = _fast_dtype(arch.hidden_size, len(token_ids))
+        amp = _fast_dtype(arch.hidden_size, len(frozen.token_ids))
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
@@ -656,7 +656,7 @@ def _measure_rates(cfg: TrainConfig, llm, token_ids: torch.Tensor, layers: tuple
     return Rates(generate, extract, min(times[1:]) / (per_batch * cfg.seq_len))
 
 
-def _fit_budget(cfg: TrainConfig, llm, work: Path, token_ids: torch.Tensor, layers: tuple[int, ...],  # noqa: ANN001
+def _fit_budget(cfg: TrainConfig, llm, work: Path, frozen: _Frozen | None, layers: tuple[int, ...],  # noqa: ANN001
                 t_start: float) -> TrainConfig:
     """cfg with its tokens cut to what fits cfg.budget_minutes on this machine (and training
     stopping there), when --tokens was not given. The plan is kept in `work`, so a rerun (a
@@ -673,7 +673,7 @@ def _fit_budget(cfg: TrainConfig, llm, work: Path, token_ids: torch.Tensor, laye
     if isinstance(saved, dict) and saved.get("budget_minutes") == cfg.budget_minutes and saved.get("default") == cfg.tokens:
         tokens = int(saved["tokens"])
     else:
-        rates = _measure_rates(cfg, llm, token_ids, layers)
+        rates = _measure_rates(cfg, llm, frozen, layers)
         # A tenth kept back for what the rates leave out (loading the shards, checkpoints, the card):
         # a 3-minute budget on the Zen 5 planned on all of it stopped at 681 of 784 steps.
         tokens = budget_tokens(cfg, rates, BUDGET_USE * (budget_s - (time.perf_counter() - t_start)))
@@ -733,7 +733,9 @@ def train_draft(cfg: TrainConfig) -> dict:
     # serves every method; the others read the last hidden state alone).
     layers = default_feature_layers(arch.num_layers) if cfg.feature_layers is None else tuple(cfg.feature_layers)
     engine.runner.feature_layers = layers  # checks them against the target
-    cfg = _fit_budget(cfg, llm, work, token_ids, layers, t_start)
+    # The target's embedding and LM-head rows the head trains against (the budget's timing uses them too).
+    frozen = _Frozen(engine, token_ids)
+    cfg = _fit_budget(cfg, llm, work, frozen, layers, t_start)
     cfg = replace(cfg, feature_layers=layers if cfg.method == "eagle" else ())
     t0 = time.perf_counter()
     train_paths, held_paths, held_corpus, held_answers = _features(cfg, llm, work)
@@ -742,7 +744,6 @@ def train_draft(cfg: TrainConfig) -> dict:
     htoks, hfeats = _load_shards(held_paths)
     if not cfg.feature_layers and layers:
         feats, hfeats = feats[..., -arch.hidden_size :].contiguous(), hfeats[..., -arch.hidden_size :].contiguous()
-    frozen = _Frozen(engine, token_ids)
     frozen.feat_rms = float(feats[:64, :, -arch.hidden_size :].float().pow(2).mean().sqrt())
     inside = float(torch.isin(htoks[:, 1:], token_ids).float().mean())  # held-out text the head can draft
 
