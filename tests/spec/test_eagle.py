@@ -382,6 +382,33 @@ def test_generated_conversations_mark_the_answers_and_held_out_agreement_counts_
     assert _agreement(pred, want, torch.tensor([[False, True, True, True]])) == (1, 3)
 
 
+def test_captured_rows_buffer_grows_keeps_order_and_lets_a_recomputation_win():
+    """A request's captured rows live in one float16 buffer by position (one tensor per request,
+    not one per step: per-step pieces fragmented the heap until a 1,290-conversation round was
+    killed for memory): it grows past its first capacity keeping what it held, a recomputation
+    after preemption overwrites the positions it repeats, and a gap means no features."""
+    import torch
+
+    from specserve.spec.train import _RowBuffer
+
+    rows = torch.arange(40 * 3, dtype=torch.float32).reshape(40, 3)
+    buf = _RowBuffer(3, capacity=4)
+    buf.write(0, rows[:5])  # a prompt chunk past the first capacity
+    for p in range(5, 30):  # decode steps, one row each
+        buf.write(p, rows[p : p + 1])
+    buf.write(10, -rows[10:20])  # preempted at 20, recomputed from 10
+    got = buf.take(30)
+    assert got is not None and got.dtype == torch.float16 and got.shape == (30, 3)
+    want = rows[:30].clone()
+    want[10:20] *= -1
+    assert torch.equal(got.float(), want)
+    assert buf.take(31) is None  # position 30 never written
+    gap = _RowBuffer(3)
+    gap.write(0, rows[:3])
+    gap.write(4, rows[4:6])
+    assert gap.take(3) is not None and gap.take(6) is None
+
+
 def test_conversation_features_are_kept_as_the_target_writes_them(tiny, tmp_path):
     """train-draft keeps the target's features of the conversations it writes (prompt chunks and
     every decode step, batched) instead of a second pass over them: each window's rows equal the

@@ -155,7 +155,8 @@ def _generated_sequences(llm, files: list[Path], want: int, seq_len: int, seed: 
                             SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=True)
         for o in outs:
             ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)[:-1]
-            got = _assemble(rows.pop(o.request_id, []), len(ids)) if runner is not None else None
+            buf = rows.pop(o.request_id, None) if runner is not None else None
+            got = buf.take(len(ids)) if buf is not None else None
             if got is not None:
                 feats.append((len(stream), got))
             stream += ids
@@ -171,37 +172,60 @@ def _generated_sequences(llm, files: list[Path], want: int, seq_len: int, seed: 
             [_window(feats, i, seq_len) for i in cuts])
 
 
+class _RowBuffer:
+    """One request's captured feature rows by position, float16, in one buffer that doubles as
+    it fills. (Keeping each step's rows as a tensor of their own -- one or a few rows each, tens
+    of thousands per round -- grew the process by ~30 MB per SmolLM2 conversation, ~20x their
+    size: the allocator's heap fragmented between the step's large temporaries, and the default
+    run's 1,290-conversation round was killed for memory.)"""
+
+    __slots__ = ("rows", "have")
+
+    def __init__(self, width: int, capacity: int = 256) -> None:
+        self.rows = torch.empty(capacity, width, dtype=torch.float16)
+        self.have = torch.zeros(capacity, dtype=torch.bool)
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        """Rows of positions start.. (a later write wins where a recomputation after preemption
+        repeats positions)."""
+        end = start + len(rows)
+        if end > len(self.rows):
+            size = max(end, 2 * len(self.rows))
+            grown = torch.empty(size, self.rows.shape[1], dtype=torch.float16)
+            grown[: len(self.rows)] = self.rows
+            have = torch.zeros(size, dtype=torch.bool)
+            have[: len(self.have)] = self.have
+            self.rows, self.have = grown, have
+        self.rows[start:end] = rows
+        self.have[start:end] = True
+
+    def take(self, n: int) -> torch.Tensor | None:
+        """Positions 0..n-1 (a copy of just those rows), or None if any is missing."""
+        if n > len(self.rows) or not bool(self.have[:n].all()):
+            return None
+        return self.rows[:n].clone()
+
+
 @contextmanager
-def _captured_rows(runner) -> Iterator[dict[str, list]]:  # noqa: ANN001 - ModelRunner or None
+def _captured_rows(runner) -> Iterator[dict[str, _RowBuffer]]:  # noqa: ANN001 - ModelRunner or None
     """While the block runs, every hidden-state row `runner`'s forwards compute, per request:
-    {request id: [(start position, float16 rows), ...]} (nothing without a runner)."""
-    rows: dict[str, list] = {}
+    {request id: _RowBuffer} (nothing without a runner)."""
+    rows: dict[str, _RowBuffer] = {}
     if runner is None:
         yield rows
         return
 
     def sink(rid: str, hidden) -> None:  # noqa: ANN001 - HiddenRows
-        rows.setdefault(rid, []).append((hidden.start_pos, hidden.rows.half()))
+        buf = rows.get(rid)
+        if buf is None:
+            buf = rows[rid] = _RowBuffer(hidden.rows.shape[-1])
+        buf.write(hidden.start_pos, hidden.rows)
 
     runner.capture_hidden, runner.hidden_sink = True, sink
     try:
         yield rows
     finally:
         runner.capture_hidden, runner.hidden_sink = False, None
-
-
-def _assemble(pieces: list, n: int) -> torch.Tensor | None:
-    """The rows of positions 0..n-1 from (start, rows) pieces (a later piece wins where a
-    recomputation after preemption repeats positions); None if any position is missing."""
-    if not pieces:
-        return None
-    out = torch.empty(n, pieces[0][1].shape[-1], dtype=torch.float16)
-    have = torch.zeros(n, dtype=torch.bool)
-    for start, r in pieces:
-        r = r[: max(0, n - start)]
-        out[start : start + len(r)] = r
-        have[start : start + len(r)] = True
-    return out if bool(have.all()) else None
 
 
 def _window(feats: list[tuple[int, torch.Tensor]], start: int, length: int) -> torch.Tensor | None:
