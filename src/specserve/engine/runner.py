@@ -558,11 +558,9 @@ class ModelRunner:
             spans.append((sr.request_id, sr.start_pos, first, len(rows) - first))
             base += n
         picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device))
+        keep = self.hidden_sink or self._hidden.__setitem__
         for rid, start, first, count in spans:
-            if self.hidden_sink is not None:
-                self.hidden_sink(rid, HiddenRows(start, picked[first : first + count]))
-            else:
-                self._hidden[rid] = HiddenRows(start, picked[first : first + count])
+            keep(rid, HiddenRows(start, picked[first : first + count]))
 
     def _sample_and_verify(self, out: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampledTokens]:
         """Sample one token per finishing request, or verify its draft (chains or trees)."""

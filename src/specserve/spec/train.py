@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import math
@@ -170,8 +171,9 @@ def _generated_sequences(llm, files: list[Path], want: int, seq_len: int, seed: 
             old.unlink(missing_ok=True)
     usable = min(len(stream), want) // seq_len * seq_len
     cuts = range(0, usable, seq_len)
+    starts = [off for off, _ in feats]
     return ([stream[i : i + seq_len] for i in cuts], [answer[i : i + seq_len] for i in cuts],
-            [_window(feats, i, seq_len) for i in cuts])
+            [_window(feats, starts, i, seq_len) for i in cuts])
 
 
 class _RowBuffer:
@@ -230,19 +232,21 @@ def _captured_rows(runner) -> Iterator[dict[str, _RowBuffer]]:  # noqa: ANN001 -
         runner.capture_hidden, runner.hidden_sink = False, None
 
 
-def _window(feats: list[tuple[int, torch.Tensor]], start: int, length: int) -> torch.Tensor | None:
-    """Features of stream[start : start + length] if the conversations written here cover it."""
-    parts, at = [], start
-    for off, rows in feats:
-        if off <= at < off + len(rows):
-            take = rows[at - off : min(len(rows), start + length - off)]
-            parts.append(take)
-            at += len(take)
-            if at == start + length:
-                return torch.cat(parts) if len(parts) > 1 else parts[0]
-        elif off > at:
+def _window(feats: list[tuple[int, torch.Tensor]], starts: list[int], start: int, length: int) -> torch.Tensor | None:
+    """Features of stream[start : start + length] if the conversations written here cover it
+    (`feats` in stream order, `starts` their offsets)."""
+    i = bisect.bisect_right(starts, start) - 1
+    parts, at, end = [], start, start + length
+    while 0 <= i < len(feats) and at < end:
+        off, rows = feats[i]
+        if not off <= at < off + len(rows):  # a conversation without features, or none at all
             return None
-    return None
+        parts.append(rows[at - off : end - off])
+        at += len(parts[-1])
+        i += 1
+    if at < end:
+        return None
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def split_files(files: list[Path], seed: int) -> tuple[list[Path], list[Path]]:
