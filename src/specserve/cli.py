@@ -118,6 +118,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(auto, the default: ngram in front of a model drafter; none: the drafter alone)")
     s.add_argument("--spec-copy-min-match", type=int, default=3, metavar="N",
                    help="--spec-copy: tokens of the request's tail that must match before a copy is drafted")
+    s.add_argument("--spec-join", choices=["none", "lookahead"], default="none",
+                   help="with a model drafter: lookahead's candidates (Jacobi window, n-grams, the model's own answers, "
+                        "a corpus) join the drafter's tree every step it drafts, verified in the same pass")
     s.add_argument("--spec-on-batch", type=int, default=8, help="speculate freely at batch <= this")
     s.add_argument("--spec-off-batch", type=int, default=32, help="never speculate at batch >= this")
     s.add_argument("--spec-release-after", type=float, default=300.0, metavar="SECONDS",
@@ -154,7 +157,7 @@ def _flag_kwargs(args: argparse.Namespace) -> dict:
         spec_policy=args.spec_policy, spec_tree=args.spec_tree, max_draft_nodes=args.max_draft_nodes, draft_num_layers=args.draft_num_layers,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, lookahead_window=args.lookahead_window,
         lookahead_corpus=args.lookahead_corpus, suffix_cache_requests=args.suffix_cache_requests,
-        spec_copy=args.spec_copy, spec_copy_min_match=args.spec_copy_min_match,
+        spec_copy=args.spec_copy, spec_copy_min_match=args.spec_copy_min_match, spec_join=args.spec_join,
         spec_on_batch=args.spec_on_batch, spec_off_batch=args.spec_off_batch,
         spec_release_after_s=None if args.spec_release_after < 0 else args.spec_release_after,
         **({} if args.draft_p_min is None else {"draft_p_min": args.draft_p_min}),

@@ -255,6 +255,9 @@ SPEC_TREES = ("auto", "tree", "chain")
 # auto: the reference where a request has one, else ngram, in front of a model drafter; nothing
 # in front of the others.
 SPEC_COPIES = ("auto", "none", "ngram", "reference")
+# --spec-join: a model-free proposer whose candidates join a model drafter's tree every step it
+# drafts, verified in the same pass (spec/join.py); none: the drafter's (and the copier's) alone.
+SPEC_JOINS = ("none", "lookahead")
 # Proposers that draft with a model pass: the ones a copier can go in front of.
 MODEL_DRAFTERS = ("draft", "eagle", "medusa", "mtp", "layerskip")
 
@@ -354,6 +357,7 @@ class SpecConfig:
     suffix_cache_requests: int = 10_000
     copy: str = "auto"  # auto | none | ngram | reference: copy before drafting with the model (see SPEC_COPIES)
     copy_min_match: int = 3  # a copy needs the request's last this many tokens to occur earlier
+    join: str = "none"  # none | lookahead: candidates joined into the model drafter's trees (see SPEC_JOINS)
     # Reference thresholds: speculate freely at batch <= on_batch, never at batch >= off_batch,
     # only priority requests (priority < 0) in between. The cost model decides within them.
     on_batch: int = 8
@@ -401,6 +405,12 @@ class SpecConfig:
             raise ConfigError(f"--spec-copy {self.copy} goes in front of a model drafter (--spec-method "
                               f"{'|'.join(MODEL_DRAFTERS)}); --spec-method {self.method} "
                               + ("has none." if self.method == "none" else "copies already."))
+        if self.join not in SPEC_JOINS:
+            raise ConfigError(f"Unknown spec join source {self.join!r}; use one of {', '.join(SPEC_JOINS)}.")
+        if self.join != "none" and self.method not in MODEL_DRAFTERS:
+            raise ConfigError(f"--spec-join {self.join} joins a model drafter's trees (--spec-method "
+                              f"{'|'.join(MODEL_DRAFTERS)}); --spec-method {self.method} "
+                              + ("has none." if self.method == "none" else "is model-free: use it alone."))
         if not 1 <= self.copy_min_match <= 32:
             raise ConfigError(f"copy_min_match must be in [1, 32], got {self.copy_min_match}.")
         if not 1 <= self.ngram_min <= self.ngram_max:

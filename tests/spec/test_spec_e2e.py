@@ -54,7 +54,8 @@ def _greedy(n=20, **kw):
 
 
 PROPOSERS = ["ngram", "reference", "reference-chain", "lookahead", "draft-truncated", "draft-full", "draft-restricted",
-             "draft-pmin", "eagle", "eagle-chain", "medusa", "mtp", "layerskip", "layerskip-chain", "copy-draft", "copy-eagle", "copy-auto"]
+             "draft-pmin", "eagle", "eagle-chain", "medusa", "mtp", "layerskip", "layerskip-chain", "copy-draft", "copy-eagle", "copy-auto",
+             "join-eagle", "join-copy-draft"]
 _HEADS: dict[tuple[int, str], str] = {}
 
 
@@ -74,6 +75,9 @@ def _spec_llm(ckpt, which, policy="always", **kw):
     # The model drafters' variants test the drafter itself: no copier in front of it (the default
     # puts prompt lookup there; the copy-* variants test that pairing).
     kw.setdefault("spec_copy", "none")
+    if which.startswith("join-"):  # lookahead's candidates joined into the drafter's trees
+        kw["spec_join"] = "lookahead"
+        return _spec_llm(ckpt, which[len("join-"):], policy, **kw)
     if which == "copy-draft":  # prompt lookup where a 2-token tail matches, the one-layer draft's trees elsewhere
         kw["spec_copy"] = "ngram"
         return _spec_llm(ckpt, "draft-truncated", policy, spec_copy_min_match=2, **kw)
@@ -140,11 +144,13 @@ def test_tiny_greedy_spec_equals_plain_batched_and_alone(tiny, which):
         assert eng.spec_counters["num_accepted_tokens"] == eng.spec_counters["num_draft_tokens"]
     assert eng.check_integrity()
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
-    if which.startswith(("draft", "eagle", "medusa", "mtp", "copy", "ngram")):
+    if which.startswith(("draft", "eagle", "medusa", "mtp", "copy", "ngram", "join")):
         assert not eng.proposer.live_request_ids()
-    if which.startswith(("draft", "eagle", "mtp", "copy")):
+    if which.startswith(("draft", "eagle", "mtp", "copy", "join")):
         assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
-    if which.startswith("copy"):  # both sources drafted, and both kinds of draft were verified
+    if which.startswith("join"):  # lookahead added nodes to the drafter's trees
+        assert eng.proposer.num_joined > 0 and eng.proposer.num_nodes_added > 0
+    if which.startswith(("copy", "join-copy")):  # both sources drafted, and both kinds of draft were verified
         assert eng.proposer.num_copied > 0 and eng.proposer.num_modelled > 0
     if which == "copy-auto":
         assert [type(c).__name__ for c in eng.proposer.copier.copiers] == ["ReferenceProposer", "NgramProposer"]
@@ -310,9 +316,11 @@ def _assert_same_distribution(base, spec, vocab=12):
     # The quick tier keeps a model drafter (layer-skip); deterministic proposers' sampled tokens
     # are tested there equal to plain sampling's (test_seeded_sampling_with_a_deterministic_...).
     # copy-draft: copied (one-hot) and drafted (the draft's distributions) drafts in one batch.
+    # join-copy-draft: the copies joined by lookahead's candidates, verified as deterministic trees
+    # beside the draft's own (a sampled request's model draft is not joined).
     "layerskip", "copy-draft", *(pytest.param(w, marks=pytest.mark.slow)
                    for w in ("ngram", "draft-truncated", "lookahead", "draft-restricted", "draft-pmin", "eagle",
-                             "medusa", "mtp")),
+                             "medusa", "mtp", "join-copy-draft")),
 ])
 def test_tiny_sampled_distribution_matches(which):
     """First 4 generated tokens with speculation vs without: same joint distribution.
@@ -341,8 +349,10 @@ def test_tiny_sampled_distribution_matches(which):
     spec = spec_llm.generate([prompt] * n, params, use_tqdm=False)
     counters = spec_llm.engine.spec_counters
     assert counters["num_accepted_tokens"] > 1000
-    if which.startswith("copy"):
+    if which.startswith(("copy", "join-copy")):
         assert spec_llm.engine.proposer.num_copied > 1000 and spec_llm.engine.proposer.num_modelled > 1000
+    if which.startswith("join"):
+        assert spec_llm.engine.proposer.num_joined > 1000
     if which == "draft-pmin":  # proposals of several lengths, not all cut to one token
         assert 1.2 < counters["num_draft_tokens"] / counters["num_drafts"] < 3.0
     _assert_same_distribution(base, spec)
@@ -1000,6 +1010,12 @@ def test_bad_spec_config_errors():
         SpecConfig(method="none", copy="reference")
     with pytest.raises(ConfigError, match="Unknown spec copy source"):
         SpecConfig(method="eagle", copy="suffix")
+    with pytest.raises(ConfigError, match="Unknown spec join source"):
+        SpecConfig(method="eagle", join="ngram")
+    with pytest.raises(ConfigError, match="is model-free"):  # a join adds to a model drafter's trees
+        SpecConfig(method="ngram", join="lookahead")
+    with pytest.raises(ConfigError, match="has none"):
+        SpecConfig(method="none", join="lookahead")
     with pytest.raises(ConfigError, match="copy_min_match"):
         SpecConfig(method="eagle", copy="ngram", copy_min_match=0)
 

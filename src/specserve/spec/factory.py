@@ -263,13 +263,23 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerContext], Proposer]] = {
 
 def build_proposer(ctx: ProposerContext) -> Proposer | None:
     """The proposer for ctx.spec.method, or None for 'none'; with --spec-copy, a copier in front
-    of it (specserve.spec.hybrid)."""
+    of it (specserve.spec.hybrid); with --spec-join, a model-free proposer's candidates joined
+    into its trees (specserve.spec.join)."""
     if ctx.spec.method == "none":
         return None
     drafter = PROPOSER_BUILDERS[ctx.spec.method](ctx)
     names = ctx.spec.copiers
-    if not names:
-        return drafter
+    if names:
+        drafter = _with_copier(ctx, drafter, names)
+    if ctx.spec.join != "none":
+        from specserve.spec.join import JoinedProposer
+
+        drafter = JoinedProposer(drafter, PROPOSER_BUILDERS[ctx.spec.join](ctx), ctx.spec.join)
+    return drafter
+
+
+def _with_copier(ctx: ProposerContext, drafter: Proposer, names: tuple[str, ...]) -> Proposer:
+    """The drafter behind the copiers `names` (specserve.spec.hybrid)."""
     from dataclasses import replace
 
     from specserve.spec.hybrid import FirstOf, HybridProposer

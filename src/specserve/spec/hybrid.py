@@ -85,27 +85,19 @@ class FirstOf(Proposer):
         return sum(c.memory_bytes() for c in self.copiers)
 
 
-class HybridProposer(Proposer):
-    """A copier's draft where it has one, else the model drafter's; traits are the drafter's."""
+class DrafterPair(Proposer):
+    """A model drafter paired with a model-free proposer (`other`): what the engine sets and reads
+    is the drafter's (its cost per pass, its prompt KV, its features and catch-up), except that
+    both keep per-request state and learn from finished requests. Subclasses decide how the two
+    draft (HybridProposer: one or the other; JoinedProposer: both in one tree)."""
 
-    def __init__(self, copier: Proposer, drafter: Proposer, copier_name: str, min_match: int, budget: int = 64) -> None:
-        # copier: a model-free proposer that drafts nothing where it has no match (ngram,
-        # reference, or several in turn: FirstOf)
-        if copier.traits.cost != "flat" or drafter.traits.cost != "per_pass":
-            raise ValueError("a hybrid pairs a model-free copier with a model drafter")
-        self.copier = copier
+    def __init__(self, other: Proposer, drafter: Proposer) -> None:
+        if other.traits.cost != "flat" or drafter.traits.cost != "per_pass":
+            raise ValueError(f"a {type(self).__name__} pairs a model-free proposer with a model drafter")
+        self.other = other
         self.drafter = drafter
-        self.copier_name = copier_name
-        self.min_match = min_match
-        self.budget = budget  # the most nodes a step may ask for (the copies free_drafts makes are cut to k)
-        # free_drafts' copies, kept for the propose() of the same step, and the request lengths it saw
-        self._copies: dict[str, DraftTree] = {}
-        self._looked: dict[str, int] = {}
         # The drafter's: its cost per pass, trees, hidden states, prompt KV that travels.
         self.traits: ProposerTraits = drafter.traits
-        self._drafted = False  # the drafter made passes in the last propose()
-        self.num_copied = 0  # drafts the copier gave (counted over the proposer's life)
-        self.num_modelled = 0  # drafts the drafter gave
 
     # ------------------------------------------------------------------ what the engine sets / reads
     @property
@@ -117,55 +109,105 @@ class HybridProposer(Proposer):
         self.drafter.pass_cost_ratio = value
 
     @property
-    def last_pass_time_s(self) -> float | None:
-        """The drafter's last pass time, None when the last step copied for every request (no
-        pass to learn the draft cost from)."""
-        return getattr(self.drafter, "last_pass_time_s", None) if self._drafted else None
-
-    @property
     def tree(self) -> bool:
         """Trees or chains, for both (the bench switches them at run time)."""
         return bool(getattr(self.drafter, "tree", False))
 
     @tree.setter
     def tree(self, value: bool) -> None:
-        for p in (self.copier, self.drafter):
+        for p in (self.other, self.drafter):
             if hasattr(p, "tree"):
                 p.tree = value
 
     def prompt_kv_traveller(self) -> PromptKVTraveller | None:
-        """The drafter's prompt KV travels as it would alone (the copier has none)."""
+        """The drafter's prompt KV travels as it would alone (the other has none)."""
         return self.drafter.prompt_kv_traveller()
 
     def __getattr__(self, name: str) -> object:
         """Anything else is the drafter's (its runner, its KV cache manager, its head)."""
-        if name in ("copier", "drafter"):  # not set yet (unpickling): no recursion
+        if name in ("other", "drafter"):  # not set yet (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.drafter, name)
 
     # ------------------------------------------------------------------ lifecycle
     def add_request(self, request: Request) -> None:
         """Both keep per-request state (the reference text; the drafter's caches)."""
-        self.copier.add_request(request)
+        self.other.add_request(request)
         self.drafter.add_request(request)
 
     def request_finished(self, request: Request) -> None:
         """Both learn from what it wrote."""
-        self.copier.request_finished(request)
+        self.other.request_finished(request)
         self.drafter.request_finished(request)
 
     def reset_served(self) -> None:
         """Both forget earlier requests' outputs."""
-        self.copier.reset_served()
+        self.other.reset_served()
         self.drafter.reset_served()
 
     def served_tokens(self) -> int:
-        return self.copier.served_tokens() + self.drafter.served_tokens()
+        return self.other.served_tokens() + self.drafter.served_tokens()
 
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Both release the request."""
-        self.copier.remove_request(request_id, finished)
+        self.other.remove_request(request_id, finished)
         self.drafter.remove_request(request_id, finished)
+
+    # ------------------------------------------------------------------ the drafter's alone
+    def observe_hidden(self, hidden: dict) -> None:
+        """Every verified token's features reach a feature drafter, copied steps' included."""
+        self.drafter.observe_hidden(hidden)
+
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.drafter.feature_layers()
+
+    def time_pass(self, batch: int) -> float:
+        return self.drafter.time_pass(batch)
+
+    def catchup_tokens(self, request: Request) -> int:
+        return self.drafter.catchup_tokens(request)
+
+    def time_catchup(self, tokens: int) -> float:
+        return self.drafter.time_catchup(tokens)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def check_integrity(self) -> bool:
+        return self.other.check_integrity() and self.drafter.check_integrity()
+
+    def live_request_ids(self) -> list[str]:
+        return sorted(set(self.other.live_request_ids()) | set(self.drafter.live_request_ids()))
+
+    def memory_bytes(self) -> int:
+        return self.drafter.memory_bytes() + self.other.memory_bytes()
+
+
+class HybridProposer(DrafterPair):
+    """A copier's draft where it has one, else the model drafter's; traits are the drafter's."""
+
+    def __init__(self, copier: Proposer, drafter: Proposer, copier_name: str, min_match: int, budget: int = 64) -> None:
+        # copier: a model-free proposer that drafts nothing where it has no match (ngram,
+        # reference, or several in turn: FirstOf)
+        super().__init__(copier, drafter)
+        self.copier_name = copier_name
+        self.min_match = min_match
+        self.budget = budget  # the most nodes a step may ask for (the copies free_drafts makes are cut to k)
+        # free_drafts' copies, kept for the propose() of the same step, and the request lengths it saw
+        self._copies: dict[str, DraftTree] = {}
+        self._looked: dict[str, int] = {}
+        self._drafted = False  # the drafter made passes in the last propose()
+        self.num_copied = 0  # drafts the copier gave (counted over the proposer's life)
+        self.num_modelled = 0  # drafts the drafter gave
+
+    @property
+    def copier(self) -> Proposer:
+        """The model-free proposer in front."""
+        return self.other
+
+    @property
+    def last_pass_time_s(self) -> float | None:
+        """The drafter's last pass time, None when the last step copied for every request (no
+        pass to learn the draft cost from)."""
+        return getattr(self.drafter, "last_pass_time_s", None) if self._drafted else None
 
     # ------------------------------------------------------------------ drafting
     def free_drafts(self, requests: Sequence[Request]) -> list[bool]:
@@ -213,33 +255,7 @@ class HybridProposer(Proposer):
         """Verify outputs go to the drafter (copiers learn nothing from them)."""
         self.drafter.observe(request, draft, result)
 
-    def observe_hidden(self, hidden: dict) -> None:
-        """Every verified token's features reach a feature drafter, copied steps' included."""
-        self.drafter.observe_hidden(hidden)
-
-    def feature_layers(self) -> tuple[int, ...]:
-        return self.drafter.feature_layers()
-
-    def time_pass(self, batch: int) -> float:
-        return self.drafter.time_pass(batch)
-
-    def catchup_tokens(self, request: Request) -> int:
-        return self.drafter.catchup_tokens(request)
-
-    def time_catchup(self, tokens: int) -> float:
-        return self.drafter.time_catchup(tokens)
-
-    # ------------------------------------------------------------------ bookkeeping
-    def check_integrity(self) -> bool:
-        return self.copier.check_integrity() and self.drafter.check_integrity()
-
-    def live_request_ids(self) -> list[str]:
-        return sorted(set(self.copier.live_request_ids()) | set(self.drafter.live_request_ids()))
-
     def describe(self) -> str:
         inner = self.drafter.describe()
         copy = f"copying first ({self.copier_name}, tails of >= {self.min_match} tokens)"
         return f"{inner}; {copy}" if inner else copy
-
-    def memory_bytes(self) -> int:
-        return self.drafter.memory_bytes() + self.copier.memory_bytes()

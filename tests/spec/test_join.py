@@ -1,0 +1,114 @@
+"""--spec-join: a model-free proposer's candidates joined into a model drafter's trees."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve.request import Request
+from specserve.sampling_params import SamplingParams
+from specserve.spec.join import JoinedProposer, join_trees
+from specserve.spec.proposer import Proposer, ProposerTraits
+from specserve.spec.tree import DraftTree, SiblingDraw
+
+
+def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    return {tuple(tree.token_ids[n] for n in tree.path(i)) for i in range(len(tree))}
+
+
+def _random_tree(rng: random.Random, n: int, vocab: int = 4) -> DraftTree:
+    """A tree of n nodes with path scores (each child below its parent) and repeated tokens."""
+    tokens, parents, scores = [], [], []
+    for i in range(n):
+        p = rng.randrange(-1, i)
+        tokens.append(rng.randrange(vocab))
+        parents.append(p)
+        scores.append((1.0 if p < 0 else scores[p]) * rng.uniform(0.1, 1.0))
+    return DraftTree(tuple(tokens), tuple(parents), scores=tuple(scores))
+
+
+def test_joined_tree_holds_every_path_of_both_once_best_first():
+    rng = random.Random(0)
+    for _ in range(300):
+        a, b = _random_tree(rng, rng.randrange(1, 12)), _random_tree(rng, rng.randrange(1, 12))
+        j = join_trees(a, b)
+        assert j.draw is SiblingDraw.DETERMINISTIC and j.dists is None
+        assert _paths(j) == _paths(a) | _paths(b)
+        assert len(j) == len(_paths(j))  # a path both hold is one node
+        # best first: every prefix is a tree of the highest-scored nodes that can be taken
+        assert all(j.scores[i] <= j.scores[p] for i, p in enumerate(j.parents) if p >= 0)
+        for i in range(1, len(j)):
+            frontier = [c for c in range(i, len(j)) if j.parents[c] < i]
+            assert j.scores[i] == max(j.scores[c] for c in frontier)
+        # a shared path keeps the higher of its two scores
+        score_of = {}
+        for t in (a, b):
+            for i in range(len(t)):
+                key = tuple(t.token_ids[n] for n in t.path(i))
+                score_of[key] = max(score_of.get(key, 0.0), t.scores[i])
+        for i in range(len(j)):
+            assert j.scores[i] == score_of[tuple(j.token_ids[n] for n in j.path(i))]
+
+
+def test_joined_tree_of_unscored_trees_counts_their_nodes_certain():
+    chain = DraftTree.chain([5, 6, 7])
+    other = DraftTree((5, 9), (-1, 0))
+    j = join_trees(chain, other)
+    assert _paths(j) == {(5,), (5, 6), (5, 6, 7), (5, 9)}
+    assert j.scores == (1.0,) * 4
+
+
+class _Fixed(Proposer):
+    """Hands out the trees it was given; records what it saw."""
+
+    def __init__(self, cost: str, trees: dict[str, DraftTree]) -> None:
+        self.traits = ProposerTraits(cost=cost, trees=True, needs_verify_outputs=cost == "flat")
+        self.trees = trees
+        self.asked: list[str] = []
+        self.observed: list[DraftTree] = []
+
+    def propose(self, requests, num_tokens):  # noqa: ANN001, ANN201
+        self.asked += [r.request_id for r, k in zip(requests, num_tokens) if k > 0]
+        return {r.request_id: self.trees[r.request_id] for r, k in zip(requests, num_tokens)
+                if k > 0 and r.request_id in self.trees}
+
+    def observe(self, request, draft, result) -> None:  # noqa: ANN001
+        self.observed.append(draft)
+
+
+def _req(rid: str, temperature: float) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=8, temperature=temperature))
+
+
+def test_a_sampled_request_keeps_the_drafters_own_distributions():
+    """Greedy requests and deterministic drafts are joined; a sampled request whose drafter drew
+    from its distributions keeps that tree (its rejection test needs them); a request the drafter
+    gave nothing gets the helper's tree; a request given no budget gets nothing."""
+    probs = torch.full((2, 8), 1 / 8)
+    drawn = DraftTree((3, 4), (-1, 0), SiblingDraw.WITHOUT_REPLACEMENT, probs, (0, 1), (0.5, 0.2))
+    fixed = DraftTree((3,), (-1,), scores=(0.9,))
+    extra = DraftTree((3, 5), (-1, 0), scores=(0.6, 0.4))
+    model = _Fixed("per_pass", {"greedy": drawn, "sampled": drawn, "copied": fixed, "zero": drawn})
+    helper = _Fixed("flat", {k: extra for k in ("greedy", "sampled", "copied", "none", "zero")})
+    join = JoinedProposer(model, helper, "lookahead")
+    assert join.traits.needs_verify_outputs and join.traits.cost == "per_pass"
+    reqs = [_req("greedy", 0.0), _req("sampled", 0.8), _req("copied", 0.8), _req("none", 0.8), _req("zero", 0.0)]
+    out = join.propose(reqs, [4, 4, 4, 4, 0])
+    assert out["sampled"] is drawn
+    assert _paths(out["greedy"]) == {(3,), (3, 4), (3, 5)} and out["greedy"].draw is SiblingDraw.DETERMINISTIC
+    assert _paths(out["copied"]) == {(3,), (3, 5)}
+    assert out["none"] is extra
+    assert "zero" not in out and "zero" not in helper.asked and "sampled" not in helper.asked
+    assert join.num_joined == 2 and join.num_nodes_added == 2
+    # the helper learns from the verified tree (lookahead's window); the model drafter does not ask
+    join.observe(reqs[0], out["greedy"], None)
+    assert helper.observed == [out["greedy"]] and model.observed == []
+
+
+def test_a_join_needs_a_model_drafter_and_a_model_free_helper():
+    with pytest.raises(ValueError, match="model-free"):
+        JoinedProposer(_Fixed("flat", {}), _Fixed("flat", {}), "lookahead")
+    with pytest.raises(ValueError, match="model-free"):
+        JoinedProposer(_Fixed("per_pass", {}), _Fixed("per_pass", {}), "lookahead")
