@@ -69,8 +69,14 @@ class Bench:
     def llm(self, method: str, policy: str = "adaptive", k: int = 4, **kw: Any) -> LLM:
         gc.collect()
         quant = self.args.quantization
-        if "+" in method:  # "draft+ngram": the draft model with --spec-copy ngram in front of it
-            method, kw["spec_copy"] = method.split("+", 1)
+        # "draft+ngram": the draft model with --spec-copy ngram in front of it; "eagle+join",
+        # "eagle+none+join": lookahead's candidates joined into its trees (--spec-join lookahead)
+        method, *extra = method.split("+")
+        for part in extra:
+            if part == "join":
+                kw["spec_join"] = "lookahead"
+            else:
+                kw["spec_copy"] = part
         if method == "none-int8":  # the plain baseline on the int8 weight-only target, for reference
             method, quant = "none", "int8"
         if method == "lookahead" and self.args.lookahead_corpus:
@@ -472,7 +478,8 @@ def main() -> int:
     ap.add_argument("--batch-method", default="draft", help="batchsweep: the proposer (METHOD+COPY as --tree-methods)")
     ap.add_argument("--tree-methods", nargs="+", default=["draft", "ngram", "reference", "lookahead"],
                     help="proposers of the trees section; METHOD+COPY (draft+ngram, eagle+reference) puts "
-                         "--spec-copy COPY in front of a model drafter")
+                         "--spec-copy COPY in front of a model drafter, METHOD+join (eagle+join, eagle+none+join) "
+                         "joins lookahead's candidates into its trees (--spec-join lookahead)")
     ap.add_argument("--sections", nargs="+", default=["trees", "batch1", "ksweep", "batchsweep", "hf"])
     ap.add_argument("--tree-policy", default="adaptive", choices=["adaptive", "always"],
                     help="trees section: the policy (always: every step drafts, to measure acceptance)")
