@@ -66,11 +66,11 @@ class _Fixed(Proposer):
     def __init__(self, cost: str, trees: dict[str, DraftTree]) -> None:
         self.traits = ProposerTraits(cost=cost, trees=True, needs_verify_outputs=cost == "flat")
         self.trees = trees
-        self.asked: list[str] = []
+        self.asked: dict[str, int] = {}  # request -> the nodes it was asked for
         self.observed: list[DraftTree] = []
 
     def propose(self, requests, num_tokens):  # noqa: ANN001, ANN201
-        self.asked += [r.request_id for r, k in zip(requests, num_tokens) if k > 0]
+        self.asked.update((r.request_id, k) for r, k in zip(requests, num_tokens) if k > 0)
         return {r.request_id: self.trees[r.request_id] for r, k in zip(requests, num_tokens)
                 if k > 0 and r.request_id in self.trees}
 
@@ -92,15 +92,17 @@ def test_a_sampled_request_keeps_the_drafters_own_distributions():
     extra = DraftTree((3, 5), (-1, 0), scores=(0.6, 0.4))
     model = _Fixed("per_pass", {"greedy": drawn, "sampled": drawn, "copied": fixed, "zero": drawn})
     helper = _Fixed("flat", {k: extra for k in ("greedy", "sampled", "copied", "none", "zero")})
-    join = JoinedProposer(model, helper, "lookahead")
+    join = JoinedProposer(model, helper, "lookahead", budget=6)
     assert join.traits.needs_verify_outputs and join.traits.cost == "per_pass"
     reqs = [_req("greedy", 0.0), _req("sampled", 0.8), _req("copied", 0.8), _req("none", 0.8), _req("zero", 0.0)]
-    out = join.propose(reqs, [4, 4, 4, 4, 0])
+    out = join.propose(reqs, [4, 9, 4, 9, 0])
     assert out["sampled"] is drawn
     assert _paths(out["greedy"]) == {(3,), (3, 4), (3, 5)} and out["greedy"].draw is SiblingDraw.DETERMINISTIC
     assert _paths(out["copied"]) == {(3,), (3, 5)}
     assert out["none"] is extra
     assert "zero" not in out and "zero" not in helper.asked and "sampled" not in helper.asked
+    # the helper is asked for at least its budget where the drafter drafts (the policy prunes)
+    assert helper.asked == {"greedy": 6, "copied": 6, "none": 9}
     assert join.num_joined == 2 and join.num_nodes_added == 2
     # the helper learns from the verified tree (lookahead's window); the model drafter does not ask
     join.observe(reqs[0], out["greedy"], None)

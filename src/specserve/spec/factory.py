@@ -274,7 +274,7 @@ def build_proposer(ctx: ProposerContext) -> Proposer | None:
     if ctx.spec.join != "none":
         from specserve.spec.join import JoinedProposer
 
-        drafter = JoinedProposer(drafter, PROPOSER_BUILDERS[ctx.spec.join](ctx), ctx.spec.join)
+        drafter = JoinedProposer(drafter, PROPOSER_BUILDERS[ctx.spec.join](ctx), ctx.spec.join, ctx.spec.num_spec_tokens)
     return drafter
 
 

@@ -86,9 +86,13 @@ def join_trees(a: DraftTree, b: DraftTree) -> DraftTree:
 class JoinedProposer(DrafterPair):
     """The drafter's trees with the helper's candidates joined in; traits are the drafter's."""
 
-    def __init__(self, drafter: Proposer, helper: Proposer, helper_name: str) -> None:
+    def __init__(self, drafter: Proposer, helper: Proposer, helper_name: str, budget: int = 8) -> None:
         super().__init__(helper, drafter)
         self.helper_name = helper_name
+        # The fewest nodes the helper is asked for where the drafter drafts: the adaptive policy
+        # often gives a model drafter a small budget (its passes cost), while the helper's
+        # candidates cost verify rows alone, which the policy's pruning weighs node by node.
+        self.budget = budget
         # The drafter's traits, and the verify outputs the helper learns from (lookahead's window).
         self.traits = replace(drafter.traits, needs_verify_outputs=(drafter.traits.needs_verify_outputs
                                                                     or helper.traits.needs_verify_outputs))
@@ -109,12 +113,13 @@ class JoinedProposer(DrafterPair):
 
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
         """The drafter's trees, each joined by the helper's candidates for the same request (as
-        many nodes as the step gives the request; the policy prunes the joint tree)."""
+        many nodes as the step gives the request, at least `budget`; the policy prunes the joint
+        tree)."""
         out = self.drafter.propose(requests, num_tokens)
         asked = [(r, k) for r, k in zip(requests, num_tokens) if k > 0 and self._joinable(r, out.get(r.request_id))]
         if not asked:
             return out
-        extra = self.helper.propose([r for r, _ in asked], [k for _, k in asked])
+        extra = self.helper.propose([r for r, _ in asked], [max(k, self.budget) for _, k in asked])
         for rid, tree in extra.items():
             own = out.get(rid)
             if own is None:
