@@ -178,6 +178,10 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
     cases["tiny eagle fused chain"] = dict(
         spec_method="eagle", draft_model=str(path), spec_tree="chain"
     )
+    # lookahead's candidates joined into the head's trees (--spec-join)
+    cases["tiny eagle tree + join"] = dict(
+        spec_method="eagle", draft_model=str(path), spec_join="lookahead"
+    )
     # int8 KV is compared with plain decoding on int8 KV (the quantization changes the numbers).
     base_int8 = [
         o.token_ids
@@ -228,6 +232,9 @@ def section_exact(args: argparse.Namespace, real: Any | None, real_prompts: dict
             rcases["real eagle tree"] = dict(spec_method="eagle", draft_model=args.eagle)
             rcases["real eagle chain"] = dict(
                 spec_method="eagle", draft_model=args.eagle, spec_tree="chain"
+            )
+            rcases["real eagle tree + join"] = dict(
+                spec_method="eagle", draft_model=args.eagle, spec_join="lookahead"
             )
         # Seeded sampling: a deterministic proposer's drafts are coupled to the plain draw, so
         # the text equals plain decoding's with the same seeds (a real vocabulary's sums).
@@ -656,15 +663,19 @@ def section_speed(
             ("eagle", "auto", "coding"),
             ("eagle", "chain", "coding"),
             ("eagle", "auto", "prose"),
+            ("eagle+join", "auto", "coding"),
+            ("eagle+join", "auto", "prose"),
         ]
     for policy in ("always", "adaptive"):
         for method, tree, set_name in methods:
 
             def spec(method=method, tree=tree, set_name=set_name, policy=policy) -> dict:
-                extra = {"draft_model": args.eagle} if method == "eagle" else {}
+                extra = {"draft_model": args.eagle} if method.startswith("eagle") else {}
+                if method.endswith("+join"):  # lookahead's candidates joined into the head's trees
+                    extra["spec_join"] = "lookahead"
                 llm = LLM(
                     args.model,
-                    spec_method=method,
+                    spec_method=method.removesuffix("+join"),
                     spec_policy=policy,
                     spec_tree=tree,
                     **kw,

@@ -806,3 +806,32 @@ def test_a_build_killed_midway_does_not_block_the_next_start(tmp_path):
     assert entered.is_set()
     with open(tmp_path / ".specserve-build.lock") as fh:  # released: a non-blocking lock succeeds
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_blocks_under_a_float_quantization_run_as_float_and_speculation_stays_exact(smollm_path):
+    """A checkpoint that kept its GGUF blocks, served with --quantization none: float weights
+    holding the blocks' values, so every step shape computes alike. (Blocks beside torch's
+    attention let the kernels' int8 rounding turn ~1e-7 differences between a decode step and a
+    verify pass into different tokens: greedy n-gram speculation left plain decoding at the 7th
+    token of the first of these prompts.)"""
+    from specserve.models.loader import load_model_files
+
+    blocks = load_model_files(smollm_path, keep_blocks=True)
+    kw = dict(checkpoint=blocks, quantization="none", dtype="float32", kv_cache_gib=0.25, profile_spec_costs=False)
+    plain = LLM(smollm_path, **kw)
+    model = plain.engine.runner.model
+    assert not any(isinstance(m, BlockQuantLinear) for m in model.modules())
+    x = torch.randn(3, blocks.arch.hidden_size)
+    w = blocks.packed["model.layers.0.mlp.gate_proj.weight"].dequantize()
+    torch.testing.assert_close(model.model.layers[0].mlp.gate_proj(x), x @ w.T, rtol=1e-5, atol=1e-5)
+    tok = blocks.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in (
+        "Tell me about the history of the bicycle in a few paragraphs.",
+        "Why do leaves change colour in autumn? Explain it simply.",
+        "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals. Include a docstring.",
+    )]
+    params = SamplingParams(max_tokens=48, temperature=0)
+    base = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(smollm_path, spec_method="ngram", spec_policy="always", num_spec_tokens=6, **kw)
+    assert [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == base
+    assert spec.engine.spec_counters["num_draft_tokens"] > 0

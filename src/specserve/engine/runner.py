@@ -166,6 +166,14 @@ class ModelRunner:
             raise ConfigError("ModelRunner needs an explicit quantization (the engine resolves the default: "
                               "specserve.defaults.resolve_defaults).")
         packed = packed or {}
+        if packed and model_config.quantization not in ("auto", "int4"):
+            # Blocks run only with the native CPU kernels' attention and norms: beside torch's
+            # attention the kernels' int8 rounding of activations turns its ~1e-7 differences
+            # between step shapes into different tokens (greedy speculation then left plain decoding
+            # at SmolLM2's 7th token). `none` asks for float weights, `int8` quantizes float ones:
+            # both get the values the blocks encode, as a checkpoint loaded without them would.
+            weights = {**weights, **{name: pw.dequantize() for name, pw in packed.items()}}
+            packed = {}
         if model_config.quantization == "int4":  # before the layers are built: no interleave round trip
             packed = {name: requantize_4bit(pw) for name, pw in packed.items()}
         self.model = self._build(arch, weights, max_model_len + ROPE_SLACK, packed)
