@@ -994,6 +994,14 @@ def test_draft_tokenizer_mismatch_is_refused(smollm_checkpoint):
         LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, draft_checkpoint=fake_draft)
 
 
+def test_the_summary_says_when_greedy_speculation_may_leave_plain_decoding(tiny):
+    """bf16 verify passes round other matrix shapes than a decode step does: the start-up summary
+    says so, and what gives token-for-token equality; float32 says nothing of it."""
+    bf16 = LLM("tiny", dtype="bfloat16", checkpoint=tiny, spec_method="ngram", profile_spec_costs=False)
+    assert "--dtype float32" in bf16.engine.describe()["speculation"]
+    assert "--dtype float32" not in _llm(tiny, "ngram").engine.describe()["speculation"]
+
+
 def test_bad_spec_config_errors():
     from specserve.config import SpecConfig
     from specserve.errors import ConfigError

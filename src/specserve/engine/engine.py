@@ -1043,6 +1043,10 @@ class LLMEngine:
                 what += f" ({detail})"
             shape = "trees" if self.policy.trees else "chains"
             out["speculation"] = f"{what}, {shape}, K <= {spec.num_spec_tokens}, policy {spec.policy}"
+            if runner.dtype in (torch.bfloat16, torch.float16):  # verify passes round other shapes
+                out["speculation"] += (f"; in {str(runner.dtype).removeprefix('torch.')} greedy output can differ from "
+                                       "plain decoding where two tokens tie within its rounding (--dtype float32: "
+                                       "token for token)")
         out["threads"] = str(torch.get_num_threads())
         return out
 
