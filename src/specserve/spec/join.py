@@ -8,7 +8,9 @@ habits (a closing phrase it always writes, a stock idiom of code). Copying first
 as one tree, and keeps the longest path the target accepts. The model-free candidates cost no
 draft pass, only verify rows, and the policy prices every node by its score like any other
 (SmolLM2 with its default EAGLE head, 8 held-out prompts per set, every step drafting: 1.79 /
-1.52 tokens per forward on coding / prose alone, 2.41 / 1.82 joined).
+1.52 tokens per forward on coding / prose alone, 2.44 / 1.81 joined). On two CPU cores the rows
+a join adds cost about what they save (a Zen 5's verify cost rises steeply past 9 rows), so it is
+off by default; where verifying more rows is nearly free (a GPU at small batch) it is the lever.
 
 Exactness. A joined node's children come from two sources, so no one draw rule covers them;
 the joint tree is therefore verified as deterministic candidates, which is exact for any
