@@ -318,9 +318,9 @@ def _assert_same_distribution(base, spec, vocab=12):
     # copy-draft: copied (one-hot) and drafted (the draft's distributions) drafts in one batch.
     # join-copy-draft: the copies joined by lookahead's candidates, verified as deterministic trees
     # beside the draft's own (a sampled request's model draft is not joined).
-    "layerskip", "copy-draft", *(pytest.param(w, marks=pytest.mark.slow)
+    "layerskip", "copy-draft", "join-copy-draft", *(pytest.param(w, marks=pytest.mark.slow)
                    for w in ("ngram", "draft-truncated", "lookahead", "draft-restricted", "draft-pmin", "eagle",
-                             "medusa", "mtp", "join-copy-draft")),
+                             "medusa", "mtp")),
 ])
 def test_tiny_sampled_distribution_matches(which):
     """First 4 generated tokens with speculation vs without: same joint distribution.
