@@ -228,6 +228,16 @@ class Request:
         if top_logprobs is not None:
             self.output_top_logprobs.extend(top_logprobs)
 
+    def drop_last_output_tokens(self, n: int) -> None:
+        """Forget the last n accepted output tokens and their logprobs (a stop string ended the
+        output at a token before them in the same step)."""
+        if n <= 0:
+            return
+        del self.all_token_ids[-n:]
+        del self.output_logprobs[self.num_output_tokens :]
+        del self.output_top_logprobs[self.num_output_tokens :]
+        self.num_computed_tokens = min(self.num_computed_tokens, max(0, self.num_tokens - 1))
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "

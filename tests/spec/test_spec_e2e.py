@@ -862,6 +862,25 @@ def test_smollm2_min_tokens_holds_back_eos_and_stop_strings(smollm_checkpoint, m
         assert llm.engine.spec_counters["num_accepted_tokens"] > 0
 
 
+def test_a_stop_string_inside_a_speculative_step_ends_the_tokens_where_plain_decoding_does(smollm_checkpoint):
+    """A step that accepts several tokens can complete a stop string before its last one: the
+    output (token ids, their logprobs, the text) ends at the token that completed it, as plain
+    decoding's does, not at the step's end."""
+    kw = dict(dtype="float32", checkpoint=smollm_checkpoint, profile_spec_costs=False)
+    plain = LLM("smollm2", **kw)
+    spec = LLM("smollm2", spec_method="ngram", spec_policy="always", **kw)
+    prompt = "Repeat after me: the sea the sea the sea, the sea the sea the sea,"
+    for stop, m in ((" sea", 0), (" sea", 5), (",", 0), (" the sea,", 2)):
+        params = _greedy(30, stop=stop, min_tokens=m, logprobs=1)
+        want, got = plain.generate(prompt, params)[0], spec.generate(prompt, params)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "stop"), (stop, m)
+        assert len(got.outputs[0].logprobs) == len(got.token_ids)
+        assert got.metrics.num_generated_tokens == len(want.token_ids)
+    eng = spec.engine
+    assert eng.spec_counters["num_accepted_tokens"] > 0
+    assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+
+
 def test_smollm2_jagged_batch_of_16(smollm_checkpoint, smol_base):
     """16 concurrent requests accepting different numbers of drafts per step."""
     prompts, base = smol_base

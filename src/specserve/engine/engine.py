@@ -930,11 +930,24 @@ class LLMEngine:
                         state.detok.append(new_tokens[:head])
                     state.stop_after = len(state.detok.text)
                     rest = new_tokens[max(head, 0) :]
-            if rest:
-                state.detok.append(rest)
-            state.text = state.detok.text
-            if state.stop and state.stop_after is not None:
-                self._check_stop_strings(req, state, old_len, already_finished=req.is_finished)
+            if rest and state.stop and state.stop_after is not None and len(rest) > 1:
+                # Several tokens in one (speculative) step: one at a time, so that a stop string
+                # ends the output at the token that completes it, as plain decoding's would.
+                for j, tok in enumerate(rest):
+                    state.detok.append([tok])
+                    state.text = state.detok.text
+                    if self._check_stop_strings(req, state, old_len, already_finished=req.is_finished):
+                        dropped = len(rest) - 1 - j
+                        if dropped:
+                            req.drop_last_output_tokens(dropped)
+                            self.num_generated_tokens -= dropped
+                        break
+            else:
+                if rest:
+                    state.detok.append(rest)
+                state.text = state.detok.text
+                if state.stop and state.stop_after is not None:
+                    self._check_stop_strings(req, state, old_len, already_finished=req.is_finished)
         finished = req.is_finished
         # At the end, emit bytes still held back (an incomplete character at the very end).
         if (finished and state.detok is not None and not isinstance(req.stop_reason, str)
@@ -979,7 +992,10 @@ class LLMEngine:
 
     def _check_stop_strings(
         self, req: Request, state: _OutputState, old_len: int, already_finished: bool = False
-    ) -> None:
+    ) -> bool:
+        """Whether the text past `old_len` (less a stop string's length) holds a stop string
+        beyond the first min_tokens tokens' text; if so the text is cut there and the request
+        finished."""
         longest = max(len(s) for s in state.stop)
         start = max(0, old_len - longest + 1)
         best: tuple[int, str] | None = None
@@ -990,7 +1006,7 @@ class LLMEngine:
             if idx >= 0 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:
-            return
+            return False
         idx, s = best
         cut = idx + len(s) if req.sampling_params.include_stop_str_in_output else idx
         state.text = state.text[:cut]
@@ -999,6 +1015,7 @@ class LLMEngine:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         else:
             req.status = RequestStatus.FINISHED_STOPPED
+        return True
 
     # ------------------------------------------------------------------ introspection
     def describe(self) -> dict[str, str]:
