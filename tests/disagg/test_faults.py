@@ -605,6 +605,21 @@ def test_prefill_workers_hold_the_draft_unless_told_not_to():
     pre = prefill_engine_kwargs(specs["prefill-0"].engine_kwargs)
     assert pre["spec_method"] == "none" and "spec_copy" not in pre
     assert specs["decode-0"].engine_kwargs["spec_copy"] == "ngram"
+    # --spec-join: the decode workers join lookahead's candidates; a prefill worker never drafts, so
+    # it joins nothing, with the drafter (its policy off) or without it (no drafter to join).
+    from specserve.config import SpecConfig
+
+    for flags in ([], ["--prefill-draft-kv", "off"]):
+        args = build_parser().parse_args(base + ["--spec-method", "layerskip", "--spec-join", "lookahead", *flags])
+        specs = worker_specs(MODEL, engine_kwargs(args), 1, 1, role_engine_kwargs=role_engine_kwargs(args))
+        pre = prefill_engine_kwargs(specs["prefill-0"].engine_kwargs)
+        assert pre["spec_method"] == "none" and pre.get("spec_join", "none") == "none"
+        SpecConfig(method=pre["spec_method"], join=pre.get("spec_join", "none"))  # a prefill worker can start
+        assert specs["decode-0"].engine_kwargs["spec_join"] == "lookahead"
+    args = build_parser().parse_args(base + ["--spec-method", "draft", "--spec-join", "lookahead"])
+    specs = worker_specs(MODEL, engine_kwargs(args), 1, 1, role_engine_kwargs=role_engine_kwargs(args))
+    pre = prefill_engine_kwargs(specs["prefill-0"].engine_kwargs)
+    assert (pre["spec_method"], pre["spec_policy"], pre["spec_join"]) == ("draft", "off", "none")
 
 
 def test_a_prompt_whose_blocks_are_all_in_the_shared_store_skips_the_prefill_worker(tmp_path):

@@ -387,8 +387,9 @@ def prefill_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     without the prompt's)."""
     method = engine_kwargs.get("spec_method")
     if engine_kwargs.get("draft_model") and method in (None, "draft", "eagle", "mtp"):
+        # (nothing joins drafts here: a prefill worker never drafts)
         return {**engine_kwargs, "spec_method": method or "draft", "spec_policy": "off", "profile_spec_costs": False,
-                "spec_release_after_s": None}
+                "spec_release_after_s": None, "spec_join": "none"}
     return without_speculation(engine_kwargs)
 
 
@@ -396,7 +397,7 @@ def without_speculation(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """LLM(...) arguments of an engine that does not speculate: the drafter's settings dropped."""
     kwargs = {k: v for k, v in engine_kwargs.items()
               if k not in ("draft_model", "draft_num_layers", "draft_quantization", "draft_vocab_size", "draft_p_min",
-                           "spec_copy", "spec_copy_min_match")}
+                           "spec_copy", "spec_copy_min_match", "spec_join")}
     return {**kwargs, "spec_method": "none"}
 
 
