@@ -1014,11 +1014,15 @@ def test_draft_tokenizer_mismatch_is_refused(smollm_checkpoint):
 
 
 def test_the_summary_says_when_greedy_speculation_may_leave_plain_decoding(tiny):
-    """bf16 verify passes round other matrix shapes than a decode step does: the start-up summary
-    says so, and what gives token-for-token equality; float32 says nothing of it."""
+    """bf16 verify passes round other matrix shapes than a decode step does, and an int8 KV cache
+    beside torch's attention rounds their tiny differences to whole steps: the start-up summary
+    says so, and what gives token-for-token equality; float32 with a float cache says nothing."""
+    warning = "greedy output can differ from plain decoding"
     bf16 = LLM("tiny", dtype="bfloat16", checkpoint=tiny, spec_method="ngram", profile_spec_costs=False)
-    assert "--dtype float32" in bf16.engine.describe()["speculation"]
-    assert "--dtype float32" not in _llm(tiny, "ngram").engine.describe()["speculation"]
+    assert warning in bf16.engine.describe()["speculation"]
+    assert warning in _llm(tiny, "ngram", kv_cache_dtype="int8").engine.describe()["speculation"]
+    assert warning not in _llm(tiny, "ngram").engine.describe()["speculation"]
+    assert warning not in _llm(tiny, "ngram", kv_cache_dtype="fp16").engine.describe()["speculation"]
 
 
 def test_bad_spec_config_errors():

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
-from specserve.config import CacheConfig, EngineConfig, usable_cpus
+from specserve.config import CacheConfig, EngineConfig, KVCacheDtype, usable_cpus
 from specserve.defaults import resolve_defaults
 from specserve.engine.runner import ModelRunner, StepConnector, kv_bytes_per_token
 from specserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
@@ -1060,12 +1060,25 @@ class LLMEngine:
                 what += f" ({detail})"
             shape = "trees" if self.policy.trees else "chains"
             out["speculation"] = f"{what}, {shape}, K <= {spec.num_spec_tokens}, policy {spec.policy}"
-            if runner.dtype in (torch.bfloat16, torch.float16):  # verify passes round other shapes
-                out["speculation"] += (f"; in {str(runner.dtype).removeprefix('torch.')} greedy output can differ from "
-                                       "plain decoding where two tokens tie within its rounding (--dtype float32: "
-                                       "token for token)")
+            if not self._shape_invariant():
+                out["speculation"] += ("; at this precision greedy output can differ from plain decoding where two "
+                                       "tokens tie within its rounding (token for token: float32 with --quantization "
+                                       "auto / int4 on the CPU, or float32 weights and float KV)")
         out["threads"] = str(torch.get_num_threads())
         return out
+
+    def _shape_invariant(self) -> bool:
+        """Whether a token's logits come out the same whatever else shares its step (a verify
+        pass's rows, other requests): the native CPU kernels (built for it) and float32 weights
+        with a float KV cache. bf16 rounds other matrix shapes differently; int8 weights (bf16
+        activations) and an int8 KV cache beside torch's kernels round ~1e-7 differences between
+        shapes to whole steps (SmolLM2, n-gram, 64 tokens, 6 prompts: int8 weights left plain decoding
+        at 5, an int8 KV cache at 3, where plain batched against alone already differed at 1)."""
+        runner = self.runner
+        if runner.native_ops:
+            return True
+        return (runner.dtype == torch.float32 and self.config.model.quantization == "none"
+                and self.config.cache.kv_cache_dtype is not KVCacheDtype.INT8)
 
     def _describe_tiers(self, tiers: TieredKVStore) -> str:
         """The prefix cache's lower tiers and how a disk hit reaches the KV cache."""
