@@ -380,7 +380,7 @@ def plot(payload: dict, path: Path) -> None:
             for x, v, g in zip(xs, vals, groups):
                 tps = next((r["decode_tokens_per_s"] for r in trees if (r["method"], r["prompt_set"]) == g and r["mode"] == mode), 0)
                 ax.annotate(f"{v:.2f}x\n{tps:.0f}", (x, v), ha="center", va="bottom", fontsize=6)
-        ax.set_xticks(range(len(groups)), [f"{m}\n{ps}" for m, ps in groups], fontsize=8)
+        ax.set_xticks(range(len(groups)), [f"{m}\n{ps}" for m, ps in groups], fontsize=7, rotation=30 if len(groups) > 6 else 0)
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_ylabel("decode speedup vs plain (batch 1, greedy)")
         ax.legend(fontsize=8)
@@ -442,8 +442,25 @@ def plot(payload: dict, path: Path) -> None:
         ax.set_ylabel("decode tokens/s (batch 1, greedy)")
         ax.legend(fontsize=8)
         ax.set_title("peer: same GGUF pair through HF transformers", fontsize=10)
+    if trees and not ks:  # no K sweep: its panel shows what the drafts yielded, tokens per target forward
+        ax = axes[0][1]
+        groups = list(dict.fromkeys((r["method"], r["prompt_set"]) for r in trees))
+        for j, (mode, color) in enumerate((("chain", "#4c72b0"), ("tree", "#55a868"))):
+            vals = [next((r["tokens_per_step"] for r in trees if (r["method"], r["prompt_set"]) == g and r["mode"] == mode), 0)
+                    for g in groups]
+            xs = [i + (j - 0.5) * 0.4 for i in range(len(groups))]
+            ax.bar(xs, vals, width=0.4, color=color, label=mode)
+            for x, v in zip(xs, vals):
+                ax.annotate(f"{v:.2f}", (x, v), ha="center", va="bottom", fontsize=6)
+        ax.set_xticks(range(len(groups)), [f"{m}\n{ps}" for m, ps in groups], fontsize=7, rotation=30 if len(groups) > 6 else 0)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_ylabel("tokens per target forward")
+        ax.legend(fontsize=8)
+        ax.set_title(f"what the drafts yield (policy {payload['settings'].get('tree_policy', 'adaptive')})", fontsize=10)
     carried = payload.get("carried", {})
     for ax, key in ((axes[0][1], "ksweep"), (axes[1][0], "batchsweep"), (axes[1][1], "hf")):
+        if key == "ksweep" and not payload.get(key) and trees:
+            continue  # the panel shows tokens per forward instead
         if not payload.get(key):
             ax.text(0.5, 0.5, f"not measured in this run\n(python bench/spec.py --sections {key})",
                     ha="center", va="center", transform=ax.transAxes, fontsize=9, color="#666666")
