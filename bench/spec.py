@@ -27,6 +27,7 @@ import dataclasses
 import gc
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +359,29 @@ def section_hf(b: Bench) -> list[dict]:
     return rows
 
 
+_MODE_COLORS = {"plain": "#999999", "chain": "#4c72b0", "tree": "#55a868"}
+
+
+def _tree_bars(ax: Any, trees: list[dict], modes: Sequence[str], value: Callable[[dict], float],
+               label: Callable[[dict], str]) -> None:
+    """Bars of value(row) per proposer and prompt set, one per mode side by side, each labelled."""
+    groups = list(dict.fromkeys((r["method"], r["prompt_set"]) for r in trees))
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        legend = mode
+        for i, g in enumerate(groups):
+            row = next((r for r in trees if (r["method"], r["prompt_set"]) == g and r["mode"] == mode), None)
+            if row is None:
+                continue
+            x = i + (j - (len(modes) - 1) / 2) * width
+            ax.bar(x, value(row), width=width, color=_MODE_COLORS[mode], label=legend)
+            legend = None  # once per mode
+            ax.annotate(label(row), (x, value(row)), ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(range(len(groups)), [f"{m}\n{ps}" for m, ps in groups], fontsize=7, rotation=30 if len(groups) > 6 else 0)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.legend(fontsize=8)
+
+
 def plot(payload: dict, path: Path) -> None:
     """Four panels: batch-1 speedups, K sweep, batch sweep, peer comparison."""
     import matplotlib
@@ -370,20 +394,9 @@ def plot(payload: dict, path: Path) -> None:
     trees = payload.get("trees") or []
     ax = axes[0][0]
     if trees:  # grouped bars: plain / chain / tree per proposer and prompt set
-        groups = list(dict.fromkeys((r["method"], r["prompt_set"]) for r in trees))
-        colors = {"plain": "#999999", "chain": "#4c72b0", "tree": "#55a868"}
-        for j, mode in enumerate(TREE_MODES):
-            vals = [next((r["speedup_vs_plain"] for r in trees if (r["method"], r["prompt_set"]) == g and r["mode"] == mode), 0)
-                    for g in groups]
-            xs = [i + (j - 1) * 0.27 for i in range(len(groups))]
-            ax.bar(xs, vals, width=0.27, color=colors[mode], label=mode)
-            for x, v, g in zip(xs, vals, groups):
-                tps = next((r["decode_tokens_per_s"] for r in trees if (r["method"], r["prompt_set"]) == g and r["mode"] == mode), 0)
-                ax.annotate(f"{v:.2f}x\n{tps:.0f}", (x, v), ha="center", va="bottom", fontsize=6)
-        ax.set_xticks(range(len(groups)), [f"{m}\n{ps}" for m, ps in groups], fontsize=7, rotation=30 if len(groups) > 6 else 0)
-        ax.axhline(1.0, color="black", lw=0.8)
+        _tree_bars(ax, trees, TREE_MODES, lambda r: r["speedup_vs_plain"],
+                   lambda r: f"{r['speedup_vs_plain']:.2f}x\n{r['decode_tokens_per_s']:.0f}")
         ax.set_ylabel("decode speedup vs plain (batch 1, greedy)")
-        ax.legend(fontsize=8)
         ax.set_title("trees vs chains vs plain (labels: speedup, tok/s)", fontsize=10)
     elif b1:
         labels, vals, colors = [], [], []
@@ -444,18 +457,8 @@ def plot(payload: dict, path: Path) -> None:
         ax.set_title("peer: same GGUF pair through HF transformers", fontsize=10)
     if trees and not ks:  # no K sweep: its panel shows what the drafts yielded, tokens per target forward
         ax = axes[0][1]
-        groups = list(dict.fromkeys((r["method"], r["prompt_set"]) for r in trees))
-        for j, (mode, color) in enumerate((("chain", "#4c72b0"), ("tree", "#55a868"))):
-            vals = [next((r["tokens_per_step"] for r in trees if (r["method"], r["prompt_set"]) == g and r["mode"] == mode), 0)
-                    for g in groups]
-            xs = [i + (j - 0.5) * 0.4 for i in range(len(groups))]
-            ax.bar(xs, vals, width=0.4, color=color, label=mode)
-            for x, v in zip(xs, vals):
-                ax.annotate(f"{v:.2f}", (x, v), ha="center", va="bottom", fontsize=6)
-        ax.set_xticks(range(len(groups)), [f"{m}\n{ps}" for m, ps in groups], fontsize=7, rotation=30 if len(groups) > 6 else 0)
-        ax.axhline(1.0, color="black", lw=0.8)
+        _tree_bars(ax, trees, ("chain", "tree"), lambda r: r["tokens_per_step"], lambda r: f"{r['tokens_per_step']:.2f}")
         ax.set_ylabel("tokens per target forward")
-        ax.legend(fontsize=8)
         ax.set_title(f"what the drafts yield (policy {payload['settings'].get('tree_policy', 'adaptive')})", fontsize=10)
     carried = payload.get("carried", {})
     for ax, key in ((axes[0][1], "ksweep"), (axes[1][0], "batchsweep"), (axes[1][1], "hf")):

@@ -930,24 +930,19 @@ class LLMEngine:
                         state.detok.append(new_tokens[:head])
                     state.stop_after = len(state.detok.text)
                     rest = new_tokens[max(head, 0) :]
-            if rest and state.stop and state.stop_after is not None and len(rest) > 1:
-                # Several tokens in one (speculative) step: one at a time, so that a stop string
-                # ends the output at the token that completes it, as plain decoding's would.
-                for j, tok in enumerate(rest):
-                    state.detok.append([tok])
-                    state.text = state.detok.text
-                    if self._check_stop_strings(req, state, old_len, already_finished=req.is_finished):
-                        dropped = len(rest) - 1 - j
-                        if dropped:
-                            req.drop_last_output_tokens(dropped)
-                            self.num_generated_tokens -= dropped
-                        break
-            else:
-                if rest:
-                    state.detok.append(rest)
+            checking = bool(state.stop) and state.stop_after is not None
+            # Several tokens in one (speculative) step under stop strings: one at a time, so that a
+            # stop string ends the output at the token that completes it, as plain decoding's would.
+            pieces = [[t] for t in rest] if checking and len(rest) > 1 else [rest]
+            for j, piece in enumerate(pieces):
+                if piece:
+                    state.detok.append(piece)
                 state.text = state.detok.text
-                if state.stop and state.stop_after is not None:
-                    self._check_stop_strings(req, state, old_len, already_finished=req.is_finished)
+                if checking and self._check_stop_strings(req, state, old_len, already_finished=req.is_finished):
+                    if dropped := len(pieces) - 1 - j:  # the step's tokens after the one that completed it
+                        req.drop_last_output_tokens(dropped)
+                        self.num_generated_tokens -= dropped
+                    break
         finished = req.is_finished
         # At the end, emit bytes still held back (an incomplete character at the very end).
         if (finished and state.detok is not None and not isinstance(req.stop_reason, str)

@@ -154,6 +154,12 @@ class DrafterPair(Proposer):
         self.drafter.remove_request(request_id, finished)
 
     # ------------------------------------------------------------------ the drafter's alone
+    def free_drafts(self, requests: Sequence[Request]) -> list[bool] | None:
+        return self.drafter.free_drafts(requests)
+
+    def decline_free(self, request_ids: set[str]) -> None:
+        self.drafter.decline_free(request_ids)
+
     def observe_hidden(self, hidden: dict) -> None:
         """Every verified token's features reach a feature drafter, copied steps' included."""
         self.drafter.observe_hidden(hidden)

@@ -106,13 +106,6 @@ class JoinedProposer(DrafterPair):
         """The model-free proposer whose candidates join."""
         return self.other
 
-    def free_drafts(self, requests: Sequence[Request]) -> list[bool] | None:
-        """A copier in front of the drafter (a HybridProposer) says which requests it copies for."""
-        return self.drafter.free_drafts(requests)
-
-    def decline_free(self, request_ids: set[str]) -> None:
-        self.drafter.decline_free(request_ids)
-
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
         """The drafter's trees, each joined by the helper's candidates for the same request (as
         many nodes as the step gives the request, at least `budget`; the policy prunes the joint
