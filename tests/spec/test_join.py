@@ -114,3 +114,36 @@ def test_a_join_needs_a_model_drafter_and_a_model_free_helper():
         JoinedProposer(_Fixed("flat", {}), _Fixed("flat", {}), "lookahead")
     with pytest.raises(ValueError, match="model-free"):
         JoinedProposer(_Fixed("per_pass", {}), _Fixed("per_pass", {}), "lookahead")
+
+
+def test_under_the_adaptive_policy_the_helper_drafts_alone_where_the_drafter_is_held_back():
+    """With a free budget, every request the helper has candidates for is offered as a free
+    draft (no draft pass). One the policy takes is drafted by the helper alone, from the tree
+    free_drafts made (the helper is not asked again; cut to the step's budget); one it declines
+    is drafted by the model drafter and joined by the same candidates; the drafter is asked for
+    none of the others."""
+    drawn = DraftTree((3, 4), (-1, 0), scores=(0.8, 0.5))
+    helper_tree = DraftTree((3, 5, 6, 7), (-1, 0, 1, 2), scores=(0.9, 0.7, 0.5, 0.3))
+    model = _Fixed("per_pass", {k: drawn for k in ("a", "b", "c")})
+    helper = _Fixed("flat", {"a": helper_tree, "b": helper_tree})
+    join = JoinedProposer(model, helper, "lookahead", budget=3, free_budget=10)
+    reqs = [_req("a", 0.0), _req("b", 0.8), _req("c", 0.0)]
+    assert join.free_drafts(reqs) == [True, True, False]
+    assert helper.asked == {"a": 10, "b": 10, "c": 10}
+    join.decline_free({"b"})
+    helper.asked.clear()
+    out = join.propose(reqs, [2, 6, 5])
+    assert out["a"].token_ids == (3, 5) and out["a"].parents == (-1, 0)  # the helper's alone, cut to 2
+    assert _paths(out["b"]) == {(3,), (3, 4), (3, 5), (3, 5, 6), (3, 5, 6, 7)}  # joined
+    assert out["c"] is drawn  # the helper had nothing for it
+    assert model.asked == {"b": 6, "c": 5} and helper.asked == {}
+    assert join.num_helper_alone == 1 and join.num_joined == 1
+    # a step whose request grew since free_drafts asks the helper anew
+    assert join.free_drafts(reqs[:1]) == [True]
+    helper.asked.clear()
+    reqs[0].append_output_tokens([9])
+    out = join.propose(reqs[:1], [3])
+    assert helper.asked == {"a": 3} and out["a"] is helper_tree and model.asked == {"b": 6, "c": 5}
+    # no free budget (policy 'always'): the drafter's own free drafts, here none
+    always = JoinedProposer(model, helper, "lookahead", budget=3)
+    assert always.free_drafts(reqs) is None

@@ -156,6 +156,22 @@ def test_tiny_greedy_spec_equals_plain_batched_and_alone(tiny, which):
         assert [type(c).__name__ for c in eng.proposer.copier.copiers] == ["ReferenceProposer", "NgramProposer"]
 
 
+def test_a_join_under_the_adaptive_policy_drafts_with_the_helper_alone_where_the_drafter_is_held_back(tiny):
+    """--spec-join under the adaptive policy: where the drafter's passes do not pay (a random
+    head), lookahead's candidates are verified alone, for no draft pass; greedy output stays
+    plain decoding's, batched and alone, and nothing leaks."""
+    prompts = _tiny_prompts(24, seed=3)
+    base = _llm(tiny).generate(prompts, _greedy())
+    llm = _spec_llm(tiny, "join-eagle", policy="adaptive", max_num_seqs=8)
+    got = llm.generate(prompts, _greedy())
+    assert [o.token_ids for o in got] == [o.token_ids for o in base]
+    for p, b in list(zip(prompts, base))[::4]:
+        assert llm.generate([p], _greedy())[0].token_ids == b.token_ids
+    eng = llm.engine
+    assert eng.proposer.num_helper_alone > 20 and eng.spec_counters["num_accepted_tokens"] > 0
+    assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+
+
 def test_draft_stops_after_the_first_token_it_is_unsure_of():
     """draft_p_min: every proposed token but the last has draft probability >= p_min, and a
     proposal shorter than K ends with the token that fell below it."""

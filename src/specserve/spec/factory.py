@@ -273,8 +273,13 @@ def build_proposer(ctx: ProposerContext) -> Proposer | None:
         drafter = _with_copier(ctx, drafter, names)
     if ctx.spec.join != "none":
         from specserve.spec.join import JoinedProposer
+        from specserve.spec.policy import TREE_NODES_PER_K
 
-        drafter = JoinedProposer(drafter, PROPOSER_BUILDERS[ctx.spec.join](ctx), ctx.spec.join, ctx.spec.num_spec_tokens)
+        # Under the adaptive policy the helper's candidates are also offered alone, where the
+        # drafter's passes would not pay; under 'always' the drafter drafts every step.
+        free = max(TREE_NODES_PER_K * ctx.spec.num_spec_tokens, ctx.spec.max_draft_nodes) if ctx.spec.policy == "adaptive" else 0
+        drafter = JoinedProposer(drafter, PROPOSER_BUILDERS[ctx.spec.join](ctx), ctx.spec.join, ctx.spec.num_spec_tokens,
+                                 free_budget=free)
     return drafter
 
 

@@ -85,6 +85,43 @@ class FirstOf(Proposer):
         return sum(c.memory_bytes() for c in self.copiers)
 
 
+class StepDrafts:
+    """A model-free proposer's drafts made before K is chosen (Proposer.free_drafts), kept for
+    the same step's propose(): cut there to the nodes asked (model-free proposers list nodes best
+    first, parents before children), made anew for a request that has grown since."""
+
+    def __init__(self, proposer: Proposer) -> None:
+        self.proposer = proposer
+        self.trees: dict[str, DraftTree] = {}
+        self._looked: dict[str, int] = {}  # each request's length when its draft was made
+
+    def make(self, requests: Sequence[Request], budget: int) -> dict[str, DraftTree]:
+        """Drafts of `budget` nodes for `requests`, kept."""
+        self.trees = self.proposer.propose(requests, [budget] * len(requests))
+        self._looked = {r.request_id: len(r.all_token_ids) for r in requests}
+        return self.trees
+
+    def take(self, asked: Sequence[tuple[Request, int]]) -> dict[str, DraftTree]:
+        """Drafts of `asked` (request, nodes): the kept ones cut to the nodes, new ones where a
+        request was not seen as it is now."""
+        out, ask = {}, []
+        for r, k in asked:
+            if k <= 0:
+                continue
+            if self._looked.get(r.request_id) == len(r.all_token_ids):
+                if r.request_id in self.trees:
+                    out[r.request_id] = self.trees[r.request_id].truncate(k)
+            else:
+                ask.append((r, k))
+        if ask:
+            out.update(self.proposer.propose([r for r, _ in ask], [k for _, k in ask]))
+        return out
+
+    def clear(self) -> None:
+        """Forget this step's drafts."""
+        self.trees, self._looked = {}, {}
+
+
 class DrafterPair(Proposer):
     """A model drafter paired with a model-free proposer (`other`): what the engine sets and reads
     is the drafter's (its cost per pass, its prompt KV, its features and catch-up), except that
@@ -197,9 +234,7 @@ class HybridProposer(DrafterPair):
         self.copier_name = copier_name
         self.min_match = min_match
         self.budget = budget  # the most nodes a step may ask for (the copies free_drafts makes are cut to k)
-        # free_drafts' copies, kept for the propose() of the same step, and the request lengths it saw
-        self._copies: dict[str, DraftTree] = {}
-        self._looked: dict[str, int] = {}
+        self._copies = StepDrafts(copier)  # free_drafts' copies, kept for the propose() of the same step
         self._drafted = False  # the drafter made passes in the last propose()
         self.num_copied = 0  # drafts the copier gave (counted over the proposer's life)
         self.num_modelled = 0  # drafts the drafter gave
@@ -219,30 +254,18 @@ class HybridProposer(DrafterPair):
     def free_drafts(self, requests: Sequence[Request]) -> list[bool]:
         """The requests the copier has a match for now: their drafts make no draft pass. The
         copies (of the largest budget a step may ask for) are kept for this step's propose()."""
-        self._copies = self.copier.propose(requests, [self.budget] * len(requests))
-        self._looked = {r.request_id: len(r.all_token_ids) for r in requests}
-        return [r.request_id in self._copies for r in requests]
+        copies = self._copies.make(requests, self.budget)
+        return [r.request_id in copies for r in requests]
 
     def decline_free(self, request_ids: set[str]) -> None:
         """The drafter drafts for these this step: their copies are dropped."""
         for rid in request_ids:
-            self._copies.pop(rid, None)
+            self._copies.trees.pop(rid, None)
 
     def _copy(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
-        """This step's copies cut to k nodes (the copier lists nodes best first, parents before
-        children); the copier is asked anew for a request free_drafts did not see as it is now."""
-        out, ask = {}, []
-        for r, k in zip(requests, num_tokens):
-            if k <= 0:
-                continue
-            if self._looked.get(r.request_id) == len(r.all_token_ids):
-                if r.request_id in self._copies:
-                    out[r.request_id] = self._copies[r.request_id].truncate(k)
-            else:
-                ask.append((r, k))
-        if ask:
-            out.update(self.copier.propose([r for r, _ in ask], [k for _, k in ask]))
-        self._copies, self._looked = {}, {}
+        """This step's copies cut to k nodes (see StepDrafts)."""
+        out = self._copies.take(list(zip(requests, num_tokens)))
+        self._copies.clear()
         return out
 
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:

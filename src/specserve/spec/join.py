@@ -8,9 +8,13 @@ habits (a closing phrase it always writes, a stock idiom of code). Copying first
 as one tree, and keeps the longest path the target accepts. The model-free candidates cost no
 draft pass, only verify rows, and the policy prices every node by its score like any other
 (SmolLM2 with its default EAGLE head, 8 held-out prompts per set, every step drafting: 1.79 /
-1.52 tokens per forward on coding / prose alone, 2.44 / 1.81 joined). On two CPU cores the rows
-a join adds cost about what they save (a Zen 5's verify cost rises steeply past 9 rows), so it is
-off by default; where verifying more rows is nearly free (a GPU at small batch) it is the lever.
+1.52 tokens per forward on coding / prose alone, 2.44 / 1.81 joined).
+
+Under the adaptive policy the helper's candidates are also offered alone, as free drafts (no
+draft pass, like a copier's): the policy weighs them against the drafter's joined drafts per
+request (SpecPolicy.prefer_copy, each source's acceptance learned apart) and takes them where the
+drafter's passes would not pay, so a drafter the policy holds back (a head whose pass is a large
+share of a small target's step; prose, where a head is weak) still leaves lookahead's drafts.
 
 Exactness. A joined node's children come from two sources, so no one draw rule covers them;
 the joint tree is therefore verified as deterministic candidates, which is exact for any
@@ -30,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from specserve.spec.hybrid import DrafterPair
+from specserve.spec.hybrid import DrafterPair, StepDrafts
 from specserve.spec.proposer import Proposer
 from specserve.spec.tree import DraftTree, SiblingDraw
 
@@ -88,43 +92,85 @@ def join_trees(a: DraftTree, b: DraftTree) -> DraftTree:
 class JoinedProposer(DrafterPair):
     """The drafter's trees with the helper's candidates joined in; traits are the drafter's."""
 
-    def __init__(self, drafter: Proposer, helper: Proposer, helper_name: str, budget: int = 8) -> None:
+    def __init__(self, drafter: Proposer, helper: Proposer, helper_name: str, budget: int = 8,
+                 free_budget: int = 0) -> None:
         super().__init__(helper, drafter)
         self.helper_name = helper_name
         # The fewest nodes the helper is asked for where the drafter drafts: the adaptive policy
         # often gives a model drafter a small budget (its passes cost), while the helper's
         # candidates cost verify rows alone, which the policy's pruning weighs node by node.
         self.budget = budget
+        # Where the policy would rather not pay the drafter's passes, the helper's candidates
+        # alone are offered as free drafts of this many nodes (free_drafts; 0: never, the drafter
+        # drafts every step the policy gives the request a draft, as under policy 'always').
+        self.free_budget = free_budget
         # The drafter's traits, and the verify outputs the helper learns from (lookahead's window).
         self.traits = replace(drafter.traits, needs_verify_outputs=(drafter.traits.needs_verify_outputs
                                                                     or helper.traits.needs_verify_outputs))
         self.num_joined = 0  # drafts the helper added nodes to (over the proposer's life)
         self.num_nodes_added = 0  # nodes it added there
+        self.num_helper_alone = 0  # drafts the helper made alone (the drafter held back)
+        self._helper_drafts = StepDrafts(helper)  # this step's helper drafts made by free_drafts
+        self._alone: set[str] = set()  # requests whose helper draft is offered alone this step
+        self._drafted = False  # the drafter drafted in the last propose()
 
     @property
     def helper(self) -> Proposer:
         """The model-free proposer whose candidates join."""
         return self.other
 
+    @property
+    def last_pass_time_s(self) -> float | None:
+        """The drafter's last pass time, None when the last step made no drafter pass."""
+        return getattr(self.drafter, "last_pass_time_s", None) if self._drafted else None
+
+    def free_drafts(self, requests: Sequence[Request]) -> list[bool] | None:
+        """The drafter's own free drafts (a copier in front of it), and, with free_budget, every
+        other request the helper has candidates for: drafted by the helper alone, such a request
+        takes no draft pass. The policy weighs them against the drafter's (joined) drafts
+        (SpecPolicy.prefer_copy) and declines the ones the drafter should make."""
+        inner = self.drafter.free_drafts(requests)
+        self._helper_drafts.clear()
+        self._alone = set()
+        if not self.free_budget:
+            return inner
+        trees = self._helper_drafts.make(requests, self.free_budget)
+        own = [False] * len(requests) if inner is None else inner
+        self._alone = {r.request_id for r, f in zip(requests, own) if not f and r.request_id in trees}
+        return [f or r.request_id in self._alone for r, f in zip(requests, own)]
+
+    def decline_free(self, request_ids: set[str]) -> None:
+        """The drafter drafts for these (joined by the helper's candidates)."""
+        self._alone -= request_ids
+        self.drafter.decline_free(request_ids)
+
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
-        """The drafter's trees, each joined by the helper's candidates for the same request (as
-        many nodes as the step gives the request, at least `budget`; the policy prunes the joint
-        tree)."""
-        out = self.drafter.propose(requests, num_tokens)
-        asked = [(r, k) for r, k in zip(requests, num_tokens) if k > 0 and self._joinable(r, out.get(r.request_id))]
-        if not asked:
-            return out
-        extra = self.helper.propose([r for r, _ in asked], [max(k, self.budget) for _, k in asked])
-        for rid, tree in extra.items():
-            own = out.get(rid)
-            if own is None:
-                out[rid] = tree
-                continue
-            joint = join_trees(own, tree)
-            if len(joint) > len(own):
-                self.num_joined += 1
-                self.num_nodes_added += len(joint) - len(own)
-                out[rid] = joint
+        """The helper's drafts alone for the requests free_drafts offered them for (and the
+        policy took), the drafter's for the others, each joined by the helper's candidates for
+        the same request (as many nodes as the step gives the request, at least `budget`; the
+        policy prunes the joint tree)."""
+        alone = [(r, k) for r, k in zip(requests, num_tokens) if k > 0 and r.request_id in self._alone]
+        rest = [(r, k) for r, k in zip(requests, num_tokens) if k > 0 and r.request_id not in self._alone]
+        out = self._helper_drafts.take(alone)
+        self.num_helper_alone += len(out)
+        self._drafted = bool(rest)
+        if rest:
+            own = self.drafter.propose([r for r, _ in rest], [k for _, k in rest])
+            asked = [(r, max(k, self.budget)) for r, k in rest if self._joinable(r, own.get(r.request_id))]
+            extra = self._helper_drafts.take(asked)
+            for rid, tree in extra.items():
+                mine = own.get(rid)
+                if mine is None:
+                    own[rid] = tree
+                    continue
+                joint = join_trees(mine, tree)
+                if len(joint) > len(mine):
+                    self.num_joined += 1
+                    self.num_nodes_added += len(joint) - len(mine)
+                    own[rid] = joint
+            out.update(own)
+        self._helper_drafts.clear()
+        self._alone = set()
         return out
 
     @staticmethod
@@ -143,4 +189,6 @@ class JoinedProposer(DrafterPair):
     def describe(self) -> str:
         inner = self.drafter.describe()
         join = f"{self.helper_name}'s candidates joined into its trees"
+        if self.free_budget:
+            join += ", and alone where its passes do not pay"
         return f"{inner}; {join}" if inner else join
