@@ -129,3 +129,30 @@ def test_wide_nuclei_are_cut_by_buckets_as_a_full_sort_cuts_them():
     for i in range(n):
         alone = sampler._truncate(logits[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], False, True)
         assert torch.equal(alone[0], out[i])
+
+
+def test_every_bit_of_a_seed_changes_what_it_draws():
+    """A seed keys its request's draws by output position; seeds that differ only in their high
+    bits, or a negative seed and a large positive one, draw different noise, and so do a seed's
+    streams (torch's CPU generator keeps 32 bits of its seed: before, seeds 1 and 2**32 + 1 drew
+    the same tokens, and a speculative step's accept coin was its recovery draw)."""
+    cpu = torch.device("cpu")
+
+    def draw(seed: int, step: int) -> list[float]:
+        return torch.rand(8, generator=sampler.request_generator(seed, step, cpu)).tolist()
+
+    pairs = [(1, 2**32 + 1), (2, 2**33 + 2), (-1, 2**63 - 1), (-1, 2**32 - 1), (0, 2**62), (5, -5)]
+    for a, b in pairs:
+        assert draw(a, 0) != draw(b, 0), (a, b)
+        assert draw(a, 3) != draw(b, 3), (a, b)
+    assert draw(7, 2) == draw(7, 2) and draw(7, 2) != draw(7, 3)
+    # a seed's streams (plain draw, accept coins, recovery draw of one position) are apart
+    from specserve.sampling.rejection import STREAM_ACCEPT, STREAM_RECOVER
+
+    for seed in (0, 7, 2**31, -3):
+        assert len({tuple(draw(seed + stream, 4)) for stream in (0, STREAM_ACCEPT, STREAM_RECOVER)}) == 3
+    # seeds below 2**32 draw what they always drew (users' seeded outputs stay reproducible)
+    g = torch.Generator().manual_seed((7 * 0x9E3779B97F4A7C15 + 2 * 0x2545F4914F6CDD1D + 1) & ((1 << 63) - 1))
+    assert draw(7, 2) == torch.rand(8, generator=g).tolist()
+    keys = {tuple(draw(s, t)) for s in range(-20, 20) for t in range(20)}
+    assert len(keys) == 40 * 20  # no two (seed, position) pairs alike

@@ -17,13 +17,39 @@ import torch
 from specserve.sampling_params import GREEDY_EPS, SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio) to spread (seed, step) pairs
+_M64 = (1 << 64) - 1
+_M32 = (1 << 32) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer: every output bit depends on every input bit."""
+    x &= _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _fold(seed: int) -> int:
+    """A 64-bit seed (negative ones as their two's complement) in 32 bits, every bit counting:
+    the high half, mixed, flips the low half. Seeds in [0, 2**32) are kept as they are, so their
+    draws are what they always were."""
+    key = seed & _M64
+    high = key >> 32
+    return (key & _M32) ^ (_mix64(high) & _M32) if high else key
 
 
 def request_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
     """A generator keyed by (seed, output position), so a seeded request draws the same noise
-    for its t-th token however it is batched, chunked or preempted."""
+    for its t-th token however it is batched, chunked or preempted.
+
+    torch's CPU generator keeps only the low 32 bits of what it is seeded with, and the key below
+    spreads a seed's low bits only into them; the seed is folded to 32 bits first so that its
+    high bits count. Before, seeds equal in their low 32 bits drew the same tokens, and so did
+    the streams a seed draws apart (seed + STREAM_ACCEPT / STREAM_RECOVER, multiples of 2**40):
+    a speculative step's accept coin, its recovery draw and the plain draw of one position were
+    one number, correlated, on the CPU."""
     g = torch.Generator(device=device)
-    g.manual_seed((seed * _MIX + step * 0x2545F4914F6CDD1D + 1) & ((1 << 63) - 1))
+    g.manual_seed((_fold(seed) * _MIX + step * 0x2545F4914F6CDD1D + 1) & ((1 << 63) - 1))
     return g
 
 
