@@ -747,7 +747,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which clients get 429")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 and /admin (visible in the process list: "
+                   help="require 'Authorization: Bearer KEY' on /v1, /admin, /tokenize and /detokenize (visible in the process list: "
                         f"prefer --api-key-file or ${API_KEY_ENV})")
     p.add_argument("--api-key-file", default=None, help="read the API key from this file (surrounding whitespace dropped)")
     p.add_argument("--protect-metrics", action="store_true",

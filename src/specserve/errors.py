@@ -28,7 +28,12 @@ class TokenizerMismatchError(SpecServeError):
 
 
 class InvalidRequestError(SpecServeError, ValueError):
-    """A request (prompt or sampling parameters) is invalid; nothing was scheduled."""
+    """A request (prompt or sampling parameters) is invalid; nothing was scheduled. `param` names
+    the request field at fault where one is (the server's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PromptTooLongError(InvalidRequestError):

@@ -135,6 +135,7 @@ class Request:
         self.drafted_per_position: list[int] = []  # steps whose draft reached depth j + 1 and tested it
         self.accepted_per_position: list[int] = []  # of those, steps that accepted a node at depth j + 1
         self.accepted_lengths: list[int] = []  # accepted drafts per speculative step (a histogram's data)
+        self._last_verify: tuple[int, int, int, int] | None = None  # record_verify's last counts
 
     def __getstate__(self) -> dict:
         # A live KV source (open shared memory, locks) never travels between processes.
@@ -143,24 +144,38 @@ class Request:
         state["grammar"] = None
         return state
 
-    def record_verify(self, num_draft: int, num_accepted: int, depth: int | None = None) -> None:
+    def record_verify(self, num_draft: int, num_accepted: int, depth: int | None = None,
+                      num_kept: int | None = None) -> None:
         """Count one target pass that verified num_draft draft nodes (a tree `depth` deep; a chain
-        of num_draft when not given) and accepted num_accepted of them (one path)."""
+        of num_draft when not given) and accepted num_accepted of them (one path), of whose
+        num_accepted + 1 tokens the output keeps the first num_kept (default all; fewer where a
+        stop condition ended it inside the step). The counters describe the output: accepted
+        drafts it does not keep are not counted (the policy learns from the verification itself)."""
         self.num_target_steps += 1
         if num_draft <= 0:
+            self._last_verify = None
             return
         depth = num_draft if depth is None else depth
-        self.num_spec_steps += 1
-        self.num_draft_tokens += num_draft
-        self.num_accepted_tokens += num_accepted
-        self.accepted_lengths.append(num_accepted)
+        kept = num_accepted + 1 if num_kept is None else num_kept
+        self._add_verify(num_draft, min(num_accepted, kept), depth, +1)
+        self._last_verify = (num_draft, num_accepted, depth, kept)
+
+    def _add_verify(self, num_draft: int, num_accepted: int, depth: int, sign: int) -> None:
+        """Add (sign +1) or take back (-1) one verify's counts."""
+        self.num_spec_steps += sign
+        self.num_draft_tokens += sign * num_draft
+        self.num_accepted_tokens += sign * num_accepted
+        if sign > 0:
+            self.accepted_lengths.append(num_accepted)
+        else:
+            self.accepted_lengths.pop()
         while len(self.drafted_per_position) < depth:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)
         for j in range(min(depth, num_accepted + 1)):  # depths actually tested
-            self.drafted_per_position[j] += 1
+            self.drafted_per_position[j] += sign
             if j < num_accepted:
-                self.accepted_per_position[j] += 1
+                self.accepted_per_position[j] += sign
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -233,6 +248,12 @@ class Request:
         output at a token before them in the same step)."""
         if n <= 0:
             return
+        last = self._last_verify
+        if last is not None:  # the step's counts, for the tokens the output keeps
+            num_draft, num_accepted, depth, kept = last
+            self._add_verify(num_draft, min(num_accepted, kept), depth, -1)
+            self.record_verify(num_draft, num_accepted, depth, max(0, kept - n))
+            self.num_target_steps -= 1  # record_verify counted the pass again
         del self.all_token_ids[-n:]
         del self.output_logprobs[self.num_output_tokens :]
         del self.output_top_logprobs[self.num_output_tokens :]

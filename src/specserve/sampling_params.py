@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from specserve.errors import InvalidRequestError
@@ -19,6 +19,7 @@ MAX_LOGIT_BIAS = 100.0  # as OpenAI: -100 bans a token, +100 all but forces it
 
 StructuredKind = Literal["json_object", "json_schema", "regex", "grammar", "choice"]
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar longer than this is refused before compiling
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass(frozen=True)
@@ -88,34 +89,37 @@ def structured_output_from_openai(
     asked: list[tuple[str, StructuredOutput]] = []
     if response_format is not None:
         if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
-            raise InvalidRequestError('response_format must be an object with a "type".')
+            raise InvalidRequestError('response_format must be an object with a "type".', param="response_format")
         kind = response_format["type"]
         extra = sorted(set(response_format) - {"type", "json_schema"})
         if extra:
-            raise InvalidRequestError(f"response_format has unsupported fields {extra}.")
+            raise InvalidRequestError(f"response_format has unsupported fields {extra}.", param="response_format")
         if kind == "json_object":
             asked.append(("response_format", StructuredOutput.json()))
         elif kind == "json_schema":
             spec = response_format.get("json_schema")
             if not isinstance(spec, dict) or "schema" not in spec:
-                raise InvalidRequestError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}.')
+                raise InvalidRequestError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}.',
+                                          param="response_format")
             unknown = sorted(set(spec) - {"name", "description", "schema", "strict"})
             if unknown:
-                raise InvalidRequestError(f"response_format.json_schema has unsupported fields {unknown}.")
+                raise InvalidRequestError(f"response_format.json_schema has unsupported fields {unknown}.",
+                                          param="response_format")
             asked.append(("response_format", StructuredOutput.json(spec["schema"])))
         elif kind != "text":
             raise InvalidRequestError(
                 f"response_format type {kind!r} is not supported; use text, json_object or json_schema "
-                "(or the guided_regex / guided_grammar / guided_choice extras)."
+                "(or the guided_regex / guided_grammar / guided_choice extras).", param="response_format"
             )
-    if guided_json is not None:
-        asked.append(("guided_json", StructuredOutput.json(guided_json)))
-    if guided_regex is not None:
-        asked.append(("guided_regex", StructuredOutput.regex(guided_regex)))
-    if guided_grammar is not None:
-        asked.append(("guided_grammar", StructuredOutput.grammar(guided_grammar)))
-    if guided_choice is not None:
-        asked.append(("guided_choice", StructuredOutput.choice(guided_choice)))
+    for name, value, build in (("guided_json", guided_json, StructuredOutput.json),
+                               ("guided_regex", guided_regex, StructuredOutput.regex),
+                               ("guided_grammar", guided_grammar, StructuredOutput.grammar),
+                               ("guided_choice", guided_choice, StructuredOutput.choice)):
+        if value is not None:
+            try:
+                asked.append((name, build(value)))
+            except InvalidRequestError as e:
+                raise InvalidRequestError(str(e), param=name) from None
     if len(asked) > 1:
         raise InvalidRequestError(f"ask for one output constraint at a time, not {[name for name, _ in asked]}.")
     return asked[0][1] if asked else None
@@ -161,7 +165,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # HF's and vLLM's: the logit of a token seen in the prompt or the output is divided by it where
-    # positive and multiplied by it where negative (> 1 discourages repeats). In (0, 2]; 1 is off.
+    # positive and multiplied by it where negative (> 1 discourages repeats). In [0.01, 2]; 1 is off
+    # (a smaller one is no use and its quotients leave float32's range: 1e-300 rounds to 0).
     repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
@@ -193,7 +198,9 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
-            return InvalidRequestError(msg)
+            """The error, naming the field its message starts with."""
+            field = msg.split(" ", 1)[0]
+            return InvalidRequestError(msg, param=field if field in _FIELDS else None)
 
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
                                             or self.max_tokens < 1):
@@ -241,8 +248,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise bad(f"{name} must be a number in [-2, 2], got {value!r}.")
-        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad(f"repetition_penalty must be a number in (0, 2] (1 is off), got {self.repetition_penalty!r}.")
+        if not _is_number(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0:
+            raise bad(f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 2] (1 is off), "
+                      f"got {self.repetition_penalty!r}.")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias must map token ids to biases, e.g. {50256: -100}.")
@@ -272,6 +280,9 @@ class SamplingParams:
     def effective_top_k(self) -> int:
         """top_k with the 'disabled' spellings normalised to 0."""
         return max(0, self.top_k)
+
+
+_FIELDS = frozenset(f.name for f in fields(SamplingParams))  # what an error's `param` may name
 
 
 def _is_number(x: object) -> bool:

@@ -192,6 +192,23 @@ def test_detokenizer_splits_multibyte_characters(pair):
     assert outputs[-1] == char
 
 
+def test_token_bytes_are_the_bytes_each_token_stands_for(pair):
+    """token_bytes: joined over a text's tokens, its UTF-8 bytes (characters split over tokens
+    included, whose text alone is U+FFFD); for every id, the bytes its decoded text is where that
+    text is whole; an added token is its spelling."""
+    ours, _ = pair
+    for text in TEXTS:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert b"".join(ours.token_bytes(i) for i in ids) == text.encode("utf-8"), text
+    split = [i for i in ours.encode("🎉𝔘ꙮ🫠", add_special_tokens=False) if ours.decode([i]) == "\ufffd"]
+    assert split and all(0 < len(ours.token_bytes(i)) < 4 for i in split)
+    for i in range(ours.vocab_size):
+        text = ours.decode([i], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            assert ours.token_bytes(i) == text.encode("utf-8"), i
+    assert ours.token_bytes(ours.vocab_size + 10) == b""
+
+
 def test_detokenizer_window_stays_small(pair):
     ours, _ = pair
     detok = IncrementalDetokenizer(ours, [])

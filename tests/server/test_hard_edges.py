@@ -411,7 +411,36 @@ def test_top_logprobs_chat(edge, stream):
         assert top[0]["token"] == e["token"] and top[0]["logprob"] == pytest.approx(
             e["logprob"], abs=1e-4
         )
-        assert all(t["bytes"] == list(t["token"].encode()) for t in top)
+        # a token's own bytes: its text's where that is whole (a split character's part is U+FFFD)
+        assert all(bytes(t["bytes"]).decode() == t["token"] for t in top if "\ufffd" not in t["token"])
+    _assert_clean(edge)
+
+
+def test_logprobs_bytes_and_offsets_follow_characters_split_over_tokens(edge):
+    """A character spelled by several tokens (an emoji): chat logprobs give each token's own bytes,
+    which join into the character (before: the bytes of U+FFFD), and an echoed prompt's
+    text_offset points into its text at the character each token belongs to (before: the offsets
+    counted a U+FFFD per token and ran past the text's end)."""
+    tok = edge.engine.tokenizer
+    emoji = next(c for c in "🫠🎉𝔘ꙮ" if len(tok.encode(c, add_special_tokens=False)) > 1)
+    parts = tok.encode(emoji, add_special_tokens=False)
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 1, "logprobs": True, "top_logprobs": 2,
+            "logit_bias": {str(parts[0]): 100}}
+    r = _post(edge, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    entry = r.json()["choices"][0]["logprobs"]["content"][0]
+    assert bytes(entry["bytes"]) == tok.token_bytes(parts[0]) and emoji.encode().startswith(bytes(entry["bytes"]))
+    assert entry["token"] == "\ufffd"  # its text alone (vLLM's); the bytes say which part it is
+    prompt = f"a{emoji}{emoji} b{emoji}"
+    r = _post(edge, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 0,
+                                        "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    offsets, text = choice["logprobs"]["text_offset"], choice["text"]
+    assert text.startswith(prompt) and offsets == sorted(offsets) and offsets[-1] < len(text), (offsets, text)
+    ids = tok.encode(prompt, add_special_tokens=True)
+    starts = [text.find(emoji, i) for i in range(len(prompt)) if prompt.startswith(emoji, i)]
+    assert sum(offsets[j] in starts for j in range(len(ids))) >= 3 * len(parts) - 3  # each part at its character
     _assert_clean(edge)
 
 
@@ -530,7 +559,7 @@ def test_logit_bias_is_applied_and_bad_entries_are_400(edge):
                       ({"-3": 1}, "token ids")):
         r = _post(edge, "/v1/completions", {**body, "logit_bias": bad})
         assert r.status_code == 400, (bad, r.text)
-        assert what in r.json()["error"]["message"], r.text
+        assert what in r.json()["error"]["message"] and r.json()["error"]["param"] == "logit_bias", r.text
 
 
 def test_penalties_are_applied_and_range_checked(edge):
@@ -549,7 +578,7 @@ def test_penalties_are_applied_and_range_checked(edge):
     r = _post(edge, "/v1/completions", {**body, "repetition_penalty": 1.8})  # vLLM's extra
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["logprobs"]["tokens"] != plain
-    for bad in (0, 2.5):
+    for bad in (0, 1e-300, 0.005, 2.5):  # 1e-300 rounded to 0 in float32 and drew garbage
         r = _post(edge, "/v1/completions", {**body, "repetition_penalty": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
     r = _post(edge, "/v1/completions", {**body, "temperature": 1.0, "seed": 1, "min_p": 0.2})  # vLLM's extra
@@ -587,14 +616,68 @@ def test_min_tokens_stop_token_ids_and_include_stop_str_are_applied(edge):
     r = _post(edge, "/v1/chat/completions", {**messages, "min_tokens": 3})  # max_tokens sized to fit, at least 3
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] >= 3
-    for bad, param in (({"min_tokens": 13}, None), ({"min_tokens": -1}, "min_tokens"), ({"stop_token_ids": [-2]}, None),
+    for bad, param in (({"min_tokens": 13}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
+                       ({"stop_token_ids": [-2]}, "stop_token_ids"), ({"stop_token_ids": [vocab + 5]}, "stop_token_ids"),
                        ({"min_tokens": 1.5}, "min_tokens")):
         r = _post(edge, "/v1/completions", {**body, **bad})
         assert r.status_code == 400, (bad, r.text)
         err = r.json()["error"]
-        assert param is None or err["param"] == param, err
+        assert err["param"] == param, (bad, err)
     r = _post(edge, "/v1/chat/completions", {**messages, "min_tokens": 5000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    _assert_clean(edge)
+
+
+def test_errors_name_the_field_at_fault_and_only_the_reason(edge):
+    """A 400's `param` is the request field to fix (none for a body that is not JSON: before,
+    the byte offset of the JSON error), and a grammar error gives the reason without the
+    library's log prefix (its time and source path)."""
+    body = {"prompt": "hello", "max_tokens": 4}
+    cases = [
+        ({**body, "guided_regex": "("}, "guided_regex"),
+        ({**body, "guided_grammar": "root ::= "}, "guided_grammar"),
+        ({**body, "guided_choice": []}, "guided_choice"),
+        ({**body, "response_format": {"type": "bogus"}}, "response_format"),
+        ({**body, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}},
+         "response_format"),
+    ]
+    for bad, param in cases:
+        r = _post(edge, "/v1/completions", bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+        assert not re.search(r"\[\d\d:\d\d:\d\d\]|/project/|\.cc:\d", r.json()["error"]["message"]), r.text
+    r = _post(edge, "/v1/chat/completions", {**CHAT, "logit_bias": {"99999999": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    long_chat = {"messages": [{"role": "user", "content": "x " * (2 * MAX_MODEL_LEN)}], "max_tokens": 4}
+    r = _post(edge, "/v1/chat/completions", long_chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    r = _post(edge, "/v1/completions", b'{"model": "x", "prompt": ')
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] is None and "not valid JSON" in err["message"], r.text
+    r = _post(edge, "/v1/completions", b"hello", headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and "application/json" in r.json()["error"]["message"], r.text
+    assert httpx.head(edge.base_url + "/health", timeout=10).status_code == 200
+    _assert_clean(edge)
+
+
+def test_streamed_and_whole_responses_look_alike(edge):
+    """A streamed response's id has the same shape as a whole one's (a random id, not the engine's
+    request counter, which starts again at every restart), and its last chat chunk carries the
+    stop_reason a whole response does."""
+    stops = list(range(edge.engine.arch.vocab_size))  # the first token ends it: its id is the stop_reason
+    body = {"prompt": [5, 6, 7, 5, 6, 7], "max_tokens": 12, "temperature": 0, "stop_token_ids": stops}
+    chat = {**CHAT, "max_tokens": 12, "temperature": 0, "stop_token_ids": stops}
+    for path, req in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        whole = _post(edge, path, req).json()
+        ref = whole["choices"][0]
+        assert isinstance(ref["stop_reason"], int) and ref["finish_reason"] == "stop", ref
+        with httpx.stream("POST", edge.base_url + path, content=json.dumps({**req, "stream": True}).encode(),
+                          headers={"content-type": "application/json", **AUTH}, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        ids = {e["id"] for e in events}
+        assert len(ids) == 1 and re.fullmatch(r"(chatcmpl|cmpl)-[0-9a-f]{24}", ids.pop()), ids
+        assert re.fullmatch(r"(chatcmpl|cmpl)-[0-9a-f]{24}", whole["id"]), whole["id"]
+        last = [c for e in events for c in e["choices"] if c.get("finish_reason")][-1]
+        assert (last["finish_reason"], last["stop_reason"]) == ("stop", ref["stop_reason"]), last
     _assert_clean(edge)
 
 

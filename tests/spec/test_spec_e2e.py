@@ -293,23 +293,26 @@ def test_tiny_int8_kv_greedy_spec_equals_int8_kv_plain(tiny, which):
     assert llm.engine.check_integrity()
 
 
-def _tv_permutation_test(a: np.ndarray, b: np.ndarray, n_perm: int = 200, seed: int = 0) -> tuple[float, float]:
-    """TV distance between the empirical distributions of two samples and its permutation p-value."""
+def _tv_permutation_test(a: np.ndarray, b: np.ndarray, n_perm: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """TV distance between the empirical distributions of two samples and its permutation p-value
+    (n_perm shuffles: the smallest p-value it can give is 1 / (n_perm + 1), so at 2,000 a test
+    at 1e-3 can fail; at the 200 it had, it never could)."""
+    keys, inv = np.unique(np.concatenate([a, b]), return_inverse=True)
+    n = len(a)
 
-    def tv(x, y):
-        keys, inv = np.unique(np.concatenate([x, y]), return_inverse=True)
-        cx = np.bincount(inv[: len(x)], minlength=len(keys)) / len(x)
-        cy = np.bincount(inv[len(x) :], minlength=len(keys)) / len(y)
+    def tv(labels: np.ndarray) -> float:
+        cx = np.bincount(labels[:n], minlength=len(keys)) / n
+        cy = np.bincount(labels[n:], minlength=len(keys)) / (len(labels) - n)
         return 0.5 * np.abs(cx - cy).sum()
 
-    observed = tv(a, b)
-    pooled = np.concatenate([a, b])
+    observed = tv(inv)
     rng = np.random.default_rng(seed)
-    null = []
-    for _ in range(n_perm):
+    pooled = inv.copy()
+    null = np.empty(n_perm)
+    for i in range(n_perm):
         rng.shuffle(pooled)
-        null.append(tv(pooled[: len(a)], pooled[len(a) :]))
-    p = (1 + sum(t >= observed for t in null)) / (1 + n_perm)
+        null[i] = tv(pooled)
+    p = (1 + int((null >= observed).sum())) / (1 + n_perm)
     return observed, p
 
 
@@ -317,15 +320,23 @@ _PLAIN_SAMPLE: dict[str, list] = {}
 
 
 def _assert_same_distribution(base, spec, vocab=12):
-    """Permutation tests (above) on the joint distribution of the outputs and on each position's."""
+    """The joint distribution of the outputs (a permutation test, above), each position's and each
+    neighbouring pair's (chi-square tests of homogeneity; before, a permutation test of 100
+    shuffles per position, whose p-value is never below 1/101, so it could not fail)."""
+    from scipy.stats import chi2_contingency
+
     enc = lambda outs: np.array([sum(t * vocab**i for i, t in enumerate(o.token_ids)) for o in outs])  # noqa: E731
     tv, p = _tv_permutation_test(enc(base), enc(spec))
     assert p > 1e-3, f"TV={tv:.4f}, permutation p={p:.4f}"
-    for pos in range(len(base[0].token_ids)):
-        a = np.array([o.token_ids[pos] for o in base])
-        b = np.array([o.token_ids[pos] for o in spec])
-        tv, p_pos = _tv_permutation_test(a, b, n_perm=100, seed=pos)
-        assert p_pos > 1e-3, f"position {pos}: TV={tv:.4f}, permutation p={p_pos:.4f}"
+    length = len(base[0].token_ids)
+    # Each position, and each pair of neighbours (where a verify step's tokens depend on each other).
+    for span in [(pos,) for pos in range(length)] + [(pos, pos + 1) for pos in range(length - 1)]:
+        code = lambda o: sum(o.token_ids[i] * vocab**j for j, i in enumerate(span))  # noqa: B023, E731
+        a = np.bincount([code(o) for o in base], minlength=vocab ** len(span))
+        b = np.bincount([code(o) for o in spec], minlength=vocab ** len(span))
+        seen = (a + b) > 0
+        p_span = chi2_contingency(np.stack([a[seen], b[seen]]))[1] if seen.sum() > 1 else 1.0
+        assert p_span > 1e-3, f"positions {span}: chi-square p={p_span:.2e}"
 
 
 @pytest.mark.parametrize("which", [
@@ -372,6 +383,31 @@ def test_tiny_sampled_distribution_matches(which):
     if which == "draft-pmin":  # proposals of several lengths, not all cut to one token
         assert 1.2 < counters["num_draft_tokens"] / counters["num_drafts"] < 3.0
     _assert_same_distribution(base, spec)
+
+
+@pytest.mark.parametrize("which,tree", [("draft-truncated", "tree"), ("draft-truncated", "chain")])
+def test_seeded_sampled_speculation_draws_from_the_target_distribution(which, tree):
+    """Seeded requests (each its own seed) with a model drafter: the same joint distribution as
+    plain sampling. A seeded request draws its accept coins, its recovery draws and its plain
+    draws from generators keyed by (seed + stream, position); torch's CPU generator kept only 32
+    bits of that key, so the three were one number and a rejected draft's recovery was drawn
+    from the top of the residual distribution (failed: position 1, chi-square p = 0 for chains
+    and 6e-24 for trees)."""
+    from conftest import tiny_checkpoint
+
+    _, ckpt = tiny_checkpoint("llama", seed=9, vocab=12, layers=2)
+    n = 20_000
+    prompt = [1, 5, 7, 5, 7, 5]
+    big = dict(max_num_seqs=512, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    params = [SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True, seed=i) for i in range(n)]
+    if "base" not in _PLAIN_SAMPLE:
+        _PLAIN_SAMPLE["base"] = _llm(ckpt, **big).generate(
+            [prompt] * n, SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True), use_tqdm=False)
+    spec_llm = _spec_llm(ckpt, which, spec_tree=tree, **big)
+    spec = spec_llm.generate([prompt] * n, params, use_tqdm=False)
+    c = spec_llm.engine.spec_counters
+    assert 1000 < c["num_accepted_tokens"] < c["num_draft_tokens"] - 1000  # many accepted, many rejected
+    _assert_same_distribution(_PLAIN_SAMPLE["base"], spec)
 
 
 @pytest.mark.parametrize("which", ["ngram", "draft-truncated", "eagle"])
@@ -878,6 +914,17 @@ def test_smollm2_min_tokens_holds_back_eos_and_stop_strings(smollm_checkpoint, m
         assert llm.engine.spec_counters["num_accepted_tokens"] > 0
 
 
+def _assert_counts_describe_the_output(out) -> None:
+    """A request's speculation counters count only accepted drafts its output keeps (a stop inside
+    a step drops the rest): at most one token of each step is not an accepted draft."""
+    m = out.metrics.extra
+    n = len(out.token_ids)
+    assert m["num_spec_steps"] > 0
+    assert m["num_accepted_tokens"] == sum(m["accepted_lengths"]) <= n - 1
+    assert m["num_accepted_tokens"] + m["num_target_steps"] in (n, n + 1)
+    assert all(0 <= a <= 1 for a in m["acceptance_per_position"] if a is not None)
+
+
 def test_a_stop_string_inside_a_speculative_step_ends_the_tokens_where_plain_decoding_does(smollm_checkpoint):
     """A step that accepts several tokens can complete a stop string before its last one: the
     output (token ids, their logprobs, the text) ends at the token that completed it, as plain
@@ -892,6 +939,18 @@ def test_a_stop_string_inside_a_speculative_step_ends_the_tokens_where_plain_dec
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "stop"), (stop, m)
         assert len(got.outputs[0].logprobs) == len(got.token_ids)
         assert got.metrics.num_generated_tokens == len(want.token_ids)
+        _assert_counts_describe_the_output(got)
+    # A stop token id ends the output inside a step too; its text is left out unless
+    # include_stop_str_in_output (vLLM's convention), in plain and speculative decoding alike.
+    sea = spec.engine.tokenizer.encode(" sea", add_special_tokens=False)
+    assert len(sea) == 1
+    for include in (False, True):
+        params = _greedy(30, stop_token_ids=sea, include_stop_str_in_output=include)
+        want, got = plain.generate(prompt, params)[0], spec.generate(prompt, params)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "stop")
+        assert got.token_ids[-1] == sea[0] and got.outputs[0].stop_reason == sea[0]
+        assert got.text.endswith(" sea") == include
+        _assert_counts_describe_the_output(got)
     eng = spec.engine
     assert eng.spec_counters["num_accepted_tokens"] > 0
     assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks

@@ -121,6 +121,9 @@ def test_min_tokens_under_a_grammar_holds_the_end_back_until_only_the_end_is_all
     assert len(held.token_ids) >= 24 and re.fullmatch(r"[A-Za-z0-9 ,.]+", held.text), held.text
     assert held.token_ids[: len(free.token_ids) - 1] == free.token_ids[:-1]  # the same text until the end was due
     assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+    # and its end is the output's end: before, a stop id the grammar took inside min_tokens was
+    # emitted as hidden text and the output ran on to min_tokens
+    assert len(choice.token_ids) <= 3 and choice.token_ids[-1] in llm.engine.eos_token_ids, choice.token_ids
     if method != "none":
         ref = [o.outputs[0].token_ids for o in plain.generate([prompts[0], prompts[0], prompts[1]], params)]
         assert [free.token_ids, held.token_ids, choice.token_ids] == ref

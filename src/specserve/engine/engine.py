@@ -147,7 +147,8 @@ class RequestPreparer:
         if check_max_tokens and len(token_ids) + params.max_tokens > self.max_request_tokens:
             raise self.too_long(len(token_ids), params.max_tokens)
         if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this model has none, use stop_token_ids.")
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none, use stop_token_ids.",
+                                      param="stop")
         if params.structured_output is not None:
             self.grammars.compile(params.structured_output)  # refuse a bad schema before queueing
         if params.reference_text and params.reference_token_ids is None and self.tokenizer is not None:
@@ -158,17 +159,23 @@ class RequestPreparer:
         ref = params.reference_token_ids
         if ref is not None and any(t >= self.vocab_size for t in ref):
             raise InvalidRequestError(
-                f"reference_token_ids holds ids outside the vocabulary [0, {self.vocab_size}); check the tokenizer."
-            )
+                f"reference_token_ids holds ids outside the vocabulary [0, {self.vocab_size}); check the tokenizer.",
+                param="reference_token_ids")
         outside = sorted(t for t in params.logit_bias or () if t >= self.vocab_size)
         if outside:
             raise InvalidRequestError(
-                f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {self.vocab_size}); check the tokenizer."
-            )
+                f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {self.vocab_size}); check the tokenizer.",
+                param="logit_bias")
+        outside = sorted(t for t in params.stop_token_ids if t >= self.vocab_size)
+        if outside:  # never sampled: a stop that could never happen is a mistake worth saying
+            raise InvalidRequestError(
+                f"stop_token_ids names token ids {outside[:5]} outside the vocabulary [0, {self.vocab_size}); "
+                "check the tokenizer.", param="stop_token_ids")
         if params.min_tokens:
             ending = ending_token_ids(params, self.eos_token_ids)
             if sum(t < self.vocab_size for t in ending) == self.vocab_size:
-                raise InvalidRequestError("min_tokens cannot hold: stop_token_ids and EOS cover the whole vocabulary.")
+                raise InvalidRequestError("min_tokens cannot hold: stop_token_ids and EOS cover the whole vocabulary.",
+                                          param="min_tokens")
         req = Request(
             request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
             priority=priority, arrival_time=arrival_time,
@@ -922,14 +929,19 @@ class LLMEngine:
         state = self._states[req.request_id]
         if state.detok is not None and new_tokens:
             old_len = len(state.text)
-            rest = new_tokens
+            # The id that ended the output (EOS, a stop_token_ids id) stays in token_ids; its text
+            # only with include_stop_str_in_output (vLLM's convention, as for a stop string).
+            hidden = int(req.status == RequestStatus.FINISHED_STOPPED and isinstance(req.stop_reason, (int, type(None)))
+                         and not req.sampling_params.include_stop_str_in_output)
+            text_tokens = new_tokens[: len(new_tokens) - hidden]
+            rest = text_tokens
             if state.stop_after is None:
                 head = req.sampling_params.min_tokens - (req.num_output_tokens - len(new_tokens))
                 if head <= len(new_tokens):  # this step reaches min_tokens
                     if head > 0:
-                        state.detok.append(new_tokens[:head])
+                        state.detok.append(text_tokens[:head])
                     state.stop_after = len(state.detok.text)
-                    rest = new_tokens[max(head, 0) :]
+                    rest = text_tokens[max(head, 0) :]
             checking = bool(state.stop) and state.stop_after is not None
             # Several tokens in one (speculative) step under stop strings: one at a time, so that a
             # stop string ends the output at the token that completes it, as plain decoding's would.
@@ -939,7 +951,7 @@ class LLMEngine:
                     state.detok.append(piece)
                 state.text = state.detok.text
                 if checking and self._check_stop_strings(req, state, old_len, already_finished=req.is_finished):
-                    if dropped := len(pieces) - 1 - j:  # the step's tokens after the one that completed it
+                    if dropped := len(pieces) - 1 - j + hidden:  # the step's tokens after the one that completed it
                         req.drop_last_output_tokens(dropped)
                         self.num_generated_tokens -= dropped
                     break

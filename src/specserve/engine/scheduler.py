@@ -320,8 +320,9 @@ class Scheduler:
             num_accepted = len(out.token_ids) - 1
             req.num_computed_tokens += num_fed - sr.num_spec_tokens + num_accepted
             req.draft = None
-            req.record_verify(sr.num_spec_tokens, num_accepted, sr.draft.max_depth if sr.draft is not None else None)
             new_tokens = self._append_checking_stops(req, out)
+            req.record_verify(sr.num_spec_tokens, num_accepted, sr.draft.max_depth if sr.draft is not None else None,
+                              len(new_tokens))
             if req.times.first_token is None:
                 req.times.first_token = now
             req.times.last_token = now
@@ -349,7 +350,10 @@ class Scheduler:
         return accepted
 
     def _token_stop_status(self, req: Request, tok: int, params: SamplingParams) -> RequestStatus | None:
-        if req.num_output_tokens > params.min_tokens:  # the first min_tokens masked every ending id
+        # The first min_tokens rows mask every ending id, except under structured output where
+        # the grammar allows nothing else (a finished choice or JSON object; see
+        # grammar.forbid_unless_only): an ending id there ends the output as the grammar does.
+        if req.num_output_tokens > params.min_tokens or req.grammar is not None:
             if not params.ignore_eos and tok in req.eos_token_ids:
                 req.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -178,6 +179,7 @@ class Tokenizer:
         self.stop_token_ids: frozenset[int] = frozenset(stops)
         self._fingerprint: str | None = None
         self._template: jinja2.Template | None = None
+        self._added: frozenset[int] | None = None  # ids of added tokens (token_bytes)
 
     def __repr__(self) -> str:
         return (
@@ -438,6 +440,37 @@ class Tokenizer:
                 "(roles, order, content) to match what the model expects."
             ) from exc
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: a byte-level token may hold part of a character
+        (an emoji is often 2-4 tokens), whose decoded text alone is only U+FFFD. Added and special
+        tokens are their text; the rest are read from their byte-level spelling (GPT-2's byte
+        alphabet), or a SentencePiece byte (`<0xE2>`), else their decoded text."""
+        added = self._added_ids()
+        piece = self._backend.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if token_id in added:
+            return piece.encode("utf-8")
+        if self._byte_level:
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            except KeyError:
+                pass
+        sp_byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if sp_byte:
+            return bytes([int(sp_byte.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def _added_ids(self) -> frozenset[int]:
+        if self._added is None:
+            self._added = frozenset(self._backend.get_added_tokens_decoder())
+        return self._added
+
+    @property
+    def _byte_level(self) -> bool:
+        """Whether tokens are spelled in GPT-2's byte alphabet (a byte-level decoder)."""
+        return "ByteLevel" in repr(self._backend.decoder)
+
     def _special_text(self, token_id: int | None) -> str:
         if token_id is None:
             return ""
@@ -465,6 +498,22 @@ class Tokenizer:
             data = "".join(parts).encode("utf-8", "surrogatepass")
             self._fingerprint = hashlib.sha256(data).hexdigest()
         return self._fingerprint
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE spells each byte as one printable character: the printable Latin-1
+    bytes as themselves, the others shifted to U+0100 and up. Character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_BYTE_OF_CHAR = _gpt2_byte_alphabet()
 
 
 def _read_json(path: Path) -> dict[str, Any]:

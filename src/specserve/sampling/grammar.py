@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -107,13 +108,25 @@ class GrammarCompiler:
                     return self._compiler.compile_regex("|".join(_regex_literal(o) for o in options))
                 return self._compiler.compile_grammar(text)
             except (RuntimeError, ValueError, TypeError) as exc:
-                raise InvalidRequestError(f"the {kind.replace('_', ' ')} could not be compiled: {exc}") from None
+                raise InvalidRequestError(f"the {kind.replace('_', ' ')} could not be compiled: {_library_reason(exc)}",
+                                          param=STRUCTURED_PARAM.get(kind)) from None
 
     def new_state(self, spec: StructuredOutput, emitted: Sequence[int] = ()) -> GrammarState:
         """A matcher at the start of the output, advanced over tokens already emitted."""
         state = GrammarState(self.compile(spec), self.vocab_size, self.stop_token_ids)
         state.accept(emitted)
         return state
+
+
+# The OpenAI / vLLM request field that carries each kind of structured output.
+STRUCTURED_PARAM = {"json_object": "response_format", "json_schema": "response_format", "regex": "guided_regex",
+                    "grammar": "guided_grammar", "choice": "guided_choice"}
+
+
+def _library_reason(exc: Exception) -> str:
+    """xgrammar's message without its log prefix (`[03:00:50] /project/cpp/regex_converter.cc:94: `):
+    the reason, not the library's time and source path."""
+    return re.sub(r"^\[[0-9:]+\]\s+\S+:\d+:\s*", "", str(exc).strip(), flags=re.MULTILINE)
 
 
 def _regex_literal(text: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import html
 import json
@@ -56,6 +57,7 @@ from specserve.server.protocol import (
     TopLogprob,
     UsageInfo,
     error_body,
+    new_id,
 )
 
 logger = logging.getLogger(__name__)
@@ -138,6 +140,7 @@ class OpenAIServer:
         self.token_chars = longest_token_chars(self.tokenizer) if self.tokenizer is not None else None
         self.max_prompt_chars = self.max_request_tokens * self.token_chars if self.token_chars else None
         self._token_texts: dict[int, str] = {}
+        self._token_raw: dict[int, bytes] = {}
 
     async def drain(self) -> None:
         """Stop admitting (new API requests get 503 + Retry-After; the listener stays open), let
@@ -226,10 +229,10 @@ class OpenAIServer:
                 ),
             )
         except InvalidRequestError as e:
-            raise APIError(400, str(e)) from e
+            raise APIError(400, str(e), param=e.param) from e
 
     def _prepare(self, prompts: list[str | list[int]], base: SamplingParams, n: int, priority: int,
-                 max_tokens: int | None, default_max_tokens: int | None = None,
+                 max_tokens: int | None, default_max_tokens: int | None = None, prompt_param: str = "prompt",
                  ) -> tuple[list[PreparedRequest], list[int]]:
         """Tokenize (once per prompt) and validate every (prompt, sample) pair; all or nothing.
 
@@ -247,8 +250,8 @@ class OpenAIServer:
                 try:  # prompt + max_tokens is checked below, where an omitted max_tokens is sized
                     p = self.engine.prepare_request(tokens, params, priority=priority, arrival_time=arrival,
                                                     check_max_tokens=False)
-                except SpecServeError as e:
-                    raise APIError(400, str(e), param="prompt") from e
+                except SpecServeError as e:  # the field at fault where the error names one, else the prompt
+                    raise APIError(400, str(e), param=getattr(e, "param", None) or prompt_param) from e
                 if isinstance(prompt, str):  # the other samples reuse the first one's token ids
                     tokens, p = p.request.prompt_token_ids, p._replace(prompt=prompt)
                 if base.reference_token_ids is None and base.reference_text:  # and its reference's
@@ -340,7 +343,8 @@ class OpenAIServer:
                     tops = (out.prompt_top_logprobs or []) + tops
             choices.append(CompletionChoice(
                 index=i, text=text, finish_reason=_finish(c.finish_reason), stop_reason=c.stop_reason,
-                logprobs=(self._completion_logprobs(ids, lps, tops, req.logprobs) if req.logprobs is not None else None),
+                logprobs=(self._completion_logprobs(ids, lps, tops, req.logprobs, text)
+                          if req.logprobs is not None else None),
             ))
         body = CompletionResponse(model=self.model_name, choices=choices, usage=self._usage(prompt_lens, finals, prompt_only))
         return JSONResponse(body.model_dump())
@@ -348,7 +352,7 @@ class OpenAIServer:
     async def _stream_completion(self, stream: RequestStream, req: CompletionRequest,
                                  prepared: list[PreparedRequest], prompt_lens: list[int],
                                  include_usage: bool, prompt_only: bool = False) -> AsyncIterator[str]:
-        rid = f"cmpl-{prepared[0].request.request_id}"
+        rid = new_id("cmpl")  # as a response's own (a random id, unique across restarts)
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
         clock = TokenClock()
@@ -364,9 +368,9 @@ class OpenAIServer:
                 c = out.outputs[0]
                 if scored and idx not in echoed:
                     echoed.add(idx)
-                    lp = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs,
-                                                   out.prompt_top_logprobs, req.logprobs or 0)
                     text = prepared[idx].prompt or self._decode(out.prompt_token_ids)
+                    lp = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs,
+                                                   out.prompt_top_logprobs, req.logprobs or 0, text)
                     yield _event(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
                         CompletionChoice(index=idx, text=text, logprobs=lp)]).model_dump())
                 self._tick(clock, c.delta_token_ids)
@@ -455,7 +459,8 @@ class OpenAIServer:
         prompt = await self._render_chat(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         base = self._sampling_params(req, max_tokens, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
-        prepared, prompt_lens = await run_in_threadpool(self._prepare, [prompt], base, req.n, req.priority, max_tokens)
+        prepared, prompt_lens = await run_in_threadpool(self._prepare, [prompt], base, req.n, req.priority, max_tokens,
+                                                        prompt_param="messages")
         self.metrics.tag_requests([p.request.request_id for p in prepared], req.request_class)
         stream = self._submit(prepared)
         if req.stream:
@@ -480,7 +485,7 @@ class OpenAIServer:
     async def _stream_chat(self, stream: RequestStream, req: ChatCompletionRequest,
                            prepared: list[PreparedRequest], prompt_lens: list[int],
                            include_usage: bool) -> AsyncIterator[str]:
-        rid = f"chatcmpl-{prepared[0].request.request_id}"
+        rid = new_id("chatcmpl")
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
         clock = TokenClock()
@@ -508,7 +513,7 @@ class OpenAIServer:
                 if out.finished:
                     finals[idx] = out
                     yield chunk([ChatChunkChoice(index=idx, delta=DeltaMessage(),
-                                                 finish_reason=_finish(c.finish_reason))])
+                                                 finish_reason=_finish(c.finish_reason), stop_reason=c.stop_reason)])
             if self._aborted_by_drain(list(finals.values())):
                 yield _event(self._drain_error())
             if include_usage:
@@ -580,14 +585,39 @@ class OpenAIServer:
             text = self._token_texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
         return text
 
-    def _completion_logprobs(self, ids: list[int], lps: list[float | None] | None,
-                             tops: list[list[tuple[int, float]] | None] | None, k: int) -> CompletionLogprobs:
-        """Legacy block: every token's text and logprob, and with k > 0 its k likeliest as {text: logprob}."""
-        tokens = [self._token_text(t) for t in ids]
+    def _token_bytes(self, tid: int) -> bytes:
+        if self.tokenizer is None:
+            return self._token_text(tid).encode("utf-8")
+        raw = self._token_raw.get(tid)
+        if raw is None:
+            raw = self._token_raw[tid] = self.tokenizer.token_bytes(tid)
+        return raw
+
+    def _text_offsets(self, ids: list[int], text: str | None = None) -> list[int]:
+        """Where each token's text starts, in characters: the tokens' bytes decoded in order, so
+        a token that holds part of a character starts where that character does (before, each
+        such token counted its U+FFFD and the offsets ran past the text). A special token counts
+        its spelling where `text` holds it there (an echoed prompt that spelled it), else nothing
+        (output text leaves special tokens out)."""
+        special = self.tokenizer.special_token_ids if self.tokenizer is not None else frozenset()
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
         offsets, at = [], 0
-        for t in tokens:
+        for t in ids:
             offsets.append(at)
-            at += len(t)
+            if t in special:
+                spelled = self._token_text(t)
+                at += len(spelled) if text is not None and text.startswith(spelled, at) else 0
+            else:
+                at += len(decoder.decode(self._token_bytes(t)))
+        return offsets
+
+    def _completion_logprobs(self, ids: list[int], lps: list[float | None] | None,
+                             tops: list[list[tuple[int, float]] | None] | None, k: int,
+                             text: str | None = None) -> CompletionLogprobs:
+        """Legacy block: every token's text, logprob and offset in `text` (the text the tokens
+        spell; see _text_offsets), and with k > 0 its k likeliest as {text: logprob}."""
+        tokens = [self._token_text(t) for t in ids]
+        offsets = self._text_offsets(ids, text)
         top = None
         if k:  # None where there is nothing to rank (an echoed prompt's first token)
             top = [None if pairs is None else {self._token_text(tid): _finite(v) for tid, v in pairs}
@@ -602,11 +632,13 @@ class OpenAIServer:
         content = []
         for t, lp, pairs in zip(ids, _last(lps, len(ids)), _last(tops, len(ids))):
             text = self._token_text(t)
+            # bytes: the token's own (OpenAI's), which a client joins to rebuild characters split
+            # over tokens; the text of such a token alone is U+FFFD
             alternatives = [TopLogprob(token=self._token_text(tid), logprob=_finite(v),
-                                       bytes=list(self._token_text(tid).encode("utf-8")))
+                                       bytes=list(self._token_bytes(tid)))
                             for tid, v in (pairs or [])[:k]]
             content.append(ChatLogprobToken(token=text, logprob=_finite(lp) if lp is not None else 0.0,
-                                            bytes=list(text.encode("utf-8")), top_logprobs=alternatives))
+                                            bytes=list(self._token_bytes(t)), top_logprobs=alternatives))
         return ChatLogprobs(content=content)
 
     @staticmethod
@@ -692,6 +724,13 @@ def build_app(server: OpenAIServer) -> FastAPI:
             msg = e.get("msg", "invalid")
             parts.append(f"{loc}: {msg}" if loc else msg)
         param = None
+        if errs and errs[0].get("type") == "json_invalid":  # its loc is a byte offset, not a field
+            return _error_response(400, f"Invalid request: the body is not valid JSON ({errs[0].get('msg', '')} at "
+                                   f"character {errs[0].get('loc', ('', '?'))[-1]}).")
+        if errs and tuple(errs[0].get("loc", ())) == ("body",) and errs[0].get("type") in ("model_attributes_type",
+                                                                                              "dict_type"):
+            return _error_response(400, "Invalid request: the body must be a JSON object, sent with "
+                                   "'Content-Type: application/json'.")
         if errs:  # the field a client should look at; our own checks name it in their context
             loc = [str(x) for x in errs[0].get("loc", ()) if x != "body"]
             named = (errs[0].get("ctx") or {}).get("param")
@@ -751,6 +790,10 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     @app.post("/ping")
     async def ping_post() -> Response:  # (its own name: one OpenAPI operation id per method)
+        return await health()
+
+    @app.head("/health", include_in_schema=False)  # load balancers' probes
+    async def health_head() -> Response:
         return await health()
 
     @app.get("/health")

@@ -42,11 +42,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from specserve.sampling_params import MIN_REPETITION_PENALTY
+
 MAX_N = 16
 MAX_STOP = 16
 
 
-def _id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
+    """A response id: the prefix and 24 random hex digits (OpenAI's shape)."""
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
@@ -161,7 +164,7 @@ class _SamplingFields(_Body):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # vLLM's extra
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=2.0)  # vLLM's extra
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # vLLM's extra
     user: str | None = None
     # specserve extras
@@ -295,7 +298,7 @@ class CompletionChoice(BaseModel):
 class CompletionResponse(BaseModel):
     """Response of /v1/completions (also each streamed chunk, object 'text_completion')."""
 
-    id: str = Field(default_factory=lambda: _id("cmpl"))
+    id: str = Field(default_factory=lambda: new_id("cmpl"))
     object: str = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
@@ -346,7 +349,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(BaseModel):
     """Response of /v1/chat/completions."""
 
-    id: str = Field(default_factory=lambda: _id("chatcmpl"))
+    id: str = Field(default_factory=lambda: new_id("chatcmpl"))
     object: str = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
@@ -368,6 +371,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class ChatCompletionChunk(BaseModel):
