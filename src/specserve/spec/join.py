@@ -15,6 +15,13 @@ draft pass, like a copier's): the policy weighs them against the drafter's joine
 request (SpecPolicy.prefer_copy, each source's acceptance learned apart) and takes them where the
 drafter's passes would not pay, so a drafter the policy holds back (a head whose pass is a large
 share of a small target's step; prose, where a head is weak) still leaves lookahead's drafts.
+Measured on two Zen 5 cores (adaptive, trees, batch 1): the join yields the most tokens per
+target forward (SmolLM2 and its head 1.77 / 1.35 on coding / prose against the head's 1.60 /
+1.09; Qwen2.5-Coder-1.5B 1.79 / 1.27 against 1.70 / 1.04) but not the most tokens per second:
+lookahead drafts for every request every step before the policy weighs its drafts, and its rows
+cost about what they save (a Zen 5's verify cost rises steeply past 9 rows), so lookahead alone
+ran as fast or faster. It is off by default; where verifying more rows is nearly free (a GPU at
+small batch) it is the lever.
 
 Exactness. A joined node's children come from two sources, so no one draw rule covers them;
 the joint tree is therefore verified as deterministic candidates, which is exact for any
