@@ -183,14 +183,23 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- generate
+def _read_text_file(path: str, flag: str) -> str:
+    """A UTF-8 text file a flag names; a missing, unreadable or binary file is a one-line error."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecServeError(f"{flag} {path}: cannot read it as UTF-8 text ({e.__class__.__name__}: "
+                             f"{getattr(e, 'strerror', None) or e}).") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate for one or more prompts and print text or JSON lines."""
     from specserve import LLM, SamplingParams
 
     prompts = list(args.prompt or [])
     if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
+        lines = _read_text_file(args.prompt_file, "--prompt-file").splitlines()
+        prompts += [line.replace("\\n", "\n") for line in lines if line.strip()]
     if not prompts:
         print("error: give at least one --prompt or a --prompt-file", file=sys.stderr)
         return 2
@@ -199,7 +208,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
         min_tokens=args.min_tokens, prompt_logprobs=args.prompt_logprobs,
-        reference_text=Path(args.reference_file).read_text(encoding="utf-8") if args.reference_file else None,
+        reference_text=_read_text_file(args.reference_file, "--reference-file") if args.reference_file else None,
     )
     llm = LLM(args.model, **engine_kwargs(args))
     if args.chat:
@@ -281,6 +290,8 @@ def cmd_calc(args: argparse.Namespace) -> int:
             if (args.model is None) == (args.params_b is None):
                 raise calc.CalcInputError("give --model M or --params-b P (billions of weights), one of them.")
             kv_token, attn, arch = 0, 0, None
+            if args.context_tokens < 0:
+                raise calc.CalcInputError(f"--context-tokens must be >= 0, got {args.context_tokens}.")
             if args.model is not None or args.context_tokens:  # the KV each request reads per step
                 if args.model is None and args.layers is None:
                     raise calc.CalcInputError("--context-tokens with --params-b needs the KV dimensions: "
@@ -296,7 +307,12 @@ def cmd_calc(args: argparse.Namespace) -> int:
     except SpecServeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
+    try:  # strict JSON: a figure that came out NaN or infinite is an input out of range
+        text = json.dumps(report.to_dict(), indent=2, allow_nan=False) if args.json else report.to_text()
+    except ValueError:
+        print("error: these inputs give a result that is not a finite number; check their magnitudes.", file=sys.stderr)
+        return 2
+    print(text)
     return 0
 
 
@@ -459,9 +475,22 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from specserve.defaults import bundled_draft
     from specserve.ops.audit import read_prompts, run_audit
 
+    bad = [msg for ok, msg in (
+        (args.positions >= 1, f"--positions must be >= 1, got {args.positions}"),
+        (args.draws >= 1, f"--draws must be >= 1, got {args.draws}"),
+        (0 < args.alpha < 1, f"--alpha (the significance level) must lie in (0, 1), got {args.alpha}"),
+        (0 <= args.max_kl < float("inf"), f"--max-kl must be a number >= 0, got {args.max_kl}"),
+        (args.continuation_tokens >= 1, f"--continuation-tokens must be >= 1, got {args.continuation_tokens}"),
+    ) if not ok]
+    if bad:
+        print(f"error: {bad[0]}.", file=sys.stderr)
+        return 2
     try:
         prompts = read_prompts(args.prompts)
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        print(f"error: --prompts {args.prompts}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     draft = args.draft_model

@@ -102,6 +102,37 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed
 LOGPROBS_MODE_ALIASES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 
 
+def check_field_types(config: object) -> None:
+    """Refuse a config field whose value is not of its declared kind, before any range check:
+    `int` fields take integers (not bools, not 2.5), `float` fields finite numbers, `str` fields
+    strings (or paths), `bool` fields bools (None where the field allows it). Without this a
+    num_spec_tokens of 2.5 built an engine whose every step failed, and a kv_cache_gib of NaN
+    failed deep inside the allocator."""
+    import dataclasses
+    import math
+    import numbers
+
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        kinds = {k.strip() for k in str(f.type).split("|")}
+        value = getattr(config, f.name)
+        if value is None and "None" in kinds:
+            continue
+        if kinds - {"None"} == {"int"}:
+            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            want = "an integer"
+        elif kinds - {"None"} == {"float"}:
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            want = "a finite number"
+        elif kinds - {"None"} == {"bool"}:
+            ok, want = isinstance(value, bool), "True or False"
+        elif kinds - {"None"} == {"str"}:
+            ok, want = isinstance(value, (str, os.PathLike)), "a string"  # (a path where a path goes)
+        else:
+            continue
+        if not ok:
+            raise ConfigError(f"{f.name} must be {want}{' (or None)' if 'None' in kinds else ''}, got {value!r}.")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to run and how to hold it in memory."""
@@ -127,6 +158,7 @@ class ModelConfig:
     logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         parse_dtype(self.dtype, self.device)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"Unknown device {self.device!r}; use 'cpu' or 'cuda'.")
@@ -195,6 +227,7 @@ class CacheConfig:
                                                or self.kv_remote_store is not None)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         spelled = str(self.kv_cache_dtype).strip().lower()
         kv_dtype = KV_CACHE_DTYPE_ALIASES.get(spelled, spelled)
         if kv_dtype not in KV_CACHE_DTYPES:
@@ -230,6 +263,7 @@ class SchedulerConfig:
     max_waiting: int | None = None  # bounded waiting queue (None: unbounded)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be >= 1.")
         if self.max_num_seqs < 1:
@@ -368,6 +402,7 @@ class SpecConfig:
     release_after_s: float | None = 300.0
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"Unknown spec method {self.method!r}; use one of {', '.join(SPEC_METHODS)}.")
         if self.policy not in SPEC_POLICIES:
@@ -451,6 +486,9 @@ class EngineConfig:
     log_stats: bool = False
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads must be >= 1 (or None: torch's default), got {self.num_threads}.")
         if self.model.quantization in DRAFT_ONLY_QUANTIZATIONS:
             raise ConfigError(
                 f"--quantization {self.model.quantization} is for draft models only "

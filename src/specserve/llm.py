@@ -17,7 +17,7 @@ from specserve.config import (
     spec_kwargs_from_vllm,
 )
 from specserve.engine.engine import LLMEngine
-from specserve.errors import ConfigError
+from specserve.errors import ConfigError, InvalidRequestError
 from specserve.models.chat import ChatError, render_chat
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
@@ -90,7 +90,9 @@ class LLM:
             draft_quantization = spec.pop("draft_quantization", draft_quantization)
             ngram_min, ngram_max = spec.pop("ngram_min", ngram_min), spec.pop("ngram_max", ngram_max)
             spec_on_batch, spec_off_batch = spec.pop("spec_on_batch", spec_on_batch), spec.pop("spec_off_batch", spec_off_batch)
-            assert not spec, spec
+            suffix_cache_requests = spec.pop("suffix_cache_requests", suffix_cache_requests)
+            if spec:  # a key spec_kwargs_from_vllm maps that this constructor does not take yet
+                raise ConfigError(f"speculative_config keys {sorted(spec)} are not taken by LLM(); pass them by name.")
         if spec_method is None:
             spec_method = "draft" if (draft_model or draft_checkpoint is not None) else "none"
         config = EngineConfig(
@@ -162,12 +164,18 @@ class LLM:
         priority = priority if priority is not None else priorities
         plist = self._as_prompt_list(prompts)
         if priority is not None and len(priority) != len(plist):
-            raise ValueError(f"got {len(plist)} prompts but {len(priority)} priorities")
+            raise InvalidRequestError(f"got {len(plist)} prompts but {len(priority)} priorities")
         if params is None:
             params = SamplingParams()
-        params_list = [params] * len(plist) if isinstance(params, SamplingParams) else list(params)
+        if isinstance(params, SamplingParams):
+            params_list = [params] * len(plist)
+        elif isinstance(params, Sequence) and all(isinstance(p, SamplingParams) for p in params):
+            params_list = list(params)
+        else:
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                                      f"got {type(params).__name__}.")
         if len(params_list) != len(plist):
-            raise ValueError(f"got {len(plist)} prompts but {len(params_list)} SamplingParams")
+            raise InvalidRequestError(f"got {len(plist)} prompts but {len(params_list)} SamplingParams")
         engine = self.engine
         groups: list[list[str]] = []
         submitted: list[str] = []

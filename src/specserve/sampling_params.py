@@ -174,6 +174,8 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
+        elif not isinstance(self.stop, (list, tuple)):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}.", param="stop")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self._logprobs_as_vllm()

@@ -88,3 +88,17 @@ def test_speculative_config_in_vllms_form(capsys):
     assert code == 1 and "not both" in err
     code, _, err = _generate(capsys, "--speculative-config", '{"method": "typo"}')
     assert code == 1 and "'typo' is not one specserve has" in err
+
+
+def test_generate_refuses_unreadable_files_and_bad_engine_values_in_one_line(capsys, tmp_path):
+    """Before: a missing --prompt-file or --reference-file, --kv-cache-gib nan or --threads -1
+    ended in a Python traceback."""
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    for flags, message in ((["--prompt-file", str(tmp_path / "missing.txt")], "--prompt-file"),
+                           (["--prompt-file", str(binary)], "cannot read it as UTF-8 text"),
+                           (["--spec-method", "reference", "--reference-file", str(tmp_path / "nope")], "--reference-file"),
+                           (["--kv-cache-gib", "nan"], "kv_cache_gib must be a finite number"),
+                           (["--threads", "-1"], "num_threads must be >= 1")):
+        code, _, err = _generate(capsys, *flags)
+        assert code == 1 and message in err and "Traceback" not in err, (flags, err)

@@ -96,3 +96,11 @@ def test_cli_refuses_bad_input_with_status_2(tmp_path, capsys):
     bad.write_text('{"prompt": 3}\n')
     assert main(["audit", "--model", "smollm2-135m-instruct", "--prompts", str(bad)]) == 2
     assert "prompt" in capsys.readouterr().err
+    # settings that would check nothing, always fail, or crash: refused before a model loads
+    good = tmp_path / "good.txt"
+    good.write_text("hello\n")
+    for flags, message in ((["--positions", "0"], "--positions must be >= 1"), (["--draws", "0"], "--draws must be >= 1"),
+                           (["--alpha", "2"], "--alpha (the significance level)"), (["--max-kl", "-1"], "--max-kl")):
+        argv = ["audit", "--model", "no-such-model", "--prompts", str(good), "--spec-method", "ngram", *flags]
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err

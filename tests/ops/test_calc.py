@@ -57,6 +57,13 @@ def test_expected_tokens_closed_form_and_limits():
             assert calc.expected_tokens(b, k) == pytest.approx(closed)
     assert calc.expected_tokens(1.0, 4) == 5
     assert calc.expected_tokens(0.0, 4) == 1
+    # a huge K answers at once from the closed form (the series took minutes at K = 1e11), and
+    # the two forms meet where one hands over to the other
+    for b in (0.3, 0.999, 0.999999):
+        assert calc.expected_tokens(b, 10**11) == pytest.approx(1 / (1 - b), rel=1e-6)
+        k = calc.EXACT_SUM_K
+        assert calc.expected_tokens(b, k + 1) - calc.expected_tokens(b, k) == pytest.approx(b ** (k + 1), rel=1e-6, abs=1e-12)
+    assert calc.acceptance_for(3.5, 10**11) == pytest.approx(1 - 1 / 3.5)
 
 
 @pytest.mark.parametrize(("b", "k"), [(0.2, 3), (0.73, 8), (0.95, 16), (0.0, 2), (1.0, 5)])
@@ -270,6 +277,9 @@ def test_cli_kv_from_a_bundled_model(capsys, smollm_path):
         (["roofline", "--params-b", "70", "--hardware", "tpu-v9"], "Unknown hardware"),
         (["roofline", "--hardware", "h100"], "--params-b"),
         (["latency", "--ttft-ms", "100", "--tpot-ms", "-5", "--tokens", "10"], "must be >= 0"),
+        (["best-k", "--acceptance", "0.8", "--cost-ratio", "0.1", "--max-k", "100000000"], "--max-k is at most"),
+        (["roofline", "--params-b", "1e300", "--hardware", "h100", "--json"], "weight count must be in"),
+        (["roofline", "--params-b", "70", "--hardware", "h100", "--context-tokens", "-5"], "--context-tokens must be >= 0"),
     ],
 )
 def test_cli_bad_input_exits_2_with_a_message(capsys, argv, message):

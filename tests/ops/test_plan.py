@@ -616,6 +616,8 @@ def test_plan_cli_json_with_a_profile(workload_file, tmp_path, capsys):
     (["--hardware", "tpu9", "--model", "llama-3-8b"], "Unknown hardware"),
     (["--profile", "/nonexistent/p.json"], "cannot read the profile"),
     (["--hardware", "h100", "--model", "llama-3-70b", "--gpus", "1"], "does not fit"),
+    (["--hardware", "h100", "--model", "llama-3-8b", "--requests", "100000000"], "--requests must be in"),
+    (["--hardware", "h100", "--model", "llama-3-8b", "--weight-bits", "0"], "--weight-bits must be in"),
 ])
 def test_plan_cli_bad_input_exits_2(workload_file, capsys, args, message):
     assert main(["plan", "--workload", str(workload_file), *args]) == 2
@@ -629,6 +631,15 @@ def test_plan_cli_bad_workload_exits_2(tmp_path, capsys):
                  "--slo", "ttft=1,tpot=0.1"]) == 2
     err = capsys.readouterr().err
     assert "classes[0].output_tokens" in err and str(bad) in err
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(bytes(range(256)))
+    assert main(["plan", "--workload", str(binary), "--hardware", "h100", "--model", "llama-3-8b"]) == 2
+    assert "not UTF-8 text" in capsys.readouterr().err
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("rate: 2\nrequests: 100000000\nclasses:\n  - {name: a, share: 1.0, prompt_tokens: 10, output_tokens: 5}\n")
+    assert main(["plan", "--workload", str(huge), "--hardware", "h100", "--model", "llama-3-8b",
+                 "--slo", "ttft=1,tpot=0.1"]) == 2
+    assert "requests must be a whole number in" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- a real profile

@@ -274,7 +274,8 @@ def test_usage_counts_each_requests_drafts(client, smol_server):
         assert accepted > 0, "the repeated ask drafts from the first answer"
         details = usage.completion_tokens_details
         assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (accepted, drafted - accepted)
-        assert usage.speculation == {"verify_steps": steps, "draft_tokens": drafted, "accepted_tokens": accepted}
+        assert usage.speculation == {"verify_steps": steps, "draft_tokens": drafted, "accepted_tokens": accepted,
+                                     "decode_steps": usage.completion_tokens - 1 - accepted}  # ended by length
         assert accepted <= usage.completion_tokens - steps  # every verify step also yields the target's own token
     plain = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=16, temperature=0,
                                            extra_body={"speculative": False})

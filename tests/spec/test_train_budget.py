@@ -92,3 +92,27 @@ def test_a_negative_budget_is_refused_before_anything_loads():
 
     with pytest.raises(ConfigError, match="budget-minutes must be >= 0"):
         train_draft(TrainConfig(model="no-such-model", budget_minutes=-1))
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    (dict(corpus="/no/such/corpus"), "is not a directory"),
+    (dict(epochs=0), "--epochs must be > 0"),
+    (dict(lr=float("nan")), "--lr must be > 0"),
+    (dict(generated_share=1.5), "--generated-share must lie in"),
+    (dict(heldout_tokens=8), "--heldout-tokens must cover"),
+    (dict(out=__file__ + "/sub/head.safetensors"), "is not a writable directory"),  # under a file
+])
+def test_bad_arguments_are_refused_before_the_model_loads_or_the_cache_is_touched(kw, message, tmp_path, monkeypatch):
+    """Before: a missing corpus failed after the target loaded and the machine was timed, and left
+    an empty work directory (or a budget plan) in the cache."""
+    from specserve.errors import ConfigError
+    from specserve.spec.train import train_draft
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=message):
+        train_draft(TrainConfig(model="no-such-model", **kw))  # the model would fail later: it is not reached
+    assert not (tmp_path / "cache").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="No text files"):
+        train_draft(TrainConfig(model="no-such-model", corpus=str(empty)))

@@ -219,10 +219,16 @@ class ModelRunner:
         quantized = self.kv_cache_dtype.quantized
         page_dtype = self.kv_cache_dtype.storage(self.dtype)
         shapes = [(shape, page_dtype)] * 2 + ([(shape[:3], torch.float32)] * 2 if quantized else [])
-        self.kv_caches: list[KVCache] = [
-            tuple(zeroed_pages(shp, dt, self.device) for shp, dt in shapes)
-            for _ in range(arch.num_layers)
-        ]
+        try:
+            self.kv_caches: list[KVCache] = [
+                tuple(zeroed_pages(shp, dt, self.device) for shp, dt in shapes)
+                for _ in range(arch.num_layers)
+            ]
+        except (MemoryError, OSError, torch.OutOfMemoryError) as exc:
+            raise ConfigError(
+                f"kv_cache_gib={cache_config.kv_cache_gib} does not fit in this machine's memory ({exc}); "
+                "lower --kv-cache-gib."
+            ) from None
         self.sampler = Sampler(self.device, model_config.seed)
         self.keep_logits = False  # tests: keep the last step's logits in self.last_logits
         # The prefix cache's lower tiers (the engine sets them): a step's KVLoads report to them.

@@ -229,8 +229,9 @@ def read_prompts(path: str) -> list[str]:
                 obj = json.loads(line)
             except ValueError as exc:
                 raise ValueError(f"{path}: a line starting with '{{' is not valid JSON: {exc}") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt", ""), str):
-                raise ValueError(f'{path}: each JSON line needs a "prompt" string.')
+            if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str) and obj["prompt"]
+                                                 or isinstance(obj.get("messages"), list) and obj["messages"]):
+                raise ValueError(f'{path}: each JSON line needs a "prompt" string or a "messages" list.')
             prompts.append(obj.get("prompt") or json.dumps(obj.get("messages", "")))
         else:
             prompts.append(line)

@@ -27,6 +27,11 @@ class CalcInputError(SpecServeError, ValueError):
 
 
 # ---------------------------------------------------------------------- speculation
+EXACT_SUM_K = 4096  # expected_tokens sums the series exactly up to this K, past it uses the closed form
+MAX_TABLE_K = 1024  # the longest best-K table
+MAX_WEIGHTS = 1e16  # a model's weights, ten thousand times the largest published (beyond: a typo, and overflow)
+
+
 def _check_k(k: int) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise CalcInputError(f"K (draft tokens per step) must be a whole number >= 0, got {k!r}.")
@@ -77,7 +82,11 @@ def expected_tokens(acceptance: float, k: int) -> float:
     # stays exact as b -> 1 where the closed form divides zero by zero.
     _check_k(k)
     _check_acceptance(acceptance)
-    return math.fsum(acceptance**i for i in range(k + 1))
+    if k <= EXACT_SUM_K or acceptance in (0.0, 1.0):
+        return math.fsum(acceptance**i for i in range(min(k, EXACT_SUM_K) + 1)) if acceptance < 1.0 else k + 1.0
+    # Large K: the closed form, with expm1 so that b near 1 keeps its digits (the sum would take
+    # K steps: `--k 100000000000` ran for minutes).
+    return -math.expm1((k + 1) * math.log(acceptance)) / (1.0 - acceptance)
 
 
 def acceptance_for(alpha: float, k: int, *, tol: float = 1e-12) -> float:
@@ -110,6 +119,9 @@ class KChoice(NamedTuple):
 def k_table(acceptance: float, cost_ratio: float, max_k: int) -> list[KChoice]:
     """alpha and S for K = 0..max_k at per-token acceptance b and cost ratio c."""
     _check_k(max_k)
+    if max_k > MAX_TABLE_K:
+        raise CalcInputError(f"--max-k is at most {MAX_TABLE_K} (one table row per K; speculation past a few "
+                             f"dozen drafts a step never pays), got {max_k}.")
     _check_cost_ratio(cost_ratio)
     rows = []
     for k in range(max_k + 1):
@@ -317,13 +329,14 @@ def roofline(
     and no ridge (inf) when the denominator is <= 0: each request then adds KV bytes as fast as
     FLOPs, so the step stays memory-bound at any batch.
     """
-    if not (num_weights > 0 and weight_bits > 0):
+    if not (0 < num_weights <= MAX_WEIGHTS and 0 < weight_bits <= 64):
         raise CalcInputError(
-            f"the weight count and --weight-bits must be > 0, got {num_weights} and {weight_bits}."
+            f"the weight count must be in (0, {MAX_WEIGHTS:.0e}] and --weight-bits in (0, 64], got {num_weights} "
+            f"and {weight_bits}."
         )
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise CalcInputError(f"batch must be a whole number >= 1, got {batch!r}.")
-    if not (bandwidth_gb_s > 0 and tflops > 0):
+    if not (0 < bandwidth_gb_s < math.inf and 0 < tflops < math.inf):
         raise CalcInputError(
             f"bandwidth and TFLOP/s must be > 0, got {bandwidth_gb_s} and {tflops}."
         )

@@ -48,6 +48,9 @@ from specserve.ops.simulate import (
 SPEC_KS = (2, 4, 8)
 SPEC_THRESHOLDS = (1.0, 1.3)
 MIN_REQUESTS, MAX_REQUESTS, SIMULATED_SECONDS = 200, 1000, 120.0
+# The most requests a plan simulates (per configuration searched): more than enough for p99s, and
+# a typo of 10**8 would otherwise run for hours.
+MAX_SIMULATED_REQUESTS = 20_000
 LONGEST_REQUESTS_PER_WORKER = 4  # a worker size must hold this many of the longest requests' KV
 CLASS_FIELDS = ("name", "share", "prompt_tokens", "output_tokens", "acceptance", "slo")
 TOP_FIELDS = ("rate", "requests", "slo", "classes")
@@ -170,8 +173,8 @@ def parse_workload(data: Any, slo: Mapping[str, float] | None = None, source: st
         raise WorkloadError(f"the class shares must add up to 1; they add up to {total:g}.")
     if "requests" in data:
         requests = data["requests"]
-        if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
-            raise WorkloadError(f"requests must be a whole number >= 1, got {requests!r}.")
+        if isinstance(requests, bool) or not isinstance(requests, int) or not 1 <= requests <= MAX_SIMULATED_REQUESTS:
+            raise WorkloadError(f"requests must be a whole number in [1, {MAX_SIMULATED_REQUESTS:,}], got {requests!r}.")
     else:  # about two minutes of traffic, within bounds
         requests = int(min(MAX_REQUESTS, max(MIN_REQUESTS, rate * SIMULATED_SECONDS)))
     return PlanInput(Workload(rate, tuple(classes)), requests)
@@ -185,6 +188,8 @@ def load_workload(path: str | Path, slo: Mapping[str, float] | None = None) -> P
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise WorkloadError(f"cannot read the workload file {path}: {e.strerror or e}.") from None
+    except UnicodeDecodeError:
+        raise WorkloadError(f"the workload file {path} is not UTF-8 text (a YAML file is).") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -395,11 +400,13 @@ def run(args: argparse.Namespace) -> int:
         slo = parse_slo(args.slo) if args.slo is not None else None
         plan = load_workload(args.workload, slo)
         if args.requests is not None:
-            if args.requests < 1:
-                raise WorkloadError(f"--requests must be >= 1, got {args.requests}.")
+            if not 1 <= args.requests <= MAX_SIMULATED_REQUESTS:
+                raise WorkloadError(f"--requests must be in [1, {MAX_SIMULATED_REQUESTS:,}], got {args.requests}.")
             plan = plan._replace(requests=args.requests)
         if args.gpus < 1:
             raise WorkloadError(f"--gpus must be >= 1, got {args.gpus}.")
+        if not 0 < args.weight_bits <= 32:
+            raise WorkloadError(f"--weight-bits must be in (0, 32] (e.g. 4.5 for Q4_K, 16 for bf16), got {args.weight_bits}.")
         options, notes, budget, seqs, source = _workers(args, plan)
         budget = args.max_num_batched_tokens or budget
         seqs = args.max_num_seqs or seqs

@@ -651,6 +651,9 @@ class OpenAIServer:
         spec = {key: sum(int(o.metrics.extra.get(counter) or 0) for o in finals) for key, counter in
                 (("verify_steps", "num_spec_steps"), ("draft_tokens", "num_draft_tokens"),
                  ("accepted_tokens", "num_accepted_tokens"))}
+        # Target passes after the one that wrote the first token: (completion_tokens - 1) / decode_steps
+        # is the request's tokens per decode step.
+        spec["decode_steps"] = sum(max(0, int(o.metrics.extra.get("num_target_steps") or 0) - 1) for o in finals)
         details = {"accepted_prediction_tokens": spec["accepted_tokens"],
                    "rejected_prediction_tokens": spec["draft_tokens"] - spec["accepted_tokens"]}
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,

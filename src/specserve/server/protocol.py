@@ -264,7 +264,9 @@ class UsageInfo(BaseModel):
     completion) and `rejected_prediction_tokens` (draft tokens it verified and rejected).
     `speculation` (specserve's, null when the request never verified a draft) adds the verify
     steps: `verify_steps` target passes that checked a draft, `draft_tokens` nodes verified,
-    `accepted_tokens` of them accepted; tokens per decode step = 1 + accepted / decode steps.
+    `accepted_tokens` of them accepted and kept (a stop inside a step drops the rest),
+    `decode_steps` target passes after the first token; tokens per decode step =
+    (completion_tokens - 1) / decode_steps.
     """
 
     prompt_tokens: int = 0

@@ -23,6 +23,7 @@ import bisect
 import contextlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -717,6 +718,37 @@ def _fit_budget(cfg: TrainConfig, llm, work: Path, frozen: _Frozen | None, layer
     return replace(cfg, tokens=tokens, max_minutes=limit)
 
 
+def _check_before_loading(cfg: TrainConfig) -> None:
+    """Refuse what would fail later, before the target loads, the machine is timed or the work
+    directory is made (a missing corpus used to fail after both and leave the directory behind)."""
+    checks = (
+        (cfg.heldout_tokens >= cfg.seq_len, f"--heldout-tokens must cover one --seq-len sequence, got {cfg.heldout_tokens}"),
+        (0.0 <= cfg.generated_share <= 1.0, f"--generated-share must lie in [0, 1], got {cfg.generated_share}"),
+        (math.isfinite(cfg.epochs) and cfg.epochs > 0, f"--epochs must be > 0, got {cfg.epochs}"),
+        (cfg.batch_tokens >= cfg.seq_len, f"--batch-tokens must hold one --seq-len sequence, got {cfg.batch_tokens}"),
+        (math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr must be > 0, got {cfg.lr}"),
+        (cfg.depth is None or cfg.depth >= 1, f"--depth must be >= 1, got {cfg.depth}"),
+        (cfg.intermediate_size is None or cfg.intermediate_size >= 1,
+         f"--intermediate-size must be >= 1, got {cfg.intermediate_size}"),
+        (cfg.head_vocab is None or cfg.head_vocab >= 2, f"--head-vocab must be >= 2, got {cfg.head_vocab}"),
+        (cfg.max_minutes is None or cfg.max_minutes > 0, f"--max-minutes must be > 0, got {cfg.max_minutes}"),
+        (cfg.threads is None or cfg.threads >= 1, f"--threads must be >= 1, got {cfg.threads}"),
+        (cfg.layers is None or cfg.layers >= 1, f"--layers must be >= 1, got {cfg.layers}"),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message + ".")
+    corpus_files(cfg.corpus)  # it must be there (its held-out part is read whatever the share)
+    for flag, path in (("--out", cfg.out), ("--work-dir", cfg.work_dir)):
+        if path is None:
+            continue
+        parent = Path(path).resolve().parent if flag == "--out" else Path(path).resolve()
+        while not parent.exists():  # the nearest directory that exists must take new files
+            parent = parent.parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise ConfigError(f"{flag} {path}: {parent} is not a writable directory.")
+
+
 def train_draft(cfg: TrainConfig) -> dict:
     """Train (or resume) a head for cfg.model; returns its card."""
     from specserve import LLM
@@ -729,6 +761,7 @@ def train_draft(cfg: TrainConfig) -> dict:
         raise ConfigError("--tokens must cover at least one sequence of --seq-len (>= 16) tokens.")
     if cfg.budget_minutes is not None and not cfg.budget_minutes >= 0:
         raise ConfigError(f"--budget-minutes must be >= 0 (0: no budget), got {cfg.budget_minutes}.")
+    _check_before_loading(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
