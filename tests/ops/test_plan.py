@@ -492,6 +492,7 @@ def test_workload_parses_with_per_class_slos():
     assert plan.slos == {"chat": SLO(1.0, 0.1), "long": SLO(2.0, 0.1)}
     assert parse_workload(GOOD, parse_slo("tpot=0.05")).slos["long"] == SLO(2.0, 0.05)  # --slo overrides the file
     assert plan.requests == 240  # two minutes at 2 req/s
+    assert parse_workload(_with("rate", "2e0")).workload.rate == 2.0  # YAML 1.1 reads `rate: 2e0` as a string
 
 
 def _with(path: str, value):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -113,6 +114,8 @@ def _tokens(data: Any, where: str) -> TokenRange:
 
 
 def _number(data: Any, where: str, lo: float, hi: float = math.inf, lo_open: bool = True) -> float:
+    if isinstance(data, str) and re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+\s*", data):
+        data = float(data)  # YAML 1.1 reads 1e9 (no dot) as a string
     ok = isinstance(data, (int, float)) and not isinstance(data, bool) and math.isfinite(data) and \
         (data > lo if lo_open else data >= lo) and data <= hi
     if not ok:
