@@ -632,6 +632,9 @@ def test_plan_cli_bad_workload_exits_2(tmp_path, capsys):
                  "--slo", "ttft=1,tpot=0.1"]) == 2
     err = capsys.readouterr().err
     assert "classes[0].output_tokens" in err and str(bad) in err
+    # without an SLO the field's mistake is still what is reported (was: "no ttft target")
+    assert main(["plan", "--workload", str(bad), "--hardware", "h100", "--model", "llama-3-8b"]) == 2
+    assert "classes[0].output_tokens" in capsys.readouterr().err
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(bytes(range(256)))
     assert main(["plan", "--workload", str(binary), "--hardware", "h100", "--model", "llama-3-8b"]) == 2

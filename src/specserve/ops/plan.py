@@ -156,6 +156,12 @@ def parse_workload(data: Any, slo: Mapping[str, float] | None = None, source: st
             raise WorkloadError(f"{where}.name must be a non-empty string, got {name!r}.")
         if any(known.name == name for known in classes):
             raise WorkloadError(f"{where}.name {name!r} is used twice; class names must be unique.")
+        # The class's own fields first: a missing SLO (often given later, with --slo) should not
+        # hide a mistake in them.
+        share = _number(c["share"], f"{where}.share", 0, 1)
+        prompt_tokens = _tokens(c["prompt_tokens"], f"{where}.prompt_tokens")
+        output_tokens = _tokens(c["output_tokens"], f"{where}.output_tokens")
+        acceptance = _number(c.get("acceptance", 0.0), f"{where}.acceptance", 0, 1, lo_open=False)
         targets = dict(base)
         if "slo" in c:
             targets.update(_slo_fields(c["slo"], f"{where}.slo"))
@@ -163,14 +169,8 @@ def parse_workload(data: Any, slo: Mapping[str, float] | None = None, source: st
             if key not in targets:
                 raise WorkloadError(f"class {name!r} has no {key} target: give --slo {key}=SECONDS, a global "
                                     f"`slo: {{{key}: ...}}` or `{where}.slo.{key}` in the workload file.")
-        classes.append(RequestClass(
-            name=name,
-            share=_number(c["share"], f"{where}.share", 0, 1),
-            prompt_tokens=_tokens(c["prompt_tokens"], f"{where}.prompt_tokens"),
-            output_tokens=_tokens(c["output_tokens"], f"{where}.output_tokens"),
-            acceptance=_number(c.get("acceptance", 0.0), f"{where}.acceptance", 0, 1, lo_open=False),
-            slo=SLO(targets["ttft"], targets["tpot"]),
-        ))
+        classes.append(RequestClass(name=name, share=share, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+                                    acceptance=acceptance, slo=SLO(targets["ttft"], targets["tpot"])))
     total = sum(c.share for c in classes)
     if abs(total - 1.0) > 1e-3:
         raise WorkloadError(f"the class shares must add up to 1; they add up to {total:g}.")
