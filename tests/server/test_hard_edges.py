@@ -441,6 +441,14 @@ def test_logprobs_bytes_and_offsets_follow_characters_split_over_tokens(edge):
     ids = tok.encode(prompt, add_special_tokens=True)
     starts = [text.find(emoji, i) for i in range(len(prompt)) if prompt.startswith(emoji, i)]
     assert sum(offsets[j] in starts for j in range(len(ids))) >= 3 * len(parts) - 3  # each part at its character
+    # streamed, the offsets run on from chunk to chunk (vLLM's): the same list as the whole response's
+    # (before: each chunk's offsets started again at 0)
+    body = {"prompt": prompt, "max_tokens": 8, "echo": True, "logprobs": 0, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(parts[0]): 100}}
+    whole = _post(edge, "/v1/completions", body).json()["choices"][0]["logprobs"]["text_offset"]
+    streamed = [o for ev in _stream(edge, "/v1/completions", body) for ch in ev["choices"]
+                if ch.get("logprobs") for o in ch["logprobs"]["text_offset"]]
+    assert streamed == whole and len(whole) > len(ids)
     _assert_clean(edge)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import collections
 import contextlib
 import html
 import json
@@ -364,13 +365,14 @@ class OpenAIServer:
                                                choices=[CompletionChoice(index=i, text=p.prompt or "")])
                     yield _event(chunk.model_dump())
             echoed: set[int] = set()
+            runs: dict[int, _Offsets] = collections.defaultdict(_Offsets)  # text_offset per choice
             async for idx, out in stream:
                 c = out.outputs[0]
                 if scored and idx not in echoed:
                     echoed.add(idx)
                     text = prepared[idx].prompt or self._decode(out.prompt_token_ids)
                     lp = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs,
-                                                   out.prompt_top_logprobs, req.logprobs or 0, text)
+                                                   out.prompt_top_logprobs, req.logprobs or 0, text, runs[idx])
                     yield _event(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
                         CompletionChoice(index=idx, text=text, logprobs=lp)]).model_dump())
                 self._tick(clock, c.delta_token_ids)
@@ -382,7 +384,7 @@ class OpenAIServer:
                 if req.logprobs is not None and c.logprobs is not None:
                     n_new = len(c.delta_token_ids)
                     lp = self._completion_logprobs(c.delta_token_ids, _last(c.logprobs, n_new),
-                                                   _last(c.top_logprobs, n_new), req.logprobs)
+                                                   _last(c.top_logprobs, n_new), req.logprobs, run=runs[idx])
                 choice = CompletionChoice(index=idx, text=c.delta_text, logprobs=lp,
                                           finish_reason=_finish(c.finish_reason) if out.finished else None,
                                           stop_reason=c.stop_reason if out.finished else None)
@@ -593,31 +595,32 @@ class OpenAIServer:
             raw = self._token_raw[tid] = self.tokenizer.token_bytes(tid)
         return raw
 
-    def _text_offsets(self, ids: list[int], text: str | None = None) -> list[int]:
+    def _text_offsets(self, ids: list[int], text: str | None = None, run: _Offsets | None = None) -> list[int]:
         """Where each token's text starts, in characters: the tokens' bytes decoded in order, so
         a token that holds part of a character starts where that character does (before, each
         such token counted its U+FFFD and the offsets ran past the text). A special token counts
         its spelling where `text` holds it there (an echoed prompt that spelled it), else nothing
-        (output text leaves special tokens out)."""
+        (output text leaves special tokens out). `run` carries the count across a stream's
+        chunks, so streamed offsets are from the start of the choice's text, as vLLM's are."""
         special = self.tokenizer.special_token_ids if self.tokenizer is not None else frozenset()
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        offsets, at = [], 0
+        run = run if run is not None else _Offsets()
+        offsets = []
         for t in ids:
-            offsets.append(at)
+            offsets.append(run.at)
             if t in special:
                 spelled = self._token_text(t)
-                at += len(spelled) if text is not None and text.startswith(spelled, at) else 0
+                run.at += len(spelled) if text is not None and text.startswith(spelled, run.at) else 0
             else:
-                at += len(decoder.decode(self._token_bytes(t)))
+                run.at += len(run.decoder.decode(self._token_bytes(t)))
         return offsets
 
     def _completion_logprobs(self, ids: list[int], lps: list[float | None] | None,
                              tops: list[list[tuple[int, float]] | None] | None, k: int,
-                             text: str | None = None) -> CompletionLogprobs:
+                             text: str | None = None, run: _Offsets | None = None) -> CompletionLogprobs:
         """Legacy block: every token's text, logprob and offset in `text` (the text the tokens
         spell; see _text_offsets), and with k > 0 its k likeliest as {text: logprob}."""
         tokens = [self._token_text(t) for t in ids]
-        offsets = self._text_offsets(ids, text)
+        offsets = self._text_offsets(ids, text, run)
         top = None
         if k:  # None where there is nothing to rank (an echoed prompt's first token)
             top = [None if pairs is None else {self._token_text(tid): _finite(v) for tid, v in pairs}
@@ -659,6 +662,14 @@ class OpenAIServer:
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                          prompt_tokens_details={"cached_tokens": cached}, completion_tokens_details=details,
                          speculation=spec if spec["verify_steps"] else None)
+
+
+class _Offsets:
+    """A choice's running text offset over its tokens (OpenAIServer._text_offsets)."""
+
+    def __init__(self) -> None:
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.at = 0
 
 
 def _normalize_prompts(prompt: Any) -> list[str | list[int]]:
