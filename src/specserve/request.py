@@ -248,12 +248,12 @@ class Request:
         output at a token before them in the same step)."""
         if n <= 0:
             return
-        last = self._last_verify
-        if last is not None:  # the step's counts, for the tokens the output keeps
-            num_draft, num_accepted, depth, kept = last
+        if self._last_verify is not None:  # the step's counts, for the tokens the output keeps
+            num_draft, num_accepted, depth, kept = self._last_verify
             self._add_verify(num_draft, min(num_accepted, kept), depth, -1)
-            self.record_verify(num_draft, num_accepted, depth, max(0, kept - n))
-            self.num_target_steps -= 1  # record_verify counted the pass again
+            kept = max(0, kept - n)
+            self._add_verify(num_draft, min(num_accepted, kept), depth, +1)
+            self._last_verify = (num_draft, num_accepted, depth, kept)
         del self.all_token_ids[-n:]
         del self.output_logprobs[self.num_output_tokens :]
         del self.output_top_logprobs[self.num_output_tokens :]

@@ -169,6 +169,9 @@ class Tokenizer:
         self.special_token_ids: frozenset[int] = frozenset(
             i for i, tok in added.items() if tok.special
         )
+        self._added_ids = frozenset(added)  # added tokens are their own text (token_bytes)
+        # Tokens spelled in GPT-2's byte alphabet (a byte-level decoder; token_bytes)
+        self._byte_level = "ByteLevel" in repr(backend.decoder)
         stops = {i for i in extra_stop_ids if i is not None}
         if eos_token_id is not None:
             stops.add(eos_token_id)
@@ -179,7 +182,6 @@ class Tokenizer:
         self.stop_token_ids: frozenset[int] = frozenset(stops)
         self._fingerprint: str | None = None
         self._template: jinja2.Template | None = None
-        self._added: frozenset[int] | None = None  # ids of added tokens (token_bytes)
 
     def __repr__(self) -> str:
         return (
@@ -445,11 +447,10 @@ class Tokenizer:
         (an emoji is often 2-4 tokens), whose decoded text alone is only U+FFFD. Added and special
         tokens are their text; the rest are read from their byte-level spelling (GPT-2's byte
         alphabet), or a SentencePiece byte (`<0xE2>`), else their decoded text."""
-        added = self._added_ids()
         piece = self._backend.id_to_token(int(token_id))
         if piece is None:
             return b""
-        if token_id in added:
+        if token_id in self._added_ids:
             return piece.encode("utf-8")
         if self._byte_level:
             try:
@@ -460,16 +461,6 @@ class Tokenizer:
         if sp_byte:
             return bytes([int(sp_byte.group(1), 16)])
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
-
-    def _added_ids(self) -> frozenset[int]:
-        if self._added is None:
-            self._added = frozenset(self._backend.get_added_tokens_decoder())
-        return self._added
-
-    @property
-    def _byte_level(self) -> bool:
-        """Whether tokens are spelled in GPT-2's byte alphabet (a byte-level decoder)."""
-        return "ByteLevel" in repr(self._backend.decoder)
 
     def _special_text(self, token_id: int | None) -> str:
         if token_id is None:

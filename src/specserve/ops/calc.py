@@ -82,8 +82,10 @@ def expected_tokens(acceptance: float, k: int) -> float:
     # stays exact as b -> 1 where the closed form divides zero by zero.
     _check_k(k)
     _check_acceptance(acceptance)
-    if k <= EXACT_SUM_K or acceptance in (0.0, 1.0):
-        return math.fsum(acceptance**i for i in range(min(k, EXACT_SUM_K) + 1)) if acceptance < 1.0 else k + 1.0
+    if acceptance in (0.0, 1.0):
+        return 1.0 + k * acceptance
+    if k <= EXACT_SUM_K:
+        return math.fsum(acceptance**i for i in range(k + 1))
     # Large K: the closed form, with expm1 so that b near 1 keeps its digits (the sum would take
     # K steps: `--k 100000000000` ran for minutes).
     return -math.expm1((k + 1) * math.log(acceptance)) / (1.0 - acceptance)

@@ -273,11 +273,10 @@ def build_proposer(ctx: ProposerContext) -> Proposer | None:
         drafter = _with_copier(ctx, drafter, names)
     if ctx.spec.join != "none":
         from specserve.spec.join import JoinedProposer
-        from specserve.spec.policy import TREE_NODES_PER_K
 
         # Under the adaptive policy the helper's candidates are also offered alone, where the
         # drafter's passes would not pay; under 'always' the drafter drafts every step.
-        free = max(TREE_NODES_PER_K * ctx.spec.num_spec_tokens, ctx.spec.max_draft_nodes) if ctx.spec.policy == "adaptive" else 0
+        free = _largest_draft(ctx.spec) if ctx.spec.policy == "adaptive" else 0
         drafter = JoinedProposer(drafter, PROPOSER_BUILDERS[ctx.spec.join](ctx), ctx.spec.join, ctx.spec.num_spec_tokens,
                                  free_budget=free)
     return drafter
@@ -288,11 +287,17 @@ def _with_copier(ctx: ProposerContext, drafter: Proposer, names: tuple[str, ...]
     from dataclasses import replace
 
     from specserve.spec.hybrid import FirstOf, HybridProposer
-    from specserve.spec.policy import TREE_NODES_PER_K
 
     n = ctx.spec.copy_min_match
     sub = replace(ctx, spec=replace(ctx.spec, ngram_min=n, ngram_max=max(n, ctx.spec.ngram_max)), copier=True)
     copiers = [PROPOSER_BUILDERS[name](sub) for name in names]
     copier = copiers[0] if len(copiers) == 1 else FirstOf(copiers)
-    budget = max(TREE_NODES_PER_K * ctx.spec.num_spec_tokens, ctx.spec.max_draft_nodes)  # the most a step asks for
-    return HybridProposer(copier, drafter, "+".join(names), n, budget)
+    return HybridProposer(copier, drafter, "+".join(names), n, _largest_draft(ctx.spec))
+
+
+def _largest_draft(spec: SpecConfig) -> int:
+    """The most nodes a step may ask a proposer for (SpecPolicy.choose): what a free draft made
+    before K is chosen holds, cut later to what the step asks."""
+    from specserve.spec.policy import TREE_NODES_PER_K
+
+    return max(TREE_NODES_PER_K * spec.num_spec_tokens, spec.max_draft_nodes)

@@ -135,6 +135,7 @@ class DrafterPair(Proposer):
         self.drafter = drafter
         # The drafter's: its cost per pass, trees, hidden states, prompt KV that travels.
         self.traits: ProposerTraits = drafter.traits
+        self._drafted = False  # the drafter made passes in the last propose() (subclasses set it)
 
     # ------------------------------------------------------------------ what the engine sets / reads
     @property
@@ -155,6 +156,12 @@ class DrafterPair(Proposer):
         for p in (self.other, self.drafter):
             if hasattr(p, "tree"):
                 p.tree = value
+
+    @property
+    def last_pass_time_s(self) -> float | None:
+        """The drafter's last pass time, None when the last step made no drafter pass (the other
+        drafted for every request: no pass to learn the draft cost from)."""
+        return getattr(self.drafter, "last_pass_time_s", None) if self._drafted else None
 
     def prompt_kv_traveller(self) -> PromptKVTraveller | None:
         """The drafter's prompt KV travels as it would alone (the other has none)."""
@@ -235,7 +242,6 @@ class HybridProposer(DrafterPair):
         self.min_match = min_match
         self.budget = budget  # the most nodes a step may ask for (the copies free_drafts makes are cut to k)
         self._copies = StepDrafts(copier)  # free_drafts' copies, kept for the propose() of the same step
-        self._drafted = False  # the drafter made passes in the last propose()
         self.num_copied = 0  # drafts the copier gave (counted over the proposer's life)
         self.num_modelled = 0  # drafts the drafter gave
 
@@ -243,12 +249,6 @@ class HybridProposer(DrafterPair):
     def copier(self) -> Proposer:
         """The model-free proposer in front."""
         return self.other
-
-    @property
-    def last_pass_time_s(self) -> float | None:
-        """The drafter's last pass time, None when the last step copied for every request (no
-        pass to learn the draft cost from)."""
-        return getattr(self.drafter, "last_pass_time_s", None) if self._drafted else None
 
     # ------------------------------------------------------------------ drafting
     def free_drafts(self, requests: Sequence[Request]) -> list[bool]:

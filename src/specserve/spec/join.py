@@ -119,17 +119,11 @@ class JoinedProposer(DrafterPair):
         self.num_helper_alone = 0  # drafts the helper made alone (the drafter held back)
         self._helper_drafts = StepDrafts(helper)  # this step's helper drafts made by free_drafts
         self._alone: set[str] = set()  # requests whose helper draft is offered alone this step
-        self._drafted = False  # the drafter drafted in the last propose()
 
     @property
     def helper(self) -> Proposer:
         """The model-free proposer whose candidates join."""
         return self.other
-
-    @property
-    def last_pass_time_s(self) -> float | None:
-        """The drafter's last pass time, None when the last step made no drafter pass."""
-        return getattr(self.drafter, "last_pass_time_s", None) if self._drafted else None
 
     def free_drafts(self, requests: Sequence[Request]) -> list[bool] | None:
         """The drafter's own free drafts (a copier in front of it), and, with free_budget, every
@@ -137,9 +131,7 @@ class JoinedProposer(DrafterPair):
         takes no draft pass. The policy weighs them against the drafter's (joined) drafts
         (SpecPolicy.prefer_copy) and declines the ones the drafter should make."""
         inner = self.drafter.free_drafts(requests)
-        self._helper_drafts.clear()
-        self._alone = set()
-        if not self.free_budget:
+        if not self.free_budget:  # (then nothing is ever kept here)
             return inner
         trees = self._helper_drafts.make(requests, self.free_budget)
         own = [False] * len(requests) if inner is None else inner
