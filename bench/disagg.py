@@ -374,7 +374,7 @@ def main() -> int:
                     help="long prompts: documents to summarize, or the start of a standard-library module to "
                          "continue")
     ap.add_argument("--decode", type=int, default=12, help="long-decode requests (12: a p50 between two clusters "
-                    "of 3 requests moved 30% from one recording to the next)")
+                    "of 3 requests moved 30%% from one recording to the next)")
     ap.add_argument("--decode-tokens", type=int, default=160)
     ap.add_argument("--interval", type=float, default=12.0,
                     help="seconds between long prompts (about one prompt's prefill time on one core here)")

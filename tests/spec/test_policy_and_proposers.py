@@ -411,3 +411,28 @@ def test_lookahead_jacobi_window_and_pool():
     assert st.pool[2][(5, 6)] >= 1.0 and st.pool[4][(6, 7)] >= 1.0  # trajectory n-grams
     prop.remove_request("a")
     assert prop.live_request_ids() == []
+
+
+def test_a_held_back_request_of_a_scored_proposer_probes_as_often_as_its_proposal_is_cheap():
+    """A scored tree proposer (prompt lookup) holds back a request whose measured yield does not
+    pay, and probes it (drafts, prune() keeping what pays) so that its text turning copyable is
+    found: every step where proposing costs under PROBE_SHARE of the request's share of a step,
+    more rarely where it costs more, never more rarely than every PROBE_EVERY steps."""
+    import math
+
+    from specserve.spec.policy import PROBE_EVERY, PROBE_SHARE
+
+    def drafted(propose_s, batch, steps=3 * PROBE_EVERY):
+        p = _policy(COSTLY_VERIFY, {1: 0.001}, acceptance=0.5)
+        p.scored, p.trees, p.propose_s = True, True, propose_s
+        reqs = [_req(str(i), [1]) for i in range(batch)]
+        for i in range(batch):
+            p.stats(str(i)).update_scores(4.0, 0, 4)  # drafts of 4 nodes that yielded nothing
+        return [[k > 0 for k in p.choose(reqs)] for _ in range(steps)]
+
+    for propose_s, batch in ((1e-4, 1), (0.01, 1), (0.01, 4), (1.0, 1)):  # intervals 1, 5, 5, 16
+        interval = max(1, min(PROBE_EVERY, math.ceil(propose_s / (PROBE_SHARE * COSTLY_VERIFY[batch] / batch))))
+        steps = drafted(propose_s, batch)
+        for i in range(batch):
+            probes = [s for s, d in enumerate(steps) if d[i]]
+            assert probes == list(range(interval - 1, len(steps), interval)), (propose_s, batch, probes)

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -77,6 +78,9 @@ SCORE_PRIOR_WEIGHT = 2.0  # the pooled calibration counts as this many predicted
 PRUNE_MIN_GAIN = 0.01  # prune() never weighs nodes with a smaller chance to be accepted
 TREE_NODES_PER_K = 2  # a tree may hold this many nodes per draft position the chain model affords
 PROBE_EVERY = 16  # re-try k=1 (or k+1) this often for a request the cost model held back
+# A scored proposer's probe costs its proposal only (prune() keeps only nodes that pay): a request
+# held back probes as often as keeps its probes within this share of its part of the step.
+PROBE_SHARE = 0.02
 RUN_PROBE_STALE = 4  # after a wholly accepted draft, test the next position unless tested this recently
 NEVER = -(1 << 30)  # AcceptanceStats.tested of a position not tested yet
 CATCHUP_FREE = 2  # tokens a drafting request's proposer processes every step anyway (not a catch-up)
@@ -501,9 +505,13 @@ class SpecPolicy:
         drafts per step, at the nodes they were verified with; the pooled one where the request
         has none) pays for the proposer's time and the verify, added best first while the step's
         expected tokens per second rises. Where no yield is measured yet a request drafts, and
-        learns. A request held back probes every PROBE_EVERY steps, so its yield stays current."""
+        learns. A request held back probes (is drafted for, and prune() keeps what pays) every
+        `_probe_interval` steps, so its yield stays current and a request whose text turns
+        copyable (a retried ask reaching an earlier answer, an edit reaching the code it copies)
+        is found within a few steps."""
         n = len(requests)
         verify = n + other
+        interval = self._probe_interval(n, verify)
         tokens, rate = float(n), n / self.target_time(verify)
         stats = [self.stats(r.request_id, f) for r, f in zip(requests, free)]
         eligible = [self._eligible(r, n) for r in requests]
@@ -525,9 +533,20 @@ class SpecPolicy:
                 st.steps_off = 0
             else:
                 st.steps_off += 1
-                if st.steps_off >= PROBE_EVERY:
+                if st.steps_off >= interval:
                     out[i], st.steps_off = True, 0
         return out
+
+    def _probe_interval(self, batch: int, verify_tokens: int) -> int:
+        """Steps between a scored proposer's probes of a held-back request: its proposal's
+        measured time (propose_s) spread over this many steps is PROBE_SHARE of the request's
+        share of the step, at most PROBE_EVERY. (SmolLM2 float32 on one thread, prompt lookup:
+        the pooled yield of short unrelated asks held a retried ask back for 16 steps, 21 target
+        steps for 64 tokens of an answer it could copy; Qwen's 30 ms step probes every step.)"""
+        share = PROBE_SHARE * self.target_time(verify_tokens) / max(batch, 1)
+        if self.propose_s <= 0 or share <= 0:
+            return 1
+        return max(1, min(PROBE_EVERY, math.ceil(self.propose_s / share)))
 
     def _eligible(self, req: Request, batch: int) -> bool:
         if req.sampling_params.speculative is False:
