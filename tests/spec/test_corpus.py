@@ -3,6 +3,8 @@ of drafts whose scores predict acceptance."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,14 @@ from specserve.request import Request
 from specserve.sampling_params import SamplingParams
 from specserve.spec.corpus import CorpusNgrams, load_corpus
 from specserve.spec.lookahead import TRUST_PRIOR, LookaheadProposer
-from specserve.spec.policy import SCORE_EWMA, SCORE_PRIOR_WEIGHT, SpecPolicy, StepTimer
+from specserve.spec.policy import (
+    PROBE_EVERY,
+    PROBE_SHARE,
+    SCORE_EWMA,
+    SCORE_PRIOR_WEIGHT,
+    SpecPolicy,
+    StepTimer,
+)
 from specserve.spec.tree import DraftTree
 
 
@@ -182,9 +191,13 @@ def test_a_scored_proposer_stops_drafting_where_its_yield_does_not_pay_and_probe
         p.observe_nothing_drafted("b")  # never yields
     ks = p.choose(reqs)
     assert ks[0] > 0 and ks[1] == 0
-    for _ in range(14):
+    # Its probes cost its proposal: one every ceil(propose_s / (PROBE_SHARE x its share of the step)).
+    interval = math.ceil(p.propose_s / (PROBE_SHARE * p.target_time(2) / 2))
+    assert 1 < interval < PROBE_EVERY
+    for _ in range(interval - 2):
         assert p.choose(reqs)[1] == 0
-    assert p.choose(reqs)[1] > 0  # the 16th step held back probes
+    assert p.choose(reqs)[1] > 0  # the interval's last step held back probes
+    assert p.choose(reqs)[1] == 0
 
 
 def test_a_phase_change_seen_at_one_step_size_moves_the_whole_curve():

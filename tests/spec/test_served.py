@@ -37,6 +37,25 @@ def test_lookup_returns_what_followed_the_hits_sharing_the_most_context():
     assert store.continuations([1, 2, 3, 4], budget=0) == (0, [])
 
 
+def test_an_output_is_kept_after_its_prompts_tail_so_a_retry_drafts_it_from_its_first_step():
+    """A hit may share the prompt's last tokens (up to MAX_MATCH) before the output; what it
+    drafts is always output. A retried ask (the same prompt) drafts the earlier answer from its
+    first decode step, and an answer shorter than KEY_LEN + 1 tokens is kept after its context."""
+    store = ServedOutputs()
+    prompt = list(range(100, 140))  # 40 tokens: the last MAX_MATCH are kept
+    store.add([7, 8, 9], context=prompt)
+    assert store.num_tokens == served.MAX_MATCH + 3
+    assert store.continuations(prompt, budget=8) == (served.MAX_MATCH, [([7, 8, 9], 1.0)])
+    assert store.continuations(prompt + [7], budget=8) == (served.MAX_MATCH, [([8, 9], 1.0)])
+    # A window inside the prompt's tail continues with prompt text: not indexed, nothing drafted.
+    assert store.continuations(prompt[:20], budget=8) == (0, [])
+    # Another ask ending in the same few tokens shares only those, and drafts as much.
+    shared, conts = store.continuations([1, 2] + prompt[-5:], budget=8)
+    assert shared == 5 and conts == [([7, 8, 9], 1.0)]
+    store.add([], context=prompt)  # no output: nothing kept
+    assert len(store) == 1
+
+
 def test_short_outputs_teach_nothing_and_clear_forgets():
     store = ServedOutputs()
     store.add(list(range(KEY_LEN)))  # no token after its only window
@@ -132,7 +151,8 @@ def test_repeated_requests_draft_from_earlier_outputs_and_stay_exact(tiny, metho
     assert "also from the outputs of the last 10,000 requests" in eng.describe()["speculation"]
     first = llm.generate(prompts, params)  # batched: the store fills as they finish
     assert [o.token_ids for o in first] == base
-    assert len(eng.proposer.served) == len(prompts) and eng.suffix_cache_tokens == 32 * len(prompts)
+    kept = sum(32 + min(served.MAX_MATCH, len(o.prompt_token_ids)) for o in first)  # each output after its prompt's tail
+    assert len(eng.proposer.served) == len(prompts) and eng.suffix_cache_tokens == kept
     again = [llm.generate(p, params)[0] for p in prompts]  # alone, each after its own earlier output
     assert [o.token_ids for o in again] == base
     steps = lambda outs: sum(o.metrics.extra["num_target_steps"] for o in outs)  # noqa: E731

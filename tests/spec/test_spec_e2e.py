@@ -80,6 +80,10 @@ def _spec_llm(ckpt, which, policy="always", **kw):
         return _spec_llm(ckpt, which[len("join-"):], policy, **kw)
     if which == "copy-draft":  # prompt lookup where a 2-token tail matches, the one-layer draft's trees elsewhere
         kw["spec_copy"] = "ngram"
+        # From the request's own text only: 20,000 requests of one prompt would copy each other's
+        # answers (kept after the prompt's tail) from their first step, and the draft would draft
+        # too rarely for the test to mix the two kinds of draft in its batches.
+        kw.setdefault("suffix_cache_requests", 0)
         return _spec_llm(ckpt, "draft-truncated", policy, spec_copy_min_match=2, **kw)
     if which == "copy-eagle":  # the reference where it matches, the EAGLE head's chains elsewhere
         kw["spec_copy"] = "reference"

@@ -6,7 +6,10 @@ makes it fast on agents, retries, regenerations and templated answers: a request
 the way an earlier answer went copies that answer, although nothing in its own context holds it.
 
 The store keeps the outputs of the last `max_requests` finished requests (and at most
-`max_tokens` tokens of them), the oldest dropped first. Every window of KEY_LEN tokens is indexed
+`max_tokens` tokens of them), the oldest dropped first, each after the last MAX_MATCH tokens of
+its prompt: a hit may share that context, so a retried ask drafts its earlier answer from its
+first decode step on (with the output alone it shared nothing until KEY_LEN tokens of the new
+answer were out). Every window of KEY_LEN tokens that an output token follows is indexed
 by its hash; a lookup takes the context's last KEY_LEN tokens, follows each recent hit back to
 see how many tokens of context it really shares (a hash collision shares fewer than KEY_LEN and
 is dropped), and returns what followed the hits that share the most. Like every draft source it
@@ -42,7 +45,8 @@ class ServedOutputs:
             raise ValueError("max_requests and max_tokens must be >= 0")
         self.max_requests = max_requests
         self.max_tokens = max_tokens
-        self._entries: OrderedDict[int, np.ndarray] = OrderedDict()  # entry_no -> tokens (int32), oldest first
+        # entry_no -> (tokens (int32): the prompt's tail, then the output; the tail's length), oldest first
+        self._entries: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()
         self._index: dict[int, list[int]] = {}  # hash of KEY_LEN tokens -> entries (latest last)
         self._next = 0
         self.num_tokens = 0
@@ -52,25 +56,28 @@ class ServedOutputs:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, tokens: Sequence[int]) -> None:
-        """Remember one finished request's output (outputs shorter than KEY_LEN + 1 teach nothing)."""
-        if self.max_requests == 0 or len(tokens) <= KEY_LEN or len(tokens) > self.max_tokens:
+    def add(self, tokens: Sequence[int], context: Sequence[int] = ()) -> None:
+        """Remember one finished request's output `tokens`, after the last MAX_MATCH tokens of
+        its `context` (its prompt); windows are indexed where an output token follows them, so
+        an output shorter than KEY_LEN + 1 without context teaches nothing."""
+        lead = list(context[-MAX_MATCH:]) if len(tokens) else []
+        ids = lead + list(tokens)
+        first = max(KEY_LEN, len(lead))  # the first window end that an output token follows
+        if self.max_requests == 0 or len(ids) <= first or len(ids) > self.max_tokens:
             return
-        arr = np.asarray(tokens, dtype=np.int32)
         no = self._next
         self._next += 1
-        self._entries[no] = arr
-        self.num_tokens += len(arr)
-        ids = arr.tolist()
+        self._entries[no] = (np.asarray(ids, dtype=np.int32), len(lead))
+        self.num_tokens += len(ids)
         base = no << _POS_BITS
-        for end in range(KEY_LEN, len(ids)):  # the window ids[end - KEY_LEN : end], continued at end
+        for end in range(first, len(ids)):  # the window ids[end - KEY_LEN : end], continued at end
             self._index.setdefault(hash(tuple(ids[end - KEY_LEN : end])), []).append(base | end)
-        self._live += len(ids) - KEY_LEN
+        self._live += len(ids) - first
         while len(self._entries) > self.max_requests or self.num_tokens > self.max_tokens:
-            _, old = self._entries.popitem(last=False)
+            _, (old, old_lead) = self._entries.popitem(last=False)
             self.num_tokens -= len(old)
-            self._stale += len(old) - KEY_LEN
-            self._live -= len(old) - KEY_LEN
+            self._stale += len(old) - max(KEY_LEN, old_lead)
+            self._live -= len(old) - max(KEY_LEN, old_lead)
         if self._stale > max(self._live, COMPACT_MIN):
             self._compact()
 
@@ -94,9 +101,10 @@ class ServedOutputs:
         seen = 0
         mask = (1 << _POS_BITS) - 1
         for h in reversed(hits):
-            arr = self._entries.get(h >> _POS_BITS)
-            if arr is None:
+            entry = self._entries.get(h >> _POS_BITS)
+            if entry is None:
                 continue  # dropped; compacted later
+            arr = entry[0]
             end = h & mask
             n = 0
             while n < len(tail) and n < end and arr[end - 1 - n] == tail[n]:
@@ -116,8 +124,8 @@ class ServedOutputs:
         """Rebuild the index from the outputs still kept."""
         kept = list(self._entries.values())
         self.clear()
-        for arr in kept:
-            self.add(arr)
+        for arr, lead in kept:
+            self.add(arr[lead:].tolist(), arr[:lead].tolist())
 
 
 class ServedSource:
@@ -126,9 +134,9 @@ class ServedSource:
     served: ServedOutputs | None = None
 
     def request_finished(self, request: Request) -> None:
-        """Its output joins the served outputs."""
+        """Its output joins the served outputs, after its prompt's last tokens."""
         if self.served is not None:
-            self.served.add(request.output_token_ids)
+            self.served.add(request.output_token_ids, request.prompt_token_ids)
 
     def reset_served(self) -> None:
         """Forget the served outputs."""
