@@ -459,7 +459,8 @@ class LLMEngine:
 
     @property
     def suffix_cache_tokens(self) -> int:
-        """Tokens of finished requests' outputs the proposer keeps to draft later ones from."""
+        """Tokens of finished requests' outputs (each after its prompt's last tokens) the proposer
+        keeps to draft later ones from."""
         return self.proposer.served_tokens() if self.proposer is not None else 0
 
     @property

@@ -146,8 +146,9 @@ class ServerMetrics:
                                   registry=r)
         self.drafter_bytes = Gauge("specserve_drafter_memory_bytes", "Bytes of drafter weights and KV cache "
                                    "loaded (0 once released while speculation is off).", labels, registry=r)
-        self.suffix_tokens = Gauge("specserve_suffix_cache_tokens", "Tokens of finished requests' outputs kept "
-                                   "to draft later requests from (--suffix-cache-requests).", labels, registry=r)
+        self.suffix_tokens = Gauge("specserve_suffix_cache_tokens", "Tokens of finished requests' outputs (each "
+                                   "after its prompt's last 32 tokens) kept to draft later requests from "
+                                   "(--suffix-cache-requests).", labels, registry=r)
         self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of admitted requests.", labels,
                                      registry=r)
         self.generation_tokens = Counter("specserve_generation_tokens", "Generated tokens.", labels, registry=r)
