@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from specserve.request import Request
 from specserve.spec.copy_trust import CopyTrust, shared_length
+from specserve.spec.edits import EditTracker
 from specserve.spec.proposer import (
     Proposer,
     ProposerTraits,
@@ -59,12 +60,14 @@ class NgramProposer(ServedSource, Proposer):
         self.served_for_seeded = served_for_seeded
         self.copies = CopyTrust(("own", "served"))
         self._arrays: dict[str, TokenArray] = {}  # each request's text as an array, grown as it grows
+        self._edits: dict[str, EditTracker] = {}  # what each request's output changes in the text it copies
 
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Its last draft is not scored any more (and a finished request's array goes)."""
         self.copies.forget(request_id)
         if finished:
             self._arrays.pop(request_id, None)
+            self._edits.pop(request_id, None)
 
     def live_request_ids(self) -> list[str]:
         """Requests whose text is mirrored for the search."""
@@ -86,14 +89,22 @@ class NgramProposer(ServedSource, Proposer):
             p = req.sampling_params
             use_served = self.served is not None and (self.served_for_seeded or p.seed is None or p.temperature == 0)
             shared, served = self.served.continuations(toks, k) if use_served else (0, [])
+            edits = self._edits.get(req.request_id)
+            if edits is None:
+                edits = self._edits[req.request_id] = EditTracker()
+            edits.advance(toks)
+            origins: list[int] = []
             if shared > own:  # an earlier output shares more of the context's tail than the request's own text does
                 source, conts = "served", served
             else:
                 source, shared = "own", own
-                conts = [(toks[s : s + k], 1.0) for s in starts[::-1][:MAX_OCCURRENCES].tolist()] if n else []
+                conts, origins = edits.weighed(toks, starts[::-1][:MAX_OCCURRENCES].tolist(), k) if n else ([], [])
             tree = weighted_tree(conts, k) if conts else None
             if tree is None:
                 continue
+            if origins:  # the text the draft's likeliest branch copies: where the output's edits show
+                first = tree.token_ids[tree.children[0][0]]
+                edits.copying_from(next(o for (c, _), o in zip(conts, origins) if c and c[0] == first), len(toks))
             if not self.tree:
                 tree = top_path(tree)
             out[req.request_id] = self.copies.scored(req.request_id, len(toks), tree, source, shared)

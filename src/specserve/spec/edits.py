@@ -1,0 +1,123 @@
+"""What an output changes in the text it copies: learned substitutions for prompt lookup.
+
+An edit of code in the prompt ("rename `balance` to `funds`", "replace print with logging")
+copies most of the code and changes the same few spans wherever they occur. A copier that only
+follows earlier occurrences breaks its run at every such span: the copy says `balance`, the
+target writes `funds`, and the run starts again from a short match a few tokens later.
+
+`EditTracker` keeps, per request, the position in its own text that its output was last copying
+(the alignment the proposer drafted from). When the output departs from it, the tracker waits
+until the output copies again (RESYNC tokens equal to the source's after a span of each) and
+learns the substitution: the source span the output skipped, the output span it wrote instead.
+Later copies of the source then offer the substituted text beside the original (the proposer
+weighs both; the target decides), so the second and later occurrences of a renamed name are
+drafted renamed. Only drafts change: verification keeps the output the target's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MAX_SPAN = 6  # tokens a substitution may replace, and write (an identifier, a call's name)
+RESYNC = 2  # tokens the output must copy again after the changed span (with the change applied: `x = x`)
+MAX_SUBS = 16  # substitutions kept per request, the latest first
+SUB_WEIGHT = 2.0  # a substituted copy's weight against the original's 1.0 (drafted first; both kept)
+MAX_SUBSTITUTED = 8  # continuations per step the substitutions are applied to (the latest matches)
+
+
+class EditTracker:
+    """One request's alignment with the text it copies and the substitutions learned from it."""
+
+    __slots__ = ("follow", "pending", "subs")
+
+    def __init__(self) -> None:
+        self.follow: tuple[int, int] | None = None  # (source position, output position) being copied
+        self.pending: tuple[int, int] | None = None  # where the output departed, until it copies again
+        self.subs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (source span, output span)
+
+    def copying_from(self, source: int, position: int) -> None:
+        """The draft for the context of `position` tokens copies the text from `source` on: the
+        alignment where there is none (one the output still follows is kept: a short match's
+        draft may copy from another place that happens to share a token or two)."""
+        if self.pending is None and self.follow is None:
+            self.follow = (source, position)
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Follow the output along its alignment; where it departed, learn the substitution once it
+        copies again."""
+        n = len(tokens)
+        if self.follow is not None:
+            p, i = self.follow
+            while i < n and p < i and tokens[p] == tokens[i]:
+                p, i = p + 1, i + 1
+            if i < n and p < i:
+                self.pending, self.follow = (p, i), None
+            else:
+                self.follow = (p, i)
+        if self.pending is not None:
+            self._resync(tokens)
+
+    def _resync(self, tokens: Sequence[int]) -> None:
+        """The smallest (source span a, output span b) after which the output copies the source
+        again; a >= 1 is a substitution (a = 0, an insertion, teaches nothing to copy)."""
+        p, i = self.pending  # type: ignore[misc]
+        n = len(tokens)
+        for total in range(1, 2 * MAX_SPAN + 1):
+            for b in range(1, min(total, MAX_SPAN) + 1):
+                a = total - b
+                if a > MAX_SPAN or i + b + RESYNC > n or p + a + RESYNC > i:
+                    continue
+                # The output goes on as the source after the span does, the change applied there too.
+                change = [(tuple(tokens[p : p + a]), tuple(tokens[i : i + b]))] if a else []
+                if _copied(tokens, p + a, RESYNC, change, i) == tokens[i + b : i + b + RESYNC]:
+                    if a:
+                        self._learn(tuple(tokens[p : p + a]), tuple(tokens[i : i + b]))
+                    self.pending, self.follow = None, (p + a + RESYNC, i + b + RESYNC)
+                    return
+        if n - i > 2 * MAX_SPAN + RESYNC:  # no copy resumed nearby: a rewrite, not a substitution
+            self.pending = None
+
+    def _learn(self, source: tuple[int, ...], written: tuple[int, ...]) -> None:
+        self.subs = [(source, written)] + [s for s in self.subs if s[0] != source][: MAX_SUBS - 1]
+
+    def substituted(self, tokens: Sequence[int], start: int, k: int) -> list[int] | None:
+        """The k tokens copied from `start` with every learned substitution applied (None where
+        none applies)."""
+        out = _copied(tokens, start, k, self.subs, len(tokens))
+        return out if out != list(tokens[start : start + k]) else None
+
+    def weighed(self, tokens: Sequence[int], starts: Sequence[int], k: int,
+                ) -> tuple[list[tuple[list[int], float]], list[int]]:
+        """The continuations of `starts` (latest first), each substituted copy before its original,
+        and the start each was copied from."""
+        conts: list[tuple[list[int], float]] = []
+        origins: list[int] = []
+        for idx, s in enumerate(starts):
+            sub = self.substituted(tokens, s, k) if self.subs and idx < MAX_SUBSTITUTED else None
+            if sub is not None:
+                conts.append((sub, SUB_WEIGHT))
+                origins.append(s)
+            conts.append((list(tokens[s : s + k]), 1.0))
+            origins.append(s)
+        return conts, origins
+
+
+def _copied(tokens: Sequence[int], start: int, k: int, subs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+            end: int) -> list[int]:
+    """Up to k tokens copied from tokens[start:end], each occurrence of a substitution's source
+    span written as its output span (the first listed wins)."""
+    by_first: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for sub in subs:
+        by_first.setdefault(sub[0][0], []).append(sub)
+    out: list[int] = []
+    j = start
+    while j < end and len(out) < k:
+        for src, dst in by_first.get(tokens[j], ()):
+            if tuple(tokens[j : j + len(src)]) == src:
+                out.extend(dst)
+                j += len(src)
+                break
+        else:
+            out.append(tokens[j])
+            j += 1
+    return out[:k]
