@@ -26,12 +26,26 @@ def _follow(tracker: EditTracker, prompt: list[int], output: list[int]) -> list[
 def test_a_substitution_is_learned_where_the_output_copies_again_and_applied_to_later_copies():
     t = EditTracker()
     toks = _follow(t, CODE, RENAMED[:5])  # "a = funds ; b": departs at `balance`, copies again at "; b"
+    assert t.subs == [] and t.seen == {((7, 8), (9,))} and t.pending is None  # seen once: a candidate
+    toks = _follow(t, CODE, RENAMED[:9])  # "b = funds ; c": the same change again
     assert t.subs == [((7, 8), (9,))] and t.pending is None
     assert t.substituted(toks, 5, 6) == [4, 2, 9, 3, 5, 2]  # the next line's copy, renamed
     assert t.substituted(toks, 0, 2) is None and t.substituted(toks, 5, 1) is None  # nothing substituted in them
     conts, origins = t.weighed(toks, [5, 0], 4)
     assert conts == [([4, 2, 9, 3], 2.0), ([4, 2, 7, 8], 1.0), ([1, 2, 9, 3], 2.0), ([1, 2, 7, 8], 1.0)]
     assert origins == [5, 5, 0, 0]
+
+
+def test_text_that_alternates_two_spans_teaches_no_substitution():
+    """`def` lines and `return` lines one after the other: copying the wrong one looks like a
+    change either way round, and that is no edit."""
+    t = EditTracker()
+    a, b = (7, 8), (9,)
+    t._learn(a, b)
+    t._learn(b, a)
+    t._learn(a, b)
+    t._learn(a, b)
+    assert t.subs == [] and frozenset((a, b)) in t.refused
 
 
 def test_an_insertion_or_a_rewrite_teaches_no_substitution():
@@ -45,8 +59,8 @@ def test_an_insertion_or_a_rewrite_teaches_no_substitution():
 
 
 def test_prompt_lookup_drafts_a_renamed_name_renamed():
-    """After the output renamed `balance` once, later copies of the code are drafted with the new
-    name (the original is a lighter branch beside it where the node budget reaches it)."""
+    """After the output renamed `balance` twice, later copies of the code are drafted with the
+    new name (the original is a lighter branch beside it where the node budget reaches it)."""
     ng = NgramProposer(tree=True)
     prompt = CODE
     req = Request("r", list(prompt), SamplingParams())

@@ -8,8 +8,9 @@ target writes `funds`, and the run starts again from a short match a few tokens 
 `EditTracker` keeps, per request, the position in its own text that its output was last copying
 (the alignment the proposer drafted from). When the output departs from it, the tracker waits
 until the output copies again (RESYNC tokens equal to the source's after a span of each) and
-learns the substitution: the source span the output skipped, the output span it wrote instead.
-Later copies of the source then offer the substituted text beside the original (the proposer
+notes the substitution: the source span the output skipped, the output span it wrote instead.
+Once the same substitution is seen twice (and never the other way round), later copies of the
+source offer the substituted text beside the original (the proposer
 weighs both; the target decides), so the second and later occurrences of a renamed name are
 drafted renamed. Only drafts change: verification keeps the output the target's.
 """
@@ -23,17 +24,20 @@ RESYNC = 2  # tokens the output must copy again after the changed span (with the
 MAX_SUBS = 16  # substitutions kept per request, the latest first
 SUB_WEIGHT = 2.0  # a substituted copy's weight against the original's 1.0 (drafted first; both kept)
 MAX_SUBSTITUTED = 8  # continuations per step the substitutions are applied to (the latest matches)
+ALIGN_MIN_MATCH = 2  # a draft sets the alignment only from a match of at least this many tokens
 
 
 class EditTracker:
     """One request's alignment with the text it copies and the substitutions learned from it."""
 
-    __slots__ = ("follow", "pending", "subs")
+    __slots__ = ("follow", "pending", "refused", "seen", "subs")
 
     def __init__(self) -> None:
         self.follow: tuple[int, int] | None = None  # (source position, output position) being copied
         self.pending: tuple[int, int] | None = None  # where the output departed, until it copies again
-        self.subs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (source span, output span)
+        self.subs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (source span, output span), applied
+        self.seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()  # changes seen once
+        self.refused: set[frozenset] = set()  # pairs of spans seen changed both ways
 
     def copying_from(self, source: int, position: int) -> None:
         """The draft for the context of `position` tokens copies the text from `source` on: the
@@ -78,6 +82,19 @@ class EditTracker:
             self.pending = None
 
     def _learn(self, source: tuple[int, ...], written: tuple[int, ...]) -> None:
+        """A change seen once is a candidate; seen again (another occurrence changed alike), it
+        is applied. One seen both ways (a -> b and b -> a) is the text alternating, not an edit:
+        structured or repetitive text (`return` lines after `def` lines) looks like that."""
+        if (written, source) in self.seen or (written, source) in self.subs:
+            self.seen.discard((written, source))
+            self.subs = [s for s in self.subs if s != (written, source)]
+            self.refused.add(frozenset((source, written)))
+            return
+        if frozenset((source, written)) in self.refused:
+            return
+        if (source, written) not in self.seen:
+            self.seen.add((source, written))
+            return
         self.subs = [(source, written)] + [s for s in self.subs if s[0] != source][: MAX_SUBS - 1]
 
     def substituted(self, tokens: Sequence[int], start: int, k: int) -> list[int] | None:

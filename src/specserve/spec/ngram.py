@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from specserve.request import Request
 from specserve.spec.copy_trust import CopyTrust, shared_length
-from specserve.spec.edits import EditTracker
+from specserve.spec.edits import ALIGN_MIN_MATCH, EditTracker
 from specserve.spec.proposer import (
     Proposer,
     ProposerTraits,
@@ -102,9 +102,11 @@ class NgramProposer(ServedSource, Proposer):
             tree = weighted_tree(conts, k) if conts else None
             if tree is None:
                 continue
-            if origins:  # the text the draft's likeliest branch copies: where the output's edits show
+            if origins and n >= ALIGN_MIN_MATCH:  # the text the draft's likeliest branch copies: where the output's edits show
                 first = tree.token_ids[tree.children[0][0]]
-                edits.copying_from(next(o for (c, _), o in zip(conts, origins) if c and c[0] == first), len(toks))
+                origin = next((o for (c, _), o in zip(conts, origins) if c and c[0] == first), None)
+                if origin is not None:
+                    edits.copying_from(origin, len(toks))
             if not self.tree:
                 tree = top_path(tree)
             out[req.request_id] = self.copies.scored(req.request_id, len(toks), tree, source, shared)
