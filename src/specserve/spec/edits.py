@@ -26,6 +26,8 @@ SUB_WEIGHT = 2.0  # a substituted copy's weight against the original's 1.0 (draf
 MAX_SUBSTITUTED = 8  # continuations per step the substitutions are applied to (the latest matches)
 ALIGN_MIN_MATCH = 2  # a draft sets the alignment only from a match of at least this many tokens
 
+Sub = tuple[tuple[int, ...], tuple[int, ...]]  # (source span, output span)
+
 
 class EditTracker:
     """One request's alignment with the text it copies and the substitutions learned from it."""
@@ -35,8 +37,8 @@ class EditTracker:
     def __init__(self) -> None:
         self.follow: tuple[int, int] | None = None  # (source position, output position) being copied
         self.pending: tuple[int, int] | None = None  # where the output departed, until it copies again
-        self.subs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (source span, output span), applied
-        self.seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()  # changes seen once
+        self.subs: list[Sub] = []  # (source span, output span), applied
+        self.seen: set[Sub] = set()  # changes seen once
         self.refused: set[frozenset] = set()  # pairs of spans seen changed both ways
 
     def copying_from(self, source: int, position: int) -> None:
@@ -72,10 +74,11 @@ class EditTracker:
                 if a > MAX_SPAN or i + b + RESYNC > n or p + a + RESYNC > i:
                     continue
                 # The output goes on as the source after the span does, the change applied there too.
-                change = [(tuple(tokens[p : p + a]), tuple(tokens[i : i + b]))] if a else []
-                if _copied(tokens, p + a, RESYNC, change, i) == tokens[i + b : i + b + RESYNC]:
+                src, dst = tuple(tokens[p : p + a]), tuple(tokens[i : i + b])
+                change = {src[0]: [(src, dst)]} if a else {}
+                if _copied(tokens, p + a, RESYNC, change, i)[0] == tokens[i + b : i + b + RESYNC]:
                     if a:
-                        self._learn(tuple(tokens[p : p + a]), tuple(tokens[i : i + b]))
+                        self._learn(src, dst)
                     self.pending, self.follow = None, (p + a + RESYNC, i + b + RESYNC)
                     return
         if n - i > 2 * MAX_SPAN + RESYNC:  # no copy resumed nearby: a rewrite, not a substitution
@@ -100,8 +103,8 @@ class EditTracker:
     def substituted(self, tokens: Sequence[int], start: int, k: int) -> list[int] | None:
         """The k tokens copied from `start` with every learned substitution applied (None where
         none applies)."""
-        out = _copied(tokens, start, k, self.subs, len(tokens))
-        return out if out != list(tokens[start : start + k]) else None
+        out, changed = _copied(tokens, start, k, _by_first(self.subs), len(tokens))
+        return out if changed else None
 
     def weighed(self, tokens: Sequence[int], starts: Sequence[int], k: int,
                 ) -> tuple[list[tuple[list[int], float]], list[int]]:
@@ -109,32 +112,40 @@ class EditTracker:
         and the start each was copied from."""
         conts: list[tuple[list[int], float]] = []
         origins: list[int] = []
+        index = _by_first(self.subs)  # once per step, not per continuation
         for idx, s in enumerate(starts):
-            sub = self.substituted(tokens, s, k) if self.subs and idx < MAX_SUBSTITUTED else None
-            if sub is not None:
-                conts.append((sub, SUB_WEIGHT))
-                origins.append(s)
+            if index and idx < MAX_SUBSTITUTED:
+                sub, changed = _copied(tokens, s, k, index, len(tokens))
+                if changed:
+                    conts.append((sub, SUB_WEIGHT))
+                    origins.append(s)
             conts.append((list(tokens[s : s + k]), 1.0))
             origins.append(s)
         return conts, origins
 
 
-def _copied(tokens: Sequence[int], start: int, k: int, subs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
-            end: int) -> list[int]:
-    """Up to k tokens copied from tokens[start:end], each occurrence of a substitution's source
-    span written as its output span (the first listed wins)."""
-    by_first: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+def _by_first(subs: Sequence[Sub]) -> dict[int, list[Sub]]:
+    """Substitutions by their source span's first token, in their order."""
+    index: dict[int, list[Sub]] = {}
     for sub in subs:
-        by_first.setdefault(sub[0][0], []).append(sub)
+        index.setdefault(sub[0][0], []).append(sub)
+    return index
+
+
+def _copied(tokens: Sequence[int], start: int, k: int, by_first: dict[int, list[Sub]], end: int,
+            ) -> tuple[list[int], bool]:
+    """Up to k tokens copied from tokens[start:end], each occurrence of a substitution's source
+    span written as its output span (the first listed wins), and whether one was."""
     out: list[int] = []
-    j = start
+    j, changed = start, False
     while j < end and len(out) < k:
         for src, dst in by_first.get(tokens[j], ()):
             if tuple(tokens[j : j + len(src)]) == src:
                 out.extend(dst)
                 j += len(src)
+                changed = True
                 break
         else:
             out.append(tokens[j])
             j += 1
-    return out[:k]
+    return out[:k], changed
