@@ -205,6 +205,31 @@ def test_ngram_scores_predict_acceptance_by_shared_context_and_learn_from_the_ta
     assert chain.is_chain and len(chain.scores) == 3
 
 
+def test_a_copied_node_is_trusted_and_teaches_at_the_context_it_will_share_when_verified():
+    """A node d deep is verified only after its d - 1 ancestors were accepted, when the copy
+    shares d - 1 more tokens of context than at the root: its trust is that bucket's."""
+    from specserve.engine.scheduler import SampledTokens
+    from specserve.spec.copy_trust import shared_bucket
+
+    ng = NgramProposer(tree=False)
+    # "3 4" shares 2 tokens with its earlier occurrence, which went on 5 6 7 8.
+    req = _req("r", [9, 3, 4, 5, 6, 7, 8, 1, 3, 4])
+    draft = ng.propose([req], [4])["r"]
+    assert draft.token_ids == (5, 6, 7, 8)
+    onward = ng.copies.trust[("own", True)]
+    assert len({shared_bucket(2 + d) for d in range(3)}) == 3  # three different buckets below
+    assert draft.scores[0] == pytest.approx(ng.copies.trust[("own", False)][shared_bucket(2)])
+    for d in (1, 2, 3):  # node d + 1 deep: shared 2 + d
+        assert draft.scores[d] == pytest.approx(draft.scores[d - 1] * onward[shared_bucket(2 + d)])
+    # The target took 5 and 6, then not 7: the buckets of shared 3 (right) and 4 (wrong) learn.
+    before = list(onward)
+    ng.observe(req, draft, SampledTokens([5, 6, 0], num_draft_tokens=4, num_accepted_tokens=2,
+                                         accepted_nodes=(0, 1), node_argmax=(5, 6, 0, 8, 9)))
+    changed = {i for i, (x, y) in enumerate(zip(before, onward)) if x != y}
+    assert changed == {shared_bucket(3), shared_bucket(4)}
+    assert onward[shared_bucket(3)] > before[shared_bucket(3)] and onward[shared_bucket(4)] < before[shared_bucket(4)]
+
+
 def test_in_front_of_a_model_drafter_seeded_samples_copy_only_their_own_text(tiny):
     store = ServedOutputs()
     store.add([10, 11, 12, 13, 14, 15, 16, 17])
