@@ -282,3 +282,25 @@ def test_usage_counts_each_requests_drafts(client, smol_server):
     assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
     assert plain.usage.completion_tokens_details.rejected_prediction_tokens == 0
     assert plain.usage.speculation is None
+
+
+def test_a_predicted_output_is_drafted_from_and_the_answer_stays_the_models(client, smol_server):
+    """OpenAI's Predicted Outputs: `prediction` is drafted from (prompt lookup searches it as text
+    before the prompt) and counted in usage; the answer is the model's own either way."""
+    msgs = [{"role": "user", "content": "Write a Python function that returns the area of a circle."}]
+    plain = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=40, temperature=0,
+                                           extra_body={"speculative": False})
+    smol_server.wait_idle()
+    smol_server.engine.reset_suffix_cache()  # the earlier answer is not what drafts below
+    expected = plain.choices[0].message.content
+    r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=40, temperature=0,
+                                       prediction={"type": "content", "content": [{"type": "text", "text": expected}]})
+    assert r.choices[0].message.content == expected
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= r.usage.completion_tokens // 2
+    with pytest.raises(openai.BadRequestError, match="not both"):
+        client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=4,
+                                       prediction={"type": "content", "content": "x"}, extra_body={"reference_text": "x"})
+    with pytest.raises(openai.BadRequestError, match="prediction"):
+        client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=4,
+                                       prediction={"type": "file", "content": "x"})

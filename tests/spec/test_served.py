@@ -230,6 +230,20 @@ def test_a_copied_node_is_trusted_and_teaches_at_the_context_it_will_share_when_
     assert onward[shared_bucket(3)] > before[shared_bucket(3)] and onward[shared_bucket(4)] < before[shared_bucket(4)]
 
 
+def test_prompt_lookup_copies_a_requests_reference_and_stops_where_it_ends():
+    """The reference (reference_token_ids, OpenAI's prediction) is searched as text before the
+    prompt: a draft copies it, learned edits included, and never runs past its end."""
+    ref = [50, 51, 52, 53, 54, 55, 56]
+    ng = NgramProposer(tree=True)
+    r = Request("a", [1, 2, 3], SamplingParams(reference_token_ids=ref))
+    assert ng.propose([r], [8]) == {}  # nothing of the prompt occurs in the reference
+    r.append_output_tokens([50, 51])
+    assert ng.propose([r], [8])["a"].main_path_tokens() == (52, 53, 54, 55, 56)  # to the reference's end
+    r.append_output_tokens([52, 53, 54, 55, 56])
+    assert ng.propose([r], [8]) == {}
+    assert ng.propose([Request("b", [1, 2, 3, 50, 51], SamplingParams())], [8]) == {}  # no reference: no copy
+
+
 def test_in_front_of_a_model_drafter_seeded_samples_copy_only_their_own_text(tiny):
     store = ServedOutputs()
     store.add([10, 11, 12, 13, 14, 15, 16, 17])

@@ -247,6 +247,20 @@ class _ChatTemplateFields(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class Prediction(_Body):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat in large part (the file
+    being edited). specserve drafts from it (as `reference_text`); the output is the model's
+    own either way, and usage counts the accepted and rejected prediction tokens."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    @property
+    def text(self) -> str:
+        """The predicted text (a list of text parts joined)."""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     """POST /v1/chat/completions."""
 
@@ -254,6 +268,15 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    prediction: Prediction | None = None
+
+    @model_validator(mode="after")
+    def _prediction_is_the_reference(self) -> ChatCompletionRequest:
+        if self.prediction is not None:
+            if self.reference_text is not None:
+                raise ValueError("send the expected text as `prediction` or as `reference_text`, not both")
+            self.reference_text = self.prediction.text
+        return self
 
 
 class UsageInfo(BaseModel):

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 # Occurrences of the matched tail kept per step (the latest ones): enough for the weights.
 MAX_OCCURRENCES = 64
+SEP = -1  # between a request's reference and its own text in the searched text: never a token
 MATCHES_MEASURED = 4  # the request's latest own matches whose shared context is measured
 
 
@@ -34,7 +35,10 @@ class NgramProposer(ServedSource, Proposer):
     the longest matching tail, the most frequent first (see specserve.spec.suffix); as a chain,
     the continuation of the latest occurrence. With `served` (SuffixDecoding's global cache,
     see specserve.spec.served) the outputs of earlier requests are searched too, and they draft
-    where they share more of the context's tail than the request's own text does.
+    where they share more of the context's tail than the request's own text does. A request's
+    reference (`reference_text` / `reference_token_ids`, OpenAI's `prediction`: the file being
+    edited) is searched too, as text before its prompt, so a predicted output is copied with
+    prompt lookup's trees, trust and learned edits whichever copier the server runs.
 
     Each node is scored with its chance to be accepted (specserve.spec.copy_trust: the trust in
     its source at its place and shared-context length, learned from the target), and the policy
@@ -81,24 +85,30 @@ class NgramProposer(ServedSource, Proposer):
             self.copies.score_unverified(req.request_id, toks)
             if k <= 0:
                 continue
+            ref = req.sampling_params.reference_token_ids
+            # The searched text: the reference (where there is one), SEP, then prompt and output.
+            text = [*ref, SEP, *toks] if ref else toks
             if (mirror := self._arrays.get(req.request_id)) is None:
                 mirror = self._arrays[req.request_id] = TokenArray()
-            arr = mirror.sync(toks)
+            arr = mirror.sync(text)
             n, starts = suffix_matches(arr, arr, self.ngram_min, self.ngram_max, exclude_tail=True)
-            own = shared_length(toks, starts[-MATCHES_MEASURED:].tolist(), toks) if n else 0
+            own = shared_length(text, starts[-MATCHES_MEASURED:].tolist(), text) if n else 0
             p = req.sampling_params
             use_served = self.served is not None and (self.served_for_seeded or p.seed is None or p.temperature == 0)
             shared, served = self.served.continuations(toks, k) if use_served else (0, [])
             edits = self._edits.get(req.request_id)
             if edits is None:
                 edits = self._edits[req.request_id] = EditTracker()
-            edits.advance(toks)
+            edits.advance(text)
             origins: list[int] = []
             if shared > own:  # an earlier output shares more of the context's tail than the request's own text does
                 source, conts = "served", served
             else:
                 source, shared = "own", own
-                conts, origins = edits.weighed(toks, starts[::-1][:MAX_OCCURRENCES].tolist(), k) if n else ([], [])
+                conts, origins = edits.weighed(text, starts[::-1][:MAX_OCCURRENCES].tolist(), k) if n else ([], [])
+                if ref:  # a copy of the reference ends where the reference does
+                    cut = [((c[: c.index(SEP)] if SEP in c else c, w), o) for (c, w), o in zip(conts, origins)]
+                    conts, origins = [cw for cw, _ in cut if cw[0]], [o for cw, o in cut if cw[0]]
             tree = weighted_tree(conts, k) if conts else None
             if tree is None:
                 continue
@@ -106,7 +116,7 @@ class NgramProposer(ServedSource, Proposer):
                 first = tree.token_ids[tree.children[0][0]]
                 origin = next((o for (c, _), o in zip(conts, origins) if c and c[0] == first), None)
                 if origin is not None:
-                    edits.copying_from(origin, len(toks))
+                    edits.copying_from(origin, len(text))
             if not self.tree:
                 tree = top_path(tree)
             out[req.request_id] = self.copies.scored(req.request_id, len(toks), tree, source, shared)
