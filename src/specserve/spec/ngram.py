@@ -65,12 +65,14 @@ class NgramProposer(ServedSource, Proposer):
         self.copies = CopyTrust(("own", "served"))
         self._arrays: dict[str, TokenArray] = {}  # each request's text as an array, grown as it grows
         self._edits: dict[str, EditTracker] = {}  # what each request's output changes in the text it copies
+        self._texts: dict[str, list[int]] = {}  # reference, SEP, prompt and output of requests with a reference
 
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Its last draft is not scored any more (and a finished request's array goes)."""
         self.copies.forget(request_id)
         if finished:
             self._arrays.pop(request_id, None)
+            self._texts.pop(request_id, None)
             self._edits.pop(request_id, None)
 
     def live_request_ids(self) -> list[str]:
@@ -86,8 +88,7 @@ class NgramProposer(ServedSource, Proposer):
             if k <= 0:
                 continue
             ref = req.sampling_params.reference_token_ids
-            # The searched text: the reference (where there is one), SEP, then prompt and output.
-            text = [*ref, SEP, *toks] if ref else toks
+            text = self._with_reference(req.request_id, ref, toks) if ref else toks
             if (mirror := self._arrays.get(req.request_id)) is None:
                 mirror = self._arrays[req.request_id] = TokenArray()
             arr = mirror.sync(text)
@@ -121,6 +122,18 @@ class NgramProposer(ServedSource, Proposer):
                 tree = top_path(tree)
             out[req.request_id] = self.copies.scored(req.request_id, len(toks), tree, source, shared)
         return out
+
+    def _with_reference(self, request_id: str, ref: Sequence[int], toks: Sequence[int]) -> list[int]:
+        """The searched text of a request with a reference: the reference, SEP, then its prompt and
+        output, kept and grown as they grow (a long reference is not copied every step)."""
+        text = self._texts.get(request_id)
+        head = len(ref) + 1
+        n = len(text) - head if text is not None else -1
+        if text is None or n > len(toks) or (n > 0 and text[-1] != toks[n - 1]):  # new, or not the same text grown
+            text = self._texts[request_id] = [*ref, SEP]
+            n = 0
+        text.extend(toks[n:])
+        return text
 
     def observe(self, request: Request, draft: DraftTree, result: SampledTokens) -> None:
         """The target's verdict on the draft teaches the trusts."""
