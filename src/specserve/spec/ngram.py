@@ -87,14 +87,14 @@ class NgramProposer(ServedSource, Proposer):
             self.copies.score_unverified(req.request_id, toks)
             if k <= 0:
                 continue
-            ref = req.sampling_params.reference_token_ids
+            p = req.sampling_params
+            ref = p.reference_token_ids
             text = self._with_reference(req.request_id, ref, toks) if ref else toks
             if (mirror := self._arrays.get(req.request_id)) is None:
                 mirror = self._arrays[req.request_id] = TokenArray()
             arr = mirror.sync(text)
             n, starts = suffix_matches(arr, arr, self.ngram_min, self.ngram_max, exclude_tail=True)
             own = shared_length(text, starts[-MATCHES_MEASURED:].tolist(), text) if n else 0
-            p = req.sampling_params
             use_served = self.served is not None and (self.served_for_seeded or p.seed is None or p.temperature == 0)
             shared, served = self.served.continuations(toks, k) if use_served else (0, [])
             edits = self._edits.get(req.request_id)
@@ -127,11 +127,10 @@ class NgramProposer(ServedSource, Proposer):
         """The searched text of a request with a reference: the reference, SEP, then its prompt and
         output, kept and grown as they grow (a long reference is not copied every step)."""
         text = self._texts.get(request_id)
-        head = len(ref) + 1
-        n = len(text) - head if text is not None else -1
-        if text is None or n > len(toks) or (n > 0 and text[-1] != toks[n - 1]):  # new, or not the same text grown
-            text = self._texts[request_id] = [*ref, SEP]
-            n = 0
+        n = len(text) - len(ref) - 1 if text is not None else 0  # own tokens already in it
+        if text is None or n > len(toks) or (n and text[-1] != toks[n - 1]):  # new, or not the same text grown
+            text, n = [*ref, SEP], 0
+            self._texts[request_id] = text
         text.extend(toks[n:])
         return text
 
