@@ -17,9 +17,9 @@ their ratio (the acceptance bar: within 20%).
 its `co_run` (recorded where a second one-thread worker fits) is how much the prefill and decode
 workers slow each other down on this machine's two cores.
 Speculation: verify steps D, draft tokens verified T and accepted tokens A give K = round(T / D)
-drafts per verify step; decode steps S (output tokens after the first, less A) give the per-token
-acceptance b with 1 + A / S = (1 - b^(K+1)) / (1 - b): the tokens a decode step yields on
-average, steps where the proposer found nothing to draft included. Each request's own counters
+drafts per verify step, the per-token acceptance b with 1 + A / D = (1 - b^(K+1)) / (1 - b) (the
+tokens a verify step yields), and the draft share D / S of the decode steps S (output tokens
+after the first, less A): prompt lookup drafts only where its text matches. Each request's own counters
 (the server's `usage.speculation`) give its own K and b where the trace has them: with the
 server's store of earlier outputs a repeated ask copies its whole answer in long drafts while a
 new one drafts little, and one (K, b) for the whole point puts every request in between. Traces
@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,15 @@ from common import RESULTS_DIR, machine_info, write_json  # noqa: E402
 
 from specserve.ops.calc import acceptance_for  # noqa: E402
 from specserve.ops.costmodel import CostModel, MeasuredCostModel, ScaledCostModel  # noqa: E402
-from specserve.ops.simulate import SLO, Deployment, SpecSetting, TraceRequest, simulate, summarize  # noqa: E402
+from specserve.ops.simulate import (  # noqa: E402
+    SLO,
+    Deployment,
+    SimResult,
+    SpecSetting,
+    TraceRequest,
+    simulate,
+    summarize,
+)
 
 TOLERANCE = 0.2
 NO_SLO = SLO(float("inf"), float("inf"))
@@ -56,21 +66,30 @@ DRIFT = 0.1
 SERVE_MAX_NUM_SEQS = 64  # bench/serve.py starts the server with --max-num-seqs 64
 
 
-def speculation(counters: dict[str, float] | None, output_tokens: int) -> tuple[int, float]:
-    """(K, per-token acceptance) that reproduce a point's drafts per verify step and tokens per decode step."""
+def speculation(counters: dict[str, float] | None, output_tokens: int) -> tuple[int, float, float]:
+    """(K, per-token acceptance, draft share) that reproduce drafts per verify step, tokens per
+    verify step and how many decode steps verified drafts.
+
+    A proposer that drafts in only some steps (prompt lookup, where its text matches) is not a
+    proposer that drafts every step with less acceptance: a request copying an earlier answer
+    verifies ten long drafts and takes every other step plainly. K = round(T / D) drafts per
+    verify step, the acceptance b from the tokens a verify step keeps (1 + A / D =
+    (1 - b^(K+1)) / (1 - b)), and the share D / S of the decode steps S (output tokens after
+    the first, less A) that verified drafts."""
     if not counters or counters.get("drafts", 0) <= 0:
-        return 0, 0.0
-    accepted = counters["accepted_tokens"]
-    k = max(1, round(counters["draft_tokens"] / counters["drafts"]))
+        return 0, 0.0, 1.0
+    accepted, drafts = counters["accepted_tokens"], counters["drafts"]
+    k = max(1, round(counters["draft_tokens"] / drafts))
+    alpha = min(1 + accepted / drafts, k + 1 - 1e-9)
     steps = max(output_tokens - accepted, 1.0)
-    alpha = min(1 + accepted / steps, k + 1 - 1e-9)
-    return k, acceptance_for(alpha, k) if alpha > 1 else 0.0
+    return k, acceptance_for(alpha, k) if alpha > 1 else 0.0, min(1.0, drafts / steps)
 
 
-def request_speculation(spec: dict[str, int] | None, output_tokens: int) -> tuple[int, float]:
-    """(K, per-token acceptance) of one request from its usage.speculation counters (0, 0 when it
-    verified no draft)."""
-    return speculation({**spec, "drafts": spec["verify_steps"]}, max(output_tokens - 1, 0)) if spec else (0, 0.0)
+def request_speculation(spec: dict[str, int] | None, output_tokens: int) -> tuple[int, float, float]:
+    """(K, per-token acceptance, draft share) of one request from its usage.speculation counters
+    (0, 0, 1 when it verified no draft)."""
+    return speculation({**spec, "drafts": spec["verify_steps"]}, max(output_tokens - 1, 0)) if spec \
+        else (0, 0.0, 1.0)
 
 
 def _ratio(predicted: float | None, measured: float | None) -> float | None:
@@ -90,12 +109,29 @@ def _row(source: str, label: str, kind: str, measured: dict[str, float | None], 
     return out
 
 
-def _predict(trace: list[TraceRequest], dep: Deployment, cost: CostModel, seed: int, drift: float) -> list[Any]:
-    """Summaries of the trace simulated on the profiled machine, then one `drift` faster and one
-    `drift` slower (every step time scaled: a shared VM runs that much faster or slower from one
-    run to the next, so a profile and a benchmark recorded minutes apart differ by that much)."""
-    return [summarize(simulate(trace, dep, c, seed=seed), NO_SLO)
+def _predict(trace: list[TraceRequest], dep: Deployment, cost: CostModel, seed: int,
+             drift: float) -> tuple[SimResult, list[Any]]:
+    """The trace simulated on the profiled machine, and summaries of that run and of one on a
+    machine `drift` faster and one `drift` slower (every step time scaled: a shared VM runs that
+    much faster or slower from one run to the next, so a profile and a benchmark recorded
+    minutes apart differ by that much)."""
+    runs = [simulate(trace, dep, c, seed=seed)
             for c in (cost, ScaledCostModel(cost, 1 - drift), ScaledCostModel(cost, 1 + drift))]
+    return runs[0], [summarize(r, NO_SLO) for r in runs]
+
+
+def _request_errors(measured: list[tuple[float | None, float | None]], sim: SimResult) -> dict[str, list[float]]:
+    """log(predicted / measured) of each request's TTFT and TPOT (those both sides have).
+
+    A p50 between two clusters of requests (decodes a prefill interrupted and those it did not;
+    repeats copying their answers and new asks) jumps when one request changes sides; these say
+    how close the model comes request by request."""
+    out: dict[str, list[float]] = {"ttft": [], "tpot": []}
+    for (ttft, tpot), r in zip(measured, sim.requests):
+        for key, m, p in (("ttft", ttft, r.ttft_s), ("tpot", tpot, r.tpot_s)):
+            if m and p and m > 0 and p > 0:
+                out[key].append(math.log(p / m))
+    return out
 
 
 def check_serve(payload: dict[str, Any], cost: MeasuredCostModel, seed: int, drift: float) -> list[dict[str, Any]]:
@@ -106,18 +142,20 @@ def check_serve(payload: dict[str, Any], cost: MeasuredCostModel, seed: int, dri
         if not reqs or "arrival_s" not in reqs[0]:
             raise SystemExit("the serve results hold no request traces: rerun bench/serve.py (it saves them now).")
         decoded = sum(max(r["tokens"] - 1, 0) for r in reqs)
-        k, a = speculation(p.get("spec_counters"), decoded) if p["speculation"] == "adaptive" else (0, 0.0)
+        k, a, f = speculation(p.get("spec_counters"), decoded) if p["speculation"] == "adaptive" else (0, 0.0, 1.0)
         label = f"{p['workload']} {p['rate']:g} req/s, spec {p['speculation']}"
         trace = [TraceRequest(r["arrival_s"], r["prompt_tokens"], max(r["tokens"], 1), label, a,
-                              r.get("cached_tokens", 0)) for r in reqs]
+                              r.get("cached_tokens", 0), draft_share=f) for r in reqs]
         if k and all("speculation" in r for r in reqs):  # each request's own drafts and acceptance
             own = [request_speculation(r["speculation"], r["tokens"]) for r in reqs]
-            trace = [t._replace(acceptance=b, spec_k=kr) for t, (kr, b) in zip(trace, own)]
+            trace = [t._replace(acceptance=b, spec_k=kr, draft_share=fr) for t, (kr, b, fr) in zip(trace, own)]
         dep = Deployment(max_num_batched_tokens=cost.max_num_batched_tokens, max_num_seqs=SERVE_MAX_NUM_SEQS,
                          spec=SpecSetting(k))
-        pred, faster, slower = (s.overall for s in _predict(trace, dep, cost, seed, drift))
+        sim, summaries = _predict(trace, dep, cost, seed, drift)
+        pred, faster, slower = (s.overall for s in summaries)
         rows.append(_row("serve", label, "all", {"ttft_p50": p["ttft_p50"], "tpot_p50": p["tpot_p50"]}, pred,
                          (faster, slower), dep, len(trace)))
+        rows[-1]["request_log_errors"] = _request_errors([(r.get("ttft"), r.get("tpot")) for r in reqs], sim)
     return rows
 
 
@@ -135,12 +173,16 @@ def check_disagg(payload: dict[str, Any], cost: CostModel, worker_cost: CostMode
             if not reqs or "arrival_s" not in reqs[0]:
                 raise SystemExit("the disagg results hold no arrival times: rerun bench/disagg.py (it saves them now).")
             trace = [TraceRequest(r["arrival_s"], r["prompt_tokens"], r["tokens"], r["kind"]) for r in reqs]
-            sim, faster, slower = _predict(trace, dep, worker_cost if disagg else cost, seed, drift)
+            result, (sim, faster, slower) = _predict(trace, dep, worker_cost if disagg else cost, seed, drift)
             for kind, pred in sim.by_class.items():
                 m = run["summary"][kind]
                 rows.append(_row("disagg", f"{config} {workload}", kind,
                                  {"ttft_p50": m["ttft_p50_s"], "tpot_p50": m["tpot_p50_s"]}, pred,
                                  (faster.by_class[kind], slower.by_class[kind]), dep, pred.requests))
+                kinds = [r["kind"] == kind for r in reqs]
+                rows[-1]["request_log_errors"] = _request_errors(
+                    [(r.get("ttft_s"), r.get("tpot_s")) for r, mine in zip(reqs, kinds) if mine],
+                    result._replace(requests=tuple(x for x, mine in zip(result.requests, kinds) if mine)))
     return rows
 
 
@@ -238,10 +280,21 @@ def main() -> int:
               f"{band(r, 'tpot_p50'):>10}")
     print(f"{within} of {len(checks)} predictions within {TOLERANCE:.0%} of the measurement; band: predicted/measured "
           f"on a machine {args.drift:.0%} faster and slower, {in_band} of the {len(checks) - within} misses inside it")
+    per_request = {}
+    for key in ("ttft", "tpot"):
+        errs = [e for r in rows for e in r["request_log_errors"][key]]
+        if errs:
+            per_request[key] = {"requests": len(errs), "median_log_ratio": statistics.median(errs),
+                                "median_abs_log_ratio": statistics.median(abs(e) for e in errs),
+                                "within_tolerance": sum(abs(math.exp(e) - 1) <= TOLERANCE for e in errs) / len(errs)}
+            q = per_request[key]
+            print(f"request by request, {key.upper()}: predicted/measured median {math.exp(q['median_log_ratio']):.2f}, "
+                  f"median error {math.exp(q['median_abs_log_ratio']) - 1:.0%}, {q['within_tolerance']:.0%} of "
+                  f"{q['requests']} requests within {TOLERANCE:.0%}")
     payload = {"benchmark": "planner simulator vs measurement", "machine": machine_info(),
                "profile": args.profile, "worker_profile": args.worker_profile, "results": args.results,
                "tolerance": TOLERANCE, "drift": args.drift, "within_tolerance": within, "predictions": len(checks),
-               "misses_inside_drift_band": in_band, "rows": rows}
+               "misses_inside_drift_band": in_band, "per_request": per_request, "rows": rows}
     out = write_json(f"{args.out}.json", payload)
     plot(rows, RESULTS_DIR / f"{args.out}.png",
          f"simulator ({Path(args.profile).name}) vs bench measurements: {within}/{len(checks)} within 20%", args.drift)

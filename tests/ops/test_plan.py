@@ -29,6 +29,7 @@ from specserve.ops.simulate import (
     RequestClass,
     RequestResult,
     SimResult,
+    SimulationError,
     SpecSetting,
     TokenRange,
     TraceRequest,
@@ -268,6 +269,31 @@ def test_a_replayed_request_drafts_its_own_k(cost):
                     TraceRequest(0.0, 100, 3000)], dep, cost)
     fast, slow, plain = res.requests
     assert fast.tpot_s < slow.tpot_s < plain.tpot_s
+
+
+def test_a_request_drafting_in_a_share_of_its_steps_pays_only_for_those(cost):
+    """Prompt lookup drafts only where its text matches: a request that verifies K drafts, all
+    accepted, in a third of its steps and decodes plainly in the rest takes (K + 1) tokens from
+    a third of its steps at a (K + 1)-token step's cost and one token from the others at a plain
+    step's, not K drafts every step at a lower acceptance."""
+    k, share, n = 8, 1 / 3, 3000
+    dep = Deployment(spec=SpecSetting(k))
+    res = simulate([TraceRequest(0.0, 100, n, acceptance=1.0, spec_k=k, draft_share=share)], dep, cost, seed=1)
+    [r] = res.requests
+    per_step_tokens = share * (k + 1) + (1 - share)
+    per_step_s = share * step(k + 1) + (1 - share) * step(1)
+    assert r.tpot_s == pytest.approx(per_step_s / per_step_tokens, rel=0.05)
+    assert res.num_spec_steps == pytest.approx(share * res.num_steps, rel=0.1)
+    # The same tokens per step from every step drafting at the acceptance that yields them cost more.
+    b = calc.acceptance_for(per_step_tokens, k)
+    [every] = simulate([TraceRequest(0.0, 100, n, acceptance=b, spec_k=k)], dep, cost, seed=1).requests
+    assert every.tpot_s == pytest.approx(step(k + 1) / per_step_tokens, rel=0.05)
+    assert every.tpot_s > 1.06 * r.tpot_s
+    with pytest.raises(SimulationError, match="draft_share"):
+        RequestClass("c", 1.0, TokenRange(1, 1), TokenRange(1, 1), acceptance=0.5, draft_share=0.0)
+    doc = _with("classes.0.draft_share", 0.25)
+    assert parse_workload(doc).workload.classes[0].draft_share == 0.25
+    assert parse_workload(GOOD).workload.classes[0].draft_share == 1.0
 
 
 def test_the_policy_decides_per_request_which_drafts_pay(cost):
@@ -518,6 +544,7 @@ def _with(path: str, value):
     (_with("classes.1.output_tokens", 0), "classes[1].output_tokens"),
     (_with("classes.0.prompt_tokens", [300, 100]), "classes[0].prompt_tokens"),
     (_with("classes.0.acceptance", 1.5), "classes[0].acceptance"),
+    (_with("classes.0.draft_share", 0), "classes[0].draft_share"),
     (_with("classes.0.promt_tokens", 5), "promt_tokens"),
     (_with("classes.1.name", "chat"), "used twice"),
     (_with("classes.0.slo", {"ttft": "soon"}), "classes[0].slo.ttft"),

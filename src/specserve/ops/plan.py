@@ -11,6 +11,8 @@ The workload file (YAML) gives a request rate and classes:
         prompt_tokens: 512     # or [lo, hi]: drawn uniformly
         output_tokens: 256
         acceptance: 0.6        # optional: per-token acceptance of its drafts (default 0: no speculation)
+        draft_share: 0.5       # optional: share of its decode steps with a draft (prompt lookup: where
+                               # its text matches; default 1, a model drafter drafts every step)
         slo: {ttft: 1.0}       # optional: overrides the global targets for this class
 
 For N devices the planner tries every worker size that fits the model (tensor parallel
@@ -53,7 +55,7 @@ MIN_REQUESTS, MAX_REQUESTS, SIMULATED_SECONDS = 200, 1000, 120.0
 # a typo of 10**8 would otherwise run for hours.
 MAX_SIMULATED_REQUESTS = 20_000
 LONGEST_REQUESTS_PER_WORKER = 4  # a worker size must hold this many of the longest requests' KV
-CLASS_FIELDS = ("name", "share", "prompt_tokens", "output_tokens", "acceptance", "slo")
+CLASS_FIELDS = ("name", "share", "prompt_tokens", "output_tokens", "acceptance", "draft_share", "slo")
 TOP_FIELDS = ("rate", "requests", "slo", "classes")
 
 
@@ -162,6 +164,7 @@ def parse_workload(data: Any, slo: Mapping[str, float] | None = None, source: st
         prompt_tokens = _tokens(c["prompt_tokens"], f"{where}.prompt_tokens")
         output_tokens = _tokens(c["output_tokens"], f"{where}.output_tokens")
         acceptance = _number(c.get("acceptance", 0.0), f"{where}.acceptance", 0, 1, lo_open=False)
+        draft_share = _number(c.get("draft_share", 1.0), f"{where}.draft_share", 0, 1)
         targets = dict(base)
         if "slo" in c:
             targets.update(_slo_fields(c["slo"], f"{where}.slo"))
@@ -170,7 +173,8 @@ def parse_workload(data: Any, slo: Mapping[str, float] | None = None, source: st
                 raise WorkloadError(f"class {name!r} has no {key} target: give --slo {key}=SECONDS, a global "
                                     f"`slo: {{{key}: ...}}` or `{where}.slo.{key}` in the workload file.")
         classes.append(RequestClass(name=name, share=share, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
-                                    acceptance=acceptance, slo=SLO(targets["ttft"], targets["tpot"])))
+                                    acceptance=acceptance, slo=SLO(targets["ttft"], targets["tpot"]),
+                                    draft_share=draft_share))
     total = sum(c.share for c in classes)
     if abs(total - 1.0) > 1e-3:
         raise WorkloadError(f"the class shares must add up to 1; they add up to {total:g}.")

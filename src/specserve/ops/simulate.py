@@ -27,7 +27,10 @@ What it models, each piece as specserve does it:
   raise the step's rate (requests alike together), so one with little acceptance does not hold
   back one that copies its answer. A request whose trace gives its own K (a replayed request's
   measured drafts per verify step) drafts that many whenever it drafts: a copy of an earlier
-  answer runs longer than the policy's K. A verified draft keeps its first j tokens with
+  answer runs longer than the policy's K. A request (or class) with a draft share f < 1 has a
+  draft in only that share of the steps it would draft in, drawn each step: prompt lookup
+  drafts where its text matches and decodes plainly elsewhere, which costs less than drafting
+  every step at the lower acceptance that yields the same tokens. A verified draft keeps its first j tokens with
   probability a^j (1 - a) (j < K), all K with a^K, plus one token from the target. While
   speculation is on, every step also pays what the policy and a model-free proposer cost
   (`CostModel.spec_step_s`), drafting or not: the real policy runs every step; a step that
@@ -101,6 +104,7 @@ class RequestClass:
     output_tokens: TokenRange
     acceptance: float = 0.0  # per-token acceptance of its drafts (0: speculation never pays)
     slo: SLO | None = None  # None: the deployment-wide SLO
+    draft_share: float = 1.0  # fraction of decode steps its proposer drafts in (prompt lookup: where it matches)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -112,6 +116,8 @@ class RequestClass:
                 raise SimulationError(f"class {self.name}: {what} must be >= 1 (and lo <= hi), got {tuple(r)}.")
         if not 0.0 <= self.acceptance <= 1.0:
             raise SimulationError(f"class {self.name}: acceptance must lie in [0, 1], got {self.acceptance}.")
+        if not 0.0 < self.draft_share <= 1.0:
+            raise SimulationError(f"class {self.name}: draft_share must lie in (0, 1], got {self.draft_share}.")
 
 
 class TraceRequest(NamedTuple):
@@ -124,6 +130,7 @@ class TraceRequest(NamedTuple):
     acceptance: float = 0.0  # per-token acceptance of its drafts
     cached_tokens: int = 0  # prompt tokens a prefix cache already holds (not computed again)
     spec_k: int = 0  # drafts per verify step of its own (a replayed request's measured K); 0: the policy's K
+    draft_share: float = 1.0  # fraction of its decode steps in which its proposer finds a draft
 
 
 @dataclass(frozen=True)
@@ -159,7 +166,7 @@ class Workload:
                     cls = c
                     break
             out.append(TraceRequest(t, cls.prompt_tokens.sample(rng), cls.output_tokens.sample(rng), cls.name,
-                                    cls.acceptance))
+                                    cls.acceptance, draft_share=cls.draft_share))
         return out
 
 
@@ -328,7 +335,8 @@ class _Engine:
                 budget -= n
             else:
                 # Never draft past the last token the request may produce; drop drafts that do not fit.
-                drafts = min(_own_k(r, k) if r in drafting else 0, r.trace.output_tokens - r.generated - 1, budget - 1)
+                own = _own_k(r, k) if r in drafting and self.sim.finds_draft(r.trace) else 0
+                drafts = min(own, r.trace.output_tokens - r.generated - 1, budget - 1)
                 decodes.append((r, drafts))
                 budget -= 1 + drafts
         capacity = self.sim.cost.kv_capacity_tokens
@@ -360,22 +368,24 @@ class _Engine:
         n = len(decoding)
         context = sum(r.trace.prompt_tokens + r.generated for r in decoding)
         longest = max(r.trace.prompt_tokens + r.generated for r in decoding)
-        # Requests alike (same acceptance and own K) draft together, as the policy treats them alike.
-        groups: dict[tuple[float, int], list[_Req]] = {}
+        # Requests alike (same acceptance, own K and draft share) draft together, as the policy
+        # treats them alike. A group drafting in a share f of its steps adds f of its rows and
+        # of its expected extra tokens.
+        groups: dict[tuple[float, int, float], list[_Req]] = {}
         for r in eligible:
-            groups.setdefault((r.trace.acceptance, r.trace.spec_k), []).append(r)
+            groups.setdefault((r.trace.acceptance, r.trace.spec_k, r.trace.draft_share), []).append(r)
         gains = {key: sim.expected(key[0], max(spec.k, key[1])) for key in groups}
 
-        def rate(k: int, members: Sequence[tuple[float, int]]) -> float:
+        def rate(k: int, members: Sequence[tuple[float, int, float]]) -> float:
             """Expected tokens per second of the step when the groups `members` draft (own K, or k)."""
-            rows, tokens, requests, kmax = 0, 0.0, 0, 0
+            rows, tokens, requests, kmax = 0.0, 0.0, 0, 0
             for key in members:
-                kr, size = key[1] or k, len(groups[key])
-                rows += kr * size
-                tokens += (gains[key][kr] - 1) * size
+                kr, size, share = key[1] or k, len(groups[key]), key[2]
+                rows += kr * size * share
+                tokens += (gains[key][kr] - 1) * size * share
                 requests += size
                 kmax = max(kmax, kr)
-            shape = StepShape(n, n + rows, context, longest, prefill)
+            shape = StepShape(n, n + round(rows), context, longest, prefill)
             extra = sim.cost.draft_s(requests, kmax) + sim.cost.spec_verify_s(n) if members else 0.0
             return (n + tokens) / (sim.cost.step_s(shape, self.role) + extra)
 
@@ -460,6 +470,11 @@ class _Simulation:
         table = self._expected.setdefault(acceptance, [])
         table.extend(expected_tokens(acceptance, k) for k in range(len(table), upto + 1))
         return table
+
+    def finds_draft(self, trace: TraceRequest) -> bool:
+        """Whether the request's proposer has a draft this step (always for a model drafter; prompt
+        lookup only where its text matches, a share of the steps)."""
+        return trace.draft_share >= 1.0 or self.rng.random() < trace.draft_share
 
     def accepted(self, acceptance: float, drafts: int) -> int:
         """Draft tokens a verify keeps: the first j with probability a^j (1 - a), all with a^K."""
