@@ -47,12 +47,12 @@ def _build_ngram(ctx: ProposerContext) -> Proposer:
 
 
 def _build_reference(ctx: ProposerContext) -> Proposer:
-    from specserve.spec.reference import ReferenceProposer
-
-    tok = ctx.tokenizer
-    encode = (lambda text: tok.encode(text, add_special_tokens=False)) if tok is not None else None
-    tree = ctx.spec.use_trees(ReferenceProposer.traits.tree_by_default)
-    return ReferenceProposer(encode, ctx.spec.ngram_min, ctx.spec.ngram_max, tree=tree)
+    """Inference with reference is prompt lookup: `NgramProposer` searches a request's reference
+    as text before its prompt, with its trees, copy trust and learned edits. A proposer of the
+    reference alone (a cursor, and an anchor to resume at after an edit) drafted fewer tokens per
+    step on every edit prompt (Qwen 1.5B `auto`, Zen 4, 4 prompts: 1.96 / 2.82 / 1.66 / 3.65
+    against 2.53 / 3.10 / 1.85 / 4.56), so the name builds the same proposer."""
+    return _build_ngram(ctx)
 
 
 def _build_lookahead(ctx: ProposerContext) -> Proposer:
@@ -286,12 +286,11 @@ def _with_copier(ctx: ProposerContext, drafter: Proposer, names: tuple[str, ...]
     """The drafter behind the copiers `names` (specserve.spec.hybrid)."""
     from dataclasses import replace
 
-    from specserve.spec.hybrid import FirstOf, HybridProposer
+    from specserve.spec.hybrid import HybridProposer
 
     n = ctx.spec.copy_min_match
     sub = replace(ctx, spec=replace(ctx.spec, ngram_min=n, ngram_max=max(n, ctx.spec.ngram_max)), copier=True)
-    copiers = [PROPOSER_BUILDERS[name](sub) for name in names]
-    copier = copiers[0] if len(copiers) == 1 else FirstOf(copiers)
+    [copier] = [PROPOSER_BUILDERS[name](sub) for name in names]
     return HybridProposer(copier, drafter, "+".join(names), n, _largest_draft(ctx.spec))
 
 
