@@ -113,9 +113,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ngram and lookahead also draft from the outputs of the last N finished requests "
                         "(SuffixDecoding's global cache; vLLM's suffix_decoding_max_cached_requests); 0: off")
     s.add_argument("--spec-copy", choices=["auto", "none", "ngram", "reference"], default="auto",
-                   help="with a model drafter: copy from the request's reference text and context (ngram; reference "
-                        "names the same copier) where its last --spec-copy-min-match tokens occur there, and draft "
-                        "with the model elsewhere "
+                   help="with a model drafter: copy from the request's context (ngram) or reference text (reference) "
+                        "where its last --spec-copy-min-match tokens occur there, and draft with the model elsewhere "
                         "(auto, the default: ngram in front of a model drafter; none: the drafter alone)")
     s.add_argument("--spec-copy-min-match", type=int, default=3, metavar="N",
                    help="--spec-copy: tokens of the request's tail that must match before a copy is drafted")
@@ -673,7 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop string before this many tokens")
     p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
                    help="with --json: each prompt token's logprob and its K likeliest alternatives (0: none)")
-    p.add_argument("--reference-file", help="reference text the output is expected to copy (e.g. the file being edited), searched by prompt lookup (--spec-method ngram or reference, and the copier in front of a model drafter)")
+    p.add_argument("--reference-file", help="reference text the output is expected to copy (e.g. the file being edited), searched by prompt lookup (--spec-method ngram or reference) and the copier in front of a model drafter")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
     p = sub.add_parser("audit", help="check that speculation emits the target's distribution; KL between precisions",

@@ -284,10 +284,10 @@ SPEC_POLICIES = ("adaptive", "always", "off")
 # pass); chain: every draft is one path (the classic K-token draft); auto: what measured faster
 # for the proposer (ProposerTraits.tree_by_default).
 SPEC_TREES = ("auto", "tree", "chain")
-# --spec-copy: a model drafter's requests that repeat their reference text or their context are
-# drafted by copying where a tail of copy_min_match tokens matches (spec/hybrid.py; prompt lookup
-# searches the reference before the prompt, so `reference` names the same copier as `ngram`);
-# auto: that copier in front of a model drafter; nothing in front of the others.
+# --spec-copy: a model drafter's requests that repeat their context (ngram) or their reference text
+# (reference) are drafted by copying where a tail of copy_min_match tokens matches (spec/hybrid.py);
+# auto: the reference where a request has one, else ngram, in front of a model drafter; nothing
+# in front of the others.
 SPEC_COPIES = ("auto", "none", "ngram", "reference")
 # --spec-join: a model-free proposer whose candidates join a model drafter's tree every step it
 # drafts, verified in the same pass (spec/join.py); none: the drafter's (and the copier's) alone.
@@ -462,11 +462,11 @@ class SpecConfig:
 
     @property
     def copiers(self) -> tuple[str, ...]:
-        """The copiers in front of the proposer: `copy`, with auto resolved (prompt lookup over a
-        request's reference text and its context in front of a model drafter; nothing in front of
-        the others)."""
+        """The copiers in front of the proposer, tried in turn: `copy`, with auto resolved (a
+        request's reference text where it has one and it matches, else its context, in front of a
+        model drafter; nothing in front of the others)."""
         if self.copy == "auto":
-            return ("ngram",) if self.method in MODEL_DRAFTERS else ()
+            return ("reference", "ngram") if self.method in MODEL_DRAFTERS else ()
         return () if self.copy == "none" else (self.copy,)
 
     def use_trees(self, proposer_default: bool) -> bool:

@@ -4,9 +4,9 @@ Requests that repeat their context (an edit of the prompt's code, a quoted passa
 follows a pattern) are drafted best by copying: a long continuation for no forward pass at all.
 Everywhere else a model drafter is better than nothing. This proposer asks a model-free copier
 first and the model drafter only for the requests the copier has nothing for: a request whose
-last `min_match` tokens occur in its reference text or earlier in its context (prompt lookup,
-which searches both; `auto`, `ngram` and `reference` all name it) gets the copy that step, and
-the draft passes are made for the others alone. SuffixDecoding's
+last `min_match` tokens occur earlier in its context (ngram) or in its reference text (reference)
+gets the copy that step, and the draft passes are made for the others alone (`auto`: the
+reference text where a request has one and it matches, else the context). SuffixDecoding's
 hybrid with EAGLE (Oliaro et al. 2025) and Arctic Inference's suffix + draft speculation do the
 same.
 
@@ -28,6 +28,61 @@ from specserve.spec.tree import DraftTree
 if TYPE_CHECKING:
     from specserve.engine.scheduler import SampledTokens
     from specserve.request import Request
+
+class FirstOf(Proposer):
+    """Several copiers in turn: each request takes the first one's draft that has one."""
+
+    def __init__(self, copiers: Sequence[Proposer]) -> None:
+        self.copiers = list(copiers)
+
+    @property
+    def tree(self) -> bool:
+        """Whether any of them drafts trees (the bench switches them all at run time)."""
+        return any(getattr(c, "tree", False) for c in self.copiers)
+
+    @tree.setter
+    def tree(self, value: bool) -> None:
+        for c in self.copiers:
+            if hasattr(c, "tree"):
+                c.tree = value
+
+    def add_request(self, request: Request) -> None:
+        for c in self.copiers:
+            c.add_request(request)
+
+    def remove_request(self, request_id: str, finished: bool = True) -> None:
+        for c in self.copiers:
+            c.remove_request(request_id, finished)
+
+    def request_finished(self, request: Request) -> None:
+        for c in self.copiers:
+            c.request_finished(request)
+
+    def reset_served(self) -> None:
+        for c in self.copiers:
+            c.reset_served()
+
+    def served_tokens(self) -> int:
+        return sum(c.served_tokens() for c in self.copiers)
+
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
+        out: dict[str, DraftTree] = {}
+        left = [(r, k) for r, k in zip(requests, num_tokens) if k > 0]
+        for c in self.copiers:
+            if not left:
+                break
+            out.update(c.propose([r for r, _ in left], [k for _, k in left]))
+            left = [(r, k) for r, k in left if r.request_id not in out]
+        return out
+
+    def check_integrity(self) -> bool:
+        return all(c.check_integrity() for c in self.copiers)
+
+    def live_request_ids(self) -> list[str]:
+        return sorted({rid for c in self.copiers for rid in c.live_request_ids()})
+
+    def memory_bytes(self) -> int:
+        return sum(c.memory_bytes() for c in self.copiers)
 
 
 class StepDrafts:
@@ -180,7 +235,8 @@ class HybridProposer(DrafterPair):
     """A copier's draft where it has one, else the model drafter's; traits are the drafter's."""
 
     def __init__(self, copier: Proposer, drafter: Proposer, copier_name: str, min_match: int, budget: int = 64) -> None:
-        # copier: a model-free proposer that drafts nothing where it has no match (prompt lookup)
+        # copier: a model-free proposer that drafts nothing where it has no match (ngram,
+        # reference, or several in turn: FirstOf)
         super().__init__(copier, drafter)
         self.copier_name = copier_name
         self.min_match = min_match

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from specserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from specserve.engine.scheduler import SampledTokens
@@ -188,6 +189,27 @@ class Proposer(ABC):
         """Memory the proposer holds (a drafter's weights and KV cache); the engine frees a
         proposer that holds any after speculation has been off for `release_after_s`."""
         return 0
+
+
+def longest_suffix_match(
+    haystack: Sequence[int] | np.ndarray, context: Sequence[int], n_min: int, n_max: int,
+    k: int, prefer_from: int | None = None, exclude_tail: bool = False,
+) -> tuple[list[int], int]:
+    """Continuation in `haystack` of the longest suffix of `context` (n from n_max down to n_min).
+
+    Among matches of the longest n that has one, the latest wins; with `prefer_from`, the first
+    at or after it wins when there is one (a reference text is followed in order). With exclude_tail the match may
+    not be the suffix itself (prompt lookup searches the context in itself). Returns up to k
+    tokens and the index in haystack where the continuation starts (-1 when nothing matched).
+    """
+    from specserve.spec.suffix import suffix_matches
+
+    n, starts = suffix_matches(haystack, context, n_min, n_max, exclude_tail)
+    if n == 0:
+        return [], -1
+    after = starts[starts - n >= prefer_from] if prefer_from is not None else starts[:0]
+    start = int(after[0] if after.size else starts[-1])
+    return [int(t) for t in haystack[start : start + k]], start
 
 
 PROPOSERS: dict[str, type[Proposer]] = {}
