@@ -152,7 +152,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
-    reference_text: str | None = None  # for the `reference` proposer: text the output tracks
+    reference_text: str | None = None  # text the output tracks (the file being edited): prompt lookup and the reference copier draft from it
     reference_token_ids: list[int] | None = None  # the same, already tokenized
     speculative: bool | None = None  # per-request override: False never speculates
     structured_output: StructuredOutput | None = None  # constrain the output (JSON, schema, regex, grammar)

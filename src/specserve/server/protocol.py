@@ -2,7 +2,8 @@
 
 Extras accepted in the body (the OpenAI client's `extra_body`): `top_k`, `speculative`,
 `priority` (lower is served first; < 0 marks a priority request that may speculate at
-medium batch sizes), `reference_text` (for the reference proposer), and vLLM's `ignore_eos`,
+medium batch sizes), `reference_text` (text the output tracks, which prompt lookup drafts
+from; chat also takes OpenAI's `prediction`), and vLLM's `ignore_eos`,
 `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `repetition_penalty`, `min_p` and
 structured-output extras `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (OpenAI's
 `response_format` json_object / json_schema is standard).
