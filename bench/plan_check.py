@@ -41,6 +41,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from specserve.ops.costmodel import CostModel, MeasuredCostModel, ScaledCostMode
 from specserve.ops.simulate import (  # noqa: E402
     SLO,
     Deployment,
+    RequestResult,
     SimResult,
     SpecSetting,
     TraceRequest,
@@ -120,14 +122,15 @@ def _predict(trace: list[TraceRequest], dep: Deployment, cost: CostModel, seed: 
     return runs[0], [summarize(r, NO_SLO) for r in runs]
 
 
-def _request_errors(measured: list[tuple[float | None, float | None]], sim: SimResult) -> dict[str, list[float]]:
+def _request_errors(measured: list[tuple[float | None, float | None]],
+                    simulated: Sequence[RequestResult]) -> dict[str, list[float]]:
     """log(predicted / measured) of each request's TTFT and TPOT (those both sides have).
 
     A p50 between two clusters of requests (decodes a prefill interrupted and those it did not;
     repeats copying their answers and new asks) jumps when one request changes sides; these say
     how close the model comes request by request."""
     out: dict[str, list[float]] = {"ttft": [], "tpot": []}
-    for (ttft, tpot), r in zip(measured, sim.requests):
+    for (ttft, tpot), r in zip(measured, simulated):
         for key, m, p in (("ttft", ttft, r.ttft_s), ("tpot", tpot, r.tpot_s)):
             if m and p and m > 0 and p > 0:
                 out[key].append(math.log(p / m))
@@ -155,7 +158,7 @@ def check_serve(payload: dict[str, Any], cost: MeasuredCostModel, seed: int, dri
         pred, faster, slower = (s.overall for s in summaries)
         rows.append(_row("serve", label, "all", {"ttft_p50": p["ttft_p50"], "tpot_p50": p["tpot_p50"]}, pred,
                          (faster, slower), dep, len(trace)))
-        rows[-1]["request_log_errors"] = _request_errors([(r.get("ttft"), r.get("tpot")) for r in reqs], sim)
+        rows[-1]["request_log_errors"] = _request_errors([(r.get("ttft"), r.get("tpot")) for r in reqs], sim.requests)
     return rows
 
 
@@ -179,10 +182,9 @@ def check_disagg(payload: dict[str, Any], cost: CostModel, worker_cost: CostMode
                 rows.append(_row("disagg", f"{config} {workload}", kind,
                                  {"ttft_p50": m["ttft_p50_s"], "tpot_p50": m["tpot_p50_s"]}, pred,
                                  (faster.by_class[kind], slower.by_class[kind]), dep, pred.requests))
-                kinds = [r["kind"] == kind for r in reqs]
-                rows[-1]["request_log_errors"] = _request_errors(
-                    [(r.get("ttft_s"), r.get("tpot_s")) for r, mine in zip(reqs, kinds) if mine],
-                    result._replace(requests=tuple(x for x, mine in zip(result.requests, kinds) if mine)))
+                mine = [(r, x) for r, x in zip(reqs, result.requests) if r["kind"] == kind]
+                rows[-1]["request_log_errors"] = _request_errors([(r.get("ttft_s"), r.get("tpot_s")) for r, _ in mine],
+                                                                 [x for _, x in mine])
     return rows
 
 
