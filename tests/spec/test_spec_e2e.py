@@ -450,11 +450,16 @@ def test_drafts_follow_logit_bias_and_min_tokens(tiny, tree):
     llm = _spec_llm(tiny, "draft-full", spec_tree=tree)
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    c = llm.engine.spec_counters
+    eng = llm.engine
+    c = eng.spec_counters
     if tree == "chain":
         assert c["num_accepted_tokens"] == c["num_draft_tokens"] > 0
-    else:  # side branches are the alternatives; the main path is the target's own choice
-        assert c["num_accepted_tokens"] >= 0.4 * c["num_draft_tokens"]
+    else:
+        # Side branches are the alternatives, always rejected; the main path is the target's own
+        # choice: by depth, every step that reached a depth accepted its node there (save where a
+        # stop, min_tokens or max_tokens ended the request on it).
+        reached, accepted = sum(eng.drafted_per_position), sum(eng.accepted_per_position)
+        assert accepted >= 0.9 * reached > 0
 
 
 @pytest.mark.parametrize("which", ["ngram", "lookahead", "reference", "reference-chain"])
