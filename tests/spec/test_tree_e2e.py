@@ -93,6 +93,46 @@ def test_draft_model_trees_accept_the_drafts_argmax_path_when_draft_is_target(ti
     assert eng.check_integrity() and eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
 
 
+def test_draft_model_trees_stop_at_the_chain_depth_and_spend_the_rest_on_width(tiny):
+    """A tree drafter feeds one level per draft pass: its main path goes no deeper than the chain
+    K its node budget was sized from (K = 3 here, budget 6), so a step costs at most the chain's
+    K passes; the other half of the budget holds alternatives, which cost no pass. (Fed as deep
+    as the budget, the main path took 7 passes here where the policy priced 3.)"""
+    k = 3
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="draft", draft_checkpoint=tiny, spec_tree="tree",
+              spec_policy="always", num_spec_tokens=k, draft_p_min=0.0, profile_spec_costs=False, spec_copy="none")
+    seen: Counter = Counter()
+    runner, proposer = llm.engine.runner, llm.engine.proposer
+    execute, propose = runner.execute, proposer.propose
+
+    def wrapped_execute(out):
+        for sr in out.scheduled:
+            if sr.draft is not None:
+                seen["drafts"] += 1
+                seen["deepest"] = max(seen["deepest"], sr.draft.max_depth)
+                seen["at_k"] += sr.draft.max_depth == k
+                seen["branching"] += not sr.draft.is_chain
+        return execute(out)
+
+    def wrapped_propose(requests, num_tokens):
+        before = proposer.num_forwards
+        out = propose(requests, num_tokens)
+        seen["calls"] += 1
+        seen["most_passes"] = max(seen["most_passes"], proposer.num_forwards - before)
+        return out
+
+    runner.execute, proposer.propose = wrapped_execute, wrapped_propose
+    prompts = repetitive_prompts(6)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    base = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="none").generate(prompts, params)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in base]
+    assert seen["drafts"] > 0 and seen["at_k"] > 0 and seen["branching"] > 0
+    assert seen["deepest"] == k
+    assert seen["most_passes"] <= k  # the catch-up pass (the root's children) and k - 1 levels fed
+    eng = llm.engine
+    assert eng.check_integrity() and eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
+
+
 def test_chain_mode_drafts_only_chains(tiny):
     llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="ngram", spec_policy="always",
               spec_tree="chain", num_spec_tokens=8, profile_spec_costs=False)
