@@ -77,13 +77,6 @@ SCORE_EWMA = 0.1  # weight of the newest verify in a request's score calibration
 SCORE_PRIOR_WEIGHT = 2.0  # the pooled calibration counts as this many predicted acceptances
 PRUNE_MIN_GAIN = 0.01  # prune() never weighs nodes with a smaller chance to be accepted
 TREE_NODES_PER_K = 2  # a tree may hold this many nodes per draft position the chain model affords
-
-
-def tree_depth(nodes: int) -> int:
-    """How deep a tree drafter fed one level per pass may grow a tree of `nodes` nodes: the chain
-    K the budget was sized from (choose() gives TREE_NODES_PER_K nodes per position the chain
-    model affords). The rest of the budget goes to width: alternatives that cost no pass."""
-    return max(1, -(-nodes // TREE_NODES_PER_K))
 PROBE_EVERY = 16  # re-try k=1 (or k+1) this often for a request the cost model held back
 # A scored proposer's probe costs its proposal only (prune() keeps only nodes that pay): a request
 # held back probes as often as keeps its probes within this share of its part of the step.
@@ -91,6 +84,13 @@ PROBE_SHARE = 0.02
 RUN_PROBE_STALE = 4  # after a wholly accepted draft, test the next position unless tested this recently
 NEVER = -(1 << 30)  # AcceptanceStats.tested of a position not tested yet
 CATCHUP_FREE = 2  # tokens a drafting request's proposer processes every step anyway (not a catch-up)
+
+
+def tree_depth(nodes: int) -> int:
+    """How deep a tree drafter fed one level per pass may grow a tree of `nodes` nodes: the chain
+    K the budget was sized from (choose() gives TREE_NODES_PER_K nodes per position the chain
+    model affords). The rest of the budget goes to width: alternatives that cost no pass."""
+    return max(1, -(-nodes // TREE_NODES_PER_K))
 
 
 def ewma(old: float | None, new: float, weight: float) -> float:
