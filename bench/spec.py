@@ -3,8 +3,9 @@
 Sections (all by default, in one run):
   trees       batch 1, greedy: plain vs chain vs tree drafts for the draft model, prompt lookup,
               reference and lookahead, on coding and edit prompts; per prompt the three modes run
-              back to back on one engine (speculation and tree mode switched at run time), so a
-              noisy machine's drift hits all three alike
+              back to back (chain and tree each on an engine of its own, plain on the chain one
+              with speculation off), so a noisy machine's drift hits all three alike and each
+              mode's policy learns from its own steps only
   batch1      tokens/s and speedup of none / draft / ngram / reference at batch 1, greedy and
               T=0.7, on coding prompts and on "edit this code" prompts (reference = the code)
   ksweep      K = 1..8 with the draft model: measured acceptance and tokens per step against
