@@ -205,7 +205,7 @@ def section_trees(b: Bench) -> list[dict]:
                 log(f"trees {method:9s} {set_name:6s} {r['mode']:5s}: {r['decode_tokens_per_s']:6.2f} tok/s "
                     f"x{r['speedup_vs_plain']:.2f}, {r['tokens_per_step']:.2f} tokens/step, {r['draft_nodes_per_step']:.1f} nodes/step, "
                     f"output equal to plain {r['prompts_equal_to_plain']}")
-        del llm, eng, modes, engines
+        llm = eng = modes = engines = None  # both engines go before the next method builds its own
     return rows
 
 
