@@ -399,7 +399,7 @@ class LLMEngine:
             for n, t in times.items():
                 ratios[n].append(t / one)
         t1 = statistics.median(ones)
-        self.policy.target_time.points.update({1: t1, **{n: t1 * statistics.median(r) for n, r in ratios.items()}})
+        self.policy.target_time.calibrate({1: t1, **{n: t1 * statistics.median(r) for n, r in ratios.items()}})
         if self.proposer is not None and self.proposer.traits.cost == "per_pass":
             self.proposer.time_pass(1)  # warm-up
             for b in sorted({1, 2, 4, 8, 16, 32}):

@@ -70,8 +70,10 @@ from specserve.spec.tree import DraftTree
 
 EWMA = 0.15  # weight of the newest observation in acceptance and timing estimates
 
-PHASE_EWMA = 0.1  # share of a step-time measurement's ratio to the estimate that moves the whole curve
+PHASE_EWMA = 0.1  # share of a step-time measurement's ratio to the estimate that moves the read's phase
 SHAPE_EWMA = 0.01  # and the share that moves its own point only
+KNEE = 1.2  # a step within this factor of the smallest measured one's time is the weights' read (StepTimer)
+PHASE_RANGE = (0.25, 4.0)  # the phase never leaves this range, whatever a stalled step measured
 POOLED_EWMA = 0.05  # the same for the acceptance pooled over requests (a new request's prior)
 SCORE_EWMA = 0.1  # weight of the newest verify in a request's score calibration
 SCORE_PRIOR_WEIGHT = 2.0  # the pooled calibration counts as this many predicted acceptances
@@ -99,55 +101,141 @@ def ewma(old: float | None, new: float, weight: float) -> float:
 
 
 class StepTimer:
-    """Forward time as a function of tokens in the step, piecewise linear over measured points."""
+    """Forward time as a function of tokens in the step: the measured points, read through the
+    machine's current memory speed.
+
+    A step reads the weights once whatever its size and multiplies them by every token in it: up
+    to a knee its time is the read (flat), past the knee the arithmetic. A shared machine's memory
+    speed moves between phases (10-50% within minutes on the VMs measured), and it moves the read
+    alone: on a 2-vCPU Zen 4 the Qwen 1.5B's T(1) went from 29-32 ms to 20-22 ms between phases
+    while T(9) stayed at 52-56 ms (T(9)/T(1) 1.6-1.8 -> 2.5-2.7). So `points` keep the curve as
+    measured (at phase 1.0) and are read as
+
+        T(n) = max(phase * M(n), C(n))
+
+    M(n), the read: the points up to the knee (the first point and those after it within KNEE of
+    it), flat past the knee. C(n), the arithmetic: the points past the knee, and below the first
+    of them the line through the first two (no higher than the point there, so that at phase 1.0
+    T(n) is the measured curve, exactly as before). A step time where the read binds moves the
+    phase; where the arithmetic binds, that point's own estimate. A curve with no point past its
+    knee (a GPU's, flat far beyond the sizes measured) is all read and moves as a whole.
+
+    One factor for the whole curve (before) made a fast phase's verifies look as cheap against a
+    decode step as a slow phase's; the points' own slow share pulled the sizes that ran back and
+    left the others (a 3000-step simulation of that Zen 4 curve under alternating phases: the
+    worst size's error 15% at the median step, 4% now). What stays unseen: the arithmetic under
+    the read. The line below the knee is a floor; the Zen 4 took 29 ms for 3 tokens in its fast
+    phase, where the line says 21.
+    """
 
     def __init__(self, points: dict[int, float] | None = None) -> None:
         self.points: dict[int, float] = dict(points or {})
-        self._xs: list[int] = []  # sorted(points), redone when a point is added (none is ever removed)
+        self.phase = 1.0  # the read's speed now against when the points were measured (time ratio)
+        self._shape: tuple[list[int], int] | None = None  # (sorted points, knee index), redone when points change
+        self._shape_key: tuple[int, int] = (-1, -1)
+        self._version = 0
+
+    def calibrate(self, points: dict[int, float]) -> None:
+        """Take freshly measured points (phase 1.0 from now on), keeping others not re-measured."""
+        self.points.update(points)
+        self.phase = 1.0
+        self._version += 1
 
     def observe(self, n: int, seconds: float) -> None:
         """Fold one measurement of an n-token step into the estimate at n (EWMA)."""
         if n <= 0 or seconds <= 0:
             return
         self.points[n] = ewma(self.points.get(n), seconds, EWMA)
+        self._version += 1
 
     def observe_scaled(self, n: int, seconds: float) -> None:
-        """Fold one measurement of an n-token step into the curve: every point moves by a share of
-        its ratio to the estimate, and point n a little more on its own. Why: a shared machine's
-        memory speed changes between phases (10-25% within minutes on the VMs measured), and it
-        changes every step size alike. Without it a phase change reached only the sizes that ran
-        (decode steps, T(1)), and the curve's ratios, on which trees are pruned, stretched or
-        shrank with the phase."""
+        """Fold one measurement of an n-token step into the curve: into the phase where the read
+        binds at n (and, slowly, into point n's own share of the read), else into point n."""
         if n <= 0 or seconds <= 0:
             return
-        if n not in self.points:
+        if not self.points:
             self.observe(n, seconds)
             return
-        f = 1.0 + PHASE_EWMA * (seconds / self(n) - 1.0)
-        for x in self.points:
-            self.points[x] *= f
-        # The point's own share, slower: where the curve's shape itself was off.
-        self.points[n] = (1 - SHAPE_EWMA) * self.points[n] + SHAPE_EWMA * seconds
+        xs, knee = self._xs_knee()
+        read = self._binds_read(n, xs, knee)
+        if n not in self.points:  # a size not measured yet: its own point, at phase 1.0
+            self.observe(n, seconds / self.phase if read else seconds)
+            return
+        if read:
+            self.phase *= 1.0 + PHASE_EWMA * (seconds / self(n) - 1.0)
+            self.phase = min(max(self.phase, PHASE_RANGE[0]), PHASE_RANGE[1])
+            # The point's own share, slower: where the curve's shape itself was off. Not the
+            # first point's: the phase is its time against the measured one (and it decides the knee).
+            if xs[0] < n <= xs[knee]:
+                self.points[n] = (1 - SHAPE_EWMA) * self.points[n] + SHAPE_EWMA * seconds / self.phase
+        elif n > xs[knee]:
+            self.points[n] = ewma(self.points[n], seconds, PHASE_EWMA)
+        # (A size up to the knee bound by the arithmetic line of the sizes past it, in a fast
+        # phase, teaches neither: its point is the read's.)
+        self._version += 1
 
     def __call__(self, n: float) -> float:
         """Estimated seconds for a step of n tokens (n may be an expected, fractional count)."""
         if not self.points:
             return 1.0  # unknown: a flat cost, i.e. verifying extra tokens looks free
-        xs = self._xs
-        if len(xs) != len(self.points):  # the policy asks many times a step; points are added rarely
-            xs = self._xs = sorted(self.points)
-        if n <= xs[0]:
-            return self.points[xs[0]]
-        if n >= xs[-1]:
-            if len(xs) == 1:
-                return self.points[xs[0]] * n / xs[0]
-            x0, x1 = xs[-2], xs[-1]
-            slope = (self.points[x1] - self.points[x0]) / (x1 - x0)
-            return self.points[x1] + slope * (n - x1)
-        i = bisect.bisect_left(xs, n)
-        x0, x1 = xs[i - 1], xs[i]
-        w = (n - x0) / (x1 - x0)
-        return (1 - w) * self.points[x0] + w * self.points[x1]
+        xs, knee = self._xs_knee()
+        if knee == len(xs) - 1:
+            return self.phase * _interpolate(self.points, xs, n)
+        if n > xs[knee]:  # the arithmetic binds at phase 1.0 and below; the read only in a slow phase
+            c = _interpolate(self.points, xs, n, knee, len(xs) - 1)
+            return max(self.phase * min(self.points[xs[knee]], c), c)
+        return max(self.phase * self._read(n, xs, knee), self._arithmetic(n, xs, knee))
+
+    def _xs_knee(self) -> tuple[list[int], int]:
+        """The sorted sizes and the index of the knee (the last of the first run of sizes within
+        KNEE of the first point's time); the policy asks many times a step, points change rarely."""
+        key = (len(self.points), self._version)
+        if self._shape is None or key != self._shape_key:
+            xs = sorted(self.points)
+            first, knee = self.points[xs[0]], 0
+            while knee + 1 < len(xs) and self.points[xs[knee + 1]] <= KNEE * first:
+                knee += 1
+            self._shape, self._shape_key = (xs, knee), key
+        return self._shape
+
+    def _read(self, n: float, xs: list[int], knee: int) -> float:
+        """M(n) at phase 1.0: the points up to the knee, flat past it (never above C(n) there)."""
+        if n <= xs[knee]:
+            return _interpolate(self.points, xs, n, 0, knee)
+        return min(self.points[xs[knee]], self._arithmetic(n, xs, knee))
+
+    def _arithmetic(self, n: float, xs: list[int], knee: int) -> float:
+        """C(n): the points past the knee, joined to the knee point; below, their line."""
+        p = self.points
+        if n > xs[knee]:
+            return _interpolate(p, xs, n, knee, len(xs) - 1)
+        x1 = xs[knee + 1]
+        if knee + 2 < len(xs):
+            x2 = xs[knee + 2]
+            line = p[x1] + (p[x2] - p[x1]) / (x2 - x1) * (n - x1)
+        else:  # one point past the knee: through the origin
+            line = p[x1] * n / x1
+        return min(max(line, 0.0), _interpolate(p, xs, n, 0, knee))
+
+    def _binds_read(self, n: float, xs: list[int], knee: int) -> bool:
+        return knee == len(xs) - 1 or self.phase * self._read(n, xs, knee) >= self._arithmetic(n, xs, knee)
+
+
+def _interpolate(points: dict[int, float], xs: list[int], n: float, lo: int = 0, hi: int = -1) -> float:
+    """Piecewise linear through the points at the sorted sizes xs[lo..hi]: flat below the first,
+    along the last segment past the last (proportional with one point)."""
+    hi = len(xs) - 1 if hi < 0 else hi
+    if n <= xs[lo]:
+        return points[xs[lo]]
+    if n >= xs[hi]:
+        if hi == lo:
+            return points[xs[lo]] * n / xs[lo]
+        x0, x1 = xs[hi - 1], xs[hi]
+        return points[x1] + (points[x1] - points[x0]) / (x1 - x0) * (n - x1)
+    i = bisect.bisect_left(xs, n, lo, hi + 1)
+    x0, x1 = xs[i - 1], xs[i]
+    w = (n - x0) / (x1 - x0)
+    return (1 - w) * points[x0] + w * points[x1]
 
 
 @dataclass
