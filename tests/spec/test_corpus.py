@@ -222,6 +222,21 @@ def test_a_memory_phase_moves_the_read_bound_sizes_and_leaves_the_compute_bound_
     assert t.phase == 1.0 and t(1) == 0.020
 
 
+def test_a_phase_fast_enough_to_meet_the_arithmetic_line_still_follows_the_machine_back():
+    """A curve profiled in a slow patch (the first samples after loading, 8-minute run on the Zen 4):
+    in the fast phase that followed, T(1) fell to where the arithmetic line below the knee lies.
+    A one-token step there is explained by that line as well as by the read; the phase must still
+    rise again with the steps once the memory slows down (it once stayed stuck at the floor)."""
+    t = StepTimer({1: 41.6, 2: 37.6, 3: 41.2, 5: 42.6, 9: 65.8, 17: 110.5})  # ms
+    for _ in range(300):
+        t.observe_scaled(1, 20.0)
+    assert t(1) == pytest.approx(21.1, rel=0.02)  # no lower than the line under the read
+    for _ in range(300):
+        t.observe_scaled(1, 30.0)
+    assert t(1) == pytest.approx(30.0, rel=0.01)
+    assert t(9) == pytest.approx(65.8, rel=1e-6)
+
+
 def test_a_curve_without_a_knee_moves_as_a_whole():
     t = StepTimer({1: 0.010, 4: 0.0101, 16: 0.0105})  # a GPU's: flat far past the sizes measured
     for _ in range(200):

@@ -73,6 +73,9 @@ EWMA = 0.15  # weight of the newest observation in acceptance and timing estimat
 PHASE_EWMA = 0.1  # share of a step-time measurement's ratio to the estimate that moves the read's phase
 SHAPE_EWMA = 0.01  # and the share that moves its own point only
 KNEE = 1.2  # a step within this factor of the smallest measured one's time is the weights' read (StepTimer)
+# A step up to the knee raises the phase only this far above the arithmetic under it (with
+# 5% noise, steps at the arithmetic itself pushed the phase up and a point past the knee).
+READ_EVIDENCE = 1.1
 PHASE_RANGE = (0.25, 4.0)  # the phase never leaves this range, whatever a stalled step measured
 POOLED_EWMA = 0.05  # the same for the acceptance pooled over requests (a new request's prior)
 SCORE_EWMA = 0.1  # weight of the newest verify in a request's score calibration
@@ -157,22 +160,30 @@ class StepTimer:
             self.observe(n, seconds)
             return
         xs, knee = self._xs_knee()
-        read = self._binds_read(n, xs, knee)
         if n not in self.points:  # a size not measured yet: its own point, at phase 1.0
-            self.observe(n, seconds / self.phase if read else seconds)
+            self.observe(n, seconds / self.phase if self._binds_read(n, xs, knee) else seconds)
             return
-        if read:
-            self.phase *= 1.0 + PHASE_EWMA * (seconds / self(n) - 1.0)
-            self.phase = min(max(self.phase, PHASE_RANGE[0]), PHASE_RANGE[1])
-            # The point's own share, slower: where the curve's shape itself was off. Not the
-            # first point's: the phase is its time against the measured one (and it decides the knee).
-            if xs[0] < n <= xs[knee]:
-                self.points[n] = (1 - SHAPE_EWMA) * self.points[n] + SHAPE_EWMA * seconds / self.phase
-        elif n > xs[knee]:
+        if knee == len(xs) - 1 or n <= xs[knee]:
+            # A size up to the knee: its time is the read unless the arithmetic below it explains
+            # it (then the read is known only to be no slower: the phase may fall, not rise).
+            read = _interpolate(self.points, xs, n, 0, knee) if knee < len(xs) - 1 else _interpolate(self.points, xs, n)
+            arithmetic = self._arithmetic(n, xs, knee) if knee < len(xs) - 1 else 0.0
+            above = seconds > READ_EVIDENCE * arithmetic  # (not the arithmetic plus noise)
+            if above or self.phase * read > seconds:
+                self._move_phase(seconds / (self.phase * read))
+                # The point's own share, slower: where the curve's shape itself was off. Not the
+                # first point's: the phase is its time against the measured one (and it decides the knee).
+                if xs[0] < n and above:
+                    self.points[n] = (1 - SHAPE_EWMA) * self.points[n] + SHAPE_EWMA * seconds / self.phase
+        elif self._binds_read(n, xs, knee):  # past the knee, in a phase slow enough for the read to bind
+            self._move_phase(seconds / self(n))
+        else:
             self.points[n] = ewma(self.points[n], seconds, PHASE_EWMA)
-        # (A size up to the knee bound by the arithmetic line of the sizes past it, in a fast
-        # phase, teaches neither: its point is the read's.)
         self._version += 1
+
+    def _move_phase(self, ratio: float) -> None:
+        """Move the phase a PHASE_EWMA share of the way to explaining a step `ratio` times its estimate."""
+        self.phase = min(max(self.phase * (1.0 + PHASE_EWMA * (ratio - 1.0)), PHASE_RANGE[0]), PHASE_RANGE[1])
 
     def __call__(self, n: float) -> float:
         """Estimated seconds for a step of n tokens (n may be an expected, fractional count)."""
