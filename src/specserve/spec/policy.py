@@ -70,8 +70,7 @@ from specserve.spec.tree import DraftTree
 
 EWMA = 0.15  # weight of the newest observation in acceptance and timing estimates
 
-PHASE_EWMA = 0.1  # share of a step-time measurement's ratio to the estimate that moves the read's phase
-SHAPE_EWMA = 0.01  # and the share that moves its own point only
+PHASE_EWMA = 0.1  # share of a step-time measurement's ratio to the estimate that moves the read's phase (or a point)
 KNEE = 1.2  # a step within this factor of the smallest measured one's time is the weights' read (StepTimer)
 # A step up to the knee raises the phase only this far above the arithmetic under it (with
 # 5% noise, steps at the arithmetic itself pushed the phase up and a point past the knee).
@@ -119,9 +118,14 @@ class StepTimer:
     M(n), the read: the points up to the knee (the first point and those after it within KNEE of
     it), flat past the knee. C(n), the arithmetic: the points past the knee, and below the first
     of them the line through the first two (no higher than the point there, so that at phase 1.0
-    T(n) is the measured curve, exactly as before). A step time where the read binds moves the
-    phase; where the arithmetic binds, that point's own estimate. A curve with no point past its
-    knee (a GPU's, flat far beyond the sizes measured) is all read and moves as a whole.
+    T(n) is the measured curve, exactly as before). Steps of the curve's first size (one token)
+    move the phase; a larger size up to the knee learns its own point against the phase, and one
+    past the knee its own estimate. (The larger read-bound sizes used to move the phase too, but
+    in a fast phase their arithmetic, hidden under the read in the profile, is what binds: a
+    lookahead run, 93% 4-5 token steps and one 1-token step per request, read T(1) as 26.8 ms
+    where it was ~23 and drafted too much. Phases last thousands of steps; one-token steps come at
+    least once per request, the first after its prompt.) A curve with no point past its knee (a
+    GPU's, flat far beyond the sizes measured) is all read and moves as a whole.
 
     One factor for the whole curve (before) made a fast phase's verifies look as cheap against a
     decode step as a slow phase's; the points' own slow share pulled the sizes that ran back and
@@ -170,11 +174,10 @@ class StepTimer:
             arithmetic = self._arithmetic(n, xs, knee) if knee < len(xs) - 1 else 0.0
             above = seconds > READ_EVIDENCE * arithmetic  # (not the arithmetic plus noise)
             if above or self.phase * read > seconds:
-                self._move_phase(seconds / (self.phase * read))
-                # The point's own share, slower: where the curve's shape itself was off. Not the
-                # first point's: the phase is its time against the measured one (and it decides the knee).
-                if xs[0] < n and above:
-                    self.points[n] = (1 - SHAPE_EWMA) * self.points[n] + SHAPE_EWMA * seconds / self.phase
+                if n == xs[0]:  # the one-token step: the read alone, the phase's own measure
+                    self._move_phase(seconds / (self.phase * read))
+                else:  # a larger step: its own point, against the phase
+                    self.points[n] = ewma(self.points[n], seconds / self.phase, PHASE_EWMA)
         elif self._binds_read(n, xs, knee):  # past the knee, in a phase slow enough for the read to bind
             self._move_phase(seconds / self(n))
         else:
