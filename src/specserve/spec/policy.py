@@ -156,8 +156,10 @@ class StepTimer:
         self._version += 1
 
     def observe_scaled(self, n: int, seconds: float) -> None:
-        """Fold one measurement of an n-token step into the curve: into the phase where the read
-        binds at n (and, slowly, into point n's own share of the read), else into point n."""
+        """Fold one measurement of an n-token step into the curve: a one-token step (the curve's
+        first size) into the phase, any other size into its own point (against the phase where
+        the read binds at n); past the knee, into the phase where the read binds there, else into
+        its own point."""
         if n <= 0 or seconds <= 0:
             return
         if not self.points:
@@ -170,7 +172,7 @@ class StepTimer:
         if knee == len(xs) - 1 or n <= xs[knee]:
             # A size up to the knee: its time is the read unless the arithmetic below it explains
             # it (then the read is known only to be no slower: the phase may fall, not rise).
-            read = _interpolate(self.points, xs, n, 0, knee) if knee < len(xs) - 1 else _interpolate(self.points, xs, n)
+            read = _interpolate(self.points, xs, n, 0, knee)
             arithmetic = self._arithmetic(n, xs, knee) if knee < len(xs) - 1 else 0.0
             above = seconds > READ_EVIDENCE * arithmetic  # (not the arithmetic plus noise)
             if above or self.phase * read > seconds:
