@@ -237,6 +237,34 @@ def test_a_phase_fast_enough_to_meet_the_arithmetic_line_still_follows_the_machi
     assert t(9) == pytest.approx(65.8, rel=1e-6)
 
 
+def test_the_line_under_the_read_is_fitted_past_the_knee_not_drawn_through_its_first_two_points():
+    """A start-up profile on the Zen 4 (Qwen 1.5B, ms): the two sizes just past the knee sit where
+    the curve bends from the read to the arithmetic, 1.6 ms apart where the sizes after them are
+    5-7. The line through those two alone put the arithmetic of one token at 36.7 ms, above the
+    read: T(1) stayed at the profile's 36.2 while decode steps took 21-33, and a 5-token verify
+    looked as dear as one decode step (it cost 1.5 of them). Fitted over the sizes up to twice
+    the first past the knee, the line lies far below, and the phase moves T(1) again."""
+    profile = {1: 36.2, 2: 31.53, 3: 33.9, 4: 36.1, 5: 36.67, 6: 38.76, 7: 46.46, 8: 48.08, 9: 55.5, 10: 62.92,
+               11: 69.27, 12: 74.83, 13: 78.86, 14: 82.91, 15: 89.96, 16: 94.22, 17: 94.76, 32: 195.9, 64: 342.87}
+    t = StepTimer(profile)
+    for _ in range(300):
+        t.observe_scaled(1, 22.0)  # a fast-memory phase, seen in decode steps
+    assert t(1) == pytest.approx(22.0, rel=0.02)
+    assert t(5) / t(1) > 1.4  # the arithmetic of 5 tokens (~34 ms measured in such phases) binds
+    assert t(9) == pytest.approx(55.5, rel=1e-6)
+    for _ in range(300):
+        t.observe_scaled(1, 33.0)
+    assert t(1) == pytest.approx(33.0, rel=0.02)
+
+
+def test_no_step_reads_as_cheaper_than_one_token():
+    """A profile whose one-token time caught a slow moment (36.2 ms against 31.5 for two): a step
+    of more tokens reads the same weights, so it never looks cheaper than one (the policy would
+    otherwise see a free draft token)."""
+    t = StepTimer({1: 36.2, 2: 31.5, 3: 33.9, 5: 36.7, 9: 55.5, 17: 94.8})
+    assert all(t(n) >= t(1) for n in (1, 1.5, 2, 2.5, 3, 4, 5, 9))
+
+
 def test_one_token_steps_set_the_phase_even_among_many_larger_ones():
     """Lookahead's steps: one 1-token step per request (the first after its prompt) among 4-5
     token ones, whose arithmetic binds in a fast phase. The fast and slow curves measured on the

@@ -117,8 +117,11 @@ class StepTimer:
 
     M(n), the read: the points up to the knee (the first point and those after it within KNEE of
     it), flat past the knee. C(n), the arithmetic: the points past the knee, and below the first
-    of them the line through the first two (no higher than the point there, so that at phase 1.0
-    T(n) is the measured curve, exactly as before). Steps of the curve's first size (one token)
+    of them the least-squares line through those up to twice its size (no higher than the point
+    there, so that at phase 1.0 T(n) is the measured curve). (The line through the first two
+    alone took their noise for a slope: a start-up profile with T(7), T(8) = 46.5, 48.1 ms on the
+    Zen 4 put the line at 36.7 ms for one token, above the read, and T(1) stayed at the profile's
+    36.2 ms through a phase whose decode steps took 21-33; the fit over 7..14 says 5.6 ms a token.) Steps of the curve's first size (one token)
     move the phase; a larger size up to the knee learns its own point against the phase, and one
     past the knee its own estimate. (The larger read-bound sizes used to move the phase too, but
     in a fast phase their arithmetic, hidden under the read in the profile, is what binds: a
@@ -138,7 +141,8 @@ class StepTimer:
     def __init__(self, points: dict[int, float] | None = None) -> None:
         self.points: dict[int, float] = dict(points or {})
         self.phase = 1.0  # the read's speed now against when the points were measured (time ratio)
-        self._shape: tuple[list[int], int] | None = None  # (sorted points, knee index), redone when points change
+        # (sorted points, knee index, C's line below the knee as (slope, intercept)), redone when points change
+        self._shape: tuple[list[int], int, tuple[float, float] | None] | None = None
         self._shape_key: tuple[int, int] = (-1, -1)
         self._version = 0
 
@@ -165,7 +169,7 @@ class StepTimer:
         if not self.points:
             self.observe(n, seconds)
             return
-        xs, knee = self._xs_knee()
+        xs, knee, _ = self._xs_knee()
         if n not in self.points:  # a size not measured yet: its own point, at phase 1.0
             self.observe(n, seconds / self.phase if self._binds_read(n, xs, knee) else seconds)
             return
@@ -194,7 +198,7 @@ class StepTimer:
         """Estimated seconds for a step of n tokens (n may be an expected, fractional count)."""
         if not self.points:
             return 1.0  # unknown: a flat cost, i.e. verifying extra tokens looks free
-        xs, knee = self._xs_knee()
+        xs, knee, _ = self._xs_knee()
         if knee == len(xs) - 1:
             return self.phase * _interpolate(self.points, xs, n)
         if n > xs[knee]:  # the arithmetic binds at phase 1.0 and below; the read only in a slow phase
@@ -202,22 +206,46 @@ class StepTimer:
             return max(self.phase * min(self.points[xs[knee]], c), c)
         return max(self.phase * self._read(n, xs, knee), self._arithmetic(n, xs, knee))
 
-    def _xs_knee(self) -> tuple[list[int], int]:
-        """The sorted sizes and the index of the knee (the last of the first run of sizes within
-        KNEE of the first point's time); the policy asks many times a step, points change rarely."""
+    def _xs_knee(self) -> tuple[list[int], int, tuple[float, float] | None]:
+        """The sorted sizes, the index of the knee (the last of the first run of sizes within KNEE
+        of the first point's time) and C's line below the knee (_line_below); the policy asks many
+        times a step, points change rarely."""
         key = (len(self.points), self._version)
         if self._shape is None or key != self._shape_key:
             xs = sorted(self.points)
             first, knee = self.points[xs[0]], 0
             while knee + 1 < len(xs) and self.points[xs[knee + 1]] <= KNEE * first:
                 knee += 1
-            self._shape, self._shape_key = (xs, knee), key
+            self._shape, self._shape_key = (xs, knee, self._line_below(xs, knee)), key
         return self._shape
 
+    def _line_below(self, xs: list[int], knee: int) -> tuple[float, float] | None:
+        """(slope, intercept) of the arithmetic below the knee: the least-squares line through the
+        points past it up to twice the first one's size (at least two of them), or through the
+        origin and the first one where there is one alone or they slope down (noise). None
+        without a point past the knee."""
+        past = xs[knee + 1 :]
+        if not past:
+            return None
+        x1 = past[0]
+        fit = [x for x in past if x <= 2 * x1]
+        if len(fit) < 2:
+            fit = past[:2]
+        if len(fit) >= 2:
+            mx = sum(fit) / len(fit)
+            my = sum(self.points[x] for x in fit) / len(fit)
+            slope = sum((x - mx) * (self.points[x] - my) for x in fit) / sum((x - mx) ** 2 for x in fit)
+            if slope > 0:
+                return slope, my - slope * mx
+        return self.points[x1] / x1, 0.0
+
     def _read(self, n: float, xs: list[int], knee: int) -> float:
-        """M(n) at phase 1.0: the points up to the knee, flat past it (never above C(n) there)."""
+        """M(n) at phase 1.0: the points up to the knee, flat past it (never above C(n) there), and
+        never below the first (a step of more tokens reads the same weights: a profile whose
+        one-token time caught a slow moment, 36.2 ms against 31.5 for two, would otherwise make two
+        tokens look cheaper than one)."""
         if n <= xs[knee]:
-            return _interpolate(self.points, xs, n, 0, knee)
+            return max(_interpolate(self.points, xs, n, 0, knee), self.points[xs[0]])
         return min(self.points[xs[knee]], self._arithmetic(n, xs, knee))
 
     def _arithmetic(self, n: float, xs: list[int], knee: int) -> float:
@@ -225,13 +253,8 @@ class StepTimer:
         p = self.points
         if n > xs[knee]:
             return _interpolate(p, xs, n, knee, len(xs) - 1)
-        x1 = xs[knee + 1]
-        if knee + 2 < len(xs):
-            x2 = xs[knee + 2]
-            line = p[x1] + (p[x2] - p[x1]) / (x2 - x1) * (n - x1)
-        else:  # one point past the knee: through the origin
-            line = p[x1] * n / x1
-        return min(max(line, 0.0), _interpolate(p, xs, n, 0, knee))
+        slope, intercept = self._xs_knee()[2]  # type: ignore[misc] - a point past the knee exists here
+        return min(max(slope * n + intercept, 0.0), _interpolate(p, xs, n, 0, knee))
 
     def _binds_read(self, n: float, xs: list[int], knee: int) -> bool:
         return knee == len(xs) - 1 or self.phase * self._read(n, xs, knee) >= self._arithmetic(n, xs, knee)
