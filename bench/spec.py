@@ -158,7 +158,7 @@ def section_trees(b: Bench) -> list[dict]:
     2.2 nodes per tree step in one such run, 3.5 on an engine of its own)."""
     rows = []
     for method in b.args.tree_methods:
-        engines = {shape: b.llm(method, b.args.tree_policy, 8, spec_tree=shape) for shape in ("chain", "tree")}
+        engines = {shape: b.llm(method, b.args.tree_policy, b.args.tree_k, spec_tree=shape) for shape in ("chain", "tree")}
         modes = {"plain": engines["chain"], "chain": engines["chain"], "tree": engines["tree"]}
         eng = engines["tree"].engine
         sets = {"coding": b.coding, "edit": b.edit, "prose": b.prose}
@@ -502,6 +502,8 @@ def main() -> int:
     ap.add_argument("--sections", nargs="+", default=["trees", "batch1", "ksweep", "batchsweep", "hf"])
     ap.add_argument("--tree-policy", default="adaptive", choices=["adaptive", "always"],
                     help="trees section: the policy (always: every step drafts, to measure acceptance)")
+    ap.add_argument("--tree-k", type=int, default=8,
+                    help="trees section: the node budget per step (--num-speculative-tokens)")
     ap.add_argument("--tree-sets", nargs="+", default=["coding", "edit"], choices=["coding", "edit", "prose"],
                     help="prompt sets of the trees section")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per set")
