@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from specserve.config import SpecConfig
 from specserve.request import Request
 from specserve.sampling_params import SamplingParams
@@ -286,10 +288,30 @@ def test_a_copy_is_preferred_only_where_it_promises_as_much_as_the_models_draft(
     r, s = _req("r", [1]), _req("s", [1])
     p.stats("r", free=True).rates = [0.1] * 4
     p.stats("s", free=True).rates = [0.99] * 4
+    p.stats("r", free=True).trials = p.stats("s", free=True).trials = 1  # both measured (a first copy is a trial)
     picks = [p.prefer_copy([r, s], [True, True]) for _ in range(PROBE_EVERY)]
     assert [a for a, _ in picks] == [False] * (PROBE_EVERY - 1) + [True]
     assert all(b for _, b in picks)
     assert p.prefer_copy([r, s], [False, False]) == [False, False]  # no copy to be had
+
+
+def test_a_requests_first_copy_is_tried_and_one_copy_run_decides():
+    """On a fresh engine a copy's estimate is the prior (0.5 a position) and the model's 0.8: in a
+    phase where draft passes are cheap the model's rate wins, and a copy never taken is never
+    measured (an edit request copied once in 23 steps). The first copy a request is offered is
+    taken; one copy run accepted whole then wins the next offers, one rejected loses them."""
+    from specserve.spec.policy import COPY_TRIALS
+
+    p = _policy(CHEAP_VERIFY, {1: 0.01}, acceptance=0.8)  # a pass a tenth of a target step
+    good, bad = _req("good", [1]), _req("bad", [1])
+    assert p._best_rate(p.stats("good", True), False) < p._best_rate(p.stats("good"), True)  # the prior loses
+    assert COPY_TRIALS == 1 and p.prefer_copy([good, bad], [True, True]) == [True, True]
+    for rid, accepted in (("good", 4), ("bad", 0)):
+        p.observe_proposal(rid, 4, 4, free=True)
+        p.observe(rid, 4, accepted, free=True)
+    assert p.stats("good", True).rates[0] == pytest.approx(0.75)  # a mean with the prior, not a 15% step
+    assert p.prefer_copy([good, bad], [True, True]) == [True, False]
+    assert p.stats("good").trials == 0  # the model's estimate learns as before
 
 
 def test_a_cap_the_proposer_rarely_fills_is_charged_only_what_it_delivers():

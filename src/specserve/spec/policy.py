@@ -82,6 +82,7 @@ SCORE_PRIOR_WEIGHT = 2.0  # the pooled calibration counts as this many predicted
 PRUNE_MIN_GAIN = 0.01  # prune() never weighs nodes with a smaller chance to be accepted
 TREE_NODES_PER_K = 2  # a tree may hold this many nodes per draft position the chain model affords
 PROBE_EVERY = 16  # re-try k=1 (or k+1) this often for a request the cost model held back
+COPY_TRIALS = 1  # a request's first offered copies taken whatever the estimates (prefer_copy)
 # A scored proposer's probe costs its proposal only (prune() keeps only nodes that pay): a request
 # held back probes as often as keeps its probes within this share of its part of the step.
 PROBE_SHARE = 0.02
@@ -296,6 +297,7 @@ class AcceptanceStats:
     steps_off: int = 0  # steps with k = 0 since the last probe
     steps_short: int = 0  # steps with 0 < k < max since the last probe of one position more
     declined: int = 0  # a copy's estimate: copies declined in a row for the model's draft (see prefer_copy)
+    trials: int = 0  # a copy's estimate: verifies of this request's copies folded in (see SpecPolicy.observe)
     full_run: int = 0  # the last verify accepted all of its drafts, this many (0: it did not)
     # Score calibration (proposers whose scores predict acceptance): accepted drafts and the
     # scores' prediction of them, both decayed, over this request's verifies.
@@ -464,7 +466,11 @@ class SpecPolicy:
         if num_draft > 0 or st.asked > 0:
             asked = max(st.asked, num_draft)
             st.asked = 0
-            st.update(asked, num_accepted)
+            # A request's copies hold or fail as a whole (a copy run, or none), unlike a model's
+            # steady fraction: its first verifies count as a running mean with the pooled guess
+            # (one pseudo-observation), so one copy run tells, then the usual EWMA.
+            st.update(asked, num_accepted, max(EWMA, 1.0 / (st.trials + 2)) if free else EWMA)
+            st.trials += 1
             self.pooled_for(free).update(asked, num_accepted, POOLED_EWMA)
             for j in range(min(asked, num_accepted + 1, len(st.tested))):
                 st.tested[j] = self._step
@@ -609,8 +615,12 @@ class SpecPolicy:
     def prefer_copy(self, requests: Sequence[Request], candidates: Sequence[bool]) -> list[bool]:
         """Of the requests a copier could draft for, those whose copy promises at least the
         model's draft: the better of each source's best rate alone (batch 1 costs; a copy makes
-        no draft pass). A copy declined PROBE_EVERY times in a row is taken anyway. Under policy
-        'always' every copy is taken (nothing is weighed there)."""
+        no draft pass). A copy declined PROBE_EVERY times in a row is taken anyway, and so is
+        the first one a request is offered (COPY_TRIALS): its estimate starts from the pooled
+        one, which on a fresh engine is the prior, and a copy never taken is never measured (an
+        edit request on a fresh engine copied once in 23 steps where it copied 13 times on
+        another start, at 57-60 against 72-76 tokens/s: the model's prior rate had won in its
+        phase). Under policy 'always' every copy is taken (nothing is weighed there)."""
         if self.config.policy == "always":
             return list(candidates)
         out = []
@@ -619,7 +629,7 @@ class SpecPolicy:
                 out.append(False)
                 continue
             copy = self.stats(req.request_id, True)
-            take = copy.declined + 1 >= PROBE_EVERY or (
+            take = copy.trials < COPY_TRIALS or copy.declined + 1 >= PROBE_EVERY or (
                 self._best_rate(copy, False) >= self._best_rate(self.stats(req.request_id), self.draft_cost_is_per_token))
             copy.declined = 0 if take else copy.declined + 1
             out.append(take)
