@@ -50,9 +50,9 @@ a model elsewhere. The two sources are accepted very differently (a copy run: ne
 not at all; a model: a steady fraction), so the policy keeps an estimate per source for each
 request, and one pooled per source; a copied draft makes no draft pass and is charged none.
 The proposer says before K is chosen which requests it could copy for; `prefer_copy` keeps the
-copy where its estimate promises at least the model's tokens per second (a copy declined
-PROBE_EVERY times in a row is taken anyway, so its estimate stays current), and the model drafts
-for the rest. (SmolLM2-sized steps aside, Qwen 1.5B + 0.5B draft on prose prompts, Zen 5: copying
+copy where its estimate promises at least the model's tokens per second (a request's first
+offered copy is taken, and a copy declined PROBE_EVERY times in a row, so its estimate is
+measured and stays current), and the model drafts for the rest. (SmolLM2-sized steps aside, Qwen 1.5B + 0.5B draft on prose prompts, Zen 5: copying
 wherever a 3-token tail matched gave 1.68 tokens per step against the draft's own 1.83.)
 """
 
