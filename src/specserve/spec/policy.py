@@ -122,8 +122,8 @@ class StepTimer:
     there, so that at phase 1.0 T(n) is the measured curve). (The line through the first two
     alone took their noise for a slope: a start-up profile with T(7), T(8) = 46.5, 48.1 ms on the
     Zen 4 put the line at 36.7 ms for one token, above the read, and T(1) stayed at the profile's
-    36.2 ms through a phase whose decode steps took 21-33; the fit over 7..14 says 5.6 ms a token.) Steps of the curve's first size (one token)
-    move the phase; a larger size up to the knee learns its own point against the phase, and one
+    36.2 ms through a phase whose decode steps took 21-33; the fit over 7..14 says 5.6 ms a token.)
+    Steps of the curve's first size (one token) move the phase; a larger size up to the knee learns its own point against the phase, and one
     past the knee its own estimate. (The larger read-bound sizes used to move the phase too, but
     in a fast phase their arithmetic, hidden under the read in the profile, is what binds: a
     lookahead run, 93% 4-5 token steps and one 1-token step per request, read T(1) as 26.8 ms
@@ -230,9 +230,8 @@ class StepTimer:
             return None
         x1 = past[0]
         fit = [x for x in past if x <= 2 * x1]
-        if len(fit) < 2:
-            fit = past[:2]
-        if len(fit) >= 2:
+        fit = fit if len(fit) >= 2 else past[:2]
+        if len(fit) >= 2:  # (past holds more than one point)
             mx = sum(fit) / len(fit)
             my = sum(self.points[x] for x in fit) / len(fit)
             slope = sum((x - mx) * (self.points[x] - my) for x in fit) / sum((x - mx) ** 2 for x in fit)
@@ -254,7 +253,8 @@ class StepTimer:
         p = self.points
         if n > xs[knee]:
             return _interpolate(p, xs, n, knee, len(xs) - 1)
-        slope, intercept = self._xs_knee()[2]  # type: ignore[misc] - a point past the knee exists here
+        # The caller's _xs_knee() has just refreshed the shape; a point past the knee exists here.
+        slope, intercept = self._shape[2]  # type: ignore[index, misc]
         return min(max(slope * n + intercept, 0.0), _interpolate(p, xs, n, 0, knee))
 
     def _binds_read(self, n: float, xs: list[int], knee: int) -> bool:
@@ -469,8 +469,11 @@ class SpecPolicy:
             # A request's copies hold or fail as a whole (a copy run, or none), unlike a model's
             # steady fraction: its first verifies count as a running mean with the pooled guess
             # (one pseudo-observation), so one copy run tells, then the usual EWMA.
-            st.update(asked, num_accepted, max(EWMA, 1.0 / (st.trials + 2)) if free else EWMA)
-            st.trials += 1
+            weight = EWMA
+            if free:
+                weight = max(EWMA, 1.0 / (st.trials + 2))
+                st.trials += 1
+            st.update(asked, num_accepted, weight)
             self.pooled_for(free).update(asked, num_accepted, POOLED_EWMA)
             for j in range(min(asked, num_accepted + 1, len(st.tested))):
                 st.tested[j] = self._step
