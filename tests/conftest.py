@@ -12,6 +12,9 @@ from specserve.testing import tiny_checkpoint  # noqa: F401 - tests import it fr
 
 # Two cores: keep torch from oversubscribing when pytest runs alongside other work.
 torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "2")))
+# Every engine measures its start-up figures afresh, as before the start-up cache: a test's
+# timings never come from another test's run (tests/engine/test_startup_cache.py turns it on).
+os.environ.setdefault("SPECSERVE_PROFILE_CACHE", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -6,16 +6,18 @@ plus output processing (incremental detokenization, stop strings, metrics).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
+import math
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -23,7 +25,12 @@ from specserve.config import CacheConfig, EngineConfig, KVCacheDtype, usable_cpu
 from specserve.defaults import resolve_defaults
 from specserve.engine.runner import ModelRunner, StepConnector, kv_bytes_per_token
 from specserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
-from specserve.errors import InvalidRequestError, PromptTooLongError, RequestTooLongError
+from specserve.errors import (
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestTooLongError,
+    SpecServeError,
+)
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.kv_cache.tiers import TieredKVStore
 from specserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -43,6 +50,9 @@ from specserve.spec.policy import SpecPolicy, ewma
 from specserve.spec.proposer import Proposer
 from specserve.spec.tree import DraftTree
 
+if TYPE_CHECKING:
+    from specserve.startup_cache import StartupCache
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -52,6 +62,8 @@ MIN_FORCED_DRAFT = 8
 FORCED_DRAFT_MAX_BATCH = 4
 HOST_EWMA = 0.05  # weight of one step in the host-time estimates
 PROFILE_ROUNDS = 3  # rounds of profile_costs (the median ratio of each point is kept)
+RESTORE_ROUNDS = 3  # one-token steps timed to read saved step costs at the machine's speed now (median)
+RESTORE_SPEED = (0.5, 2.0)  # that speed against the saved one's, outside which the costs are measured afresh
 CATCHUP_PROFILE_TOKENS = 64  # one request's tokens in the pass that times a proposer's catch-up
 # When the model declares a longer context than this, default to it (KV memory stays modest).
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -311,6 +323,7 @@ class LLMEngine:
             reserved_blocks=reserved_kv_blocks(config.spec, config.scheduler.max_num_seqs, config.cache.block_size),
         )
         source = path if path is not None else checkpoint.source
+        self._source = source
         del checkpoint  # the runner holds converted copies; let the float32 originals go
         self.kv_manager = KVCacheManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
@@ -366,7 +379,77 @@ class LLMEngine:
         self.drafted_per_position = [0] * depth  # steps whose draft reached that depth
         self.accepted_length_counts = [0] * (depth + 1)  # verify steps by accepted drafts
         if self.proposer is not None and spec.policy == "adaptive" and spec.profile_on_start:
-            self.profile_costs()
+            self._seed_cost_model()
+
+    def _seed_cost_model(self) -> None:
+        """The policy's step costs: what an earlier start measured for this machine, model and
+        settings (specserve.startup_cache), read at the machine's speed now, or profile_costs.
+
+        Saved points are the curve at the memory speed of the start that measured them. One
+        fresh one-token step gives today's speed against it, which is the StepTimer's phase;
+        the policy reads every point through it (and refines them from the steps it sees) just
+        as after a fresh profile. A speed more than twice or half the saved one says the
+        machine is not the one measured (another VM of the same CPU type): profile afresh."""
+        cache = self._cost_cache()
+        saved = cache.load() if cache is not None else None
+        if saved is not None and self._restore_costs(saved):
+            logger.info("speculation step costs from %s (SPECSERVE_PROFILE_CACHE=0 measures them at every start)",
+                        cache.path)  # type: ignore[union-attr]
+            return
+        measured = self.profile_costs()
+        if cache is not None:
+            cache.save({**measured, "catchup_s_per_token": self.policy.catchup_s_per_token})
+
+    def _cost_cache(self) -> StartupCache | None:
+        """Where profile_costs' figures for this engine are kept; None for a model that is no file."""
+        from dataclasses import asdict
+
+        from specserve.models.bundled import resolve_model
+        from specserve.startup_cache import StartupCache, file_identity
+
+        target = file_identity(self._source)
+        if target is None or self.proposer is None:
+            return None
+        config = self.config
+        draft = None
+        if config.spec.draft_model and self._draft_checkpoint is None:
+            with contextlib.suppress(SpecServeError, OSError):
+                draft = file_identity(resolve_model(config.spec.draft_model))
+        return StartupCache("step-costs", {
+            "target": target, "draft": draft, "model": asdict(config.model), "spec": asdict(config.spec),
+            "max_num_seqs": config.scheduler.max_num_seqs, "budget": config.scheduler.max_num_batched_tokens,
+            "kv": [str(config.cache.kv_cache_dtype), config.cache.block_size],
+            "proposer": [type(self.proposer).__name__, self.proposer.memory_bytes(), str(self.proposer.traits)],
+            "trees": self.policy.trees,
+        })
+
+    def _restore_costs(self, saved: dict[str, object]) -> bool:
+        """Seed the policy from a saved profile_costs (see _seed_cost_model); False when it does
+        not parse or the machine's speed says it is another machine."""
+        try:
+            target = {int(n): float(t) for n, t in saved["target"].items()}  # type: ignore[attr-defined]
+            draft = {int(n): float(t) for n, t in saved["draft"].items()}  # type: ignore[attr-defined]
+            catchup = float(saved.get("catchup_s_per_token", 0.0))  # type: ignore[arg-type]
+        except (KeyError, AttributeError, TypeError, ValueError):
+            return False
+        values = [*target.values(), *draft.values()]
+        if 1 not in target or not draft or not all(math.isfinite(v) and v > 0 for v in values) or not catchup >= 0:
+            return False
+        self.runner.time_decode_step(1)  # warm-up
+        now = statistics.median(self.runner.time_decode_step(1, repeats=1) for _ in range(RESTORE_ROUNDS))
+        speed = now / target[1]
+        if not RESTORE_SPEED[0] <= speed <= RESTORE_SPEED[1]:
+            logger.info("saved step costs measured T(1) = %.1f ms, now %.1f ms: profiling afresh",
+                        target[1] * 1e3, now * 1e3)
+            return False
+        timer = self.policy.target_time
+        timer.calibrate(target)
+        timer.phase = speed
+        self.policy.draft_time.calibrate(draft)
+        if self.proposer is not None and self.proposer.traits.cost == "per_pass":
+            self.policy.draft_time.phase = speed
+            self.policy.catchup_s_per_token = catchup * speed
+        return True
 
     def profile_costs(self, max_batch: int | None = None) -> dict[str, dict[int, float]]:
         """Time target forwards of n tokens and draft passes of b requests to seed the cost model.

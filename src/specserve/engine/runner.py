@@ -261,11 +261,24 @@ class ModelRunner:
         self.last_forward_built_graph = False
         self.last_forward_eager = False  # graphs are on and the last step ran without one
         if self.native_ops:
-            from specserve.kernels import tune_prefetch, tune_wide_passes
+            self._tune_kernels()
 
-            tune_prefetch(lambda n: self.time_decode_step(1, tokens_per_req=n, repeats=1, context=64), self.weight_bytes_per_step())
-            tune_wide_passes(lambda n: self.time_decode_step(1, tokens_per_req=n, repeats=1, context=64),
-                             self.weight_bytes_per_step())
+    def _tune_kernels(self) -> None:
+        """The kernels' prefetch distances and wide-pass threshold for this machine and model:
+        measured on this model's forwards, or what an earlier start measured (startup_cache)."""
+        import os
+        from dataclasses import asdict
+
+        from specserve.kernels import tune_or_restore
+        from specserve.startup_cache import StartupCache
+
+        weight_bytes = self.weight_bytes_per_step()
+        cache = StartupCache("kernels", {
+            "arch": asdict(self.arch), "quantization": self.quantization, "dtype": str(self.dtype),
+            "weight_bytes": weight_bytes,
+            "env": {k: os.environ.get(k, "") for k in ("SPECSERVE_PREFETCH", "SPECSERVE_MARCH")},
+        })
+        tune_or_restore(lambda n: self.time_decode_step(1, tokens_per_req=n, repeats=1, context=64), weight_bytes, cache)
 
     def _build(
         self, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int, packed: dict[str, PackedWeight]

@@ -1,0 +1,130 @@
+"""What a start measures about this machine and model, kept so the next start need not.
+
+Two start-up measurements depend only on the machine, the model files, the settings and the
+code: the native kernels' tunings (prefetch distances, where 512-bit passes pay; ~2.6 s for the
+Qwen2.5-Coder 1.5B on a 2-vCPU Zen 4) and the speculation policy's step costs (`profile_costs`:
+target forwards of 1-33 tokens, draft passes; ~6.4 s). Each is saved as JSON under
+``$SPECSERVE_CACHE/profiles/<kind>-<key>.json`` where the key hashes everything that decides
+the figures: the CPU (model, flags), torch's thread count, specserve's source files, torch's
+version, the model files (path, size, modification time) and the settings. Any change measures
+afresh. ``$SPECSERVE_PROFILE_CACHE=0`` neither reads nor writes the cache (every start measures).
+
+A file that cannot be read or parsed is ignored and replaced; writes are atomic (a temporary
+file renamed over the old one), so two processes starting together never read half a file.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = 1  # bumped when a kind's saved fields change meaning
+
+
+def enabled() -> bool:
+    """The cache is used unless $SPECSERVE_PROFILE_CACHE is 0, off, false or no."""
+    return os.environ.get("SPECSERVE_PROFILE_CACHE", "").strip().lower() not in ("0", "off", "false", "no")
+
+
+def machine_identity() -> dict[str, Any]:
+    """The CPU (architecture, model and flags as /proc/cpuinfo gives them) and the threads torch
+    runs on: what decides how fast the same code runs the same model."""
+    cpu: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name in ("model name", "cpu family", "model", "stepping", "flags", "Features", "CPU part") and name not in cpu:
+                    cpu[name] = value.strip()
+    except OSError:
+        pass
+    return {"machine": platform.machine(), "cpu": cpu, "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+@functools.cache
+def code_identity() -> str:
+    """A hash of specserve's own source files (Python and C++): another version may time
+    differently, so it measures again."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.blake2b(digest_size=12)
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".cpp", ".h") and path.is_file():
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def file_identity(path: object) -> dict[str, Any] | None:
+    """(real path, size, modification time) of a model file or directory; None where it is no
+    file (a checkpoint built in memory): such a model is measured every time."""
+    try:
+        real = os.path.realpath(str(path))
+        st = os.stat(real)
+    except (OSError, TypeError, ValueError):
+        return None
+    return {"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+class StartupCache:
+    """One kind of start-up measurement for one identity (a dict of JSON values)."""
+
+    def __init__(self, kind: str, identity: dict[str, Any]) -> None:
+        from specserve.models.bundled import cache_dir
+
+        self.kind = kind
+        self.identity = {"schema": SCHEMA, "kind": kind, "machine": machine_identity(), "code": code_identity(),
+                         **identity}
+        key = hashlib.blake2b(json.dumps(self.identity, sort_keys=True, default=str).encode(), digest_size=12)
+        self.path = cache_dir() / "profiles" / f"{kind}-{key.hexdigest()}.json"
+
+    def load(self) -> dict[str, Any] | None:
+        """The saved measurement, or None (none saved, the cache off, or a file that does not parse)."""
+        if not enabled() or not self.path.is_file():
+            return None
+        try:
+            saved = json.loads(self.path.read_text(encoding="utf-8"))
+            if saved.get("identity") != json.loads(json.dumps(self.identity, default=str)):
+                return None  # (a hash collision, or a file edited by hand)
+            data = saved["data"]
+            if not isinstance(data, dict):
+                raise TypeError("data is not an object")
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            logger.warning("ignoring the unreadable start-up profile %s (%s); measuring again", self.path, exc)
+            return None
+        return data
+
+    def save(self, data: dict[str, Any]) -> None:
+        """Keep `data` for the next start (atomically; a failure to write only logs)."""
+        if not enabled():
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps({"identity": self.identity, "saved_at": time.time(), "data": data}, default=str)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.kind}-", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(text)
+                os.replace(tmp, self.path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except OSError as exc:
+            logger.warning("could not save the start-up profile %s (%s)", self.path, exc)
+
+    def forget(self) -> None:
+        """Remove the saved measurement (it proved stale)."""
+        self.path.unlink(missing_ok=True)
