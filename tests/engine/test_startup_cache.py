@@ -179,3 +179,26 @@ def test_step_costs_are_profiled_once_and_read_at_todays_speed(cache_on, monkeyp
     calls.clear()
     LLM("smollm2-135m-instruct", **kw)
     assert len(calls) > 6
+
+
+def test_saved_draft_costs_scale_with_the_speed_now(tiny_llama, monkeypatch):
+    """A saved profile is read at the speed the one-token steps show now: the target's curve
+    through its phase, the draft's points (learned in seconds, no phase) and its catch-up cost
+    scaled; a saved file missing a field, or with a non-positive time, is refused."""
+    _, ckpt = tiny_llama
+    llm = LLM("tiny", dtype="float32", checkpoint=ckpt, spec_method="draft", draft_checkpoint=ckpt,
+              spec_policy="adaptive", profile_spec_costs=False)
+    eng = llm.engine
+    monkeypatch.setattr(eng.runner, "time_decode_step", lambda *a, **k: 0.015)  # 1.5x the saved 10 ms
+    saved = {"target": {"1": 0.010, "2": 0.011, "40": 0.05}, "draft": {"1": 0.002, "4": 0.003},
+             "catchup_s_per_token": 0.0004}
+    assert eng._restore_costs(saved)
+    pol = eng.policy
+    assert pol.target_time.points == {1: 0.010, 2: 0.011, 40: 0.05}
+    assert pol.target_time.phase == pytest.approx(1.5) and pol.target_time(1) == pytest.approx(0.015)
+    assert pol.draft_time.phase == 1.0
+    assert pol.draft_time.points == pytest.approx({1: 0.003, 4: 0.0045})
+    assert pol.catchup_s_per_token == pytest.approx(0.0006)
+    for broken in ({**saved, "target": {"2": 0.011}}, {**saved, "draft": {"1": -1.0}}, {"target": saved["target"]},
+                   {**saved, "catchup_s_per_token": "x"}):
+        assert not eng._restore_costs(broken)

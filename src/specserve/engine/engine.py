@@ -445,9 +445,10 @@ class LLMEngine:
         timer = self.policy.target_time
         timer.calibrate(target)
         timer.phase = speed
-        self.policy.draft_time.calibrate(draft)
-        if self.proposer is not None and self.proposer.traits.cost == "per_pass":
-            self.policy.draft_time.phase = speed
+        # The draft timer learns in seconds (StepTimer.observe, no phase): its points scale.
+        per_pass = self.proposer is not None and self.proposer.traits.cost == "per_pass"
+        self.policy.draft_time.calibrate({b: t * speed for b, t in draft.items()} if per_pass else draft)
+        if per_pass:
             self.policy.catchup_s_per_token = catchup * speed
         return True
 
