@@ -108,7 +108,8 @@ def test_models_health_metrics_admin(smol_server):
                  "specserve_kv_blocks_free", "specserve_prefix_cache_hit_rate", "specserve_prompt_tokens_total",
                  "specserve_generation_tokens_total", "specserve_spec_draft_tokens_total",
                  "specserve_spec_accepted_tokens_total", "specserve_inter_token_latency_seconds",
-                 "specserve_spec_accepted_length", "specserve_spec_drafts_total"):
+                 "specserve_spec_accepted_length", "specserve_spec_drafts_total", "specserve_spec_guard_holds_total",
+                 "specserve_spec_guard_plain_probes_total"):
         assert name in text, name
     assert httpx.post(base + "/admin/speculation", json={"enabled": False}).json() == {"enabled": False}
     smol_server.wait_idle()

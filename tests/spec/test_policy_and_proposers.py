@@ -483,3 +483,82 @@ def test_a_held_back_request_of_a_scored_proposer_probes_as_often_as_its_proposa
         for i in range(batch):
             probes = [s for s, d in enumerate(steps) if d[i]]
             assert probes == list(range(interval - 1, len(steps), interval)), (propose_s, batch, probes)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_rate_guard_holds_speculation_off_where_it_measurably_loses():
+    """The guard compares measured tokens per second of steps with and without drafts at a batch
+    size: below GUARD_MARGIN of plain, speculation is held off there (choose() returns no drafts
+    whatever the cost model says), retried after GUARD_RETRY_S for GUARD_TRIAL steps (twice as
+    long after a failed trial), and resumes when a trial measures it ahead. Rates are tokens
+    over seconds (one slow step weighs by its time); other batch sizes are judged apart."""
+    from specserve.spec import policy as P
+
+    p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.8)
+    clock = p.guard.clock = _Clock()
+    reqs = [_req(r, [1, 2, 3]) for r in "abcd"]
+    assert all(p.choose(reqs))  # nothing measured: the cost model decides
+    p.guard.observe(4, 4, 0.080, speculated=False)  # plain: 50 tok/s
+    p.guard.observe(4, 5, 0.300, speculated=True)  # a catch-up pass: 16.7 tok/s
+    for _ in range(P.GUARD_MIN_CYCLES - 2):
+        p.guard.observe(4, 6, 0.120, speculated=True)  # 50 tok/s
+        clock.t += 0.12
+        assert all(p.choose(reqs))  # not judged before GUARD_MIN_CYCLES steps
+    p.guard.observe(4, 6, 0.120, speculated=True)  # with the catch-up: ~42 tok/s
+    assert p.guard.num_held == 1 and p.guard.summary()[4]["held"]
+    assert not any(p.choose(reqs))
+    assert p.choose(reqs[:1]) == [4]  # batch 1 has its own rates
+    clock.t += P.GUARD_RETRY_S / 2
+    assert not any(p.choose(reqs))
+    p.guard.observe(4, 4, 0.100, speculated=False)
+    clock.t += P.GUARD_RETRY_S
+    for _ in range(P.GUARD_TRIAL):  # a trial that fails (30 tok/s): held off twice as long
+        assert all(p.choose(reqs))
+        p.guard.observe(4, 3, 0.100, speculated=True)
+    assert p.guard.num_held == 2 and not any(p.choose(reqs))
+    clock.t += 1.5 * P.GUARD_RETRY_S
+    assert not any(p.choose(reqs))
+    p.guard.observe(4, 4, 0.100, speculated=False)
+    clock.t += P.GUARD_RETRY_S
+    for _ in range(P.GUARD_TRIAL):  # the next trial: this time drafts pay (50 tok/s)
+        assert all(p.choose(reqs))
+        p.guard.observe(4, 6, 0.120, speculated=True)
+        clock.t += 0.12
+    assert not p.guard.summary()[4]["held"] and p.guard.num_held == 2
+    assert not any(p.choose(reqs)) and p.guard.num_plain_probes == 1  # the plain rate is GUARD_FRESH_S old
+    p.guard.observe(4, 4, 0.100, speculated=False)
+    assert all(p.choose(reqs))
+
+
+def test_rate_guard_remeasures_a_stale_plain_rate_with_one_plain_step():
+    """Where speculating steps are measured, a plain rate older than GUARD_FRESH_S is measured
+    again by running one step plain; where speculation leads by GUARD_CLEAR, only every
+    GUARD_FRESH_LONG_S. The guard never adds drafts the cost model did not choose."""
+    from specserve.spec import policy as P
+
+    p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.8)
+    clock = p.guard.clock = _Clock()
+    reqs = [_req("a", [1, 2, 3])]
+    p.guard.observe(1, 1, 0.100, speculated=False)  # 10 tok/s
+    for _ in range(P.GUARD_MIN_CYCLES):
+        p.guard.observe(1, 1.2, 0.100, speculated=True)  # 12 tok/s: ahead, but by less than GUARD_CLEAR
+    clock.t += P.GUARD_FRESH_S + 0.1
+    assert p.choose(reqs) == [0] and p.guard.num_plain_probes == 1
+    assert p.choose(reqs) == [4]  # one step
+    p.guard.observe(1, 1, 0.100, speculated=False)
+    for _ in range(20):
+        p.guard.observe(1, 3, 0.100, speculated=True)  # 30 tok/s: far ahead
+    clock.t += P.GUARD_FRESH_S + 0.1
+    assert p.choose(reqs) == [4]
+    clock.t += P.GUARD_FRESH_LONG_S
+    assert p.choose(reqs) == [0] and p.guard.num_plain_probes == 2
+    q = _policy(COSTLY_VERIFY, {1: 0.001}, acceptance=0.5)
+    q.guard.clock = clock
+    assert q.choose(reqs) == [0] and q.guard.num_plain_probes == 0

@@ -170,3 +170,35 @@ def test_smollm_native_trees_equal_plain(smollm_path):
     assert [o.token_ids for o in out] == [o.token_ids for o in base]
     assert seen["branching"] > 0
     assert llm.engine.check_integrity()
+
+
+def test_the_rate_guard_measures_decode_steps_and_its_hold_removes_every_draft(tiny):
+    """The engine tells the adaptive policy's rate guard every decode step (tokens, seconds,
+    with drafts or not; never a step with a prompt chunk), at the step's batch size; where the
+    guard holds speculation off, no step carries a draft and the output is unchanged."""
+    prompts = repetitive_prompts(4)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="ngram", spec_policy="adaptive",
+              profile_spec_costs=False, max_num_batched_tokens=4096)
+    eng = llm.engine
+    seen: list[tuple[int, int, bool]] = []
+    observe = eng.policy.guard.observe
+
+    def spy(batch, tokens, seconds, speculated):
+        seen.append((batch, tokens, speculated))
+        observe(batch, tokens, seconds, speculated)
+
+    eng.policy.guard.observe = spy
+    base = llm.generate(prompts, params)
+    assert any(s for _, _, s in seen) and all(1 <= b <= 4 for b, _, _ in seen) and seen[0][0] == 4
+    # every token after each prompt's first came from a decode step the guard saw
+    assert sum(t for _, t, _ in seen) == sum(len(o.outputs[0].token_ids) - 1 for o in base)
+    assert eng.policy.guard.rates[4].spec is not None
+
+    drafts = eng.spec_counters["num_drafts"]
+    eng.policy.guard.allows = lambda batch: False
+    seen.clear()
+    held = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in held] == [o.outputs[0].token_ids for o in base]
+    assert eng.spec_counters["num_drafts"] == drafts and not any(s for _, _, s in seen)
+    assert eng.check_integrity()

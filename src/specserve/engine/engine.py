@@ -371,6 +371,7 @@ class LLMEngine:
             scored=traits is not None and traits.scores_predict_acceptance,
         )
         self._host_s: dict[bool, float | None] = {False: None, True: None}  # see _account_host_time
+        self._cycle_draft_s = 0.0  # the drafting done at the end of the last step for the next one (_account_cycle)
         self.spec_counters = {"draft_time_s": 0.0, "verify_time_s": 0.0, "decode_time_s": 0.0,
                               "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                               "num_forced_tokens": 0}
@@ -750,6 +751,7 @@ class LLMEngine:
             pending, self._pending_outputs = self._pending_outputs, []
         if self._spec_off_since is not None:
             self.release_idle_drafter()
+        t_step = time.perf_counter()
         sched_out = self.scheduler.schedule()
         for rid in sched_out.preempted_ids:
             if self.proposer is not None:
@@ -796,10 +798,28 @@ class LLMEngine:
             self.num_generated_tokens += len(new_tokens)
             outputs.append(self._make_output(req, new_tokens))
         self._release_finished(self.scheduler.take_finished())
+        self._account_cycle(sched_out, sum(len(new) for _, new in results), time.perf_counter() - t_step)
         if self.proposer is not None and self.policy.enabled:
+            t_propose = time.perf_counter()
             self._propose_next()
+            self._cycle_draft_s = time.perf_counter() - t_propose
+        else:
+            self._cycle_draft_s = 0.0
         self._draft_forced()
         return outputs
+
+    def _account_cycle(self, sched_out: SchedulerOutput, tokens: int, seconds: float) -> None:
+        """Tell the policy's rate guard what a decode step yielded: its tokens, and its seconds
+        with the drafting done for it at the end of the step before, a catch-up included (a step
+        with a prompt chunk tells nothing about decoding)."""
+        if self.proposer is None and not self.drafter_released:
+            return
+        if any(sr.num_new_tokens > 1 and sr.draft is None for sr in sched_out.scheduled):
+            return
+        speculated = any(sr.draft is not None and sr.request_id not in self._forced_drafts for sr in sched_out.scheduled)
+        if speculated and self.policy.config.policy != "adaptive":
+            return  # drafts of another policy's K: not the rate the adaptive policy gets
+        self.policy.guard.observe(len(sched_out.scheduled), tokens, seconds + self._cycle_draft_s, speculated)
 
     def _drop_failed_loads(self) -> None:
         """Lower-tier blocks that failed verification while this step loaded them: their cached

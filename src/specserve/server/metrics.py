@@ -156,6 +156,11 @@ class ServerMetrics:
                                 registry=r)
         self.preemptions = Counter("specserve_preemptions", "Requests preempted for KV memory.", labels, registry=r)
         self.drafts = Counter("specserve_spec_drafts", "Verify steps that checked drafts.", labels, registry=r)
+        self.guard_holds = Counter("specserve_spec_guard_holds", "Times the adaptive policy held speculation off at "
+                                   "a batch size where its measured tokens/s fell below 0.95x plain decoding's.",
+                                   labels, registry=r)
+        self.guard_probes = Counter("specserve_spec_guard_plain_probes", "Decode steps run plain to re-measure "
+                                    "plain decoding's tokens/s beside speculation's.", labels, registry=r)
         self.draft_tokens = Counter("specserve_spec_draft_tokens", "Draft tokens (tree nodes) verified; "
                                     "over specserve_spec_drafts: nodes per step.", labels, registry=r)
         self.accepted_len = Histogram("specserve_spec_accepted_length", "Draft tokens accepted per verify step.",
@@ -243,6 +248,8 @@ class ServerMetrics:
             self._inc_to("gen", self.generation_tokens, engine.num_generated_tokens)
             self._inc_to("preempt", self.preemptions, engine.scheduler.num_preemptions)
             self._inc_to("drafts", self.drafts, c["num_drafts"])
+            self._inc_to("guard_holds", self.guard_holds, engine.policy.guard.num_held)
+            self._inc_to("guard_probes", self.guard_probes, engine.policy.guard.num_plain_probes)
             self._inc_to("draft_tokens", self.draft_tokens, c["num_draft_tokens"])
             self._inc_to("accepted", self.accepted_tokens, c["num_accepted_tokens"])
             for phase, key in (("draft", "draft_time_s"), ("verify", "verify_time_s"), ("decode", "decode_time_s")):

@@ -61,7 +61,8 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specserve.config import SpecConfig
@@ -89,6 +90,25 @@ PROBE_SHARE = 0.02
 RUN_PROBE_STALE = 4  # after a wholly accepted draft, test the next position unless tested this recently
 NEVER = -(1 << 30)  # AcceptanceStats.tested of a position not tested yet
 CATCHUP_FREE = 2  # tokens a drafting request's proposer processes every step anyway (not a catch-up)
+# The rate guard (RateGuard): speculation is held off at a batch size where its measured tokens
+# per second fall below GUARD_MARGIN of plain decoding's, measured at that size within
+# GUARD_FRESH_S (GUARD_FRESH_LONG_S where speculation leads by GUARD_CLEAR or more; an older
+# plain rate is measured again with one plain step). Held off, it is tried again after
+# GUARD_RETRY_S (doubling while trials fail, up to GUARD_RETRY_MAX_S) for GUARD_TRIAL steps.
+GUARD_MARGIN = 0.95
+GUARD_MIN_CYCLES = 8  # speculating steps measured before the guard judges
+# Each rate is tokens over seconds, both summed with these decays per step: speculating steps
+# over ~20 (a catch-up pass weighs as what it is, one step's cost spread over the steps it
+# serves; over ~5, the catch-ups of requests starting together held batch 2 off where it ran
+# 1.05x), plain ones, steady and mostly single probes, over ~5.
+GUARD_SPEC_DECAY = 0.95
+GUARD_PLAIN_DECAY = 0.8
+GUARD_FRESH_S = 2.0
+GUARD_FRESH_LONG_S = 8.0
+GUARD_CLEAR = 1.3
+GUARD_RETRY_S = 3.0
+GUARD_RETRY_MAX_S = 60.0
+GUARD_TRIAL = 4
 
 
 def tree_depth(nodes: int) -> int:
@@ -101,6 +121,116 @@ def tree_depth(nodes: int) -> int:
 def ewma(old: float | None, new: float, weight: float) -> float:
     """An exponentially weighted mean's next value (the first measurement: itself)."""
     return new if old is None else (1 - weight) * old + weight * new
+
+
+@dataclass
+class _Rates:
+    """Measured decode steps at one batch size, speculating and plain (RateGuard): decayed sums
+    of tokens and seconds, so a rate is tokens over seconds (a slow step weighs by its time)."""
+
+    spec: tuple[float, float] | None = None  # (tokens, seconds) of the speculating steps
+    spec_n: int = 0  # speculating steps folded into `spec` since it was last judged anew
+    plain: tuple[float, float] | None = None
+    plain_at: float = -math.inf  # clock of the last plain step
+    held_since: float | None = None  # speculation held off since (clock)
+    retry_s: float = 0.0  # how long it stays held off this time
+    trial_left: int = 0  # speculating steps of a trial still to come
+    trial: list[tuple[float, float]] = field(default_factory=list)  # the trial's steps
+
+    @staticmethod
+    def rate(pair: tuple[float, float] | None) -> float | None:
+        return None if pair is None else pair[0] / pair[1]
+
+
+def _fold(pair: tuple[float, float] | None, tokens: float, seconds: float, decay: float) -> tuple[float, float]:
+    if pair is None:
+        return tokens, seconds
+    return decay * pair[0] + tokens, decay * pair[1] + seconds
+
+
+class RateGuard:
+    """Holds speculation off at a batch size where it measurably loses to plain decoding.
+
+    The cost model predicts a step's tokens per second from the T(n) curve and the acceptance
+    estimates; where either is off, nothing corrects it. (Qwen 1.5B + 0.5B draft at batch 4, 32
+    tokens a request, 2-vCPU Zen 4: the model drafted K = 1-3 for one request of four, whose
+    steps then took 43-58 ms for 5-6 tokens where plain ones took 30.5 ms for 4, after a 90 ms
+    pass catching the drafter up on its prompt; runs at 0.92-0.95x plain.) The guard measures
+    the outcome instead: per batch size, the tokens and seconds of whole decode steps with drafts
+    (the drafting done for them included, a catch-up too: that is what speculating there costs)
+    and without, as decayed sums (GUARD_SPEC_DECAY, GUARD_PLAIN_DECAY). Plain steps are measured wherever they happen (the policy chose no drafts,
+    speculation was off); once speculating steps have been measured, a plain rate older than
+    GUARD_FRESH_S is measured again with one plain step (every GUARD_FRESH_LONG_S where
+    speculation leads by GUARD_CLEAR: ~1 step in 200 at batch 1). When GUARD_MIN_CYCLES
+    speculating steps are in and their rate falls below GUARD_MARGIN of plain's, speculation is
+    held off at that size; after GUARD_RETRY_S it is tried for GUARD_TRIAL steps, whose rate
+    decides again (held off again, it waits twice as long, up to GUARD_RETRY_MAX_S). Both
+    rates are measured over the same seconds of the same machine, so a phase of its memory
+    slows or speeds them alike. The guard only removes drafts the cost model chose, never adds.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.rates: dict[int, _Rates] = {}
+        self.num_held = 0  # times speculation was held off at some batch size
+        self.num_plain_probes = 0  # steps run plain to measure the plain rate
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """Batch sizes share their rates from 8 up by powers of two (8-15, 16-31, ...)."""
+        return batch if batch < 8 else 1 << (batch.bit_length() - 1)
+
+    def allows(self, batch: int) -> bool:
+        """Whether a step of `batch` decoding requests may carry the drafts the cost model chose."""
+        r = self.rates.setdefault(self.bucket(batch), _Rates())
+        now = self.clock()
+        if r.trial_left > 0:
+            r.trial_left -= 1
+            return True
+        if r.held_since is not None:
+            if now - r.held_since < r.retry_s:
+                return False
+            r.held_since, r.trial_left, r.trial = None, GUARD_TRIAL - 1, []
+            return True
+        if r.spec_n < GUARD_MIN_CYCLES:  # nothing to weigh the plain rate against yet
+            return True
+        spec, plain = r.rate(r.spec), r.rate(r.plain)
+        leads = spec is not None and plain is not None and spec >= GUARD_CLEAR * plain
+        if now - r.plain_at > (GUARD_FRESH_LONG_S if leads else GUARD_FRESH_S):
+            r.plain_at = now  # (measured by the step; asked again only after another while)
+            self.num_plain_probes += 1
+            return False
+        return True
+
+    def observe(self, batch: int, tokens: int, seconds: float, speculated: bool) -> None:
+        """A decode step of `batch` requests made `tokens` tokens in `seconds` (the drafting done
+        for it included)."""
+        if batch <= 0 or tokens <= 0 or seconds <= 0:
+            return
+        r = self.rates.setdefault(self.bucket(batch), _Rates())
+        now = self.clock()
+        if not speculated:
+            r.plain, r.plain_at = _fold(r.plain, tokens, seconds, GUARD_PLAIN_DECAY), now
+            return
+        if r.trial_left > 0 or r.trial:
+            r.trial.append((tokens, seconds))
+            if r.trial_left > 0:
+                return
+            r.spec = (sum(t for t, _ in r.trial), sum(s for _, s in r.trial))
+            r.spec_n, r.trial, after_trial = GUARD_MIN_CYCLES, [], True
+        else:
+            r.spec, r.spec_n, after_trial = _fold(r.spec, tokens, seconds, GUARD_SPEC_DECAY), r.spec_n + 1, False
+        spec, plain = r.rate(r.spec), r.rate(r.plain)
+        judged = r.spec_n >= GUARD_MIN_CYCLES and plain is not None and now - r.plain_at <= GUARD_FRESH_LONG_S
+        if judged and spec < GUARD_MARGIN * plain:  # type: ignore[operator]
+            r.retry_s = min(2 * r.retry_s, GUARD_RETRY_MAX_S) if after_trial else GUARD_RETRY_S
+            r.held_since, r.spec_n = now, 0
+            self.num_held += 1
+
+    def summary(self) -> dict[int, dict[str, float | bool | None]]:
+        """Per batch-size bucket: the measured rates and whether speculation is held off there."""
+        return {b: {"spec_tokens_per_s": r.rate(r.spec), "plain_tokens_per_s": r.rate(r.plain),
+                    "held": r.held_since is not None} for b, r in sorted(self.rates.items())}
 
 
 class StepTimer:
@@ -397,6 +527,7 @@ class SpecPolicy:
     _pooled: AcceptanceStats | None = None
     _pooled_free: AcceptanceStats | None = None
     _step: int = 0  # choose() calls so far: the clock of AcceptanceStats.tested
+    guard: RateGuard = field(default_factory=RateGuard)  # adaptive only: measured outcomes veto drafts
 
     @property
     def pooled(self) -> AcceptanceStats:
@@ -506,10 +637,13 @@ class SpecPolicy:
             # Which nodes pay is decided node by node in prune(); here only whether drafting for a
             # request at all pays for the proposer's own time.
             budget = max(kmax, self.config.max_draft_nodes)
-            return [budget if d else 0 for d in self._scored_choice(requests, num_other_tokens, free or [False] * n)]
+            ks = [budget if d else 0 for d in self._scored_choice(requests, num_other_tokens, free or [False] * n)]
+            return ks if not any(ks) or num_other_tokens or self.guard.allows(n) else [0] * n
         else:
             eligible = [self._eligible(r, n) for r in requests]
             ks = self._cost_model_choice(requests, eligible, num_other_tokens, catchup or [0] * n, free or [False] * n)
+            if any(ks) and not num_other_tokens and not self.guard.allows(n):
+                ks = [0] * n
         if self.trees:
             for i, (r, k) in enumerate(zip(requests, ks)):
                 self.stats(r.request_id, bool(free and free[i])).depth_asked = k
