@@ -16,6 +16,7 @@ from specserve.kernels import BLOCK_SHAPES, kernels
 from specserve.models.block_linear import (
     INTERLEAVED,
     PAIRED,
+    BlockEmbedding,
     BlockQuantLinear,
     PackedWeight,
     deinterleave_rows,
@@ -366,6 +367,34 @@ def test_auto_keeps_the_files_blocks(smol_auto):
     assert {m.qtype for m in lins} == {3, 8}  # Q4_1 layers, tied Q8_0 head
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert model.model.layers[0].mlp.native is not None
+
+
+@pytest.mark.parametrize("qtype", sorted(NAMES))
+def test_a_block_embedding_looks_up_the_rows_the_decoded_table_holds(qtype):
+    """BlockEmbedding decodes only the rows a lookup reads, to the same float32 values as the
+    whole table; ids of any shape; an id outside the table raises IndexError as nn.Embedding does."""
+    pw = random_blocks(qtype, 40, 512, seed=qtype)
+    table = pw.dequantize()
+    emb = BlockEmbedding(pw)
+    ids = torch.tensor([[3, 0, 39], [7, 7, 12]])
+    assert torch.equal(emb(ids), torch.nn.functional.embedding(ids, table))
+    assert emb(ids[:1, :0]).shape == (1, 0, 512)
+    assert torch.equal(emb.rows(5), table[:5]) and torch.equal(emb.weight, table)
+    assert BlockEmbedding(pw, torch.float16)(ids).dtype == torch.float16
+    for bad in ([40], [-1]):
+        with pytest.raises(IndexError):
+            emb(torch.tensor(bad))
+
+
+def test_auto_keeps_the_embedding_in_blocks(smol_auto, smollm_checkpoint):
+    """On `auto` the embedding table stays in the file's Q8_0 blocks (a quarter of its float32
+    bytes here, a seventh for the Qwen 1.5B's Q4_K) and a lookup gives the float rows exactly."""
+    emb = smol_auto.engine.runner.model.model.embed_tokens
+    assert isinstance(emb, BlockEmbedding) and emb.qtype == 8
+    table = smollm_checkpoint.weights["model.embed_tokens.weight"]
+    assert emb.weight_nbytes * 3 < table.numel() * 4
+    ids = torch.tensor([0, 1, 17, 4242, table.shape[0] - 1])
+    assert torch.equal(emb(ids), table[ids])
 
 
 def test_auto_logprobs_close_to_float(smollm_path, smollm_checkpoint, smollm_llm):

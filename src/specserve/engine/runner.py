@@ -24,6 +24,8 @@ from specserve.kv_cache.pages import zeroed_pages
 from specserve.kv_cache.tiers import TieredKVStore
 from specserve.models.arch import ArchConfig
 from specserve.models.block_linear import (
+    EMBEDDING,
+    BlockEmbedding,
     BlockQuantLinear,
     PackedWeight,
     enable_native_ops,
@@ -175,7 +177,8 @@ class ModelRunner:
             weights = {**weights, **{name: pw.dequantize() for name, pw in packed.items()}}
             packed = {}
         if model_config.quantization == "int4":  # before the layers are built: no interleave round trip
-            packed = {name: requantize_4bit(pw) for name, pw in packed.items()}
+            # (the embedding's lookups keep the file's values: only matrices the kernel multiplies by)
+            packed = {name: pw if name == EMBEDDING else requantize_4bit(pw) for name, pw in packed.items()}
         self.model = self._build(arch, weights, max_model_len + ROPE_SLACK, packed)
         if vocab_subset is not None:  # before quantization, so the smaller head is quantized too
             self.model.restrict_vocab(vocab_subset)
@@ -288,13 +291,19 @@ class ModelRunner:
         with torch.device("meta"):
             model = build_model(arch, max_positions)
         converted = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
-        # Linear weights kept in GGUF blocks replace their nn.Linear (and take its bias along).
+        # Linear weights kept in GGUF blocks replace their nn.Linear (and take its bias along); an
+        # embedding table kept in blocks replaces nn.Embedding.
+        if (table := packed.get(EMBEDDING)) is not None:
+            model.model.embed_tokens = BlockEmbedding(table, self.dtype)
+            packed = {name: pw for name, pw in packed.items() if name != EMBEDDING}
+            if arch.tie_word_embeddings and "lm_head.weight" not in packed:
+                converted["lm_head.weight"] = table.dequantize().to(device=self.device, dtype=self.dtype)
         for name, pw in packed.items():
             parent_name, _, attr = name.removesuffix(".weight").rpartition(".")
             bias = converted.pop(f"{name.removesuffix('.weight')}.bias", None)
             setattr(model.get_submodule(parent_name), attr, BlockQuantLinear(pw, bias))
-        if arch.tie_word_embeddings and "lm_head.weight" not in packed:
-            converted["lm_head.weight"] = converted["model.embed_tokens.weight"]
+        if arch.tie_word_embeddings and "lm_head.weight" not in packed and "lm_head.weight" not in converted:
+            converted["lm_head.weight"] = converted[EMBEDDING]
         model.load_weights(converted)
         model.model.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions).to(self.device)
         model.eval()

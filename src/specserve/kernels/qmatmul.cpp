@@ -2102,6 +2102,107 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 }
 
 // The 8-row interleaved layout of Q4_K / Q6_K / Q8_0 / Q5_0 / Q4_0 / Q4_1 rows (see "Interleaved K-quants" above).
+// One block of a GGUF row decoded to float32 in specserve.models.gguf_quants's arithmetic (ggml's
+// reference order), so the values are bit-identical to decoding the whole tensor there: no fused
+// multiply-add (q * d + m rounds the product first).
+__attribute__((optimize("fp-contract=off"))) void dequantize_block(int64_t qtype, const uint8_t* blk, float* out) {
+  switch (qtype) {
+    case kQ4_0: {  // [f16 d][16 bytes of nibbles]: (q - 8) * d, value j low nibble of byte j, j + 16 high
+      const float d = half_to_float(blk);
+      for (int j = 0; j < 16; ++j) {
+        out[j] = (static_cast<float>(blk[2 + j] & 15) - 8.0f) * d;
+        out[j + 16] = (static_cast<float>(blk[2 + j] >> 4) - 8.0f) * d;
+      }
+      break;
+    }
+    case kQ4_1: {  // [f16 d][f16 m][16 bytes of nibbles]: q * d + m
+      const float d = half_to_float(blk), m = half_to_float(blk + 2);
+      for (int j = 0; j < 16; ++j) {
+        const float lo = static_cast<float>(blk[4 + j] & 15) * d, hi = static_cast<float>(blk[4 + j] >> 4) * d;
+        out[j] = lo + m;
+        out[j + 16] = hi + m;
+      }
+      break;
+    }
+    case kQ5_0: {  // [f16 d][u32 fifth bits][16 bytes of nibbles]: (q - 16) * d
+      const float d = half_to_float(blk);
+      uint32_t qh;
+      std::memcpy(&qh, blk + 2, 4);
+      for (int j = 0; j < 16; ++j) {
+        const int lo = (blk[6 + j] & 15) | (((qh >> j) & 1) << 4);
+        const int hi = (blk[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        out[j] = (static_cast<float>(lo) - 16.0f) * d;
+        out[j + 16] = (static_cast<float>(hi) - 16.0f) * d;
+      }
+      break;
+    }
+    case kQ8_0: {  // [f16 d][32 int8]: q * d
+      const float d = half_to_float(blk);
+      for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(static_cast<int8_t>(blk[2 + j])) * d;
+      break;
+    }
+    case kQ4_K: {  // [f16 d][f16 dmin][12 bytes of 6-bit scales/mins][128 bytes of nibbles]: q * (d * sc) - dmin * mn
+      const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+      const uint8_t *a = blk + 4, *b = blk + 8, *c = blk + 12, *q = blk + 16;
+      for (int s = 0; s < 8; ++s) {
+        const int sc = s < 4 ? a[s] & 63 : (c[s - 4] & 15) | ((a[s - 4] >> 6) << 4);
+        const int mn = s < 4 ? b[s] & 63 : (c[s - 4] >> 4) | ((b[s - 4] >> 6) << 4);
+        const float scale = d * static_cast<float>(sc), offset = dmin * static_cast<float>(mn);
+        const uint8_t* run = q + 32 * (s / 2);  // sub-blocks 2c and 2c + 1: low and high nibbles of run c
+        for (int l = 0; l < 32; ++l) {
+          const float v = static_cast<float>(s % 2 ? run[l] >> 4 : run[l] & 15) * scale;
+          out[32 * s + l] = v - offset;
+        }
+      }
+      break;
+    }
+    case kQ6_K: {  // [128 bytes low nibbles][64 bytes 2-bit highs][16 int8 scales][f16 d]: (q - 32) * (d * sc)
+      const float d = half_to_float(blk + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      for (int h = 0; h < 2; ++h) {
+        for (int k = 0; k < 4; ++k) {
+          const uint8_t* ql = blk + 64 * h + 32 * (k % 2);
+          const uint8_t* qh = blk + 128 + 32 * h;
+          for (int l = 0; l < 32; ++l) {
+            const int idx = 128 * h + 32 * k + l;
+            const int q = (k < 2 ? ql[l] & 15 : ql[l] >> 4) | (((qh[l] >> (2 * k)) & 3) << 4);
+            out[idx] = (static_cast<float>(q) - 32.0f) * (d * static_cast<float>(sc[idx / 16]));
+          }
+        }
+      }
+      break;
+    }
+    default: TORCH_CHECK(false, "dequantize_rows: unsupported GGML type ", qtype);
+  }
+}
+
+// Rows `ids` of a matrix in GGUF blocks (uint8 [N, row_bytes], the file's layout) as float32
+// [len(ids), cols]: an embedding lookup without decoding the table.
+torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t qtype, const torch::Tensor& ids, int64_t cols) {
+  TORCH_CHECK(qtype == kQ4_K || qtype == kQ6_K || qtype == kQ8_0 || qtype == kQ5_0 || qtype == kQ4_0 || qtype == kQ4_1,
+              "dequantize_rows: Q4_K, Q6_K, Q8_0, Q5_0, Q4_0 or Q4_1");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.device().is_cpu(),
+              "dequantize_rows: contiguous CPU uint8 [N, row_bytes]");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "dequantize_rows: ids must be int64 [n]");
+  const TypeInfo info = type_info(qtype);
+  TORCH_CHECK(cols > 0 && cols % info.block_values == 0 && w.size(1) == cols / info.block_values * info.block_bytes,
+              "dequantize_rows: ", cols, " columns do not match rows of ", w.size(1), " bytes");
+  const auto idx = ids.contiguous();
+  const int64_t n = idx.size(0), nb = cols / info.block_values, row_bytes = w.size(1), rows = w.size(0);
+  const int64_t* id = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < rows, "dequantize_rows: row ", id[i], " out of range");
+  auto out = torch::empty({n, cols}, torch::kFloat32);
+  const uint8_t* base = w.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = base + id[r] * row_bytes;
+      for (int64_t b = 0; b < nb; ++b) dequantize_block(qtype, row + b * info.block_bytes, dst + r * cols + b * info.block_values);
+    }
+  });
+  return out;
+}
+
 torch::Tensor interleave_rows(const torch::Tensor& w, int64_t qtype, bool paired) {
   TORCH_CHECK(qtype == kQ4_K || qtype == kQ6_K || qtype == kQ8_0 || qtype == kQ5_0 || qtype == kQ4_0 || qtype == kQ4_1,
               "interleave_rows: Q4_K, Q6_K, Q8_0, Q5_0, Q4_0 or Q4_1");
@@ -2459,6 +2560,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("interleave_rows", &interleave_rows, "Q4_K/Q6_K/Q8_0/Q5_0/Q4_0/Q4_1 rows -> the 8-row interleaved layout (paired: two groups "
         "per row, blocks alternating)", py::arg("w"), py::arg("qtype"), py::arg("paired") = false);
+  m.def("dequantize_rows", &dequantize_rows, "rows of a GGUF block matrix as float32 (bit-identical to decoding it whole)",
+        py::arg("w"), py::arg("qtype"), py::arg("ids"), py::arg("cols"));
   m.def("has_avx2", &has_avx2, "whether the AVX2 kernels were compiled in");
   m.def("int8_peak", &int8_peak, "u8 x s8 multiply-adds per second of all threads (widest int8 instruction)",
         py::arg("seconds") = 0.5, py::call_guard<py::gil_scoped_release>());

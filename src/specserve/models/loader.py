@@ -16,7 +16,7 @@ import torch
 
 from specserve.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
 from specserve.models.arch import ArchConfig
-from specserve.models.block_linear import PackedWeight, kernel_can_read, packed_from_gguf
+from specserve.models.block_linear import EMBEDDING, PackedWeight, kernel_can_read, packed_from_gguf
 from specserve.models.gguf_file import GGUFFile
 from specserve.models.gguf_quants import _one_thread_per_op, dequantize_many
 from specserve.models.tokenizer import Tokenizer
@@ -47,8 +47,8 @@ _HF_CLASSES = {
 class LoadedCheckpoint(NamedTuple):
     """Everything read from a checkpoint: shape, float32 weights by HF name, tokenizer, origin.
 
-    `packed` holds linear weights kept in their GGUF blocks (load with keep_blocks=True); those
-    names are absent from `weights`.
+    `packed` holds linear weights and the embedding table kept in their GGUF blocks (load with
+    keep_blocks=True; a tied head shares the table's); those names are absent from `weights`.
     """
 
     arch: ArchConfig
@@ -299,10 +299,12 @@ def load_gguf(
             if kernel_can_read(int(t.tensor_type), shape):
                 if _LINEAR_WEIGHT.search(name):
                     packed[name] = packed_from_gguf(t.data, int(t.tensor_type), shape)  # type: ignore[arg-type]
-                elif name == "model.embed_tokens.weight" and arch.tie_word_embeddings:
-                    # The tied head reads the whole matrix every step: keep its blocks for the head;
-                    # the embedding lookup below still gets float32 rows.
-                    packed["lm_head.weight"] = packed_from_gguf(t.data, int(t.tensor_type), shape)  # type: ignore[arg-type]
+                elif name == EMBEDDING:
+                    # Lookups decode the rows they read (BlockEmbedding: 890 MiB of float32 for
+                    # Qwen2.5-Coder-1.5B stays ~200 MiB of blocks); a tied head reads the same blocks.
+                    packed[name] = packed_from_gguf(t.data, int(t.tensor_type), shape)  # type: ignore[arg-type]
+                    if arch.tie_word_embeddings:
+                        packed["lm_head.weight"] = packed[name]
     todo = [(t, n, s) for t, n, s in zip(reader.tensors, names, shapes, strict=True) if n not in packed]
     with spinner(f"loading {p.name} ({len(packed)} tensors kept in blocks, {len(todo)} decoded)"):
         values = dequantize_many([(t.data, t.tensor_type, shape) for t, _, shape in todo])

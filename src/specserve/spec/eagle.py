@@ -235,13 +235,16 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 # ----------------------------------------------------------------------------- files
+FINGERPRINT_ROWS = 64  # the embedding rows a target's fingerprint reads
+
+
 def target_fingerprint(arch: ArchConfig, tokenizer_fp: str | None, embed_weight: torch.Tensor,
                        legacy: bool = False) -> str:
     """What identifies a target for its heads: shape, vocabulary and the embedding table's first rows
     at bfloat16 precision, so a float32 copy of a model (the CPU's default) and a bfloat16 one (a
     GPU's) agree; another model does not. legacy: the fingerprint heads trained before 2026-11-26
     carry (rows at float16: a bfloat16 copy of the model disagreed with a float32 one)."""
-    rows = embed_weight[:64].detach().cpu()
+    rows = embed_weight[:FINGERPRINT_ROWS].detach().cpu()
     data = rows.float().half() if legacy else rows.to(torch.bfloat16).view(torch.int16)
     ident = json.dumps([arch.architecture, arch.vocab_size, arch.hidden_size, arch.num_layers, tokenizer_fp],
                        sort_keys=True).encode()
@@ -403,7 +406,7 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
         self.lm_head = lm_head
         self.card = card or {}
         arch = head.arch
-        self.device = embed.weight.device
+        self.device = next(itertools.chain(embed.parameters(), embed.buffers())).device  # (a BlockEmbedding has no weight)
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions).to(self.device)
         self.block_size = block_size
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)

@@ -122,13 +122,14 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
 def _head_for_target(ctx: ProposerContext, method: str) -> tuple[object, tuple[str, str], object, bool]:
     """(target runner, its fingerprints (current, legacy), the head file, whether to quantize the head) for a
     feature-level drafter: --draft-model FILE, or (None / auto) the head train-draft left in the cache."""
-    from specserve.spec.eagle import default_head_path, target_fingerprints
+    from specserve.models.block_linear import embedding_rows
+    from specserve.spec.eagle import FINGERPRINT_ROWS, default_head_path, target_fingerprints
 
     runner = ctx.target_runner
     if runner is None:
         raise ConfigError(f"--spec-method {method} needs the target model's runner (an engine builds it).")
     fp = target_fingerprints(runner.arch, ctx.tokenizer.fingerprint() if ctx.tokenizer is not None else None,
-                             runner.model.model.embed_tokens.weight)
+                             embedding_rows(runner.model.model.embed_tokens, FINGERPRINT_ROWS))
     path = ctx.spec.draft_model
     if path in (None, "auto"):
         path = default_head_path(fp[0], method)

@@ -752,8 +752,9 @@ def _check_before_loading(cfg: TrainConfig) -> None:
 def train_draft(cfg: TrainConfig) -> dict:
     """Train (or resume) a head for cfg.model; returns its card."""
     from specserve import LLM
+    from specserve.models.block_linear import embedding_rows
     from specserve.models.bundled import cache_dir
-    from specserve.spec.eagle import default_head_path, target_fingerprints
+    from specserve.spec.eagle import FINGERPRINT_ROWS, default_head_path, target_fingerprints
 
     if cfg.method not in METHODS:
         raise ConfigError(f"--method {cfg.method!r} is not trainable here; use one of {', '.join(METHODS)}.")
@@ -775,7 +776,7 @@ def train_draft(cfg: TrainConfig) -> dict:
     if tok is None:
         raise ConfigError(f"{cfg.model} has no tokenizer; train-draft tokenizes a text corpus.")
     arch = engine.arch
-    fp = target_fingerprints(arch, tok.fingerprint(), engine.runner.model.model.embed_tokens.weight)[0]
+    fp = target_fingerprints(arch, tok.fingerprint(), embedding_rows(engine.runner.model.model.embed_tokens, FINGERPRINT_ROWS))[0]
     out = Path(cfg.out) if cfg.out else default_head_path(fp, cfg.method)
     # Features and conversations are the target's, shared by every method; checkpoints are per method.
     work = Path(cfg.work_dir) if cfg.work_dir else cache_dir() / "train" / fp
