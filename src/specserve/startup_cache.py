@@ -1,11 +1,12 @@
 """What a start measures about this machine and model, kept so the next start need not.
 
-Two start-up measurements depend only on the machine, the model files, the settings and the
+Three things a start computes depend only on the machine, the model files, the settings and the
 code: the native kernels' tunings (prefetch distances, where 512-bit passes pay; ~2.6 s for the
-Qwen2.5-Coder 1.5B on a 2-vCPU Zen 4) and the speculation policy's step costs (`profile_costs`:
-target forwards of 1-33 tokens, draft passes; ~6.4 s). Each is saved as JSON under
-``$SPECSERVE_CACHE/profiles/<kind>-<key>.json`` where the key hashes everything that decides
-the figures: the CPU (model, flags), torch's thread count, specserve's source files, torch's
+Qwen2.5-Coder 1.5B on a 2-vCPU Zen 4), the speculation policy's step costs (`profile_costs`:
+target forwards of 1-33 tokens, draft passes; ~6.4 s) and a GGUF's matrices requantized to 4-bit
+blocks for `int4` (the default for a draft: ~2 s for the 0.5B). Each is saved under
+``$SPECSERVE_CACHE/profiles/<kind>-<key>.json`` (tensors beside it, ``.safetensors``) where the
+key hashes everything that decides the result: the CPU (model, flags), torch's thread count, specserve's source files, torch's
 version, the model files (path, size, modification time) and the settings. Any change measures
 afresh. ``$SPECSERVE_PROFILE_CACHE=0`` neither reads nor writes the cache (every start measures).
 
@@ -31,6 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SCHEMA = 1  # bumped when a kind's saved fields change meaning
+TENSOR_FILES_KEPT = 4  # tensor files of one kind kept (the newest), whatever their identity
 
 
 def enabled() -> bool:
@@ -56,12 +58,13 @@ def machine_identity() -> dict[str, Any]:
 
 
 @functools.cache
-def code_identity() -> str:
-    """A hash of specserve's own source files (Python and C++): another version may time
-    differently, so it measures again."""
+def code_identity(*files: str) -> str:
+    """A hash of specserve's own source files (Python and C++; or only `files`, paths relative to
+    the package): another version may time or compute differently, so it measures again."""
     root = Path(__file__).resolve().parent
     digest = hashlib.blake2b(digest_size=12)
-    for path in sorted(root.rglob("*")):
+    paths = [root / f for f in files] if files else sorted(root.rglob("*"))
+    for path in paths:
         if path.suffix in (".py", ".cpp", ".h") and path.is_file():
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
@@ -82,12 +85,14 @@ def file_identity(path: object) -> dict[str, Any] | None:
 class StartupCache:
     """One kind of start-up measurement for one identity (a dict of JSON values)."""
 
-    def __init__(self, kind: str, identity: dict[str, Any]) -> None:
+    def __init__(self, kind: str, identity: dict[str, Any], code: str | None = None) -> None:
+        """`code`: what identifies the code that computes this kind (default: all of specserve's
+        source, code_identity(); a kind that depends on a few files names their hash)."""
         from specserve.models.bundled import cache_dir
 
         self.kind = kind
-        self.identity = {"schema": SCHEMA, "kind": kind, "machine": machine_identity(), "code": code_identity(),
-                         **identity}
+        self.identity = {"schema": SCHEMA, "kind": kind, "machine": machine_identity(),
+                         "code": code or code_identity(), **identity}
         key = hashlib.blake2b(json.dumps(self.identity, sort_keys=True, default=str).encode(), digest_size=12)
         self.path = cache_dir() / "profiles" / f"{kind}-{key.hexdigest()}.json"
 
@@ -128,3 +133,45 @@ class StartupCache:
     def forget(self) -> None:
         """Remove the saved measurement (it proved stale)."""
         self.path.unlink(missing_ok=True)
+        self.tensor_path.unlink(missing_ok=True)
+
+    @property
+    def tensor_path(self) -> Path:
+        """Where `save_tensors` keeps tensors for this identity (beside the JSON)."""
+        return self.path.with_suffix(".safetensors")
+
+    def load_tensors(self) -> dict[str, torch.Tensor] | None:
+        """Tensors saved by save_tensors, or None (none saved, the cache off, or a torn file)."""
+        if not enabled() or not self.tensor_path.is_file():
+            return None
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(self.tensor_path))
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+            logger.warning("ignoring the unreadable %s (%s)", self.tensor_path, exc)
+            return None
+
+    def save_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep `tensors` for the next start (atomically; a failure to write only logs)."""
+        if not enabled():
+            return
+        from safetensors.torch import save_file
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.kind}-", suffix=".tmp")
+            os.close(fd)
+            try:
+                save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+                os.replace(tmp, self.tensor_path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            # Tensor files are large (a 0.5B draft's 4-bit blocks: 250 MB): keep the newest few of a kind.
+            older = sorted(self.path.parent.glob(f"{self.kind}-*.safetensors"), key=lambda p: p.stat().st_mtime)
+            for stale in older[:-TENSOR_FILES_KEPT]:
+                stale.unlink(missing_ok=True)
+        except OSError as exc:
+            logger.warning("could not save %s (%s)", self.tensor_path, exc)

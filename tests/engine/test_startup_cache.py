@@ -4,8 +4,10 @@ the speculation policy's step costs are measured once per machine, model and set
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+import torch
 
 from specserve import LLM, SamplingParams
 from specserve.engine.runner import ModelRunner
@@ -202,3 +204,44 @@ def test_saved_draft_costs_scale_with_the_speed_now(tiny_llama, monkeypatch):
     for broken in ({**saved, "target": {"2": 0.011}}, {**saved, "draft": {"1": -1.0}}, {"target": saved["target"]},
                    {**saved, "catchup_s_per_token": "x"}):
         assert not eng._restore_costs(broken)
+
+
+def test_int4_blocks_of_a_model_file_are_requantized_once(cache_on, smollm_path, monkeypatch):
+    """`int4` on a GGUF requantizes its wider blocks (SmolLM2's tied Q8_0 head -> Q4_0) on the
+    first start and keeps them; the next start of the same file reads them back byte for byte
+    without requantizing; a torn file is ignored and written again."""
+    import specserve.engine.runner as runner_mod
+    from specserve.models.block_linear import BlockQuantLinear
+
+    calls: list[int] = []
+    requantize = runner_mod.requantize_4bit
+
+    def counting(pw):
+        calls.append(pw.qtype)
+        return requantize(pw)
+
+    monkeypatch.setattr(runner_mod, "requantize_4bit", counting)
+    kw = dict(quantization="int4", kv_cache_gib=0.05, profile_spec_costs=False)
+    first = LLM(smollm_path, **kw).engine.runner.model.lm_head
+    assert isinstance(first, BlockQuantLinear) and first.qtype == 2 and calls == [8]
+    saved = list((cache_on / "profiles").glob("int4-*.safetensors"))
+    assert len(saved) == 1
+    second = LLM(smollm_path, **kw).engine.runner.model.lm_head
+    assert calls == [8] and second.qtype == 2 and torch.equal(second.qweight, first.qweight)
+    saved[0].write_bytes(saved[0].read_bytes()[:100])
+    third = LLM(smollm_path, **kw).engine.runner.model.lm_head
+    assert calls == [8, 8] and torch.equal(third.qweight, first.qweight)
+    assert saved[0].stat().st_size > 1000
+
+
+def test_only_the_newest_tensor_files_of_a_kind_are_kept(cache_on):
+    from specserve import startup_cache as sc
+
+    caches = [StartupCache("blobs", {"n": i}) for i in range(sc.TENSOR_FILES_KEPT + 2)]
+    for i, c in enumerate(caches):
+        c.save_tensors({"x": torch.full((4,), i)})
+        os.utime(c.tensor_path, (1000 + i, 1000 + i))
+    caches[0].save_tensors({"x": torch.zeros(4)})  # saved again: now the newest
+    kept = {p.name for p in (cache_on / "profiles").glob("blobs-*.safetensors")}
+    assert kept == {c.tensor_path.name for c in [caches[0], *caches[-sc.TENSOR_FILES_KEPT + 1:]]}
+    assert torch.equal(caches[-1].load_tensors()["x"], torch.full((4,), sc.TENSOR_FILES_KEPT + 1))

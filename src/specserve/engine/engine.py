@@ -321,6 +321,7 @@ class LLMEngine:
             checkpoint.arch, checkpoint.weights, config.model, target_cache, self.max_model_len,
             packed=checkpoint.packed,
             reserved_blocks=reserved_kv_blocks(config.spec, config.scheduler.max_num_seqs, config.cache.block_size),
+            source=path,  # (None for a checkpoint handed in: its tensors may not be the file's)
         )
         source = path if path is not None else checkpoint.source
         self._source = source

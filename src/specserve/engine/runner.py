@@ -25,6 +25,7 @@ from specserve.kv_cache.tiers import TieredKVStore
 from specserve.models.arch import ArchConfig
 from specserve.models.block_linear import (
     EMBEDDING,
+    FOUR_BIT,
     BlockEmbedding,
     BlockQuantLinear,
     PackedWeight,
@@ -145,6 +146,33 @@ def num_kv_blocks(arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype) -> i
     return int(cache.kv_cache_gib * (1 << 30)) // per_block
 
 
+def _in_4bit_blocks(packed: dict[str, PackedWeight], source: str | None) -> dict[str, PackedWeight]:
+    """`--quantization int4` on a GGUF's blocks: 4-bit ones as they are, wider ones requantized
+    (requantize_4bit), the embedding table as the file has it (its lookups keep the file's
+    values). The requantized blocks of a model file are kept in the start-up cache (the 0.5B
+    draft's took ~2 s a start on a 2-vCPU Zen 4)."""
+    from specserve.startup_cache import StartupCache, code_identity, file_identity
+
+    wide = {name: pw for name, pw in packed.items() if name != EMBEDDING and pw.qtype not in FOUR_BIT}
+    if not wide:
+        return packed
+    ident = file_identity(source) if source is not None else None
+    cache = None if ident is None else StartupCache("int4", {
+        "source": ident, "matrices": sorted([name, pw.qtype, list(pw.shape)] for name, pw in wide.items())},
+        code=code_identity("models/block_linear.py", "models/gguf_quants.py"))  # the quantizers and decoders
+    saved = cache.load_tensors() if cache is not None else None
+    done: dict[str, PackedWeight] = {}
+    if saved is not None and set(saved) == {f"{name}.{part}" for name in wide for part in ("data", "qtype")}:
+        done = {name: PackedWeight(int(saved[f"{name}.qtype"][0]), saved[f"{name}.data"], pw.shape)
+                for name, pw in wide.items() if saved[f"{name}.data"].shape[0] == pw.shape[0]}
+    if len(done) != len(wide):
+        done = {name: requantize_4bit(pw) for name, pw in wide.items()}
+        if cache is not None:
+            cache.save_tensors({k: v for name, pw in done.items()
+                                for k, v in ((f"{name}.data", pw.data), (f"{name}.qtype", torch.tensor([pw.qtype])))})
+    return {**packed, **done}
+
+
 class ModelRunner:
     """One model on one device with its KV cache."""
 
@@ -158,6 +186,7 @@ class ModelRunner:
         vocab_subset: torch.Tensor | None = None,
         packed: dict[str, PackedWeight] | None = None,
         reserved_blocks: int = 0,
+        source: str | None = None,
     ) -> None:
         self.arch = arch
         self.device = model_config.torch_device
@@ -177,8 +206,7 @@ class ModelRunner:
             weights = {**weights, **{name: pw.dequantize() for name, pw in packed.items()}}
             packed = {}
         if model_config.quantization == "int4":  # before the layers are built: no interleave round trip
-            # (the embedding's lookups keep the file's values: only matrices the kernel multiplies by)
-            packed = {name: pw if name == EMBEDDING else requantize_4bit(pw) for name, pw in packed.items()}
+            packed = _in_4bit_blocks(packed, source)
         self.model = self._build(arch, weights, max_model_len + ROPE_SLACK, packed)
         if vocab_subset is not None:  # before quantization, so the smaller head is quantized too
             self.model.restrict_vocab(vocab_subset)

@@ -368,10 +368,12 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
         packed: dict | None = None,
         p_min: float = 0.0,
         tree: bool = False,
+        source: str | None = None,
     ) -> None:
         self.p_min = p_min
         self.tree = tree
-        self.runner = ModelRunner(arch, weights, model_config, cache_config, max_model_len, vocab_subset, packed)
+        self.runner = ModelRunner(arch, weights, model_config, cache_config, max_model_len, vocab_subset, packed,
+                                  source=source)
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, name="draft"
         )

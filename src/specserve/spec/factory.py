@@ -116,7 +116,8 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
     if vocab is not None:
         subset = frequent_token_subset(ckpt.tokenizer, arch.vocab_size, vocab)
     return DraftModelProposer(arch, weights, model, cache, ctx.max_model_len, vocab_subset=subset, packed=packed,
-                              p_min=ctx.spec.draft_p_min, tree=ctx.spec.use_trees(DraftModelProposer.traits.tree_by_default))
+                              p_min=ctx.spec.draft_p_min, tree=ctx.spec.use_trees(DraftModelProposer.traits.tree_by_default),
+                              source=ckpt.source if ctx.draft_checkpoint is None else None)  # (a file it loaded itself)
 
 
 def _head_for_target(ctx: ProposerContext, method: str) -> tuple[object, tuple[str, str], object, bool]:
