@@ -41,7 +41,7 @@ from specserve.models.linear import (
     storage_bytes,
 )
 from specserve.models.llama import KVCache, LayerHooks, RMSNorm, RotaryEmbedding
-from specserve.models.registry import build_model
+from specserve.models.registry import build_model, unset_weights
 from specserve.sampling.grammar import apply_masks, forbid_unless_only
 from specserve.sampling.penalties import (
     apply_logit_bias,
@@ -314,9 +314,9 @@ class ModelRunner:
     def _build(
         self, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int, packed: dict[str, PackedWeight]
     ) -> torch.nn.Module:
-        # Build on the meta device so no time is spent on random initialisation, then adopt
-        # the checkpoint tensors (converted once) as the parameters.
-        with torch.device("meta"):
+        # Build without random initialisation (unset_weights), then adopt the checkpoint tensors
+        # (converted once) as the parameters.
+        with unset_weights(self.device):
             model = build_model(arch, max_positions)
         converted = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
         # Linear weights kept in GGUF blocks replace their nn.Linear (and take its bias along); an
@@ -333,7 +333,8 @@ class ModelRunner:
         if arch.tie_word_embeddings and "lm_head.weight" not in packed and "lm_head.weight" not in converted:
             converted["lm_head.weight"] = converted[EMBEDDING]
         model.load_weights(converted)
-        model.model.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions).to(self.device)
+        if model.model.rotary.cos.device != self.device:  # (built on the meta device)
+            model.model.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions).to(self.device)
         model.eval()
         return model
 

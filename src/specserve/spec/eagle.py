@@ -47,6 +47,7 @@ from specserve.kv_cache.pages import zeroed_pages
 from specserve.models.arch import ArchConfig
 from specserve.models.linear import storage_bytes
 from specserve.models.llama import DecoderLayer, RestrictedLMHead, RMSNorm, RotaryEmbedding
+from specserve.models.registry import unset_weights
 from specserve.request import Request
 from specserve.spec.draft_model import (
     CHILDREN,
@@ -772,7 +773,7 @@ def build_eagle(path: str | Path, target_runner: object, target_fp: str | tuple[
     else:
         token_ids = tensors.pop("token_ids")
     arch = head_arch(target_runner.arch, int(card["intermediate_size"]))
-    with torch.device("meta"):
+    with unset_weights(target_runner.device):
         head = MTPModule(arch) if method == "mtp" else EagleHead(arch, card.get("feature_layers", ()))
     try:
         head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True, assign=True)
