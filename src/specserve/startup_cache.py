@@ -6,7 +6,7 @@ Qwen2.5-Coder 1.5B on a 2-vCPU Zen 4), the speculation policy's step costs (`pro
 target forwards of 1-33 tokens, draft passes; ~6.4 s) and a GGUF's matrices requantized to 4-bit
 blocks for `int4` (the default for a draft: ~2 s for the 0.5B). Each is saved under
 ``$SPECSERVE_CACHE/profiles/<kind>-<key>.json`` (tensors beside it, ``.safetensors``) where the
-key hashes everything that decides the result: the CPU (model, flags), torch's thread count, specserve's source files, torch's
+key hashes everything that decides the result: the CPU (model name, flags), torch's thread count, specserve's source files, torch's
 version, the model files (path, size, modification time) and the settings. Any change measures
 afresh. ``$SPECSERVE_PROFILE_CACHE=0`` neither reads nor writes the cache (every start measures).
 
@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -41,20 +40,11 @@ def enabled() -> bool:
 
 
 def machine_identity() -> dict[str, Any]:
-    """The CPU (architecture, model and flags as /proc/cpuinfo gives them) and the threads torch
-    runs on: what decides how fast the same code runs the same model."""
-    cpu: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                name = name.strip()
-                if name in ("model name", "cpu family", "model", "stepping", "flags", "Features", "CPU part") and name not in cpu:
-                    cpu[name] = value.strip()
-    except OSError:
-        pass
-    return {"machine": platform.machine(), "cpu": cpu, "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+    """The CPU (what the native kernels' build is keyed by: architecture, model name, flags) and
+    the threads torch runs on: what decides how fast the same code runs the same model."""
+    from specserve.kernels import _cpu_key
+
+    return {"cpu": _cpu_key(), "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 @functools.cache

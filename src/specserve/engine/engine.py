@@ -595,10 +595,10 @@ class LLMEngine:
             return None
         import hashlib
         import json
-        import os
         import sys
 
         from specserve import __version__
+        from specserve.startup_cache import file_identity
 
         runner, arch = self.runner, self.arch
         ident: dict[str, object] = {
@@ -607,9 +607,8 @@ class LLMEngine:
             "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab": arch.vocab_size,
             "specserve": __version__, "python": list(sys.version_info[:2]),  # block hashes are Python's hash()
         }
-        if path is not None and os.path.exists(str(path)):
-            st = os.stat(str(path))
-            ident |= {"path": os.path.realpath(str(path)), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        if path is not None and (where := file_identity(path)) is not None:
+            ident |= where
         fingerprint = hashlib.blake2b(json.dumps(ident, sort_keys=True).encode(), digest_size=16).hexdigest()
         gib = 1 << 30
         remote = None

@@ -321,16 +321,15 @@ class ModelRunner:
         converted = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
         # Linear weights kept in GGUF blocks replace their nn.Linear (and take its bias along); an
         # embedding table kept in blocks replaces nn.Embedding.
+        # (The loader keeps a tied head's blocks whenever it keeps the table's: the same blocks.)
         if (table := packed.get(EMBEDDING)) is not None:
             model.model.embed_tokens = BlockEmbedding(table, self.dtype)
             packed = {name: pw for name, pw in packed.items() if name != EMBEDDING}
-            if arch.tie_word_embeddings and "lm_head.weight" not in packed:
-                converted["lm_head.weight"] = table.dequantize().to(device=self.device, dtype=self.dtype)
         for name, pw in packed.items():
             parent_name, _, attr = name.removesuffix(".weight").rpartition(".")
             bias = converted.pop(f"{name.removesuffix('.weight')}.bias", None)
             setattr(model.get_submodule(parent_name), attr, BlockQuantLinear(pw, bias))
-        if arch.tie_word_embeddings and "lm_head.weight" not in packed and "lm_head.weight" not in converted:
+        if arch.tie_word_embeddings and "lm_head.weight" not in packed:
             converted["lm_head.weight"] = converted[EMBEDDING]
         model.load_weights(converted)
         if model.model.rotary.cos.device != self.device:  # (built on the meta device)

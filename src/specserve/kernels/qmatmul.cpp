@@ -2190,7 +2190,8 @@ torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t qtype, const torch
   const auto idx = ids.contiguous();
   const int64_t n = idx.size(0), nb = cols / info.block_values, row_bytes = w.size(1), rows = w.size(0);
   const int64_t* id = idx.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < rows, "dequantize_rows: row ", id[i], " out of range");
+  for (int64_t i = 0; i < n; ++i)  // (IndexError in Python, as nn.Embedding raises)
+    TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < rows, "token id ", id[i], " out of range for an embedding of ", rows, " rows");
   auto out = torch::empty({n, cols}, torch::kFloat32);
   const uint8_t* base = w.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();

@@ -638,12 +638,11 @@ class SpecPolicy:
             # request at all pays for the proposer's own time.
             budget = max(kmax, self.config.max_draft_nodes)
             ks = [budget if d else 0 for d in self._scored_choice(requests, num_other_tokens, free or [False] * n)]
-            return ks if not any(ks) or num_other_tokens or self.guard.allows(n) else [0] * n
+            return self._guarded(ks, num_other_tokens)
         else:
             eligible = [self._eligible(r, n) for r in requests]
-            ks = self._cost_model_choice(requests, eligible, num_other_tokens, catchup or [0] * n, free or [False] * n)
-            if any(ks) and not num_other_tokens and not self.guard.allows(n):
-                ks = [0] * n
+            ks = self._guarded(self._cost_model_choice(requests, eligible, num_other_tokens, catchup or [0] * n,
+                                                       free or [False] * n), num_other_tokens)
         if self.trees:
             for i, (r, k) in enumerate(zip(requests, ks)):
                 self.stats(r.request_id, bool(free and free[i])).depth_asked = k
@@ -652,6 +651,13 @@ class SpecPolicy:
             # max_draft_nodes) and prune() keeps those worth verifying.
             return [min(TREE_NODES_PER_K * k, max(k, self.config.max_draft_nodes)) for k in ks]
         return ks
+
+    def _guarded(self, ks: list[int], num_other_tokens: int) -> list[int]:
+        """The cost model's ks, or none where the rate guard holds a decode step's drafts off (a
+        step with prompt tokens is not one it measures)."""
+        if not any(ks) or num_other_tokens or self.guard.allows(len(ks)):
+            return ks
+        return [0] * len(ks)
 
     def prune(self, requests: Sequence[Request], drafts: dict[str, DraftTree], num_other_tokens: int = 0,
               free: Sequence[bool] | None = None) -> dict[str, DraftTree]:
