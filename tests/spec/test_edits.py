@@ -100,3 +100,36 @@ def test_random_texts_keep_the_tracker_consistent():
         for s in range(len(toks)):
             sub = t.substituted(toks, s, 5)
             assert sub is None or len(sub) <= 5
+
+
+def test_a_chance_alignment_gives_way_to_the_one_the_output_copies():
+    """The answer's opening matched the end of the prompt (a fence), then the answer copied the
+    code at the prompt's top: the departure from the chance match must not hold the tracker
+    while the first renames go by."""
+    fence = [90, 91]
+    prompt = CODE + [60, 61] + fence  # ... code, some words, the fence that ends the prompt
+    t = EditTracker()
+    toks = list(prompt)
+    t.copying_from(len(CODE) + 2, len(toks))  # a chance match: copy from the fence on
+    toks.append(fence[0])  # ... but the answer writes the fence's first token ...
+    t.advance(toks)
+    toks.append(77)  # ... and then departs: a departure waits
+    t.advance(toks)
+    assert t.pending is not None
+    t.copying_from(0, len(toks))  # the next draft copies the code at the top
+    for tok in RENAMED[:9]:  # "a = funds ; b = funds ; c"
+        toks.append(tok)
+        t.advance(toks)
+    assert t.rival is None
+    assert t.subs == [((7, 8), (9,))]  # both renames were seen: the second made it a substitution
+
+
+def test_a_change_next_to_a_known_one_is_learned_alone():
+    """`.balance = balance` -> `.funds = funds` is two renames (the second already met), not one
+    substitution of three tokens."""
+    t = EditTracker()
+    t._learn((8,), (9,))  # ` balance` -> ` funds` met once
+    code = [1, 7, 2, 8, 3, 4, 1, 7, 2, 8, 3, 5]  # "self.balance = balance ;" twice (`.balance` = 7)
+    out = [1, 6, 2, 9, 3, 4]  # "self.funds = funds ;"
+    _follow(t, code, out)
+    assert ((7,), (6,)) in t.seen and not any(len(src) > 1 for src, _ in t.seen)

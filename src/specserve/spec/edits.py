@@ -13,6 +13,15 @@ Once the same substitution is seen twice (and never the other way round), later 
 source offer the substituted text beside the original (the proposer
 weighs both; the target decides), so the second and later occurrences of a renamed name are
 drafted renamed. Only drafts change: verification keeps the output the target's.
+
+A departure is a hypothesis about where the output was copying from, and the alignment it came
+from may have been a chance match (the answer's opening fence matched the fence that ends the
+prompt, and the answer then copied the code at its top). While a departure waits, the alignment
+a new draft copies from is followed beside it as a rival: if the output copies the rival's text
+for CONFIRM tokens (or RESYNC, then departs from it too) before the departure resyncs, the rival
+was right and the departure goes
+(Qwen2.5-Coder 1.5B renaming `balance` in a class: the opening fence's departure held the
+tracker for the first 14 tokens of code, so the first renamed spans taught nothing).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ MAX_SUBS = 16  # substitutions kept per request, the latest first
 SUB_WEIGHT = 2.0  # a substituted copy's weight against the original's 1.0 (drafted first; both kept)
 MAX_SUBSTITUTED = 8  # continuations per step the substitutions are applied to (the latest matches)
 ALIGN_MIN_MATCH = 2  # a draft sets the alignment only from a match of at least this many tokens
+CONFIRM = RESYNC + 1  # tokens a rival alignment must copy, while a departure waits, to replace it
 
 Sub = tuple[tuple[int, ...], tuple[int, ...]]  # (source span, output span)
 
@@ -32,11 +42,14 @@ Sub = tuple[tuple[int, ...], tuple[int, ...]]  # (source span, output span)
 class EditTracker:
     """One request's alignment with the text it copies and the substitutions learned from it."""
 
-    __slots__ = ("follow", "pending", "refused", "seen", "subs")
+    __slots__ = ("follow", "pending", "refused", "rival", "seen", "subs")
 
     def __init__(self) -> None:
         self.follow: tuple[int, int] | None = None  # (source position, output position) being copied
         self.pending: tuple[int, int] | None = None  # where the output departed, until it copies again
+        # While a departure waits: (source position, output position, tokens it has copied) of the
+        # alignment a later draft copied from
+        self.rival: tuple[int, int, int] | None = None
         self.subs: list[Sub] = []  # (source span, output span), applied
         self.seen: set[Sub] = set()  # changes seen once
         self.refused: set[frozenset] = set()  # pairs of spans seen changed both ways
@@ -47,6 +60,8 @@ class EditTracker:
         draft may copy from another place that happens to share a token or two)."""
         if self.pending is None and self.follow is None:
             self.follow = (source, position)
+        elif self.pending is not None and self.rival is None and source < position:
+            self.rival = (source, position, 0)
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Follow the output along its alignment; where it departed, learn the substitution once it
@@ -61,21 +76,37 @@ class EditTracker:
             else:
                 self.follow = (p, i)
         if self.pending is not None:
-            self._resync(tokens)
+            self._resync(tokens)  # first: a rival that starts where the output copies again is the resync
+        if self.pending is None:
+            self.rival = None
+        elif self.rival is not None:
+            p, i, copied = self.rival
+            while i < n and p < i and tokens[p] == tokens[i]:
+                p, i, copied = p + 1, i + 1, copied + 1
+            self.rival = (p, i, copied) if i == n else None
+            # The output copied the rival's text (CONFIRM tokens, or RESYNC and then departed from
+            # it too): the waiting departure was a chance match's, and the rival's own departure,
+            # if any, waits instead. One that copied less goes.
+            if copied >= CONFIRM or (i < n and copied >= RESYNC):
+                self.pending, self.rival, self.follow = None, None, (p, i)
+                if i < n:
+                    self.advance(tokens)
 
     def _resync(self, tokens: Sequence[int]) -> None:
         """The smallest (source span a, output span b) after which the output copies the source
         again; a >= 1 is a substitution (a = 0, an insertion, teaches nothing to copy)."""
         p, i = self.pending  # type: ignore[misc]
         n = len(tokens)
+        known = [*self.subs, *self.seen]  # changes met before, which the text after this one may hold too
         for total in range(1, 2 * MAX_SPAN + 1):
             for b in range(1, min(total, MAX_SPAN) + 1):
                 a = total - b
                 if a > MAX_SPAN or i + b + RESYNC > n or p + a + RESYNC > i:
                     continue
-                # The output goes on as the source after the span does, the change applied there too.
+                # The output goes on as the source after the span does, the change applied there too
+                # (and the changes met before: `.balance = balance` is two renames, not one of three tokens).
                 src, dst = tuple(tokens[p : p + a]), tuple(tokens[i : i + b])
-                change = {src[0]: [(src, dst)]} if a else {}
+                change = _by_first([(src, dst), *known] if a else known)
                 if _copied(tokens, p + a, RESYNC, change, i)[0] == tokens[i + b : i + b + RESYNC]:
                     if a:
                         self._learn(src, dst)
