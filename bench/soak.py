@@ -1,7 +1,8 @@
 """Soak: mixed load with client disconnects on the disaggregated server, for a long time.
 
 Starts `specserve serve --disagg` (1 prefill + 1 decode worker on local Ray, n-gram speculation
-on the decode worker), then drives Poisson arrivals at a bounded concurrency with a mix of what
+on the decode worker), or with --colocated one engine with the speculation flags given in
+--server-args (default: the model's own defaults), then drives Poisson arrivals at a bounded concurrency with a mix of what
 clients do: short and long-prompt chats (streamed and not), completions with logprobs and
 top_logprobs, n=2, JSON-schema output, streams the client drops after a few chunks, non-streamed
 requests whose client gives up, and deliberately bad requests. Every 5 s it samples the RSS of
@@ -15,6 +16,14 @@ left after SIGTERM, no process left behind, and memory flat after warm-up.
 
     python bench/soak.py                     # 30 minutes
     python bench/soak.py --minutes 3         # a quick look
+    python bench/soak.py --colocated --model qwen2.5-coder-1.5b-instruct \
+        --server-args="--draft-model auto" --minutes 10 --out soak_qwen_draft
+
+A co-located engine's KV is back when its free blocks (cached ones count as free) equal what it
+had before the first request. Its KV pool is mapped lazily (kv_cache/pages.py): resident memory
+grows by each region of the pool the first time a request writes there, up to the whole
+`--kv-cache-gib`, so the warm-up (--warmup-minutes, at most a third of the run) has to cover
+that (the Qwen pair's 1 GiB took ~4 minutes of this load on a 2-vCPU Zen 4).
 
 Writes bench/results/soak.json and soak.png (RSS over time, with requests and checks).
 """
@@ -27,6 +36,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -253,6 +263,10 @@ def judge(res: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------- the run
+DEPLOYMENT = {False: "disaggregated", True: "co-located"}
+IDLE_FREE: dict[str, float] = {}  # a co-located engine's free KV blocks at the first sample (idle)
+
+
 async def sample(client: httpx.AsyncClient, base: str, root: int, t0: float) -> dict[str, Any]:
     procs = []
     for pid in process_tree(root):
@@ -264,16 +278,21 @@ async def sample(client: httpx.AsyncClient, base: str, root: int, t0: float) -> 
                          "channel_files": len(channel_files())}
     try:
         s["health"] = (await client.get(base + "/health", timeout=10)).json().get("status")
-        s["kv"] = worker_kv(( await client.get(base + "/metrics", timeout=10)).text)
+        s["kv"] = worker_kv((await client.get(base + "/metrics", timeout=10)).text, IDLE_FREE)
     except (httpx.HTTPError, ValueError) as e:
         s["health"] = f"unreachable: {type(e).__name__}"
     return s
 
 
-def worker_kv(metrics: str) -> dict[str, dict[str, float]]:
-    """{worker: {"free": n, "total": n}} from the Prometheus text."""
+def worker_kv(metrics: str, idle_free: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+    """{worker: {"free": n, "total": n}} from the Prometheus text; a co-located engine ("engine")
+    has no total gauge: its free blocks before the first request (`idle_free`) stand for it."""
     out: dict[str, dict[str, float]] = {}
     for line in metrics.splitlines():
+        if line.startswith("specserve_kv_blocks_free{"):
+            free = float(line.rsplit(" ", 1)[1])
+            total = (idle_free or {}).setdefault("engine", free)
+            out["engine"] = {"free": free, "total": total}
         for key, name in (("free", "specserve_worker_kv_blocks_free{"), ("total", "specserve_worker_kv_blocks_total{")):
             if line.startswith(name):
                 labels, value = line[len(name):].split("} ")
@@ -333,9 +352,11 @@ async def drive(args: argparse.Namespace, base: str, root: int) -> tuple[list[di
 
 
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", args.model, "--port", str(port), "--disagg",
-           "--prefill-workers", "1", "--decode-workers", "1", "--spec-method", "ngram", "--max-waiting", "256",
-           "--log-level", "warning", "--drain-timeout", "30"]
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", args.model, "--port", str(port),
+           "--max-waiting", "256", "--log-level", "warning", "--drain-timeout", "30"]
+    if not args.colocated:
+        cmd += ["--disagg", "--prefill-workers", "1", "--decode-workers", "1", "--spec-method", "ngram"]
+    cmd += shlex.split(args.server_args)
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
@@ -445,7 +466,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     s = payload["summary"]
     ax.set_ylabel("RSS (MiB)")
     growth = s["rss_growth_after_warmup"]
-    ax.set_title(f"Soak, disaggregated server: {s['requests']} requests, {payload['settings']['minutes']:.0f} min; "
+    ax.set_title(f"Soak, {DEPLOYMENT[payload['settings']['colocated']]} server: {s['requests']} requests, {payload['settings']['minutes']:.0f} min; "
                  f"RSS {growth * 100:+.1f}% after warm-up" if growth is not None else "Soak")
     ax.legend(fontsize=7, loc="upper left", ncol=2)
     ax.grid(alpha=0.3)
@@ -473,13 +494,15 @@ def main() -> int:
     ap.add_argument("--warmup-minutes", type=float, default=5.0, help="RSS growth is measured after this")
     ap.add_argument("--max-growth", type=float, default=0.05, help="largest RSS growth after warm-up that is 'flat'")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--colocated", action="store_true", help="one engine instead of 1 prefill + 1 decode worker")
+    ap.add_argument("--server-args", default="", help="more `specserve serve` flags, e.g. \"--draft-model auto\"")
     ap.add_argument("--out", default="soak")
     args = ap.parse_args()
     args.warmup_minutes = min(args.warmup_minutes, args.minutes / 3)
 
     channels_before = channel_files()
     port = free_port()
-    log(f"starting the disaggregated server on :{port}")
+    log(f"starting the {DEPLOYMENT[args.colocated]} server on :{port}")
     proc = start_server(args, port)
     t0 = time.time()
     try:
@@ -488,7 +511,7 @@ def main() -> int:
         shutdown = stop_server(proc)
     summary = summarise(results, samples, shutdown, channels_before, args)
     done = [int((r["t1"] - t0) // 60) for r in results if r.get("t1")]
-    payload = {"benchmark": "soak (disaggregated server, mixed load with disconnects)", "machine": machine_info(),
+    payload = {"benchmark": f"soak ({DEPLOYMENT[args.colocated]} server, mixed load with disconnects)", "machine": machine_info(),
                "settings": vars(args), "summary": summary,
                "finished_per_minute": [done.count(m) for m in range(max(done, default=-1) + 1)],
                "samples": [_compact(s) for s in samples],
