@@ -26,6 +26,7 @@ tracker for the first 14 tokens of code, so the first renamed spans taught nothi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 MAX_SPAN = 6  # tokens a substitution may replace, and write (an identifier, a call's name)
@@ -97,7 +98,9 @@ class EditTracker:
         again; a >= 1 is a substitution (a = 0, an insertion, teaches nothing to copy)."""
         p, i = self.pending  # type: ignore[misc]
         n = len(tokens)
-        known = [*self.subs, *self.seen]  # changes met before, which the text after this one may hold too
+        # Changes met before, which the text after this one may hold too (the seen ones up to MAX_SUBS:
+        # the index is built once per call and read at each candidate span).
+        known = _by_first([*self.subs, *itertools.islice(self.seen, MAX_SUBS)])
         for total in range(1, 2 * MAX_SPAN + 1):
             for b in range(1, min(total, MAX_SPAN) + 1):
                 a = total - b
@@ -106,8 +109,8 @@ class EditTracker:
                 # The output goes on as the source after the span does, the change applied there too
                 # (and the changes met before: `.balance = balance` is two renames, not one of three tokens).
                 src, dst = tuple(tokens[p : p + a]), tuple(tokens[i : i + b])
-                change = _by_first([(src, dst), *known] if a else known)
-                if _copied(tokens, p + a, RESYNC, change, i)[0] == tokens[i + b : i + b + RESYNC]:
+                change = (src, dst) if a else None
+                if _copied(tokens, p + a, RESYNC, known, i, change)[0] == tokens[i + b : i + b + RESYNC]:
                     if a:
                         self._learn(src, dst)
                     self.pending, self.follow = None, (p + a + RESYNC, i + b + RESYNC)
@@ -164,13 +167,17 @@ def _by_first(subs: Sequence[Sub]) -> dict[int, list[Sub]]:
 
 
 def _copied(tokens: Sequence[int], start: int, k: int, by_first: dict[int, list[Sub]], end: int,
-            ) -> tuple[list[int], bool]:
+            first: Sub | None = None) -> tuple[list[int], bool]:
     """Up to k tokens copied from tokens[start:end], each occurrence of a substitution's source
-    span written as its output span (the first listed wins), and whether one was."""
+    span written as its output span (`first`, then the listed ones in order: the first that
+    applies wins), and whether one was."""
     out: list[int] = []
     j, changed = start, False
     while j < end and len(out) < k:
-        for src, dst in by_first.get(tokens[j], ()):
+        subs = by_first.get(tokens[j], ())
+        if first is not None and first[0][0] == tokens[j]:
+            subs = [first, *subs]
+        for src, dst in subs:
             if tuple(tokens[j : j + len(src)]) == src:
                 out.extend(dst)
                 j += len(src)
