@@ -562,3 +562,31 @@ def test_rate_guard_remeasures_a_stale_plain_rate_with_one_plain_step():
     q = _policy(COSTLY_VERIFY, {1: 0.001}, acceptance=0.5)
     q.guard.clock = clock
     assert q.choose(reqs) == [0] and q.guard.num_plain_probes == 0
+
+
+def test_rate_guard_judges_speculating_steps_against_plain_ones_of_the_same_seconds():
+    """Speculating steps measured in a slow phase, then plain ones in a fast phase: the old
+    speculating rate is not held against the new plain one. Speculation is judged again on
+    GUARD_MIN_CYCLES fresh steps."""
+    from specserve.spec import policy as P
+
+    p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.8)
+    clock = p.guard.clock = _Clock()
+    reqs = [_req("a", [1, 2, 3])]
+    p.guard.observe(1, 1, 0.034, speculated=False)  # slow phase: plain 29 tok/s
+    for _ in range(P.GUARD_MIN_CYCLES):
+        p.guard.observe(1, 1.2, 0.033, speculated=True)  # 36 tok/s: ahead
+        clock.t += 0.033
+    for _ in range(90):  # a plain run in a fast phase: 45 tok/s
+        p.guard.observe(1, 1, 0.022, speculated=False)
+        clock.t += 0.022
+    for _ in range(P.GUARD_MIN_CYCLES - 1):  # speculating again, fast phase: 55 tok/s
+        p.guard.observe(1, 1.2, 0.022, speculated=True)
+        clock.t += 0.022
+        assert p.guard.num_held == 0 and p.choose(reqs) == [4]
+    p.guard.observe(1, 1.2, 0.022, speculated=True)
+    assert p.guard.num_held == 0
+    for _ in range(P.GUARD_MIN_CYCLES):  # and a real loss in the same seconds is still caught
+        p.guard.observe(1, 1.2, 0.040, speculated=True)  # 30 tok/s against plain's 45
+        clock.t += 0.040
+    assert p.guard.num_held == 1

@@ -130,6 +130,7 @@ class _Rates:
 
     spec: tuple[float, float] | None = None  # (tokens, seconds) of the speculating steps
     spec_n: int = 0  # speculating steps folded into `spec` since it was last judged anew
+    spec_at: float = -math.inf  # clock of the last speculating step
     plain: tuple[float, float] | None = None
     plain_at: float = -math.inf  # clock of the last plain step
     held_since: float | None = None  # speculation held off since (clock)
@@ -166,7 +167,14 @@ class RateGuard:
     held off at that size; after GUARD_RETRY_S it is tried for GUARD_TRIAL steps, whose rate
     decides again (held off again, it waits twice as long, up to GUARD_RETRY_MAX_S). Both
     rates are measured over the same seconds of the same machine, so a phase of its memory
-    slows or speeds them alike. The guard only removes drafts the cost model chose, never adds.
+    slows or speeds them alike: a speculating rate whose last step is more than GUARD_FRESH_S
+    old starts again, as a stale plain rate is measured again. (Kept across a gap, a slow
+    phase's speculating steps were judged against a fast phase's plain ones: bench/spec.py
+    alternates a plain and a speculating run per prompt on one engine, and with prompt lookup
+    on the Zen 4 the guard held speculation off at 36 against 43-47 tok/s, where it had measured
+    36 against 29, through three coding prompts and the first edit prompt; that run's edit
+    prompts made 1.4-1.9 tokens per step against 2.7 in a run of them alone.) The guard only
+    removes drafts the cost model chose, never adds.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -219,7 +227,10 @@ class RateGuard:
             r.spec = (sum(t for t, _ in r.trial), sum(s for _, s in r.trial))
             r.spec_n, r.trial, after_trial = GUARD_MIN_CYCLES, [], True
         else:
+            if now - r.spec_at > GUARD_FRESH_S:  # seconds old: maybe another phase of the machine's speed
+                r.spec, r.spec_n = None, 0
             r.spec, r.spec_n, after_trial = _fold(r.spec, tokens, seconds, GUARD_SPEC_DECAY), r.spec_n + 1, False
+        r.spec_at = now
         spec, plain = r.rate(r.spec), r.rate(r.plain)
         judged = r.spec_n >= GUARD_MIN_CYCLES and plain is not None and now - r.plain_at <= GUARD_FRESH_LONG_S
         if judged and spec < GUARD_MARGIN * plain:  # type: ignore[operator]
