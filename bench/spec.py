@@ -275,7 +275,8 @@ def section_ksweep(b: Bench) -> list[dict]:
 def section_batchsweep(b: Bench) -> list[dict]:
     """Throughput at batch 1..64 for policy none / always / adaptive (--batch-method: the draft model).
 
-    Each round runs plain, always and adaptive back to back at one batch size; a configuration's
+    Each round runs plain, always and adaptive back to back at one batch size (the order turning
+    from round to round); a configuration's
     speedup is the median over rounds of its tokens/s over that round's plain run. A run of 32
     tokens at batch 1-4 lasts under a second, and one run per configuration saw this 2-vCPU VM's
     memory speed move by 10-25% between configurations (Zen 5: the hybrid's batch 4 read 0.92x
@@ -287,8 +288,12 @@ def section_batchsweep(b: Bench) -> list[dict]:
     for batch in b.args.batches:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
         runs: dict[str, list[dict]] = {"none": [], "always": [], "adaptive": []}
-        for _ in range(b.args.batch_rounds):
-            for policy in ("none", "always", "adaptive"):
+        for rnd in range(b.args.batch_rounds):
+            # The order turns round by round: whichever runs right after another drifts with it (at
+            # batch 32, adaptive drafting nothing ran 0.94x plain third in every round of one
+            # sweep, and 0.96-1.03x with the order alternating in one process).
+            order = ("none", "always", "adaptive")
+            for policy in order[rnd % 3:] + order[: rnd % 3]:
                 if policy == "none":
                     eng.set_speculation(False)
                 else:
