@@ -41,16 +41,11 @@ from common import RESULTS_DIR, machine_info, write_json  # noqa: E402
 from prompts import CODING, EDIT, PROSE  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.spec.suffix import suffix_matches  # noqa: E402
 
 ORACLES = ("latest", "all occurrences", "any match")
 MAX_TAIL = 4  # the longest tail the copiers match (NgramProposer's default ngram_max)
 CONTEXT = 256  # tokens of context under the T(n) measurement (about an edit prompt's)
-
-
-def occurrences(ctx: Sequence[int], n: int) -> list[int]:
-    """Where the continuations of the earlier occurrences of ctx's last n tokens start (ascending)."""
-    tail = list(ctx[-n:])
-    return [s + n for s in range(len(ctx) - n) if list(ctx[s : s + n]) == tail]
 
 
 def run_length(ctx: Sequence[int], start: int, answer: Sequence[int], k: int) -> int:
@@ -63,17 +58,13 @@ def run_length(ctx: Sequence[int], start: int, answer: Sequence[int], k: int) ->
 
 def accepted(ctx: Sequence[int], answer: Sequence[int], k: int, oracle: str) -> int:
     """Tokens the oracle copier's draft gets right at this step."""
-    best = 0
-    for n in range(min(MAX_TAIL, len(ctx) - 1), 0, -1):
-        starts = occurrences(ctx, n)
-        if not starts:
-            continue
-        if oracle == "latest":
-            return run_length(ctx, starts[-1], answer, k)
-        best = max(best, max(run_length(ctx, s, answer, k) for s in starts))
-        if oracle == "all occurrences":
-            return best
-    return best
+    if oracle != "any match":  # the longest matching tail, as prompt lookup finds it
+        _, starts = suffix_matches(ctx, ctx, 1, MAX_TAIL, exclude_tail=True)
+        starts = starts[-1:] if oracle == "latest" else starts
+        return max((run_length(ctx, int(s), answer, k) for s in starts), default=0)
+    runs = (run_length(ctx, int(s), answer, k) for n in range(1, MAX_TAIL + 1)
+            for s in suffix_matches(ctx, ctx, n, n, exclude_tail=True)[1])
+    return max(runs, default=0)
 
 
 def runs(prompt_ids: Sequence[int], answer: Sequence[int], k: int, oracle: str) -> list[int]:

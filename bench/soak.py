@@ -264,10 +264,10 @@ def judge(res: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------- the run
 DEPLOYMENT = {False: "disaggregated", True: "co-located"}
-IDLE_FREE: dict[str, float] = {}  # a co-located engine's free KV blocks at the first sample (idle)
 
 
-async def sample(client: httpx.AsyncClient, base: str, root: int, t0: float) -> dict[str, Any]:
+async def sample(client: httpx.AsyncClient, base: str, root: int, t0: float,
+                 idle_free: dict[str, float]) -> dict[str, Any]:
     procs = []
     for pid in process_tree(root):
         got = rss_and_name(pid)
@@ -278,7 +278,7 @@ async def sample(client: httpx.AsyncClient, base: str, root: int, t0: float) -> 
                          "channel_files": len(channel_files())}
     try:
         s["health"] = (await client.get(base + "/health", timeout=10)).json().get("status")
-        s["kv"] = worker_kv((await client.get(base + "/metrics", timeout=10)).text, IDLE_FREE)
+        s["kv"] = worker_kv((await client.get(base + "/metrics", timeout=10)).text, idle_free)
     except (httpx.HTTPError, ValueError) as e:
         s["health"] = f"unreachable: {type(e).__name__}"
     return s
@@ -305,6 +305,7 @@ async def drive(args: argparse.Namespace, base: str, root: int) -> tuple[list[di
     rng = random.Random(args.seed)
     results: list[dict] = []
     samples: list[dict] = []
+    idle_free: dict[str, float] = {}  # a co-located engine's free KV blocks at the first sample (idle)
     sem = asyncio.Semaphore(args.concurrency)
     t0 = time.time()
     deadline = t0 + args.minutes * 60
@@ -312,7 +313,7 @@ async def drive(args: argparse.Namespace, base: str, root: int) -> tuple[list[di
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def sampler() -> None:
             while time.time() < deadline:
-                samples.append(await sample(client, base, root, t0))
+                samples.append(await sample(client, base, root, t0, idle_free))
                 await asyncio.sleep(args.sample_every)
 
         async def one(req: dict[str, Any]) -> None:
@@ -339,7 +340,7 @@ async def drive(args: argparse.Namespace, base: str, root: int) -> tuple[list[di
         # Idle: every KV block must come back once the aborted requests are cleaned up.
         settle_deadline = time.time() + 60
         while True:
-            final = await sample(client, base, root, t0)
+            final = await sample(client, base, root, t0, idle_free)
             kv = final.get("kv", {})
             if kv and all(v.get("free") == v.get("total") for v in kv.values()):
                 break

@@ -69,9 +69,7 @@ class EditTracker:
         copies again."""
         n = len(tokens)
         if self.follow is not None:
-            p, i = self.follow
-            while i < n and p < i and tokens[p] == tokens[i]:
-                p, i = p + 1, i + 1
+            p, i = _along(tokens, *self.follow)
             if i < n and p < i:
                 self.pending, self.follow = (p, i), None
             else:
@@ -81,17 +79,20 @@ class EditTracker:
         if self.pending is None:
             self.rival = None
         elif self.rival is not None:
-            p, i, copied = self.rival
-            while i < n and p < i and tokens[p] == tokens[i]:
-                p, i, copied = p + 1, i + 1, copied + 1
+            p0, i0, copied = self.rival
+            p, i = _along(tokens, p0, i0)
+            copied += i - i0
             self.rival = (p, i, copied) if i == n else None
             # The output copied the rival's text (CONFIRM tokens, or RESYNC and then departed from
             # it too): the waiting departure was a chance match's, and the rival's own departure,
             # if any, waits instead. One that copied less goes.
             if copied >= CONFIRM or (i < n and copied >= RESYNC):
-                self.pending, self.rival, self.follow = None, None, (p, i)
+                self.rival = None
                 if i < n:
-                    self.advance(tokens)
+                    self.pending = (p, i)
+                    self._resync(tokens)
+                else:
+                    self.pending, self.follow = None, (p, i)
 
     def _resync(self, tokens: Sequence[int]) -> None:
         """The smallest (source span a, output span b) after which the output copies the source
@@ -156,6 +157,14 @@ class EditTracker:
             conts.append((list(tokens[s : s + k]), 1.0))
             origins.append(s)
         return conts, origins
+
+
+def _along(tokens: Sequence[int], p: int, i: int) -> tuple[int, int]:
+    """(source, output) positions after the output's tokens from i on that equal the source's from p on."""
+    n = len(tokens)
+    while i < n and p < i and tokens[p] == tokens[i]:
+        p, i = p + 1, i + 1
+    return p, i
 
 
 def _by_first(subs: Sequence[Sub]) -> dict[int, list[Sub]]:
