@@ -590,3 +590,30 @@ def test_rate_guard_judges_speculating_steps_against_plain_ones_of_the_same_seco
         p.guard.observe(1, 1.2, 0.040, speculated=True)  # 30 tok/s against plain's 45
         clock.t += 0.040
     assert p.guard.num_held == 1
+
+
+def test_a_delivered_tree_node_is_valued_by_its_acceptance_given_delivery():
+    """A draft that stops at an unsure token delivers its deep positions only where it was sure,
+    and there they are nearly always accepted. The rates count an undelivered position as a miss
+    (right for choosing K: a step gets only what is delivered), but a node already in the tree was
+    delivered: prune() values it with the rate over the delivery chance, so a sure deep node whose
+    verify pays is kept, and its siblings share only what that leaves."""
+    from specserve.spec.tree import DraftTree
+
+    p = _policy({1: 0.100, 2: 0.104, 3: 0.108, 4: 0.112, 8: 0.200}, {1: 0.001}, acceptance=0.8)
+    p.trees = True
+    st = p.stats("a")
+    for _ in range(200):  # position 1 delivered half the time; whenever delivered, accepted
+        p.observe_proposal("a", 2, 2)
+        p.observe("a", 2, 2)
+        p.observe_proposal("a", 2, 1)
+        p.observe("a", 1, 1)
+    assert 0.4 < st.rates[1] < 0.6 and 0.4 < st.reach[1] < 0.6
+    chain = DraftTree((5, 6), (-1, 0), scores=(0.9, 0.85))
+    gains = SpecPolicy.node_gains(st, chain)
+    assert gains[0] > 0.99 and gains[1] > 0.95  # not ~0.5: node 1 is there, so it was delivered
+    # Its verify costs 4% of a step and it brings ~0.97 tokens: kept whole.
+    assert len(p.prune([_req("a", [1])], {"a": chain})["a"]) == 2
+    # A sibling of a node accepted ~always when delivered gets what little is left.
+    bushy = DraftTree((5, 7, 6), (-1, 0, 0), scores=(0.9, 0.85, 0.05))
+    assert SpecPolicy.node_gains(st, bushy)[2] < 0.05
