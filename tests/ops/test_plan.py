@@ -396,6 +396,7 @@ def test_http_front_end_time_is_added_to_every_first_token(cost):
     plain = simulate(trace, Deployment(), MeasuredCostModel.from_profile(profile, served=True)).requests
     front = simulate(trace, Deployment(), http).requests
     assert [b.ttft_s - a.ttft_s for a, b in zip(plain, front)] == pytest.approx([0.030, 0.030])
+    assert http.busy_request_overhead_s == http.request_overhead_s  # the server's front end works beside the engine
     with pytest.raises(ProfileError, match="served.ttft_s"):
         MeasuredCostModel.from_profile(synthetic_profile(), served=True, http=True)
     # The chat template's start found in the prefix cache: only the rest was prefilled.
@@ -404,7 +405,7 @@ def test_http_front_end_time_is_added_to_every_first_token(cost):
         0.030, abs=1e-6)
 
 
-def test_in_process_front_end_time_is_added_to_every_first_token():
+def test_in_process_front_end_time_is_added_to_first_tokens_from_an_engine_at_rest():
     """`in_process` (lone requests submitted through AsyncEngine, as bench/disagg.py's co-located
     engine and an embedding application submit them) less the step that prefilled them is that
     front end's time; a profile without it charges nothing, and a front end is one or the other."""
@@ -418,6 +419,17 @@ def test_in_process_front_end_time_is_added_to_every_first_token():
     trace = [TraceRequest(0.0, 36, 4), TraceRequest(5.0, 36, 4)]
     base, front = (simulate(trace, Deployment(), c).requests for c in (plain, inproc))
     assert [b.ttft_s - a.ttft_s for a, b in zip(base, front)] == pytest.approx([0.004, 0.004])
+    # That time is an engine at rest waking up: a request arriving while another decodes is
+    # taken in at the next step and pays none of it (behind HTTP it pays all of it, as above).
+    assert inproc.busy_request_overhead_s == 0.0
+    busy = [TraceRequest(0.0, 36, 400), TraceRequest(0.5, 36, 4)]
+    base, front = (simulate(busy, Deployment(), c).requests for c in (plain, inproc))
+    assert front[0].ttft_s - base[0].ttft_s == pytest.approx(0.004)
+    # As if the first had arrived 4 ms later and the second had no front end at all.
+    [_, later] = simulate([TraceRequest(0.004, 36, 400), TraceRequest(0.5, 36, 4)], Deployment(), plain).requests
+    assert front[1].ttft_s == pytest.approx(later.ttft_s)
+    charged = replace(inproc, busy_request_overhead_s=0.3)  # would the busy request pay: later
+    assert simulate(busy, Deployment(), charged).requests[1].ttft_s > front[1].ttft_s + 0.29
     with pytest.raises(ValueError, match="either HTTP or in-process"):
         MeasuredCostModel.from_profile(profile, http=True, in_process=True)
 

@@ -39,7 +39,9 @@ What it models, each piece as specserve does it:
 
 - **the front end**: a request reaches the engine `CostModel.request_overhead_s` after it
   arrives (HTTP or an in-process driver, chat template, tokenizing, streaming the first chunk
-  back; the median of the lone requests a profile timed that way, 0 on paper);
+  back; the median of the lone requests a profile timed that way, 0 on paper), or
+  `CostModel.busy_request_overhead_s` after it where its co-located engine is at work then
+  (in-process, the lone requests' time is an engine at rest waking up);
 - **workers sharing a machine**: a disaggregated worker's step that starts while another
   worker is computing takes `CostModel.co_run_slowdown(role, batch)` times as long (measured by
   `specserve profile` where the workers share a host's memory and cores; 1 on paper);
@@ -248,7 +250,7 @@ class SimResult(NamedTuple):
 
 
 # ---------------------------------------------------------------------- the simulation
-_ARRIVAL, _STEP_END, _KV_READY = 0, 1, 2
+_ARRIVAL, _STEP_END, _KV_READY, _FRONT_END = 0, 1, 2, 3
 
 
 class _Req:
@@ -548,15 +550,21 @@ class _Simulation:
             # The front end's own time per request (HTTP, chat template, tokenizing, the first
             # chunk's way back) before the engine sees it: 0 unless measured behind the server;
             # disaggregated, also the calls between the router and the workers (profile's relay).
-            delay = self.cost.request_overhead_s
+            # Co-located, what it costs depends on whether the engine is at work on arrival.
             if self.deployment.disaggregated:
                 local = r.trace.prompt_tokens - 1 < max(1, self.deployment.local_prefill_tokens)
-                delay += self.cost.disagg_request_overhead_s(local)
-            self.push(r.trace.arrival_s + delay, _ARRIVAL, r)
+                self.push(r.trace.arrival_s + self.cost.request_overhead_s + self.cost.disagg_request_overhead_s(local),
+                          _ARRIVAL, r)
+            else:
+                self.push(r.trace.arrival_s, _FRONT_END, r)
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
             if kind == _ARRIVAL:
                 self.route(payload, now)
+            elif kind == _FRONT_END:
+                idle = min(e.num_unfinished for e in self.decode) == 0
+                self.push(now + (self.cost.request_overhead_s if idle else self.cost.busy_request_overhead_s),
+                          _ARRIVAL, payload)
             elif kind == _STEP_END:
                 engine, step = payload
                 engine.end_step(now, step)
