@@ -1,4 +1,4 @@
-"""`specserve` command line: models, generate (and, as they land, serve and bench)."""
+"""`specserve` command line: serve a model (OpenAI-compatible), generate offline, and the operator's tools (calc, profile, plan, audit, train-draft, build-corpus)."""
 
 from __future__ import annotations
 
