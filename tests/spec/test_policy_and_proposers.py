@@ -596,8 +596,9 @@ def test_a_delivered_tree_node_is_valued_by_its_acceptance_given_delivery():
     """A draft that stops at an unsure token delivers its deep positions only where it was sure,
     and there they are nearly always accepted. The rates count an undelivered position as a miss
     (right for choosing K: a step gets only what is delivered), but a node already in the tree was
-    delivered: prune() values it with the rate over the delivery chance, so a sure deep node whose
-    verify pays is kept, and its siblings share only what that leaves."""
+    delivered: prune() values it with the acceptance measured over the verifies that held that
+    depth, so a sure deep node whose verify pays is kept, and its siblings share only what that
+    leaves. A depth the drafts reach but the target rejects is valued low all the same."""
     from specserve.spec.tree import DraftTree
 
     p = _policy({1: 0.100, 2: 0.104, 3: 0.108, 4: 0.112, 8: 0.200}, {1: 0.001}, acceptance=0.8)
@@ -617,3 +618,9 @@ def test_a_delivered_tree_node_is_valued_by_its_acceptance_given_delivery():
     # A sibling of a node accepted ~always when delivered gets what little is left.
     bushy = DraftTree((5, 7, 6), (-1, 0, 0), scores=(0.9, 0.85, 0.05))
     assert SpecPolicy.node_gains(st, bushy)[2] < 0.05
+    for _ in range(200):  # now delivered half the time and then rejected
+        p.observe_proposal("b", 2, 2)
+        p.observe("b", 2, 1)
+        p.observe_proposal("b", 2, 1)
+        p.observe("b", 1, 1)
+    assert SpecPolicy.node_gains(p.stats("b"), chain)[1] < 0.05

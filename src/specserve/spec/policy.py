@@ -80,7 +80,6 @@ PHASE_RANGE = (0.25, 4.0)  # the phase never leaves this range, whatever a stall
 POOLED_EWMA = 0.05  # the same for the acceptance pooled over requests (a new request's prior)
 SCORE_EWMA = 0.1  # weight of the newest verify in a request's score calibration
 SCORE_PRIOR_WEIGHT = 2.0  # the pooled calibration counts as this many predicted acceptances
-MIN_REACH = 0.05  # node_gains: a delivery chance below this is not divided by (a near-0 estimate is noise)
 PRUNE_MIN_GAIN = 0.01  # prune() never weighs nodes with a smaller chance to be accepted
 TREE_NODES_PER_K = 2  # a tree may hold this many nodes per draft position the chain model affords
 PROBE_EVERY = 16  # re-try k=1 (or k+1) this often for a request the cost model held back
@@ -428,10 +427,13 @@ class AcceptanceStats:
     (the proposer delivered it and the target accepted it). reach[j]: the chance the proposer
     delivers position j when allowed to and it delivered j - 1 (a draft that stops at an unsure
     token, a lookup whose match is short); a step verifies, and pays for, only what is delivered.
+    given[j]: the chance that position j is accepted given that it was delivered (verified) and
+    every earlier one accepted: how prune() values a node already drafted.
     """
 
     rates: list[float]
     reach: list[float] = field(default_factory=list)
+    given: list[float] = field(default_factory=list)
     asked: int = 0  # positions the proposal now being verified tests (see SpecPolicy.observe_proposal)
     depth_asked: int = 0  # tree proposers: the chain K the node budget was sized from
     probing: bool = False  # this step's K is a probe (prune() keeps its draft whole)
@@ -452,6 +454,8 @@ class AcceptanceStats:
     def __post_init__(self) -> None:
         if not self.reach:
             self.reach = [1.0] * len(self.rates)
+        if not self.given:
+            self.given = list(self.rates)
         if not self.tested:
             self.tested = [NEVER] * len(self.rates)
 
@@ -459,6 +463,10 @@ class AcceptanceStats:
         """Position j was tested iff j < num_asked and every earlier draft was accepted; an
         undelivered position counts as a miss."""
         _fold_run(self.rates, num_asked, num_accepted, weight)
+
+    def update_given(self, verified: int, accepted: int, weight: float = EWMA) -> None:
+        """A verify of drafts `verified` positions deep accepted `accepted` of them."""
+        _fold_run(self.given, verified, accepted, weight)
 
     def update_scores(self, predicted: float, accepted: int, nodes: int, weight: float = SCORE_EWMA) -> None:
         """Fold one verify of `nodes` drafts into the score calibration (their summed scores
@@ -563,6 +571,7 @@ class SpecPolicy:
         if st is None:
             pooled = self.pooled_for(free)
             st = self._stats[(request_id, free)] = AcceptanceStats(list(pooled.rates), list(pooled.reach),
+                                                                   list(pooled.given),
                                                                    drafted_yield=pooled.drafted_yield,
                                                                    drafted_nodes=pooled.drafted_nodes)
         return st
@@ -618,6 +627,9 @@ class SpecPolicy:
                 st.trials += 1
             st.update(asked, num_accepted, weight)
             self.pooled_for(free).update(asked, num_accepted, POOLED_EWMA)
+            if num_draft > 0:
+                st.update_given(num_draft, num_accepted, weight)
+                self.pooled_for(free).update_given(num_draft, num_accepted, POOLED_EWMA)
             for j in range(min(asked, num_accepted + 1, len(st.tested))):
                 st.tested[j] = self._step
             st.full_run = asked if num_accepted >= asked else 0
@@ -739,22 +751,24 @@ class SpecPolicy:
 
     @staticmethod
     def node_gains(stats: AcceptanceStats, tree: DraftTree) -> list[float]:
-        """Each node's chance to be accepted, from the request's learned per-depth acceptance
-        r_d and the proposer's scores (path scores: a child's score over its parent's is the
+        """Each node's chance to be accepted, from the request's learned per-depth acceptance of
+        delivered nodes g_d and the proposer's scores (path scores: a child's score over its parent's is the
         proposer's conditional belief in it).
 
         The first child of a node (proposers list the best first) is accepted, given its parent
-        was, with r_d / h_d: the chain model's rate of delivered-and-accepted drafts at that
-        depth over the chance h_d (`reach`) the proposer delivers it, since a node in the tree
-        has been delivered. (r_d alone charged every node with the misses of the steps whose
-        draft stopped short of it. The 0.5B draft stops at an unsure token, and its main-path
-        nodes at depth 3-5 were accepted 97-100% of the times they were drafted, yet prune() cut
-        most 5-deep main paths to 4: Qwen 1.5B, coding prompts, 2.96 tokens per step against the
-        chain's 3.35; with r_d / h_d 3.23.) The other children share the
-        rest, 1 - r_d / h_d, in proportion to their share of the belief the first child left:
+        was, with g_d (`given`): the acceptance of a node at that depth measured over the verifies
+        that held one there. Not the chain model's r_d: that counts a position the proposer did
+        not deliver as a miss (right for choosing K, a step gets only what is delivered), and a
+        node in the tree was delivered. (With r_d, the 0.5B draft, which stops at an unsure token,
+        had its main-path nodes at depth 3-5 accepted 97-100% of the times they were drafted, yet
+        prune() cut most 5-deep main paths to 4: Qwen 1.5B, coding prompts, 3.30 tokens per step
+        where the chain made 3.49. r_d over the delivery chance overstated it instead, since a
+        draft delivers deeper after the sure tokens that are also accepted more often: SmolLM2's
+        EAGLE head, adaptive, 1.14 -> 1.07 tokens per step.) The other children share the rest,
+        1 - g_d, in proportion to their share of the belief the first child left:
         q(v) / (1 - q(first)).
         """
-        rates, delivered = stats.rates, stats.reach
+        rates = stats.given
         kids = tree.children
         gains = [0.0] * len(tree)
 
@@ -763,8 +777,6 @@ class SpecPolicy:
             if not sibs:
                 return
             r = rates[depth] if depth < len(rates) else rates[-1]
-            h = delivered[depth] if depth < len(delivered) else delivered[-1]
-            r = min(1.0, r / max(h, MIN_REACH))
             base = 1.0 if parent < 0 else tree.scores[parent]
             cond = [tree.scores[c] / base if base > 0 else 0.0 for c in sibs]
             left = max(1e-9, 1.0 - cond[0])
