@@ -760,7 +760,7 @@ class SpecPolicy:
         that held one there. Not the chain model's r_d: that counts a position the proposer did
         not deliver as a miss (right for choosing K, a step gets only what is delivered), and a
         node in the tree was delivered. (With r_d, the 0.5B draft, which stops at an unsure token,
-        had its main-path nodes at depth 3-5 accepted 97-100% of the times they were drafted, yet
+        had its main-path nodes at depth 3-5 accepted 95-100% of the times they were drafted, yet
         prune() cut most 5-deep main paths to 4: Qwen 1.5B, coding prompts, 3.30 tokens per step
         where the chain made 3.49. r_d over the delivery chance overstated it instead, since a
         draft delivers deeper after the sure tokens that are also accepted more often: SmolLM2's
