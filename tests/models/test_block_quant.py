@@ -567,6 +567,33 @@ def test_paired_groups_give_the_unpaired_bits_for_any_pass_width(qtype):
         k.interleave_rows(random_blocks(qtype, 40, 512).data, qtype, True)
 
 
+def test_amx_passes_are_bit_identical_to_the_512_bit_ones():
+    """Where the CPU has AMX (and the kernel grants the tiles), wide passes over Q4_K take the tile
+    unit; every row's products must be exactly those of the 512-bit kernel, whatever the number
+    of activation rows (one tile half or two, a tail pass beside a full one) and wherever the
+    threshold lies, so logits never depend on the batch shape."""
+    k = kernels()
+    with pytest.raises(RuntimeError, match="0 \\(never\\) or a positive number"):
+        k.set_amx_min_rows(-1)
+    if not k.has_amx():
+        assert k.amx_min_rows() == 0
+        pytest.skip("this CPU (or its kernel) offers no AMX tiles: the 512-bit kernels are the only ones")
+    assert k.amx_min_rows() >= 1
+    kq, data = interleave_rows(random_blocks(12, 96, 1024, seed=3), paired=True)
+    assert kq == PAIRED[12]
+    old = k.set_amx_min_rows(0)
+    try:
+        for m in (1, 2, 5, 9, 16, 17, 24, 31, 32, 33, 40, 64, 75):
+            x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)) * 3
+            k.set_amx_min_rows(0)
+            ref = k.qmatmul(x, data, kq)
+            for start in (1, 9, 24):
+                k.set_amx_min_rows(start)
+                assert torch.equal(k.qmatmul(x, data, kq), ref), (m, start)
+    finally:
+        k.set_amx_min_rows(old)
+
+
 def test_vnni_kernels_are_bit_identical_to_the_avx2_ones(tmp_path):
     """Where the CPU has AVX512-VNNI the interleaved kernels use vpdpbusd; an AVX2-only build of
     the same source must give exactly the same products (so results never depend on the CPU's

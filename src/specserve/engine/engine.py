@@ -1144,6 +1144,8 @@ class LLMEngine:
             if k.has_avx512():
                 rows = k.wide_min_rows()
                 wide = f", 512 bits wide from {rows} rows per pass" if rows <= 32 else ", 256 bits wide (512 did not pay here)"
+            if (amx := k.amx_min_rows()) > 0:
+                wide += f", Q4_K passes of {amx}+ rows on AMX tiles"
             precision = (f"{q}: the GGUF's own blocks through native {isa} kernels{wide}" if q == "auto"
                          else f"{q}: 4-bit blocks, native {isa} kernels{wide}")
         else:

@@ -115,7 +115,7 @@ def machine_info() -> dict[str, Any]:
     return {
         "cpu": cpu,
         "cpu_family_model_stepping": "/".join(ids.get(k, "?") for k in ("cpu family", "model", "stepping")),
-        "cpu_isa": [x for x in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f" {x}" in flags],
+        "cpu_isa": [x for x in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f" {x}" in flags],
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
