@@ -583,7 +583,7 @@ def test_amx_passes_are_bit_identical_to_the_512_bit_ones():
     assert kq == PAIRED[12]
     old = k.set_amx_min_rows(0)
     try:
-        for m in (1, 2, 5, 9, 16, 17, 24, 31, 32, 33, 40, 64, 75):
+        for m in (1, 2, 5, 9, 16, 17, 24, 31, 32, 33, 40, 48, 64, 75):
             x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)) * 3
             k.set_amx_min_rows(0)
             ref = k.qmatmul(x, data, kq)

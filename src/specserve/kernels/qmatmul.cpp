@@ -1433,8 +1433,17 @@ void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, i
     const int64_t q8 = R == 16 ? seg.qtype - kPaired : seg.qtype;
     const int64_t B = type_info(q8).block_bytes;
     alignas(64) float out[kPassRows * 16];
-    for (int64_t m = 0; m < M; m += kPassRows) {
-      const int mt = static_cast<int>(std::min<int64_t>(kPassRows, M - m));
+    // Passes of kPassRows rows and the rest, or equal shares where the rest would be too short
+    // for the AMX tiles and the shares are not (48 rows: two passes of 24 instead of 32 + 16).
+    const int64_t passes = (M + kPassRows - 1) / kPassRows;
+    bool equal = false;
+#if SPECSERVE_AMX
+    if (R == 16 && passes > 1 && M % kPassRows != 0)
+      equal = amx_pass(q8, acts, static_cast<int>(M / passes)) && !amx_pass(q8, acts, static_cast<int>(M % kPassRows));
+#endif
+    int mt = 0;
+    for (int64_t k = 0, m = 0; k < passes; ++k, m += mt) {
+      mt = static_cast<int>(equal ? M / passes + (k < M % passes ? 1 : 0) : std::min<int64_t>(kPassRows, M - m));
       for (int64_t n = n0; n < n1; n += R) {
         const uint8_t* grp = seg.w + (n / R) * seg.row_bytes;
         if (R == 8) {
