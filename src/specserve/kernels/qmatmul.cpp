@@ -1062,10 +1062,12 @@ void dot_q4_q5_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float*
 //
 // A TDPBSUD takes ~16 cycles whatever the rows, and every sub-block adds a tile load of B and a
 // store of C, so the tiles pay only for many rows: on a 2-vCPU Xeon VM (AVX-512, AMX; it reports
-// family 6 model 167), Qwen2.5-Coder-1.5B Q4_K_M on `auto`, forwards of n tokens with the tiles against without:
-// 0.96x at n = 9, 1.01x at 17, 1.16x at 33, prefill chunks 1.33x, batch-32 decode 1.20x, batch
-// 16 0.99x. Hence g_amx_min_rows = 24. Q6_K's 16-value scale groups fill a quarter of a tile's
-// depth; its tile kernel was 0.84-0.91x the 512-bit one at 2-33 rows and is not kept.
+// family 6 model 167), Qwen2.5-Coder-1.5B Q4_K_M on `auto`, forwards of n tokens with the tiles
+// against without, in alternating rounds: 0.96-0.97x at n = 9, 0.98-0.99x at 12-14, 1.02x at 16,
+// 1.01-1.08x at 17, 1.03x at 20, 1.05x at 24, 1.16-1.20x at 33; batch 12 0.98x, 16 1.02x, 20 1.03x,
+// 32 1.20x; prefill chunks 1.33x. Hence g_amx_min_rows = 16. Q6_K's 16-value scale groups fill
+// a quarter of a tile's depth; its tile kernel was 0.84-0.91x the 512-bit one at 2-33 rows and is
+// not kept.
 //
 // Tile state is per thread: each pass makes sure its thread holds the configuration it needs
 // (tile_config).
@@ -1212,7 +1214,7 @@ void dot_q4_k_x16_amx(const uint8_t* grp, int64_t nb, const Acts* a, int M, floa
 }
 
 // Activation rows from which a pass over a paired Q4_K row takes the tiles (0: never).
-std::atomic<int> g_amx_min_rows{24};
+std::atomic<int> g_amx_min_rows{16};
 
 // Tile A reads the activation rows at one stride: quantize_acts lays them out so.
 inline bool amx_pass(int64_t q8, const Acts* a, int mt) {
@@ -1433,17 +1435,8 @@ void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, i
     const int64_t q8 = R == 16 ? seg.qtype - kPaired : seg.qtype;
     const int64_t B = type_info(q8).block_bytes;
     alignas(64) float out[kPassRows * 16];
-    // Passes of kPassRows rows and the rest, or equal shares where the rest would be too short
-    // for the AMX tiles and the shares are not (48 rows: two passes of 24 instead of 32 + 16).
-    const int64_t passes = (M + kPassRows - 1) / kPassRows;
-    bool equal = false;
-#if SPECSERVE_AMX
-    if (R == 16 && passes > 1 && M % kPassRows != 0)
-      equal = amx_pass(q8, acts, static_cast<int>(M / passes)) && !amx_pass(q8, acts, static_cast<int>(M % kPassRows));
-#endif
-    int mt = 0;
-    for (int64_t k = 0, m = 0; k < passes; ++k, m += mt) {
-      mt = static_cast<int>(equal ? M / passes + (k < M % passes ? 1 : 0) : std::min<int64_t>(kPassRows, M - m));
+    for (int64_t m = 0; m < M; m += kPassRows) {
+      const int mt = static_cast<int>(std::min<int64_t>(kPassRows, M - m));
       for (int64_t n = n0; n < n1; n += R) {
         const uint8_t* grp = seg.w + (n / R) * seg.row_bytes;
         if (R == 8) {
