@@ -128,10 +128,13 @@ def machine_info() -> dict[str, Any]:
 
 def _kernel_tuning() -> dict[str, Any]:
     """What this process's native kernels measured and chose at start-up (prefetch distance, the
-    width from which passes run 512 bits wide), where a model has loaded them."""
-    from specserve.kernels import prefetch_tuning, wide_tuning
+    width from which passes run 512 bits wide) and from how many rows Q4_K passes take the AMX
+    tiles, where a model has loaded them."""
+    from specserve.kernels import kernels, prefetch_tuning, wide_tuning
 
     tuning = {name: info for name, info in (("prefetch", prefetch_tuning()), ("wide_passes", wide_tuning())) if info}
+    if tuning and (amx_rows := getattr(kernels(), "amx_min_rows", lambda: 0)()) > 0:
+        tuning["amx_passes"] = {"min_rows": amx_rows}
     return {"kernel_tuning": tuning} if tuning else {}
 
 
