@@ -726,7 +726,8 @@ def test_profile_smollm2_round_trips(tmp_path, capsys):
 
 def test_machine_info_records_the_kernels_start_up_choices(monkeypatch):
     """Results name what the kernels chose at start-up in that process (prefetch distance, 512-bit
-    pass width), since both move the figures; nothing is recorded before a model tuned them."""
+    pass width) and, where the CPU has AMX, from how many rows Q4_K passes take the tiles, since
+    all move the figures; nothing is recorded before a model tuned them."""
     import specserve.kernels as kmod
     from specserve.ops.profile import machine_info
 
@@ -734,5 +735,9 @@ def test_machine_info_records_the_kernels_start_up_choices(monkeypatch):
     monkeypatch.setattr(kmod, "_wide_tuned", {})
     assert "kernel_tuning" not in machine_info()
     monkeypatch.setattr(kmod, "_wide_tuned", {"min_rows": 5, "ratio": {4: 1.01, 5: 1.3}})
+    amx = kmod.kernels().amx_min_rows()
     info = machine_info()
-    assert info["kernel_tuning"] == {"wide_passes": {"min_rows": 5, "ratio": {4: 1.01, 5: 1.3}}}
+    assert info["kernel_tuning"] == {"wide_passes": {"min_rows": 5, "ratio": {4: 1.01, 5: 1.3}},
+                                     **({"amx_passes": {"min_rows": amx}} if amx else {})}
+    monkeypatch.setattr(kmod, "kernels", lambda: type("NoAmx", (), {"amx_min_rows": staticmethod(lambda: 0)})())
+    assert machine_info()["kernel_tuning"] == {"wide_passes": {"min_rows": 5, "ratio": {4: 1.01, 5: 1.3}}}
