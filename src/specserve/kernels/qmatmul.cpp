@@ -1074,10 +1074,8 @@ void dot_q4_q5_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float*
 // Linux hands out the tile registers only to a process that asks (arch_prctl); amx_ready() asks
 // once, and without them the 512-bit kernels run instead.
 
-// Tiles: A0 / A1 the two halves' activations, B0 / B1 weights, C0-C3 sums. GCC's tile intrinsics paste
-// the tile number into the instruction text, so the ids are literal numbers.
-#define SPECSERVE_TILE_A0 0
-#define SPECSERVE_TILE_A1 1
+// Tiles 0 / 1 hold activations (A), 2 / 3 weights (B), 4-7 sums (C). GCC's tile intrinsics paste
+// the tile number into the instruction text, so the ids below are literal numbers.
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -1087,13 +1085,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles for a pass of r0 + r1 activation rows (r0 <= 16 in A0/C0/C2, r1 <= 16 in A1/C1/C3) over
-// scale groups of k values. The thread's configuration is read back first and loaded only when it
+// Tiles for a pass of r0 + r1 activation rows (r0 <= 16 in tiles 0 / 4 / 6, r1 <= 16 in 1 / 5 / 7)
+// over scale groups of k values. The thread's configuration is read back first and loaded only when it
 // differs: other code in the thread (oneDNN's AMX kernels under torch) may have loaded its own or
 // released the tiles since this thread's last pass, so nothing is assumed from an earlier call.
 inline void tile_config(int r0, int r1, int k) {
   TileConfig want;
-  const int h1 = r1 > 0 ? r1 : r0;  // one half: A1, C1 and C3 are more tiles of the first (tile_groups)
+  const int h1 = r1 > 0 ? r1 : r0;  // one half: tiles 1, 5 and 7 are more tiles of it (tile_groups)
   const int rows[8] = {r0, h1, k / 4, k / 4, r0, h1, r0, h1};
   const int cols[8] = {k, k, 64, 64, 64, 64, 64, 64};
   for (int t = 0; t < 8; ++t) {
@@ -1118,9 +1116,6 @@ bool amx_ready() {
   return ready;
 }
 
-// C (rows x 16 int32) of one scale group for both halves of the pass: A from the activations at
-// column `off` (rows `stride` bytes apart), B from `bt`; C to cbuf (row m at cbuf + 16 m, the
-// second half's rows after the first's). Tile ids are immediates, hence the two alternatives.
 // One scale group: C = A (activation rows at x, `stride` apart) times B (at w), stored to c.
 #define SPECSERVE_TILE_DOT(A, B, C, x, w, c) \
   do {                                       \
