@@ -1086,14 +1086,14 @@ struct alignas(64) TileConfig {
 };
 
 // Tiles for a pass of r0 + r1 activation rows (r0 <= 16 in tiles 0 / 4 / 6, r1 <= 16 in 1 / 5 / 7)
-// over scale groups of k values. The thread's configuration is read back first and loaded only when it
+// over 32-value sub-blocks. The thread's configuration is read back first and loaded only when it
 // differs: other code in the thread (oneDNN's AMX kernels under torch) may have loaded its own or
 // released the tiles since this thread's last pass, so nothing is assumed from an earlier call.
-inline void tile_config(int r0, int r1, int k) {
+inline void tile_config(int r0, int r1) {
   TileConfig want;
   const int h1 = r1 > 0 ? r1 : r0;  // one half: tiles 1, 5 and 7 are more tiles of it (tile_groups)
-  const int rows[8] = {r0, h1, k / 4, k / 4, r0, h1, r0, h1};
-  const int cols[8] = {k, k, 64, 64, 64, 64, 64, 64};
+  const int rows[8] = {r0, h1, 8, 8, r0, h1, r0, h1};  // B: 32 values as 8 rows of 16 x 4 bytes
+  const int cols[8] = {32, 32, 64, 64, 64, 64, 64, 64};
   for (int t = 0; t < 8; ++t) {
     want.rows[t] = static_cast<uint8_t>(rows[t]);
     want.colsb[t] = static_cast<uint16_t>(cols[t]);
@@ -1126,17 +1126,17 @@ bool amx_ready() {
     _tile_stored(C, c, 64);                  \
   } while (0)
 
-// Scale groups g = 0..G-1 of kb values each: B of group g at bt + g * bstep, activations at
-// x0 + g * kb, the sums of rows 0..r0 to cbuf + g * cstride and those of rows 16.. after them.
-// With one half (r1 = 0) consecutive groups take different A, B and C tiles so that they overlap
-// (reusing a tile waits for the instruction before to let go of it); two halves share a group's B.
-inline void tile_groups(int G, int kb, const int8_t* x0, int64_t stride, int r0, int r1, const uint8_t* bt, int64_t bstep,
-                        int32_t* cbuf, int64_t cstride) {
+// The 8 sub-blocks of a block: B of sub-block g at bt[g], its activations at x0 + 32 g, the sums
+// of rows 0..r0 to cbuf[g] and those of rows 16.. after them. With one half (r1 = 0) consecutive
+// sub-blocks take different A, B and C tiles so that they overlap (reusing a tile waits for the
+// instruction before to let go of it); two halves share a sub-block's B.
+inline void tile_groups(const int8_t* x0, int64_t stride, int r0, int r1, const uint8_t (*bt)[8 * 64],
+                        int32_t (*cbuf)[kPassRows * 16]) {
   asm volatile("" ::: "memory");  // tileloadd reads bt and the activations: the stores into them come first
-  for (int g = 0; g < G; ++g) {
-    const int8_t* x = x0 + g * kb;
-    const uint8_t* w = bt + g * bstep;
-    int32_t* c = cbuf + g * cstride;
+  for (int g = 0; g < 8; ++g) {
+    const int8_t* x = x0 + 32 * g;
+    const uint8_t* w = bt[g];
+    int32_t* c = cbuf[g];
     if (r1 == 0) {
       switch (g & 3) {
         case 0: SPECSERVE_TILE_DOT(0, 2, 4, x, w, c); break;
@@ -1164,7 +1164,7 @@ inline void tile_groups(int G, int kb, const int8_t* x0, int64_t stride, int r0,
 void dot_q4_k_x16_amx(const uint8_t* grp, int64_t nb, const Acts* a, int M, float* out) {
   const int r0 = std::min(M, 16), r1 = M - r0;
   const int64_t stride = M > 1 ? a[1].q - a[0].q : 0;
-  tile_config(r0, r1, 32);
+  tile_config(r0, r1);
   const __m512i low = _mm512_set1_epi8(0x0F);
   alignas(64) uint8_t bt[8][8 * 64];
   alignas(64) int32_t cbuf[8][kPassRows * 16];
@@ -1186,7 +1186,7 @@ void dot_q4_k_x16_amx(const uint8_t* grp, int64_t nb, const Acts* a, int M, floa
         _mm512_store_si512(bt[j] + 128 * i + 64, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low));
       }
     }
-    tile_groups(8, 32, a[0].q + b * 256, stride, r0, r1, bt[0], 512, cbuf[0], kPassRows * 16);
+    tile_groups(a[0].q + b * 256, stride, r0, r1, bt, cbuf);
     const __m512 d = halves16(b0, b1);
     const __m512 dmin = halves16(b0 + 16, b1 + 16);
     __m512i mins[4];
