@@ -129,6 +129,28 @@ def test_served_overhead():
         MeasuredCostModel.from_profile(p, served=True)
 
 
+def test_served_forwards_take_the_decode_tables_excess_off_every_context():
+    """Steps timed back to back behind the server (`served.forward_s`) faster than the decode
+    table's isolated ones (weights that settle in a large cache): the table's excess at each
+    served batch comes off every context of that batch, interpolated between served batches,
+    nothing beyond the largest, never below half the timed step; a slower served forward (the
+    server's own work) changes nothing."""
+    p = synthetic_profile()
+    p["served"]["forward_s"] = [step(1) - 0.010, step(8) - 0.004]
+    m = MeasuredCostModel.from_profile(p)
+    assert m.step_s(StepShape(1, 1, 32, 32)) == pytest.approx(step(1) - 0.010)
+    assert m.step_s(StepShape(1, 1, 1024, 1024)) == pytest.approx(step(1) - 0.010)  # the weights' part
+    assert m.step_s(StepShape(4, 4, 4 * 32, 32)) == pytest.approx(step(4) - (0.010 - 3 / 7 * 0.006))
+    assert m.step_s(StepShape(16, 16, 16 * 32, 32)) == pytest.approx(step(16))
+    # Served steps now cost what the profile measured behind the server, forward and all.
+    served = MeasuredCostModel.from_profile(p, served=True)
+    assert served.step_s(StepShape(8, 8, 8 * 32, 32)) == pytest.approx(step(8) + 0.010)
+    p["served"]["forward_s"] = [0.001, step(8) + 0.005]
+    m = MeasuredCostModel.from_profile(p)
+    assert m.step_s(StepShape(1, 1, 32, 32)) == pytest.approx(step(1) / 2)
+    assert m.step_s(StepShape(8, 8, 8 * 32, 32)) == pytest.approx(step(8))
+
+
 def test_relay_costs_of_a_disaggregated_decode_worker():
     """`profile --disagg`'s relay: a decode worker's step pays the relay's overhead instead of the
     engine's, and a lone request's measured time to first token beyond what its steps (and the KV's
