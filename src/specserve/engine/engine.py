@@ -372,7 +372,7 @@ class LLMEngine:
             scored=traits is not None and traits.scores_predict_acceptance,
         )
         self._host_s: dict[bool, float | None] = {False: None, True: None}  # see _account_host_time
-        self._cycle_draft_s = 0.0  # the drafting done at the end of the last step for the next one (_account_cycle)
+        self._cycle_draft_s = 0.0  # the drafting done at the start of the last step, for it (_account_cycle)
         self.spec_counters = {"draft_time_s": 0.0, "verify_time_s": 0.0, "decode_time_s": 0.0,
                               "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                               "num_forced_tokens": 0}
@@ -741,9 +741,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return outputs of requests that progressed or finished."""
+        """Run one scheduling step; return outputs of requests that progressed or finished.
+
+        The drafts a step verifies are proposed at its start, not at the end of the step before:
+        that step's tokens are returned (and streamed) first. A request's first token then waits
+        for its prefill only, not also for its first drafts (a draft model catching up over the
+        whole prompt, a copier indexing it); every later token is sooner by a proposal's time too,
+        and the steps' total time is unchanged."""
         if threading.get_ident() != self._stepping_thread:
             self._check_stepping_thread()
+        self._prepare_drafts()
         pending: list[RequestOutput] = []
         if self.connector is not None:
             self.scheduler.reserve_incoming()  # blocks for KV arriving from a prefill worker
@@ -799,6 +806,12 @@ class LLMEngine:
             outputs.append(self._make_output(req, new_tokens))
         self._release_finished(self.scheduler.take_finished())
         self._account_cycle(sched_out, sum(len(new) for _, new in results), time.perf_counter() - t_step)
+        return outputs
+
+    def _prepare_drafts(self) -> None:
+        """The coming step's drafts: the proposer's for the requests the policy lets draft, then
+        the text a grammar forces. Run first in `step`, in the order the end of the step before
+        ran them until the proposal moved there (before the connector takes in new requests)."""
         if self.proposer is not None and self.policy.enabled:
             t_propose = time.perf_counter()
             self._propose_next()
@@ -806,11 +819,10 @@ class LLMEngine:
         else:
             self._cycle_draft_s = 0.0
         self._draft_forced()
-        return outputs
 
     def _account_cycle(self, sched_out: SchedulerOutput, tokens: int, seconds: float) -> None:
         """Tell the policy's rate guard what a decode step yielded: its tokens, and its seconds
-        with the drafting done for it at the end of the step before, a catch-up included (a step
+        with the drafting done for it at its start, a catch-up included (a step
         with a prompt chunk tells nothing about decoding)."""
         if self.proposer is None and not self.drafter_released:
             return
