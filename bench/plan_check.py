@@ -12,6 +12,7 @@ their ratio (the acceptance bar: within 20%).
     python bench/plan_check.py --profile bench/results/profile.json \
         --worker-profile bench/results/profile-1thread.json \
         --results bench/results/serve.json bench/results/disagg.json
+    python bench/plan_check.py --recordings all     # every stored recording, one line each and the total
 
 --worker-profile: disaggregated workers run one thread each in bench/disagg.py (default: --profile);
 its `co_run` (recorded where a second one-thread worker fits) is how much the prefill and decode
@@ -228,39 +229,26 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, drift: float) -> No
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", required=True, help="profile JSON of this machine (specserve profile)")
+    ap.add_argument("--profile", help="profile JSON of this machine (specserve profile)")
     ap.add_argument("--worker-profile", default=None,
                     help="profile for bench/disagg.py's one-thread workers (default: --profile)")
-    ap.add_argument("--results", nargs="+", required=True, help="bench/serve.py and/or bench/disagg.py JSON")
+    ap.add_argument("--results", nargs="+", help="bench/serve.py and/or bench/disagg.py JSON")
+    ap.add_argument("--recordings", nargs="+", default=None, metavar="NAME",
+                    help="instead: replay stored recordings (bench/results/profile_NAME.json, profile_NAME-1thread.json, "
+                         "serve_NAME.json, disagg_NAME.json), or `all` of them, and print each one's count and the "
+                         "total: how a change to the simulator or the cost model moves every recording at once")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--drift", type=float, default=DRIFT,
                     help="also predict on a machine this fraction faster and slower (default %(default)s: what two "
                          "profiles of the 2-vCPU dev VM recorded 12 minutes apart differed by, median of their tables)")
     ap.add_argument("--out", default="plan_check")
     args = ap.parse_args()
-
-    profile = json.loads(Path(args.profile).read_text())
-    worker_profile = json.loads(Path(args.worker_profile).read_text()) if args.worker_profile else profile
-    # Every engine here streams its outputs to consumers on the same machine: HTTP clients
-    # (bench/serve.py), the in-process driver (bench/disagg.py co-located) or the router polling a
-    # worker (disaggregated): steps pay the overhead measured behind the server, not the bare
-    # engine's. Requests pay their front end's time: HTTP, in-process (AsyncEngine) or the
-    # router's calls, each drawn from the lone requests the profile timed that way. Disaggregated
-    # workers also slow each other down (the profile's co_run).
-    served = MeasuredCostModel.from_profile(profile, served=True, in_process=True)
-    http = MeasuredCostModel.from_profile(profile, served=True, http=True)  # bench/serve.py's clients use HTTP
-    worker = MeasuredCostModel.from_profile(worker_profile, served=True)
-    rows: list[dict[str, Any]] = []
-    for path in args.results:
-        payload = json.loads(Path(path).read_text())
-        rows += check_serve(payload, http, args.seed, args.drift) if "points" in payload else \
-            check_disagg(payload, served, worker, args.seed, args.drift)
-    checks = [r[k] for r in rows for k in ("ttft_p50", "tpot_p50") if r[k]["ratio"] is not None]
-    within = sum(1 for c in checks if abs(c["ratio"] - 1) <= TOLERANCE)
-    # A miss whose measurement lies inside the band: the prediction is that sensitive to the
-    # machine's speed (a p50 between two clusters of requests, say), not wrong about the engine.
-    in_band = sum(1 for c in checks if abs(c["ratio"] - 1) > TOLERANCE and c["band"]
-                  and c["band"][0] <= c["measured"] <= c["band"][1])
+    if args.recordings:
+        return check_recordings(args.recordings, args.seed, args.drift, args.out)
+    if not args.profile or not args.results:
+        ap.error("give --profile and --results (or --recordings).")
+    rows = replay(args.profile, args.worker_profile, args.results, args.seed, args.drift)
+    within, checks, in_band, per_request = tally(rows)
     print(f"{'source':7} {'point':36} {'kind':7} {'TTFT p50 meas/pred s':>22} {'ratio':>6} {'band':>10} "
           f"{'TPOT p50 meas/pred ms':>22} {'ratio':>6} {'band':>10}")
 
@@ -280,8 +268,53 @@ def main() -> int:
         print(f"{r['source']:7} {r['point']:36} {r['kind']:7} {pair(r, 'ttft_p50', 1):>22} {ratio(r, 'ttft_p50'):>6} "
               f"{band(r, 'ttft_p50'):>10} {pair(r, 'tpot_p50', 1e3):>22} {ratio(r, 'tpot_p50'):>6} "
               f"{band(r, 'tpot_p50'):>10}")
-    print(f"{within} of {len(checks)} predictions within {TOLERANCE:.0%} of the measurement; band: predicted/measured "
-          f"on a machine {args.drift:.0%} faster and slower, {in_band} of the {len(checks) - within} misses inside it")
+    print(f"{within} of {checks} predictions within {TOLERANCE:.0%} of the measurement; band: predicted/measured "
+          f"on a machine {args.drift:.0%} faster and slower, {in_band} of the {checks - within} misses inside it")
+    for key, q in per_request.items():
+        print(f"request by request, {key.upper()}: predicted/measured median {math.exp(q['median_log_ratio']):.2f}, "
+              f"median error {math.exp(q['median_abs_log_ratio']) - 1:.0%}, {q['within_tolerance']:.0%} of "
+              f"{q['requests']} requests within {TOLERANCE:.0%}")
+    payload = {"benchmark": "planner simulator vs measurement", "machine": machine_info(),
+               "profile": args.profile, "worker_profile": args.worker_profile, "results": args.results,
+               "tolerance": TOLERANCE, "drift": args.drift, "within_tolerance": within, "predictions": checks,
+               "misses_inside_drift_band": in_band, "per_request": per_request, "rows": rows}
+    out = write_json(f"{args.out}.json", payload)
+    plot(rows, RESULTS_DIR / f"{args.out}.png",
+         f"simulator ({Path(args.profile).name}) vs bench measurements: {within}/{checks} within 20%", args.drift)
+    print(f"wrote {out}")
+    return 0
+
+
+def replay(profile_path: str | Path, worker_profile_path: str | Path | None, results: Sequence[str | Path],
+           seed: int, drift: float) -> list[dict[str, Any]]:
+    """The rows of one recording: every serve.py point and disagg.py run replayed on its profiles."""
+    profile = json.loads(Path(profile_path).read_text())
+    worker_profile = json.loads(Path(worker_profile_path).read_text()) if worker_profile_path else profile
+    # Every engine here streams its outputs to consumers on the same machine: HTTP clients
+    # (bench/serve.py), the in-process driver (bench/disagg.py co-located) or the router polling a
+    # worker (disaggregated): steps pay the overhead measured behind the server, not the bare
+    # engine's. Requests pay their front end's time: HTTP, in-process (AsyncEngine) or the
+    # router's calls, each drawn from the lone requests the profile timed that way. Disaggregated
+    # workers also slow each other down (the profile's co_run).
+    served = MeasuredCostModel.from_profile(profile, served=True, in_process=True)
+    http = MeasuredCostModel.from_profile(profile, served=True, http=True)  # bench/serve.py's clients use HTTP
+    worker = MeasuredCostModel.from_profile(worker_profile, served=True)
+    rows: list[dict[str, Any]] = []
+    for path in results:
+        payload = json.loads(Path(path).read_text())
+        rows += check_serve(payload, http, seed, drift) if "points" in payload else \
+            check_disagg(payload, served, worker, seed, drift)
+    return rows
+
+
+def tally(rows: list[dict[str, Any]]) -> tuple[int, int, int, dict[str, Any]]:
+    """(p50s within the tolerance, p50s compared, misses inside their drift band, per-request errors)."""
+    checks = [r[k] for r in rows for k in ("ttft_p50", "tpot_p50") if r[k]["ratio"] is not None]
+    within = sum(1 for c in checks if abs(c["ratio"] - 1) <= TOLERANCE)
+    # A miss whose measurement lies inside the band: the prediction is that sensitive to the
+    # machine's speed (a p50 between two clusters of requests, say), not wrong about the engine.
+    in_band = sum(1 for c in checks if abs(c["ratio"] - 1) > TOLERANCE and c["band"]
+                  and c["band"][0] <= c["measured"] <= c["band"][1])
     per_request = {}
     for key in ("ttft", "tpot"):
         errs = [e for r in rows for e in r["request_log_errors"][key]]
@@ -289,18 +322,35 @@ def main() -> int:
             per_request[key] = {"requests": len(errs), "median_log_ratio": statistics.median(errs),
                                 "median_abs_log_ratio": statistics.median(abs(e) for e in errs),
                                 "within_tolerance": sum(abs(math.exp(e) - 1) <= TOLERANCE for e in errs) / len(errs)}
-            q = per_request[key]
-            print(f"request by request, {key.upper()}: predicted/measured median {math.exp(q['median_log_ratio']):.2f}, "
-                  f"median error {math.exp(q['median_abs_log_ratio']) - 1:.0%}, {q['within_tolerance']:.0%} of "
-                  f"{q['requests']} requests within {TOLERANCE:.0%}")
-    payload = {"benchmark": "planner simulator vs measurement", "machine": machine_info(),
-               "profile": args.profile, "worker_profile": args.worker_profile, "results": args.results,
-               "tolerance": TOLERANCE, "drift": args.drift, "within_tolerance": within, "predictions": len(checks),
-               "misses_inside_drift_band": in_band, "per_request": per_request, "rows": rows}
-    out = write_json(f"{args.out}.json", payload)
-    plot(rows, RESULTS_DIR / f"{args.out}.png",
-         f"simulator ({Path(args.profile).name}) vs bench measurements: {within}/{len(checks)} within 20%", args.drift)
-    print(f"wrote {out}")
+    return within, len(checks), in_band, per_request
+
+
+def check_recordings(names: Sequence[str], seed: int, drift: float, out: str) -> int:
+    """Replay stored recordings (`all`: every profile_NAME.json with a serve_ or disagg_NAME.json
+    beside it) and print one line each and the total."""
+    if list(names) == ["all"]:
+        names = sorted(p.name[len("profile_"):-len(".json")] for p in RESULTS_DIR.glob("profile_*.json")
+                       if not p.name.endswith("-1thread.json")
+                       and any((RESULTS_DIR / f"{kind}_{p.name[len('profile_'):]}").exists() for kind in ("serve", "disagg")))
+    summary, total, compared = [], 0, 0
+    for name in names:
+        profile = RESULTS_DIR / f"profile_{name}.json"
+        worker = RESULTS_DIR / f"profile_{name}-1thread.json"
+        results = [RESULTS_DIR / f"{kind}_{name}.json" for kind in ("serve", "disagg")]
+        results = [r for r in results if r.exists()]
+        if not profile.exists() or not results:
+            raise SystemExit(f"recording {name!r}: bench/results holds no profile_{name}.json or no serve_/disagg_{name}.json.")
+        within, checks, _, per_request = tally(replay(profile, worker if worker.exists() else None, results, seed, drift))
+        total, compared = total + within, compared + checks
+        req = {k: round(q["within_tolerance"], 3) for k, q in per_request.items()}
+        summary.append({"recording": name, "within_tolerance": within, "predictions": checks, "requests_within": req})
+        print(f"{name:14} {within:3d} of {checks:3d} p50s within {TOLERANCE:.0%}; requests within: "
+              + ", ".join(f"{k.upper()} {v:.0%}" for k, v in req.items()))
+    print(f"total: {total} of {compared} p50s within {TOLERANCE:.0%} over {len(names)} recordings")
+    path = write_json(f"{out}.json", {"benchmark": "planner simulator vs stored recordings", "machine": machine_info(),
+                                      "tolerance": TOLERANCE, "drift": drift, "within_tolerance": total,
+                                      "predictions": compared, "recordings": summary})
+    print(f"wrote {path}")
     return 0
 
 
