@@ -331,9 +331,10 @@ def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds
     Arranged as `specserve serve` runs: the engine steps in this thread (the one that loaded the
     model), the event loop in another; the measurements run from a third thread, which starts the
     clients and then waits on them. The window's marks are taken by the engine thread itself, after
-    each of its steps: a thread polling the engine's state every few milliseconds took CPU time
-    from the forward's threads on a 2-vCPU machine (a served step at batch 1 / 4 measured 4.6 / 7.3
-    ms with a 2 ms poll against 4.4 / 6.4 with a 20 ms one on the Xeon of session 49)."""
+    each of its steps (`AsyncEngine.on_step`): a thread polling the engine's state every few
+    milliseconds took CPU time from the forward's threads on a 2-vCPU machine (a served step at
+    batch 1 / 4 measured 4.6 / 7.3 ms with a 2 ms poll against 4.4 / 6.4 with a 20 ms one on the
+    Xeon of session 49)."""
     import uvicorn
 
     from specserve.server.app import OpenAIServer, build_app
@@ -353,21 +354,24 @@ def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds
         return time.perf_counter(), engine.num_steps, engine.runner.forward_time_s
 
     # The measured window: from the end of the first step after which all `batch` requests decode to
-    # the end of the first after which they no longer all do (one finished).
+    # the end of the first after which they no longer all do (one finished). The engine loop's own
+    # after-step hook marks it, beside the server's metrics.
     window: dict[str, Any] = {}
-    inner_step = engine.step
+    metrics_on_step = server.async_engine.on_step
 
-    def step() -> list[Any]:
-        outputs = inner_step()
+    def on_step(eng: LLMEngine) -> None:
+        if metrics_on_step is not None:
+            metrics_on_step(eng)
         batch = window.get("batch")
         if batch is not None and "end" not in window:
-            running = engine.scheduler.running
+            running = eng.scheduler.running
             decoding = len(running) == batch and all(r.num_output_tokens > 0 for r in running)
             if "start" not in window and decoding:
                 window["start"] = mark()
             elif "start" in window and not decoding:
                 window["end"] = mark()
-        return outputs
+
+    server.async_engine.on_step = on_step
 
     lone: list[dict[str, Any]] = []  # the client's view of batch-1 requests: TTFT, prompt tokens
 
@@ -422,13 +426,11 @@ def _served_steps(engine: LLMEngine, batches: Sequence[int], tokens: int, rounds
             uv.should_exit = True  # drains the server, which stops the engine loop
 
     measurer = threading.Thread(target=measure_all, daemon=True)
-    engine.step = step  # type: ignore[method-assign]  # this instance only, until the measurement ends
     try:
         http.start()
         measurer.start()
         server.async_engine.drive(keep_waiting=http.is_alive)
     finally:
-        del engine.step  # the class's own again
         uv.should_exit = True
         measurer.join(timeout=600)
         http.join(timeout=60)
