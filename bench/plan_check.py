@@ -329,9 +329,9 @@ def check_recordings(names: Sequence[str], seed: int, drift: float, out: str) ->
     """Replay stored recordings (`all`: every profile_NAME.json with a serve_ or disagg_NAME.json
     beside it) and print one line each and the total."""
     if list(names) == ["all"]:
-        names = sorted(p.name[len("profile_"):-len(".json")] for p in RESULTS_DIR.glob("profile_*.json")
-                       if not p.name.endswith("-1thread.json")
-                       and any((RESULTS_DIR / f"{kind}_{p.name[len('profile_'):]}").exists() for kind in ("serve", "disagg")))
+        stored = (p.stem.removeprefix("profile_") for p in RESULTS_DIR.glob("profile_*.json"))
+        names = sorted(n for n in stored if not n.endswith("-1thread")
+                       and any((RESULTS_DIR / f"{kind}_{n}.json").exists() for kind in ("serve", "disagg")))
     summary, total, compared = [], 0, 0
     for name in names:
         profile = RESULTS_DIR / f"profile_{name}.json"
