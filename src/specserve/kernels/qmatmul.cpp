@@ -143,9 +143,12 @@ struct Acts {
   const float* d;
   const int16_t* s16;
   const int16_t* s32;
+  // -32 * the sum of each 8 values (|.| <= 32512): Q6_K's value offset, where a VNNI chain of 8
+  // values starts (chain_start) so that it ends at sum((q - 32) * x).
+  const int16_t* z8;
 };
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, float* d, int16_t* s16, int16_t* s32) {
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, float* d, int16_t* s16, int16_t* s32, int16_t* z8) {
   const int64_t nblocks = K / qa;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nblocks; ++b) {
@@ -180,21 +183,30 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, 
         // packs work within 128-bit lanes; the permute restores element order.
         __m256i packed = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3)), order);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), packed);
-        // Sums of each 16 values: psadbw adds 8 bytes as unsigned, so shift them by 128 first.
-        const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(packed, bias), _mm256_setzero_si256());
-        sums[i / 16] = static_cast<int16_t>(_mm256_extract_epi64(sad, 0) + _mm256_extract_epi64(sad, 1) - 16 * 128);
-        sums[i / 16 + 1] = static_cast<int16_t>(_mm256_extract_epi64(sad, 2) + _mm256_extract_epi64(sad, 3) - 16 * 128);
+        // Sums of each 8 and 16 values: psadbw adds 8 bytes as unsigned, so shift them by 128 first.
+        const __m256i sad = _mm256_sub_epi64(_mm256_sad_epu8(_mm256_xor_si256(packed, bias), _mm256_setzero_si256()), _mm256_set1_epi64x(8 * 128));
+        const int64_t e0 = _mm256_extract_epi64(sad, 0), e1 = _mm256_extract_epi64(sad, 1);
+        const int64_t e2 = _mm256_extract_epi64(sad, 2), e3 = _mm256_extract_epi64(sad, 3);
+        sums[i / 16] = static_cast<int16_t>(e0 + e1);
+        sums[i / 16 + 1] = static_cast<int16_t>(e2 + e3);
+        int16_t* z = z8 + m * (K / 8) + (b * qa + i) / 8;
+        z[0] = static_cast<int16_t>(-32 * e0);
+        z[1] = static_cast<int16_t>(-32 * e1);
+        z[2] = static_cast<int16_t>(-32 * e2);
+        z[3] = static_cast<int16_t>(-32 * e3);
       }
 #else
       for (int64_t i = 0; i < qa; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
 #endif
     }
 #if !SPECSERVE_AVX2
-    for (int64_t g = 0; g < K / 16; ++g) {
+    for (int64_t g = 0; g < K / 8; ++g) {
       int sum = 0;
-      for (int i = 0; i < 16; ++i) sum += q[m * K + g * 16 + i];
-      s16[m * (K / 16) + g] = static_cast<int16_t>(sum);
+      for (int i = 0; i < 8; ++i) sum += q[m * K + g * 8 + i];
+      z8[m * (K / 8) + g] = static_cast<int16_t>(-32 * sum);
     }
+    for (int64_t g = 0; g < K / 16; ++g)
+      s16[m * (K / 16) + g] = static_cast<int16_t>((z8[m * (K / 8) + 2 * g] + z8[m * (K / 8) + 2 * g + 1]) / -32);
 #endif
     for (int64_t g = 0; g < K / 32; ++g)
       s32[m * (K / 32) + g] = static_cast<int16_t>(s16[m * (K / 16) + 2 * g] + s16[m * (K / 16) + 2 * g + 1]);
@@ -561,16 +573,17 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
         __m256i* s = reinterpret_cast<__m256i*>(sumi + 8 * m);
 #if SPECSERVE_VNNI
         // Low and high nibbles in two int32 chains (one chain of 8 waits on its own latency),
-        // joined and times the scale in one vpmulld (exact in int32). Two vpmaddwd, one per
-        // chain, took a multiply slot more per row and sub-block: the 512-bit pass over 9 rows
-        // went from 151 to 163 GMAC/s on a Zen 4 core (L3-resident gate_proj of the 1.5B).
+        // each of 16 values, |.| <= 16 * 15 * 128 < 2^15: so each is an int16 in its lane's low
+        // half, and vpdpwssd with the lane's (scale, 0) pair adds it times the scale, the exact
+        // int32 sum one vpmulld of their sum gave, in 2 instructions instead of 4 (vpmulld is
+        // two on Intel). Two vpmaddwd and adds instead cost a slot more (Zen 4, session 3x).
         __m256i plo = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo[0], bcast4(x));
         __m256i phi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi[0], bcast4(x + 4));
         for (int i = 1; i < 4; ++i) {
           plo = _mm256_dpbusd_epi32(plo, lo[i], bcast4(x + 8 * i));
           phi = _mm256_dpbusd_epi32(phi, hi[i], bcast4(x + 8 * i + 4));
         }
-        *s = _mm256_add_epi32(*s, _mm256_mullo_epi32(_mm256_add_epi32(plo, phi), s32));
+        *s = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(*s, plo, s32), phi, s32);
 #else
         // 8 maddubs lanes of at most 2 * 15 * 127 each still fit int16.
         __m256i p = _mm256_maddubs_epi16(lo[0], bcast4(x));
@@ -648,28 +661,34 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
       for (int m = 0; m < M; ++m) {
         const int8_t* x = a[m].q + off;
         __m256i* s = reinterpret_cast<__m256i*>(sumi + 8 * m);
+#if SPECSERVE_VNNI
+        for (int g = 0; g < 2; ++g) {  // 16-value group 2c + g: values 16g .. 16g + 15
+          // Two chains of 8 values, each from -32 * the sum of its x (value = q - 32; see
+          // dot_q6_k_x16), ending at |.| <= 8 * 32 * 127 < 2^15: one vpdpwssd each with the
+          // row's (scale, 0) pair.
+          const __m256i sg = _mm256_srli_epi32(g == 0 ? sc_a : sc_b, 16);
+          const int16_t* z = a[m].z8 + b * 32 + 4 * c + 2 * g;
+          const __m256i pa = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_set1_epi16(z[0]), v[4 * g + 0], bcast4(x + 16 * g)),
+                                                 v[4 * g + 1], bcast4(x + 16 * g + 4));
+          const __m256i pb = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_set1_epi16(z[1]), v[4 * g + 2], bcast4(x + 16 * g + 8)),
+                                                 v[4 * g + 3], bcast4(x + 16 * g + 12));
+          *s = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(*s, pa, sg), pb, sg);
+        }
+#else
         // value = q - 32: subtract 32 * scale * sum(x) per 16-value group
         int32_t pair;
         std::memcpy(&pair, a[m].s16 + b * 16 + 2 * c, 4);
         __m256i t = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_set1_epi32(pair)), 5);
         for (int g = 0; g < 2; ++g) {  // 16-value group 2c + g: values 16g .. 16g + 15
           const __m256i sg = g == 0 ? sc_a : sc_b;
-#if SPECSERVE_VNNI
-          // two chains of two (a chain of four waits ~20 cycles on its own latency)
-          const __m256i pa = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), v[4 * g + 0], bcast4(x + 16 * g)),
-                                                 v[4 * g + 1], bcast4(x + 16 * g + 4));
-          const __m256i pb = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), v[4 * g + 2], bcast4(x + 16 * g + 8)),
-                                                 v[4 * g + 3], bcast4(x + 16 * g + 12));
-          *s = _mm256_add_epi32(*s, _mm256_mullo_epi32(_mm256_add_epi32(pa, pb), _mm256_srai_epi32(sg, 16)));  // row scale, sign-extended
-#else
           const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(v[4 * g + 0], bcast4(x + 16 * g)),
                                               _mm256_maddubs_epi16(v[4 * g + 1], bcast4(x + 16 * g + 4)));
           const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(v[4 * g + 2], bcast4(x + 16 * g + 8)),
                                               _mm256_maddubs_epi16(v[4 * g + 3], bcast4(x + 16 * g + 12)));
           *s = _mm256_add_epi32(*s, _mm256_add_epi32(_mm256_madd_epi16(p0, sg), _mm256_madd_epi16(p1, sg)));
-#endif
         }
         *s = _mm256_sub_epi32(*s, t);
+#endif
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
@@ -875,7 +894,7 @@ void dot_q4_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
           plo = _mm512_dpbusd_epi32(plo, lo[i], bcast4z(x + 8 * i));
           phi = _mm512_dpbusd_epi32(phi, hi[i], bcast4z(x + 8 * i + 4));
         }
-        sumi[m] = _mm512_add_epi32(sumi[m], _mm512_mullo_epi32(_mm512_add_epi32(plo, phi), s32));  // as dot_q4_k_x8's
+        sumi[m] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sumi[m], plo, s32), phi, s32);
       }
     }
     const __m512 d = halves16(b0, b1);
@@ -887,7 +906,7 @@ void dot_q4_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
       for (int p = 0; p < 4; ++p) {
         int32_t pair;
         std::memcpy(&pair, a[m].s32 + b * 8 + 2 * p, 4);
-        summ = _mm512_add_epi32(summ, _mm512_madd_epi16(mins[p], _mm512_set1_epi32(pair)));
+        summ = _mm512_dpwssd_epi32(summ, mins[p], _mm512_set1_epi32(pair));
       }
       const __m512 dx = _mm512_set1_ps(a[m].d[b]);
       const __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[m]), _mm512_mul_ps(d, dx), acc[m]);
@@ -918,11 +937,9 @@ void dot_q6_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
       const uint8_t* c0 = b0 + 16 + 208 * c;
       const uint8_t* c1 = b1 + 16 + 208 * c;
       const __m512i sc16 = _mm512_cvtepi8_epi16(join16(c0, c1));
-      const __m512i sc_a = _mm512_srai_epi32(_mm512_shuffle_epi8(sc16, even), 16);
-      const __m512i sc_b = _mm512_srai_epi32(_mm512_shuffle_epi8(sc16, odd), 16);
-      // value = q - 32: the offset term is -32 * scale * sum(x) per 16-value group; -32 * scale
-      // fits int16 (|.| <= 4096), so it is formed once here and each row adds one madd.
-      const __m512i offset = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(sc16, 5));
+      // Each row's scale as the int16 pair (scale, 0): vpdpwssd then adds scale * (low half).
+      const __m512i sc_a = _mm512_srli_epi32(_mm512_shuffle_epi8(sc16, even), 16);
+      const __m512i sc_b = _mm512_srli_epi32(_mm512_shuffle_epi8(sc16, odd), 16);
       __m512i v[8];
       for (int h = 0; h < 2; ++h) {
         const __m512i H = join32(c0 + 144 + 32 * h, c1 + 144 + 32 * h);
@@ -937,19 +954,19 @@ void dot_q6_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
 #pragma GCC unroll 16
       for (int m = 0; m < M; ++m) {
         const int8_t* x = a[m].q + off;
-        int32_t pair;
-        std::memcpy(&pair, a[m].s16 + b * 16 + 2 * c, 4);
-        __m512i s = _mm512_add_epi32(sumi[m], _mm512_madd_epi16(offset, _mm512_set1_epi32(pair)));
-        for (int g = 0; g < 2; ++g) {
-          // One chain of four: with 5-16 rows in flight the chains overlap one another, and the
-          // adds that joined two chains of two were 2 of ~17 vector ops per row and chunk
-          // (9 rows from L2: 280 -> 292-302 GMAC/s on a Zen 5 core).
-          __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4 * g + 0], bcast4z(x + 16 * g));
-          p = _mm512_dpbusd_epi32(p, v[4 * g + 1], bcast4z(x + 16 * g + 4));
-          p = _mm512_dpbusd_epi32(p, v[4 * g + 2], bcast4z(x + 16 * g + 8));
-          p = _mm512_dpbusd_epi32(p, v[4 * g + 3], bcast4z(x + 16 * g + 12));
-          s = _mm512_add_epi32(s, _mm512_mullo_epi32(p, g == 0 ? sc_a : sc_b));
-        }
+        __m512i s = sumi[m];
+        // Chains of 8 values, each starting at -32 * the sum of its x (an int16 broadcast to both
+        // halves of each lane): it ends at sum((q - 32) * x) in the low half, |.| <= 8 * 32 * 127
+        // < 2^15, and one vpdpwssd with the lane's (scale, 0) pair adds it times the 16-value
+        // group's scale (the high half, times 0, is ignored). Exactly the int32 sum a vpmulld
+        // per group gave; per row and 32 values 12 vector instructions instead of 18.
+        for (int g = 0; g < 2; ++g)
+          for (int h = 0; h < 2; ++h) {
+            const int8_t* xh = x + 16 * g + 8 * h;
+            __m512i p = _mm512_dpbusd_epi32(_mm512_set1_epi16(a[m].z8[b * 32 + 4 * c + 2 * g + h]), v[4 * g + 2 * h], bcast4z(xh));
+            p = _mm512_dpbusd_epi32(p, v[4 * g + 2 * h + 1], bcast4z(xh + 4));
+            s = _mm512_dpwssd_epi32(s, p, g == 0 ? sc_a : sc_b);
+          }
         sumi[m] = s;
       }
     }
@@ -1321,6 +1338,7 @@ struct QuantizedActs {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> s16, s32;
+  std::vector<int16_t> z8;
   std::vector<Acts> rows;
 };
 
@@ -1329,11 +1347,12 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t qa, QuantizedAc
   out.d.resize(M * (K / qa));
   out.s16.resize(M * (K / 16));
   out.s32.resize(M * (K / 32));
-  quantize_rows(x, M, K, qa, out.q.data(), out.d.data(), out.s16.data(), out.s32.data());
+  out.z8.resize(M * (K / 8));
+  quantize_rows(x, M, K, qa, out.q.data(), out.d.data(), out.s16.data(), out.s32.data(), out.z8.data());
   out.rows.resize(M);
   for (int64_t m = 0; m < M; ++m)
     out.rows[m] = {out.q.data() + m * K, out.d.data() + m * (K / qa), out.s16.data() + m * (K / 16),
-                   out.s32.data() + m * (K / 32)};
+                   out.s32.data() + m * (K / 32), out.z8.data() + m * (K / 8)};
 }
 
 #if SPECSERVE_AVX2
