@@ -1068,31 +1068,35 @@ void dot_q4_q5_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float*
 #if SPECSERVE_AMX
 // ---- AMX tiles (Intel Sapphire Rapids and later): passes of many activation rows over a paired
 // Q4_K row's 16 weight rows. One TDPBSUD multiplies up to 16 activation rows (signed int8, tile A:
-// rows x K bytes) by 16 weight rows (unsigned, tile B: K/4 rows of 16 x 4 bytes) into 16 x 16
-// int32 sums (tile C). The x16 layout already holds tile B: the low nibbles of 32 bytes of a group
-// are values 4i..4i+3 of its 8 rows, so a sub-block's lo/hi registers, stored one after the other,
-// are B's rows. Each 32-value sub-block has its own scale, hence its own C (K = 32, half a tile's
-// depth); what stays per activation row is one load, one vpmulld and an add per sub-block, against
-// 8 vpdpbusd and their broadcasts in the 512-bit kernel. The integer sums are the same exact
-// integers and the float steps the same operations in the same order, so every row's result is
-// bit-identical to the 512-bit kernel's (test_amx_passes_are_bit_identical_to_the_512_bit_ones).
+// rows x 64 bytes) by 16 weight rows (unsigned, tile B: 16 rows of 16 x 4 bytes) into 16 x 16 int32
+// sums (tile C). The x16 layout's low / high nibbles of 32 bytes of a group are values 4i..4i+3 of
+// its 8 rows, i.e. B's rows once unpacked. Each 32-value sub-block has its own 6-bit scale, which
+// goes into B: scale = 16 hi + lo (lo <= 15, hi <= 3), so q * lo <= 225 and q * hi <= 45 fit B's
+// unsigned bytes, B_lo = q * lo and B_hi = q * hi (one vpmullw per register each: a 16-bit lane
+// holds two values <= 15 and neither product carries into the other byte). C_lo and C_hi then sum
+// over the whole 256-value block, 64 values per instruction, and C_lo + 16 C_hi is exactly the
+// int32 sum of scale * dot over the sub-blocks that dot_q4_k_x16 forms; the float steps are the
+// same operations in the same order, so every row's result is bit-identical to the 512-bit
+// kernel's (test_amx_passes_are_bit_identical_to_the_512_bit_ones).
 //
-// A TDPBSUD takes ~16 cycles whatever the rows, and every sub-block adds a tile load of B and a
-// store of C, so the tiles pay only for many rows: on a 2-vCPU Xeon VM (AVX-512, AMX; it reports
-// family 6 model 167), Qwen2.5-Coder-1.5B Q4_K_M on `auto`, forwards of n tokens with the tiles
-// against without, in alternating rounds: 0.96-0.97x at n = 9, 0.98-0.99x at 12-14, 1.02x at 16,
-// 1.01-1.08x at 17, 1.03x at 20, 1.05x at 24, 1.16-1.20x at 33; batch 12 0.98x, 16 1.02x, 20 1.03x,
-// 32 1.20x; prefill chunks 1.33x. Hence g_amx_min_rows = 16. Q6_K's 16-value scale groups fill
-// a quarter of a tile's depth; its tile kernel was 0.84-0.91x the 512-bit one at 2-33 rows and is
-// not kept.
+// The first tile kernel gave each sub-block its own C (K = 32) and scaled it per row with vpmulld
+// after a tile store: ~65 cycles per sub-block whatever the rows. Scaling B costs 16 vpmullw and 16
+// stores per sub-block, ~31 cycles, beside ~19 of tile work (L1-resident microbenchmark), and
+// nothing per row but the block's sums. On a 2-vCPU Xeon VM (AVX-512, AMX; it reports family 6
+// model 167), Qwen2.5-Coder-1.5B Q4_K_M on `auto`, the scaled tiles against the per-sub-block ones
+// (both from 16 rows), best of 3 alternating rounds: forwards of 17 / 33 tokens 107.5 -> 93.2 /
+// 186.0 -> 163.7 ms, decode batch 16 / 32 94.6 -> 83.4 / 168.3 -> 143.6 ms, a 256-token prefill
+// chunk 1451 -> 1277 ms. Against the 512-bit kernel, one request of n tokens: 0.98x at n = 9,
+// 1.02x at 10, 1.05x at 11, 1.06x at 12 (the 0.5B, partly L3-resident: 1.00x / 1.01x / 1.02x /
+// 1.02x). Hence g_amx_min_rows = 10. Below ~10 rows the 512-bit kernel's per-row work (8 vpdpbusd
+// per sub-block) still costs less than unpacking and scaling B. Q6_K's signed 8-bit scales per 16
+// values do not split into B's bytes this way; its tile kernel (one C per 16 values) was 0.84-0.91x
+// the 512-bit one at 2-33 rows and is not kept.
 //
 // Tile state is per thread: each pass makes sure its thread holds the configuration it needs
-// (tile_config).
-// Linux hands out the tile registers only to a process that asks (arch_prctl); amx_ready() asks
-// once, and without them the 512-bit kernels run instead.
-
-// Tiles 0 / 1 hold activations (A), 2 / 3 weights (B), 4-7 sums (C). GCC's tile intrinsics paste
-// the tile number into the instruction text, so the ids below are literal numbers.
+// (tile_config). Linux hands out the tile registers only to a process that asks (arch_prctl);
+// amx_ready() asks once, and without them the 512-bit kernels run instead. GCC's tile intrinsics
+// paste the tile number into the instruction text, so the tile ids below are literal numbers.
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -1101,24 +1105,6 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-
-// Tiles for a pass of r0 + r1 activation rows (r0 <= 16 in tiles 0 / 4 / 6, r1 <= 16 in 1 / 5 / 7)
-// over 32-value sub-blocks. The thread's configuration is read back first and loaded only when it
-// differs: other code in the thread (oneDNN's AMX kernels under torch) may have loaded its own or
-// released the tiles since this thread's last pass, so nothing is assumed from an earlier call.
-inline void tile_config(int r0, int r1) {
-  TileConfig want;
-  const int h1 = r1 > 0 ? r1 : r0;  // one half: tiles 1, 5 and 7 are more tiles of it (tile_groups)
-  const int rows[8] = {r0, h1, 8, 8, r0, h1, r0, h1};  // B: 32 values as 8 rows of 16 x 4 bytes
-  const int cols[8] = {32, 32, 64, 64, 64, 64, 64, 64};
-  for (int t = 0; t < 8; ++t) {
-    want.rows[t] = static_cast<uint8_t>(rows[t]);
-    want.colsb[t] = static_cast<uint16_t>(cols[t]);
-  }
-  TileConfig now;
-  _tile_storeconfig(&now);
-  if (std::memcmp(&now, &want, sizeof want) != 0) _tile_loadconfig(&want);
-}
 
 bool request_amx() {
   constexpr long kGetPerm = 0x1022, kReqPerm = 0x1023, kXtileData = 18;
@@ -1133,100 +1119,131 @@ bool amx_ready() {
   return ready;
 }
 
-// One scale group: C = A (activation rows at x, `stride` apart) times B (at w), stored to c.
-#define SPECSERVE_TILE_DOT(A, B, C, x, w, c) \
-  do {                                       \
-    _tile_loadd(B, w, 64);                   \
-    _tile_loadd(A, x, stride);               \
-    _tile_zero(C);                           \
-    _tile_dpbsud(C, A, B);                   \
-    _tile_stored(C, c, 64);                  \
-  } while (0)
-
-// The 8 sub-blocks of a block: B of sub-block g at bt[g], its activations at x0 + 32 g, the sums
-// of rows 0..r0 to cbuf[g] and those of rows 16.. after them. With one half (r1 = 0) consecutive
-// sub-blocks take different A, B and C tiles so that they overlap (reusing a tile waits for the
-// instruction before to let go of it); two halves share a sub-block's B.
-inline void tile_groups(const int8_t* x0, int64_t stride, int r0, int r1, const uint8_t (*bt)[8 * 64],
-                        int32_t (*cbuf)[kPassRows * 16]) {
-  asm volatile("" ::: "memory");  // tileloadd reads bt and the activations: the stores into them come first
-  for (int g = 0; g < 8; ++g) {
-    const int8_t* x = x0 + 32 * g;
-    const uint8_t* w = bt[g];
-    int32_t* c = cbuf[g];
-    if (r1 == 0) {
-      switch (g & 3) {
-        case 0: SPECSERVE_TILE_DOT(0, 2, 4, x, w, c); break;
-        case 1: SPECSERVE_TILE_DOT(1, 3, 5, x, w, c); break;
-        case 2: SPECSERVE_TILE_DOT(0, 2, 6, x, w, c); break;
-        default: SPECSERVE_TILE_DOT(1, 3, 7, x, w, c); break;
-      }
-    } else if (g & 1) {
-      SPECSERVE_TILE_DOT(0, 3, 6, x, w, c);
-      _tile_loadd(1, x + 16 * stride, stride);
-      _tile_zero(7);
-      _tile_dpbsud(7, 1, 3);
-      _tile_stored(7, c + 16 * r0, 64);
-    } else {
-      SPECSERVE_TILE_DOT(0, 2, 4, x, w, c);
-      _tile_loadd(1, x + 16 * stride, stride);
-      _tile_zero(5);
-      _tile_dpbsud(5, 1, 2);
-      _tile_stored(5, c + 16 * r0, 64);
-    }
+// Tiles for a pass of r0 + r1 activation rows: A (0 / 1: r0 / r1 rows of 64 bytes), B (2: the low
+// part of the scales, 3: the high part; 16 rows of 16 x 4 bytes, 64 values), C (4 / 5: rows 0..
+// against B 2 / 3, 6 / 7: rows 16..). The thread's configuration is read back first and loaded only
+// when it differs: other code in the thread (oneDNN's AMX kernels under torch) may have loaded its
+// own or released the tiles since this thread's last pass, so nothing is assumed from an earlier call.
+inline void tile_config(int r0, int r1) {
+  TileConfig want;
+  const int h1 = r1 > 0 ? r1 : r0;
+  const int rows[8] = {r0, h1, 16, 16, r0, r0, h1, h1};
+  for (int t = 0; t < 8; ++t) {
+    want.rows[t] = static_cast<uint8_t>(rows[t]);
+    want.colsb[t] = 64;
   }
+  TileConfig now;
+  _tile_storeconfig(&now);
+  if (std::memcmp(&now, &want, sizeof want) != 0) _tile_loadconfig(&want);
 }
 
-// Q4_K, as dot_q4_k_x16: per sub-block j, C = the 16 rows' integer dots (plo + phi there).
+// Q4_K, as dot_q4_k_x16, with each sub-block's scale inside B (see the section's comment).
 void dot_q4_k_x16_amx(const uint8_t* grp, int64_t nb, const Acts* a, int M, float* out) {
   const int r0 = std::min(M, 16), r1 = M - r0;
   const int64_t stride = M > 1 ? a[1].q - a[0].q : 0;
   tile_config(r0, r1);
   const __m512i low = _mm512_set1_epi8(0x0F);
-  alignas(64) uint8_t bt[8][8 * 64];
-  alignas(64) int32_t cbuf[8][kPassRows * 16];
+  const __m512i low4 = _mm512_set1_epi32(15);
+  alignas(64) uint8_t bt[2][2][16 * 64];
+  alignas(64) int32_t cbuf[2][4][16 * 16];
   __m512 acc[kPassRows];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   const int64_t ahead = prefetch_distance(M);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* b0 = grp + b * 2 * 1184;
-    const uint8_t* b1 = b0 + 1184;
-    __m512i s32[8];
-    for (int j = 0; j < 8; ++j) {
+  // B of sub-blocks 2p and 2p + 1 (bt[p & 1]): their low-part and high-part tiles.
+  const auto prepare = [&](const uint8_t* b0, const uint8_t* b1, int p) {
+    for (int j = 2 * p; j < 2 * p + 2; ++j) {
       prefetch_slice(b0, 2 * 1184, ahead, j, 8);
       const uint8_t* s0 = b0 + 96 + 136 * j;
       const uint8_t* s1 = b1 + 96 + 136 * j;
-      s32[j] = _mm512_cvtepu8_epi32(join8(s0, s1));
+      const __m512i s32 = _mm512_cvtepu8_epi32(join8(s0, s1));
+      const __m512i lo4 = _mm512_and_si512(s32, low4);
+      const __m512i hi2 = _mm512_srli_epi32(s32, 4);
+      const __m512i slo = _mm512_or_si512(lo4, _mm512_slli_epi32(lo4, 16));
+      const __m512i shi = _mm512_or_si512(hi2, _mm512_slli_epi32(hi2, 16));
+      uint8_t* dl = bt[p & 1][0] + (j & 1) * 512;
+      uint8_t* dh = bt[p & 1][1] + (j & 1) * 512;
       for (int i = 0; i < 4; ++i) {
         const __m512i packed = join32(s0 + 8 + 32 * i, s1 + 8 + 32 * i);
-        _mm512_store_si512(bt[j] + 128 * i, _mm512_and_si512(packed, low));
-        _mm512_store_si512(bt[j] + 128 * i + 64, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low));
+        const __m512i l = _mm512_and_si512(packed, low);
+        const __m512i h = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        _mm512_store_si512(dl + 128 * i, _mm512_mullo_epi16(l, slo));
+        _mm512_store_si512(dl + 128 * i + 64, _mm512_mullo_epi16(h, slo));
+        _mm512_store_si512(dh + 128 * i, _mm512_mullo_epi16(l, shi));
+        _mm512_store_si512(dh + 128 * i + 64, _mm512_mullo_epi16(h, shi));
       }
     }
-    tile_groups(a[0].q + b * 256, stride, r0, r1, bt, cbuf);
+  };
+  const auto multiply = [&](int64_t b, int p) {
+    asm volatile("" ::: "memory");  // tileloadd reads bt: the stores into it come first
+    const int8_t* x = a[0].q + b * 256 + 64 * p;
+    _tile_loadd(2, bt[p & 1][0], 64);
+    _tile_loadd(3, bt[p & 1][1], 64);
+    _tile_loadd(0, x, stride);
+    _tile_dpbsud(4, 0, 2);
+    _tile_dpbsud(5, 0, 3);
+    if (r1 > 0) {
+      _tile_loadd(1, x + 16 * stride, stride);
+      _tile_dpbsud(6, 1, 2);
+      _tile_dpbsud(7, 1, 3);
+    }
+    asm volatile("" ::: "memory");  // and the next stores into bt come after these loads
+  };
+  // Block b's sums (cbuf[b & 1]) times its scales, minus its mins, into acc.
+  const auto scale = [&](int64_t b) {
+    const uint8_t* b0 = grp + b * 2 * 1184;
+    const uint8_t* b1 = b0 + 1184;
     const __m512 d = halves16(b0, b1);
     const __m512 dmin = halves16(b0 + 16, b1 + 16);
     __m512i mins[4];
     for (int p = 0; p < 4; ++p) mins[p] = _mm512_cvtepu8_epi16(join16(b0 + 32 + 16 * p, b1 + 32 + 16 * p));
+    const int32_t (*c)[16 * 16] = cbuf[b & 1];
     for (int m = 0; m < M; ++m) {
-      __m512i sumi = _mm512_mullo_epi32(_mm512_load_si512(cbuf[0] + 16 * m), s32[0]);
-      for (int j = 1; j < 8; ++j) sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(_mm512_load_si512(cbuf[j] + 16 * m), s32[j]));
+      const int h = m < 16 ? 0 : 2, row = m < 16 ? m : m - 16;
+      const __m512i sumi = _mm512_add_epi32(_mm512_load_si512(c[h] + 16 * row), _mm512_slli_epi32(_mm512_load_si512(c[h + 1] + 16 * row), 4));
       __m512i summ = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) {
         int32_t pair;
         std::memcpy(&pair, a[m].s32 + b * 8 + 2 * p, 4);
-        summ = _mm512_add_epi32(summ, _mm512_madd_epi16(mins[p], _mm512_set1_epi32(pair)));
+        summ = _mm512_dpwssd_epi32(summ, mins[p], _mm512_set1_epi32(pair));
       }
       const __m512 dx = _mm512_set1_ps(a[m].d[b]);
       const __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, dx), acc[m]);
       acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, dx), r);
     }
+  };
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* b0 = grp + b * 2 * 1184;
+    const uint8_t* b1 = b0 + 1184;
+    _tile_zero(4);
+    _tile_zero(5);
+    if (r1 > 0) {
+      _tile_zero(6);
+      _tile_zero(7);
+    }
+    // Pair p's tiles wait for its stores to reach the cache: pair p + 1 is prepared in between.
+    prepare(b0, b1, 0);
+    for (int p = 0; p < 4; ++p) {
+      if (p < 3) prepare(b0, b1, p + 1);
+      multiply(b, p);
+    }
+    int32_t (*c)[16 * 16] = cbuf[b & 1];
+    _tile_stored(4, c[0], 64);
+    _tile_stored(5, c[1], 64);
+    if (r1 > 0) {
+      _tile_stored(6, c[2], 64);
+      _tile_stored(7, c[3], 64);
+    }
+    // Block b - 1's sums, stored a block ago: vector loads wait for tile stores still in flight.
+    asm volatile("" ::: "memory");
+    if (b > 0) scale(b - 1);
   }
+  asm volatile("" ::: "memory");
+  if (nb > 0) scale(nb - 1);
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
 
 // Activation rows from which a pass over a paired Q4_K row takes the tiles (0: never).
-std::atomic<int> g_amx_min_rows{16};
+std::atomic<int> g_amx_min_rows{10};
 
 // Tile A reads the activation rows at one stride: quantize_acts lays them out so.
 inline bool amx_pass(int64_t q8, const Acts* a, int mt) {
