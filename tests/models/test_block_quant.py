@@ -567,6 +567,20 @@ def test_paired_groups_give_the_unpaired_bits_for_any_pass_width(qtype):
         k.interleave_rows(random_blocks(qtype, 40, 512).data, qtype, True)
 
 
+def test_prefill_sized_products_equal_their_rows_in_small_batches():
+    """A product of many rows whose activations exceed the L2 runs in sweeps of rows over the weight
+    tiles; every row must come out exactly as in a small batch (plain and fused SiLU-gated forms,
+    interleaved and paired layouts, sweeps that do not divide the rows)."""
+    k = kernels()
+    for qtype in (12, 14):  # Q4_K, Q6_K: what a Q4_K_M file's projections are
+        kq, data = interleave_rows(random_blocks(qtype, 48, 8192, seed=qtype))
+        x = torch.randn(300, 8192, generator=torch.Generator().manual_seed(qtype)) * 3
+        assert torch.equal(k.qmatmul(x, data, kq), torch.cat([k.qmatmul(x[i : i + 20], data, kq) for i in range(0, 300, 20)]))
+        fused = k.qmatmul_multi(x, [data, data], [kq, kq], [None, None], True)
+        parts = [k.qmatmul_multi(x[i : i + 20], [data, data], [kq, kq], [None, None], True) for i in range(0, 300, 20)]
+        assert torch.equal(fused, torch.cat(parts))
+
+
 def test_amx_passes_are_bit_identical_to_the_512_bit_ones():
     """Where the CPU has AMX (and the kernel grants the tiles), wide passes over Q4_K take the tile
     unit; every row's products must be exactly those of the 512-bit kernel, whatever the number
