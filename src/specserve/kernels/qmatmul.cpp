@@ -145,8 +145,8 @@ struct Acts {
   const float* d;
   const int16_t* s16;
   const int16_t* s32;
-  // -32 * the sum of each 8 values (|.| <= 32512): Q6_K's value offset, where a VNNI chain of 8
-  // values starts (chain_start) so that it ends at sum((q - 32) * x).
+  // -32 * the sum of each 8 values (|.| <= 32512): Q6_K's value offset, where the VNNI kernels
+  // start a chain over those 8 values so that it ends at sum((q - 32) * x).
   const int16_t* z8;
 };
 
@@ -578,7 +578,7 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
         // each of 16 values, |.| <= 16 * 15 * 128 < 2^15: so each is an int16 in its lane's low
         // half, and vpdpwssd with the lane's (scale, 0) pair adds it times the scale, the exact
         // int32 sum one vpmulld of their sum gave, in 2 instructions instead of 4 (vpmulld is
-        // two on Intel). Two vpmaddwd and adds instead cost a slot more (Zen 4, session 3x).
+        // two on Intel). Two vpmaddwd and their adds instead had cost a slot more (Zen 4).
         __m256i plo = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo[0], bcast4(x));
         __m256i phi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi[0], bcast4(x + 4));
         for (int i = 1; i < 4; ++i) {
@@ -1085,10 +1085,10 @@ void dot_q4_q5_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float*
 // after a tile store: ~65 cycles per sub-block whatever the rows. Scaling B costs 16 vpmullw and 16
 // stores per sub-block, ~31 cycles, beside ~19 of tile work (L1-resident microbenchmark), and
 // nothing per row but the block's sums. On a 2-vCPU Xeon VM (AVX-512, AMX; it reports family 6
-// model 167), Qwen2.5-Coder-1.5B Q4_K_M on `auto`, the scaled tiles against the per-sub-block ones
-// (both from 16 rows), best of 3 alternating rounds: forwards of 17 / 33 tokens 107.5 -> 93.2 /
-// 186.0 -> 163.7 ms, decode batch 16 / 32 94.6 -> 83.4 / 168.3 -> 143.6 ms, a 256-token prefill
-// chunk 1451 -> 1277 ms. Against the 512-bit kernel, one request of n tokens: 0.98x at n = 9,
+// model 167), Qwen2.5-Coder-1.5B Q4_K_M on `auto`, the scaled tiles from 10 rows against the
+// per-sub-block ones from 16, old and new processes alternating (best of 2): forwards of 12 / 17 /
+// 33 tokens 76.9 -> 73.4 / 107.4 -> 95.2 / 186.1 -> 157.6 ms, decode batch 16 / 32 94.7 -> 83.6 /
+// 167.8 -> 142.6 ms, a 256-token prefill chunk 1425 -> 1256 ms. Against the 512-bit kernel, one request of n tokens: 0.98x at n = 9,
 // 1.02x at 10, 1.05x at 11, 1.06x at 12 (the 0.5B, partly L3-resident: 1.00x / 1.01x / 1.02x /
 // 1.02x). Hence g_amx_min_rows = 10. Below ~10 rows the 512-bit kernel's per-row work (8 vpdpbusd
 // per sub-block) still costs less than unpacking and scaling B. Q6_K's signed 8-bit scales per 16
