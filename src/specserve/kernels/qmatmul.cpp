@@ -63,7 +63,6 @@
 #if SPECSERVE_AVX512 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define SPECSERVE_AMX 1
 #include <sys/syscall.h>
-#include <unistd.h>
 #else
 #define SPECSERVE_AMX 0
 #endif
@@ -202,13 +201,14 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, 
 #endif
     }
 #if !SPECSERVE_AVX2
-    for (int64_t g = 0; g < K / 8; ++g) {
-      int sum = 0;
-      for (int i = 0; i < 8; ++i) sum += q[m * K + g * 8 + i];
-      z8[m * (K / 8) + g] = static_cast<int16_t>(-32 * sum);
+    for (int64_t g = 0; g < K / 16; ++g) {
+      const int8_t* v = q + m * K + g * 16;
+      int lo = 0, hi = 0;
+      for (int i = 0; i < 8; ++i) lo += v[i], hi += v[8 + i];
+      s16[m * (K / 16) + g] = static_cast<int16_t>(lo + hi);
+      z8[m * (K / 8) + 2 * g] = static_cast<int16_t>(-32 * lo);
+      z8[m * (K / 8) + 2 * g + 1] = static_cast<int16_t>(-32 * hi);
     }
-    for (int64_t g = 0; g < K / 16; ++g)
-      s16[m * (K / 16) + g] = static_cast<int16_t>((z8[m * (K / 8) + 2 * g] + z8[m * (K / 8) + 2 * g + 1]) / -32);
 #endif
     for (int64_t g = 0; g < K / 32; ++g)
       s32[m * (K / 32) + g] = static_cast<int16_t>(s16[m * (K / 16) + 2 * g] + s16[m * (K / 16) + 2 * g + 1]);
@@ -645,8 +645,14 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
       const uint8_t* ql = chunk + 16;
       const uint8_t* qh = chunk + 144;
       const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
-      const __m256i sc_a = _mm256_shuffle_epi8(sc16, even);
+#if SPECSERVE_VNNI
+      // Each row's scale as the int16 pair (scale, 0): vpdpwssd then adds scale * (low half).
+      const __m256i sc_a = _mm256_srli_epi32(_mm256_shuffle_epi8(sc16, even), 16);
+      const __m256i sc_b = _mm256_srli_epi32(_mm256_shuffle_epi8(sc16, odd), 16);
+#else
+      const __m256i sc_a = _mm256_shuffle_epi8(sc16, even);  // each row's scale in both int16 halves
       const __m256i sc_b = _mm256_shuffle_epi8(sc16, odd);
+#endif
       __m256i v[8];  // v[2i + h]: values 8i + 4h + k of each row
       for (int h = 0; h < 2; ++h) {
         const __m256i H = load32(qh + 32 * h);
@@ -668,7 +674,7 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
           // Two chains of 8 values, each from -32 * the sum of its x (value = q - 32; see
           // dot_q6_k_x16), ending at |.| <= 8 * 32 * 127 < 2^15: one vpdpwssd each with the
           // row's (scale, 0) pair.
-          const __m256i sg = _mm256_srli_epi32(g == 0 ? sc_a : sc_b, 16);
+          const __m256i sg = g == 0 ? sc_a : sc_b;
           const int16_t* z = a[m].z8 + b * 32 + 4 * c + 2 * g;
           const __m256i pa = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_set1_epi16(z[0]), v[4 * g + 0], bcast4(x + 16 * g)),
                                                  v[4 * g + 1], bcast4(x + 16 * g + 4));
@@ -862,6 +868,29 @@ inline __m512i bcast4z(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// A paired Q4_K block's float step for rows 0..M: acc[m] += d * dx * sumi(m) - dmin * dx * (the
+// mins times the activations' 32-value sums), d / dmin / mins from the block at b0 / b1. The
+// 512-bit and the tile kernels both end each block here, so their results agree bit for bit
+// whenever their integer sums do.
+template <typename Sumi>
+inline void q4_k_x16_block_step(const uint8_t* b0, const uint8_t* b1, int64_t b, const Acts* a, int M, Sumi&& sumi, __m512* acc) {
+  const __m512 d = halves16(b0, b1);
+  const __m512 dmin = halves16(b0 + 16, b1 + 16);
+  __m512i mins[4];
+  for (int p = 0; p < 4; ++p) mins[p] = _mm512_cvtepu8_epi16(join16(b0 + 32 + 16 * p, b1 + 32 + 16 * p));
+  for (int m = 0; m < M; ++m) {
+    __m512i summ = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+      int32_t pair;
+      std::memcpy(&pair, a[m].s32 + b * 8 + 2 * p, 4);
+      summ = _mm512_dpwssd_epi32(summ, mins[p], _mm512_set1_epi32(pair));
+    }
+    const __m512 dx = _mm512_set1_ps(a[m].d[b]);
+    const __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi(m)), _mm512_mul_ps(d, dx), acc[m]);
+    acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, dx), r);
+  }
+}
+
 template <int MT>
 void dot_q4_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
@@ -899,21 +928,7 @@ void dot_q4_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
         sumi[m] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sumi[m], plo, s32), phi, s32);
       }
     }
-    const __m512 d = halves16(b0, b1);
-    const __m512 dmin = halves16(b0 + 16, b1 + 16);
-    __m512i mins[4];
-    for (int p = 0; p < 4; ++p) mins[p] = _mm512_cvtepu8_epi16(join16(b0 + 32 + 16 * p, b1 + 32 + 16 * p));
-    for (int m = 0; m < M; ++m) {
-      __m512i summ = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p) {
-        int32_t pair;
-        std::memcpy(&pair, a[m].s32 + b * 8 + 2 * p, 4);
-        summ = _mm512_dpwssd_epi32(summ, mins[p], _mm512_set1_epi32(pair));
-      }
-      const __m512 dx = _mm512_set1_ps(a[m].d[b]);
-      const __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[m]), _mm512_mul_ps(d, dx), acc[m]);
-      acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, dx), r);
-    }
+    q4_k_x16_block_step(b0, b1, b, a, M, [&](int m) { return sumi[m]; }, acc);
   }
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
@@ -1190,28 +1205,14 @@ void dot_q4_k_x16_amx(const uint8_t* grp, int64_t nb, const Acts* a, int M, floa
     }
     asm volatile("" ::: "memory");  // and the next stores into bt come after these loads
   };
-  // Block b's sums (cbuf[b & 1]) times its scales, minus its mins, into acc.
+  // Block b's float step from its sums, C_lo + 16 C_hi (cbuf[b & 1]).
   const auto scale = [&](int64_t b) {
-    const uint8_t* b0 = grp + b * 2 * 1184;
-    const uint8_t* b1 = b0 + 1184;
-    const __m512 d = halves16(b0, b1);
-    const __m512 dmin = halves16(b0 + 16, b1 + 16);
-    __m512i mins[4];
-    for (int p = 0; p < 4; ++p) mins[p] = _mm512_cvtepu8_epi16(join16(b0 + 32 + 16 * p, b1 + 32 + 16 * p));
     const int32_t (*c)[16 * 16] = cbuf[b & 1];
-    for (int m = 0; m < M; ++m) {
+    const auto sumi = [&](int m) {
       const int h = m < 16 ? 0 : 2, row = m < 16 ? m : m - 16;
-      const __m512i sumi = _mm512_add_epi32(_mm512_load_si512(c[h] + 16 * row), _mm512_slli_epi32(_mm512_load_si512(c[h + 1] + 16 * row), 4));
-      __m512i summ = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p) {
-        int32_t pair;
-        std::memcpy(&pair, a[m].s32 + b * 8 + 2 * p, 4);
-        summ = _mm512_dpwssd_epi32(summ, mins[p], _mm512_set1_epi32(pair));
-      }
-      const __m512 dx = _mm512_set1_ps(a[m].d[b]);
-      const __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, dx), acc[m]);
-      acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, dx), r);
-    }
+      return _mm512_add_epi32(_mm512_load_si512(c[h] + 16 * row), _mm512_slli_epi32(_mm512_load_si512(c[h + 1] + 16 * row), 4));
+    };
+    q4_k_x16_block_step(grp + b * 2 * 1184, grp + b * 2 * 1184 + 1184, b, a, M, sumi, acc);
   };
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* b0 = grp + b * 2 * 1184;
@@ -1526,8 +1527,11 @@ constexpr int64_t kSweepFrom = 128;
 
 int64_t l2_bytes() {
   static const int64_t bytes = [] {
+#ifdef _SC_LEVEL2_CACHE_SIZE
     const long v = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return v > 0 ? static_cast<int64_t>(v) : int64_t{512} << 10;
+    if (v > 0) return static_cast<int64_t>(v);
+#endif
+    return int64_t{512} << 10;
   }();
   return bytes;
 }
@@ -1535,7 +1539,7 @@ int64_t l2_bytes() {
 int64_t activation_chunk(int64_t M, int64_t K) {
   constexpr int64_t kWhole = 32;
   const int64_t budget = l2_bytes() / 4;
-  if (M < kSweepFrom || M * K <= budget) return std::max<int64_t>(M, 1);
+  if (M < kSweepFrom || M * K <= budget) return M;
   return std::max<int64_t>(kWhole, budget / K / kWhole * kWhole);
 }
 
