@@ -608,6 +608,44 @@ def test_amx_passes_are_bit_identical_to_the_512_bit_ones():
         k.set_amx_min_rows(old)
 
 
+def test_native_argmax_is_torchs_on_ties_nan_and_infinities():
+    """Greedy decoding takes each logits row's argmax from the kernel: it must be torch.argmax's
+    answer for any row (the first of equal values, the first NaN where there is one, rows of every
+    length around the 32-value vector loop, strided rows), and row_argmax must fall back to torch
+    for what the kernel does not take."""
+    from specserve.kernels import row_argmax
+
+    k = kernels()
+    g = torch.Generator().manual_seed(11)
+    for n in (1, 2, 7, 31, 32, 33, 63, 64, 65, 95, 1000, 151936):
+        for case in ("random", "ties", "all -inf", "nan", "nan first", "zeros and -0", "inf twice", "last"):
+            x = torch.randn(3, n, generator=g)
+            if case == "ties":
+                x = torch.randint(-2, 2, (3, n), generator=g).float()
+            elif case == "all -inf":
+                x[:] = float("-inf")
+            elif case == "nan":
+                x[:, (n * 2) // 3] = float("nan")
+                x[:, n // 2] = 1e30
+            elif case == "nan first":
+                x[:, 0] = float("nan")
+            elif case == "zeros and -0":
+                x = torch.where(torch.rand(3, n, generator=g) < 0.5, torch.tensor(0.0), torch.tensor(-0.0))
+            elif case == "inf twice":
+                x[:, n // 3] = x[:, n // 2] = float("inf")
+            elif case == "last":
+                x[:, -1] = 1e9
+            assert torch.equal(k.argmax_rows(x), x.argmax(-1)), (n, case)
+            assert torch.equal(row_argmax(x), x.argmax(-1)), (n, case)
+    x = torch.randn(6, 500, generator=g)
+    assert torch.equal(k.argmax_rows(x[::2]), x[::2].argmax(-1))  # rows apart in memory
+    assert k.argmax_rows(x[:0]).shape == (0,)
+    for other in (x.double(), x.t(), x[0]):  # float64, strided values, one dimension: torch's answer
+        assert torch.equal(row_argmax(other), other.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        k.argmax_rows(x.t())
+
+
 def test_vnni_kernels_are_bit_identical_to_the_avx2_ones(tmp_path):
     """Where the CPU has AVX512-VNNI the interleaved kernels use vpdpbusd; an AVX2-only build of
     the same source must give exactly the same products (so results never depend on the CPU's
@@ -630,6 +668,8 @@ def test_vnni_kernels_are_bit_identical_to_the_avx2_ones(tmp_path):
             for m in (1, 3, 4, 5, 8, 9, 33):
                 x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) * 3
                 assert torch.equal(avx2.qmatmul(x, data, kq), kernels().qmatmul(x, data, kq)), (qtype, paired, m)
+    x = torch.randint(-3, 3, (4, 151936), generator=torch.Generator().manual_seed(2)).float()
+    assert torch.equal(avx2.argmax_rows(x), kernels().argmax_rows(x))
     # Attention: on AVX-512 the scores take two keys per 512-bit register and the values 16 columns,
     # each key's and column's arithmetic that of the 256-bit kernels.
     g = torch.Generator().manual_seed(5)

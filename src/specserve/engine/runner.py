@@ -19,6 +19,7 @@ from specserve.config import CacheConfig, ModelConfig, usable_cpus
 from specserve.engine.graphs import StepGraphs
 from specserve.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
+from specserve.kernels import row_argmax
 from specserve.kv_cache.layer_load import KVLoad, LayerLoader, LayerWriter
 from specserve.kv_cache.pages import zeroed_pages
 from specserve.kv_cache.tiers import TieredKVStore
@@ -787,7 +788,7 @@ class ModelRunner:
             draft_probs=[_chain_probs(sr.draft) for sr in sampled_reqs],
             meta=meta,
         )
-        flat_argmax = logits.argmax(dim=-1).tolist()
+        flat_argmax = row_argmax(logits).tolist()
         res = rejection_sample(logits, batch, self.sampler.generator, flat_argmax)
         argmax = _split(flat_argmax, [k + 1 for k in ks])
         return {
@@ -805,14 +806,15 @@ class ModelRunner:
         """At least one branching draft: walk every request's tree (specserve.sampling.tree_rejection),
         then move each accepted path's KV into consecutive slots."""
         trees = [sr.draft if sr.draft is not None else _EMPTY_TREE for sr in sampled_reqs]
-        results = verify_trees(logits, trees, meta, self.sampler.generator)
+        flat_argmax = row_argmax(logits).tolist()
+        results = verify_trees(logits, trees, meta, self.sampler.generator, flat_argmax)
         moves: list[tuple[ScheduledRequest, int, int]] = []  # (request, from, to) positions of accepted nodes' KV
         for sr, res in zip(sampled_reqs, results):
             first = sr.start_pos + sr.num_new_tokens  # where the nodes' KV was written, in node order
             moves += [(sr, first + node, first + d) for d, node in enumerate(res.accepted_nodes) if node != d]
         if moves:
             self.move_kv([(self._slot(sr, a), self._slot(sr, b)) for sr, a, b in moves])
-        argmax = _split(logits.argmax(dim=-1).tolist(), [len(t) + 1 for t in trees])
+        argmax = _split(flat_argmax, [len(t) + 1 for t in trees])
         return {
             sr.request_id: SampledTokens(res.token_ids, res.logprobs, num_draft_tokens=sr.num_spec_tokens,
                                          num_accepted_tokens=len(res.accepted_nodes), accepted_nodes=tuple(res.accepted_nodes),

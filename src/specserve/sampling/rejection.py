@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.kernels import row_argmax
 from specserve.sampling.sampler import (
     SamplingMetadata,
     inverse_cdf,
@@ -81,7 +82,7 @@ def rejection_sample(
     """Verify every request's drafts at once; returns the tokens each request emits."""
     if batch.meta.all_greedy and not batch.meta.need_logprobs:
         if target_argmax is None:
-            target_argmax = target_logits.argmax(dim=-1).tolist()
+            target_argmax = row_argmax(target_logits).tolist()
         return greedy_accept(target_argmax, batch.draft_token_ids)
     return _sample_rows(target_logits, batch, generator)
 
@@ -136,7 +137,7 @@ def _sample_rows(
         g = meta.greedy.nonzero().squeeze(1)
         local, pos = _runs(ks[g] + 1)
         req = g[local]
-        am = target_logits.index_select(0, starts[req] + pos).argmax(dim=-1)
+        am = row_argmax(target_logits.index_select(0, starts[req] + pos))
         is_draft = pos < ks[req]
         miss = ~is_draft | (flat_drafts[torch.where(is_draft, draft0[req] + pos, 0)] != am)
         first = torch.full((g.numel(),), 1 << 30, dtype=torch.long, device=device)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from specserve.kernels import row_argmax
 from specserve.sampling_params import GREEDY_EPS, SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio) to spread (seed, step) pairs
@@ -374,7 +375,7 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([N] token ids, [N] logprobs or None)
         """Sample one token per row."""
         if meta.all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = row_argmax(logits)
         else:
             probs = logits_to_probs(
                 logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p, meta.min_p,
@@ -383,7 +384,7 @@ class Sampler:
             sampled = sample_from_probs(probs, meta.seeds, meta.steps, self.generator)
             # Greedy rows beside sampled ones take their argmax (a pass over every row: skipped
             # when none is greedy, as in a batch of chat requests).
-            tokens = torch.where(meta.greedy, logits.argmax(dim=-1), sampled) if meta.any_greedy else sampled
+            tokens = torch.where(meta.greedy, row_argmax(logits), sampled) if meta.any_greedy else sampled
         logprobs = None
         if meta.need_logprobs:
             # Logprobs of the rows as given, before temperature / truncation: logprobs_mode

@@ -56,6 +56,7 @@ from typing import NamedTuple
 
 import torch
 
+from specserve.kernels import row_argmax
 from specserve.sampling.rejection import STREAM_ACCEPT, STREAM_RECOVER
 from specserve.sampling.sampler import (
     SamplingMetadata,
@@ -79,6 +80,7 @@ def verify_trees(
     trees: Sequence[DraftTree],
     meta: SamplingMetadata,  # one row per request
     generator: torch.Generator | None,
+    target_argmax: list[int] | None = None,  # the rows' argmax, where the caller has it
 ) -> list[TreeVerifyResult]:
     """Walk every request's tree and return what each emits (see the module docstring)."""
     sizes = [len(t) + 1 for t in trees]
@@ -88,7 +90,7 @@ def verify_trees(
     greedy = meta.greedy.tolist()
     walks: list[tuple[list[int], list[int]]] = [([], [])] * len(trees)
     if any(greedy):
-        argmax = target_logits.argmax(dim=-1).tolist()
+        argmax = target_argmax if target_argmax is not None else row_argmax(target_logits).tolist()
         for i, tree in enumerate(trees):
             if greedy[i]:
                 walks[i] = _walk_greedy(tree, argmax[starts[i] : starts[i] + sizes[i]])

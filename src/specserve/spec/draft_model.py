@@ -28,6 +28,7 @@ from specserve.config import CacheConfig, ModelConfig
 from specserve.engine.runner import FeedEntry, ModelRunner
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
+from specserve.kernels import row_argmax
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.models.arch import ArchConfig
 from specserve.request import Request
@@ -721,7 +722,7 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
         params = [req.sampling_params for req, _, _ in step_reqs]
         steps = [req.num_output_tokens + j for req, _, _ in step_reqs]
         meta = SamplingMetadata.build(params, steps, self.device)
-        greedy = logits.argmax(dim=-1)
+        greedy = row_argmax(logits)
         if meta.all_greedy:
             return greedy.tolist(), None
         p = logits_to_probs(logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p,
