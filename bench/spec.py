@@ -87,6 +87,8 @@ class Bench:
             kw.setdefault("draft_model", self.args.eagle_head or "auto")
         if self.args.draft_p_min is not None:
             kw.setdefault("draft_p_min", self.args.draft_p_min)
+        if self.args.max_draft_nodes is not None:
+            kw.setdefault("max_draft_nodes", self.args.max_draft_nodes)
         if method == "draft":
             if self.args.draft_quantization:
                 kw.setdefault("draft_quantization", self.args.draft_quantization)
@@ -509,6 +511,8 @@ def main() -> int:
                     help="trees section: the policy (always: every step drafts, to measure acceptance)")
     ap.add_argument("--tree-k", type=int, default=8,
                     help="trees section: the node budget per step (--num-speculative-tokens)")
+    ap.add_argument("--max-draft-nodes", type=int, default=None,
+                    help="the most nodes a tree may have (--max-draft-nodes; the engine's default when not given)")
     ap.add_argument("--tree-sets", nargs="+", default=["coding", "edit"], choices=["coding", "edit", "prose"],
                     help="prompt sets of the trees section")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per set")
