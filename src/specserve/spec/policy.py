@@ -326,11 +326,14 @@ class StepTimer:
                     self._move_phase(seconds / (self.phase * read))
                 else:  # a larger step: its own point, against the phase
                     self.points[n] = ewma(self.points[n], seconds / self.phase, PHASE_EWMA)
+                    self._version += 1
         elif self._binds_read(n, xs, knee):  # past the knee, in a phase slow enough for the read to bind
             self._move_phase(seconds / self(n))
         else:
             self.points[n] = ewma(self.points[n], seconds, PHASE_EWMA)
-        self._version += 1
+            self._version += 1
+        # (The phase alone leaves the curve's shape, which _xs_knee caches, as it was: a decode
+        # step, which moves only the phase, no longer has the next step re-sort the points.)
 
     def _move_phase(self, ratio: float) -> None:
         """Move the phase a PHASE_EWMA share of the way to explaining a step `ratio` times its estimate."""
