@@ -1212,7 +1212,8 @@ void dot_q4_k_x16_amx(const uint8_t* grp, int64_t nb, const Acts* a, int M, floa
       const int h = m < 16 ? 0 : 2, row = m < 16 ? m : m - 16;
       return _mm512_add_epi32(_mm512_load_si512(c[h] + 16 * row), _mm512_slli_epi32(_mm512_load_si512(c[h + 1] + 16 * row), 4));
     };
-    q4_k_x16_block_step(grp + b * 2 * 1184, grp + b * 2 * 1184 + 1184, b, a, M, sumi, acc);
+    const uint8_t* b0 = grp + b * 2 * 1184;
+    q4_k_x16_block_step(b0, b0 + 1184, b, a, M, sumi, acc);
   };
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* b0 = grp + b * 2 * 1184;
@@ -1807,11 +1808,7 @@ int64_t argmax_row(const float* x, int64_t n) {
       if (mv[l] > best || (mv[l] == best && iv[l] < at)) best = mv[l], at = iv[l];
   }
 #endif
-  if (i == 0) {
-    if (std::isnan(best)) return 0;
-    i = 1;
-  }
-  for (; i < n; ++i) {  // the rest, in order: later indices win only when strictly larger
+  for (; i < n; ++i) {  // the rest (all of x without the vector loop), in order: later indices win only when strictly larger
     if (std::isnan(x[i])) return i;
     if (x[i] > best) best = x[i], at = i;
   }
