@@ -370,3 +370,26 @@ def test_build_corpus_refuses_an_empty_ask_count(capsys):
 
     assert main(["build-corpus", "--model", "smollm2-135m-instruct", "--asks", "0"]) != 0
     assert "--asks" in capsys.readouterr().err
+
+
+def test_the_start_up_summary_says_what_lookahead_drafts_from_and_how_to_add_the_models_answers(tmp_path):
+    from specserve.spec.corpus import corpus_note
+
+    table = CorpusNgrams.from_token_docs([[1, 2, 3, 1, 2, 4]])
+    own = tmp_path / "m-abc.txt"
+    missing = corpus_note("auto", table, own, "qwen2.5-coder-1.5b-instruct")
+    assert missing.startswith("corpus: the stdlib only, 6 corpus tokens")
+    assert "`specserve build-corpus --model qwen2.5-coder-1.5b-instruct`" in missing
+    own.write_text("answers")
+    assert corpus_note("auto", table, own, "m") == "corpus: the stdlib and the model's own answers, 6 corpus tokens"
+    # A model without a file (a checkpoint given in memory) has no answers to add: no advice.
+    assert corpus_note("auto", table, None, "m") == "corpus: the stdlib, 6 corpus tokens"
+    assert corpus_note("python", table, None, "m") == "corpus python, 6 corpus tokens"
+    assert corpus_note("none", None, None, "m") == "no corpus"
+
+
+def test_lookahead_describes_its_corpus_beside_the_served_outputs():
+    p = LookaheadProposer(corpus=None)
+    assert p.describe() == ""
+    p.corpus_note = "no corpus"
+    assert p.describe() == "no corpus"

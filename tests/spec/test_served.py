@@ -149,6 +149,7 @@ def test_repeated_requests_draft_from_earlier_outputs_and_stay_exact(tiny, metho
     llm = LLM("tiny", spec_method=method, spec_policy="always", num_spec_tokens=8, lookahead_corpus="none", **kw)
     eng = llm.engine
     assert "also from the outputs of the last 10,000 requests" in eng.describe()["speculation"]
+    assert ("no corpus; " in eng.describe()["speculation"]) == (method == "lookahead")
     first = llm.generate(prompts, params)  # batched: the store fills as they finish
     assert [o.token_ids for o in first] == base
     kept = sum(32 + min(served.MAX_MATCH, len(o.prompt_token_ids)) for o in first)  # each output after its prompt's tail

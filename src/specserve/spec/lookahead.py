@@ -103,9 +103,14 @@ class LookaheadProposer(ServedSource, Proposer):
         self.corpus = corpus
         self.served = served
         self.tree = tree  # False: the best child at every level only (a chain)
+        self.corpus_note = ""  # what the corpus holds, for the start-up summary (the factory sets it)
         self.trust = {(s, False): t for s, t in TRUST_PRIOR.items()}
         self.trust.update({(s, True): TRUST_ONWARD.get(s, t) for s, t in TRUST_PRIOR.items()})
         self._states: dict[str, _State] = {}
+
+    def describe(self) -> str:
+        """For the start-up summary: the corpus, and the served outputs where they are kept."""
+        return "; ".join(part for part in (self.corpus_note, ServedSource.describe(self)) if part)
 
     def add_request(self, request: Request) -> None:
         """Start the window from the prompt's tail and the pool from the prompt's n-grams."""
