@@ -918,6 +918,47 @@ def test_a_build_killed_midway_does_not_block_the_next_start(tmp_path):
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
+def test_kernel_builds_unused_for_a_month_are_removed_and_live_ones_kept(tmp_path):
+    """Each source version, torch or CPU builds into a directory of its own; a fresh build removes
+    the ones no process has loaded for KEEP_UNUSED_BUILDS_S, except one another process holds."""
+    import fcntl
+    import os
+    import time
+
+    from specserve.kernels import KEEP_UNUSED_BUILDS_S, _build_lock, _prune_old_builds
+
+    now = time.time()
+    old_time = now - KEEP_UNUSED_BUILDS_S - 86400
+
+    def build(name, mtime):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "specserve_qmatmul.so").write_bytes(b"x" * 100)
+        lock = d / ".specserve-build.lock"
+        lock.touch()
+        os.utime(lock, (mtime, mtime))
+        os.utime(d / "specserve_qmatmul.so", (mtime, mtime))
+        return d
+
+    current = build("current", old_time)  # the one being loaded: never removed, whatever its age
+    build("old", old_time)
+    recent, held = build("recent", now - 86400), build("held", old_time)
+    empty = tmp_path / "empty"  # a directory a killed start left without a lock file
+    empty.mkdir()
+    os.utime(empty, (old_time, old_time))
+    (tmp_path / "note.txt").write_text("not a build")
+    os.utime(tmp_path / "note.txt", (old_time, old_time))
+    with open(held / ".specserve-build.lock", "a") as fh:  # another process building or loading there
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        removed = _prune_old_builds(current, now=now)
+    assert sorted(p.name for p in removed) == ["empty", "old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "held", "note.txt", "recent"]
+    with _build_lock(recent):  # a load rewrites the lock: the directory counts as used now
+        pass
+    assert (recent / ".specserve-build.lock").stat().st_mtime >= now - 1
+    assert _prune_old_builds(current, now=now + KEEP_UNUSED_BUILDS_S - 3600) == [held]  # released: old and unused, it goes too
+
+
 def test_blocks_under_a_float_quantization_run_as_float_and_speculation_stays_exact(smollm_path):
     """A checkpoint that kept its GGUF blocks, served with --quantization none: float weights
     holding the blocks' values, so every step shape computes alike. (Blocks beside torch's

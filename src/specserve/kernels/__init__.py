@@ -31,8 +31,10 @@ import math
 import os
 import platform
 import re
+import shutil
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -162,10 +164,46 @@ def _load() -> ModuleType:
             f"could not build the quantized-matmul kernel ({type(exc).__name__}: {str(exc)[-400:]}). "
             "It needs a C++ compiler (g++) and ninja (pip install ninja); or run with --quantization none."
         ) from exc
+    if fresh:  # a new source, torch or CPU: the builds of earlier versions may be long unused
+        _prune_old_builds(build)
     _prefetch_from_env(module)
     global _loaded
     _loaded = module
     return module
+
+
+KEEP_UNUSED_BUILDS_S = 30 * 86400  # a build directory no process has loaded for this long is removed
+
+
+def _prune_old_builds(current: Path, now: float | None = None) -> list[Path]:
+    """Remove the kernel builds beside `current` that no process has loaded for KEEP_UNUSED_BUILDS_S
+    (each load rewrites its directory's lock file; each new version of the source, of torch or a
+    new CPU gets a directory of its own, ~2.5 MB, which nothing else would ever delete). A build
+    another process holds locked (building or loading) is left alone, and so is anything that is
+    not a directory. Returns what was removed; never raises."""
+    import fcntl
+
+    now = time.time() if now is None else now
+    removed = []
+    with contextlib.suppress(OSError):
+        for build in current.parent.iterdir():
+            if build == current or not build.is_dir() or build.is_symlink():
+                continue
+            lock = build / ".specserve-build.lock"
+            try:
+                last_use = (lock if lock.exists() else build).stat().st_mtime
+                if now - last_use < KEEP_UNUSED_BUILDS_S:
+                    continue
+                with open(lock, "a") as fh:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held elsewhere: OSError, skip it
+                    shutil.rmtree(build)
+                removed.append(build)
+            except OSError:
+                continue
+    if removed:
+        logger.info("removed %d kernel builds unused for %d days: %s", len(removed), KEEP_UNUSED_BUILDS_S // 86400,
+                    ", ".join(p.name for p in removed))
+    return removed
 
 
 def _source_copy(build: Path) -> Path:
