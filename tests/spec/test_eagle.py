@@ -144,6 +144,39 @@ def test_a_fusing_head_reads_the_targets_residual_streams_and_stays_exact(tmp_pa
         runner.feature_layers = (4,)
 
 
+def test_a_fused_head_projects_the_rows_of_held_back_requests_in_batches_and_drafts_from_all_of_them(tmp_path):
+    """The rows of a request that is not drafting wait unprojected (FUSE_AT at a time, and all
+    of them once it drafts), so a step that drafts nothing pays no fusion; the head is fed the
+    same features either way, and greedy speculation after such a wait equals plain decoding."""
+    from conftest import make_head_file, tiny_checkpoint
+
+    from specserve.engine.runner import HiddenRows
+    from specserve.spec.eagle import FUSE_AT
+
+    _, ckpt = tiny_checkpoint("llama", seed=7, vocab=256, layers=4)
+    path = make_head_file(ckpt, tmp_path / "fused.safetensors", feature_layers=[1, 3])
+    llm = LLM("tiny", dtype="float32", checkpoint=ckpt, spec_method="eagle", draft_model=str(path),
+              spec_policy="always", num_spec_tokens=4, profile_spec_costs=False)
+    prop = llm.engine.proposer
+    width = 3 * ckpt.arch.hidden_size
+    rows = torch.randn(FUSE_AT + 9, width)
+    for p in range(FUSE_AT + 9):  # one verified token a step, never drafted for
+        prop.observe_hidden({"a": HiddenRows(p, rows[p : p + 1])})
+    seq = prop._seqs["a"]
+    assert seq.num_raw == 9 and seq.num_pending == FUSE_AT + 9 and seq.next_pos == FUSE_AT + 9
+    prop._fuse([seq])
+    fed = torch.cat(seq.pending)
+    assert seq.num_raw == 0 and fed.shape == (FUSE_AT + 9, ckpt.arch.hidden_size)
+    torch.testing.assert_close(fed, prop.head.target_feature(rows), rtol=1e-5, atol=1e-5)
+    prop.remove_request("a")
+    # End to end: requests whose drafting waits behind a long prompt's rows stay exact.
+    prompts = [list(range(3, 3 + FUSE_AT + 5)), [40, 41, 42]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM("tiny", dtype="float32", checkpoint=ckpt).generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.spec_counters["num_draft_tokens"] > 0 and llm.engine.check_integrity()
+
+
 def test_capturing_feature_layers_leaves_the_native_forward_bit_identical(smollm_path):
     """The native stack split at the feature layers runs the same kernels: the last hidden states
     are bit for bit those of the one-call stack, so a fusing head cannot change the target."""

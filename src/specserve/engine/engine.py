@@ -62,6 +62,7 @@ MIN_FORCED_DRAFT = 8
 FORCED_DRAFT_MAX_BATCH = 4
 HOST_EWMA = 0.05  # weight of one step in the host-time estimates
 PROFILE_ROUNDS = 3  # rounds of profile_costs (the median ratio of each point is kept)
+PROFILE_WARM_STEPS = 4  # one-token steps before each round's small points (the caches as decoding leaves them)
 RESTORE_ROUNDS = 3  # one-token steps timed to read saved step costs at the machine's speed now (median)
 RESTORE_SPEED = (0.5, 2.0)  # that speed against the saved one's, outside which the costs are measured afresh
 CATCHUP_PROFILE_TOKENS = 64  # one request's tokens in the pass that times a proposer's catch-up
@@ -474,13 +475,23 @@ class LLMEngine:
         # it: a shared machine's memory speed moves between phases (10-25% within minutes here),
         # which bent a curve of absolute minima (T(2) 15% above T(1) where the medians say 4%).
         # The curve is the median one-token time times the median ratios.
+        # The small steps are timed as decoding meets them: after a few one-token steps, and
+        # before the large ones. A large step leaves the caches cold for the next few: SmolLM2's
+        # one-token step took 5.9, 5.5, 3.9, 3.5 ms after a 136-token one, then 3.1 (its 98 MB of
+        # weights partly stay in the L3 while decoding; 2-vCPU Xeon). Timed right after the large
+        # steps of the round before, T(1) read 5.3-6.0 ms and T(2) below it, and the policy,
+        # seeing verify steps as nearly free, drafted where they cost 1.5-2x a one-token step.
         ones: list[float] = []
         ratios: dict[int, list[float]] = {n: [] for n, _ in points}
+        small = [(n, one_request) for n, one_request in points if one_request]
+        large = [(n, one_request) for n, one_request in points if not one_request]
         for _ in bar(range(PROFILE_ROUNDS), desc="profiling step costs for the speculation policy", unit="round"):
+            for _ in range(PROFILE_WARM_STEPS):
+                self.runner.time_decode_step(1, repeats=1)
             before = self.runner.time_decode_step(1, repeats=1)
-            times = {n: self.runner.time_decode_step(1, tokens_per_req=n, repeats=1) if one_request
-                     else self.runner.time_decode_step(n, repeats=1) for n, one_request in points}
+            times = {n: self.runner.time_decode_step(1, tokens_per_req=n, repeats=1) for n, _ in small}
             one = (before + self.runner.time_decode_step(1, repeats=1)) / 2
+            times.update({n: self.runner.time_decode_step(n, repeats=1) for n, _ in large})
             ones.append(one)
             for n, t in times.items():
                 ratios[n].append(t / one)

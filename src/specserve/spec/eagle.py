@@ -74,6 +74,11 @@ HEAD_FORMAT = "specserve-head-1"
 # draft, or a request that does not speculate): beyond this the oldest are dropped and the head
 # attends to the most recent window only (a drafter's context, never the output's).
 PENDING_CAP = 4096
+# A fused head (EAGLE-3's features from several target layers) projects each step's rows to its
+# input features once this many are waiting for a request, or when it drafts: per step, for
+# the one row of a request the policy holds back, the projection's ~8 tensor operations took
+# 0.2 ms of a 3.6 ms SmolLM2 step (2-vCPU Xeon), paid whether it drafted or not.
+FUSE_AT = 32
 
 
 # ----------------------------------------------------------------------------- the head
@@ -355,7 +360,7 @@ def default_head_path(fingerprint: str, method: str) -> Path:
 class _HeadSeq:
     """A request as the head sees it: head slots filled with true features, then features waiting."""
 
-    __slots__ = ("request_id", "all_token_ids", "base", "num_computed_tokens", "pending")
+    __slots__ = ("request_id", "all_token_ids", "base", "num_computed_tokens", "pending", "raw")
 
     def __init__(self, request_id: str, base: int) -> None:
         self.request_id = request_id
@@ -363,10 +368,15 @@ class _HeadSeq:
         self.base = base  # position of head slot 0 (earlier positions came without features)
         self.num_computed_tokens = 0  # head slots holding (f_p, x_{p+1}) for p = base, base + 1, ...
         self.pending: list[torch.Tensor] = []  # features of the positions after those, in order
+        self.raw: list[torch.Tensor] = []  # then the target's rows of the newest ones, not yet fused (FUSE_AT)
 
     @property
     def num_pending(self) -> int:
-        return sum(int(t.shape[0]) for t in self.pending)
+        return sum(int(t.shape[0]) for t in self.pending) + self.num_raw
+
+    @property
+    def num_raw(self) -> int:
+        return sum(int(t.shape[0]) for t in self.raw)
 
     @property
     def next_pos(self) -> int:
@@ -432,10 +442,10 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
         hidden = {rid: hr for rid, hr in hidden.items() if hr.rows.shape[0]}
         if not hidden:
             return
-        # The head's input features of every request's rows in one call (per request, the fusion
-        # cost 1.64 ms a step at batch 16 on Qwen 1.5B's shapes, against 0.33 ms at once).
+        # Kept as the target's rows (a copy: the runner reuses its buffers); fused into the head's
+        # input features in batches (_fuse).
         counts = [hr.rows.shape[0] for hr in hidden.values()]
-        feats = self.head.target_feature(torch.cat([hr.rows for hr in hidden.values()]).float()).split(counts)
+        feats = torch.cat([hr.rows for hr in hidden.values()]).float().split(counts)
         for (rid, hr), rows in zip(hidden.items(), feats):
             start = hr.start_pos
             seq = self._seqs.get(rid)
@@ -451,13 +461,28 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
                 self._arriving.discard(rid)
                 self.kv.free(seq)
                 seq = self._seqs[rid] = _HeadSeq(rid, start)
-            seq.pending.append(rows)
+            seq.raw.append(rows)
             if seq.num_pending > PENDING_CAP:  # keep a recent window; the head's older KV is dropped
+                self._fuse([seq])
                 tail = torch.cat(seq.pending)[-PENDING_CAP // 2 :]
                 self._arriving.discard(rid)
                 self.kv.free(seq)
                 seq = self._seqs[rid] = _HeadSeq(rid, start + rows.shape[0] - tail.shape[0])
                 seq.pending = [tail]
+        self._fuse([seq for seq in self._seqs.values() if seq.num_raw >= FUSE_AT])
+
+    def _fuse(self, seqs: Sequence[_HeadSeq]) -> None:
+        """Project the waiting target rows of `seqs` to the head's input features, in one call
+        (per request, the fusion cost 1.64 ms a step at batch 16 on Qwen 1.5B's shapes, against
+        0.33 ms at once)."""
+        seqs = [seq for seq in seqs if seq.raw]
+        if not seqs:
+            return
+        counts = [seq.num_raw for seq in seqs]
+        feats = self.head.target_feature(torch.cat([t for seq in seqs for t in seq.raw])).split(counts)
+        for seq, f in zip(seqs, feats):
+            seq.pending.append(f)
+            seq.raw = []
 
     def catchup_tokens(self, request: Request) -> int:
         """Features the head has not fed yet (at least the root's each step; a prompt at first)."""
@@ -508,6 +533,7 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
         starts, counts, tables = [], [], []
         fed: list[tuple[_HeadSeq, int, torch.Tensor]] = []
         done: dict[str, int] = {}
+        self._fuse([self._seqs[req.request_id] for req, _, _ in feeds if req.request_id in self._seqs])
         for req, n, nxt in feeds:
             seq = self._seqs.get(req.request_id)
             if seq is None or seq.base != 0 or nxt is None or seq.next_pos < n or n > len(req.prompt_token_ids):
@@ -566,7 +592,7 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
         seq = self._seqs.pop(request_id)
         self.kv.free(seq)
         fresh = self._seqs[request_id] = _HeadSeq(request_id, seq.base + seq.num_computed_tokens)
-        fresh.pending = seq.pending
+        fresh.pending, fresh.raw = seq.pending, seq.raw
 
     def live_request_ids(self) -> list[str]:
         """Requests the head holds KV or features for."""
@@ -641,6 +667,7 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
         feats: list[torch.Tensor] = []
         positions: list[int] = []
         starts, counts, tables = [], [], []
+        self._fuse([self._seqs[r.request_id] for r, k in zip(requests, num_tokens) if k > 0 and r.request_id in self._seqs])
         for req, k in zip(requests, num_tokens):
             seq = self._seqs.get(req.request_id)
             if k <= 0 or seq is None or req.request_id in self._arriving:  # no draft until its prompt KV is in
