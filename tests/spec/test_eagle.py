@@ -194,6 +194,20 @@ def test_capturing_feature_layers_leaves_the_native_forward_bit_identical(smollm
     assert fused.shape == (len(ids), 3 * h)
     assert torch.equal(fused[:, 2 * h :], plain)
     assert fused[:, :h].abs().sum() > 0 and not torch.equal(fused[:, :h], fused[:, h : 2 * h])
+    # One native call that keeps the streams (DecoderStack.forward_capturing) against the stack
+    # split at the feature layers into three calls: every row bit for bit.
+    model = runner.model.model
+    inputs = runner.feed_inputs(entry)
+    model.captured = []
+    last = model._forward_capturing(model.embed_tokens(inputs.input_ids), inputs.positions, runner.kv_caches, inputs.meta, None)
+    split = torch.cat((*model.captured, model.norm(last)), dim=-1)
+    model.captured = []
+    assert torch.equal(split, fused)
+    with pytest.raises(RuntimeError, match="capture layers must ascend"):
+        model.native_stack.forward_capturing(model.embed_tokens(inputs.input_ids), inputs.positions, model.rotary.cos,
+                                             model.rotary.sin, [t for pair in runner.kv_caches for t in pair],
+                                             inputs.meta.slot_mapping, inputs.meta.block_tables, inputs.meta.attn_mask,
+                                             inputs.meta.query_index, model.layers[0].self_attn.scale, [15, 2])
 
 
 def test_a_head_for_another_target_or_no_head_is_refused(tiny, tmp_path):

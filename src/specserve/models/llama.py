@@ -214,7 +214,12 @@ class LlamaModel(nn.Module):
         hooks, wait = self.layer_hooks, self.layer_wait
         stack = self.native_stack
         self.captured = []
-        if self.capture_layers and hooks is None:
+        if self.capture_layers and hooks is None and wait is None and stack is not None and stack.num_layers == len(self.layers):
+            kv = [t for pair in kv_caches for t in pair]
+            *self.captured, x = stack.forward_capturing(x, positions, self.rotary.cos, self.rotary.sin, kv, meta.slot_mapping,
+                                                        meta.block_tables, meta.attn_mask, meta.query_index,
+                                                        self.layers[0].self_attn.scale, list(self.capture_layers))
+        elif self.capture_layers and hooks is None:
             x = self._forward_capturing(x, positions, kv_caches, meta, wait)
         elif stack is not None and hooks is None and stack.num_layers == len(self.layers):
             if wait is None:
