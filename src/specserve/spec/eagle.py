@@ -446,6 +446,7 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
         # input features in batches (_fuse).
         counts = [hr.rows.shape[0] for hr in hidden.values()]
         feats = torch.cat([hr.rows for hr in hidden.values()]).float().split(counts)
+        touched = []
         for (rid, hr), rows in zip(hidden.items(), feats):
             start = hr.start_pos
             seq = self._seqs.get(rid)
@@ -469,7 +470,8 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
                 self.kv.free(seq)
                 seq = self._seqs[rid] = _HeadSeq(rid, start + rows.shape[0] - tail.shape[0])
                 seq.pending = [tail]
-        self._fuse([seq for seq in self._seqs.values() if seq.num_raw >= FUSE_AT])
+            touched.append(seq)
+        self._fuse([seq for seq in touched if seq.num_raw >= FUSE_AT])
 
     def _fuse(self, seqs: Sequence[_HeadSeq]) -> None:
         """Project the waiting target rows of `seqs` to the head's input features, in one call
