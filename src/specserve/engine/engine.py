@@ -470,7 +470,7 @@ class LLMEngine:
         sizes = sorted({16, 32, 64, 2 * (kmax + 1), 4 * (kmax + 1), 8 * (kmax + 1)} - set(verify))
         sizes = [n for n in sizes if n <= max(limit * (kmax + 1), 1) and n <= budget]
         self.runner.time_decode_step(1)  # warm-up
-        points = [(n, True) for n in verify if n > 1] + [(n, False) for n in sizes]
+        small = [n for n in verify if n > 1]  # one request verifying n tokens; sizes: n requests of one
         # Each round times one token before and after its points and keeps each point's ratio to
         # it: a shared machine's memory speed moves between phases (10-25% within minutes here),
         # which bent a curve of absolute minima (T(2) 15% above T(1) where the medians say 4%).
@@ -482,16 +482,14 @@ class LLMEngine:
         # steps of the round before, T(1) read 5.3-6.0 ms and T(2) below it, and the policy,
         # seeing verify steps as nearly free, drafted where they cost 1.5-2x a one-token step.
         ones: list[float] = []
-        ratios: dict[int, list[float]] = {n: [] for n, _ in points}
-        small = [(n, one_request) for n, one_request in points if one_request]
-        large = [(n, one_request) for n, one_request in points if not one_request]
+        ratios: dict[int, list[float]] = {n: [] for n in (*small, *sizes)}
         for _ in bar(range(PROFILE_ROUNDS), desc="profiling step costs for the speculation policy", unit="round"):
             for _ in range(PROFILE_WARM_STEPS):
                 self.runner.time_decode_step(1, repeats=1)
             before = self.runner.time_decode_step(1, repeats=1)
-            times = {n: self.runner.time_decode_step(1, tokens_per_req=n, repeats=1) for n, _ in small}
+            times = {n: self.runner.time_decode_step(1, tokens_per_req=n, repeats=1) for n in small}
             one = (before + self.runner.time_decode_step(1, repeats=1)) / 2
-            times.update({n: self.runner.time_decode_step(n, repeats=1) for n, _ in large})
+            times.update({n: self.runner.time_decode_step(n, repeats=1) for n in sizes})
             ones.append(one)
             for n, t in times.items():
                 ratios[n].append(t / one)

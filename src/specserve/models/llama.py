@@ -214,23 +214,21 @@ class LlamaModel(nn.Module):
         hooks, wait = self.layer_hooks, self.layer_wait
         stack = self.native_stack
         self.captured = []
-        if self.capture_layers and hooks is None and wait is None and stack is not None and stack.num_layers == len(self.layers):
+        whole = stack is not None and hooks is None and stack.num_layers == len(self.layers)
+        if whole and wait is None:  # one native call (keeping the feature layers' streams where asked)
             kv = [t for pair in kv_caches for t in pair]
-            *self.captured, x = stack.forward_capturing(x, positions, self.rotary.cos, self.rotary.sin, kv, meta.slot_mapping,
-                                                        meta.block_tables, meta.attn_mask, meta.query_index,
-                                                        self.layers[0].self_attn.scale, list(self.capture_layers))
+            args = (x, positions, self.rotary.cos, self.rotary.sin, kv, meta.slot_mapping, meta.block_tables,
+                    meta.attn_mask, meta.query_index, self.layers[0].self_attn.scale)
+            if self.capture_layers:
+                *self.captured, x = stack.forward_capturing(*args, list(self.capture_layers))
+            else:
+                x = stack.forward(*args)
         elif self.capture_layers and hooks is None:
             x = self._forward_capturing(x, positions, kv_caches, meta, wait)
-        elif stack is not None and hooks is None and stack.num_layers == len(self.layers):
-            if wait is None:
-                kv = [t for pair in kv_caches for t in pair]
-                rope = self.rotary
-                x = stack.forward(x, positions, rope.cos, rope.sin, kv, meta.slot_mapping, meta.block_tables,
-                                  meta.attn_mask, meta.query_index, self.layers[0].self_attn.scale)
-            else:  # the same kernels in groups of layers, each run once its layers' KV has loaded
-                for group in self._layer_groups():
-                    wait(group.stop)
-                    x = self.run_layers(x, positions, kv_caches, meta, group, self._group_stack(group))
+        elif whole:  # the same kernels in groups of layers, each run once its layers' KV has loaded
+            for group in self._layer_groups():
+                wait(group.stop)
+                x = self.run_layers(x, positions, kv_caches, meta, group, self._group_stack(group))
         else:
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 if wait is not None:

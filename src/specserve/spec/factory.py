@@ -74,26 +74,24 @@ def _build_reference_copier(ctx: ProposerContext) -> Proposer:
 
 
 def _build_lookahead(ctx: ProposerContext) -> Proposer:
+    from specserve.spec.corpus import corpus_note
     from specserve.spec.lookahead import LookaheadProposer
 
-    corpus, note = None, "no corpus"
+    corpus, own = None, None
     tok = ctx.tokenizer
     if ctx.spec.lookahead_corpus != "none" and tok is not None:
         from specserve.models.bundled import resolve_model
-        from specserve.spec.corpus import corpus_note, load_corpus, self_text_path
+        from specserve.spec.corpus import load_corpus, self_text_path
 
-        own = None
         if ctx.spec.lookahead_corpus == "auto":
             with contextlib.suppress(Exception):  # a model given as a loaded checkpoint has no file: no answers
                 own = self_text_path(resolve_model(ctx.model.model))
         corpus = load_corpus(ctx.spec.lookahead_corpus, tok.encode_many, tok.fingerprint(), self_text=own)
-        note = corpus_note(ctx.spec.lookahead_corpus, corpus, own, str(ctx.model.model))
-        if own is not None and not own.is_file():
-            logger.info("lookahead: %s", note)
-    proposer = LookaheadProposer(ctx.spec.lookahead_window, max(2, ctx.spec.ngram_max), corpus, served=_served(ctx),
-                                 tree=ctx.spec.use_trees(LookaheadProposer.traits.tree_by_default))
-    proposer.corpus_note = note
-    return proposer
+    note = corpus_note(ctx.spec.lookahead_corpus, corpus, own, str(ctx.model.model))
+    if own is not None and not own.is_file():
+        logger.info("lookahead: %s", note)
+    return LookaheadProposer(ctx.spec.lookahead_window, max(2, ctx.spec.ngram_max), corpus, served=_served(ctx),
+                             tree=ctx.spec.use_trees(LookaheadProposer.traits.tree_by_default), corpus_note=note)
 
 
 def _build_draft(ctx: ProposerContext) -> Proposer:

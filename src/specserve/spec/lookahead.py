@@ -97,13 +97,13 @@ class LookaheadProposer(ServedSource, Proposer):
                             scores_predict_acceptance=True)
 
     def __init__(self, window: int = 6, ngram: int = 4, corpus: CorpusNgrams | None = None, tree: bool = True,
-                 served: ServedOutputs | None = None) -> None:
+                 served: ServedOutputs | None = None, corpus_note: str = "") -> None:
         self.window = window
         self.n = ngram
         self.corpus = corpus
         self.served = served
         self.tree = tree  # False: the best child at every level only (a chain)
-        self.corpus_note = ""  # what the corpus holds, for the start-up summary (the factory sets it)
+        self.corpus_note = corpus_note  # what the corpus holds, for the start-up summary (spec.corpus.corpus_note)
         self.trust = {(s, False): t for s, t in TRUST_PRIOR.items()}
         self.trust.update({(s, True): TRUST_ONWARD.get(s, t) for s, t in TRUST_PRIOR.items()})
         self._states: dict[str, _State] = {}
