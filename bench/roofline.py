@@ -28,7 +28,7 @@ from common import RESULTS_DIR, machine_info, measure_read_bandwidth, write_json
 from throughput import measure_decode
 
 from specserve import LLM
-from specserve.config import DRAFT_ONLY_QUANTIZATIONS, CacheConfig, ModelConfig
+from specserve.config import CacheConfig, ModelConfig, Quantization
 from specserve.engine.runner import ModelRunner
 from specserve.models.bundled import resolve_model
 from specserve.models.loader import load_model_files
@@ -110,7 +110,7 @@ def main() -> int:
             }
             del runner
             gc.collect()
-            if prec not in DRAFT_ONLY_QUANTIZATIONS:
+            if not Quantization(prec).draft_only:
                 llm = LLM(name, checkpoint=ckpt, quantization=prec, kv_cache_gib=0.5, spec_method="none")
                 measure_decode(llm, 1, 4)  # warm-up
                 # Best of three: one 32-token sample moved by this VM's memory drift alone (a SmolLM2

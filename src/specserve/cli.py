@@ -15,7 +15,9 @@ from specserve.config import (
     KV_CACHE_DTYPE_ALIASES,
     KV_CACHE_DTYPES,
     KV_TIER_LOADS,
+    QUANTIZATIONS,
     SPEC_METHODS,
+    TARGET_QUANTIZATIONS,
     spec_kwargs_from_vllm,
 )
 from specserve.errors import ConfigError, SpecServeError
@@ -40,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "before logit_bias, penalties, min_tokens and grammars (the default); processed_logprobs "
                         "(processed) = the distribution the token was drawn from: after those, temperature, min-p, "
                         "top-k and top-p; *_logits = the same rows' logits. Prompt logprobs are always raw logprobs")
-    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "auto"],
+    g.add_argument("--quantization", default=None, choices=TARGET_QUANTIZATIONS,
                    help="default: auto for a GGUF model on the CPU, else none. none: float weights (a GGUF's "
                         "blocks decoded once; exact reference); auto: keep a GGUF's quantized blocks and compute "
                         "from them (native kernels, fastest on CPU); int4: 4-bit blocks; int8: weight-only int8 per row")
@@ -87,7 +89,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="trees: most nodes per draft (the policy prunes to what pays each step)")
     s.add_argument("--draft-num-layers", type=int, default=None, help="use only the draft's first N layers; layerskip: the target layer its draft exits after "
                         "(default: the fitted exit's, else three quarters of the layers)")
-    s.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "auto", "w8a8"],
+    s.add_argument("--draft-quantization", default=None, choices=QUANTIZATIONS,
                    help="draft model quantization (default: int4 when --quantization is auto, else as "
                         "--quantization); a draft's precision changes its acceptance rate, never the output")
     s.add_argument("--draft-vocab-size", type=int, default=None,

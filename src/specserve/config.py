@@ -13,12 +13,50 @@ import torch
 
 from specserve.errors import ConfigError
 
-# none: float; int8: weight-only int8 per row; w8a8: int8 weights and activations (drafts);
-# int4: Q4_K blocks (native kernel); auto: keep a GGUF file's blocks as they are (native kernel).
-# See specserve.models.linear and specserve.models.block_linear.
-QUANTIZATIONS = ("none", "int8", "int4", "auto", "w8a8")
-# Too lossy and batch-dependent for a target; a draft's numerics only move the acceptance rate.
-DRAFT_ONLY_QUANTIZATIONS = ("w8a8",)
+
+class Quantization(str, enum.Enum):
+    """How a model's linear layers hold their weights (a str, like KVCacheDtype: it compares,
+    prints and serialises as its value). What each mode can do is a property here, so no caller
+    spells out lists of mode names. Kernels: specserve.models.linear, specserve.models.block_linear."""
+
+    NONE = "none"  # float weights
+    INT8 = "int8"  # weight-only int8 per output row
+    INT4 = "int4"  # 4-bit blocks (Q4_K; a GGUF's other blocks requantized) through the native kernels
+    AUTO = "auto"  # a GGUF file's own blocks as they are, through the native kernels
+    W8A8 = "w8a8"  # int8 weights and per-call int8 activations: drafts only (draft_only)
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+    @classmethod
+    def parse(cls, value: object, what: str = "quantization") -> Quantization:
+        """The mode a user's spelling names (any case); a ConfigError naming the choices otherwise."""
+        try:
+            return cls(value.strip().lower() if isinstance(value, str) else value)
+        except ValueError:
+            raise ConfigError(f"Unknown {what} {value!r}; use one of {', '.join(QUANTIZATIONS)}.") from None
+
+    @property
+    def blocks(self) -> bool:
+        """Computes from block-quantized weights with the native CPU kernels (specserve.kernels):
+        a checkpoint's blocks are kept at load instead of being expanded to float."""
+        return self in (Quantization.INT4, Quantization.AUTO)
+
+    @property
+    def cpu_only(self) -> bool:
+        """Its kernels exist for the CPU only."""
+        return self.blocks or self is Quantization.W8A8
+
+    @property
+    def draft_only(self) -> bool:
+        """Too lossy and batch-dependent for a target; a draft's numerics only move its acceptance rate."""
+        return self is Quantization.W8A8
+
+
+QUANTIZATIONS = tuple(q.value for q in Quantization)
+TARGET_QUANTIZATIONS = tuple(q.value for q in Quantization if not q.draft_only)
 
 
 class KVCacheDtype(str, enum.Enum):
@@ -143,9 +181,10 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length, capped at 8192
     seed: int = 0
     linear_backend: str = "auto"  # auto | dense | onednn (see specserve.models.linear)
-    # One of QUANTIZATIONS; None: the fast path for the model (see specserve.defaults: `auto` for
-    # a GGUF model on the CPU, `none` otherwise), made explicit when the engine starts.
-    quantization: str | None = None
+    # A Quantization (its name as a string is accepted and converted); None: the fast path for
+    # the model (see specserve.defaults: `auto` for a GGUF model on the CPU, `none` otherwise),
+    # made explicit when the engine starts.
+    quantization: Quantization | None = None
     # CUDA: run every step eagerly instead of replaying short steps as CUDA graphs (engine/graphs.py).
     enforce_eager: bool = False
     # What generated tokens' logprobs (and top logprobs) report, vLLM's modes (LOGPROBS_MODES;
@@ -168,8 +207,8 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}.")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ConfigError(f"Unknown quantization {self.quantization!r}; use one of {', '.join(QUANTIZATIONS)}.")
+        if self.quantization is not None:  # frozen: the enum from here on
+            object.__setattr__(self, "quantization", Quantization.parse(self.quantization))
         mode = LOGPROBS_MODE_ALIASES.get(self.logprobs_mode, self.logprobs_mode)
         if mode not in LOGPROBS_MODES:
             raise ConfigError(f"Unknown logprobs_mode {self.logprobs_mode!r}; use one of {', '.join(LOGPROBS_MODES)} "
@@ -180,7 +219,8 @@ class ModelConfig:
     def native_cpu(self) -> bool:
         """The model runs on the native CPU kernels: block-quantized weights (quantization auto /
         int4) and float32 activations on the CPU (its KV cache then defaults to float16)."""
-        return self.device == "cpu" and self.quantization in ("auto", "int4") and self.torch_dtype == torch.float32
+        return (self.device == "cpu" and self.quantization is not None and self.quantization.blocks
+                and self.torch_dtype == torch.float32)
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:
@@ -190,7 +230,8 @@ class ModelConfig:
         is fast: those kernels take float32 activations, and the native norms, RoPE, attention
         and one-call decoder stack are float32 only, so bf16 would only add conversions.
         """
-        if self.dtype == "auto" and self.quantization in ("auto", "int4") and not self.device.startswith("cuda"):
+        if (self.dtype == "auto" and self.quantization is not None and self.quantization.blocks
+                and not self.device.startswith("cuda")):
             return torch.float32
         return parse_dtype(self.dtype, self.device)
 
@@ -374,7 +415,7 @@ class SpecConfig:
     # draft: keep only the draft model's first N layers; layerskip: the target layer the draft exits after
     draft_num_layers: int | None = None
     draft_kv_cache_gib: float | None = None  # default: a share of the target's budget
-    draft_quantization: str | None = None  # None: int4 under a target on auto, else the target's
+    draft_quantization: Quantization | None = None  # (a string is converted) None: int4 under a target on auto, else the target's
     # Restrict the draft LM head to the N most frequent token ids (0: the whole vocabulary; None:
     # 65,536 for vocabularies above 100k, see specserve.defaults).
     draft_vocab_size: int | None = None
@@ -421,10 +462,8 @@ class SpecConfig:
             raise ConfigError("draft_vocab_size must be >= 0 when given (0: the whole vocabulary).")
         if not 0.0 <= self.draft_p_min < 1.0:
             raise ConfigError(f"draft_p_min must be in [0, 1), got {self.draft_p_min}.")
-        if self.draft_quantization is not None and self.draft_quantization not in QUANTIZATIONS:
-            raise ConfigError(
-                f"Unknown draft quantization {self.draft_quantization!r}; use one of {', '.join(QUANTIZATIONS)}."
-            )
+        if self.draft_quantization is not None:  # frozen: the enum from here on
+            object.__setattr__(self, "draft_quantization", Quantization.parse(self.draft_quantization, "draft quantization"))
         if self.suffix_cache_requests < 0:
             raise ConfigError(f"suffix_cache_requests must be >= 0 (0 turns the cache off), got {self.suffix_cache_requests}.")
         if not 1 <= self.lookahead_window <= 32:
@@ -489,7 +528,7 @@ class EngineConfig:
         check_field_types(self)
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1 (or None: torch's default), got {self.num_threads}.")
-        if self.model.quantization in DRAFT_ONLY_QUANTIZATIONS:
+        if self.model.quantization is not None and self.model.quantization.draft_only:
             raise ConfigError(
                 f"--quantization {self.model.quantization} is for draft models only "
                 f"(--draft-quantization {self.model.quantization}): quantizing activations per call "

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from specserve.config import HEAD_METHODS, EngineConfig, KVCacheDtype
+from specserve.config import HEAD_METHODS, EngineConfig, KVCacheDtype, Quantization
 from specserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -33,17 +33,17 @@ FAST_DRAFT_VOCAB = 65536
 FAST_DRAFT_VOCAB_ABOVE = 100_000
 
 
-def default_quantization(device: str, is_gguf: bool) -> str:
+def default_quantization(device: str, is_gguf: bool) -> Quantization:
     """`auto` (compute from the file's blocks) for a GGUF model on the CPU when the native
     kernels build here, else `none` (float)."""
     if not is_gguf or device != "cpu":
-        return "none"
+        return Quantization.NONE
     from specserve.kernels import kernels_available
 
     if kernels_available():
-        return "auto"
+        return Quantization.AUTO
     logger.warning("the native CPU kernels could not be built: running the GGUF model decoded to float")
-    return "none"
+    return Quantization.NONE
 
 
 def bundled_draft(target: str) -> str:

@@ -98,6 +98,39 @@ def test_w8a8_is_refused_for_the_target_but_allowed_for_a_draft():
         ModelConfig(model="m", quantization="int3")
 
 
+def test_quantization_modes_are_one_type_with_their_abilities():
+    """A mode named as a string (any case) becomes the Quantization it names; it still compares,
+    formats and serialises as its plain name, and callers ask it what it can do instead of
+    listing mode names. Unknown names and non-strings fail with the choices listed."""
+    import json
+
+    from specserve.config import QUANTIZATIONS, TARGET_QUANTIZATIONS, Quantization, SpecConfig
+    from specserve.errors import ConfigError
+    from specserve.spec.factory import default_draft_quantization
+
+    cfg = ModelConfig(model="m", quantization=" INT4 ")
+    assert cfg.quantization is Quantization.INT4 and cfg.quantization == "int4"
+    assert f"{cfg.quantization}" == str(cfg.quantization) == "int4" and json.dumps(cfg.quantization) == '"int4"'
+    assert ModelConfig(model="m").quantization is None  # picked when the engine starts
+    assert {q.value for q in Quantization if q.blocks} == {"int4", "auto"}
+    assert {q.value for q in Quantization if q.cpu_only} == {"int4", "auto", "w8a8"}
+    assert [q for q in Quantization if q.draft_only] == [Quantization.W8A8]
+    assert set(QUANTIZATIONS) - set(TARGET_QUANTIZATIONS) == {"w8a8"}
+    assert ModelConfig(model="m", quantization="auto").native_cpu
+    assert not ModelConfig(model="m", quantization="int8").native_cpu
+    spec = SpecConfig(method="draft", draft_model="d", draft_quantization="W8A8")
+    assert spec.draft_quantization is Quantization.W8A8
+    assert default_draft_quantization(None, Quantization.AUTO) is Quantization.INT4
+    assert default_draft_quantization(None, "int8") is Quantization.INT8
+    assert default_draft_quantization(None, None) is Quantization.NONE
+    assert default_draft_quantization("w8a8", Quantization.AUTO) is Quantization.W8A8
+    for bad in ("q4", 4, ""):
+        with pytest.raises(ConfigError, match="none, int8, int4, auto, w8a8"):
+            ModelConfig(model="m", quantization=bad)
+    with pytest.raises(ConfigError, match="Unknown draft quantization"):
+        SpecConfig(method="draft", draft_model="d", draft_quantization="fp8")
+
+
 def _teacher_forced_logprobs(checkpoint, quantization: str, prompt: list[int], forced: list[int],
                              kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Log-softmax rows predicting forced[t] from prompt + forced[:t], for every t."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
-from specserve.config import CacheConfig, EngineConfig, KVCacheDtype, usable_cpus
+from specserve.config import CacheConfig, EngineConfig, KVCacheDtype, Quantization, usable_cpus
 from specserve.defaults import resolve_defaults
 from specserve.engine.runner import ModelRunner, StepConnector, kv_bytes_per_token
 from specserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
@@ -304,8 +304,8 @@ class LLMEngine:
         self.config = config
         if checkpoint is None:
             assert path is not None
-            checkpoint = load_model_files(path, keep_blocks=config.model.quantization in ("auto", "int4"))
-        elif config.model.quantization == "auto" and not has_blocks:
+            checkpoint = load_model_files(path, keep_blocks=config.model.quantization.blocks)
+        elif config.model.quantization is Quantization.AUTO and not has_blocks:
             logger.warning("quantization 'auto' on a checkpoint that kept no quantized blocks: its layers run in "
                            "float. Load it with load_model_files(path, keep_blocks=True), pass the model path "
                            "instead, or ask for int4.")
@@ -1212,7 +1212,7 @@ class LLMEngine:
         runner = self.runner
         if runner.native_ops:
             return True
-        return (runner.dtype == torch.float32 and self.config.model.quantization == "none"
+        return (runner.dtype == torch.float32 and self.config.model.quantization is Quantization.NONE
                 and self.config.cache.kv_cache_dtype is not KVCacheDtype.INT8)
 
     def _describe_tiers(self, tiers: TieredKVStore) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from specserve.attention import AttentionMetadata, build_attention_metadata
-from specserve.config import CacheConfig, ModelConfig, usable_cpus
+from specserve.config import CacheConfig, ModelConfig, Quantization, usable_cpus
 from specserve.engine.graphs import StepGraphs
 from specserve.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
@@ -198,7 +198,7 @@ class ModelRunner:
             raise ConfigError("ModelRunner needs an explicit quantization (the engine resolves the default: "
                               "specserve.defaults.resolve_defaults).")
         packed = packed or {}
-        if packed and model_config.quantization not in ("auto", "int4"):
+        if packed and not model_config.quantization.blocks:
             # Blocks run only with the native CPU kernels' attention and norms: beside torch's
             # attention the kernels' int8 rounding of activations turns its ~1e-7 differences
             # between step shapes into different tokens (greedy speculation then left plain decoding
@@ -206,7 +206,7 @@ class ModelRunner:
             # both get the values the blocks encode, as a checkpoint loaded without them would.
             weights = {**weights, **{name: pw.dequantize() for name, pw in packed.items()}}
             packed = {}
-        if model_config.quantization == "int4":  # before the layers are built: no interleave round trip
+        if model_config.quantization is Quantization.INT4:  # before the layers are built: no interleave round trip
             packed = _in_4bit_blocks(packed, source)
         self.model = self._build(arch, weights, max_model_len + ROPE_SLACK, packed)
         if vocab_subset is not None:  # before quantization, so the smaller head is quantized too
@@ -214,12 +214,12 @@ class ModelRunner:
         self.quantization = model_config.quantization
         self.logprobs_mode = model_config.logprobs_mode
         self.native_ops = False  # block-quantized weights run through specserve.kernels
-        if self.quantization != "none":
+        if self.quantization is not Quantization.NONE:
             if not quantization_usable(self.quantization, self.device):
                 raise ConfigError(f"--quantization {self.quantization} is not supported on {self.device} with this torch.")
             apply_quantization(self.model, self.quantization)
             self.linear_backend = self.quantization
-            if self.quantization == "auto":  # float tensors of the file stay float: fastest float backend
+            if self.quantization is Quantization.AUTO:  # float tensors of the file stay float: fastest float backend
                 apply_linear_backend(self.model, resolve_linear_backend(model_config.linear_backend, self.device, self.dtype))
             if model_config.native_cpu:
                 enable_native_ops(self.model)

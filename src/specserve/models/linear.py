@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from specserve.config import QUANTIZATIONS
+from specserve.config import QUANTIZATIONS, Quantization
 
 logger = logging.getLogger(__name__)
 
@@ -187,21 +187,22 @@ def _int4_blocks(linear: nn.Linear) -> nn.Module:
     return BlockQuantLinear(quantize_4bit(linear.weight), linear.bias)
 
 
-QUANTIZED_LINEARS: dict[str, Callable[[nn.Linear], nn.Module]] = {
-    "int8": Int8Linear,
-    "w8a8": DynamicInt8Linear,
-    "int4": _int4_blocks,
-    "auto": lambda linear: linear,  # blocks were kept at load time; float tensors stay float
+QUANTIZED_LINEARS: dict[Quantization, Callable[[nn.Linear], nn.Module]] = {
+    Quantization.INT8: Int8Linear,
+    Quantization.W8A8: DynamicInt8Linear,
+    Quantization.INT4: _int4_blocks,
+    Quantization.AUTO: lambda linear: linear,  # blocks were kept at load time; float tensors stay float
 }
 
 
-def quantization_usable(quantization: str, device: torch.device) -> bool:
+def quantization_usable(quantization: Quantization | str, device: torch.device) -> bool:
     """The kernel is there and agrees with a float reference on this device (a self-test)."""
-    if quantization == "none":
+    quantization = Quantization(quantization)
+    if quantization is Quantization.NONE:
         return True
-    if quantization in ("w8a8", "int4", "auto") and device.type != "cpu":
+    if quantization.cpu_only and device.type != "cpu":
         return False
-    if quantization in ("int4", "auto"):
+    if quantization.blocks:
         from specserve.kernels import kernels_available
 
         return kernels_available()
@@ -216,17 +217,18 @@ def quantization_usable(quantization: str, device: torch.device) -> bool:
         return False
 
 
-def apply_quantization(model: nn.Module, quantization: str) -> int:
+def apply_quantization(model: nn.Module, quantization: Quantization | str) -> int:
     """Replace the model's nn.Linear layers by quantized ones; returns how many were replaced.
 
     Embeddings stay in float (a lookup reads one row per token). A tied LM head gets its own
     int8 copy of the embedding matrix, since it is read in full every step.
     """
-    if quantization == "none":
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
+    quantization = Quantization(quantization)
+    if quantization is Quantization.NONE:
         return 0
-    if quantization in QUANTIZED_LINEARS:
-        return _replace_linears(model, QUANTIZED_LINEARS[quantization])
-    raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
+    return _replace_linears(model, QUANTIZED_LINEARS[quantization])
 
 
 LINEAR_BACKENDS: dict[str, Callable[[nn.Module], int]] = {

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.config import CacheConfig, ModelConfig, SpecConfig
+from specserve.config import CacheConfig, ModelConfig, Quantization, SpecConfig
 from specserve.defaults import default_draft_vocab
 from specserve.errors import ConfigError, TokenizerMismatchError
 from specserve.models.tokenizer import Tokenizer
@@ -104,7 +104,7 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
     quantization = default_draft_quantization(ctx.spec.draft_quantization, ctx.model.quantization)
     ckpt = ctx.draft_checkpoint
     if ckpt is None:
-        ckpt = load_model_files(resolve_model(ctx.spec.draft_model or ""), keep_blocks=quantization in ("auto", "int4"))
+        ckpt = load_model_files(resolve_model(ctx.spec.draft_model or ""), keep_blocks=quantization.blocks)
     assert isinstance(ckpt, LoadedCheckpoint)
     check_draft_tokenizer(ctx.tokenizer, ckpt.tokenizer, ctx.target_vocab_size, ckpt.arch.vocab_size)
     arch, weights, packed = ckpt.arch, ckpt.weights, ckpt.packed
@@ -140,7 +140,7 @@ def _head_for_target(ctx: ProposerContext, method: str) -> tuple[object, tuple[s
     path = ctx.spec.draft_model
     if path in (None, "auto"):
         path = default_head_path(fp[0], method)
-    quantize = ctx.model.quantization in ("auto", "int4") and getattr(runner, "native_ops", False)
+    quantize = ctx.model.quantization is not None and ctx.model.quantization.blocks and getattr(runner, "native_ops", False)
     return runner, fp, path, quantize
 
 
@@ -221,14 +221,14 @@ def reserved_kv_blocks(spec: SpecConfig, max_num_seqs: int, block_size: int) -> 
     return reserved_blocks(min(max_num_seqs, max(1, spec.off_batch)), block_size)
 
 
-def default_draft_quantization(draft: str | None, target: str | None) -> str:
+def default_draft_quantization(draft: Quantization | str | None, target: Quantization | str | None) -> Quantization:
     """--draft-quantization, else int4 when the target keeps its file's blocks (auto), else the
     target's. A draft's precision moves only its acceptance rate, never the output, and decode
     reads every weight each step: the 0.5B Qwen draft in 4 bits (its Q5_0/Q8_0 matrices as Q4_0,
     Q6_K as Q4_K) reads 236 MB per step instead of 310 MB, for ~2 points of acceptance."""
     if draft is not None:
-        return draft
-    return "int4" if target == "auto" else (target or "none")
+        return Quantization(draft)
+    return Quantization.INT4 if target == Quantization.AUTO else Quantization(target or Quantization.NONE)
 
 
 def frequent_token_subset(tokenizer: Tokenizer | None, vocab_size: int, n: int) -> torch.Tensor:
