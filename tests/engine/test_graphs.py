@@ -11,6 +11,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.attention import build_attention_metadata
 from specserve.engine.graphs import MIN_KV, GraphKey, StepGraphs
+from specserve.kv_cache.pages import LayerKV
 from specserve.testing import repetitive_prompts, tiny_checkpoint, write_random_head
 
 
@@ -19,7 +20,7 @@ def _padded(llm: LLM) -> StepGraphs:
     scratch block appended to every layer's cache as the runner allocates one on CUDA."""
     r = llm.engine.runner
     scratch = r.kv_caches[0][0].shape[0]
-    r.kv_caches[:] = [tuple(torch.cat((t, torch.zeros_like(t[:1]))) for t in kv) for kv in r.kv_caches]
+    r.kv_caches[:] = [LayerKV(*(torch.cat((t, torch.zeros_like(t[:1]))) for t in kv)) for kv in r.kv_caches]
     r.step_graphs = StepGraphs(r.model, r.kv_caches, r.block_size, scratch * r.block_size, r.device, capture=False)
     return r.step_graphs
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from specserve.kv_cache.pages import zeroed_pages
+from specserve.kv_cache.pages import LayerKV, zeroed_pages
 
 
 def _resident_mib() -> float:
@@ -27,6 +27,26 @@ def test_pages_read_as_zeros_and_keep_what_is_written(dtype):
     gc.collect()
     assert int(y[5].count_nonzero()) == y[5].numel() and int(y.count_nonzero()) == y[5].numel()
     assert zeroed_pages((0, 4), dtype).numel() == 0
+
+
+def test_a_layer_kv_names_its_parts_and_iterates_only_those_present():
+    """A float layer is (k, v), an int8 one (k, v, k_scale, v_scale); the names and the block
+    size agree with the parts, and parts that cannot belong together are refused."""
+    k, v = torch.zeros(5, 16, 2, 8, dtype=torch.int8), torch.zeros(5, 16, 2, 8, dtype=torch.int8)
+    ks, vs = torch.zeros(5, 16, 2), torch.zeros(5, 16, 2)
+    plain = LayerKV(k.float(), v.float())
+    assert len(plain) == 2 and plain.scales is None and plain.k.shape == plain.v.shape == (5, 16, 2, 8)
+    assert plain.block_bytes == 2 * 16 * 2 * 8 * 4
+    q = LayerKV(k, v, ks, vs)
+    assert len(q) == 4 and q.k is k and q.v is v and q.scales == (ks, vs) and list(q) == [k, v, ks, vs]
+    assert q.block_bytes == 2 * (16 * 2 * 8 + 16 * 2 * 4)
+    assert isinstance(q, tuple) and [t.shape[0] for t in q] == [5] * 4  # moved part by part as before
+    with pytest.raises(ValueError, match="both k_scale and v_scale"):
+        LayerKV(k, v, ks)
+    with pytest.raises(ValueError, match="disagree in shape"):
+        LayerKV(k, v[:, :8])
+    with pytest.raises(ValueError, match="disagree in shape"):
+        LayerKV(k, v, ks[:, :8], vs)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")

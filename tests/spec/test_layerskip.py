@@ -11,6 +11,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.errors import ConfigError
+from specserve.kv_cache.pages import LayerKV
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_drafting_reads_the_targets_kv_and_writes_only_scratch(tiny):
         for req in decoding:  # the reference: a fresh forward over the whole sequence, layers 0-1 only
             ids = torch.tensor(req.all_token_ids)
             x = model.model.embed_tokens(ids)
-            kv = [tuple(torch.zeros(8, 16, *t.shape[2:]) for t in layer) for layer in eng.runner.kv_caches]
+            kv = [LayerKV(*(torch.zeros(8, 16, *t.shape[2:]) for t in layer)) for layer in eng.runner.kv_caches]
             from specserve.attention import build_attention_metadata
 
             meta = build_attention_metadata([len(ids)], [0], [list(range(8))], 16, torch.device("cpu"), None)

@@ -45,6 +45,7 @@ from specserve.config import KVCacheDtype
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.errors import SpecServeError
 from specserve.kv_cache.manager import slot_indices
+from specserve.kv_cache.pages import LayerKV
 from specserve.request import Request
 from specserve.spec.proposer import PromptFeed
 
@@ -113,18 +114,18 @@ class TransferDescriptor:
         return os.path.join(SHM_DIR, f"specserve-kv-{self.transfer_id}")
 
 
-def gather_layer(kv: tuple[torch.Tensor, ...], slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def gather_layer(kv: LayerKV, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """One layer's cache tensors (pages [blocks, block_size, ...]) at these flat slots, each [n, ...]."""
     return tuple(t.view(-1, *t.shape[2:]).index_select(0, slots) for t in kv)
 
 
-def scatter_layer(kv: tuple[torch.Tensor, ...], slots: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+def scatter_layer(kv: LayerKV, slots: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
     """Write gathered parts (gather_layer's order) into one layer's pages at these flat slots."""
     for t, part in zip(kv, parts):
         t.view(-1, *t.shape[2:]).index_copy_(0, slots, part.to(t.device, t.dtype))
 
 
-def copy_arrived(channel: KVChannel, caches: Sequence[tuple[torch.Tensor, ...]], slots: torch.Tensor,
+def copy_arrived(channel: KVChannel, caches: Sequence[LayerKV], slots: torch.Tensor,
                  loaded: list[int], num_tokens: int, layers: Sequence[int], stats: TransferStats) -> int:
     """Copy what has arrived of these layers (tokens past loaded[i], up to num_tokens) from a
     channel into paged caches at the transfer's slots; advance `loaded`, add to the stats' bytes
@@ -489,7 +490,7 @@ class PrefillConnector:
         self.outgoing[request.request_id] = out
         return out
 
-    def _send(self, t: _Outgoing, layer: int, kv: tuple[torch.Tensor, ...], start: int, slots: torch.Tensor) -> None:
+    def _send(self, t: _Outgoing, layer: int, kv: LayerKV, start: int, slots: torch.Tensor) -> None:
         t0 = time.perf_counter()
         parts = gather_layer(kv, slots)
         t.sink.write(layer, start, parts)
@@ -514,10 +515,10 @@ class PrefillConnector:
                 self._step.append((t, sr.start_pos, slot_indices(sr.block_ids, sr.start_pos, end, self.block_size)))
         return bool(self._step)
 
-    def before_layer(self, index: int, kv_cache: tuple[torch.Tensor, ...]) -> None:
+    def before_layer(self, index: int, kv_cache: LayerKV) -> None:
         """Nothing to load on the prefill side."""
 
-    def after_layer(self, index: int, kv_cache: tuple[torch.Tensor, ...]) -> None:
+    def after_layer(self, index: int, kv_cache: LayerKV) -> None:
         """This layer's KV of the step's tokens is written: send it now."""
         for t, start, slots in self._step:
             self._send(t, index, kv_cache, start, slots)
@@ -825,7 +826,7 @@ class DecodeConnector:
                 self._step.append(inc)
         return any(n < inc.num_tokens for inc in self._step for n in inc.loaded)
 
-    def before_layer(self, index: int, kv_cache: tuple[torch.Tensor, ...]) -> None:
+    def before_layer(self, index: int, kv_cache: LayerKV) -> None:
         """Copy this layer's remaining KV of the step's new arrivals just before it is read
         (with layer_start "first", waiting for it to arrive; a transfer that fails or stalls
         meanwhile fails the step)."""
@@ -843,7 +844,7 @@ class DecodeConnector:
                 self._load(inc, index)
             inc.stats.waited_in_step_s += time.perf_counter() - t0
 
-    def after_layer(self, index: int, kv_cache: tuple[torch.Tensor, ...]) -> None:
+    def after_layer(self, index: int, kv_cache: LayerKV) -> None:
         """Nothing to send on the decode side."""
 
     def after_update(self) -> None:

@@ -21,7 +21,7 @@ from specserve.engine.scheduler import SampledTokens, ScheduledRequest, Schedule
 from specserve.errors import ConfigError
 from specserve.kernels import row_argmax
 from specserve.kv_cache.layer_load import KVLoad, LayerLoader, LayerWriter
-from specserve.kv_cache.pages import zeroed_pages
+from specserve.kv_cache.pages import LayerKV, zeroed_pages
 from specserve.kv_cache.tiers import TieredKVStore
 from specserve.models.arch import ArchConfig
 from specserve.models.block_linear import (
@@ -41,7 +41,7 @@ from specserve.models.linear import (
     resolve_linear_backend,
     storage_bytes,
 )
-from specserve.models.llama import KVCache, LayerHooks, RMSNorm, RotaryEmbedding
+from specserve.models.llama import LayerHooks, RMSNorm, RotaryEmbedding
 from specserve.models.registry import build_model, unset_weights
 from specserve.sampling.grammar import apply_masks, forbid_unless_only
 from specserve.sampling.penalties import (
@@ -252,8 +252,8 @@ class ModelRunner:
         page_dtype = self.kv_cache_dtype.storage(self.dtype)
         shapes = [(shape, page_dtype)] * 2 + ([(shape[:3], torch.float32)] * 2 if quantized else [])
         try:
-            self.kv_caches: list[KVCache] = [
-                tuple(zeroed_pages(shp, dt, self.device) for shp, dt in shapes)
+            self.kv_caches: list[LayerKV] = [
+                LayerKV(*(zeroed_pages(shp, dt, self.device) for shp, dt in shapes))
                 for _ in range(arch.num_layers)
             ]
         except (MemoryError, OSError, torch.OutOfMemoryError) as exc:
@@ -837,11 +837,11 @@ class ModelRunner:
 
     def block_payload_bytes(self) -> int:
         """Bytes of one block as read_block packs it."""
-        return sum(t[0].numel() * t.element_size() for layer in self.kv_caches for t in layer)
+        return sum(layer.block_bytes for layer in self.kv_caches)
 
     def layer_payload_bytes(self) -> list[int]:
         """Bytes of each layer's part of a block as read_block packs it (in order)."""
-        return [sum(t[0].numel() * t.element_size() for t in layer) for layer in self.kv_caches]
+        return [layer.block_bytes for layer in self.kv_caches]
 
     def _loader(self, loads: Sequence[KVLoad]) -> LayerLoader:
         """A LayerLoader writing these lower-tier blocks into this cache (read_block's format)."""

@@ -27,6 +27,46 @@ import torch
 from specserve.kernels import HUGE_PAGE
 
 
+class LayerKV(tuple):
+    """One layer's paged KV cache: K and V pages [num_blocks, block_size, n_kv, d], and for an
+    int8 cache their per-(slot, head) float32 scales [num_blocks, block_size, n_kv] after them.
+
+    A tuple of exactly the tensors present (k, v[, k_scale, v_scale]): the code that moves KV as
+    bytes (tier files, transfers, slot moves, native calls) iterates the parts in this order
+    without caring what they are; attention asks for them by name."""
+
+    __slots__ = ()
+
+    def __new__(cls, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> LayerKV:
+        if (k_scale is None) != (v_scale is None):
+            raise ValueError("an int8 KV layer needs both k_scale and v_scale (a float one neither)")
+        if k.shape != v.shape or (k_scale is not None and (k_scale.shape != k.shape[:3] or v_scale.shape != k.shape[:3])):
+            raise ValueError(f"KV layer parts disagree in shape: k {tuple(k.shape)}, v {tuple(v.shape)}"
+                             + (f", scales {tuple(k_scale.shape)} / {tuple(v_scale.shape)}" if k_scale is not None else ""))
+        return super().__new__(cls, (k, v) if k_scale is None else (k, v, k_scale, v_scale))
+
+    @property
+    def k(self) -> torch.Tensor:
+        """Key pages [num_blocks, block_size, n_kv, d]."""
+        return self[0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """Value pages [num_blocks, block_size, n_kv, d]."""
+        return self[1]
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k_scale, v_scale) of an int8 cache, else None."""
+        return (self[2], self[3]) if len(self) == 4 else None
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every part (what a tier file or a transfer moves per block)."""
+        return sum(t[0].numel() * t.element_size() for t in self)
+
+
 def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """A contiguous zero tensor; on the CPU backed by an anonymous, page-aligned memory map that
     lives as long as the tensor (or any view of it) does."""

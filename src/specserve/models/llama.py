@@ -12,10 +12,8 @@ from torch import nn
 
 from specserve.attention import AttentionMetadata, paged_attention, write_kv
 from specserve.errors import CorruptModelError
+from specserve.kv_cache.pages import LayerKV
 from specserve.models.arch import ArchConfig
-
-# (k, v) pages [num_blocks, block_size, n_kv, d]; an int8 cache adds (k_scale, v_scale) [num_blocks, block_size, n_kv].
-KVCache = tuple[torch.Tensor, ...]
 
 # Layers per native call in a forward that waits on KV loading layer by layer (LlamaModel.layer_wait).
 LAYER_GROUP = 4
@@ -92,7 +90,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
         positions: torch.Tensor,  # [num_tokens]
         rope: RotaryEmbedding,
-        kv_cache: KVCache,
+        kv_cache: LayerKV,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Project, rotate, store K/V in the cache, attend, project back."""
@@ -111,8 +109,7 @@ class Attention(nn.Module):
             k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
             v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
             q, k = rope(positions, q, k)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        scales = (kv_cache[2], kv_cache[3]) if len(kv_cache) == 4 else None
+        k_cache, v_cache, scales = kv_cache.k, kv_cache.v, kv_cache.scales
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, scales)
         # Native ops use the native attention for every step shape: the kernels round activations to
         # int8, which turns a 1e-7 difference between two attention codes into a different rounding
@@ -129,10 +126,10 @@ class Attention(nn.Module):
 class LayerHooks(Protocol):
     """Called around each decoder layer with that layer's KV cache tensors."""
 
-    def before_layer(self, index: int, kv_cache: KVCache) -> None:
+    def before_layer(self, index: int, kv_cache: LayerKV) -> None:
         """Before layer `index` reads its cache."""
 
-    def after_layer(self, index: int, kv_cache: KVCache) -> None:
+    def after_layer(self, index: int, kv_cache: LayerKV) -> None:
         """After layer `index` has written this step's keys and values."""
 
 
@@ -169,7 +166,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
         positions: torch.Tensor,  # [num_tokens]
         rope: RotaryEmbedding,
-        kv_cache: KVCache,
+        kv_cache: LayerKV,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """x + attn(norm(x)), then + mlp(norm(.))."""
@@ -206,7 +203,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[KVCache],
+        kv_caches: list[LayerKV],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Hidden states of the new tokens after the last norm."""
@@ -242,7 +239,7 @@ class LlamaModel(nn.Module):
                     self.captured.append(x)
         return self.norm(x)
 
-    def _forward_capturing(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+    def _forward_capturing(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
                            meta: AttentionMetadata, wait: Callable[[int], None] | None) -> torch.Tensor:
         """The stack in runs of layers split at capture_layers (each run one native call where the
         full stack is native: the same kernels, bit for bit), keeping the residual at each split."""
@@ -271,7 +268,7 @@ class LlamaModel(nn.Module):
             self._group_stacks[layers] = partial_decoder_stack(self, layers)
         return self._group_stacks[layers]
 
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata,
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata,
                    layers: range, stack: object | None = None) -> torch.Tensor:  # [num_tokens, hidden], before any norm
         """The residual stream after `layers` (a contiguous range) starting from x: a layer-skip
         draft's first layers, or early-exit features. `stack`: a native DecoderStack over exactly
@@ -330,7 +327,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[KVCache],
+        kv_caches: list[LayerKV],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Run the decoder; logits are computed separately, only for rows that need them."""

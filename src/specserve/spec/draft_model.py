@@ -30,6 +30,7 @@ from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
 from specserve.kernels import row_argmax
 from specserve.kv_cache.manager import KVCacheManager
+from specserve.kv_cache.pages import LayerKV
 from specserve.models.arch import ArchConfig
 from specserve.request import Request
 from specserve.sampling.penalties import drafter_logits
@@ -542,7 +543,7 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
     # KV beside the target's (`feed_prompts`) and sends it; the decode worker's draft places it
     # (`expect_prompt_kv`), so its first drafts follow the request's first token instead of a
     # catch-up pass over the whole prompt that would stall every request of the step.
-    def prompt_kv_caches(self) -> list[tuple[torch.Tensor, ...]]:
+    def prompt_kv_caches(self) -> list[LayerKV]:
         """The draft's paged KV, per layer."""
         return self.runner.kv_caches
 

@@ -43,7 +43,7 @@ from torch import nn
 from specserve.attention import build_attention_metadata
 from specserve.errors import ConfigError
 from specserve.kv_cache.manager import KVCacheManager
-from specserve.kv_cache.pages import zeroed_pages
+from specserve.kv_cache.pages import LayerKV, zeroed_pages
 from specserve.models.arch import ArchConfig
 from specserve.models.linear import storage_bytes
 from specserve.models.llama import DecoderLayer, RestrictedLMHead, RMSNorm, RotaryEmbedding
@@ -125,7 +125,7 @@ class EagleHead(nn.Module):
 
     def forward_paged(
         self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-        kv: tuple[torch.Tensor, ...], meta: object,
+        kv: LayerKV, meta: object,
     ) -> torch.Tensor:  # [n, hidden]
         """Serving: new rows over the head's paged cache (tree masks as for any drafter)."""
         return self.layer(self.project(emb, feat), positions, rope, kv, meta)
@@ -421,7 +421,7 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions).to(self.device)
         self.block_size = block_size
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_cache = (zeroed_pages(shape, torch.float32, self.device), zeroed_pages(shape, torch.float32, self.device))
+        self.kv_cache = LayerKV(zeroed_pages(shape, torch.float32, self.device), zeroed_pages(shape, torch.float32, self.device))
         self.kv = KVCacheManager(num_blocks, block_size, False, name="eagle")
         self.p_min = p_min
         self.children = CHILDREN if tree else 1
@@ -505,7 +505,7 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
     # (f_p, x_{p+1}), so the last slot needs the prompt's token after the m that travel); the
     # decode worker's head then drafts with the whole prompt in view from its first drafts on,
     # where without it the head would start at the first decoded position, blind to the prompt.
-    def prompt_kv_caches(self) -> list[tuple[torch.Tensor, ...]]:
+    def prompt_kv_caches(self) -> list[LayerKV]:
         """The head's paged KV: one layer."""
         return [self.kv_cache]
 
@@ -513,7 +513,7 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
         """The head's KV per token."""
         arch = self.head.arch
         return {"num_layers": 1, "num_kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim,
-                "dtype": str(self.kv_cache[0].dtype).replace("torch.", ""), "kv_cache_dtype": "auto"}
+                "dtype": str(self.kv_cache.k.dtype).replace("torch.", ""), "kv_cache_dtype": "auto"}
 
     def prompt_kv_identity(self) -> dict:
         """The head's training (its file is the engine's setting)."""

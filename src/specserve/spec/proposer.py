@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from specserve.engine.scheduler import SampledTokens
+    from specserve.kv_cache.pages import LayerKV
     from specserve.request import Request
 
 
@@ -60,7 +61,7 @@ class PromptKVTraveller(ABC):
     (`prompt_kv_slots`); the connector moves it layer by layer like the target's."""
 
     @abstractmethod
-    def prompt_kv_caches(self) -> list[tuple[torch.Tensor, ...]]:
+    def prompt_kv_caches(self) -> list[LayerKV]:
         """Per layer, the paged cache tensors ([blocks, block_size, ...]) that travel."""
 
     @abstractmethod
