@@ -11,6 +11,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.attention import build_attention_metadata
 from specserve.errors import ConfigError
+from specserve.kv_cache.pages import LayerKV
 from specserve.models.llama import RotaryEmbedding
 from specserve.spec.eagle import EagleHead, head_arch
 
@@ -55,11 +56,11 @@ def test_unrolled_training_forward_is_the_serving_forward(tiny):
     rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, 128)
     with torch.no_grad():
         p1, p2 = head.forward_unrolled(emb, feat, rope.cos[:s], rope.sin[:s], depth=2)
-        kv = tuple(torch.zeros(4, 16, arch.num_kv_heads, arch.head_dim) for _ in range(2))
+        kv = LayerKV(*(torch.zeros(4, 16, arch.num_kv_heads, arch.head_dim) for _ in range(2)))
         out = _paged(head, rope, emb[0], feat[0], list(range(s)), [0], [s], [[0, 1, 2, 3]], None, kv)
         torch.testing.assert_close(out, p1[0], atol=1e-5, rtol=1e-4)
         for i in (1, 7, s - 1):  # a depth-1 node after the true prefix 0 .. i-1
-            kv_i = tuple(torch.zeros(4, 16, arch.num_kv_heads, arch.head_dim) for _ in range(2))
+            kv_i = LayerKV(*(torch.zeros(4, 16, arch.num_kv_heads, arch.head_dim) for _ in range(2)))
             _paged(head, rope, emb[0, :i], feat[0, :i], list(range(i)), [0], [i], [[0, 1, 2, 3]], None, kv_i)
             node = _paged(head, rope, emb[0, i : i + 1], p1[0, i - 1 : i], [i], [i], [1], [[0, 1, 2, 3]],
                           [torch.ones(1, 1, dtype=torch.bool)], kv_i)
