@@ -347,6 +347,59 @@ def test_native_decode_attention_split_by_work_keeps_each_token_exact():
         torch.set_num_threads(before)
 
 
+def test_native_attention_over_long_contexts_merges_key_splits_exactly():
+    """Past kAttnSplitKeys (1,024) keys a token's softmax and value sums run in splits merged in
+    order, and a decode step shares one long request's splits between threads. Each token's
+    output stays bit-identical to the token alone and across thread counts (the shared splits
+    merged after the threads), in decode batches, a lone long request and a verify tile after a
+    long context; and close to a float64 reference (split boundaries at 1,024 / 1,025 / 2,048 keys
+    and several splits per token). An int8 cache's splits carry their scales."""
+    from specserve.attention import paged_attention, quantize_kv
+
+    torch.manual_seed(5)
+    before = torch.get_num_threads()
+    try:
+        for d, heads, n_kv in [(64, 9, 3), (128, 12, 2)]:
+            lens = [2600, 3, 1023, 1024, 1, 4100, 2047]
+            tables, nxt = [], 0
+            for n in lens:
+                blocks = -(-(n + 1) // 16)
+                tables.append(list(range(nxt, nxt + blocks)))
+                nxt += blocks
+            q, kc, vc, meta = _attention_step([1] * len(lens), lens, tables, [None] * len(lens), bs=16, nblocks=nxt,
+                                              n_kv=n_kv, heads=heads, d=d)
+            ref = paged_attention(q.double(), kc.double(), vc.double(), meta, d**-0.5).float()
+            args = (meta.block_tables, meta.attn_mask, meta.query_index, d**-0.5)
+            outs = {}
+            for threads in (1, 2, 3, 4):
+                torch.set_num_threads(threads)
+                outs[threads] = kernels().paged_attention(q, kc, vc, *args)
+                for i in range(len(lens)):
+                    alone = kernels().paged_attention(q[i : i + 1], kc, vc, meta.block_tables[i : i + 1],
+                                                      meta.attn_mask[i : i + 1], torch.zeros(1, dtype=torch.long), d**-0.5)
+                    assert torch.equal(alone[0], outs[threads][i]), (d, threads, i)
+            assert all(torch.equal(outs[1], o) for o in outs.values())
+            torch.testing.assert_close(outs[2], ref, rtol=1e-5, atol=2e-6)
+            (k8, ks), (v8, vs) = quantize_kv(kc), quantize_kv(vc)  # an int8 cache: scales split with their keys
+            q8 = {t: (torch.set_num_threads(t), kernels().paged_attention(q, k8, v8, *args, ks, vs))[1] for t in (1, 2, 3)}
+            assert torch.equal(q8[1], q8[2]) and torch.equal(q8[1], q8[3])
+            torch.testing.assert_close(q8[2], paged_attention(q, k8, v8, meta, d**-0.5, (ks, vs)), rtol=1e-4, atol=1e-5)
+            # a 9-token verify tile after 2,500 keys and a lone decode at 3,000: each row as alone
+            q, kc, vc, meta = _attention_step([9, 1], [2500, 3000], [list(range(160)), list(range(160, 350))], [None, None],
+                                              bs=16, nblocks=350, n_kv=n_kv, heads=heads, d=d)
+            torch.set_num_threads(2)
+            step = kernels().paged_attention(q, kc, vc, meta.block_tables, meta.attn_mask, meta.query_index, d**-0.5)
+            torch.testing.assert_close(step, paged_attention(q.double(), kc.double(), vc.double(), meta, d**-0.5).float(),
+                                       rtol=1e-5, atol=2e-6)
+            for i in range(q.shape[0]):
+                b, r = divmod(int(meta.query_index[i]), meta.attn_mask.shape[2])
+                alone = kernels().paged_attention(q[i : i + 1], kc, vc, meta.block_tables[b : b + 1],
+                                                  meta.attn_mask[b : b + 1, :, r : r + 1], torch.zeros(1, dtype=torch.long), d**-0.5)
+                assert torch.equal(alone[0], step[i]), (d, i)
+    finally:
+        torch.set_num_threads(before)
+
+
 # ----------------------------------------------------------------------------- models
 
 

@@ -24,6 +24,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <limits>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -1880,10 +1881,10 @@ void rope_(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const tor
 }
 
 
-// In place: p[i] = exp(p[i] - max(p)); returns 1 / sum(p) (0 for an empty row). The arithmetic
-// depends only on n and the values, so a row's weights never depend on the rest of the step.
-// Scalar std::exp here used to be most of a long prompt's attention time.
-inline float softmax_(float* p, int64_t n) {
+// In place: p[i] = exp(p[i] - max(p)); returns sum(p) (0 for an empty row) and max(p) in *max_out.
+// The arithmetic depends only on n and the values, so a row's weights never depend on the rest of
+// the step. Scalar std::exp here used to be most of a long prompt's attention time.
+inline float softmax_part_(float* p, int64_t n, float* max_out) {
 #if SPECSERVE_AVX2
   const int64_t full = n - n % 8;
   __m256 vmax = _mm256_set1_ps(-INFINITY);
@@ -1927,7 +1928,51 @@ inline float softmax_(float* p, int64_t n) {
     den += p[i];
   }
 #endif
-  return den > 0.f ? 1.f / den : 0.f;
+  *max_out = mx;
+  return den;
+}
+
+// A token's keys are weighed and summed in splits of kAttnSplitKeys (by their place in its list of
+// allowed keys), and the splits' partial softmax sums and value sums merged in split order
+// (merge_splits). The splits depend on nothing but that list, so a token gets the same bits in a
+// decode step, a verify tile or a prefill, alone or batched, on any number of threads; and one
+// split (up to kAttnSplitKeys keys) is exactly one softmax over all of them. Splits let a decode
+// step share one long request's keys among threads: whole (request, KV head) items left one
+// thread with two of SmolLM2's three heads (one request at 2,500 keys: 100 us a layer on 2
+// threads against 134 on one), and a batch-1 decode with Qwen's two heads used two threads of any
+// number.
+constexpr int64_t kAttnSplitKeys = 1024;
+
+inline int64_t attn_splits(int64_t n) { return std::max<int64_t>(1, (n + kAttnSplitKeys - 1) / kAttnSplitKeys); }
+
+// o[g * D + c] for G heads from S splits' partials: mx[s * G + g] and den[s * G + g], each split's
+// max and sum of exp(score - max), and acc[s * stride + g * D + c], its values weighted by those.
+// Each split is rescaled to the largest max and the splits summed in order; one split gives
+// acc / den, bit for bit what one softmax over all the keys gives.
+inline void merge_splits(int64_t S, int64_t G, int64_t D, const float* mx, const float* den, const float* acc, int64_t stride,
+                         float* o) {
+  for (int64_t g = 0; g < G; ++g) {
+    if (S == 1) {
+      const float inv = den[g] > 0.f ? 1.f / den[g] : 0.f;
+      for (int64_t c = 0; c < D; ++c) o[g * D + c] = acc[g * D + c] * inv;
+      continue;
+    }
+    float m = -INFINITY;
+    for (int64_t s = 0; s < S; ++s) m = std::max(m, mx[s * G + g]);
+    thread_local std::vector<float> w;
+    w.resize(S);
+    float total = 0.f;
+    for (int64_t s = 0; s < S; ++s) {
+      w[s] = mx[s * G + g] == -INFINITY ? 0.f : std::exp(mx[s * G + g] - m);
+      total += den[s * G + g] * w[s];
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int64_t c = 0; c < D; ++c) {
+      float a = 0.f;
+      for (int64_t s = 0; s < S; ++s) a += acc[s * stride + g * D + c] * w[s];
+      o[g * D + c] = a * inv;
+    }
+  }
 }
 
 #if SPECSERVE_AVX2
@@ -2242,7 +2287,8 @@ constexpr int64_t kAttnChunkBytes = 16384;  // key (or value) rows read once per
 // for the tile instead of once per token (a 2,048-token prefill re-read its keys from L3 for
 // every token: ~30% of the FMA peak). Used for every step shape, so a token never changes path
 // with its batch; and the tiling changes no arithmetic (a key's score does not depend on its
-// neighbours, and each output sums its values in key order onto the same accumulator).
+// neighbours, and each output sums its values in key order onto its split's accumulator; the
+// splits of kAttnSplitKeys keys depend only on the token's own key list: merge_splits).
 // KT: the cache's element type, float, c10::Half or int8_t. Float16 pages widen exactly as they
 // load, so a float16 cache gives bit for bit what a float32 cache holding the same rounded values
 // would. An int8 cache (kscale / vscale: a float32 scale per slot and KV head) runs the same loops
@@ -2301,110 +2347,213 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
   // thread three quarters of a causal prefill's work). Decode batches (one token per tile, like
   // work per item) keep the static split, measured faster for them.
   const bool uneven = tiles < T;
-  const auto run = [&](int64_t begin, int64_t end) {
-    // Scratch kept per thread across calls: a decode step's items are short, and grabs many.
-    thread_local std::vector<int64_t> slots[kAttnTile], slot_ids[kAttnTile];
-    thread_local std::vector<float> p[kAttnTile], acc, inv;
+  // Splits [j0, j1) of item (tile, KV head): each token's keys from j0 * kAttnSplitKeys to its
+  // end or j1 * kAttnSplitKeys. A token whose every split is in the range gets its output here;
+  // otherwise (a decode item shared between threads) the range's partials go to part + s * unit
+  // for split s (max and sum per head, then the weighted values) and merge_splits runs after.
+  const int64_t unit = G * (2 + D);
+  // Scratch kept per thread across calls (a decode step's items are short, and grabs many), looked
+  // up once per thread's share and passed to each item (a thread_local's address per item cost a
+  // batch-32 decode layer 7%), with the tile whose key lists it holds (a tile's items are consecutive).
+  struct Scratch {
+    std::vector<int64_t> slots[kAttnTile], slot_ids[kAttnTile];
+    std::vector<float> p[kAttnTile], acc, mxs, dens;
+    int64_t tile = -1;
     int64_t n[kAttnTile];
-    int64_t listed = -1, longest = 0;  // the tile whose key lists `slots` holds (items of a tile are consecutive)
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t tile = uneven ? tiles - 1 - item / Hkv : item / Hkv, kvh = item % Hkv;
-      const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
-      // Each token's allowed key rows as offsets of KV head 0's part (head kvh's is kvh * D further
-      // on), listed once for all the tile's KV heads: a long context's mask is read once a token,
-      // not once a head.
-      if (tile != listed) {
-        listed = tile;
-        longest = 0;
-        for (int64_t u = 0; u < nt; ++u) {
-          const int64_t b = qip[t0 + u] / Q, r = qip[t0 + u] % Q;
-          const bool* allowed = mp + (b * Q + r) * L;
-          // Written through raw pointers into lists that only grow (push_back was not inlined:
-          // 3.5% of a float16 prefill's attention, 12.5% of an int8 one's with its second list).
-          if (static_cast<int64_t>(slots[u].size()) < L) slots[u].resize(L);
-          if (kScaled && static_cast<int64_t>(slot_ids[u].size()) < L) slot_ids[u].resize(L);
-          int64_t* out = slots[u].data();
-          int64_t* ids = kScaled ? slot_ids[u].data() : nullptr;
-          int64_t cnt = 0;
-          for (int64_t blk = 0; blk * BS < L; ++blk) {
-            const int64_t base = btp[b * MB + blk] * BS, j0 = blk * BS, j1 = std::min(L, j0 + BS);
-            for (int64_t j = j0; j < j1; ++j)
-              if (allowed[j]) {
-                out[cnt] = (base + j - j0) * Hkv * D;  // element offset of the key row
-                if constexpr (kScaled) ids[cnt] = base + j - j0;
-                ++cnt;
-              }
-          }
-          n[u] = cnt;
-          longest = std::max(longest, n[u]);
-          p[u].resize(G * n[u]);
-        }
-      }
-      const KT* kh = kp + kvh * D;
-      const KT* vh = vp + kvh * D;
-      const int64_t step = nt > 1 ? chunk : std::max<int64_t>(longest, 1);  // one token: nothing to share
-      for (int64_t u = 0; u < nt; ++u) warm_rows(kh, slots[u].data(), n[u], D);
-      for (int64_t c0 = 0; c0 < longest; c0 += step)
-        for (int64_t u = 0; u < nt; ++u)
-          if (c0 < n[u])
-            attention_scores(qp + ((t0 + u) * Hq + kvh * G) * D, G, kh, slots[u].data() + c0, std::min(step, n[u] - c0), n[u], D,
-                             sc, p[u].data() + c0);
-      if constexpr (kScaled)  // an int8 key's score: its integer dot product times the key's scale
-        for (int64_t u = 0; u < nt; ++u)
-          for (int64_t i = 0; i < n[u]; ++i) {
-            const float ks = kscale[slot_ids[u][i] * Hkv + kvh];
-            for (int64_t g = 0; g < G; ++g) p[u][g * n[u] + i] *= ks;
-          }
-      inv.resize(nt * G);
-      for (int64_t u = 0; u < nt; ++u)
-        for (int64_t g = 0; g < G; ++g) inv[u * G + g] = softmax_(p[u].data() + g * n[u], n[u]);
-      if constexpr (kScaled)  // and each weight carries its value's scale into the integer values
-        for (int64_t u = 0; u < nt; ++u)
-          for (int64_t i = 0; i < n[u]; ++i) {
-            const float vs = vscale[slot_ids[u][i] * Hkv + kvh];
-            for (int64_t g = 0; g < G; ++g) p[u][g * n[u] + i] *= vs;
-          }
-      acc.assign(nt * G * D, 0.f);
-      for (int64_t u = 0; u < nt; ++u) warm_rows(vh, slots[u].data(), n[u], D);
-      for (int64_t c0 = 0; c0 < longest; c0 += step)
-        for (int64_t u = 0; u < nt; ++u)
-          if (c0 < n[u])
-            attention_values(p[u].data() + c0, G, n[u], vh, slots[u].data() + c0, std::min(step, n[u] - c0), D, acc.data() + u * G * D);
+  };
+  const auto scratch = []() -> Scratch& {
+    thread_local Scratch scr;
+    scr.tile = -1;  // key lists are this call's
+    return scr;
+  };
+  const auto attend = [&](Scratch& scr, int64_t item, int64_t j0, int64_t j1, float* part) {
+    auto& slots = scr.slots;
+    auto& slot_ids = scr.slot_ids;
+    auto& p = scr.p;
+    auto& acc = scr.acc;
+    auto& mxs = scr.mxs;
+    auto& dens = scr.dens;
+    int64_t n[kAttnTile];  // a local copy: stores through the key lists cannot alias it
+    const int64_t tile = uneven ? tiles - 1 - item / Hkv : item / Hkv, kvh = item % Hkv;
+    const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
+    // Each token's allowed key rows as offsets of KV head 0's part (head kvh's is kvh * D further
+    // on), listed once for all the tile's KV heads: a long context's mask is read once a token,
+    // not once a head.
+    if (tile != scr.tile) {
+      scr.tile = tile;
       for (int64_t u = 0; u < nt; ++u) {
-        float* o = op + ((t0 + u) * Hq + kvh * G) * D;
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t c = 0; c < D; ++c) o[g * D + c] = acc[(u * G + g) * D + c] * inv[u * G + g];
+        const int64_t b = qip[t0 + u] / Q, r = qip[t0 + u] % Q;
+        const bool* allowed = mp + (b * Q + r) * L;
+        // Written through raw pointers into lists that only grow (push_back was not inlined:
+        // 3.5% of a float16 prefill's attention, 12.5% of an int8 one's with its second list).
+        if (static_cast<int64_t>(slots[u].size()) < L) slots[u].resize(L);
+        if (kScaled && static_cast<int64_t>(slot_ids[u].size()) < L) slot_ids[u].resize(L);
+        int64_t* out = slots[u].data();
+        int64_t* ids = kScaled ? slot_ids[u].data() : nullptr;
+        int64_t cnt = 0;
+        for (int64_t blk = 0; blk * BS < L; ++blk) {
+          const int64_t base = btp[b * MB + blk] * BS, j0b = blk * BS, j1b = std::min(L, j0b + BS);
+          for (int64_t j = j0b; j < j1b; ++j)
+            if (allowed[j]) {
+              out[cnt] = (base + j - j0b) * Hkv * D;  // element offset of the key row
+              if constexpr (kScaled) ids[cnt] = base + j - j0b;
+              ++cnt;
+            }
+        }
+        scr.n[u] = cnt;
+        if (static_cast<int64_t>(p[u].size()) < G * cnt) p[u].resize(G * cnt);
       }
     }
+    std::copy_n(scr.n, nt, n);
+    // Token u's keys in this call: [lo, hi[u]); its splits [j0, s1[u]).
+    int64_t hi[kAttnTile], s1[kAttnTile], soff[kAttnTile + 1];
+    const int64_t lo = j0 * kAttnSplitKeys;
+    int64_t far = lo;
+    soff[0] = 0;
+    for (int64_t u = 0; u < nt; ++u) {
+      hi[u] = std::min(n[u], j1 * kAttnSplitKeys);
+      s1[u] = std::min(j1, attn_splits(n[u]));
+      soff[u + 1] = soff[u] + std::max<int64_t>(0, s1[u] - j0);
+      far = std::max(far, hi[u]);
+    }
+    const KT* kh = kp + kvh * D;
+    const KT* vh = vp + kvh * D;
+    const int64_t step = nt > 1 ? chunk : std::max<int64_t>(far - lo, 1);  // one token: nothing to share
+    for (int64_t u = 0; u < nt; ++u)
+      if (lo < hi[u]) warm_rows(kh, slots[u].data() + lo, hi[u] - lo, D);
+    for (int64_t c0 = lo; c0 < far; c0 += step)
+      for (int64_t u = 0; u < nt; ++u)
+        if (c0 < hi[u])
+          attention_scores(qp + ((t0 + u) * Hq + kvh * G) * D, G, kh, slots[u].data() + c0, std::min(step, hi[u] - c0), n[u], D,
+                           sc, p[u].data() + c0);
+    if constexpr (kScaled)  // an int8 key's score: its integer dot product times the key's scale
+      for (int64_t u = 0; u < nt; ++u)
+        for (int64_t i = lo; i < hi[u]; ++i) {
+          const float ks = kscale[slot_ids[u][i] * Hkv + kvh];
+          for (int64_t g = 0; g < G; ++g) p[u][g * n[u] + i] *= ks;
+        }
+    // Per split: weights exp(score - the split's max), their sum (mxs / dens [split][g]).
+    mxs.resize(soff[nt] * G);
+    dens.resize(soff[nt] * G);
+    for (int64_t u = 0; u < nt; ++u)
+      for (int64_t sp = j0; sp < s1[u]; ++sp) {
+        const int64_t a = sp * kAttnSplitKeys, len = std::min(n[u], a + kAttnSplitKeys) - a;
+        const int64_t at = (soff[u] + sp - j0) * G;
+        for (int64_t g = 0; g < G; ++g) dens[at + g] = softmax_part_(p[u].data() + g * n[u] + a, len, &mxs[at + g]);
+      }
+    if constexpr (kScaled)  // and each weight carries its value's scale into the integer values
+      for (int64_t u = 0; u < nt; ++u)
+        for (int64_t i = lo; i < hi[u]; ++i) {
+          const float vs = vscale[slot_ids[u][i] * Hkv + kvh];
+          for (int64_t g = 0; g < G; ++g) p[u][g * n[u] + i] *= vs;
+        }
+    // Values: each split summed in key order onto its own accumulator [split][g][D].
+    acc.assign(soff[nt] * G * D, 0.f);
+    for (int64_t u = 0; u < nt; ++u)
+      if (lo < hi[u]) warm_rows(vh, slots[u].data() + lo, hi[u] - lo, D);
+    for (int64_t a = lo; a < far; a += kAttnSplitKeys) {
+      const int64_t sp = a / kAttnSplitKeys, b = std::min(far, a + kAttnSplitKeys);
+      if (a > lo)  // each pass prefetches only within its own keys: ask for the next split's first rows
+        for (int64_t u = 0; u < nt; ++u)
+          if (a < hi[u]) warm_rows(vh, slots[u].data() + a, hi[u] - a, D);
+      for (int64_t c0 = a; c0 < b; c0 += step)
+        for (int64_t u = 0; u < nt; ++u) {
+          const int64_t e = std::min(hi[u], b);
+          if (c0 < e)
+            attention_values(p[u].data() + c0, G, n[u], vh, slots[u].data() + c0, std::min(step, e - c0), D,
+                             acc.data() + (soff[u] + sp - j0) * G * D);
+        }
+    }
+    for (int64_t u = 0; u < nt; ++u) {
+      const int64_t S = s1[u] - j0, at = soff[u];
+      if (S <= 0) continue;
+      if (j0 == 0 && s1[u] == attn_splits(n[u])) {  // every split of this token: its output
+        // merge_splits wants [split][g] maxima and sums, [split][g][D] values: as laid out here.
+        merge_splits(S, G, D, mxs.data() + at * G, dens.data() + at * G, acc.data() + at * G * D, G * D,
+                     op + ((t0 + u) * Hq + kvh * G) * D);
+        continue;
+      }
+      for (int64_t s = 0; s < S; ++s) {  // a decode token's share (nt == 1): its partials
+        float* dst = part + (j0 + s) * unit;
+        std::copy_n(mxs.data() + (at + s) * G, G, dst);
+        std::copy_n(dens.data() + (at + s) * G, G, dst + G);
+        std::copy_n(acc.data() + (at + s) * G * D, G * D, dst + 2 * G);
+      }
+    }
+  };
+  const auto run = [&](int64_t begin, int64_t end) {
+    Scratch& scr = scratch();
+    for (int64_t item = begin; item < end; ++item) attend(scr, item, 0, std::numeric_limits<int64_t>::max() / kAttnSplitKeys, nullptr);
   };
   if (uneven) {
     parallel_guided(tiles * Hkv, run);
     return out;
   }
-  // Decode batches: a static split, cut where the keys to read (the work) are halved, not the
-  // items: an even split by count put a 2,150-token request's every KV head on one thread and a
-  // 150-token neighbour's on the other, and the long request decoded at one thread's speed
-  // (SmolLM2, 2 threads: 16.5 ms per token beside a short request vs 12.7 alone).
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tiles * Hkv);
+  // Decode batches: a static split over (item, key split) units, cut where the keys to read (the
+  // work) are halved: an even split of items by count put a 2,150-token request's every KV head on
+  // one thread and a 150-token neighbour's on the other, and the long request decoded at one
+  // thread's speed (SmolLM2, 2 threads: 16.5 ms per token beside a short request vs 12.7 alone);
+  // whole items still left one thread two of SmolLM2's three heads of a lone long request.
+  const int64_t items = tiles * Hkv;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items * 64);
   if (threads <= 1) {
-    run(0, tiles * Hkv);
+    run(0, items);
     return out;
   }
-  std::vector<int64_t> work(tiles + 1, 0);  // keys of tiles [0, t), per KV head
+  std::vector<int64_t> keys(tiles), first(items + 1, 0);  // keys of each tile's token; first unit of each item
   for (int64_t t = 0; t < tiles; ++t) {
     const bool* allowed = mp + qip[t] * L;  // one token per tile here
-    work[t + 1] = work[t] + std::count(allowed, allowed + L, true) + 1;
+    keys[t] = std::count(allowed, allowed + L, true);
   }
-  const double total = static_cast<double>(work[tiles]) * Hkv;
-  std::vector<int64_t> cut(threads + 1, tiles * Hkv);
+  for (int64_t i = 0; i < items; ++i) first[i + 1] = first[i] + attn_splits(keys[i / Hkv]);
+  const int64_t units = first[items];
+  std::vector<int64_t> work(units + 1, 0);  // keys (+ 1 per unit) of units [0, u)
+  for (int64_t i = 0; i < items; ++i)
+    for (int64_t s = 0; s < first[i + 1] - first[i]; ++s) {
+      const int64_t k = std::min(keys[i / Hkv] - s * kAttnSplitKeys, kAttnSplitKeys);
+      work[first[i] + s + 1] = work[first[i] + s] + k + 1;
+    }
+  const double total = static_cast<double>(work[units]);
+  const int64_t shares = std::min(threads, units);
+  std::vector<int64_t> cut(shares + 1, units);
   cut[0] = 0;
-  for (int64_t i = 0, th = 1; i < tiles * Hkv && th < threads; ++i) {
-    const double mid = (static_cast<double>(work[i / Hkv]) * Hkv + (i % Hkv + 0.5) * (work[i / Hkv + 1] - work[i / Hkv]));
-    while (th < threads && mid >= total * th / threads) cut[th++] = i;  // item i's middle lies in a later share
+  for (int64_t u = 0, th = 1; u < units && th < shares; ++u) {
+    const double mid = 0.5 * (work[u] + work[u + 1]);
+    while (th < shares && mid >= total * th / shares) cut[th++] = u;  // unit u's middle lies in a later share
   }
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) run(cut[t], cut[t + 1]);
+  std::vector<float> parts;  // partials of items cut between shares: [unit][G * (2 + D)]
+  std::vector<int64_t> shared;  // those items
+  for (int64_t i = 0, th = 1; i < items; ++i) {
+    while (th < shares && cut[th] <= first[i]) ++th;
+    if (th < shares && cut[th] < first[i + 1]) shared.push_back(i);
+  }
+  if (!shared.empty()) parts.resize(units * unit);
+  const auto share = [&](int64_t sh) {
+    Scratch& scr = scratch();
+    int64_t u = cut[sh];
+    const int64_t e = cut[sh + 1];
+    int64_t i = std::upper_bound(first.begin(), first.end(), u) - first.begin() - 1;
+    for (; u < e; ++i) {
+      const int64_t j0 = u - first[i], j1 = std::min(e, first[i + 1]) - first[i];
+      attend(scr, i, j0, j1, parts.empty() ? nullptr : parts.data() + first[i] * unit);
+      u = first[i] + j1;
+    }
+  };
+  at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t sh = s0; sh < s1; ++sh) share(sh);
   });
+  for (const int64_t i : shared) {  // the shared items' splits, merged in order
+    const int64_t S = first[i + 1] - first[i];
+    std::vector<float> mx(S * G), den(S * G), acc(S * G * D);
+    for (int64_t s = 0; s < S; ++s) {
+      const float* src = parts.data() + (first[i] + s) * unit;
+      std::copy_n(src, G, mx.data() + s * G);
+      std::copy_n(src + G, G, den.data() + s * G);
+      std::copy_n(src + 2 * G, G * D, acc.data() + s * G * D);
+    }
+    const int64_t tile = i / Hkv, kvh = i % Hkv;
+    merge_splits(S, G, D, mx.data(), den.data(), acc.data(), G * D, op + (tile_start[tile] * Hq + kvh * G) * D);
+  }
   return out;
 }
 
