@@ -216,11 +216,16 @@ class ModelConfig:
         object.__setattr__(self, "logprobs_mode", mode)  # frozen: the canonical name from here on
 
     @property
+    def block_weights(self) -> bool:
+        """Its linear layers compute from block-quantized weights (quantization auto / int4; False
+        while the quantization is still to be picked)."""
+        return self.quantization is not None and self.quantization.blocks
+
+    @property
     def native_cpu(self) -> bool:
         """The model runs on the native CPU kernels: block-quantized weights (quantization auto /
         int4) and float32 activations on the CPU (its KV cache then defaults to float16)."""
-        return (self.device == "cpu" and self.quantization is not None and self.quantization.blocks
-                and self.torch_dtype == torch.float32)
+        return self.device == "cpu" and self.block_weights and self.torch_dtype == torch.float32
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:
@@ -230,8 +235,7 @@ class ModelConfig:
         is fast: those kernels take float32 activations, and the native norms, RoPE, attention
         and one-call decoder stack are float32 only, so bf16 would only add conversions.
         """
-        if (self.dtype == "auto" and self.quantization is not None and self.quantization.blocks
-                and not self.device.startswith("cuda")):
+        if self.dtype == "auto" and self.block_weights and not self.device.startswith("cuda"):
             return torch.float32
         return parse_dtype(self.dtype, self.device)
 

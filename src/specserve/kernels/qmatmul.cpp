@@ -1944,13 +1944,14 @@ inline float softmax_part_(float* p, int64_t n, float* max_out) {
 constexpr int64_t kAttnSplitKeys = 1024;
 
 inline int64_t attn_splits(int64_t n) { return std::max<int64_t>(1, (n + kAttnSplitKeys - 1) / kAttnSplitKeys); }
+constexpr int64_t kAllSplits = std::numeric_limits<int64_t>::max() / kAttnSplitKeys;  // a split range: every split
 
-// o[g * D + c] for G heads from S splits' partials: mx[s * G + g] and den[s * G + g], each split's
+// o[g * D + c] for G heads from S splits' partials: mx[s * ms + g] and den[s * ms + g], each split's
 // max and sum of exp(score - max), and acc[s * stride + g * D + c], its values weighted by those.
 // Each split is rescaled to the largest max and the splits summed in order; one split gives
 // acc / den, bit for bit what one softmax over all the keys gives.
-inline void merge_splits(int64_t S, int64_t G, int64_t D, const float* mx, const float* den, const float* acc, int64_t stride,
-                         float* o) {
+inline void merge_splits(int64_t S, int64_t G, int64_t D, const float* mx, const float* den, int64_t ms, const float* acc,
+                         int64_t stride, float* o) {
   for (int64_t g = 0; g < G; ++g) {
     if (S == 1) {
       const float inv = den[g] > 0.f ? 1.f / den[g] : 0.f;
@@ -1958,13 +1959,13 @@ inline void merge_splits(int64_t S, int64_t G, int64_t D, const float* mx, const
       continue;
     }
     float m = -INFINITY;
-    for (int64_t s = 0; s < S; ++s) m = std::max(m, mx[s * G + g]);
+    for (int64_t s = 0; s < S; ++s) m = std::max(m, mx[s * ms + g]);
     thread_local std::vector<float> w;
     w.resize(S);
     float total = 0.f;
     for (int64_t s = 0; s < S; ++s) {
-      w[s] = mx[s * G + g] == -INFINITY ? 0.f : std::exp(mx[s * G + g] - m);
-      total += den[s * G + g] * w[s];
+      w[s] = mx[s * ms + g] == -INFINITY ? 0.f : std::exp(mx[s * ms + g] - m);
+      total += den[s * ms + g] * w[s];
     }
     const float inv = total > 0.f ? 1.f / total : 0.f;
     for (int64_t c = 0; c < D; ++c) {
@@ -2468,8 +2469,7 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
       const int64_t S = s1[u] - j0, at = soff[u];
       if (S <= 0) continue;
       if (j0 == 0 && s1[u] == attn_splits(n[u])) {  // every split of this token: its output
-        // merge_splits wants [split][g] maxima and sums, [split][g][D] values: as laid out here.
-        merge_splits(S, G, D, mxs.data() + at * G, dens.data() + at * G, acc.data() + at * G * D, G * D,
+        merge_splits(S, G, D, mxs.data() + at * G, dens.data() + at * G, G, acc.data() + at * G * D, G * D,
                      op + ((t0 + u) * Hq + kvh * G) * D);
         continue;
       }
@@ -2483,7 +2483,7 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
   };
   const auto run = [&](int64_t begin, int64_t end) {
     Scratch& scr = scratch();
-    for (int64_t item = begin; item < end; ++item) attend(scr, item, 0, std::numeric_limits<int64_t>::max() / kAttnSplitKeys, nullptr);
+    for (int64_t item = begin; item < end; ++item) attend(scr, item, 0, kAllSplits, nullptr);
   };
   if (uneven) {
     parallel_guided(tiles * Hkv, run);
@@ -2495,7 +2495,7 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
   // thread's speed (SmolLM2, 2 threads: 16.5 ms per token beside a short request vs 12.7 alone);
   // whole items still left one thread two of SmolLM2's three heads of a lone long request.
   const int64_t items = tiles * Hkv;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items * 64);
+  const int64_t threads = at::get_num_threads();
   if (threads <= 1) {
     run(0, items);
     return out;
@@ -2542,17 +2542,10 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
   at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t sh = s0; sh < s1; ++sh) share(sh);
   });
-  for (const int64_t i : shared) {  // the shared items' splits, merged in order
-    const int64_t S = first[i + 1] - first[i];
-    std::vector<float> mx(S * G), den(S * G), acc(S * G * D);
-    for (int64_t s = 0; s < S; ++s) {
-      const float* src = parts.data() + (first[i] + s) * unit;
-      std::copy_n(src, G, mx.data() + s * G);
-      std::copy_n(src + G, G, den.data() + s * G);
-      std::copy_n(src + 2 * G, G * D, acc.data() + s * G * D);
-    }
-    const int64_t tile = i / Hkv, kvh = i % Hkv;
-    merge_splits(S, G, D, mx.data(), den.data(), acc.data(), G * D, op + (tile_start[tile] * Hq + kvh * G) * D);
+  for (const int64_t i : shared) {  // the shared items' splits, merged in order from their partials
+    const float* part = parts.data() + first[i] * unit;
+    merge_splits(first[i + 1] - first[i], G, D, part, part + G, unit, part + 2 * G, unit,
+                 op + (tile_start[i / Hkv] * Hq + i % Hkv * G) * D);
   }
   return out;
 }

@@ -445,9 +445,9 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
         # Kept as the target's rows (a copy: the runner reuses its buffers); fused into the head's
         # input features in batches (_fuse).
         counts = [hr.rows.shape[0] for hr in hidden.values()]
-        feats = torch.cat([hr.rows for hr in hidden.values()]).float().split(counts)
+        copies = torch.cat([hr.rows for hr in hidden.values()]).float().split(counts)
         touched = []
-        for (rid, hr), rows in zip(hidden.items(), feats):
+        for (rid, hr), rows in zip(hidden.items(), copies):
             start = hr.start_pos
             seq = self._seqs.get(rid)
             if seq is None:

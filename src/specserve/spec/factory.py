@@ -140,7 +140,7 @@ def _head_for_target(ctx: ProposerContext, method: str) -> tuple[object, tuple[s
     path = ctx.spec.draft_model
     if path in (None, "auto"):
         path = default_head_path(fp[0], method)
-    quantize = ctx.model.quantization is not None and ctx.model.quantization.blocks and getattr(runner, "native_ops", False)
+    quantize = ctx.model.block_weights and getattr(runner, "native_ops", False)
     return runner, fp, path, quantize
 
 
