@@ -172,9 +172,11 @@ def test_a_scored_draft_pays_for_the_host_work_a_speculative_step_adds():
 def test_the_engine_learns_the_host_overhead_of_steps_with_drafts():
     from types import SimpleNamespace
 
-    from specserve.engine.engine import LLMEngine
+    from specserve.engine.engine import HOST_WINDOW, LLMEngine
+    from specserve.spec.policy import RecentMedian
 
-    eng = SimpleNamespace(_host_s={False: None, True: None}, policy=SimpleNamespace(verify_overhead_s=0.0))
+    eng = SimpleNamespace(_host_s={False: RecentMedian(HOST_WINDOW), True: RecentMedian(HOST_WINDOW)},
+                          policy=SimpleNamespace(verify_overhead_s=0.0))
     plain = SimpleNamespace(scheduled=[SimpleNamespace(num_new_tokens=1, draft=None)])
     spec = SimpleNamespace(scheduled=[SimpleNamespace(num_new_tokens=3, draft=object())])
     prompt = SimpleNamespace(scheduled=[SimpleNamespace(num_new_tokens=40, draft=None)])
@@ -182,6 +184,14 @@ def test_the_engine_learns_the_host_overhead_of_steps_with_drafts():
     LLMEngine._account_host_time(eng, prompt, 0.050)  # a prompt chunk teaches neither
     LLMEngine._account_host_time(eng, spec, 0.003)
     assert eng.policy.verify_overhead_s == pytest.approx(0.002)
+    # A first-use cost or a collector pause in one verify does not set the overhead for the
+    # steps after it (an EWMA from the first measurement read 60 ms as 3 ms for ~20 steps).
+    LLMEngine._account_host_time(eng, spec, 0.060)
+    LLMEngine._account_host_time(eng, spec, 0.0032)
+    assert eng.policy.verify_overhead_s == pytest.approx(0.0022)
+    for _ in range(HOST_WINDOW):  # and it follows a lasting change within the window
+        LLMEngine._account_host_time(eng, spec, 0.005)
+    assert eng.policy.verify_overhead_s == pytest.approx(0.004)
 
 
 def test_a_scored_proposer_stops_drafting_where_its_yield_does_not_pay_and_probes():

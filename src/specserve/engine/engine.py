@@ -46,7 +46,7 @@ from specserve.spec.factory import (
     drafter_kv_bytes_per_token,
     reserved_kv_blocks,
 )
-from specserve.spec.policy import SpecPolicy, ewma
+from specserve.spec.policy import RecentMedian, SpecPolicy
 from specserve.spec.proposer import Proposer
 from specserve.spec.tree import DraftTree
 
@@ -60,7 +60,12 @@ T = TypeVar("T")
 MIN_FORCED_DRAFT = 8
 # Without measured step times, forced text is drafted only up to this many decoding requests.
 FORCED_DRAFT_MAX_BATCH = 4
-HOST_EWMA = 0.05  # weight of one step in the host-time estimates
+# Host-time estimates (a step's host work beyond its forward, a proposal's time) are the median
+# of the last HOST_WINDOW measurements: a first-use cost or a collector pause in one step must
+# not set them. (An EWMA started at its first measurement: a warm-up verify's 60 ms of first-use
+# work read as 3.1 ms of overhead per verify for the next ~20 drafting steps, Qwen 1.5B +
+# lookahead on a Xeon, against 0.5-0.8 ms steady; the policy drafted less on that start.)
+HOST_WINDOW = 31
 PROFILE_ROUNDS = 3  # rounds of profile_costs (the median ratio of each point is kept)
 PROFILE_WARM_STEPS = 4  # one-token steps before each round's small points (the caches as decoding leaves them)
 RESTORE_ROUNDS = 3  # one-token steps timed to read saved step costs at the machine's speed now (median)
@@ -372,7 +377,8 @@ class LLMEngine:
             trees=traits is not None and traits.trees and spec.use_trees(traits.tree_by_default),
             scored=traits is not None and traits.scores_predict_acceptance,
         )
-        self._host_s: dict[bool, float | None] = {False: None, True: None}  # see _account_host_time
+        self._host_s = {False: RecentMedian(HOST_WINDOW), True: RecentMedian(HOST_WINDOW)}  # see _account_host_time
+        self._propose_s = RecentMedian(HOST_WINDOW)  # a scored proposer's host time per request drafted for
         self._cycle_draft_s = 0.0  # the drafting done at the start of the last step, for it (_account_cycle)
         self.spec_counters = {"draft_time_s": 0.0, "verify_time_s": 0.0, "decode_time_s": 0.0,
                               "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
@@ -912,8 +918,8 @@ class LLMEngine:
         if any(sr.num_new_tokens > 1 and sr.draft is None for sr in sched_out.scheduled):
             return  # a prompt chunk's host work is not a draft's
         with_drafts = any(sr.draft is not None for sr in sched_out.scheduled)
-        self._host_s[with_drafts] = ewma(self._host_s[with_drafts], host_s, HOST_EWMA)
-        plain, spec = self._host_s[False], self._host_s[True]
+        self._host_s[with_drafts].add(host_s)
+        plain, spec = self._host_s[False].value, self._host_s[True].value
         if plain is not None and spec is not None:
             self.policy.verify_overhead_s = max(0.0, spec - plain)
 
@@ -968,7 +974,7 @@ class LLMEngine:
         proposals = self.proposer.propose(decoding, ks)  # type: ignore[union-attr]
         if self.policy.scored:  # what the proposer's host time per request is (choose() weighs it)
             per = (time.perf_counter() - t0) / max(1, sum(1 for k in ks if k))
-            self.policy.propose_s = ewma(self.policy.propose_s or None, per, HOST_EWMA)
+            self.policy.propose_s = self._propose_s.add(per)
         delivered = {rid: tree.max_depth for rid, tree in proposals.items()}
         proposals = self.policy.prune(decoding, proposals, other, free)
         dt = time.perf_counter() - t0

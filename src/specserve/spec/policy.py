@@ -61,7 +61,9 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -121,6 +123,21 @@ def tree_depth(nodes: int) -> int:
 def ewma(old: float | None, new: float, weight: float) -> float:
     """An exponentially weighted mean's next value (the first measurement: itself)."""
     return new if old is None else (1 - weight) * old + weight * new
+
+
+class RecentMedian:
+    """The median of the last `window` measurements (None before the first): an estimate that
+    one outlier cannot move, where an EWMA keeps a first-use cost or a pause for many steps."""
+
+    def __init__(self, window: int) -> None:
+        self._recent: deque[float] = deque(maxlen=window)
+        self.value: float | None = None
+
+    def add(self, x: float) -> float:
+        """Fold in one measurement; the new median."""
+        self._recent.append(x)
+        self.value = statistics.median(self._recent)
+        return self.value
 
 
 @dataclass
