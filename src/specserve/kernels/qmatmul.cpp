@@ -1681,8 +1681,16 @@ inline void silu_mul_into(const float* g, const float* u, float* out, int64_t n)
 #endif
 }
 
-// qmatmul_multi writing into `out` where one is given (a contiguous float32 [M, N] buffer the
-// caller reuses: DecoderStack makes its per-layer outputs once per call), else into a new tensor.
+// A kernel's float32 output: the caller's buffer where it gives one (it must be contiguous and of
+// `sizes`: DecoderStack makes its per-layer outputs once per call), else a new tensor.
+torch::Tensor output_into(const torch::Tensor* out, at::IntArrayRef sizes, const char* who) {
+  if (out == nullptr) return torch::empty(sizes, torch::kFloat32);
+  TORCH_CHECK(out->scalar_type() == torch::kFloat32 && out->is_contiguous() && out->sizes() == sizes, who,
+              ": the output buffer must be a contiguous float32 tensor of shape ", sizes);
+  return *out;
+}
+
+// qmatmul_multi writing into `out` where one is given (output_into).
 torch::Tensor qmatmul_multi_into(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& qtypes,
                                  const std::vector<c10::optional<torch::Tensor>>& biases, bool silu_mul, const torch::Tensor* out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qmatmul: x must be a float32 [M, K] matrix");
@@ -1714,14 +1722,7 @@ torch::Tensor qmatmul_multi_into(const torch::Tensor& x, const std::vector<torch
   }
   if (silu_mul) TORCH_CHECK(segs.size() == 2 && segs[0].n == segs[1].n, "qmatmul: silu_mul needs two weights of equal rows");
   const int64_t N = silu_mul ? segs[0].n : total;
-  torch::Tensor y;
-  if (out != nullptr) {
-    TORCH_CHECK(out->scalar_type() == torch::kFloat32 && out->is_contiguous() && out->dim() == 2 && out->size(0) == M && out->size(1) == N,
-                "qmatmul: the output buffer must be a contiguous float32 [", M, ", ", N, "] matrix");
-    y = *out;
-  } else {
-    y = torch::empty({M, N}, x.options());
-  }
+  auto y = output_into(out, {M, N}, "qmatmul");
   if (M == 0 || N == 0) return y;
 
   QuantizedActs qa[2];
@@ -1845,17 +1846,14 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
-// x / sqrt(mean(x^2) + eps) * weight per row (float32), into `out` where one is given
-// (contiguous, x's shape), else into a new tensor.
+// x / sqrt(mean(x^2) + eps) * weight per row (float32), into `out` where one is given (output_into).
 torch::Tensor rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, const torch::Tensor* out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "rms_norm: float32 [M, H] input");
   const auto xc = x.contiguous();
   const auto wc = weight.contiguous();
   const int64_t M = xc.size(0), H = xc.size(1);
   TORCH_CHECK(wc.numel() == H, "rms_norm: weight has ", wc.numel(), " values, expected ", H);
-  TORCH_CHECK(out == nullptr || (out->is_contiguous() && out->scalar_type() == torch::kFloat32 && out->sizes() == xc.sizes()),
-              "rms_norm: the output buffer must be contiguous float32 of the input's shape");
-  auto y = out != nullptr ? *out : torch::empty_like(xc);
+  auto y = output_into(out, xc.sizes(), "rms_norm");
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -2332,9 +2330,7 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
   const int64_t MB = bt.size(1), Q = mk.size(2), L = mk.size(3);
   TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D && L <= MB * BS, "paged_attention: shapes disagree");
   const int64_t G = Hq / Hkv;
-  TORCH_CHECK(out_buf == nullptr || (out_buf->is_contiguous() && out_buf->scalar_type() == torch::kFloat32 && out_buf->sizes() == qc.sizes()),
-              "paged_attention: the output buffer must be contiguous float32 of the query's shape");
-  auto out = out_buf != nullptr ? *out_buf : torch::empty_like(qc);
+  auto out = output_into(out_buf, qc.sizes(), "paged_attention");
   const float* qp = qc.data_ptr<float>();
   const KT* kp = k_cache.data_ptr<KT>();
   const KT* vp = v_cache.data_ptr<KT>();
@@ -2574,7 +2570,7 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
 
 // Native paged attention over a float32, float16 or int8 cache (k and v of one type; int8 with
 // its float32 [blocks, block_size, n_kv] k and v scales); q is float32.
-// paged_attention writing into `out` where one is given (contiguous float32, q's shape).
+// paged_attention writing into `out` where one is given (output_into).
 torch::Tensor paged_attention_into(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                    const torch::Tensor& block_tables, const torch::Tensor& mask, const torch::Tensor& query_index,
                                    double scale, const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
