@@ -164,10 +164,10 @@ def test_a_fused_head_projects_the_rows_of_held_back_requests_in_batches_and_dra
     for p in range(FUSE_AT + 9):  # one verified token a step, never drafted for
         prop.observe_hidden({"a": HiddenRows(p, rows[p : p + 1])})
     seq = prop._seqs["a"]
-    assert seq.num_raw == 9 and seq.num_pending == FUSE_AT + 9 and seq.next_pos == FUSE_AT + 9
+    assert seq.raw.count == 9 and seq.num_pending == FUSE_AT + 9 and seq.next_pos == FUSE_AT + 9
     prop._fuse([seq])
-    fed = torch.cat(seq.pending)
-    assert seq.num_raw == 0 and fed.shape == (FUSE_AT + 9, ckpt.arch.hidden_size)
+    fed = torch.cat(seq.pending.parts)
+    assert seq.raw.count == 0 and fed.shape == (FUSE_AT + 9, ckpt.arch.hidden_size)
     torch.testing.assert_close(fed, prop.head.target_feature(rows), rtol=1e-5, atol=1e-5)
     prop.remove_request("a")
     # End to end: requests whose drafting waits behind a long prompt's rows stay exact.

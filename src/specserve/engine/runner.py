@@ -622,7 +622,10 @@ class ModelRunner:
                 rows.extend(base + n - k + node for node in st.accepted_nodes)
             spans.append((sr.request_id, sr.start_pos, first, len(rows) - first))
             base += n
-        picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device))
+        if rows and rows[-1] - rows[0] + 1 == len(rows):  # ascending, so one run: a view (consumers copy)
+            picked = hidden[rows[0] : rows[-1] + 1]
+        else:
+            picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device))
         keep = self.hidden_sink or self._hidden.__setitem__
         for rid, start, first, count in spans:
             keep(rid, HiddenRows(start, picked[first : first + count]))
