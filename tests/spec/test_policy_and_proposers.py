@@ -513,14 +513,16 @@ def test_rate_guard_holds_speculation_off_where_it_measurably_loses():
         assert all(p.choose(reqs))  # not judged before GUARD_MIN_CYCLES steps
     p.guard.observe(4, 6, 0.120, speculated=True)  # with the catch-up: ~42 tok/s
     assert p.guard.num_held == 1 and p.guard.summary()[4]["held"]
+    assert p.guard.holds(4) and not p.guard.holds(1)  # (asking moves nothing)
     assert not any(p.choose(reqs))
     assert p.choose(reqs[:1]) == [4]  # batch 1 has its own rates
     clock.t += P.GUARD_RETRY_S / 2
-    assert not any(p.choose(reqs))
+    assert not any(p.choose(reqs)) and p.guard.holds(4)
     p.guard.observe(4, 4, 0.100, speculated=False)
     clock.t += P.GUARD_RETRY_S
+    assert not p.guard.holds(4)  # the retry is due: allows() starts the trial
     for _ in range(P.GUARD_TRIAL):  # a trial that fails (30 tok/s): held off twice as long
-        assert all(p.choose(reqs))
+        assert all(p.choose(reqs)) and not p.guard.holds(4)
         p.guard.observe(4, 3, 0.100, speculated=True)
     assert p.guard.num_held == 2 and not any(p.choose(reqs))
     clock.t += 1.5 * P.GUARD_RETRY_S

@@ -176,6 +176,37 @@ def test_a_join_under_the_adaptive_policy_drafts_with_the_helper_alone_where_the
     assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
 
 
+def test_while_the_rate_guard_holds_drafts_off_neither_copier_nor_policy_is_asked(tiny):
+    """Where the guard holds speculation off at a batch size it would drop every draft, so the
+    engine asks neither the copier (its matches) nor the cost model; once the retry is due both
+    are asked again. Greedy output stays plain decoding's."""
+    from specserve.spec import policy as P
+
+    prompts = _tiny_prompts(6, seed=4)
+    base = _llm(tiny).generate(prompts[:1], _greedy(30))
+    llm = _spec_llm(tiny, "copy-eagle", policy="adaptive")
+    eng = llm.engine
+    asked = {"free": 0, "choose": 0}
+    free, choose = eng.proposer.free_drafts, eng.policy.choose
+
+    def count(name, f):
+        def g(*a, **k):
+            asked[name] += 1
+            return f(*a, **k)
+        return g
+
+    eng.proposer.free_drafts, eng.policy.choose = count("free", free), count("choose", choose)
+    now = eng.policy.guard.clock()
+    eng.policy.guard.rates[1] = P._Rates(held_since=now, retry_s=3600.0)  # held at batch 1 for an hour
+    got = llm.generate(prompts[:1], _greedy(30))
+    assert got[0].token_ids == base[0].token_ids
+    assert asked == {"free": 0, "choose": 0} and eng.spec_counters["num_drafts"] == 0
+    eng.policy.guard.rates[1].retry_s = 0.0  # the retry is due
+    llm.generate(prompts[1:2], _greedy(30))
+    assert asked["free"] > 0 and asked["choose"] > 0
+    assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+
+
 def test_draft_stops_after_the_first_token_it_is_unsure_of():
     """draft_p_min: every proposed token but the last has draft probability >= p_min, and a
     proposal shorter than K ends with the token that fell below it."""

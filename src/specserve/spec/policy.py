@@ -227,6 +227,12 @@ class RateGuard:
             return False
         return True
 
+    def holds(self, batch: int) -> bool:
+        """Whether speculation is held off at this batch size now, its retry not yet due: allows()
+        would refuse any drafts. Asks without counting (allows() starts the trial when due)."""
+        r = self.rates.get(self.bucket(batch))
+        return r is not None and r.trial_left <= 0 and r.held_since is not None and self.clock() - r.held_since < r.retry_s
+
     def observe(self, batch: int, tokens: int, seconds: float, speculated: bool) -> None:
         """A decode step of `batch` requests made `tokens` tokens in `seconds` (the drafting done
         for it included)."""
