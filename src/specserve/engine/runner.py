@@ -67,6 +67,7 @@ class StepInputs(NamedTuple):
     meta: AttentionMetadata
     logits_index: torch.Tensor  # [num_logit_rows] rows of the hidden states that need logits
     row_spans: list[tuple[int, int]]  # per entry: its rows in logits_index
+    every_row: bool = False  # logits_index is every row in order (decode and verify steps): no gather
 
 
 class HiddenRows(NamedTuple):
@@ -419,6 +420,7 @@ class ModelRunner:
             meta,
             torch.tensor(logit_rows, dtype=torch.long, device=self.device),
             spans,
+            len(logit_rows) == len(ids) and logit_rows == list(range(len(ids))),
         )
 
     # ------------------------------------------------------------------ forward
@@ -430,7 +432,7 @@ class ModelRunner:
         hidden = self._decoder_output(inputs)
         self._last_hidden_states = self._features(hidden) if self.capture_hidden else None
         self.kept_hidden = hidden.index_select(0, keep_rows) if keep_rows is not None else None
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_index))
+        logits = self.model.compute_logits(hidden if inputs.every_row else hidden.index_select(0, inputs.logits_index))
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # honest step times for the cost model
         self.last_forward_time_s = time.perf_counter() - t0
