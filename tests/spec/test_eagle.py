@@ -67,6 +67,38 @@ def test_unrolled_training_forward_is_the_serving_forward(tiny):
             torch.testing.assert_close(node[0], p2[0, i], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_a_quantized_heads_layer_in_one_native_call_equals_its_native_ops(smollm_path, smollm_checkpoint, tmp_path, method):
+    """On a native target the head's matrices are quantized and its layer runs as one native call
+    (a DecoderStack of one layer): the same kernels its native ops call one by one, so a catch-up
+    pass and a tree pass over it give the same bits, and write the same KV, as the layer module."""
+    from conftest import make_head_file
+
+    path = make_head_file(smollm_checkpoint, tmp_path / f"{method}.safetensors", seed=3, method=method)
+    llm = LLM(str(smollm_path), spec_method=method, draft_model=str(path), profile_spec_costs=False)
+    head = llm.engine.proposer.drafter.head if hasattr(llm.engine.proposer, "drafter") else llm.engine.proposer.head
+    assert head.native_stack is not None
+    arch = head.arch
+    torch.manual_seed(1)
+    s, h = 20, arch.hidden_size
+    emb, feat = torch.randn(s + 3, h), torch.randn(s + 3, h)
+    rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, 128)
+    outs, caches = [], []
+    for native in (head.native_stack, None):
+        head.native_stack = native
+        kv = LayerKV(*(torch.zeros(4, 16, arch.num_kv_heads, arch.head_dim) for _ in range(2)))
+        with torch.inference_mode():
+            a = _paged(head, rope, emb[:s], feat[:s], list(range(s)), [0], [s], [[2, 0, 3, 1]], None, kv)
+            tail = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and its two children
+            b = _paged(head, rope, emb[s:], feat[s:], [s, s + 1, s + 1], [s], [3], [[2, 0, 3, 1]], [tail], kv)
+        outs.append((a, b))
+        caches.append(kv)
+    for x, y in zip(outs[0], outs[1]):
+        assert torch.equal(x, y)
+    for x, y in zip(caches[0], caches[1]):
+        assert torch.equal(x, y)
+
+
 def test_the_head_receives_the_targets_features_of_verified_tokens_only(tiny, tmp_path):
     """Every feature the engine hands the head equals the target's hidden state of that token in
     a plain prefill of the final sequence: rejected tree nodes' rows never reach it."""

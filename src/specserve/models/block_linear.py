@@ -377,10 +377,21 @@ def _weights_into_huge_pages(model: nn.Module) -> None:
 def _decoder_stack(model: nn.Module, native: object, layers: range | None = None) -> object | None:
     """A native DecoderStack over the layers of `model` (all, or the range given; the weights are
     the model's own tensors, not copies), or None when a layer has a float projection."""
+    return layers_stack(model.layers if layers is None else [model.layers[i] for i in layers], model.norm.eps, native)
+
+
+def layers_stack(layers: list[nn.Module], eps: float, native: object | None = None) -> object | None:
+    """A native DecoderStack over these decoder layers, in order (their own tensors, not copies),
+    or None when one has a float projection or norm: the same kernels as the layers' native ops in
+    one call. A drafter's single layer uses it too (an EAGLE head's pass)."""
+    if native is None:
+        from specserve.kernels import kernels
+
+        native = kernels()
     weights: list[torch.Tensor] = []
     qtypes: list[int] = []
     biases: list[torch.Tensor | None] = []
-    for layer in (model.layers if layers is None else [model.layers[i] for i in layers]):
+    for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -392,8 +403,8 @@ def _decoder_stack(model: nn.Module, native: object, layers: range | None = None
         biases += [None if p.bias is None else p.bias.detach() for p in projs[:3]]
     if not weights:
         return None
-    a = model.layers[0].self_attn
-    return native.DecoderStack(weights, qtypes, biases, a.num_heads, a.num_kv_heads, a.head_dim, model.norm.eps)
+    a = layers[0].self_attn
+    return native.DecoderStack(weights, qtypes, biases, a.num_heads, a.num_kv_heads, a.head_dim, eps)
 
 
 def partial_decoder_stack(model: nn.Module, layers: range) -> object | None:

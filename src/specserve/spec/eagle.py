@@ -105,6 +105,7 @@ class EagleHead(nn.Module):
         h = arch.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(arch)
+        self.native_stack: object | None = None  # the layer as one native call, once quantized (build_eagle)
         self.feature_layers = tuple(int(i) for i in feature_layers)
         if self.feature_layers:
             k = len(self.feature_layers)
@@ -127,8 +128,15 @@ class EagleHead(nn.Module):
         self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
         kv: LayerKV, meta: object,
     ) -> torch.Tensor:  # [n, hidden]
-        """Serving: new rows over the head's paged cache (tree masks as for any drafter)."""
-        return self.layer(self.project(emb, feat), positions, rope, kv, meta)
+        """Serving: new rows over the head's paged cache (tree masks as for any drafter). A quantized
+        head's layer runs as one native call: the kernels its native ops call one by one, in the same
+        order, so the same values (SmolLM2's head pass: ~10 native calls and their Python a pass)."""
+        x = self.project(emb, feat)
+        stack = self.native_stack
+        if stack is None:
+            return self.layer(x, positions, rope, kv, meta)
+        return stack.forward(x, positions, rope.cos, rope.sin, list(kv), meta.slot_mapping, meta.block_tables,  # type: ignore[attr-defined]
+                             meta.attn_mask, meta.query_index, self.layer.self_attn.scale)
 
     def project(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
         """The layer's input from the token's embedding and the feature."""
@@ -826,10 +834,11 @@ def build_eagle(path: str | Path, target_runner: object, target_fp: str | tuple[
     head.to(target_runner.device)  # float32 wherever the target runs: the head is small
     lm_head = restricted_lm_head(target_runner, token_ids)
     if quantize:
-        from specserve.models.block_linear import enable_native_ops
+        from specserve.models.block_linear import enable_native_ops, layers_stack
 
         quantize_linears([head, head.layer.self_attn, head.layer.mlp])
         enable_native_ops(head)
+        head.native_stack = layers_stack([head.layer], arch.rms_norm_eps)
     cls = MTPProposer if method == "mtp" else EagleProposer
     return cls(head, target_runner.model.model.embed_tokens, lm_head, num_blocks, cache_block_size,
                max_positions, p_min=p_min, tree=tree, seed=seed, card=card)
