@@ -99,6 +99,34 @@ def test_a_quantized_heads_layer_in_one_native_call_equals_its_native_ops(smollm
         assert torch.equal(x, y)
 
 
+def test_a_catch_up_call_is_not_learned_as_a_draft_pass(tiny, tmp_path):
+    """The policy learns a head pass's cost from propose() calls that fed each request at most a
+    steady call's features (its accepted nodes and the next token); a call that caught a request
+    up on its prompt is not counted as one (the cost model charges catch-up apart)."""
+    from conftest import make_head_file
+
+    from specserve.spec.eagle import STEADY_CATCHUP
+
+    path = make_head_file(tiny, tmp_path / "head.safetensors")
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="eagle", draft_model=str(path),
+              spec_policy="always", spec_copy="none", num_spec_tokens=4, profile_spec_costs=False)
+    prop = llm.engine.proposer
+    calls = []
+    propose = prop.propose
+
+    def spy(requests, num_tokens):
+        fed = max(prop.catchup_tokens(r) for r in requests)
+        out = propose(requests, num_tokens)
+        calls.append((fed, prop.last_pass_time_s))
+        return out
+
+    prop.propose = spy
+    llm.generate([list(range(3, 3 + 2 * STEADY_CATCHUP))], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert calls[0][0] > STEADY_CATCHUP and calls[0][1] is None  # the prompt's features
+    steady = [t for fed, t in calls[1:] if fed <= STEADY_CATCHUP]
+    assert len(steady) == len(calls) - 1 and all(t is not None and t > 0 for t in steady)
+
+
 def test_the_head_receives_the_targets_features_of_verified_tokens_only(tiny, tmp_path):
     """Every feature the engine hands the head equals the target's hidden state of that token in
     a plain prefill of the final sequence: rejected tree nodes' rows never reach it."""
