@@ -514,6 +514,7 @@ def test_rate_guard_holds_speculation_off_where_it_measurably_loses():
     p.guard.observe(4, 6, 0.120, speculated=True)  # with the catch-up: ~42 tok/s
     assert p.guard.num_held == 1 and p.guard.summary()[4]["held"]
     assert p.guard.holds(4) and not p.guard.holds(1)  # (asking moves nothing)
+    assert p.drafts_held(4) and not p.drafts_held(4, num_other_tokens=16)  # a step with prompt tokens is not held
     assert not any(p.choose(reqs))
     assert p.choose(reqs[:1]) == [4]  # batch 1 has its own rates
     clock.t += P.GUARD_RETRY_S / 2

@@ -361,7 +361,7 @@ def enable_native_ops(model: nn.Module) -> int:
             count += 1
     for module in model.modules():
         if isinstance(module, LlamaModel):
-            module.native_stack = _decoder_stack(module, native)
+            module.native_stack = layers_stack(list(module.layers), module.norm.eps, native)
     return count
 
 
@@ -372,12 +372,6 @@ def _weights_into_huge_pages(model: nn.Module) -> None:
     mods = [m for m in model.modules() if isinstance(m, BlockQuantLinear) and m.qweight.device.type == "cpu"]
     for m, w in zip(mods, pack_into_huge_pages([m.qweight for m in mods])):
         m.qweight = w
-
-
-def _decoder_stack(model: nn.Module, native: object, layers: range | None = None) -> object | None:
-    """A native DecoderStack over the layers of `model` (all, or the range given; the weights are
-    the model's own tensors, not copies), or None when a layer has a float projection."""
-    return layers_stack(model.layers if layers is None else [model.layers[i] for i in layers], model.norm.eps, native)
 
 
 def layers_stack(layers: list[nn.Module], eps: float, native: object | None = None) -> object | None:
@@ -412,6 +406,4 @@ def partial_decoder_stack(model: nn.Module, layers: range) -> object | None:
     drafting, early-exit features), sharing its weights; None when the model has no native stack."""
     if getattr(model, "native_stack", None) is None:
         return None
-    from specserve.kernels import kernels
-
-    return _decoder_stack(model, kernels(), layers)
+    return layers_stack([model.layers[i] for i in layers], model.norm.eps)

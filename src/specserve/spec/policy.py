@@ -702,6 +702,12 @@ class SpecPolicy:
             return [min(TREE_NODES_PER_K * k, max(k, self.config.max_draft_nodes)) for k in ks]
         return ks
 
+    def drafts_held(self, batch: int, num_other_tokens: int = 0) -> bool:
+        """Whether choose() would return no drafts whatever the cost model chose: the rate guard
+        holds a decode step of this batch size off (see _guarded), its retry not yet due. The
+        engine then asks neither the copier nor the cost model."""
+        return self.config.policy == "adaptive" and not num_other_tokens and self.guard.holds(batch)
+
     def _guarded(self, ks: list[int], num_other_tokens: int) -> list[int]:
         """The cost model's ks, or none where the rate guard holds a decode step's drafts off (a
         step with prompt tokens is not one it measures)."""
