@@ -837,6 +837,13 @@ def role_engine_kwargs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _names_a_model(text: str) -> bool:
+    """Whether `text` could only mean a model: a bundled name or an existing path."""
+    from specserve.models.bundled import BUNDLED_MODELS
+
+    return text in BUNDLED_MODELS or text.lower() in BUNDLED_MODELS or Path(text).expanduser().exists()
+
+
 _STARTED = time.perf_counter()  # process start, for the time to first request
 
 
@@ -846,7 +853,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if hasattr(args, "model_arg"):  # a command with engine flags: the model as MODEL or --model, once
         if args.model_arg is not None and args.model is not None and args.model_arg != args.model:
-            parser.error(f"the model is given twice: {args.model_arg!r} and --model {args.model!r}")
+            if args.command == "generate" and not _names_a_model(args.model_arg):  # llama-cli's habit: -m M "prompt"
+                args.prompt = [args.model_arg, *(args.prompt or [])]
+                args.model_arg = None
+            else:
+                parser.error(f"the model is given twice: {args.model_arg!r} and --model {args.model!r}")
         args.model = args.model or args.model_arg
         if args.model is None:
             parser.error(f"{args.command} needs a model: specserve {args.command} MODEL (or --model MODEL)")

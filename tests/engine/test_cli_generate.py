@@ -102,3 +102,26 @@ def test_generate_refuses_unreadable_files_and_bad_engine_values_in_one_line(cap
                            (["--threads", "-1"], "num_threads must be >= 1")):
         code, _, err = _generate(capsys, *flags)
         assert code == 1 and message in err and "Traceback" not in err, (flags, err)
+
+
+def test_generate_takes_a_positional_prompt_beside_model(capsys, tmp_path):
+    """`generate --model M "text"` (llama-cli's habit) reads the positional as a prompt, ahead of any
+    --prompt; a positional that names a model (a bundled name or an existing path) beside a different
+    --model is still refused as the model given twice."""
+    code, outs, _ = _generate(capsys)
+    assert code == 0
+    code = main(["generate", "--model", "smollm2-135m-instruct", "one two one two one two one two", "--prompt", "Hi",
+                 "--max-tokens", "16", "--ignore-eos", "--json"])
+    out, _ = capsys.readouterr()
+    both = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert code == 0 and len(both) == 2
+    assert both[0]["prompt"] == outs[0]["prompt"] and both[1]["prompt"] == "Hi"
+    assert both[0]["token_ids"] == outs[0]["token_ids"]
+    for model_like in ("Qwen2.5-Coder-0.5B-Instruct", str(tmp_path)):
+        try:
+            main(["generate", "--model", "smollm2-135m-instruct", model_like, "--max-tokens", "1"])
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"{model_like!r} beside --model was not refused")
+        assert "the model is given twice" in capsys.readouterr().err
