@@ -28,7 +28,7 @@ from specserve.config import CacheConfig, ModelConfig
 from specserve.engine.runner import FeedEntry, ModelRunner
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.errors import ConfigError
-from specserve.kernels import row_argmax
+from specserve.kernels import row_argmax, row_topk
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.kv_cache.pages import LayerKV
 from specserve.models.arch import ArchConfig
@@ -105,7 +105,7 @@ class _TreeDraft:
         self.max_depth = tree_depth(budget)
         self.cands: list[_Cand] = []
         self.root_kids: list[int] = []
-        self.dists: list[torch.Tensor] = []  # [V] each, the distribution children were drawn from
+        self.dists: list[torch.Tensor | None] = []  # [V] each, the distribution children were drawn from (greedy: None)
         self.fed: list[int] = []  # candidates fed to the draft, in slot order
 
     def depth(self, c: int) -> int:
@@ -115,7 +115,7 @@ class _TreeDraft:
             c, d = self.cands[c].parent, d + 1
         return d
 
-    def add_children(self, parent: int, dist: torch.Tensor, picks: list[tuple[int, float]]) -> None:
+    def add_children(self, parent: int, dist: torch.Tensor | None, picks: list[tuple[int, float]]) -> None:
         row = len(self.dists)
         self.dists.append(dist)
         base = 1.0 if parent < 0 else self.cands[parent].score
@@ -231,14 +231,12 @@ def expand_rows(rows: Sequence[tuple[_TreeDraft, int]], logits: torch.Tensor, ge
     logits = drafter_logits(logits, [t.req for t, _ in rows], indices).float()
     greedy = [t.req.sampling_params.is_greedy for t, _ in rows]
     picks: list[list[tuple[int, float]]] = [[] for _ in rows]
-    probs: list[torch.Tensor | None] = [None] * len(rows)  # the distribution each row's children came from
+    probs: list[torch.Tensor | None] = [None] * len(rows)  # the distribution each sampled row's children came from
     g_rows = [i for i, g in enumerate(greedy) if g]
-    if g_rows:
-        p = (logits if len(g_rows) == len(rows) else logits[g_rows]).softmax(-1)
-        top = p.topk(min(children, p.shape[-1]), dim=-1)
-        for i, (r, toks, vals) in enumerate(zip(g_rows, top.indices.tolist(), top.values.tolist())):
+    if g_rows:  # the top children and their probabilities, no distribution kept (greedy trees carry none)
+        values, ids, lse = row_topk(logits if len(g_rows) == len(rows) else logits[g_rows], min(children, logits.shape[-1]))
+        for r, toks, vals in zip(g_rows, ids.tolist(), (values - lse.unsqueeze(1)).exp().tolist()):
             picks[r] = list(zip(toks, vals))
-            probs[r] = p[i]
     s_rows = [i for i, g in enumerate(greedy) if not g]
     if s_rows:
         reqs = [rows[i][0].req for i in s_rows]
@@ -264,7 +262,7 @@ def expand_rows(rows: Sequence[tuple[_TreeDraft, int]], logits: torch.Tensor, ge
             picks[s_rows[i]] = list(zip(drawn[i], vals))
             probs[s_rows[i]] = p[i]
     for (t, parent), dist, pk in zip(rows, probs, picks):
-        t.add_children(parent, dist, pk)  # type: ignore[arg-type]  # every row is greedy or sampled
+        t.add_children(parent, dist, pk)
 
 
 def grow_trees(trees: Sequence[_TreeDraft], cost_ratio: float, p_min: float,
@@ -708,9 +706,10 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
         Greedy rows: the softmax of the raw logits at the argmax. Sampled rows: the probability
         the processed distribution (the one the rejection test uses) gave the drawn token.
         """
-        picked = torch.tensor(toks, device=logits.device).view(-1, 1)
-        conf = logits.float().softmax(dim=-1).gather(1, picked).view(-1).tolist()
+        values, _, lse = row_topk(logits.float(), 1)  # greedy rows drew the argmax: its probability
+        conf = (values.view(-1) - lse).exp().tolist()
         if rows is not None:  # sampled rows: their processed probabilities
+            picked = torch.tensor(toks, device=logits.device).view(-1, 1)
             drawn = rows.gather(1, picked).view(-1).tolist()
             conf = [c if req.sampling_params.is_greedy else d for c, d, (req, _, _) in zip(conf, drawn, step_reqs)]
         return [c < self.p_min for c in conf]
