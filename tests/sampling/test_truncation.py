@@ -156,3 +156,104 @@ def test_every_bit_of_a_seed_changes_what_it_draws():
     assert draw(7, 2) == torch.rand(8, generator=g).tolist()
     keys = {tuple(draw(s, t)) for s in range(-20, 20) for t in range(20)}
     assert len(keys) == 40 * 20  # no two (seed, position) pairs alike
+
+
+def _native():
+    from specserve.kernels import kernels
+
+    return kernels()  # loaded in this process: process_logits and inverse_cdf now take the kernels
+
+
+def test_native_truncation_keeps_what_the_definition_keeps():
+    """With the kernels loaded, process_logits cuts each row natively (one pass for temperature,
+    candidates from a sampled threshold, float64 masses, buckets for wide nuclei): the tokens the
+    definition keeps, kept logits equal to logits / temperature bit for bit, the same count where
+    equal logits straddle the cut, a row's result independent of its batch, and its softmax
+    (logits_to_probs) torch's softmax of it within float rounding."""
+    k = _native()
+    g = torch.Generator().manual_seed(21)
+    vocab = 32768
+    wide = [torch.randn(2, vocab, generator=g) * s for s in (0.5, 2.0)]
+    zipf = -0.9 * torch.arange(1, vocab + 1).double().log().float()
+    wide.append(torch.stack([zipf[torch.randperm(vocab, generator=g)] for _ in range(2)]))
+    for logits in [_rows(s) for s in range(3)] + [torch.cat(wide)]:
+        n, v = logits.shape
+        ck = torch.tensor([0, 1, 5, 50, 64, 65, TRUNCATE_CANDIDATES, TRUNCATE_CANDIDATES + 1, 2000, v])
+        cp = torch.tensor([1.0, 0.999, 0.95, 0.9, 0.5, 0.1])
+        top_k = ck[torch.randint(0, len(ck), (n,), generator=g)]
+        top_p = cp[torch.randint(0, len(cp), (n,), generator=g)]
+        temp = torch.tensor([0.7, 1.0, 1.3])[torch.randint(0, 3, (n,), generator=g)]
+        out, ok = k.truncate_rows(logits, temp, top_k, top_p, torch.zeros(n))
+        assert ok and torch.equal(sampler.process_logits(logits, temp, top_k, top_p), out)
+        kept = torch.isfinite(out)
+        tempered = logits / temp[:, None]
+        assert torch.equal(out[kept], tempered[kept])
+        ref, close = _by_full_sort(tempered, top_k, top_p, tol=1e-6)
+        ties = logits.shape[1] == V  # _rows: the last 4 rows hold many equal logits
+        for i in range(n):
+            if ties and i >= n - 4:
+                assert kept[i].sum() == ref[i].sum(), i
+            elif not close[i]:
+                assert torch.equal(kept[i], ref[i]), (i, int(top_k[i]), float(top_p[i]))
+        assert sum(close) < n // 3
+        for i in range(n):
+            alone = sampler.process_logits(logits[i : i + 1], temp[i : i + 1], top_k[i : i + 1], top_p[i : i + 1])
+            assert torch.equal(alone[0], out[i])
+        probs = logits_to_probs(logits, temp, top_k, top_p)
+        torch.testing.assert_close(probs, torch.softmax(out, -1), rtol=1e-5, atol=1e-7)
+        assert torch.equal(probs > 0, kept)
+
+
+def test_native_truncation_hands_torch_the_rows_it_cannot_answer():
+    """A NaN, +inf or a row with nothing above -inf: the kernel says so and torch's path answers
+    (which used to fail on a NaN gap in its buckets: an index error inside an engine step)."""
+    k = _native()
+    g = torch.Generator().manual_seed(22)
+    ones, off = torch.ones(2), torch.zeros(2, dtype=torch.long)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 300, generator=g)
+        x[1, 17] = bad
+        assert not k.truncate_rows(x, ones, off, ones * 0.9, torch.zeros(2))[1]
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 300, generator=g)
+        x[1, 17] = bad
+        got = sampler.process_logits(x, ones, off, ones * 0.9)
+        want = sampler._truncate(x / ones[:, None], off, ones * 0.9, False, True)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+        assert torch.isfinite(got[0]).sum() >= 1
+        probs = logits_to_probs(x, ones, off, ones * 0.9)
+        assert sampler.sample_from_probs(probs, [None, None], [0, 0], None).shape == (2,)
+    x = torch.full((2, 300), float("-inf"))
+    assert not k.truncate_rows(x, ones, off, ones * 0.9, torch.zeros(2))[1]
+
+
+def test_native_inverse_cdf_draws_the_index_torch_draws():
+    """inverse_cdf through the kernel: torch.searchsorted over the float64 running sum, the same
+    index for float32 and float64 rows with zeros, u = 1, and u landing exactly on a running sum;
+    rows with a NaN or no mass are torch's to answer."""
+    k = _native()
+    g = torch.Generator().manual_seed(23)
+
+    def by_torch(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        cdf = p.double().cumsum(-1)
+        return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp_(max=p.shape[-1] - 1)
+
+    for _ in range(60):
+        v = int(torch.randint(1, 3000, (1,), generator=g))
+        p = torch.rand(6, v, generator=g) ** 8
+        p[torch.rand(6, v, generator=g) < 0.7] = 0
+        p[:, int(torch.randint(0, v, (1,), generator=g))] += 1e-3
+        for dtype in (torch.float32, torch.float64):
+            u = 1.0 - torch.rand(6, dtype=torch.float64, generator=g)
+            u[0] = 1.0
+            assert torch.equal(sampler.inverse_cdf(p.to(dtype), u), by_torch(p.to(dtype), u))
+    p = torch.tensor([[0.1, 0.0, 0.2, 0.3, 0.0, 0.4]], dtype=torch.float64)
+    cdf = p.cumsum(-1)
+    for j in range(6):
+        u = (cdf[0, j] / cdf[0, -1]).view(1)
+        assert torch.equal(sampler.inverse_cdf(p, u), by_torch(p, u))
+    one = torch.ones(1, dtype=torch.float64)
+    assert not k.inverse_cdf_rows(torch.zeros(1, 5), one)[1]
+    assert not k.inverse_cdf_rows(torch.tensor([[0.5, float("nan")]]), one)[1]
+    nan_row = torch.tensor([[0.5, float("nan"), 0.5]])
+    assert torch.equal(sampler.inverse_cdf(nan_row, one), by_torch(nan_row, one))

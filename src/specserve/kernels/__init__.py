@@ -514,6 +514,34 @@ def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return top.values, top.indices, x.logsumexp(dim=-1)
 
 
+def native_truncation(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      min_p: torch.Tensor, probs: bool = False) -> torch.Tensor | None:
+    """Sampling's temperature, min-p, top-k and top-p of each row (x [R, V] float32; the settings [R])
+    by the native kernel (`truncate_rows`: what sampler.process_logits defines, masses in float64;
+    with `probs`, the softmax of the result), or None where it cannot answer (kernels not loaded in
+    this process, not CPU float32 rows, a row holding a NaN, +inf or nothing above -inf): then the
+    caller's torch path."""
+    module = _loaded
+    if module is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or not x.shape[1] or x.stride(1) != 1:
+        return None
+    out, ok = module.truncate_rows(x, temperature.float().contiguous(), top_k.long().contiguous(), top_p.float().contiguous(),
+                                   min_p.float().contiguous(), probs)
+    return out if ok else None
+
+
+def native_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """Per row, the first index whose float64 running sum reaches u times the row's sum, clamped
+    (torch.searchsorted over probs.double().cumsum(-1): the same index, bit for bit), by the native
+    kernel; None where it cannot answer (kernels not loaded, not CPU float32 / float64 rows, a row
+    with a NaN, an infinity, a negative value or no mass)."""
+    module = _loaded
+    if (module is None or probs.dim() != 2 or probs.dtype not in (torch.float32, torch.float64) or probs.device.type != "cpu"
+            or not probs.shape[1] or probs.stride(1) != 1 or u.device.type != "cpu"):
+        return None
+    out, ok = module.inverse_cdf_rows(probs, u.double().contiguous())
+    return out if ok else None
+
+
 def qmatmul(x: torch.Tensor, w: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] float32 @ W^T where W [N, row_bytes] holds GGUF blocks of `qtype`; + bias."""
     return kernels().qmatmul(x, w, qtype, bias)

@@ -30,7 +30,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <type_traits>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include <unistd.h>
 
@@ -1846,13 +1850,10 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
-// The k largest of x[0, n) in descending order (of equal values the first one first) into vals /
-// idx, and log(sum(exp(x))) over the row into *lse. A drafter's tree takes each node's k most likely
-// children and their probabilities exp(v - lse): torch's softmax and topk over one 152k-id row took
-// ~0.47 ms on a 2-vCPU Xeon (over 8 rows ~1.6 ms), where this reads the row once for the top k and
-// once for the sum. False (nothing to trust) when the row holds a NaN or +inf, or fewer than k values
-// above -inf: the caller asks torch instead.
-bool topk_lse_row(const float* x, int64_t n, int k, float* vals, int64_t* idx, float* lse) {
+// The k largest values of x[0, n) above -inf in descending order (of equal values the lower index
+// first) into vals / idx; returns how many there are (<= k). A NaN sets *nan. One compare per value
+// against the k-th kept one, 32 at a time; the few that pass are inserted in order.
+int select_top(const float* x, int64_t n, int k, float* vals, int64_t* idx, bool* nan) {
   int have = 0;
   float thr = -INFINITY;  // once k are kept, a value enters only when it is larger than the k-th
   bool bad = false;
@@ -1874,7 +1875,7 @@ bool topk_lse_row(const float* x, int64_t n, int k, float* vals, int64_t* idx, f
   int64_t i = 0;
 #if SPECSERVE_AVX2
   __m256 vnan = _mm256_setzero_ps();
-  for (; i + 32 <= n; i += 32) {  // 32 values a round: compare with the threshold, offer only those above
+  for (; i + 32 <= n; i += 32) {
     const __m256 t = _mm256_set1_ps(thr);
     const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
     const __m256 c = _mm256_loadu_ps(x + i + 16), d = _mm256_loadu_ps(x + i + 24);
@@ -1887,10 +1888,103 @@ bool topk_lse_row(const float* x, int64_t n, int k, float* vals, int64_t* idx, f
   bad |= _mm256_movemask_ps(vnan) != 0;
 #endif
   for (; i < n; ++i) offer(x[i], i);
+  *nan = bad;
+  return have;
+}
+
+// select_top for a larger k: a threshold from a sample of the row (its rank there chosen so that
+// about 2k values lie above it), one vector pass collecting the values above it, and a partial sort
+// of those (value desc, index asc: select_top's order); select_top itself where too few pass. Top-256
+// of a 49k-value row: ~130 us by insertion, ~25 this way.
+int select_top_wide(const float* x, int64_t n, int k, float* vals, int64_t* idx, bool* nan) {
+  const int64_t step = std::max<int64_t>(1, k / 8);
+  if (n < 16 * static_cast<int64_t>(k)) return select_top(x, n, k, vals, idx, nan);
+  thread_local std::vector<float> sample;
+  thread_local std::vector<std::pair<float, int64_t>> above;
+  sample.clear();
+  for (int64_t i = 0; i < n; i += step)
+    if (!std::isnan(x[i])) sample.push_back(x[i]);
+  const int64_t rank = std::min<int64_t>(static_cast<int64_t>(sample.size()) - 1,
+                                         2 * static_cast<int64_t>(k) * static_cast<int64_t>(sample.size()) / n);
+  if (rank < 0) return select_top(x, n, k, vals, idx, nan);
+  std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<float>());
+  const float t0 = sample[rank];
+  above.clear();
+  bool bad = false;
+  int64_t i = 0;
+#if SPECSERVE_AVX2
+  const __m256 vt = _mm256_set1_ps(t0);
+  __m256 vnan = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    int m = _mm256_movemask_ps(_mm256_cmp_ps(v, vt, _CMP_GT_OQ));
+    while (m) {
+      const int j = __builtin_ctz(m);
+      above.emplace_back(x[i + j], i + j);
+      m &= m - 1;
+    }
+  }
+  bad = _mm256_movemask_ps(vnan) != 0;
+#endif
+  for (; i < n; ++i) {
+    bad |= std::isnan(x[i]);
+    if (x[i] > t0) above.emplace_back(x[i], i);
+  }
+  if (bad) {
+    *nan = true;
+    return 0;
+  }
+  if (static_cast<int64_t>(above.size()) < k) return select_top(x, n, k, vals, idx, nan);
+  std::partial_sort(above.begin(), above.begin() + k, above.end(),
+                    [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+                      return a.first > b.first || (a.first == b.first && a.second < b.second);
+                    });
+  for (int j = 0; j < k; ++j) vals[j] = above[j].first, idx[j] = above[j].second;
+  *nan = false;
+  return k;
+}
+
+// e[i] = exp(x[i] - mx) (0 for -inf and below e^-87.3) for i < n; returns their sum in float64.
+double exp_shifted(const float* x, int64_t n, float mx, float* e) {
+  int64_t i = 0;
+  double sum = 0.0;
+#if SPECSERVE_AVX2
+  __m256d acc = _mm256_setzero_pd();
+  const __m256 vm = _mm256_set1_ps(mx);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+    _mm256_storeu_ps(e + i, v);
+    acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, acc);
+  sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  if (i < n) {  // the tail through the same exp
+    alignas(32) float t[8];
+    for (int j = 0; j < 8; ++j) t[j] = i + j < n ? x[i + j] - mx : -INFINITY;
+    _mm256_store_ps(t, exp8(_mm256_load_ps(t)));
+    for (int64_t j = i; j < n; ++j) {
+      e[j] = t[j - i];
+      sum += e[j];
+    }
+  }
+#else
+  for (; i < n; ++i) {
+    e[i] = x[i] - mx < -87.3f ? 0.f : std::exp(x[i] - mx);
+    sum += e[i];
+  }
+#endif
+  return sum;
+}
+
+bool topk_lse_row(const float* x, int64_t n, int k, float* vals, int64_t* idx, float* lse) {
+  bool bad = false;
+  const int have = select_top(x, n, k, vals, idx, &bad);
   if (bad || have < k || vals[0] == INFINITY) return false;
   const float mx = vals[0];
   float sum = 0.f;
-  i = 0;
+  int64_t i = 0;
 #if SPECSERVE_AVX2
   __m256 acc = _mm256_setzero_ps();
   const __m256 vm = _mm256_set1_ps(mx);
@@ -1906,6 +2000,199 @@ bool topk_lse_row(const float* x, int64_t n, int k, float* vals, int64_t* idx, f
   for (; i < n; ++i) sum += std::exp(x[i] - mx);
   *lse = mx + std::log(sum);
   return true;
+}
+
+// One row of sampling's truncation (sampler.process_logits: vLLM's order): y = x / temperature;
+// min-p drops y < max(y) + log(min_p); top-k keeps the k largest (of equal values the lower ids);
+// top-p keeps, in descending order (equal values by ascending id), every token the mass strictly
+// before which is below top_p times the mass of what top-k kept (so never the first). Dropped
+// tokens get -inf. Masses are e^(y - max) in float32 summed in float64. The nucleus is first looked
+// for among the TRUNC_CANDIDATES largest; a wider one is cut by buckets of e's float bits (16 per
+// octave), only the bucket the cut falls in being ordered. False where the row holds a NaN or +inf
+// or nothing above -inf (the caller asks torch).
+constexpr int TRUNC_CANDIDATES = 256;
+
+bool truncate_row_(const float* x, float* y, int64_t n, float temp, int64_t top_k, float top_p, float min_p,
+                   std::vector<float>& e);
+
+// y = softmax(y) in place (-inf -> 0): e^(y - max) through exp8, summed in float64.
+void softmax_row_(float* y, int64_t n) {
+  float mx = -INFINITY;
+  int64_t i = 0;
+#if SPECSERVE_AVX2
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(y + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float v : lanes) mx = std::max(mx, v);
+#endif
+  for (; i < n; ++i) mx = std::max(mx, y[i]);
+  const double total = exp_shifted(y, n, mx, y);
+  const float inv = static_cast<float>(1.0 / total);
+  i = 0;
+#if SPECSERVE_AVX2
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(y + i), vinv));
+#endif
+  for (; i < n; ++i) y[i] *= inv;
+}
+
+bool truncate_row(const float* x, float* y, int64_t n, float temp, int64_t top_k, float top_p, float min_p,
+                  std::vector<float>& e, bool probs) {
+  if (!truncate_row_(x, y, n, temp, top_k, top_p, min_p, e)) return false;
+  if (probs) softmax_row_(y, n);
+  return true;
+}
+
+bool truncate_row_(const float* x, float* y, int64_t n, float temp, int64_t top_k, float top_p, float min_p,
+                   std::vector<float>& e) {
+  float mx = -INFINITY;
+  bool bad = false;
+  int64_t i0 = 0;
+#if SPECSERVE_AVX2
+  {
+    const __m256 vt = _mm256_set1_ps(temp);
+    __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+    for (; i0 + 8 <= n; i0 += 8) {
+      const __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i0), vt);
+      _mm256_storeu_ps(y + i0, v);
+      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      vmax = _mm256_max_ps(vmax, v);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    for (float v : lanes) mx = std::max(mx, v);
+    bad = _mm256_movemask_ps(vnan) != 0;
+  }
+#endif
+  for (int64_t i = i0; i < n; ++i) {
+    y[i] = x[i] / temp;
+    bad |= std::isnan(y[i]);
+    mx = std::max(mx, y[i]);
+  }
+  if (bad || mx == INFINITY || mx == -INFINITY) return false;
+  if (min_p > 0.f) {
+    const float floor = mx + std::log(min_p);
+    for (int64_t i = 0; i < n; ++i)
+      if (y[i] < floor) y[i] = -INFINITY;
+  }
+  const bool nucleus = top_p < 1.f;
+  const int64_t k = top_k > 0 && top_k < n ? top_k : n;
+  if (k == n && !nucleus) return true;
+  float cv[TRUNC_CANDIDATES];
+  int64_t ci[TRUNC_CANDIDATES];
+  int c = 0;  // candidates: the largest kept values in order
+  bool all_in = false;  // every kept token is among the candidates
+  if (k < n && k <= TRUNC_CANDIDATES) {
+    c = k <= 64 ? select_top(y, n, static_cast<int>(k), cv, ci, &bad) : select_top_wide(y, n, static_cast<int>(k), cv, ci, &bad);
+    for (int64_t i = 0; i < n; ++i) y[i] = -INFINITY;
+    for (int j = 0; j < c; ++j) y[ci[j]] = cv[j];
+    all_in = true;
+  } else if (k < n) {  // a wide top-k: partition (value desc, id asc) at k
+    std::vector<std::pair<float, int64_t>> kept;
+    for (int64_t i = 0; i < n; ++i)
+      if (y[i] > -INFINITY) kept.emplace_back(y[i], i);
+    if (static_cast<int64_t>(kept.size()) > k) {
+      auto before = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      };
+      std::nth_element(kept.begin(), kept.begin() + k, kept.end(), before);
+      for (auto it = kept.begin() + k; it != kept.end(); ++it) y[it->second] = -INFINITY;
+    }
+  }
+  if (!nucleus) return true;
+  if (!all_in) c = select_top_wide(y, n, TRUNC_CANDIDATES, cv, ci, &bad);
+  if (c == 0) return false;
+  mx = cv[0];
+  float ce[TRUNC_CANDIDATES];  // the candidates' masses (the same exp wherever a value sits)
+  double total;
+  if (all_in) {  // top-k kept only candidates: their masses are all there is
+    total = exp_shifted(cv, c, mx, ce);
+  } else {
+    if (static_cast<int64_t>(e.size()) < n) e.resize(n);
+    total = exp_shifted(y, n, mx, e.data());
+    for (int j = 0; j < c; ++j) ce[j] = e[ci[j]];
+  }
+  const double target = static_cast<double>(top_p) * total;
+  double mass = 0.0;
+  int keep = 0;
+  while (keep < c && mass < target) mass += ce[keep++];
+  if (mass >= target || all_in || c < TRUNC_CANDIDATES) {  // the cut falls among the candidates
+    for (int j = keep; j < c; ++j) y[ci[j]] = -INFINITY;
+    if (!all_in && c == TRUNC_CANDIDATES) {  // the tokens below the candidates
+      const float last = cv[c - 1];
+      int64_t i = 0;
+#if SPECSERVE_AVX2
+      const __m256 vl = _mm256_set1_ps(last), ninf = _mm256_set1_ps(-INFINITY);
+      for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(y + i);
+        _mm256_storeu_ps(y + i, _mm256_blendv_ps(v, ninf, _mm256_cmp_ps(v, vl, _CMP_LT_OQ)));
+      }
+#endif
+      for (; i < n; ++i)
+        if (y[i] < last) y[i] = -INFINITY;
+      for (i = ci[c - 1] + 1; i < n; ++i)  // equal to the last candidate, after it: not a candidate
+        if (y[i] == last) y[i] = -INFINITY;
+    }
+    return true;
+  }
+  // A wide nucleus: masses by bucket of e's float bits (positive floats order as their bits).
+  constexpr int SHIFT = 19, BUCKETS = 1 << (31 - SHIFT);
+  std::vector<double> bmass(BUCKETS, 0.0);
+  auto bucket = [&](float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    return static_cast<int>(bits >> SHIFT);
+  };
+  for (int64_t i = 0; i < n; ++i) bmass[bucket(e[i])] += e[i];
+  double above = 0.0;
+  int cut = BUCKETS - 1;
+  for (; cut > 0; --cut) {
+    if (above + bmass[cut] >= target) break;
+    above += bmass[cut];
+  }
+  std::vector<std::pair<float, int64_t>> edge;  // the cut bucket's tokens, by value desc, id asc
+  for (int64_t i = 0; i < n; ++i) {
+    const int b = bucket(e[i]);
+    if (b == cut) edge.emplace_back(y[i], i);
+    else if (b < cut) y[i] = -INFINITY;
+  }
+  std::sort(edge.begin(), edge.end(), [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  for (const auto& [v, i] : edge) {
+    if (above >= target) y[i] = -INFINITY;
+    above += e[i];
+  }
+  return true;
+}
+
+// truncate_row over each row of float32 [R, V] logits, rows in parallel: (the processed logits, whether
+// every row was answered).
+std::tuple<torch::Tensor, bool> truncate_rows(const torch::Tensor& x, const torch::Tensor& temperature, const torch::Tensor& top_k,
+                                              const torch::Tensor& top_p, const torch::Tensor& min_p, bool probs) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.stride(1) == 1,
+              "truncate_rows: CPU float32 [rows, values] with contiguous rows");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  for (const auto* t : {&temperature, &top_p, &min_p})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == torch::kFloat32 && t->is_contiguous(),
+                "truncate_rows: float32 [rows] settings");
+  TORCH_CHECK(top_k.dim() == 1 && top_k.size(0) == rows && top_k.scalar_type() == torch::kLong && top_k.is_contiguous(),
+              "truncate_rows: int64 [rows] top_k");
+  auto out = torch::empty({rows, n}, torch::kFloat32);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* tp = temperature.data_ptr<float>();
+  const float* pp = top_p.data_ptr<float>();
+  const float* mp = min_p.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<float> e;  // kept: a fresh 0.6 MB buffer a call cost its page faults
+    for (int64_t r = r0; r < r1; ++r)
+      if (!truncate_row(xp + r * stride, op + r * n, n, tp[r], kp[r], pp[r], mp[r], e, probs)) ok = false;
+  });
+  return {out, ok.load()};
 }
 
 // topk_lse_row over each row of a float32 [R, V] matrix, rows in parallel: (values [R, k], indices
@@ -1929,6 +2216,51 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, bool> topk_rows(const to
       if (!topk_lse_row(base + r * stride, n, static_cast<int>(k), vp + r * k, ip + r * k, lp + r)) ok = false;
   });
   return {vals, idx, lse, ok.load()};
+}
+
+// The first index whose running float64 sum of p reaches u * (the whole row's sum), clamped to the row:
+// torch.searchsorted(p.double().cumsum(-1), u * total) exactly (a zero adds nothing to a float64 sum,
+// so only the nonzero values are added, in order). -1 for a row with a NaN, an infinity, a negative
+// value or no mass (the caller asks torch).
+template <typename T>
+int64_t inverse_cdf_row(const T* p, int64_t n, double u) {
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i)
+    if (p[i] != 0) total += static_cast<double>(p[i]);
+  if (!(total > 0.0) || std::isinf(total)) return -1;  // NaN, infinite or empty
+  const double target = u * total;
+  double run = 0.0;
+  int64_t last = n - 1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (p[i] == 0) continue;
+    if (p[i] < 0) return -1;
+    run += static_cast<double>(p[i]);
+    last = i;
+    if (run >= target) return i;
+  }
+  return last;  // (u * total <= total: not reached)
+}
+
+// inverse_cdf_row over each row of a float32 or float64 [R, V] matrix with u float64 [R], rows in
+// parallel: (int64 [R], whether every row was answered).
+std::tuple<torch::Tensor, bool> inverse_cdf_rows(const torch::Tensor& p, const torch::Tensor& u) {
+  TORCH_CHECK(p.dim() == 2 && (p.scalar_type() == torch::kFloat32 || p.scalar_type() == torch::kFloat64) && p.device().is_cpu() &&
+              p.stride(1) == 1 && p.size(1) > 0, "inverse_cdf_rows: CPU float32 / float64 [rows, values] with contiguous rows");
+  TORCH_CHECK(u.dim() == 1 && u.size(0) == p.size(0) && u.scalar_type() == torch::kFloat64 && u.is_contiguous(),
+              "inverse_cdf_rows: float64 [rows] uniforms");
+  const int64_t rows = p.size(0), n = p.size(1), stride = p.stride(0);
+  auto out = torch::empty({rows}, torch::kLong);
+  int64_t* op = out.data_ptr<int64_t>();
+  const double* up = u.data_ptr<double>();
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      op[r] = p.scalar_type() == torch::kFloat32 ? inverse_cdf_row(p.data_ptr<float>() + r * stride, n, up[r])
+                                                 : inverse_cdf_row(p.data_ptr<double>() + r * stride, n, up[r]);
+      if (op[r] < 0) ok = false;
+    }
+  });
+  return {out, ok.load()};
 }
 
 // x / sqrt(mean(x^2) + eps) * weight per row (float32), into `out` where one is given (output_into).
@@ -3206,6 +3538,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul_multi", &qmatmul_multi, "several products of one input, concatenated (or silu(first) * second)",
         py::arg("x"), py::arg("ws"), py::arg("qtypes"), py::arg("biases"), py::arg("silu_mul") = false);
   m.def("argmax_rows", &argmax_rows, "each row's argmax (first of equal values; NaN counts as the largest)", py::arg("x"));
+  m.def("truncate_rows", &truncate_rows, "sampling's temperature, min-p, top-k and top-p per row (-inf where dropped; with probs, "
+        "the softmax of that), and whether every row was answered", py::arg("x"), py::arg("temperature"), py::arg("top_k"),
+        py::arg("top_p"), py::arg("min_p"), py::arg("probs") = false);
+  m.def("inverse_cdf_rows", &inverse_cdf_rows, "per row, the first index whose float64 running sum reaches u times the row's sum, "
+        "and whether every row was answered", py::arg("p"), py::arg("u"));
   m.def("topk_rows", &topk_rows, "each row's k largest values (descending, the first of equal ones first), their indices, "
         "the row's logsumexp, and whether every row was answered (no NaN or +inf, k values above -inf)", py::arg("x"), py::arg("k"));
   m.def("rms_norm", &rms_norm, "RMSNorm of each row", py::arg("x"), py::arg("weight"), py::arg("eps"));
