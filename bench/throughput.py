@@ -39,10 +39,12 @@ BASE_PROMPTS = [
 ]
 
 
-def measure_decode(llm: LLM, batch: int, gen_tokens: int) -> dict:
-    """Run `batch` requests to completion; time only the steps after every prefill is done."""
+def measure_decode(llm: LLM, batch: int, gen_tokens: int, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+    """Run `batch` requests to completion; time only the steps after every prefill is done
+    (greedy by default; a temperature > 0 samples, seeded per request, with top_p)."""
     eng = llm.engine
-    params = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=gen_tokens, temperature=temperature, top_p=top_p, ignore_eos=True,
+                            seed=0 if temperature > 0 else None)
     prompts = [BASE_PROMPTS[i % len(BASE_PROMPTS)] + f" (variant {i})" for i in range(batch)]
     ids = [eng.add_request(p, params) for p in prompts]
     started: set[str] = set()
@@ -129,6 +131,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--temperature", type=float, default=0.0, help="decode rows: 0 greedy (default), else sampled")
+    ap.add_argument("--top-p", type=float, default=1.0, help="decode rows' top_p when sampling (e.g. 0.9, as chat clients send)")
     ap.add_argument("--out", default="throughput")
     args = ap.parse_args()
     if args.threads:
@@ -152,7 +156,7 @@ def main() -> int:
         kv_tok = arch.kv_bytes_per_token(llm.engine.runner.dtype.itemsize)
         measure_decode(llm, 1, 4)  # warm-up
         for b in args.batches:
-            r = measure_decode(llm, b, args.gen_tokens)
+            r = measure_decode(llm, b, args.gen_tokens, args.temperature, args.top_p)
             # Bytes per step: weights once + KV of every sequence's context (mean over the run).
             mean_ctx = r["max_context"] - args.gen_tokens / 2
             step_bytes = wbytes + b * mean_ctx * kv_tok
