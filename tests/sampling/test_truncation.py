@@ -204,6 +204,18 @@ def test_native_truncation_keeps_what_the_definition_keeps():
         assert torch.equal(probs > 0, kept)
 
 
+def test_native_softmax_keeps_every_token_float32_can_hold():
+    """top_p = 1 through the kernels: every token whose probability float32 holds stays drawable
+    (the fused softmax's exp reaches the denormals, as torch's does), and rows sum to one."""
+    _native()
+    g = torch.Generator().manual_seed(24)
+    for _ in range(5):
+        logits = torch.randn(3, V, generator=g) * 20
+        probs = logits_to_probs(logits, torch.ones(3), torch.zeros(3, dtype=torch.long), torch.ones(3))
+        assert (probs > 0).sum(1).tolist() == [int((torch.softmax(r, 0) > 0).sum()) for r in logits]
+        assert torch.allclose(probs.sum(1), torch.ones(3))
+
+
 def test_native_truncation_hands_torch_the_rows_it_cannot_answer():
     """A NaN, +inf or a row with nothing above -inf: the kernel says so and torch's path answers
     (which used to fail on a NaN gap in its buckets: an index error inside an engine step)."""

@@ -1946,14 +1946,25 @@ int select_top_wide(const float* x, int64_t n, int k, float* vals, int64_t* idx,
 }
 
 // e[i] = exp(x[i] - mx) (0 for -inf and below e^-87.3) for i < n; returns their sum in float64.
+// With Wide, values below e^-87.3 down to the float32 denormals too (as expf gives them): a softmax
+// keeps every token whose probability float32 can hold.
+template <bool Wide = false>
 double exp_shifted(const float* x, int64_t n, float mx, float* e) {
   int64_t i = 0;
   double sum = 0.0;
 #if SPECSERVE_AVX2
+  auto exp = [](__m256 v) {
+    if constexpr (Wide) {
+      const __m256 low = _mm256_cmp_ps(v, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+      if (_mm256_movemask_ps(low))  // e^v = e^(v + 32) e^-32, the product rounding into the denormals
+        return _mm256_blendv_ps(exp8(v), _mm256_mul_ps(exp8(_mm256_add_ps(v, _mm256_set1_ps(32.f))), _mm256_set1_ps(1.26641655e-14f)), low);
+    }
+    return exp8(v);
+  };
   __m256d acc = _mm256_setzero_pd();
   const __m256 vm = _mm256_set1_ps(mx);
   for (; i + 8 <= n; i += 8) {
-    const __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+    const __m256 v = exp(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
     _mm256_storeu_ps(e + i, v);
     acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))));
   }
@@ -1963,7 +1974,7 @@ double exp_shifted(const float* x, int64_t n, float mx, float* e) {
   if (i < n) {  // the tail through the same exp
     alignas(32) float t[8];
     for (int j = 0; j < 8; ++j) t[j] = i + j < n ? x[i + j] - mx : -INFINITY;
-    _mm256_store_ps(t, exp8(_mm256_load_ps(t)));
+    _mm256_store_ps(t, exp(_mm256_load_ps(t)));
     for (int64_t j = i; j < n; ++j) {
       e[j] = t[j - i];
       sum += e[j];
@@ -1971,7 +1982,7 @@ double exp_shifted(const float* x, int64_t n, float mx, float* e) {
   }
 #else
   for (; i < n; ++i) {
-    e[i] = x[i] - mx < -87.3f ? 0.f : std::exp(x[i] - mx);
+    e[i] = x[i] - mx < -87.3f && !Wide ? 0.f : std::exp(x[i] - mx);
     sum += e[i];
   }
 #endif
@@ -2027,7 +2038,7 @@ void softmax_row_(float* y, int64_t n) {
   for (float v : lanes) mx = std::max(mx, v);
 #endif
   for (; i < n; ++i) mx = std::max(mx, y[i]);
-  const double total = exp_shifted(y, n, mx, y);
+  const double total = exp_shifted<true>(y, n, mx, y);
   const float inv = static_cast<float>(1.0 / total);
   i = 0;
 #if SPECSERVE_AVX2
