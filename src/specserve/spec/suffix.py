@@ -34,18 +34,14 @@ def suffix_matches(
     Pass an int64 array (TokenArray keeps one up to date) to spare converting a list each call;
     a list of up to SHORT_SEARCH tokens is searched as a list (`_list_matches`).
     """
+    bounds = _bounds(len(haystack), context, n_min, n_max, exclude_tail)
+    if bounds is None:
+        return 0, _NONE
+    last_end, tail = bounds
     if isinstance(haystack, list) and len(haystack) <= SHORT_SEARCH:
-        return _list_matches(haystack, context, n_min, n_max, exclude_tail)
+        return _list_matches(haystack, tail, last_end, n_min)
     hay = np.asarray(haystack, dtype=np.int64)
-    top = min(n_max, len(context))
-    if top < max(n_min, 1):
-        return 0, _NONE
-    limit = len(hay) - 1 if exclude_tail else len(hay)
-    # The occurrence's last token at e: inside hay[:limit] and followed by a token (e + 1 < len(hay)).
-    last_end = min(limit, len(hay) - 1)
-    if last_end <= 0:
-        return 0, _NONE
-    tail = [int(t) for t in context[-top:]][::-1]  # tail[i]: the context's token i places before its last
+    top = len(tail)
     ends = np.flatnonzero(hay[:last_end] == tail[0])
     length = np.ones(len(ends), dtype=np.int64)  # how far back each occurrence matches (<= top)
     alive = ends
@@ -72,17 +68,23 @@ _NONE.flags.writeable = False
 SHORT_SEARCH = 512
 
 
-def _list_matches(hay: list[int], context: Sequence[int] | np.ndarray, n_min: int, n_max: int,
-                  exclude_tail: bool) -> tuple[int, np.ndarray]:
-    """suffix_matches over a list: the same answer."""
+def _bounds(hay_len: int, context: Sequence[int] | np.ndarray, n_min: int, n_max: int,
+            exclude_tail: bool) -> tuple[int, list[int]] | None:
+    """(last_end, tail) of a search: an occurrence's last token lies before last_end (inside the
+    haystack, minus its own tail with exclude_tail, and followed by a token); tail[i] is the
+    context's token i places before its last, up to n_max of them. None when nothing can match."""
     top = min(n_max, len(context))
     if top < max(n_min, 1):
-        return 0, _NONE
-    limit = len(hay) - 1 if exclude_tail else len(hay)
-    last_end = min(limit, len(hay) - 1)
+        return None
+    last_end = min(hay_len - 1 if exclude_tail else hay_len, hay_len - 1)
     if last_end <= 0:
-        return 0, _NONE
-    tail = [int(t) for t in context[-top:]][::-1]
+        return None
+    return last_end, [int(t) for t in context[-top:]][::-1]
+
+
+def _list_matches(hay: list[int], tail: list[int], last_end: int, n_min: int) -> tuple[int, np.ndarray]:
+    """suffix_matches over a list: the same answer."""
+    top = len(tail)
     first = tail[0]
     best, ends, lengths = 0, [], []
     e = -1
