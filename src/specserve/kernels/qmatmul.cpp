@@ -1892,6 +1892,11 @@ int select_top(const float* x, int64_t n, int k, float* vals, int64_t* idx, bool
   return have;
 }
 
+// The order every selection here keeps: larger value first, of equal values the lower index.
+inline bool ranks_before(const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+  return a.first > b.first || (a.first == b.first && a.second < b.second);
+}
+
 // select_top for a larger k: a threshold from a sample of the row (its rank there chosen so that
 // about 2k values lie above it), one vector pass collecting the values above it, and a partial sort
 // of those (value desc, index asc: select_top's order); select_top itself where too few pass. Top-256
@@ -1936,10 +1941,7 @@ int select_top_wide(const float* x, int64_t n, int k, float* vals, int64_t* idx,
     return 0;
   }
   if (static_cast<int64_t>(above.size()) < k) return select_top(x, n, k, vals, idx, nan);
-  std::partial_sort(above.begin(), above.begin() + k, above.end(),
-                    [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
-                      return a.first > b.first || (a.first == b.first && a.second < b.second);
-                    });
+  std::partial_sort(above.begin(), above.begin() + k, above.end(), ranks_before);
   for (int j = 0; j < k; ++j) vals[j] = above[j].first, idx[j] = above[j].second;
   *nan = false;
   return k;
@@ -2023,24 +2025,12 @@ bool topk_lse_row(const float* x, int64_t n, int k, float* vals, int64_t* idx, f
 // or nothing above -inf (the caller asks torch).
 constexpr int TRUNC_CANDIDATES = 256;
 
-bool truncate_row_(const float* x, float* y, int64_t n, float temp, int64_t top_k, float top_p, float min_p,
-                   std::vector<float>& e);
-
-// y = softmax(y) in place (-inf -> 0): e^(y - max) through exp8, summed in float64.
-void softmax_row_(float* y, int64_t n) {
-  float mx = -INFINITY;
-  int64_t i = 0;
-#if SPECSERVE_AVX2
-  __m256 vmax = _mm256_set1_ps(-INFINITY);
-  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(y + i));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax);
-  for (float v : lanes) mx = std::max(mx, v);
-#endif
-  for (; i < n; ++i) mx = std::max(mx, y[i]);
+// y = softmax(y) in place (-inf -> 0), mx being y's largest value: e^(y - mx) through exp8, summed in
+// float64.
+void softmax_row_(float* y, int64_t n, float mx) {
   const double total = exp_shifted<true>(y, n, mx, y);
   const float inv = static_cast<float>(1.0 / total);
-  i = 0;
+  int64_t i = 0;
 #if SPECSERVE_AVX2
   const __m256 vinv = _mm256_set1_ps(inv);
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(y + i), vinv));
@@ -2048,15 +2038,10 @@ void softmax_row_(float* y, int64_t n) {
   for (; i < n; ++i) y[i] *= inv;
 }
 
+// *max_out: the row's largest value after temperature, which no truncation drops (min-p's floor is
+// below it, top-k keeps it, top-p keeps the first).
 bool truncate_row(const float* x, float* y, int64_t n, float temp, int64_t top_k, float top_p, float min_p,
-                  std::vector<float>& e, bool probs) {
-  if (!truncate_row_(x, y, n, temp, top_k, top_p, min_p, e)) return false;
-  if (probs) softmax_row_(y, n);
-  return true;
-}
-
-bool truncate_row_(const float* x, float* y, int64_t n, float temp, int64_t top_k, float top_p, float min_p,
-                   std::vector<float>& e) {
+                  std::vector<float>& e, float* max_out) {
   float mx = -INFINITY;
   bool bad = false;
   int64_t i0 = 0;
@@ -2082,6 +2067,7 @@ bool truncate_row_(const float* x, float* y, int64_t n, float temp, int64_t top_
     mx = std::max(mx, y[i]);
   }
   if (bad || mx == INFINITY || mx == -INFINITY) return false;
+  *max_out = mx;
   if (min_p > 0.f) {
     const float floor = mx + std::log(min_p);
     for (int64_t i = 0; i < n; ++i)
@@ -2104,10 +2090,7 @@ bool truncate_row_(const float* x, float* y, int64_t n, float temp, int64_t top_
     for (int64_t i = 0; i < n; ++i)
       if (y[i] > -INFINITY) kept.emplace_back(y[i], i);
     if (static_cast<int64_t>(kept.size()) > k) {
-      auto before = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
-        return a.first > b.first || (a.first == b.first && a.second < b.second);
-      };
-      std::nth_element(kept.begin(), kept.begin() + k, kept.end(), before);
+      std::nth_element(kept.begin(), kept.begin() + k, kept.end(), ranks_before);
       for (auto it = kept.begin() + k; it != kept.end(); ++it) y[it->second] = -INFINITY;
     }
   }
@@ -2168,9 +2151,7 @@ bool truncate_row_(const float* x, float* y, int64_t n, float temp, int64_t top_
     if (b == cut) edge.emplace_back(y[i], i);
     else if (b < cut) y[i] = -INFINITY;
   }
-  std::sort(edge.begin(), edge.end(), [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  });
+  std::sort(edge.begin(), edge.end(), ranks_before);
   for (const auto& [v, i] : edge) {
     if (above >= target) y[i] = -INFINITY;
     above += e[i];
@@ -2200,8 +2181,11 @@ std::tuple<torch::Tensor, bool> truncate_rows(const torch::Tensor& x, const torc
   std::atomic<bool> ok{true};
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     thread_local std::vector<float> e;  // kept: a fresh 0.6 MB buffer a call cost its page faults
-    for (int64_t r = r0; r < r1; ++r)
-      if (!truncate_row(xp + r * stride, op + r * n, n, tp[r], kp[r], pp[r], mp[r], e, probs)) ok = false;
+    for (int64_t r = r0; r < r1; ++r) {
+      float mx;
+      if (!truncate_row(xp + r * stride, op + r * n, n, tp[r], kp[r], pp[r], mp[r], e, &mx)) ok = false;
+      else if (probs) softmax_row_(op + r * n, n, mx);
+    }
   });
   return {out, ok.load()};
 }

@@ -39,7 +39,7 @@ from specserve.request import Request
 from specserve.spec.copy_trust import TRUST_PRIOR_ONWARD, TRUST_PRIOR_ROOT, shared_bucket
 from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
 from specserve.spec.served import ServedSource
-from specserve.spec.suffix import SHORT_SEARCH, TokenArray, suffix_matches
+from specserve.spec.suffix import TokenArray, suffix_matches
 from specserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ class LookaheadProposer(ServedSource, Proposer):
             if not alone:
                 # Where the last MATCH_MIN+ tokens occurred before, what followed them (the pool's
                 # one-token key cannot tell those places from the others).
-                arr = ids if len(ids) <= SHORT_SEARCH and isinstance(ids, list) else st.tokens.sync(ids)
+                arr = st.tokens.view(ids)
                 n, starts = suffix_matches(arr, arr, MATCH_MIN, MATCH_MAX, exclude_tail=True)
                 own = [("window", [(st.drafted, 1.0)] if st.drafted else []),
                        ("pool", list(st.pool.get(ids[-1], {}).items())),

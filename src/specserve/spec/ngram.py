@@ -15,7 +15,7 @@ from specserve.spec.proposer import (
     register_proposer,
 )
 from specserve.spec.served import ServedOutputs, ServedSource
-from specserve.spec.suffix import SHORT_SEARCH, TokenArray, suffix_matches, top_path, weighted_tree
+from specserve.spec.suffix import TokenArray, suffix_matches, top_path, weighted_tree
 from specserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -90,13 +90,10 @@ class NgramProposer(ServedSource, Proposer):
             p = req.sampling_params
             ref = p.reference_token_ids
             text = self._with_reference(req.request_id, ref, toks) if ref else toks
-            if len(text) <= SHORT_SEARCH:  # searched as the list it is
-                n, starts = suffix_matches(text, text, self.ngram_min, self.ngram_max, exclude_tail=True)
-            else:
-                if (mirror := self._arrays.get(req.request_id)) is None:
-                    mirror = self._arrays[req.request_id] = TokenArray()
-                arr = mirror.sync(text)
-                n, starts = suffix_matches(arr, arr, self.ngram_min, self.ngram_max, exclude_tail=True)
+            if (mirror := self._arrays.get(req.request_id)) is None:
+                mirror = self._arrays[req.request_id] = TokenArray()
+            arr = mirror.view(text)
+            n, starts = suffix_matches(arr, arr, self.ngram_min, self.ngram_max, exclude_tail=True)
             own = shared_length(text, starts[-MATCHES_MEASURED:].tolist(), text) if n else 0
             use_served = self.served is not None and (self.served_for_seeded or p.seed is None or p.temperature == 0)
             shared, served = self.served.continuations(toks, k) if use_served else (0, [])

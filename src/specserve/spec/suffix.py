@@ -115,6 +115,11 @@ class TokenArray:
         self._buf = np.zeros(256, dtype=np.int64)
         self._n = 0
 
+    def view(self, tokens: list[int]) -> list[int] | np.ndarray:
+        """What suffix_matches should search: a list of up to SHORT_SEARCH tokens as it is, a longer
+        one through the array (`sync`)."""
+        return tokens if len(tokens) <= SHORT_SEARCH else self.sync(tokens)
+
     def sync(self, tokens: Sequence[int]) -> np.ndarray:
         """The array of `tokens` (a view of the buffer): only the tokens appended since the last
         call are copied; a list that is not an extension of what was seen is copied whole."""
