@@ -483,14 +483,23 @@ def pack_into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _rows_kernels(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> object | None:
+    """The loaded kernels where `x` is what their per-row functions read (CPU [R, V] rows of one
+    of `dtypes`, V >= 1, each row contiguous), else None: the caller asks torch. Never compiles."""
+    module = _loaded
+    if module is None or x.dim() != 2 or x.dtype not in dtypes or x.device.type != "cpu" or not x.shape[1] or x.stride(1) != 1:
+        return None
+    return module
+
+
 def row_argmax(x: torch.Tensor) -> torch.Tensor:  # x: [R, V] -> int64 [R]
     """Each row's argmax, as torch.argmax(x, -1) (the first of equal values; NaN counts as the
     largest): natively for float32 CPU rows once this process has the kernels loaded (they are
     never compiled for it), else by torch. Greedy decoding and verification read it over every
     logits row of a step: a 152k-id row took torch 0.11 ms and takes the kernel ~0.02 (2-vCPU Xeon)."""
-    module = _loaded
-    if module is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[1] and x.stride(1) == 1:
-        return module.argmax_rows(x)
+    module = _rows_kernels(x)
+    if module is not None:
+        return module.argmax_rows(x)  # type: ignore[attr-defined]
     return x.argmax(dim=-1)
 
 
@@ -504,10 +513,9 @@ def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch
     else, and for rows holding a NaN, +inf or fewer than k values above -inf, by torch (whose topk
     leaves the order of equal values unspecified). A drafter's tree reads it for every expanded
     node: torch's softmax and topk over a 152k-id row took ~0.47 ms, the kernel ~0.05 (2-vCPU Xeon)."""
-    module = _loaded
-    if (module is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
-            and 1 <= k <= min(TOPK_NATIVE_MAX, x.shape[1]) and x.stride(1) == 1):
-        values, indices, lse, ok = module.topk_rows(x, k)
+    module = _rows_kernels(x)
+    if module is not None and 1 <= k <= min(TOPK_NATIVE_MAX, x.shape[1]):
+        values, indices, lse, ok = module.topk_rows(x, k)  # type: ignore[attr-defined]
         if ok:
             return values, indices, lse
     top = x.topk(k, dim=-1)
@@ -521,11 +529,11 @@ def native_truncation(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     with `probs`, the softmax of the result), or None where it cannot answer (kernels not loaded in
     this process, not CPU float32 rows, a row holding a NaN, +inf or nothing above -inf): then the
     caller's torch path."""
-    module = _loaded
-    if module is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or not x.shape[1] or x.stride(1) != 1:
+    module = _rows_kernels(x)
+    if module is None:
         return None
-    out, ok = module.truncate_rows(x, temperature.float().contiguous(), top_k.long().contiguous(), top_p.float().contiguous(),
-                                   min_p.float().contiguous(), probs)
+    out, ok = module.truncate_rows(x, temperature.float().contiguous(), top_k.long().contiguous(),  # type: ignore[attr-defined]
+                                   top_p.float().contiguous(), min_p.float().contiguous(), probs)
     return out if ok else None
 
 
@@ -534,11 +542,10 @@ def native_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | N
     (torch.searchsorted over probs.double().cumsum(-1): the same index, bit for bit), by the native
     kernel; None where it cannot answer (kernels not loaded, not CPU float32 / float64 rows, a row
     with a NaN, an infinity, a negative value or no mass)."""
-    module = _loaded
-    if (module is None or probs.dim() != 2 or probs.dtype not in (torch.float32, torch.float64) or probs.device.type != "cpu"
-            or not probs.shape[1] or probs.stride(1) != 1 or u.device.type != "cpu"):
+    module = _rows_kernels(probs, (torch.float32, torch.float64))
+    if module is None or u.device.type != "cpu":
         return None
-    out, ok = module.inverse_cdf_rows(probs, u.double().contiguous())
+    out, ok = module.inverse_cdf_rows(probs, u.double().contiguous())  # type: ignore[attr-defined]
     return out if ok else None
 
 
