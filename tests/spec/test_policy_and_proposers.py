@@ -540,6 +540,41 @@ def test_rate_guard_holds_speculation_off_where_it_measurably_loses():
     assert all(p.choose(reqs))
 
 
+def test_rate_guard_retries_after_so_many_plain_steps_and_when_a_request_arrives():
+    """A fast model makes hundreds of steps a second: held off, speculation is tried again after
+    GUARD_RETRY_STEPS plain steps at that batch size when they come before GUARD_RETRY_S (and
+    after twice as many following a failed trial), not only after the seconds; and at once when
+    a request arrives, its failed trial waiting the first wait again."""
+    from specserve.spec import policy as P
+
+    p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.8)
+    clock = p.guard.clock = _Clock()
+    reqs = [_req("a", [1, 2, 3])]
+    p.guard.observe(1, 1, 0.003, speculated=False)  # plain: 333 tok/s
+    for _ in range(P.GUARD_MIN_CYCLES):
+        p.guard.observe(1, 1, 0.004, speculated=True)  # 250 tok/s: rejected copies
+    assert p.guard.num_held == 1 and p.choose(reqs) == [0]
+    for retry in (P.GUARD_RETRY_STEPS, 2 * P.GUARD_RETRY_STEPS):
+        for _ in range(retry):
+            assert p.guard.holds(1) and p.choose(reqs) == [0]
+            p.guard.observe(1, 1, 0.003, speculated=False)
+            clock.t += 0.003  # far from GUARD_RETRY_S
+        assert not p.guard.holds(1)
+        for _ in range(P.GUARD_TRIAL):  # a trial that fails
+            assert p.choose(reqs) == [4]
+            p.guard.observe(1, 1, 0.004, speculated=True)
+    assert p.guard.num_held == 3 and p.guard.holds(1)
+    assert p.guard.rates[1].retry_steps == 4 * P.GUARD_RETRY_STEPS
+    # A new request is other text: its step tries at once, and a failed trial waits the first wait again.
+    p.guard.new_request()
+    assert not p.guard.holds(1)
+    for _ in range(P.GUARD_TRIAL):
+        assert p.choose(reqs) == [4]
+        p.guard.observe(1, 1, 0.004, speculated=True)
+    assert p.guard.num_held == 4 and p.guard.holds(1)
+    assert p.guard.rates[1].retry_steps == P.GUARD_RETRY_STEPS and p.guard.rates[1].retry_s == P.GUARD_RETRY_S
+
+
 def test_rate_guard_remeasures_a_stale_plain_rate_with_one_plain_step():
     """Where speculating steps are measured, a plain rate older than GUARD_FRESH_S is measured
     again by running one step plain; where speculation leads by GUARD_CLEAR, only every

@@ -197,9 +197,12 @@ def test_while_the_rate_guard_holds_drafts_off_neither_copier_nor_policy_is_aske
 
     eng.proposer.free_drafts, eng.policy.choose = count("free", free), count("choose", choose)
     now = eng.policy.guard.clock()
-    eng.policy.guard.rates[1] = P._Rates(held_since=now, retry_s=3600.0)  # held at batch 1 for an hour
-    got = llm.generate(prompts[:1], _greedy(30))
-    assert got[0].token_ids == base[0].token_ids
+    rid = eng.add_request(prompts[0], _greedy(30))  # (an arrival ends a hold: RateGuard.new_request)
+    eng.policy.guard.rates[1] = P._Rates(held_since=now, retry_s=3600.0)  # then held at batch 1 for an hour
+    final = {}
+    while eng.has_unfinished_requests():
+        final.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert final[rid].token_ids == base[0].token_ids
     assert asked == {"free": 0, "choose": 0} and eng.spec_counters["num_drafts"] == 0
     eng.policy.guard.rates[1].retry_s = 0.0  # the retry is due
     llm.generate(prompts[1:2], _greedy(30))

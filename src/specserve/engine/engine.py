@@ -503,13 +503,11 @@ class LLMEngine:
         self.policy.target_time.calibrate({1: t1, **{n: t1 * statistics.median(r) for n, r in ratios.items()}})
         if self.proposer is not None and self.proposer.traits.cost == "per_pass":
             self.proposer.time_pass(1)  # warm-up
-            for b in sorted({1, 2, 4, 8, 16, 32}):
-                if b <= limit:
-                    self.policy.draft_time.points[b] = self.proposer.time_pass(b)
+            self.policy.draft_time.calibrate({b: self.proposer.time_pass(b) for b in (1, 2, 4, 8, 16, 32) if b <= limit})
             # What catching a request up costs per token (a prompt, a backlog): one pass over many.
             self.policy.catchup_s_per_token = self.proposer.time_catchup(CATCHUP_PROFILE_TOKENS) / CATCHUP_PROFILE_TOKENS
         else:
-            self.policy.draft_time.points[1] = 1e-4  # a table lookup: negligible next to a forward
+            self.policy.draft_time.calibrate({1: 1e-4})  # a table lookup: negligible next to a forward
         return {"target": dict(self.policy.target_time.points), "draft": dict(self.policy.draft_time.points)}
 
     def attach_connector(self, connector: EngineConnector | None) -> None:
@@ -723,6 +721,7 @@ class LLMEngine:
         self.scheduler.add_request(req)
         if self.proposer is not None:
             self.proposer.add_request(req)
+            self.policy.guard.new_request()
         self.num_prompt_tokens += req.num_prompt_tokens
         return rid
 

@@ -38,7 +38,11 @@ MAX_SHARED = 32  # how far back a match's shared context is measured
 
 def shared_bucket(shared: int) -> int:
     """Index of the SHARED_BUCKETS bucket of a match sharing `shared` tokens of context."""
-    return bisect.bisect_right(SHARED_BUCKETS, shared) - 1
+    return _BUCKET_OF[shared] if 0 <= shared < len(_BUCKET_OF) else bisect.bisect_right(SHARED_BUCKETS, shared) - 1
+
+
+# shared_bucket of 0 .. MAX_SHARED + 64 tokens (every node of a draft scored: a table read, not a search)
+_BUCKET_OF = tuple(bisect.bisect_right(SHARED_BUCKETS, x) - 1 for x in range(MAX_SHARED + 65))
 
 
 def shared_length(haystack: Sequence[int], starts: Sequence[int], context: Sequence[int], limit: int = MAX_SHARED) -> int:
@@ -69,12 +73,13 @@ class CopyTrust:
         Remembered for scoring."""
         share = tree.scores or (1.0,) * len(tree)
         root, onward = self.trust[(source, False)][shared_bucket(shared)], self.trust[(source, True)]
+        trust = [onward[shared_bucket(shared + d - 1)] for d in range(tree.max_depth + 1)]  # by depth
         scores: list[float] = []
         for j, (p, depth) in enumerate(zip(tree.parents, tree.depths)):
             if p < 0:
                 scores.append(root * share[j])
             else:
-                scores.append(scores[p] * onward[shared_bucket(shared + depth - 1)] * share[j] / share[p])
+                scores.append(scores[p] * trust[depth] * share[j] / share[p])
         # node 0 is the likeliest root child (parents come first; nodes best first)
         self._last[request_id] = (source, shared, position, tree.token_ids[0])
         return DraftTree(tree.token_ids, tree.parents, scores=tuple(scores))

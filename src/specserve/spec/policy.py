@@ -96,7 +96,8 @@ CATCHUP_FREE = 2  # tokens a drafting request's proposer processes every step an
 # per second fall below GUARD_MARGIN of plain decoding's, measured at that size within
 # GUARD_FRESH_S (GUARD_FRESH_LONG_S where speculation leads by GUARD_CLEAR or more; an older
 # plain rate is measured again with one plain step). Held off, it is tried again after
-# GUARD_RETRY_S (doubling while trials fail, up to GUARD_RETRY_MAX_S) for GUARD_TRIAL steps.
+# GUARD_RETRY_S or GUARD_RETRY_STEPS plain steps at that size, whichever comes first (both
+# doubling while trials fail, up to GUARD_RETRY_MAX_S / _STEPS), for GUARD_TRIAL steps.
 GUARD_MARGIN = 0.95
 GUARD_MIN_CYCLES = 8  # speculating steps measured before the guard judges
 # Each rate is tokens over seconds, both summed with these decays per step: speculating steps
@@ -110,6 +111,8 @@ GUARD_FRESH_LONG_S = 8.0
 GUARD_CLEAR = 1.3
 GUARD_RETRY_S = 3.0
 GUARD_RETRY_MAX_S = 60.0
+GUARD_RETRY_STEPS = 64
+GUARD_RETRY_MAX_STEPS = 1280
 GUARD_TRIAL = 4
 
 
@@ -152,6 +155,9 @@ class _Rates:
     plain_at: float = -math.inf  # clock of the last plain step
     held_since: float | None = None  # speculation held off since (clock)
     retry_s: float = 0.0  # how long it stays held off this time
+    held_steps: int = 0  # plain steps at this size since it was held off
+    retry_steps: int = 1 << 62  # how many of them it stays held off this time (at most)
+    new_text: bool = False  # a request arrived since it was held off (see RateGuard.new_request)
     trial_left: int = 0  # speculating steps of a trial still to come
     trial: list[tuple[float, float]] = field(default_factory=list)  # the trial's steps
 
@@ -181,8 +187,13 @@ class RateGuard:
     GUARD_FRESH_S is measured again with one plain step (every GUARD_FRESH_LONG_S where
     speculation leads by GUARD_CLEAR: ~1 step in 200 at batch 1). When GUARD_MIN_CYCLES
     speculating steps are in and their rate falls below GUARD_MARGIN of plain's, speculation is
-    held off at that size; after GUARD_RETRY_S it is tried for GUARD_TRIAL steps, whose rate
-    decides again (held off again, it waits twice as long, up to GUARD_RETRY_MAX_S). Both
+    held off at that size; after GUARD_RETRY_S, or sooner after GUARD_RETRY_STEPS plain steps
+    there, it is tried for GUARD_TRIAL steps, whose rate decides again (held off again, it waits
+    twice as long, up to GUARD_RETRY_MAX_S / GUARD_RETRY_MAX_STEPS). (In seconds alone a fast
+    model waited too long: SmolLM2 on 2 vCPUs makes ~300 steps a second, and one coding answer's
+    stretch of 17 rejected copies in 20 steps held prompt lookup off for the next 900 steps, the
+    other prompts' copies included: 1.0-1.11x plain where runs without a hold made 1.2x. The
+    steps keep a slow model's wait: 64 of the Qwen 1.5B's ~45 ms steps are ~3 s.) Both
     rates are measured over the same seconds of the same machine, so a phase of its memory
     slows or speeds them alike: a speculating rate whose last step is more than GUARD_FRESH_S
     old starts again, as a stale plain rate is measured again. (Kept across a gap, a slow
@@ -213,7 +224,7 @@ class RateGuard:
             r.trial_left -= 1
             return True
         if r.held_since is not None:
-            if now - r.held_since < r.retry_s:
+            if now - r.held_since < r.retry_s and r.held_steps < r.retry_steps:
                 return False
             r.held_since, r.trial_left, r.trial = None, GUARD_TRIAL - 1, []
             return True
@@ -227,11 +238,23 @@ class RateGuard:
             return False
         return True
 
+    def new_request(self) -> None:
+        """A request arrived: what the guard measured was other text (its copies, its draft's
+        agreement). A hold ends at the next step, whose trial runs on the new text, and a
+        failed trial waits GUARD_RETRY_S / _STEPS again, not twice the wait before. (SmolLM2 with
+        prompt lookup on coding prompts: one answer with nothing to copy held speculation off,
+        and the failed trials' doubled waits held it off through the next answers, which copied
+        well: 1.07x plain where runs without a hold made 1.2x.)"""
+        for r in self.rates.values():
+            if r.held_since is not None:
+                r.held_steps, r.new_text = r.retry_steps, True
+
     def holds(self, batch: int) -> bool:
         """Whether speculation is held off at this batch size now, its retry not yet due: allows()
         would refuse any drafts. Asks without counting (allows() starts the trial when due)."""
         r = self.rates.get(self.bucket(batch))
-        return r is not None and r.trial_left <= 0 and r.held_since is not None and self.clock() - r.held_since < r.retry_s
+        return (r is not None and r.trial_left <= 0 and r.held_since is not None
+                and self.clock() - r.held_since < r.retry_s and r.held_steps < r.retry_steps)
 
     def observe(self, batch: int, tokens: int, seconds: float, speculated: bool) -> None:
         """A decode step of `batch` requests made `tokens` tokens in `seconds` (the drafting done
@@ -242,6 +265,7 @@ class RateGuard:
         now = self.clock()
         if not speculated:
             r.plain, r.plain_at = _fold(r.plain, tokens, seconds, GUARD_PLAIN_DECAY), now
+            r.held_steps += 1
             return
         if r.trial_left > 0 or r.trial:
             r.trial.append((tokens, seconds))
@@ -257,8 +281,10 @@ class RateGuard:
         spec, plain = r.rate(r.spec), r.rate(r.plain)
         judged = r.spec_n >= GUARD_MIN_CYCLES and plain is not None and now - r.plain_at <= GUARD_FRESH_LONG_S
         if judged and spec < GUARD_MARGIN * plain:  # type: ignore[operator]
-            r.retry_s = min(2 * r.retry_s, GUARD_RETRY_MAX_S) if after_trial else GUARD_RETRY_S
-            r.held_since, r.spec_n = now, 0
+            again = after_trial and not r.new_text  # the same text failed its trial: wait twice as long
+            r.retry_s = min(2 * r.retry_s, GUARD_RETRY_MAX_S) if again else GUARD_RETRY_S
+            r.retry_steps = min(2 * r.retry_steps, GUARD_RETRY_MAX_STEPS) if again else GUARD_RETRY_STEPS
+            r.held_since, r.held_steps, r.spec_n, r.new_text = now, 0, 0, False
             self.num_held += 1
 
     def summary(self) -> dict[int, dict[str, float | bool | None]]:
@@ -304,12 +330,16 @@ class StepTimer:
     """
 
     def __init__(self, points: dict[int, float] | None = None) -> None:
-        self.points: dict[int, float] = dict(points or {})
+        self.points: dict[int, float] = dict(points or {})  # changed only through the methods below (answers are memoised)
         self.phase = 1.0  # the read's speed now against when the points were measured (time ratio)
         # (sorted points, knee index, C's line below the knee as (slope, intercept)), redone when points change
         self._shape: tuple[list[int], int, tuple[float, float] | None] | None = None
         self._shape_key: tuple[int, int] = (-1, -1)
         self._version = 0
+        # Answers since the points or the phase last moved: the policy asks for the same few sizes
+        # several times a step (a batch-1 choice asked T(1) three times and T(1 + nodes) twice).
+        self._memo: dict[float, float] = {}
+        self._memo_key: tuple[int, int, float] = (-1, -1, 0.0)
 
     def calibrate(self, points: dict[int, float]) -> None:
         """Take freshly measured points (phase 1.0 from now on), keeping others not re-measured."""
@@ -364,6 +394,15 @@ class StepTimer:
 
     def __call__(self, n: float) -> float:
         """Estimated seconds for a step of n tokens (n may be an expected, fractional count)."""
+        key = (len(self.points), self._version, self.phase)
+        if key != self._memo_key:
+            self._memo, self._memo_key = {}, key
+        elif (t := self._memo.get(n)) is not None:
+            return t
+        t = self._memo[n] = self._estimate(n)
+        return t
+
+    def _estimate(self, n: float) -> float:
         if not self.points:
             return 1.0  # unknown: a flat cost, i.e. verifying extra tokens looks free
         xs, knee, _ = self._xs_knee()

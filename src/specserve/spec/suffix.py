@@ -154,27 +154,48 @@ def weighted_tree(continuations: Sequence[tuple[Sequence[int], float]], budget: 
     seqs = [list(seq)[:budget] for seq, _ in continuations]
     weights = [w for _, w in continuations]
     # Heap items (-weight, first continuation through the node, depth, token, members, parent's
-    # index in the draft): a node is one continuation's prefix, so (first, depth) names it.
+    # index in the draft): a node is one continuation's prefix, so (first, depth) names it. The
+    # items' member lists are disjoint (a node's children split its members), so no two share a
+    # `first` and a comparison never reaches the token.
     heap: list[tuple[float, int, int, int, list[int], int]] = []
+    push, pop = heapq.heappush, heapq.heappop
 
     def push_children(members: list[int], depth: int, parent: int) -> None:
         groups: dict[int, list[int]] = {}
         for i in members:
-            if depth < len(seqs[i]):
-                groups.setdefault(int(seqs[i][depth]), []).append(i)
+            s = seqs[i]
+            if depth < len(s):
+                t = s[depth]
+                if (g := groups.get(t)) is None:
+                    groups[t] = [i]
+                else:
+                    g.append(i)
         for token, group in groups.items():
-            heapq.heappush(heap, (-sum(weights[i] for i in group), group[0], depth, token, group, parent))
+            push(heap, (-sum(weights[i] for i in group), group[0], depth, int(token), group, parent))
 
     push_children(list(range(len(seqs))), 0, -1)
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
     while heap and len(tokens) < budget:
-        neg, _, depth, token, group, parent = heapq.heappop(heap)
+        neg, first, depth, token, group, parent = pop(heap)
         tokens.append(token)
         parents.append(parent)
         scores.append(-neg / total)
-        push_children(group, depth + 1, len(tokens) - 1)
+        if len(group) > 1:
+            push_children(group, depth + 1, len(tokens) - 1)
+            continue
+        # One continuation: its next nodes keep its weight, and are taken in a row for as long as
+        # they come before everything waiting (the pops a heap would make, without it; on prose,
+        # where a common word's matches part after a token or two, most of a draft's nodes).
+        seq, d = seqs[first], depth + 1
+        while d < len(seq) and len(tokens) < budget and (not heap or (neg, first, d) < heap[0][:3]):
+            tokens.append(int(seq[d]))
+            parents.append(len(tokens) - 2)
+            scores.append(-neg / total)
+            d += 1
+        if d < len(seq) and len(tokens) < budget:
+            push(heap, (neg, first, d, int(seq[d]), group, len(tokens) - 1))
     if not tokens:
         return None
     return DraftTree(tuple(tokens), tuple(parents), scores=tuple(scores))
