@@ -565,9 +565,15 @@ def test_rate_guard_retries_after_so_many_plain_steps_and_when_a_request_arrives
             p.guard.observe(1, 1, 0.004, speculated=True)
     assert p.guard.num_held == 3 and p.guard.holds(1)
     assert p.guard.rates[1].retry_steps == 4 * P.GUARD_RETRY_STEPS
-    # A new request is other text: its step tries at once, and a failed trial waits the first wait again.
-    p.guard.new_request()
+    # A new request is other text: its step tries at once, and a failed trial waits the first wait
+    # again. At a larger batch size, once as many requests arrived as it holds.
+    p.guard.rates[4] = P._Rates(held_since=clock.t, retry_s=3600.0)
+    for _ in range(3):
+        p.guard.new_request()
+        assert p.guard.holds(4)
     assert not p.guard.holds(1)
+    p.guard.new_request()
+    assert not p.guard.holds(4)
     for _ in range(P.GUARD_TRIAL):
         assert p.choose(reqs) == [4]
         p.guard.observe(1, 1, 0.004, speculated=True)

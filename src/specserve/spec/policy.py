@@ -157,7 +157,8 @@ class _Rates:
     retry_s: float = 0.0  # how long it stays held off this time
     held_steps: int = 0  # plain steps at this size since it was held off
     retry_steps: int = 1 << 62  # how many of them it stays held off this time (at most)
-    new_text: bool = False  # a request arrived since it was held off (see RateGuard.new_request)
+    arrivals: int = 0  # requests that arrived since it was held off (see RateGuard.new_request)
+    new_text: bool = False  # as many as the batch holds: its text turned over
     trial_left: int = 0  # speculating steps of a trial still to come
     trial: list[tuple[float, float]] = field(default_factory=list)  # the trial's steps
 
@@ -239,15 +240,20 @@ class RateGuard:
         return True
 
     def new_request(self) -> None:
-        """A request arrived: what the guard measured was other text (its copies, its draft's
-        agreement). A hold ends at the next step, whose trial runs on the new text, and a
+        """A request arrived. Where as many have arrived since a batch size was held off as that
+        size holds, what the guard measured there was other text (its copies, its draft's
+        agreement): the hold ends at the next step, whose trial runs on the new text, and a
         failed trial waits GUARD_RETRY_S / _STEPS again, not twice the wait before. (SmolLM2 with
-        prompt lookup on coding prompts: one answer with nothing to copy held speculation off,
-        and the failed trials' doubled waits held it off through the next answers, which copied
-        well: 1.07x plain where runs without a hold made 1.2x.)"""
-        for r in self.rates.values():
+        prompt lookup on coding prompts, batch 1: one answer with nothing to copy held
+        speculation off, and the failed trials' doubled waits held it off through the next
+        answers, which copied well: 1.07x plain where runs without a hold made 1.2x.) One arrival
+        into a larger batch changes a part of its text: ending the hold then would try again at
+        every arrival of a busy server."""
+        for size, r in self.rates.items():
             if r.held_since is not None:
-                r.held_steps, r.new_text = r.retry_steps, True
+                r.arrivals += 1
+                if r.arrivals >= size:
+                    r.held_steps, r.new_text = r.retry_steps, True
 
     def holds(self, batch: int) -> bool:
         """Whether speculation is held off at this batch size now, its retry not yet due: allows()
@@ -284,7 +290,7 @@ class RateGuard:
             again = after_trial and not r.new_text  # the same text failed its trial: wait twice as long
             r.retry_s = min(2 * r.retry_s, GUARD_RETRY_MAX_S) if again else GUARD_RETRY_S
             r.retry_steps = min(2 * r.retry_steps, GUARD_RETRY_MAX_STEPS) if again else GUARD_RETRY_STEPS
-            r.held_since, r.held_steps, r.spec_n, r.new_text = now, 0, 0, False
+            r.held_since, r.held_steps, r.spec_n, r.arrivals, r.new_text = now, 0, 0, 0, False
             self.num_held += 1
 
     def summary(self) -> dict[int, dict[str, float | bool | None]]:
