@@ -977,12 +977,11 @@ class LLMEngine:
                                              / max(self.policy.target_time(len(decoding) + other), 1e-9))
         copied = self._copied = {r.request_id for i, r in enumerate(decoding) if free and free[i] and ks[i]}
         proposals = self.proposer.propose(decoding, ks)  # type: ignore[union-attr]
-        if self.policy.scored:  # what the proposer's host time per request is (choose() weighs it)
-            per = (time.perf_counter() - t0) / max(1, sum(1 for k in ks if k))
-            self.policy.propose_s = self._propose_s.add(per)
         delivered = {rid: tree.max_depth for rid, tree in proposals.items()}
         proposals = self.policy.prune(decoding, proposals, other, free)
         dt = time.perf_counter() - t0
+        if self.policy.scored:  # the host's time per request for a proposal and its pruning (choose() weighs it)
+            self.policy.propose_s = self._propose_s.add(dt / max(1, sum(1 for k in ks if k)))
         self.spec_counters["draft_time_s"] += dt
         if self.policy.draft_cost_is_per_token:  # the draft model
             # Steady cost of a draft position, without the catch-up pass; None when every

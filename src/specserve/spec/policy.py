@@ -86,7 +86,7 @@ PRUNE_MIN_GAIN = 0.01  # prune() never weighs nodes with a smaller chance to be 
 TREE_NODES_PER_K = 2  # a tree may hold this many nodes per draft position the chain model affords
 PROBE_EVERY = 16  # re-try k=1 (or k+1) this often for a request the cost model held back
 COPY_TRIALS = 1  # a request's first offered copies taken whatever the estimates (prefer_copy)
-# A scored proposer's probe costs its proposal only (prune() keeps only nodes that pay): a request
+# A scored proposer's probe costs its proposal and pruning only (prune() keeps only nodes that pay): a request
 # held back probes as often as keeps its probes within this share of its part of the step.
 PROBE_SHARE = 0.02
 RUN_PROBE_STALE = 4  # after a wholly accepted draft, test the next position unless tested this recently
@@ -612,7 +612,7 @@ class SpecPolicy:
     # Host seconds a step with drafts spends beyond one without (tree masks, verification,
     # bookkeeping), measured by the engine: what a scored proposer's first kept node also pays.
     verify_overhead_s: float = 0.0
-    propose_s: float = 0.0  # host seconds a scored proposer takes per request it drafts for (measured)
+    propose_s: float = 0.0  # host seconds a scored proposer's proposal and its pruning take per request it drafts for (measured)
     free_prior: float = 0.5  # a copier's prior acceptance (drafts made without a draft pass)
     _stats: dict[tuple[str, bool], AcceptanceStats] = field(default_factory=dict)
     _pooled: AcceptanceStats | None = None
