@@ -543,8 +543,8 @@ def test_rate_guard_holds_speculation_off_where_it_measurably_loses():
 def test_rate_guard_retries_after_so_many_plain_steps_and_when_a_request_arrives():
     """A fast model makes hundreds of steps a second: held off, speculation is tried again after
     GUARD_RETRY_STEPS plain steps at that batch size when they come before GUARD_RETRY_S (and
-    after twice as many following a failed trial), not only after the seconds; and at once when
-    a request arrives, its failed trial waiting the first wait again."""
+    after twice as many following a failed trial), not only after the seconds; and once as many
+    requests arrived as the batch size holds (twice as many after each failed trial)."""
     from specserve.spec import policy as P
 
     p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.8)
@@ -565,20 +565,25 @@ def test_rate_guard_retries_after_so_many_plain_steps_and_when_a_request_arrives
             p.guard.observe(1, 1, 0.004, speculated=True)
     assert p.guard.num_held == 3 and p.guard.holds(1)
     assert p.guard.rates[1].retry_steps == 4 * P.GUARD_RETRY_STEPS
-    # A new request is other text: its step tries at once, and a failed trial waits the first wait
-    # again. At a larger batch size, once as many requests arrived as it holds.
-    p.guard.rates[4] = P._Rates(held_since=clock.t, retry_s=3600.0)
+    # New requests are other text: once as many arrived as the batch size holds, doubled for each
+    # failed trial in a row (two here), the next step tries.
     for _ in range(3):
         p.guard.new_request()
-        assert p.guard.holds(4)
-    assert not p.guard.holds(1)
+        assert p.guard.holds(1)
     p.guard.new_request()
-    assert not p.guard.holds(4)
+    assert not p.guard.holds(1)
     for _ in range(P.GUARD_TRIAL):
         assert p.choose(reqs) == [4]
         p.guard.observe(1, 1, 0.004, speculated=True)
-    assert p.guard.num_held == 4 and p.guard.holds(1)
-    assert p.guard.rates[1].retry_steps == P.GUARD_RETRY_STEPS and p.guard.rates[1].retry_s == P.GUARD_RETRY_S
+    assert p.guard.num_held == 4 and p.guard.rates[1].retry_steps == 8 * P.GUARD_RETRY_STEPS
+    p.guard.rates[4] = P._Rates(held_since=clock.t, retry_s=3600.0)  # batch 4, held off by a first judgement
+    for _ in range(P.GUARD_RETRY_STEPS):  # (steps at batch 1 do not count at batch 4)
+        p.guard.observe(1, 1, 0.003, speculated=False)
+    for _ in range(3):
+        p.guard.new_request()
+        assert p.guard.holds(4)
+    p.guard.new_request()
+    assert not p.guard.holds(4)
 
 
 def test_rate_guard_remeasures_a_stale_plain_rate_with_one_plain_step():

@@ -97,7 +97,8 @@ CATCHUP_FREE = 2  # tokens a drafting request's proposer processes every step an
 # GUARD_FRESH_S (GUARD_FRESH_LONG_S where speculation leads by GUARD_CLEAR or more; an older
 # plain rate is measured again with one plain step). Held off, it is tried again after
 # GUARD_RETRY_S or GUARD_RETRY_STEPS plain steps at that size, whichever comes first (both
-# doubling while trials fail, up to GUARD_RETRY_MAX_S / _STEPS), for GUARD_TRIAL steps.
+# doubling while trials fail, up to GUARD_RETRY_MAX_S / _STEPS), or once the batch's requests
+# turned over (RateGuard.new_request), for GUARD_TRIAL steps.
 GUARD_MARGIN = 0.95
 GUARD_MIN_CYCLES = 8  # speculating steps measured before the guard judges
 # Each rate is tokens over seconds, both summed with these decays per step: speculating steps
@@ -113,6 +114,7 @@ GUARD_RETRY_S = 3.0
 GUARD_RETRY_MAX_S = 60.0
 GUARD_RETRY_STEPS = 64
 GUARD_RETRY_MAX_STEPS = 1280
+GUARD_MAX_DOUBLINGS = 5  # arrivals that end a hold: the batch size, doubled per failed trial up to 2^5 times
 GUARD_TRIAL = 4
 
 
@@ -158,7 +160,7 @@ class _Rates:
     held_steps: int = 0  # plain steps at this size since it was held off
     retry_steps: int = 1 << 62  # how many of them it stays held off this time (at most)
     arrivals: int = 0  # requests that arrived since it was held off (see RateGuard.new_request)
-    new_text: bool = False  # as many as the batch holds: its text turned over
+    failed_trials: int = 0  # trials in a row that held it off again
     trial_left: int = 0  # speculating steps of a trial still to come
     trial: list[tuple[float, float]] = field(default_factory=list)  # the trial's steps
 
@@ -241,19 +243,20 @@ class RateGuard:
 
     def new_request(self) -> None:
         """A request arrived. Where as many have arrived since a batch size was held off as that
-        size holds, what the guard measured there was other text (its copies, its draft's
-        agreement): the hold ends at the next step, whose trial runs on the new text, and a
-        failed trial waits GUARD_RETRY_S / _STEPS again, not twice the wait before. (SmolLM2 with
-        prompt lookup on coding prompts, batch 1: one answer with nothing to copy held
-        speculation off, and the failed trials' doubled waits held it off through the next
-        answers, which copied well: 1.07x plain where runs without a hold made 1.2x.) One arrival
-        into a larger batch changes a part of its text: ending the hold then would try again at
-        every arrival of a busy server."""
+        size holds (twice as many after each failed trial in a row, like the waits), what the
+        guard measured there was other text (its copies, its draft's agreement): the hold ends at
+        the next step, whose trial runs on the new text. (SmolLM2 with prompt lookup on coding
+        prompts, batch 1: one answer with nothing to copy held speculation off, and the failed
+        trials' doubled waits held it off through the next answers, which copied well: 1.07x
+        plain where runs without a hold made 1.2x.) One arrival into a larger batch changes a part
+        of its text: ending the hold then would try again at every arrival of a busy server; and
+        where speculation loses whatever the text (SmolLM2's EAGLE head sampling at T 0.7), a
+        trial at every request cost 5%: after failed trials the arrivals needed double."""
         for size, r in self.rates.items():
             if r.held_since is not None:
                 r.arrivals += 1
-                if r.arrivals >= size:
-                    r.held_steps, r.new_text = r.retry_steps, True
+                if r.arrivals >= size << min(r.failed_trials, GUARD_MAX_DOUBLINGS):
+                    r.held_steps = r.retry_steps
 
     def holds(self, batch: int) -> bool:
         """Whether speculation is held off at this batch size now, its retry not yet due: allows()
@@ -287,10 +290,10 @@ class RateGuard:
         spec, plain = r.rate(r.spec), r.rate(r.plain)
         judged = r.spec_n >= GUARD_MIN_CYCLES and plain is not None and now - r.plain_at <= GUARD_FRESH_LONG_S
         if judged and spec < GUARD_MARGIN * plain:  # type: ignore[operator]
-            again = after_trial and not r.new_text  # the same text failed its trial: wait twice as long
-            r.retry_s = min(2 * r.retry_s, GUARD_RETRY_MAX_S) if again else GUARD_RETRY_S
-            r.retry_steps = min(2 * r.retry_steps, GUARD_RETRY_MAX_STEPS) if again else GUARD_RETRY_STEPS
-            r.held_since, r.held_steps, r.spec_n, r.arrivals, r.new_text = now, 0, 0, 0, False
+            r.failed_trials = r.failed_trials + 1 if after_trial else 0
+            r.retry_s = min(2 * r.retry_s, GUARD_RETRY_MAX_S) if after_trial else GUARD_RETRY_S
+            r.retry_steps = min(2 * r.retry_steps, GUARD_RETRY_MAX_STEPS) if after_trial else GUARD_RETRY_STEPS
+            r.held_since, r.held_steps, r.spec_n, r.arrivals = now, 0, 0, 0
             self.num_held += 1
 
     def summary(self) -> dict[int, dict[str, float | bool | None]]:
