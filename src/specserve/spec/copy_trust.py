@@ -38,11 +38,7 @@ MAX_SHARED = 32  # how far back a match's shared context is measured
 
 def shared_bucket(shared: int) -> int:
     """Index of the SHARED_BUCKETS bucket of a match sharing `shared` tokens of context."""
-    return _BUCKET_OF[shared] if 0 <= shared < len(_BUCKET_OF) else bisect.bisect_right(SHARED_BUCKETS, shared) - 1
-
-
-# shared_bucket of 0 .. MAX_SHARED + 64 tokens (every node of a draft scored: a table read, not a search)
-_BUCKET_OF = tuple(bisect.bisect_right(SHARED_BUCKETS, x) - 1 for x in range(MAX_SHARED + 65))
+    return bisect.bisect_right(SHARED_BUCKETS, shared) - 1
 
 
 def shared_length(haystack: Sequence[int], starts: Sequence[int], context: Sequence[int], limit: int = MAX_SHARED) -> int:

@@ -168,6 +168,10 @@ class _Rates:
     def rate(pair: tuple[float, float] | None) -> float | None:
         return None if pair is None else pair[0] / pair[1]
 
+    def waiting(self, now: float) -> bool:
+        """Held off, and neither its seconds nor its plain steps have run out."""
+        return self.held_since is not None and now - self.held_since < self.retry_s and self.held_steps < self.retry_steps
+
 
 def _fold(pair: tuple[float, float] | None, tokens: float, seconds: float, decay: float) -> tuple[float, float]:
     if pair is None:
@@ -227,7 +231,7 @@ class RateGuard:
             r.trial_left -= 1
             return True
         if r.held_since is not None:
-            if now - r.held_since < r.retry_s and r.held_steps < r.retry_steps:
+            if r.waiting(now):
                 return False
             r.held_since, r.trial_left, r.trial = None, GUARD_TRIAL - 1, []
             return True
@@ -262,8 +266,7 @@ class RateGuard:
         """Whether speculation is held off at this batch size now, its retry not yet due: allows()
         would refuse any drafts. Asks without counting (allows() starts the trial when due)."""
         r = self.rates.get(self.bucket(batch))
-        return (r is not None and r.trial_left <= 0 and r.held_since is not None
-                and self.clock() - r.held_since < r.retry_s and r.held_steps < r.retry_steps)
+        return r is not None and r.trial_left <= 0 and r.waiting(self.clock())
 
     def observe(self, batch: int, tokens: int, seconds: float, speculated: bool) -> None:
         """A decode step of `batch` requests made `tokens` tokens in `seconds` (the drafting done
