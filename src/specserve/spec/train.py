@@ -42,6 +42,7 @@ from specserve.spec.corpus import corpus_files
 METHODS = ("eagle", "medusa", "mtp", "layerskip")
 LAYERSKIP_TOKENS = 32_768  # default --tokens for an exit: a least-squares fit of hidden x hidden needs far fewer than a head
 CHECKPOINT_EVERY_S = 60.0
+BAR_AGREEMENT_EVERY = 16  # optimizer steps between the progress bar's top-1 readings (an argmax over the vocabulary)
 # SmolLM2-135M on a 2-vCPU Zen 5, 250k tokens at 3/4 conversations: 600 s (generation 3 min, features
 # 1 min, 4 epochs 5.6 min); 220k keeps a fresh run inside 10 minutes.
 DEFAULT_TOKENS = 220_000
@@ -420,11 +421,12 @@ def _top1(x: torch.Tensor) -> torch.Tensor:
 
 def _eagle_losses(head, frozen: _Frozen, toks: torch.Tensor, feats: torch.Tensor, cos, sin, depth: int,  # noqa: ANN001
                   noise: float, ce_weight: float, feature_weight: float = 1.0,
-                  scored: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+                  scored: torch.Tensor | None = None, agree: bool = True) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """EAGLE's loss over a batch [B, S] and the top-1 agreement with the target per depth, as
     (agreeing, counted) predictions (MTP's with feature_weight 0: cross-entropy alone, through the
     module's own readout norm). `scored` [B, S]: which of the target's predictions to count (see
-    _agreement).
+    _agreement); without `agree` no agreement is counted (an empty list: the argmax over the
+    vocabulary costs a tenth of an optimizer step).
 
     The feature loss is taken on features divided by their RMS over the training set: a target
     whose hidden states are large (Qwen2.5's after the final norm: ~10x SmolLM2's) would
@@ -438,7 +440,7 @@ def _eagle_losses(head, frozen: _Frozen, toks: torch.Tensor, feats: torch.Tensor
     outs = head.forward_unrolled(emb, inp, cos[: emb.shape[1]], sin[: emb.shape[1]], depth)
     with torch.no_grad():
         p = torch.softmax(frozen.logits(target), dim=-1)
-        want = _top1(p)
+        want = _top1(p) if agree else None
     total = torch.zeros(())
     accs = []
     for d, h in enumerate(outs, start=1):
@@ -448,7 +450,8 @@ def _eagle_losses(head, frozen: _Frozen, toks: torch.Tensor, feats: torch.Tensor
         logq = torch.log_softmax(frozen.logits(head.readout(hd)), dim=-1)
         ce = -(p[:, sl] * logq).sum(-1).mean()
         total = total + (0.8 ** (d - 1)) * (feature_weight * reg + ce_weight * ce)
-        accs.append(_agreement(_top1(logq.detach()), want[:, sl], None if scored is None else scored[:, 1:][:, sl]))
+        if want is not None:
+            accs.append(_agreement(_top1(logq.detach()), want[:, sl], None if scored is None else scored[:, 1:][:, sl]))
     return total, accs
 
 
@@ -465,21 +468,21 @@ def _agreement(pred: torch.Tensor, want: torch.Tensor, scored: torch.Tensor | No
 
 
 def _medusa_losses(heads, frozen: _Frozen, feats: torch.Tensor,  # noqa: ANN001
-                   scored: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+                   scored: torch.Tensor | None = None, agree: bool = True) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Medusa's loss: head d on f_t against the target's distribution of x_{t+1+d} (its LM head on
     f_{t+d}); top-1 agreement per head, as _eagle_losses gives it."""
     f = feats.float()
     s = f.shape[1]
     with torch.no_grad():
         p_all = torch.softmax(frozen.logits(f), dim=-1)
-        want_all = _top1(p_all)
+        want_all = _top1(p_all) if agree else None
     total = torch.zeros(())
     accs = []
     for d, head in enumerate(heads.heads, start=1):
-        h = head(f[:, : s - d])
-        logq = torch.log_softmax(frozen.logits(h), dim=-1)
+        logq = torch.log_softmax(frozen.logits(head(f[:, : s - d])), dim=-1)
         total = total + (0.8 ** (d - 1)) * -(p_all[:, d:] * logq).sum(-1).mean()
-        accs.append(_agreement(_top1(logq.detach()), want_all[:, d:], None if scored is None else scored[:, d:]))
+        if want_all is not None:
+            accs.append(_agreement(_top1(logq.detach()), want_all[:, d:], None if scored is None else scored[:, d:]))
     return total, accs
 
 
@@ -500,9 +503,9 @@ class _EagleTrainer:
         self.cos, self.sin = rope.cos, rope.sin
 
     def losses(self, toks: torch.Tensor, feats: torch.Tensor, noise: float,
-               scored: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+               scored: torch.Tensor | None = None, agree: bool = True) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         return _eagle_losses(self.module, self.frozen, toks, feats, self.cos, self.sin, self.depth, noise,
-                             self.cfg.ce_weight, scored=scored)
+                             self.cfg.ce_weight, scored=scored, agree=agree)
 
     def ident(self) -> dict:
         return {"arch": asdict(self.arch), "depth": self.depth, "ce_weight": self.cfg.ce_weight,
@@ -523,9 +526,9 @@ class _MTPTrainer(_EagleTrainer):
         self.module = MTPModule(self.arch)
 
     def losses(self, toks: torch.Tensor, feats: torch.Tensor, noise: float,
-               scored: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+               scored: torch.Tensor | None = None, agree: bool = True) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         return _eagle_losses(self.module, self.frozen, toks, feats, self.cos, self.sin, self.depth, noise,
-                             1.0, feature_weight=0.0, scored=scored)
+                             1.0, feature_weight=0.0, scored=scored, agree=agree)
 
     def ident(self) -> dict:
         return {"arch": asdict(self.arch), "depth": self.depth, "objective": "ce"}
@@ -542,9 +545,9 @@ class _MedusaTrainer:
         self.module = MedusaHeads(arch.hidden_size, self.depth)
 
     def losses(self, toks: torch.Tensor, feats: torch.Tensor, noise: float,
-               scored: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+               scored: torch.Tensor | None = None, agree: bool = True) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         del toks, noise  # a Medusa head reads the feature alone, never a fed prediction
-        return _medusa_losses(self.module, self.frozen, feats, scored)
+        return _medusa_losses(self.module, self.frozen, feats, scored, agree)
 
     def ident(self) -> dict:
         return {"num_heads": self.depth}
@@ -866,6 +869,7 @@ def train_draft(cfg: TrainConfig) -> dict:
     bar = _bar(total_steps, f"training {cfg.method} head", "step")
     bar.update(step)
     last_ckpt = time.perf_counter()
+    top1 = 0.0  # the training batch's agreement at depth 1, as the bar shows it
     eval_every = max(1, total_steps // 10)
     while step < total_steps:
         if deadline is not None and time.perf_counter() > deadline:
@@ -878,7 +882,7 @@ def train_draft(cfg: TrainConfig) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=amp, enabled=amp != torch.float32):
-            loss, accs = trainer.losses(toks[idx], feats[idx], cfg.noise)
+            loss, accs = trainer.losses(toks[idx], feats[idx], cfg.noise, agree=step % BAR_AGREEMENT_EVERY == 0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -887,7 +891,9 @@ def train_draft(cfg: TrainConfig) -> dict:
         train_s += time.perf_counter() - ts
         hist.steps.append(step)
         hist.loss.append(float(loss.detach()))
-        bar.set_postfix(loss=f"{hist.loss[-1]:.3f}", top1=f"{accs[0][0] / max(accs[0][1], 1):.2f}")
+        if accs:
+            top1 = accs[0][0] / max(accs[0][1], 1)
+        bar.set_postfix(loss=f"{hist.loss[-1]:.3f}", top1=f"{top1:.2f}")
         bar.update(1)
         if step % eval_every == 0 or step == total_steps:
             hist.eval_steps.append(step)
