@@ -561,3 +561,32 @@ def test_conversation_features_are_kept_as_the_target_writes_them(tiny, tmp_path
     # Sequence 2 had none: computed by a pass over the window alone.
     alone = _extract(cfg, llm.engine, [seqs[2]], tmp_path, "u")
     assert torch.equal(stored["feats"][2], torch.load(alone[0], weights_only=True)["feats"][0])
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_a_training_step_without_agreement_has_the_same_loss_and_gradient(tiny, method):
+    """The optimizer steps that skip the top-1 agreement (taken for the progress bar every few
+    steps) train on the same loss: only the argmax over the vocabulary is left out."""
+    from types import SimpleNamespace
+
+    from specserve.spec.train import TRAINERS, TrainConfig
+
+    torch.manual_seed(0)
+    arch = head_arch(tiny.arch)
+    h, v, s = arch.hidden_size, 64, 12
+    w = torch.randn(v, h)
+    frozen = SimpleNamespace(embed=torch.randn(arch.vocab_size, h), feat_rms=1.0, logits=lambda x: x @ w.T)
+    trainer = TRAINERS[method](TrainConfig(model="tiny", method=method, feature_layers=()), tiny.arch, frozen)
+    toks, feats = torch.randint(0, arch.vocab_size, (2, s)), torch.randn(2, s, h)
+    runs = []
+    for agree in (True, False):
+        trainer.module.zero_grad()
+        torch.manual_seed(1)  # the same input noise
+        loss, accs = trainer.losses(toks, feats, 0.05, agree=agree)
+        loss.backward()
+        runs.append((loss.detach(), accs, [p.grad.clone() for p in trainer.module.parameters() if p.grad is not None]))
+    (l1, a1, g1), (l2, a2, g2) = runs
+    assert len(a1) == trainer.depth and all(n > 0 for _, n in a1) and a2 == []
+    torch.testing.assert_close(l1, l2, rtol=0, atol=0)
+    for x, y in zip(g1, g2, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
