@@ -682,7 +682,7 @@ def _measure_rates(cfg: TrainConfig, llm, frozen: _Frozen, layers: tuple[int, ..
         for _ in range(3):
             t0 = time.perf_counter()
             with torch.autocast("cpu", dtype=amp, enabled=amp != torch.float32):
-                loss, _ = trainer.losses(toks, feats, cfg.noise)
+                loss, _ = trainer.losses(toks, feats, cfg.noise, agree=False)  # as training's steps mostly run
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -869,7 +869,7 @@ def train_draft(cfg: TrainConfig) -> dict:
     bar = _bar(total_steps, f"training {cfg.method} head", "step")
     bar.update(step)
     last_ckpt = time.perf_counter()
-    top1 = 0.0  # the training batch's agreement at depth 1, as the bar shows it
+    top1: float | None = None  # the training batch's agreement at depth 1, as the bar shows it
     eval_every = max(1, total_steps // 10)
     while step < total_steps:
         if deadline is not None and time.perf_counter() > deadline:
@@ -882,7 +882,7 @@ def train_draft(cfg: TrainConfig) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=amp, enabled=amp != torch.float32):
-            loss, accs = trainer.losses(toks[idx], feats[idx], cfg.noise, agree=step % BAR_AGREEMENT_EVERY == 0)
+            loss, accs = trainer.losses(toks[idx], feats[idx], cfg.noise, agree=top1 is None or step % BAR_AGREEMENT_EVERY == 0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
