@@ -245,19 +245,18 @@ def test_prompt_lookup_copies_a_requests_reference_and_stops_where_it_ends():
     assert ng.propose([Request("b", [1, 2, 3, 50, 51], SamplingParams())], [8]) == {}  # no reference: no copy
 
 
-def test_in_front_of_a_model_drafter_seeded_samples_copy_only_their_own_text(tiny):
-    store = ServedOutputs()
-    store.add([10, 11, 12, 13, 14, 15, 16, 17])
-    copier = NgramProposer(tree=False, served=store, served_for_seeded=False)
-    seeded = Request("s", [1, 10, 11, 12, 13, 14], SamplingParams(temperature=0.8, seed=3))
-    greedy = Request("g", [1, 10, 11, 12, 13, 14], SamplingParams(temperature=0))
-    unseeded = Request("u", [1, 10, 11, 12, 13, 14], SamplingParams(temperature=0.8))
-    drafts = copier.propose([seeded, greedy, unseeded], [4, 4, 4])
-    # A model drafter's sampled draft and a copy give different (equally distributed) tokens, so a
-    # seeded request's draft may not depend on what other requests wrote.
-    assert "s" not in drafts and drafts["g"].token_ids == drafts["u"].token_ids == (15, 16, 17)
+def test_in_front_of_a_model_drafter_a_seeded_retry_copies_the_earlier_answer_and_keeps_its_text(tiny):
+    """A model drafter offers a seeded request its likeliest tokens (spec.tree.drafts_ranked), so the
+    request's text is plain sampling's for its seed whatever is drafted, and the copier in front
+    may draft it from earlier requests' outputs too: a retry with the same seed copies the answer
+    it gave before."""
+    prompts = [[1, 10, 11, 12, 13, 14, 3], [1, 20, 21, 22, 23, 24, 3]]
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    want = LLM("tiny", dtype="float32", checkpoint=tiny, profile_spec_costs=False).generate(prompts, params)
     llm = LLM("tiny", dtype="float32", checkpoint=tiny, profile_spec_costs=False, spec_method="draft",
-              draft_checkpoint=tiny)
-    copiers = getattr(llm.engine.proposer.copier, "copiers", [llm.engine.proposer.copier])
-    ngrams = [c for c in copiers if isinstance(c, NgramProposer)]
-    assert ngrams and not ngrams[0].served_for_seeded and ngrams[0].served is not None
+              draft_checkpoint=tiny, draft_num_layers=1, spec_policy="always")
+    first = llm.generate(prompts, params)
+    copied = llm.engine.proposer.num_copied
+    again = llm.generate(prompts, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again] == [o.token_ids for o in want]
+    assert llm.engine.proposer.num_copied - copied >= 4  # the retries drafted from the first answers

@@ -54,7 +54,7 @@ def _greedy(n=20, **kw):
 
 
 PROPOSERS = ["ngram", "reference", "reference-chain", "lookahead", "draft-truncated", "draft-full", "draft-restricted",
-             "draft-pmin", "eagle", "eagle-chain", "medusa", "mtp", "layerskip", "layerskip-chain", "copy-draft", "copy-eagle", "copy-auto",
+             "draft-pmin", "eagle", "medusa", "mtp", "layerskip", "layerskip-chain", "copy-draft", "copy-eagle", "copy-auto",
              "join-eagle", "join-copy-draft"]
 _HEADS: dict[tuple[int, str], str] = {}
 
@@ -223,8 +223,8 @@ def test_draft_stops_after_the_first_token_it_is_unsure_of():
     p_min = 0.1
     llm = _llm(ckpt, "draft", draft=ckpt, draft_num_layers=1, k=4, draft_p_min=p_min, spec_tree="chain", spec_copy="none")
     prop = llm.engine.proposer
-    reqs = [Request(str(i), [1, 5, 7, 5, 7, 5], SamplingParams(temperature=1.0, seed=i, max_tokens=8))
-            for i in range(64)]
+    # Unseeded: each request draws its own chain (a seeded one is offered the draft's likeliest tokens).
+    reqs = [Request(str(i), [1, 5, 7, 5, 7, 5], SamplingParams(temperature=1.0, max_tokens=8)) for i in range(64)]
     out = prop.propose(reqs, [4] * len(reqs))
     lengths = Counter()
     for r in reqs:
@@ -429,11 +429,11 @@ def test_tiny_sampled_distribution_matches(which):
 @pytest.mark.parametrize("which,tree", [("draft-truncated", "tree"), ("draft-truncated", "chain")])
 def test_seeded_sampled_speculation_draws_from_the_target_distribution(which, tree):
     """Seeded requests (each its own seed) with a model drafter: the same joint distribution as
-    plain sampling. A seeded request draws its accept coins, its recovery draws and its plain
-    draws from generators keyed by (seed + stream, position); torch's CPU generator kept only 32
-    bits of that key, so the three were one number and a rejected draft's recovery was drawn
-    from the top of the residual distribution (failed: position 1, chi-square p = 0 for chains
-    and 6e-24 for trees)."""
+    plain sampling, over 20,000 seeds. (Before model drafters offered seeded requests their
+    likeliest tokens, such requests drew accept coins and recovery draws from generators keyed by
+    (seed + stream, position); torch's CPU generator kept only 32 bits of that key, so the draws
+    were one number and a rejected draft's recovery came from the top of the residual
+    distribution: position 1, chi-square p = 0 for chains and 6e-24 for trees.)"""
     from conftest import tiny_checkpoint
 
     _, ckpt = tiny_checkpoint("llama", seed=9, vocab=12, layers=2)
@@ -499,11 +499,15 @@ def test_drafts_follow_logit_bias_and_min_tokens(tiny, tree):
         assert accepted >= 0.9 * reached > 0
 
 
-@pytest.mark.parametrize("which", ["ngram", "lookahead", "reference", "reference-chain"])
-def test_seeded_sampling_with_a_deterministic_proposer_emits_the_plain_text(tiny, which):
-    """Proposers without a draft distribution (one-hot candidates) are verified by coupling to the
-    plain draw, so a seeded sampled request emits exactly what decoding without speculation emits:
-    its text does not depend on whether, or what, the (timing-driven) adaptive policy drafted."""
+@pytest.mark.parametrize("which", ["ngram", "lookahead", "reference", "reference-chain", "draft-truncated", "draft-full",
+                                   "draft-pmin", "eagle", "medusa", "mtp", "layerskip", "layerskip-chain",
+                                   "copy-draft", "join-copy-draft"])
+def test_seeded_sampling_emits_the_plain_text_with_every_proposer(tiny, which):
+    """Candidates without a draft distribution are verified by coupling to the plain draw: proposers
+    that have none (prompt lookup, lookahead, reference text), and model drafters for seeded
+    requests, which they offer their likeliest tokens (spec.tree.drafts_ranked). So a seeded sampled
+    request emits exactly what decoding without speculation emits: its text does not depend on
+    whether, what or with which drafter the (timing-driven) adaptive policy drafted."""
     prompts = _tiny_prompts(24, seed=11)
     plain = [SamplingParams(max_tokens=16, temperature=0.5, top_p=0.95, top_k=40 if i % 2 else 0, seed=300 + i,
                             ignore_eos=True) for i in range(len(prompts))]
@@ -515,6 +519,7 @@ def test_seeded_sampling_with_a_deterministic_proposer_emits_the_plain_text(tiny
     llm = _spec_llm(tiny, which)
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.token_ids for o in llm.generate(prompts[:3], params[:3])] == [o.token_ids for o in want[:3]]  # alone
     eng = llm.engine
     assert eng.spec_counters["num_accepted_tokens"] > 0, "nothing was accepted: the test would be vacuous"
     assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks

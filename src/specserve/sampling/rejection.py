@@ -23,10 +23,12 @@ with that position's plain uniform u), keep x if the draw is x, else emit the dr
 P(keep) = q(x), and given a rejection the draw is distributed as q with x removed, so the two
 rules emit the same distribution; the second also emits *the same tokens* as decoding without
 speculation for the same uniforms. A seeded request drafted by n-gram, lookahead or reference
-text therefore gets the text it gets without speculation, whatever the adaptive policy decided
-(which depends on timing). The test "the draw is x" needs only the mass below x and the total
-(`mass_around`), not the row's cdf. Proposals with a distribution (a draft model) keep the
-rule above: its acceptance, sum min(p, q), is higher than a coupled draw's, sum p * q.
+text, or by a model drafter (which offers seeded requests its likeliest tokens, without their
+distribution: `spec.tree.drafts_ranked`), therefore gets the text it gets without speculation,
+whatever the adaptive policy decided (which depends on timing). The test "the draw is x" needs
+only the mass below x and the total (`mass_around`), not the row's cdf. Unseeded requests'
+proposals with a distribution keep the rule above: its acceptance, sum min(p, q), is higher
+than a drawn token's coupled to plain sampling, sum p * q, and than the draft's top token's, q(x).
 """
 
 from __future__ import annotations

@@ -41,8 +41,9 @@ stops. The child x_j is followed with probability q(x_j), as under the sequentia
 (q(x_1) + (1 - q(x_1)) * q(x_2) / (1 - q(x_1)) + ... = q(x_1) + q(x_2) + ...), and given that
 no child matched the draw is distributed as q without the children, which is r_{m+1}: the same
 distribution, and the tokens a step without a draft would emit for the same uniforms. So a
-seeded request's text does not depend on whether an n-gram, lookahead or reference tree was
-drafted for it (the adaptive policy's choice depends on timing).
+seeded request's text does not depend on whether an n-gram, lookahead or reference tree, or a
+model drafter's tree of its likeliest tokens (what model drafters offer seeded requests:
+`spec.tree.drafts_ranked`), was drafted for it (the adaptive policy's choice depends on timing).
 
 Randomness: a seeded request draws from generators keyed by (seed, output position, stream),
 so its output does not depend on how it was batched; the accept coins of one node's children

@@ -37,7 +37,6 @@ from specserve.sampling.penalties import drafter_logits
 from specserve.sampling.sampler import (
     SamplingMetadata,
     logits_to_probs,
-    request_generator,
     sample_from_probs,
 )
 from specserve.spec.policy import tree_depth
@@ -48,16 +47,12 @@ from specserve.spec.proposer import (
     ProposerTraits,
     register_proposer,
 )
-from specserve.spec.tree import DraftTree, SiblingDraw
-
-# Random stream of draft sampling, distinct from the target's streams for the same positions.
-STREAM_DRAFT = 3 << 40
-
+from specserve.spec.tree import DraftTree, SiblingDraw, drafts_ranked
 
 # Tree drafting (EAGLE-2's dynamic expansion): each pass feeds up to EXPAND_WIDTH unexpanded
 # nodes of highest path probability, each one only if the draft was sure of it (its own
 # probability >= draft_p_min, the chain's early stop) and the pass pays for itself, and gives
-# each its CHILDREN most likely tokens (or draws without replacement for sampled requests). The
+# each its CHILDREN most likely tokens (draws without replacement for unseeded sampled requests). The
 # unexpanded alternatives stay as leaves: where the draft is sure the tree is a chain, where it
 # is unsure it branches, for the price of the chain's passes. The draft keeps the best nodes
 # within the step's node budget (and the policy prunes what does not pay to verify).
@@ -201,7 +196,7 @@ class _TreeDraft:
         tokens = tuple(self.cands[c].token for c in nodes)
         parents = tuple(order[self.cands[c].parent] if self.cands[c].parent >= 0 else -1 for c in nodes)
         scores = tuple(self.cands[c].score for c in nodes)
-        if self.req.sampling_params.is_greedy:
+        if drafts_ranked(self.req.sampling_params):
             return DraftTree(tokens, parents, scores=scores)
         rows = sorted({self.cands[c].row for c in nodes})
         index = {r: i for i, r in enumerate(rows)}
@@ -220,9 +215,10 @@ def expand_rows(rows: Sequence[tuple[_TreeDraft, int]], logits: torch.Tensor, ge
                 device: torch.device, children: int = CHILDREN) -> None:  # logits: [len(rows), V]
     """Give each (tree t, candidate parent) of `rows` (parent -1: the root) its children from
     the drafter's next-token logits in the same row: the `children` most likely tokens for a
-    greedy request (deterministic candidates), else draws without replacement from the processed
-    distribution (seeded requests draw from a stream of their own, so the draft does not depend
-    on the batch). The rows are processed together: one softmax, top-k and draw for the pass,
+    greedy request (deterministic candidates, scored by the softmax of the logits), the
+    `children` most likely of the processed distribution for a seeded sampled one (`drafts_ranked`:
+    its text is then plain sampling's), else draws without replacement from the processed
+    distribution. The rows are processed together: one softmax, top-k and draw for the pass,
     where a pass over a batch of trees would otherwise pay a dozen small operations per row."""
     if not rows:
         return
@@ -244,20 +240,21 @@ def expand_rows(rows: Sequence[tuple[_TreeDraft, int]], logits: torch.Tensor, ge
         p = logits_to_probs(logits if len(s_rows) == len(rows) else logits[s_rows], meta.temperature, meta.top_k,
                             meta.top_p, meta.any_top_k, meta.any_top_p, meta.min_p, meta.any_min_p)
         n = (p > 0).sum(-1).clamp(max=children).tolist()
-        shared = [i for i, q in enumerate(reqs) if q.sampling_params.seed is None and n[i] == children]
+        ranked = [i for i, q in enumerate(reqs) if drafts_ranked(q.sampling_params)]
+        if ranked:  # seeded: the likeliest tokens, no distribution kept (verified as deterministic candidates)
+            values, ids = torch.topk(p[ranked], min(children, p.shape[-1]), dim=-1)
+            for i, toks, vals in zip(ranked, ids.tolist(), values.tolist()):
+                picks[s_rows[i]] = list(zip(toks[: n[i]], vals[: n[i]]))
+        shared = [i for i, q in enumerate(reqs) if i not in ranked and n[i] == children]
         drawn: dict[int, list[int]] = {}
         if shared:  # unseeded rows with enough support: one draw for them all
             sel = torch.tensor(shared)
             drawn = dict(zip(shared, torch.multinomial(p[sel], children, replacement=False, generator=generator).tolist()))
-        for i, q in enumerate(reqs):
+        for i in range(len(reqs)):
+            if i in ranked:
+                continue
             if i not in drawn:
-                g = generator
-                seed = q.sampling_params.seed
-                if seed is not None:  # the same draft wherever the request is batched
-                    _, parent = rows[s_rows[i]]
-                    g = request_generator(seed + STREAM_DRAFT + 7919 * (parent + 2), q.num_output_tokens + depths[s_rows[i]],
-                                          device)
-                drawn[i] = torch.multinomial(p[i], n[i], replacement=False, generator=g).tolist()
+                drawn[i] = torch.multinomial(p[i], n[i], replacement=False, generator=generator).tolist()
             vals = p[i, drawn[i]].tolist()
             picks[s_rows[i]] = list(zip(drawn[i], vals))
             probs[s_rows[i]] = p[i]
@@ -500,7 +497,7 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
             for i, (req, seq, k) in enumerate(step_reqs):
                 rid = req.request_id
                 drafts[rid].append(toks[i])
-                if rows is not None and not req.sampling_params.is_greedy:
+                if rows is not None and not drafts_ranked(req.sampling_params):
                     probs[rid].append(rows[i])
                 if j + 1 < k and not unsure[i]:
                     fed = list(seq.fed.token_ids) if seq.fed is not None else []
@@ -717,17 +714,18 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
     def _sample(
         self, logits: torch.Tensor, step_reqs: list[tuple[Request, _DraftSeq, int]], j: int
     ) -> tuple[list[int], torch.Tensor | None]:
-        """Draft token j of each request: argmax for greedy requests, else a draw from the
-        processed draft distribution p (whose rows are returned for the rejection test)."""
+        """Draft token j of each request: the argmax for greedy and seeded requests (`drafts_ranked`),
+        else a draw from the processed draft distribution p. The processed rows are returned for
+        the rejection test and the p_min stop."""
         params = [req.sampling_params for req, _, _ in step_reqs]
         steps = [req.num_output_tokens + j for req, _, _ in step_reqs]
         meta = SamplingMetadata.build(params, steps, self.device)
-        greedy = row_argmax(logits)
+        toks = row_argmax(logits)
         if meta.all_greedy:
-            return greedy.tolist(), None
+            return toks.tolist(), None
         p = logits_to_probs(logits, meta.temperature, meta.top_k, meta.top_p, meta.any_top_k, meta.any_top_p,
                             meta.min_p, meta.any_min_p)
-        seeds = [None if s is None else s + STREAM_DRAFT for s in meta.seeds]
-        sampled = sample_from_probs(p, seeds, steps, self.generator)
-        toks = torch.where(meta.greedy, greedy, sampled)
+        drawn = [i for i, q in enumerate(params) if not drafts_ranked(q)]
+        if drawn:  # unseeded sampled rows: one shared generator
+            toks[drawn] = sample_from_probs(p[drawn], [None] * len(drawn), [steps[i] for i in drawn], self.generator)
         return toks.tolist(), p

@@ -32,7 +32,6 @@ class ProposerContext:
     target_num_blocks: int
     draft_checkpoint: object | None = None  # tests: an already loaded draft checkpoint
     target_runner: object | None = None  # the target's ModelRunner (feature-level drafters share its embedding and head)
-    copier: bool = False  # built as a copier in front of a model drafter (specserve.spec.hybrid)
     target_block_ids: Callable[[str], list[int]] | None = None  # a request's target block table (read only)
 
 
@@ -46,7 +45,7 @@ def _build_ngram(ctx: ProposerContext) -> Proposer:
     from specserve.spec.ngram import NgramProposer
 
     return NgramProposer(ctx.spec.ngram_min, ctx.spec.ngram_max, tree=ctx.spec.use_trees(NgramProposer.traits.tree_by_default),
-                         served=_served(ctx), served_for_seeded=not ctx.copier)
+                         served=_served(ctx))
 
 
 def _build_reference(ctx: ProposerContext) -> Proposer:
@@ -319,7 +318,7 @@ def _with_copier(ctx: ProposerContext, drafter: Proposer, names: tuple[str, ...]
     from specserve.spec.hybrid import FirstOf, HybridProposer
 
     n = ctx.spec.copy_min_match
-    sub = replace(ctx, spec=replace(ctx.spec, ngram_min=n, ngram_max=max(n, ctx.spec.ngram_max)), copier=True)
+    sub = replace(ctx, spec=replace(ctx.spec, ngram_min=n, ngram_max=max(n, ctx.spec.ngram_max)))
     copiers = [COPIER_BUILDERS[name](sub) for name in names]
     copier = copiers[0] if len(copiers) == 1 else FirstOf(copiers)
     return HybridProposer(copier, drafter, "+".join(names), n, _largest_draft(ctx.spec))

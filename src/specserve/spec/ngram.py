@@ -53,15 +53,11 @@ class NgramProposer(ServedSource, Proposer):
                             prior_acceptance=0.5, scores_predict_acceptance=True)
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4, tree: bool = True,
-                 served: ServedOutputs | None = None, served_for_seeded: bool = True) -> None:
+                 served: ServedOutputs | None = None) -> None:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self.tree = tree
         self.served = served
-        # False in front of a model drafter: there a copy instead of the model's sampled draft
-        # changes which (equally distributed) tokens a sampled request gets, so a seeded one is
-        # copied from its own text only and its tokens stay a function of its context and seed.
-        self.served_for_seeded = served_for_seeded
         self.copies = CopyTrust(("own", "served"))
         self._arrays: dict[str, TokenArray] = {}  # each request's text as an array, grown as it grows
         self._edits: dict[str, EditTracker] = {}  # what each request's output changes in the text it copies
@@ -95,8 +91,7 @@ class NgramProposer(ServedSource, Proposer):
             arr = mirror.view(text)
             n, starts = suffix_matches(arr, arr, self.ngram_min, self.ngram_max, exclude_tail=True)
             own = shared_length(text, starts[-MATCHES_MEASURED:].tolist(), text) if n else 0
-            use_served = self.served is not None and (self.served_for_seeded or p.seed is None or p.temperature == 0)
-            shared, served = self.served.continuations(toks, k) if use_served else (0, [])
+            shared, served = self.served.continuations(toks, k) if self.served is not None else (0, [])
             edits = self._edits.get(req.request_id)
             if edits is None:
                 edits = self._edits[req.request_id] = EditTracker()

@@ -20,8 +20,12 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from specserve.sampling_params import SamplingParams
 
 
 @functools.lru_cache(maxsize=4096)
@@ -42,6 +46,24 @@ class SiblingDraw(enum.Enum):
     IID = "iid"
     # Child j drawn from p with children 1..j-1 removed and renormalised (Gumbel top-k).
     WITHOUT_REPLACEMENT = "without_replacement"
+
+
+def drafts_ranked(params: SamplingParams) -> bool:
+    """Whether a model drafter (draft model, EAGLE, Medusa, MTP, layer skip) offers a request the
+    likeliest tokens of its distribution (deterministic candidates) rather than draws from it:
+    greedy requests, and seeded sampled ones.
+
+    Deterministic candidates are verified by coupling to the draw plain sampling makes at each
+    position (specserve.sampling.tree_rejection), so a seeded request emits the text plain
+    sampling gives for its seed, whatever was drafted, by which drafter, and whether the
+    adaptive policy (whose choices depend on timing) drafted at all. With sampled drafts its
+    text was one draw of the right distribution, but another one whenever a step drafted
+    otherwise: run after run it changed. The price is some acceptance where a node has one
+    child (the top token is accepted with probability q(x); a drawn one with 1 - TV(p, q)):
+    at depth 1, T 0.7 / top-p 0.9, one child 0.826 against 0.843 (Qwen2.5-Coder 0.5B -> 1.5B,
+    coding), 0.640 against 0.666 (prose), 0.257 against 0.281 (SmolLM2's EAGLE head, prose);
+    with 3-4 children within 0.02. Unseeded requests keep the drawn candidates."""
+    return params.is_greedy or params.seed is not None
 
 
 @dataclass(frozen=True, eq=False)
