@@ -27,8 +27,8 @@ text, or by a model drafter (which offers seeded requests its likeliest tokens, 
 distribution: `spec.tree.drafts_ranked`), therefore gets the text it gets without speculation,
 whatever the adaptive policy decided (which depends on timing). The test "the draw is x" needs
 only the mass below x and the total (`mass_around`), not the row's cdf. Unseeded requests'
-proposals with a distribution keep the rule above: its acceptance, sum min(p, q), is higher
-than a drawn token's coupled to plain sampling, sum p * q, and than the draft's top token's, q(x).
+drawn chains keep the rule above: its acceptance, sum min(p, q), is higher than a drawn token's
+coupled to plain sampling, sum p * q, and than the draft's top token's, q(x).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from specserve.request import Request
 from specserve.sampling.penalties import drafter_logits
 from specserve.sampling.sampler import (
     SamplingMetadata,
+    draw_without_replacement,
     logits_to_probs,
     sample_from_probs,
 )
@@ -52,7 +53,7 @@ from specserve.spec.tree import DraftTree, SiblingDraw, drafts_ranked
 # Tree drafting (EAGLE-2's dynamic expansion): each pass feeds up to EXPAND_WIDTH unexpanded
 # nodes of highest path probability, each one only if the draft was sure of it (its own
 # probability >= draft_p_min, the chain's early stop) and the pass pays for itself, and gives
-# each its CHILDREN most likely tokens (draws without replacement for unseeded sampled requests). The
+# each its CHILDREN most likely tokens (drafts_ranked; an unseeded sampled chain draws its one). The
 # unexpanded alternatives stay as leaves: where the draft is sure the tree is a chain, where it
 # is unsure it branches, for the price of the chain's passes. The draft keeps the best nodes
 # within the step's node budget (and the policy prunes what does not pay to verify).
@@ -196,7 +197,7 @@ class _TreeDraft:
         tokens = tuple(self.cands[c].token for c in nodes)
         parents = tuple(order[self.cands[c].parent] if self.cands[c].parent >= 0 else -1 for c in nodes)
         scores = tuple(self.cands[c].score for c in nodes)
-        if drafts_ranked(self.req.sampling_params):
+        if all(d is None for d in self.dists):  # ranked candidates (drafts_ranked): deterministic
             return DraftTree(tokens, parents, scores=scores)
         rows = sorted({self.cands[c].row for c in nodes})
         index = {r: i for i, r in enumerate(rows)}
@@ -216,10 +217,10 @@ def expand_rows(rows: Sequence[tuple[_TreeDraft, int]], logits: torch.Tensor, ge
     """Give each (tree t, candidate parent) of `rows` (parent -1: the root) its children from
     the drafter's next-token logits in the same row: the `children` most likely tokens for a
     greedy request (deterministic candidates, scored by the softmax of the logits), the
-    `children` most likely of the processed distribution for a seeded sampled one (`drafts_ranked`:
-    its text is then plain sampling's), else draws without replacement from the processed
-    distribution. The rows are processed together: one softmax, top-k and draw for the pass,
-    where a pass over a batch of trees would otherwise pay a dozen small operations per row."""
+    `children` most likely of the processed distribution for a sampled one in a tree or a seeded
+    one (`drafts_ranked`), else (an unseeded chain) a draw from the processed distribution. The
+    rows are processed together: one softmax, top-k and draw for the pass, where a pass over a
+    batch of trees would otherwise pay a dozen small operations per row."""
     if not rows:
         return
     depths = [t.depth(parent) + 1 for t, parent in rows]
@@ -240,24 +241,17 @@ def expand_rows(rows: Sequence[tuple[_TreeDraft, int]], logits: torch.Tensor, ge
         p = logits_to_probs(logits if len(s_rows) == len(rows) else logits[s_rows], meta.temperature, meta.top_k,
                             meta.top_p, meta.any_top_k, meta.any_top_p, meta.min_p, meta.any_min_p)
         n = (p > 0).sum(-1).clamp(max=children).tolist()
-        ranked = [i for i, q in enumerate(reqs) if drafts_ranked(q.sampling_params)]
-        if ranked:  # seeded: the likeliest tokens, no distribution kept (verified as deterministic candidates)
+        ranked = [i for i, q in enumerate(reqs) if drafts_ranked(q.sampling_params, children)]
+        if ranked:  # the likeliest tokens, no distribution kept (verified as deterministic candidates)
             values, ids = torch.topk(p[ranked], min(children, p.shape[-1]), dim=-1)
             for i, toks, vals in zip(ranked, ids.tolist(), values.tolist()):
                 picks[s_rows[i]] = list(zip(toks[: n[i]], vals[: n[i]]))
-        shared = [i for i, q in enumerate(reqs) if i not in ranked and n[i] == children]
-        drawn: dict[int, list[int]] = {}
-        if shared:  # unseeded rows with enough support: one draw for them all
-            sel = torch.tensor(shared)
-            drawn = dict(zip(shared, torch.multinomial(p[sel], children, replacement=False, generator=generator).tolist()))
-        for i in range(len(reqs)):
-            if i in ranked:
-                continue
-            if i not in drawn:
-                drawn[i] = torch.multinomial(p[i], n[i], replacement=False, generator=generator).tolist()
-            vals = p[i, drawn[i]].tolist()
-            picks[s_rows[i]] = list(zip(drawn[i], vals))
-            probs[s_rows[i]] = p[i]
+        drawn = [i for i in range(len(reqs)) if i not in ranked]  # an unseeded chain: its next token drawn
+        if drawn:
+            sel = torch.tensor(drawn)
+            for i, toks in zip(drawn, draw_without_replacement(p[sel], [n[i] for i in drawn], generator)):
+                picks[s_rows[i]] = list(zip(toks, p[i, toks].tolist()))
+                probs[s_rows[i]] = p[i]
     for (t, parent), dist, pk in zip(rows, probs, picks):
         t.add_children(parent, dist, pk)
 
@@ -646,9 +640,9 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
         the draft's probabilities along the path), each one's KV written after the nodes fed
         before it and masked to its ancestors; each fed node gets CHILDREN candidate children.
         The draft then keeps the budget nodes of highest path probability, a node only with its
-        parent and its earlier siblings (children drawn without replacement are verified in
-        draw order). Greedy requests take the most likely tokens (deterministic candidates);
-        sampled ones draw children without replacement from the processed distribution.
+        parent and its earlier siblings. Every request's children are the most likely tokens
+        (deterministic candidates, `drafts_ranked`: the logits' for greedy requests, the processed
+        distribution's for sampled ones), which keeps the cut exact.
         """
         t0 = time.perf_counter()
         trees: list[_TreeDraft] = []

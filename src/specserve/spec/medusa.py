@@ -6,8 +6,9 @@ frequent rows) turns h_d into a distribution of x_{t+1+d}. No KV cache, one batc
 step for every head: cheaper than EAGLE, but a head never sees the tokens between, so its guesses
 are independent per depth. The tree takes each depth's most likely tokens under the most likely
 nodes of the depth before (the product of the heads' probabilities scores a path), the budget
-best kept; verification is exact as for any drafter (greedy: deterministic candidates; sampled:
-children drawn without replacement from the head's processed distribution).
+best kept; verification is exact as for any drafter: trees hold each head's likeliest tokens of
+its processed distribution (deterministic candidates, `spec.tree.drafts_ranked`), a chain of an
+unseeded sampled request its draws.
 """
 
 from __future__ import annotations
