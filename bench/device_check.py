@@ -7,7 +7,7 @@ One prepared run for a lent GPU (it also runs on the CPU, which is how it is che
           layerskip and EAGLE / MTP / Medusa heads (random ones on the tiny model), and with a real
           model the reference proposer and a trained EAGLE head; the KV pool is whole afterwards.
           On a tiny random model (built here, no download) and, when given, a real one. Seeded
-          sampled runs with a deterministic proposer emit plain decoding's tokens.
+          sampled runs with a deterministic proposer or a draft model emit plain decoding's tokens.
   sampling the verifiers on the device's tensors and generator: chain rejection sampling is
           exact (chi-square, 10^6 draws, drafts from p and one-hot), and one-hot chains and trees
           are coupled to the plain sampler's draws for a seed.
@@ -357,7 +357,8 @@ def _features_exact(kw: dict, prompts: list, draft: Any) -> list[dict]:
     }.items():
         run_case(results, name, lambda extra=extra: sampled(extra))
 
-    # A deterministic proposer's drafts are coupled to the plain draw: a seeded sampled request
+    # A deterministic proposer's drafts, and a model drafter's for a seeded request (its likeliest
+    # tokens: spec.tree.drafts_ranked), are coupled to the plain draw: a seeded sampled request
     # emits the tokens plain decoding emits with the same seed, whatever was drafted.
     seeded = [
         SamplingParams(max_tokens=24, temperature=0.5, top_p=0.95, top_k=40 if i % 2 else 0,
@@ -377,6 +378,10 @@ def _features_exact(kw: dict, prompts: list, draft: Any) -> list[dict]:
         ("tiny seeded sampled ngram chain == plain", dict(spec_method="ngram", spec_tree="chain"), seeded),
         ("tiny seeded sampled lookahead == plain", dict(spec_method="lookahead"), seeded),
         ("tiny seeded sampled reference tree == plain", dict(spec_method="reference"), with_ref),
+        ("tiny seeded sampled draft model tree == plain",
+         dict(spec_method="draft", draft_checkpoint=draft, spec_tree="tree"), seeded),
+        ("tiny seeded sampled draft model chain == plain",
+         dict(spec_method="draft", draft_checkpoint=draft, spec_tree="chain"), seeded),
     ):
         run_case(
             results,
