@@ -1223,3 +1223,52 @@ def test_seeded_sampling_with_spec_is_reproducible(smollm_checkpoint, seed):
     torch.manual_seed(123)  # global RNG state must not matter
     c = llm.generate(["Tell me about the sea."], p)
     assert c[0].token_ids == a[0].token_ids
+
+
+def _mixed_params(prompts, outputs=None):
+    """A batch of request settings that each change the rows a request samples from: greedy,
+    stop ids, penalties, logit_bias, min_tokens, logprobs, seeded sampling, a reference text."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        base = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+        kind = i % 8
+        if kind == 1:
+            base.update(stop_token_ids=[7, 9], ignore_eos=False)
+        elif kind == 2:
+            base.update(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+        elif kind == 3:
+            base.update(logit_bias={5: -100.0, 11: 4.0})
+        elif kind == 4:
+            base.update(min_tokens=20, stop_token_ids=[3, 4, 5], ignore_eos=False)
+        elif kind == 5:
+            base.update(logprobs=True, top_logprobs=2)
+        elif kind == 6:
+            base.update(temperature=0.8, top_k=40, top_p=0.9, seed=500 + i)
+        elif kind == 7 and outputs is not None:
+            base.update(reference_token_ids=list(prompt) + list(outputs[i].token_ids))
+        out.append(SamplingParams(**base))
+    return out
+
+
+@pytest.mark.parametrize("which", ["ngram", "lookahead", "draft-truncated", "eagle", "medusa", "layerskip-chain",
+                                   "copy-draft"])
+def test_mixed_request_settings_under_preemption_emit_plain_decodings_tokens(tiny, which):
+    """Every request setting that changes a row (penalties, bias, min_tokens, stop ids, logprobs,
+    seeded sampling, a reference) at once, in a KV pool small enough that requests are preempted
+    and recomputed while they speculate: the same tokens (and logprobs) as plain decoding with room
+    to spare, and every block back afterwards."""
+    prompts = _tiny_prompts(16, seed=21)
+    want = _llm(tiny).generate(prompts, _mixed_params(prompts))
+    params = _mixed_params(prompts, want)
+    want = _llm(tiny).generate(prompts, params)
+    llm = _spec_llm(tiny, which, num_kv_blocks=14, max_num_seqs=16)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip((o.outputs[0] for o in got), (o.outputs[0] for o in want)):
+        assert (g.logprobs is None) == (w.logprobs is None)
+        if g.logprobs is not None:
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+    eng = llm.engine
+    assert eng.scheduler.num_preemptions > 0, "nothing was preempted: the pool is not small enough"
+    assert eng.spec_counters["num_accepted_tokens"] > 0
+    assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
