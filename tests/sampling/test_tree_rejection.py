@@ -282,24 +282,3 @@ def test_mass_around_takes_the_same_sums_for_few_rows_and_many():
     is_x = (t > lo_many) & (t <= lo_many + probs[torch.arange(200), x].double())
     assert torch.equal(is_x, inverse_cdf(probs, u) == x)
 
-
-def test_draws_without_replacement_follow_the_sequential_distribution():
-    """draw_without_replacement (the model drafters' unseeded children): the first token from p,
-    the second from p without the first, renormalised; a row asked for fewer tokens, or for as
-    many as its support, gets that many distinct tokens of its support."""
-    from itertools import permutations
-
-    from specserve.sampling.sampler import draw_without_replacement
-
-    p = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
-    n = 60_000
-    g = torch.Generator().manual_seed(0)
-    pairs = draw_without_replacement(p.expand(n, -1), [2] * n, g)
-    cells = list(permutations(range(4), 2))
-    seen = torch.zeros(len(cells))
-    for a, b in pairs:
-        seen[cells.index((a, b))] += 1
-    want = torch.tensor([float(p[a] * p[b] / (1 - p[a])) for a, b in cells]) * n
-    assert chisquare(seen.numpy(), want.numpy()).pvalue > 1e-3
-    mixed = draw_without_replacement(torch.stack([p, p, torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0])]), [4, 1, 1], g)
-    assert sorted(mixed[0]) == [0, 1, 2, 3] and len(mixed[1]) == 1 and mixed[2] == [2]

@@ -36,7 +36,6 @@ from specserve.request import Request
 from specserve.sampling.penalties import drafter_logits
 from specserve.sampling.sampler import (
     SamplingMetadata,
-    draw_without_replacement,
     logits_to_probs,
     sample_from_probs,
 )
@@ -241,16 +240,17 @@ def expand_rows(rows: Sequence[tuple[_TreeDraft, int]], logits: torch.Tensor, ge
         p = logits_to_probs(logits if len(s_rows) == len(rows) else logits[s_rows], meta.temperature, meta.top_k,
                             meta.top_p, meta.any_top_k, meta.any_top_p, meta.min_p, meta.any_min_p)
         n = (p > 0).sum(-1).clamp(max=children).tolist()
-        ranked = [i for i, q in enumerate(reqs) if drafts_ranked(q.sampling_params, children)]
+        is_ranked = [drafts_ranked(q.sampling_params, children) for q in reqs]
+        ranked = [i for i, r in enumerate(is_ranked) if r]
         if ranked:  # the likeliest tokens, no distribution kept (verified as deterministic candidates)
             values, ids = torch.topk(p[ranked], min(children, p.shape[-1]), dim=-1)
             for i, toks, vals in zip(ranked, ids.tolist(), values.tolist()):
                 picks[s_rows[i]] = list(zip(toks[: n[i]], vals[: n[i]]))
-        drawn = [i for i in range(len(reqs)) if i not in ranked]  # an unseeded chain: its next token drawn
+        drawn = [i for i, r in enumerate(is_ranked) if not r]  # unseeded chains (one child): the next token drawn
         if drawn:
-            sel = torch.tensor(drawn)
-            for i, toks in zip(drawn, draw_without_replacement(p[sel], [n[i] for i in drawn], generator)):
-                picks[s_rows[i]] = list(zip(toks, p[i, toks].tolist()))
+            toks = sample_from_probs(p[drawn], [None] * len(drawn), [0] * len(drawn), generator).tolist()
+            for i, tok in zip(drawn, toks):
+                picks[s_rows[i]] = [(tok, float(p[i, tok]))]
                 probs[s_rows[i]] = p[i]
     for (t, parent), dist, pk in zip(rows, probs, picks):
         t.add_children(parent, dist, pk)
