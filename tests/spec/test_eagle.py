@@ -280,6 +280,11 @@ def test_a_head_for_another_target_or_no_head_is_refused(tiny, tmp_path):
         LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="eagle", draft_model=str(path))
     with pytest.raises(ConfigError, match="train-draft"):
         LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="eagle", draft_model=str(tmp_path / "none.safetensors"))
+    with pytest.MonkeyPatch.context() as mp:  # nothing in the cache: the message names the command for this method
+        mp.setenv("SPECSERVE_CACHE", str(tmp_path / "empty-cache"))
+        for method in ("eagle", "medusa", "mtp"):
+            with pytest.raises(ConfigError, match=f"`specserve train-draft --method {method} --model tiny`"):
+                LLM("tiny", dtype="float32", checkpoint=tiny, spec_method=method)
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a safetensors file at all")
     with pytest.raises(ConfigError, match="not a readable"):

@@ -325,14 +325,14 @@ def _write_head_file(path: str | Path, tensors: dict[str, torch.Tensor], meta: d
     tmp.replace(path)
 
 
-def load_head_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+def load_head_file(path: str | Path, method: str = "eagle") -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, card) of a head file, refusing what is not one."""
     from safetensors import safe_open
 
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"No drafter head at {path}; train one with `specserve train-draft --method eagle --model M "
-                          f"--out {path}`.")
+        raise ConfigError(f"No drafter head at {path}; train one with `specserve train-draft --method {method} "
+                          f"--model M --out {path}`.")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -777,7 +777,7 @@ def load_head_for(path: str | Path, method: str, target_fp: str | tuple[str, ...
     (any of them, for a tuple: target_fingerprints) (or, for mtp, a checkpoint's own MTP module:
     its shapes are checked, it carries no fingerprint)."""
     accepted = (target_fp,) if isinstance(target_fp, str) else tuple(target_fp)
-    tensors, card = load_head_file(path)
+    tensors, card = load_head_file(path, method)
     if card.get("imported") and method == "mtp":
         return tensors, card
     if card.get("method") != method:

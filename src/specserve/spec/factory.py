@@ -139,6 +139,11 @@ def _head_for_target(ctx: ProposerContext, method: str) -> tuple[object, tuple[s
     path = ctx.spec.draft_model
     if path in (None, "auto"):
         path = default_head_path(fp[0], method)
+        if method != "layerskip" and not path.is_file():  # (layer skip runs without a fitted exit)
+            raise ConfigError(
+                f"--spec-method {method} reads a {method} head trained for {ctx.model.model}, and the cache holds none "
+                f"({path}). Train it once (minutes for SmolLM2): `specserve train-draft --method {method} --model "
+                f"{ctx.model.model}`, or pass --draft-model FILE.")
     quantize = ctx.model.block_weights and getattr(runner, "native_ops", False)
     return runner, fp, path, quantize
 
