@@ -157,6 +157,41 @@ def test_the_head_receives_the_targets_features_of_verified_tokens_only(tiny, tm
     assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
 
 
+def test_requests_that_opt_out_of_speculation_cost_the_head_nothing(tiny, tmp_path):
+    """speculative=False: the step keeps none of the request's features and asks neither the copier
+    nor the cost model (SmolLM2 + EAGLE served such requests at 0.91x the plain engine's tokens/s);
+    beside a request that speculates, that one's features still arrive, every token, and both
+    outputs equal plain decoding's."""
+    from conftest import make_head_file
+
+    path = make_head_file(tiny, tmp_path / "h.safetensors")
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="eagle", draft_model=str(path),
+              num_spec_tokens=4, profile_spec_costs=False)
+    eng = llm.engine
+    seen = _record_features(eng.proposer)
+    asked = []
+    for name in ("free_drafts", "propose"):
+        orig = getattr(eng.proposer, name)
+        setattr(eng.proposer, name, lambda *a, _o=orig, _n=name: asked.append(_n) or _o(*a))
+    prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [40, 41, 42, 40, 41]]
+    off = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, speculative=False)
+    plain = LLM("tiny", dtype="float32", checkpoint=tiny).generate(prompts, off)
+    outs = llm.generate(prompts, off)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert seen == {} and asked == [] and eng.spec_counters["num_drafts"] == 0
+
+    always = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="eagle", draft_model=str(path),
+                 spec_policy="always", num_spec_tokens=4, profile_spec_costs=False)
+    seen = _record_features(always.engine.proposer)
+    on = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outs = always.generate(prompts, [off, on])
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert list(seen) == [outs[1].request_id]
+    n = len(outs[1].prompt_token_ids) + len(outs[1].outputs[0].token_ids) - 1
+    assert set(range(n)) <= set(seen[outs[1].request_id])
+    assert always.engine.spec_counters["num_drafts"] > 0 and always.engine.check_integrity()
+
+
 def test_a_fusing_head_reads_the_targets_residual_streams_and_stays_exact(tmp_path):
     """EAGLE-3's fusion: the head is handed, per verified token, the target's residual streams
     after its feature layers beside the last hidden state (the same rows a plain forward computes),

@@ -940,7 +940,10 @@ class LLMEngine:
         """Ask the policy for K per decoding request and the proposer for that many drafts."""
         decoding = [r for r in self.scheduler.running if r.is_decoding]
         self._copied = set()
-        if not decoding:
+        if not any(r.sampling_params.speculative is not False for r in decoding):
+            # Every decoding request opted out (or none decodes): the copier and the cost model
+            # would be asked for nothing. SmolLM2 + EAGLE, 8 prose asks sent with speculative=False:
+            # asking them cost ~0.2 ms of a 3.4 ms step (0.91x the plain engine's tokens/s).
             return
         prefill_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.running if not r.is_decoding)
         other = min(prefill_tokens, self.config.scheduler.max_num_batched_tokens)

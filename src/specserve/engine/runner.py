@@ -282,6 +282,7 @@ class ModelRunner:
         self.kept_hidden: torch.Tensor | None = None
         self._prompt_logprobs: dict[str, tuple[int, list[float], list[list[tuple[int, float]]]]] = {}
         self._last_hidden_states: torch.Tensor | None = None
+        self._features_wanted = True  # execute() clears it for a step whose requests all opted out
         self.connector: StepConnector | None = None  # disaggregation: KV in or out per layer
         self.step_graphs: StepGraphs | None = None
         if graphs:
@@ -430,7 +431,7 @@ class ModelRunner:
         (and keep the last hidden states of `keep_rows` in self.kept_hidden)."""
         t0 = time.perf_counter()
         hidden = self._decoder_output(inputs)
-        self._last_hidden_states = self._features(hidden) if self.capture_hidden else None
+        self._last_hidden_states = self._features(hidden) if self.capture_hidden and self._features_wanted else None
         self.kept_hidden = hidden.index_select(0, keep_rows) if keep_rows is not None else None
         logits = self.model.compute_logits(hidden if inputs.every_row else hidden.index_select(0, inputs.logits_index))
         if self.device.type == "cuda":
@@ -513,6 +514,12 @@ class ModelRunner:
             else:
                 self._finish_loads(loader, out)
                 loader = None
+        # Features only where a drafter may read them: not for requests that opted out of
+        # speculation (speculative=False), unless train-draft's sink or a connector (the head's
+        # prompt KV travels to decode workers) takes every request's.
+        self._features_wanted = self.capture_hidden and (
+            self.hidden_sink is not None or self.connector is not None
+            or any(sr.sampling_params.speculative is not False for sr in out.scheduled))
         prompt_rows = self._prompt_logprob_rows(out)
         keep = None
         if prompt_rows:
@@ -520,6 +527,7 @@ class ModelRunner:
         try:
             logits = self.forward_logits(inputs, keep)
         finally:
+            self._features_wanted = True
             self.model.model.layer_hooks = None
             self.model.model.layer_wait = None
             if loader is not None:  # every layer of every block is written (or failed) even if the forward raised
@@ -615,8 +623,12 @@ class ModelRunner:
         rows: list[int] = []
         spans: list[tuple[str, int, int, int]] = []  # (request, start position, first row, count)
         base = 0
+        everyone = self.hidden_sink is not None or self.connector is not None
         for sr in out.scheduled:
             n, k = len(sr.token_ids), sr.num_spec_tokens
+            if not everyone and sr.sampling_params.speculative is False:  # never drafts: nothing to keep
+                base += n
+                continue
             first = len(rows)
             rows.extend(range(base, base + n - k))
             st = sampled.get(sr.request_id)
