@@ -269,3 +269,62 @@ def test_native_inverse_cdf_draws_the_index_torch_draws():
     assert not k.inverse_cdf_rows(torch.tensor([[0.5, float("nan")]]), one)[1]
     nan_row = torch.tensor([[0.5, float("nan"), 0.5]])
     assert torch.equal(sampler.inverse_cdf(nan_row, one), by_torch(nan_row, one))
+
+
+def test_kept_tokens_softmax_and_the_fused_draw_are_the_two_step_paths_bit_for_bit():
+    """Where a row keeps a short known list of tokens (a top-k of at most 256, a nucleus that closes
+    among the 256 best) the kernel exponentiates only those: the probabilities equal the dense
+    softmax of the truncated logits bit for bit (same exp per value, same float64 association).
+    `sample_rows` (the sampler's draw without drafts) returns the index inverse_cdf_rows gives on
+    truncate_rows' probabilities for the same uniforms, every row, greedy-tempered rows included,
+    and each row's token does not depend on its batch."""
+    k = _native()
+    g = torch.Generator().manual_seed(31)
+    for vocab in (9, 17, 1000, 49152):
+        logits = torch.randn(12, vocab, generator=g) * torch.tensor([0.3, 1.0, 3.0, 12.0]).repeat(3)[:, None]
+        logits[0, :3] += 9
+        logits[1] = logits[1].round()  # ties at the cut
+        logits[2, 5] = float("-inf")
+        rows = logits.shape[0]
+        top_k = torch.tensor([0, 1, 3, 40, 64, 65, 256, 257, 0, 0, 5, 0])[:rows]
+        top_p = torch.tensor([0.9, 1.0, 0.95, 1.0, 0.5, 0.9, 1.0, 0.99, 0.999, 1.0, 0.8, 0.3])[:rows]
+        min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.0, 0.02])[:rows]
+        temp = torch.tensor([0.7, 1.0, 1.3, 0.0, 0.5, 2.0, 0.7, 1.0, 0.9, 0.7, 1.1, 0.6])[:rows]
+        tempered = torch.where(temp < 1e-5, torch.ones_like(temp), temp)
+        probs, ok = k.truncate_rows(logits, tempered, top_k, top_p, min_p, True)
+        kept, ok2 = k.truncate_rows(logits, tempered, top_k, top_p, min_p, False)
+        ones = torch.ones(rows)
+        dense, ok3 = k.truncate_rows(kept, ones, torch.zeros(rows, dtype=torch.long), ones, torch.zeros(rows), True)
+        assert ok and ok2 and ok3 and torch.equal(probs, dense)
+        for _ in range(20):
+            u = 1.0 - torch.rand(rows, dtype=torch.float64, generator=g)
+            want, ok4 = k.inverse_cdf_rows(probs, u)
+            got, ok5 = k.sample_rows(logits, temp, top_k, top_p, min_p, u, 1e-5)
+            assert ok4 and ok5 and torch.equal(got, want)
+            alone = [int(k.sample_rows(logits[i:i + 1], temp[i:i + 1], top_k[i:i + 1], top_p[i:i + 1], min_p[i:i + 1],
+                                       u[i:i + 1], 1e-5)[0]) for i in range(rows)]
+            assert alone == want.tolist()
+    bad = torch.randn(2, 300, generator=g)
+    bad[1, 7] = float("nan")
+    ones = torch.ones(2)
+    assert not k.sample_rows(bad, ones, torch.zeros(2, dtype=torch.long), ones * 0.9, torch.zeros(2),
+                             torch.full((2,), 0.5, dtype=torch.float64), 1e-5)[1]
+
+
+def test_the_sampler_draws_the_same_tokens_with_and_without_the_fused_kernel(monkeypatch):
+    """Sampler.__call__ takes one native call where it can; without it (native_sample answering
+    None: the two-step path) the same uniforms give the same tokens, seeded and unseeded rows, a
+    greedy row among them."""
+    _native()
+    from specserve.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(32)
+    logits = torch.randn(5, 3000, generator=g) * 3
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=11), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.6, top_k=20, min_p=0.05),
+              SamplingParams(temperature=1.2, top_p=0.5, seed=5)]
+    meta = sampler.SamplingMetadata.build(params, [3, 0, 0, 7, 1], torch.device("cpu"))
+    fused = sampler.Sampler(torch.device("cpu"), seed=9)(logits.clone(), meta)[0]
+    monkeypatch.setattr(sampler, "native_sample", lambda *a: None)
+    two_step = sampler.Sampler(torch.device("cpu"), seed=9)(logits.clone(), meta)[0]
+    assert torch.equal(fused, two_step) and int(fused[2]) == int(logits[2].argmax())

@@ -537,6 +537,21 @@ def native_truncation(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     return out if ok else None
 
 
+def native_sample(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, u: torch.Tensor, greedy_eps: float) -> torch.Tensor | None:
+    """Per row, the token `native_inverse_cdf(native_truncation(x, ..., probs=True), u)` draws, bit for
+    bit, in one native call without the [R, V] probabilities (`sample_rows`; temperatures below
+    greedy_eps count as 1, as in sampler.process_logits); None where the kernels cannot answer (not
+    loaded, not CPU float32 rows, a row holding a NaN, +inf or nothing above -inf): then the
+    caller's two-step path."""
+    module = _rows_kernels(x)
+    if module is None or u.device.type != "cpu":
+        return None
+    out, ok = module.sample_rows(x, temperature.float().contiguous(), top_k.long().contiguous(),  # type: ignore[attr-defined]
+                                 top_p.float().contiguous(), min_p.float().contiguous(), u.double().contiguous(), greedy_eps)
+    return out if ok else None
+
+
 def native_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     """Per row, the first index whose float64 running sum reaches u times the row's sum, clamped
     (torch.searchsorted over probs.double().cumsum(-1): the same index, bit for bit), by the native

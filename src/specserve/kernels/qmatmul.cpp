@@ -32,6 +32,7 @@
 #include <cstring>
 #include <functional>
 #include <type_traits>
+#include <type_traits>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -1965,10 +1966,35 @@ double exp_shifted(const float* x, int64_t n, float mx, float* e) {
   };
   __m256d acc = _mm256_setzero_pd();
   const __m256 vm = _mm256_set1_ps(mx);
+  // Each group of 8 adds its halves lane by lane into 4 float64 lanes, groups in order: the
+  // association every build and width keeps (the sum's bits never depend on the vector width).
+  auto add8 = [&acc](__m256 v) {
+    acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))));
+  };
+#if SPECSERVE_AVX512
+  {  // 16 lanes of exp16, which is exp8 lane for lane: half the exp work of a 49k-id row
+    auto exp16w = [](__m512 v) {
+      if constexpr (Wide) {
+        const __mmask16 low = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+        if (low)
+          return _mm512_mask_blend_ps(low, exp16(v), _mm512_mul_ps(exp16(_mm512_add_ps(v, _mm512_set1_ps(32.f))),
+                                                                   _mm512_set1_ps(1.26641655e-14f)));
+      }
+      return exp16(v);
+    };
+    const __m512 vm16 = _mm512_set1_ps(mx);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = exp16w(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm16));
+      _mm512_storeu_ps(e + i, v);
+      add8(_mm512_castps512_ps256(v));
+      add8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    }
+  }
+#endif
   for (; i + 8 <= n; i += 8) {
     const __m256 v = exp(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
     _mm256_storeu_ps(e + i, v);
-    acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))));
+    add8(v);
   }
   alignas(32) double lanes[4];
   _mm256_store_pd(lanes, acc);
@@ -2024,6 +2050,7 @@ bool topk_lse_row(const float* x, int64_t n, int k, float* vals, int64_t* idx, f
 // octave), only the bucket the cut falls in being ordered. False where the row holds a NaN or +inf
 // or nothing above -inf (the caller asks torch).
 constexpr int TRUNC_CANDIDATES = 256;
+constexpr int TRUNC_MAX_KEPT = TRUNC_CANDIDATES;  // softmax_kept_'s most kept tokens
 
 // y = softmax(y) in place (-inf -> 0), mx being y's largest value: e^(y - mx) through exp8, summed in
 // float64.
@@ -2038,10 +2065,47 @@ void softmax_row_(float* y, int64_t n, float mx) {
   for (; i < n; ++i) y[i] *= inv;
 }
 
-// *max_out: the row's largest value after temperature, which no truncation drops (min-p's floor is
-// below it, top-k keeps it, top-p keeps the first).
+// softmax_row_ of a row whose only values above -inf sit at ids[0..m) (a top-k's or a nucleus's
+// tokens), bit for bit what the dense pass gives, without an exp over the rest: the same exp of
+// each kept value, and their float64 sum in the dense pass's association (per group of 8, the two
+// halves lane by lane into 4 lanes, groups in order, the lanes then the tail added; a dropped
+// token's e^-inf is a +0 that adds nothing). ids are sorted here.
+void softmax_kept_(float* y, int64_t n, float mx, int64_t* ids, int m) {
+  std::sort(ids, ids + m);
+  float kv[TRUNC_MAX_KEPT], ke[TRUNC_MAX_KEPT];
+  for (int j = 0; j < m; ++j) kv[j] = y[ids[j]];
+  exp_shifted<true>(kv, m, mx, ke);  // lane by lane the dense pass's exp of each value
+  double sum = 0.0;
+#if SPECSERVE_AVX2
+  const int64_t vec_end = n - n % 8;  // the dense pass's vector groups; the rest is its tail
+  double lane[4] = {0.0, 0.0, 0.0, 0.0};
+  int j = 0;
+  while (j < m && ids[j] < vec_end) {
+    const int64_t g = ids[j] & ~int64_t{7};
+    double lo[4] = {0.0, 0.0, 0.0, 0.0}, hi[4] = {0.0, 0.0, 0.0, 0.0};
+    bool any[4] = {false, false, false, false};
+    for (; j < m && ids[j] < g + 8; ++j) {
+      const int64_t r = ids[j] - g;
+      (r < 4 ? lo[r] : hi[r - 4]) = static_cast<double>(ke[j]);
+      any[r & 3] = true;
+    }
+    for (int l = 0; l < 4; ++l)
+      if (any[l]) lane[l] += lo[l] + hi[l];
+  }
+  sum = (lane[0] + lane[1]) + (lane[2] + lane[3]);
+  for (; j < m; ++j) sum += ke[j];
+#else
+  for (int j = 0; j < m; ++j) sum += ke[j];
+#endif
+  const float inv = static_cast<float>(1.0 / sum);
+  std::fill(y, y + n, 0.f);
+  for (int j = 0; j < m; ++j) y[ids[j]] = ke[j] * inv;
+}
+
+// With probs, y is then the softmax of that (dense, or over the kept tokens alone where they are a
+// short known list: the same bits).
 bool truncate_row(const float* x, float* y, int64_t n, float temp, int64_t top_k, float top_p, float min_p,
-                  std::vector<float>& e, float* max_out) {
+                  std::vector<float>& e, bool probs) {
   float mx = -INFINITY;
   bool bad = false;
   int64_t i0 = 0;
@@ -2049,6 +2113,21 @@ bool truncate_row(const float* x, float* y, int64_t n, float temp, int64_t top_k
   {
     const __m256 vt = _mm256_set1_ps(temp);
     __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+#if SPECSERVE_AVX512
+    {  // the same IEEE division lane for lane, 16 at a time
+      const __m512 vt16 = _mm512_set1_ps(temp);
+      __m512 vmax16 = _mm512_set1_ps(-INFINITY);
+      __mmask16 nan16 = 0;
+      for (; i0 + 16 <= n; i0 += 16) {
+        const __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i0), vt16);
+        _mm512_storeu_ps(y + i0, v);
+        nan16 |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        vmax16 = _mm512_max_ps(vmax16, v);
+      }
+      vmax = _mm256_max_ps(_mm512_castps512_ps256(vmax16), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(vmax16), 1)));
+      bad = nan16 != 0;
+    }
+#endif
     for (; i0 + 8 <= n; i0 += 8) {
       const __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i0), vt);
       _mm256_storeu_ps(y + i0, v);
@@ -2058,7 +2137,7 @@ bool truncate_row(const float* x, float* y, int64_t n, float temp, int64_t top_k
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, vmax);
     for (float v : lanes) mx = std::max(mx, v);
-    bad = _mm256_movemask_ps(vnan) != 0;
+    bad = bad || _mm256_movemask_ps(vnan) != 0;
   }
 #endif
   for (int64_t i = i0; i < n; ++i) {
@@ -2067,7 +2146,7 @@ bool truncate_row(const float* x, float* y, int64_t n, float temp, int64_t top_k
     mx = std::max(mx, y[i]);
   }
   if (bad || mx == INFINITY || mx == -INFINITY) return false;
-  *max_out = mx;
+  const float row_max = mx;  // no truncation drops it (min-p's floor is below it, top-k and top-p keep it)
   if (min_p > 0.f) {
     const float floor = mx + std::log(min_p);
     for (int64_t i = 0; i < n; ++i)
@@ -2075,7 +2154,16 @@ bool truncate_row(const float* x, float* y, int64_t n, float temp, int64_t top_k
   }
   const bool nucleus = top_p < 1.f;
   const int64_t k = top_k > 0 && top_k < n ? top_k : n;
-  if (k == n && !nucleus) return true;
+  // With probs, the softmax of what is kept: where the kept tokens are a known short list, only theirs.
+  auto dense = [&]() {
+    if (probs) softmax_row_(y, n, row_max);
+    return true;
+  };
+  auto sparse = [&](int64_t* ids, int m) {
+    if (probs) softmax_kept_(y, n, row_max, ids, m);
+    return true;
+  };
+  if (k == n && !nucleus) return dense();
   float cv[TRUNC_CANDIDATES];
   int64_t ci[TRUNC_CANDIDATES];
   int c = 0;  // candidates: the largest kept values in order
@@ -2094,7 +2182,7 @@ bool truncate_row(const float* x, float* y, int64_t n, float temp, int64_t top_k
       for (auto it = kept.begin() + k; it != kept.end(); ++it) y[it->second] = -INFINITY;
     }
   }
-  if (!nucleus) return true;
+  if (!nucleus) return all_in ? sparse(ci, c) : dense();
   if (!all_in) c = select_top_wide(y, n, TRUNC_CANDIDATES, cv, ci, &bad);
   if (c == 0) return false;
   mx = cv[0];
@@ -2128,7 +2216,7 @@ bool truncate_row(const float* x, float* y, int64_t n, float temp, int64_t top_k
       for (i = ci[c - 1] + 1; i < n; ++i)  // equal to the last candidate, after it: not a candidate
         if (y[i] == last) y[i] = -INFINITY;
     }
-    return true;
+    return sparse(ci, keep);
   }
   // A wide nucleus: masses by bucket of e's float bits (positive floats order as their bits).
   constexpr int SHIFT = 19, BUCKETS = 1 << (31 - SHIFT);
@@ -2156,7 +2244,7 @@ bool truncate_row(const float* x, float* y, int64_t n, float temp, int64_t top_k
     if (above >= target) y[i] = -INFINITY;
     above += e[i];
   }
-  return true;
+  return dense();
 }
 
 // truncate_row over each row of float32 [R, V] logits, rows in parallel: (the processed logits, whether
@@ -2182,9 +2270,7 @@ std::tuple<torch::Tensor, bool> truncate_rows(const torch::Tensor& x, const torc
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     thread_local std::vector<float> e;  // kept: a fresh 0.6 MB buffer a call cost its page faults
     for (int64_t r = r0; r < r1; ++r) {
-      float mx;
-      if (!truncate_row(xp + r * stride, op + r * n, n, tp[r], kp[r], pp[r], mp[r], e, &mx)) ok = false;
-      else if (probs) softmax_row_(op + r * n, n, mx);
+      if (!truncate_row(xp + r * stride, op + r * n, n, tp[r], kp[r], pp[r], mp[r], e, probs)) ok = false;
     }
   });
   return {out, ok.load()};
@@ -2213,25 +2299,67 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, bool> topk_rows(const to
   return {vals, idx, lse, ok.load()};
 }
 
+// Which of the 8 values at p are nonzero (a NaN counts), as bits. 256 bits wide on purpose: with
+// 512-bit instructions in flight the float64 adds of the running sum, a dependent chain, ran at
+// twice their latency (a dense 49k-id row's total 26 -> 50 us on a Xeon).
+inline uint32_t nonzero_bits8(const float* p) {
+#if SPECSERVE_AVX2
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_setzero_ps(), _CMP_NEQ_UQ)));
+#else
+  uint32_t m = 0;
+  for (int j = 0; j < 8; ++j) m |= static_cast<uint32_t>(p[j] != 0) << j;
+  return m;
+#endif
+}
+
 // The first index whose running float64 sum of p reaches u * (the whole row's sum), clamped to the row:
 // torch.searchsorted(p.double().cumsum(-1), u * total) exactly (a zero adds nothing to a float64 sum,
-// so only the nonzero values are added, in order). -1 for a row with a NaN, an infinity, a negative
-// value or no mass (the caller asks torch).
+// so only the nonzero values are added, in order; a float row skips its zeros 8 at a time, a
+// truncated row being mostly zeros). -1 for a row with a NaN, an infinity, a negative value or no
+// mass (the caller asks torch).
 template <typename T>
 int64_t inverse_cdf_row(const T* p, int64_t n, double u) {
+  constexpr bool kVec = std::is_same_v<T, float> && SPECSERVE_AVX2;
+  constexpr int W = 8;
+  constexpr uint32_t kAll = 0xFFu;
   double total = 0.0;
-  for (int64_t i = 0; i < n; ++i)
+  int64_t i = 0;
+  if constexpr (kVec) {
+    for (; i + W <= n; i += W) {
+      uint32_t m = nonzero_bits8(reinterpret_cast<const float*>(p) + i);
+      if (m == kAll) {
+        for (int j = 0; j < W; ++j) total += static_cast<double>(p[i + j]);
+      } else {
+        for (; m; m &= m - 1) total += static_cast<double>(p[i + __builtin_ctz(m)]);
+      }
+    }
+  }
+  for (; i < n; ++i)
     if (p[i] != 0) total += static_cast<double>(p[i]);
   if (!(total > 0.0) || std::isinf(total)) return -1;  // NaN, infinite or empty
   const double target = u * total;
   double run = 0.0;
   int64_t last = n - 1;
-  for (int64_t i = 0; i < n; ++i) {
+  auto take = [&](int64_t j) {  // (true: the draw is j)
+    run += static_cast<double>(p[j]);
+    last = j;
+    return run >= target;
+  };
+  i = 0;
+  if constexpr (kVec) {
+    for (; i + W <= n; i += W) {
+      uint32_t m = nonzero_bits8(reinterpret_cast<const float*>(p) + i);
+      for (; m; m &= m - 1) {
+        const int64_t j = i + __builtin_ctz(m);
+        if (p[j] < 0) return -1;
+        if (take(j)) return j;
+      }
+    }
+  }
+  for (; i < n; ++i) {
     if (p[i] == 0) continue;
     if (p[i] < 0) return -1;
-    run += static_cast<double>(p[i]);
-    last = i;
-    if (run >= target) return i;
+    if (take(i)) return i;
   }
   return last;  // (u * total <= total: not reached)
 }
@@ -2252,6 +2380,45 @@ std::tuple<torch::Tensor, bool> inverse_cdf_rows(const torch::Tensor& p, const t
     for (int64_t r = r0; r < r1; ++r) {
       op[r] = p.scalar_type() == torch::kFloat32 ? inverse_cdf_row(p.data_ptr<float>() + r * stride, n, up[r])
                                                  : inverse_cdf_row(p.data_ptr<double>() + r * stride, n, up[r]);
+      if (op[r] < 0) ok = false;
+    }
+  });
+  return {out, ok.load()};
+}
+
+// Per row: truncate_row with probs, then inverse_cdf_row with u[r], in a scratch row instead of an
+// [R, V] tensor: the index inverse_cdf_rows(truncate_rows(x, ..., probs = true), u) gives, bit for
+// bit, for one call instead of two and no allocation (sampler.Sampler's draw without drafts).
+// Temperatures below greedy_eps count as 1 (process_logits: those rows' draws are not used).
+// (tokens int64 [R], whether every row was answered; rows that were not: -1.)
+std::tuple<torch::Tensor, bool> sample_rows(const torch::Tensor& x, const torch::Tensor& temperature, const torch::Tensor& top_k,
+                                            const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& u,
+                                            double greedy_eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.stride(1) == 1 && x.size(1) > 0,
+              "sample_rows: CPU float32 [rows, values] with contiguous rows");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  for (const auto* t : {&temperature, &top_p, &min_p})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == torch::kFloat32 && t->is_contiguous(),
+                "sample_rows: float32 [rows] settings");
+  TORCH_CHECK(top_k.dim() == 1 && top_k.size(0) == rows && top_k.scalar_type() == torch::kLong && top_k.is_contiguous(),
+              "sample_rows: int64 [rows] top_k");
+  TORCH_CHECK(u.dim() == 1 && u.size(0) == rows && u.scalar_type() == torch::kFloat64 && u.is_contiguous(),
+              "sample_rows: float64 [rows] uniforms");
+  auto out = torch::empty({rows}, torch::kLong);
+  int64_t* op = out.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  const float* tp = temperature.data_ptr<float>();
+  const float* pp = top_p.data_ptr<float>();
+  const float* mp = min_p.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  const double* up = u.data_ptr<double>();
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<float> e, y;  // kept between calls (fresh pages cost their faults)
+    if (static_cast<int64_t>(y.size()) < n) y.resize(n);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float t = tp[r] < static_cast<float>(greedy_eps) ? 1.f : tp[r];  // (torch compares in float32)
+      op[r] = truncate_row(xp + r * stride, y.data(), n, t, kp[r], pp[r], mp[r], e, true) ? inverse_cdf_row(y.data(), n, up[r]) : -1;
       if (op[r] < 0) ok = false;
     }
   });
@@ -3536,6 +3703,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("truncate_rows", &truncate_rows, "sampling's temperature, min-p, top-k and top-p per row (-inf where dropped; with probs, "
         "the softmax of that), and whether every row was answered", py::arg("x"), py::arg("temperature"), py::arg("top_k"),
         py::arg("top_p"), py::arg("min_p"), py::arg("probs") = false);
+  m.def("sample_rows", &sample_rows, "per row, truncate_rows' probabilities then inverse_cdf_rows' draw with u, in a scratch row: "
+        "(tokens, ok)", py::arg("x"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
+        py::arg("greedy_eps"));
   m.def("inverse_cdf_rows", &inverse_cdf_rows, "per row, the first index whose float64 running sum reaches u times the row's sum, "
         "and whether every row was answered", py::arg("p"), py::arg("u"));
   m.def("topk_rows", &topk_rows, "each row's k largest values (descending, the first of equal ones first), their indices, "
