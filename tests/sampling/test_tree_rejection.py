@@ -282,3 +282,38 @@ def test_mass_around_takes_the_same_sums_for_few_rows_and_many():
     is_x = (t > lo_many) & (t <= lo_many + probs[torch.arange(200), x].double())
     assert torch.equal(is_x, inverse_cdf(probs, u) == x)
 
+
+
+def test_the_deterministic_walk_is_the_tables_walk():
+    """Every tree deterministic (ranked candidates: what sampled requests draft): the native
+    one-call-a-level walk emits the tokens and nodes the generic tables walk emits, from the same
+    generator state, seeded and unseeded requests in one batch, with temperature, top-k, top-p and
+    min-p, and leaves the generator where the tables walk leaves it."""
+    from specserve.sampling.tree_rejection import _walk_deterministic, _walk_tables
+
+    g = torch.Generator().manual_seed(41)
+    vocab = 64
+    accepted = 0
+    for trial in range(40):
+        trees, starts, at = [], [], 0
+        for _ in range(int(torch.randint(1, 5, (1,), generator=g))):
+            n = int(torch.randint(0, 9, (1,), generator=g))
+            parents = tuple(int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(n))
+            tokens = tuple(int(t) for t in torch.randint(0, 6, (n,), generator=g))  # few ids: children often match
+            trees.append(DraftTree(tokens, parents))
+            starts.append(at)
+            at += n + 1
+        logits = torch.randn(at, vocab, generator=g) * 2
+        logits[:, :6] += 6
+        params = [SamplingParams(temperature=[0.5, 1.0, 1.4][i % 3], top_k=[0, 3, 20][trial % 3],
+                                 top_p=[1.0, 0.9, 0.6][(trial + i) % 3], min_p=0.05 * (i % 2),
+                                 seed=(100 + trial + i) if (trial + i) % 2 else None) for i in range(len(trees))]
+        meta = SamplingMetadata.build(params, [trial] * len(trees), torch.device("cpu"))
+        rows_of = list(range(len(trees)))
+        g1, g2 = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        fast = _walk_deterministic(logits, trees, starts, rows_of, meta, g1)
+        slow = _walk_tables(logits, trees, starts, rows_of, meta, g2)
+        assert fast == slow, trial
+        assert torch.equal(torch.rand(3, generator=g1), torch.rand(3, generator=g2))
+        accepted += sum(len(nodes) for _, nodes in fast)
+    assert accepted >= 20  # walks went past their roots
