@@ -32,7 +32,6 @@
 #include <cstring>
 #include <functional>
 #include <type_traits>
-#include <type_traits>
 #include <tuple>
 #include <utility>
 #include <vector>
