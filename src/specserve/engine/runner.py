@@ -282,7 +282,6 @@ class ModelRunner:
         self.kept_hidden: torch.Tensor | None = None
         self._prompt_logprobs: dict[str, tuple[int, list[float], list[list[tuple[int, float]]]]] = {}
         self._last_hidden_states: torch.Tensor | None = None
-        self._features_wanted = True  # execute() clears it for a step whose requests all opted out
         self.connector: StepConnector | None = None  # disaggregation: KV in or out per layer
         self.step_graphs: StepGraphs | None = None
         if graphs:
@@ -426,12 +425,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward_logits(self, inputs: StepInputs, keep_rows: torch.Tensor | None = None) -> torch.Tensor:  # [num_logit_rows, vocab]
+    def forward_logits(self, inputs: StepInputs, keep_rows: torch.Tensor | None = None,
+                       features: bool = True) -> torch.Tensor:  # [num_logit_rows, vocab]
         """Run the decoder over the step's tokens; return logits of the rows that need them
-        (and keep the last hidden states of `keep_rows` in self.kept_hidden)."""
+        (and keep the last hidden states of `keep_rows` in self.kept_hidden, and with
+        capture_hidden and `features` the drafter's features of every row)."""
         t0 = time.perf_counter()
         hidden = self._decoder_output(inputs)
-        self._last_hidden_states = self._features(hidden) if self.capture_hidden and self._features_wanted else None
+        self._last_hidden_states = self._features(hidden) if self.capture_hidden and features else None
         self.kept_hidden = hidden.index_select(0, keep_rows) if keep_rows is not None else None
         logits = self.model.compute_logits(hidden if inputs.every_row else hidden.index_select(0, inputs.logits_index))
         if self.device.type == "cuda":
@@ -515,19 +516,16 @@ class ModelRunner:
                 self._finish_loads(loader, out)
                 loader = None
         # Features only where a drafter may read them: not for requests that opted out of
-        # speculation (speculative=False), unless train-draft's sink or a connector (the head's
-        # prompt KV travels to decode workers) takes every request's.
-        self._features_wanted = self.capture_hidden and (
-            self.hidden_sink is not None or self.connector is not None
-            or any(sr.sampling_params.speculative is not False for sr in out.scheduled))
+        # speculation (speculative=False), unless every request's are taken.
+        features = self.capture_hidden and (
+            self._features_for_all or any(sr.sampling_params.speculative is not False for sr in out.scheduled))
         prompt_rows = self._prompt_logprob_rows(out)
         keep = None
         if prompt_rows:
             keep = torch.tensor([r for _, _, rows, _, _ in prompt_rows for r in rows], dtype=torch.long, device=self.device)
         try:
-            logits = self.forward_logits(inputs, keep)
+            logits = self.forward_logits(inputs, keep, features)
         finally:
-            self._features_wanted = True
             self.model.model.layer_hooks = None
             self.model.model.layer_wait = None
             if loader is not None:  # every layer of every block is written (or failed) even if the forward raised
@@ -612,6 +610,12 @@ class ModelRunner:
         self.failed_loads, self.failed_load_requests = {}, []
         return out
 
+    @property
+    def _features_for_all(self) -> bool:
+        """Whether every request's features are kept, opted out of speculation or not: train-draft's
+        sink takes them all, and with a connector a head's prompt KV travels to decode workers."""
+        return self.hidden_sink is not None or self.connector is not None
+
     def take_hidden(self) -> dict[str, HiddenRows]:
         """The hidden states of the tokens verified since the last call, per request (capture_hidden)."""
         out, self._hidden = self._hidden, {}
@@ -623,7 +627,7 @@ class ModelRunner:
         rows: list[int] = []
         spans: list[tuple[str, int, int, int]] = []  # (request, start position, first row, count)
         base = 0
-        everyone = self.hidden_sink is not None or self.connector is not None
+        everyone = self._features_for_all
         for sr in out.scheduled:
             n, k = len(sr.token_ids), sr.num_spec_tokens
             if not everyone and sr.sampling_params.speculative is False:  # never drafts: nothing to keep

@@ -2082,14 +2082,11 @@ void softmax_kept_(float* y, int64_t n, float mx, int64_t* ids, int m) {
   while (j < m && ids[j] < vec_end) {
     const int64_t g = ids[j] & ~int64_t{7};
     double lo[4] = {0.0, 0.0, 0.0, 0.0}, hi[4] = {0.0, 0.0, 0.0, 0.0};
-    bool any[4] = {false, false, false, false};
     for (; j < m && ids[j] < g + 8; ++j) {
       const int64_t r = ids[j] - g;
       (r < 4 ? lo[r] : hi[r - 4]) = static_cast<double>(ke[j]);
-      any[r & 3] = true;
     }
-    for (int l = 0; l < 4; ++l)
-      if (any[l]) lane[l] += lo[l] + hi[l];
+    for (int l = 0; l < 4; ++l) lane[l] += lo[l] + hi[l];  // (a lane without a kept token adds +0: exact)
   }
   sum = (lane[0] + lane[1]) + (lane[2] + lane[3]);
   for (; j < m; ++j) sum += ke[j];
@@ -2248,28 +2245,41 @@ bool truncate_row(const float* x, float* y, int64_t n, float temp, int64_t top_k
 
 // truncate_row over each row of float32 [R, V] logits, rows in parallel: (the processed logits, whether
 // every row was answered).
-std::tuple<torch::Tensor, bool> truncate_rows(const torch::Tensor& x, const torch::Tensor& temperature, const torch::Tensor& top_k,
-                                              const torch::Tensor& top_p, const torch::Tensor& min_p, bool probs) {
+// The per-row sampling settings of truncate_rows and sample_rows, checked against their logits x
+// (CPU float32 [rows, values], rows contiguous; the settings [rows], contiguous).
+struct RowSettings {
+  const float* temperature;
+  const int64_t* top_k;
+  const float* top_p;
+  const float* min_p;
+};
+
+RowSettings row_settings(const char* fn, const torch::Tensor& x, const torch::Tensor& temperature, const torch::Tensor& top_k,
+                         const torch::Tensor& top_p, const torch::Tensor& min_p) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.stride(1) == 1,
-              "truncate_rows: CPU float32 [rows, values] with contiguous rows");
-  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+              fn, ": CPU float32 [rows, values] with contiguous rows");
+  const int64_t rows = x.size(0);
   for (const auto* t : {&temperature, &top_p, &min_p})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == torch::kFloat32 && t->is_contiguous(),
-                "truncate_rows: float32 [rows] settings");
+                fn, ": float32 [rows] settings");
   TORCH_CHECK(top_k.dim() == 1 && top_k.size(0) == rows && top_k.scalar_type() == torch::kLong && top_k.is_contiguous(),
-              "truncate_rows: int64 [rows] top_k");
+              fn, ": int64 [rows] top_k");
+  return {temperature.data_ptr<float>(), top_k.data_ptr<int64_t>(), top_p.data_ptr<float>(), min_p.data_ptr<float>()};
+}
+
+std::tuple<torch::Tensor, bool> truncate_rows(const torch::Tensor& x, const torch::Tensor& temperature, const torch::Tensor& top_k,
+                                              const torch::Tensor& top_p, const torch::Tensor& min_p, bool probs) {
+  const RowSettings set = row_settings("truncate_rows", x, temperature, top_k, top_p, min_p);
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   auto out = torch::empty({rows, n}, torch::kFloat32);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float* tp = temperature.data_ptr<float>();
-  const float* pp = top_p.data_ptr<float>();
-  const float* mp = min_p.data_ptr<float>();
-  const int64_t* kp = top_k.data_ptr<int64_t>();
   std::atomic<bool> ok{true};
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     thread_local std::vector<float> e;  // kept: a fresh 0.6 MB buffer a call cost its page faults
     for (int64_t r = r0; r < r1; ++r) {
-      if (!truncate_row(xp + r * stride, op + r * n, n, tp[r], kp[r], pp[r], mp[r], e, probs)) ok = false;
+      if (!truncate_row(xp + r * stride, op + r * n, n, set.temperature[r], set.top_k[r], set.top_p[r], set.min_p[r], e, probs))
+        ok = false;
     }
   });
   return {out, ok.load()};
@@ -2393,31 +2403,22 @@ std::tuple<torch::Tensor, bool> inverse_cdf_rows(const torch::Tensor& p, const t
 std::tuple<torch::Tensor, bool> sample_rows(const torch::Tensor& x, const torch::Tensor& temperature, const torch::Tensor& top_k,
                                             const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& u,
                                             double greedy_eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.stride(1) == 1 && x.size(1) > 0,
-              "sample_rows: CPU float32 [rows, values] with contiguous rows");
+  const RowSettings set = row_settings("sample_rows", x, temperature, top_k, top_p, min_p);
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
-  for (const auto* t : {&temperature, &top_p, &min_p})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == torch::kFloat32 && t->is_contiguous(),
-                "sample_rows: float32 [rows] settings");
-  TORCH_CHECK(top_k.dim() == 1 && top_k.size(0) == rows && top_k.scalar_type() == torch::kLong && top_k.is_contiguous(),
-              "sample_rows: int64 [rows] top_k");
   TORCH_CHECK(u.dim() == 1 && u.size(0) == rows && u.scalar_type() == torch::kFloat64 && u.is_contiguous(),
               "sample_rows: float64 [rows] uniforms");
   auto out = torch::empty({rows}, torch::kLong);
   int64_t* op = out.data_ptr<int64_t>();
   const float* xp = x.data_ptr<float>();
-  const float* tp = temperature.data_ptr<float>();
-  const float* pp = top_p.data_ptr<float>();
-  const float* mp = min_p.data_ptr<float>();
-  const int64_t* kp = top_k.data_ptr<int64_t>();
   const double* up = u.data_ptr<double>();
   std::atomic<bool> ok{true};
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     thread_local std::vector<float> e, y;  // kept between calls (fresh pages cost their faults)
     if (static_cast<int64_t>(y.size()) < n) y.resize(n);
     for (int64_t r = r0; r < r1; ++r) {
-      const float t = tp[r] < static_cast<float>(greedy_eps) ? 1.f : tp[r];  // (torch compares in float32)
-      op[r] = truncate_row(xp + r * stride, y.data(), n, t, kp[r], pp[r], mp[r], e, true) ? inverse_cdf_row(y.data(), n, up[r]) : -1;
+      const float t = set.temperature[r] < static_cast<float>(greedy_eps) ? 1.f : set.temperature[r];  // (torch compares in float32)
+      op[r] = truncate_row(xp + r * stride, y.data(), n, t, set.top_k[r], set.top_p[r], set.min_p[r], e, true)
+                  ? inverse_cdf_row(y.data(), n, up[r]) : -1;
       if (op[r] < 0) ok = false;
     }
   });

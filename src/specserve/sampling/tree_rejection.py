@@ -57,15 +57,15 @@ from typing import NamedTuple
 
 import torch
 
-from specserve.kernels import native_sample, row_argmax
+from specserve.kernels import row_argmax
 from specserve.sampling.rejection import STREAM_ACCEPT, STREAM_RECOVER
 from specserve.sampling.sampler import (
     SamplingMetadata,
+    draw_tokens,
     inverse_cdf,
     logits_to_probs,
     request_generator,
 )
-from specserve.sampling_params import GREEDY_EPS
 from specserve.spec.tree import DraftTree, SiblingDraw
 
 
@@ -302,9 +302,9 @@ def _walk_deterministic(
     """_walk_sampled where every tree's children are deterministic candidates (every sampled tree
     since drawn siblings went, and ranked chains): level by level each live walk takes the plain
     sampler's draw of its row, with the same uniforms (stream 0 at its depth), and follows the first
-    child holding that token. One native call a level (sampler.native_sample: the token that
-    truncation, softmax and the inverse cdf give, bit for bit) instead of the tables and a float64
-    copy of every visited row (SmolLM2, EAGLE trees at T 0.7: ~1.2 ms of host time a step)."""
+    child holding that token. One draw a level (sampler.draw_tokens: one native call where the
+    kernels answer) instead of the tables and a float64 copy of every visited row (SmolLM2, EAGLE
+    trees at T 0.7: ~1.2 ms of host time a step)."""
     b = len(trees)
     seeds = [meta.seeds[i] for i in rows_of]
     steps0 = [meta.steps[i] for i in rows_of]
@@ -318,12 +318,7 @@ def _walk_deterministic(
         else:
             coins = _shared_coins(len(live), 1, generator)[:, 0]
         rows = target_logits[[starts[i] + node[i] + 1 for i in live]]
-        m = torch.tensor([rows_of[i] for i in live], dtype=torch.long, device=meta.temperature.device)
-        drawn = native_sample(rows, meta.temperature[m], meta.top_k[m], meta.top_p[m], meta.min_p[m], coins, GREEDY_EPS)
-        if drawn is None:  # (not CPU float32 rows, or a row the kernels do not answer: the two steps)
-            q = logits_to_probs(rows, meta.temperature[m], meta.top_k[m], meta.top_p[m], meta.any_top_k,
-                                meta.any_top_p, meta.min_p[m], meta.any_min_p).double()
-            drawn = inverse_cdf(q, coins.to(q.device))
+        drawn = draw_tokens(rows, meta, coins, torch.tensor([rows_of[i] for i in live], dtype=torch.long))
         still = []
         for i, tok in zip(live, drawn.tolist()):
             tree = trees[i]
