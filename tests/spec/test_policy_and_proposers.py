@@ -586,6 +586,69 @@ def test_rate_guard_retries_after_so_many_plain_steps_and_when_a_request_arrives
     assert not p.guard.holds(4)
 
 
+def test_rate_guard_hold_ends_when_the_held_text_turns_copyable():
+    """Held off, the guard is told each held step whether the text has turned to one a copy
+    carries on (Proposer.copy_resumes): the first such step ends the hold (the trial runs that
+    step); after a failed trial it takes two such steps in a row, then four; a step that is not
+    copyable starts the count again. Outside a hold nothing changes."""
+    from specserve.spec import policy as P
+
+    p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.8)
+    clock = p.guard.clock = _Clock()
+    reqs = [_req("a", [1, 2, 3])]
+    assert not p.guard.copy_resumes(1, True)  # nothing held
+    p.guard.observe(1, 1, 0.030, speculated=False)
+    for _ in range(P.GUARD_MIN_CYCLES):
+        p.guard.observe(1, 1, 0.040, speculated=True)  # rejected drafts: held off
+    assert p.guard.num_held == 1 and p.drafts_held(1)
+    assert not p.guard.copy_resumes(1, False) and p.guard.holds(1)
+    assert p.guard.copy_resumes(1, True) and not p.guard.holds(1)
+    for want in (2, 4):
+        for _ in range(P.GUARD_TRIAL):  # the trial fails
+            assert p.choose(reqs) == [4]
+            p.guard.observe(1, 1, 0.040, speculated=True)
+            clock.t += 0.04
+        assert p.guard.holds(1) and p.guard.rates[1].failed_trials == want // 2
+        for _ in range(want - 1):
+            assert not p.guard.copy_resumes(1, True)
+        assert not p.guard.copy_resumes(1, False)  # the run is broken: counted again from 0
+        for _ in range(want - 1):
+            assert not p.guard.copy_resumes(1, True) and p.guard.holds(1)
+        assert p.guard.copy_resumes(1, True) and not p.guard.holds(1)
+    for _ in range(P.GUARD_TRIAL):  # this trial pays: speculation stays on
+        assert p.choose(reqs) == [4]
+        p.guard.observe(1, 8, 0.060, speculated=True)
+        clock.t += 0.06
+    assert not p.guard.holds(1) and not p.guard.copy_resumes(1, True) and p.guard.num_held == 3
+
+
+def test_copiers_say_when_the_context_tail_repeats_earlier_text():
+    """Proposer.copy_resumes: prompt lookup finds the last RESUME_MATCH tokens earlier in the
+    request's own text or its reference, the reference copier in the reference; shorter repeats,
+    and requests that opted out of speculation, do not count."""
+    from specserve.spec.proposer import RESUME_MATCH
+
+    code = list(range(100, 140))
+    novel = list(range(200, 230))
+    ng = NgramProposer()
+    ref = ReferenceProposer(None)
+    tail_of = lambda n: code[:n]  # noqa: E731 - the output re-emitting the first n tokens of the code
+    for n, want in ((RESUME_MATCH - 1, False), (RESUME_MATCH, True), (RESUME_MATCH + 5, True)):
+        own = _req("a", [1, *code, 2, *novel, *tail_of(n)])
+        assert ng.copy_resumes([own]) is want, n
+        assert not ng.copy_resumes([_req("b", [1, *novel, *tail_of(n)])])  # nothing to repeat
+        with_ref = _req("c", [1, *novel, *tail_of(n)], reference_token_ids=code)
+        assert ng.copy_resumes([with_ref]) is want
+        ref.add_request(with_ref)
+        assert ref.copy_resumes([with_ref]) is want
+        ref.remove_request("c")
+    off = _req("d", [1, *code, 2, *code[:RESUME_MATCH]], speculative=False)
+    assert not ng.copy_resumes([off])
+    assert ng.copy_resumes([off, _req("e", [1, *code, 2, *code[:RESUME_MATCH]])])
+    long = _req("f", [*novel * 30, *code, *novel, *code[:RESUME_MATCH]])  # past SHORT_SEARCH: the array search
+    assert ng.copy_resumes([long])
+
+
 def test_rate_guard_remeasures_a_stale_plain_rate_with_one_plain_step():
     """Where speculating steps are measured, a plain rate older than GUARD_FRESH_S is measured
     again by running one step plain; where speculation leads by GUARD_CLEAR, only every

@@ -178,8 +178,10 @@ def test_a_join_under_the_adaptive_policy_drafts_with_the_helper_alone_where_the
 
 def test_while_the_rate_guard_holds_drafts_off_neither_copier_nor_policy_is_asked(tiny):
     """Where the guard holds speculation off at a batch size it would drop every draft, so the
-    engine asks neither the copier (its matches) nor the cost model; once the retry is due both
-    are asked again. Greedy output stays plain decoding's."""
+    engine asks neither the copier (its matches) nor the cost model, only whether the text turned
+    copyable (Proposer.copy_resumes: not here); once the retry is due both are asked again, and
+    a held step whose text a copy carries ends the hold at once. Greedy output stays plain
+    decoding's."""
     from specserve.spec import policy as P
 
     prompts = _tiny_prompts(6, seed=4)
@@ -196,6 +198,8 @@ def test_while_the_rate_guard_holds_drafts_off_neither_copier_nor_policy_is_aske
         return g
 
     eng.proposer.free_drafts, eng.policy.choose = count("free", free), count("choose", choose)
+    resumes = []
+    eng.proposer.copy_resumes = lambda reqs: resumes.append(len(reqs)) or False
     now = eng.policy.guard.clock()
     rid = eng.add_request(prompts[0], _greedy(30))  # (an arrival ends a hold: RateGuard.new_request)
     eng.policy.guard.rates[1] = P._Rates(held_since=now, retry_s=3600.0)  # then held at batch 1 for an hour
@@ -204,9 +208,20 @@ def test_while_the_rate_guard_holds_drafts_off_neither_copier_nor_policy_is_aske
         final.update((o.request_id, o) for o in eng.step() if o.finished)
     assert final[rid].token_ids == base[0].token_ids
     assert asked == {"free": 0, "choose": 0} and eng.spec_counters["num_drafts"] == 0
+    assert len(resumes) >= 25 and set(resumes) == {1}  # every held decode step asked, cheaply
     eng.policy.guard.rates[1].retry_s = 0.0  # the retry is due
     llm.generate(prompts[1:2], _greedy(30))
     assert asked["free"] > 0 and asked["choose"] > 0
+    # Held again for an hour: a copyable text ends the hold (the trial drafts) within the request.
+    asked.update(free=0, choose=0)
+    eng.proposer.copy_resumes = lambda reqs: True
+    rid = eng.add_request(prompts[2], _greedy(30))
+    eng.policy.guard.rates[1] = P._Rates(held_since=eng.policy.guard.clock(), retry_s=3600.0)
+    final = {}
+    while eng.has_unfinished_requests():
+        final.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert asked["free"] > 0 and asked["choose"] > 0 and eng.policy.guard.rates[1].trial_left == 0
+    assert final[rid].token_ids == _llm(tiny).generate(prompts[2:3], _greedy(30))[0].token_ids
     assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
 
 

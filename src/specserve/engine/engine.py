@@ -947,11 +947,13 @@ class LLMEngine:
             return
         prefill_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.running if not r.is_decoding)
         other = min(prefill_tokens, self.config.scheduler.max_num_batched_tokens)
-        if self.policy.drafts_held(len(decoding), other):
-            # Whatever the copier and the cost model chose would be dropped: neither is asked.
-            # SmolLM2 with its EAGLE head on coding and prose prompts, 2-vCPU Xeon: the guard held
-            # 480 of 1,001 steps' drafts off, each of which had spent ~0.25 ms of a 5.5 ms step on
-            # a copy match and the policy's choice.
+        if self.policy.drafts_held(len(decoding), other) and not self.policy.guard.copy_resumes(
+                len(decoding), self.proposer.copy_resumes(decoding)):  # type: ignore[union-attr]
+            # Whatever the copier and the cost model chose would be dropped: neither is asked, only
+            # whether the text has turned to one a copy carries on (one search of each tail),
+            # which ends the hold. SmolLM2 with its EAGLE head on coding and prose prompts, 2-vCPU
+            # Xeon: the guard held 480 of 1,001 steps' drafts off, each of which had spent ~0.25
+            # ms of a 5.5 ms step on a copy match and the policy's choice.
             return
         spec = self.policy.config
         # How far a stateful drafter is behind each request: asked only where catching up costs.

@@ -65,6 +65,9 @@ class FirstOf(Proposer):
     def served_tokens(self) -> int:
         return sum(c.served_tokens() for c in self.copiers)
 
+    def copy_resumes(self, requests: Sequence[Request]) -> bool:
+        return any(c.copy_resumes(requests) for c in self.copiers)
+
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
         out: dict[str, DraftTree] = {}
         left = [(r, k) for r, k in zip(requests, num_tokens) if k > 0]
@@ -203,6 +206,10 @@ class DrafterPair(Proposer):
 
     def decline_free(self, request_ids: set[str]) -> None:
         self.drafter.decline_free(request_ids)
+
+    def copy_resumes(self, requests: Sequence[Request]) -> bool:
+        """The model-free proposer's copies (the copier in front, lookahead's pool: none)."""
+        return self.other.copy_resumes(requests)
 
     def observe_hidden(self, hidden: dict) -> None:
         """Every verified token's features reach a feature drafter, copied steps' included."""

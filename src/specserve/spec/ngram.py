@@ -10,6 +10,7 @@ from specserve.request import Request
 from specserve.spec.copy_trust import CopyTrust, shared_length
 from specserve.spec.edits import ALIGN_MIN_MATCH, EditTracker
 from specserve.spec.proposer import (
+    RESUME_MATCH,
     Proposer,
     ProposerTraits,
     register_proposer,
@@ -117,6 +118,24 @@ class NgramProposer(ServedSource, Proposer):
                 tree = top_path(tree)
             out[req.request_id] = self.copies.scored(req.request_id, len(toks), tree, source, shared)
         return out
+
+    def copy_resumes(self, requests: Sequence[Request]) -> bool:
+        """A request's last RESUME_MATCH tokens occur earlier in its reference, prompt or output,
+        or in an earlier request's output."""
+        for req in requests:
+            if req.sampling_params.speculative is False:
+                continue
+            toks = req.all_token_ids
+            ref = req.sampling_params.reference_token_ids
+            text = self._with_reference(req.request_id, ref, toks) if ref else toks
+            if (mirror := self._arrays.get(req.request_id)) is None:
+                mirror = self._arrays[req.request_id] = TokenArray()
+            arr = mirror.view(text)
+            if suffix_matches(arr, arr, RESUME_MATCH, RESUME_MATCH, exclude_tail=True)[0]:
+                return True
+            if self.served is not None and self.served.continuations(toks, 1)[0] >= RESUME_MATCH:
+                return True
+        return False
 
     def _with_reference(self, request_id: str, ref: Sequence[int], toks: Sequence[int]) -> list[int]:
         """The searched text of a request with a reference: the reference, SEP, then its prompt and

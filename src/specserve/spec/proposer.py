@@ -9,6 +9,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from specserve.spec.tree import DraftTree
 
+# A context whose last this-many tokens occur earlier in what a copier copies from is text a copy
+# carries on (code being re-emitted, a quoted passage): it ends a rate-guard hold (copy_resumes).
+RESUME_MATCH = 8
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -141,6 +145,15 @@ class Proposer(ABC):
         """Before K is chosen: which requests' next drafts could take no draft pass (a hybrid's
         copies, see specserve.spec.hybrid); None when that is what traits.cost says for all."""
         return None
+
+    def copy_resumes(self, requests: Sequence[Request]) -> bool:
+        """Whether some request's last RESUME_MATCH tokens occur earlier in the text this proposer
+        copies from (its own text, its reference, earlier outputs), with a token after them.
+
+        Asked while the policy's rate guard holds speculation off (SpecPolicy.copy_resumes): the
+        text the hold was measured on has given way to text a copy carries on, as when a request
+        arrives. Cheap (one search of the tail); False for proposers that do not copy."""
+        return False
 
     def decline_free(self, request_ids: set[str]) -> None:  # noqa: B027 - optional hook
         """This step drafts for these requests the way that takes a pass (the policy declined

@@ -25,6 +25,7 @@ import numpy as np
 
 from specserve.request import Request
 from specserve.spec.proposer import (
+    RESUME_MATCH,
     Proposer,
     ProposerTraits,
     longest_suffix_match,
@@ -89,6 +90,15 @@ class ReferenceProposer(Proposer):
             if draft is not None:
                 out[req.request_id] = draft
         return out
+
+    def copy_resumes(self, requests: Sequence[Request]) -> bool:
+        """A request's last RESUME_MATCH tokens occur in its reference."""
+        for req in requests:
+            ref = self._refs.get(req.request_id)
+            if ref is not None and req.sampling_params.speculative is not False and \
+                    suffix_matches(ref[1], req.all_token_ids, RESUME_MATCH, RESUME_MATCH)[0]:
+                return True
+        return False
 
     def _chain(self, req: Request, ref: np.ndarray, k: int) -> DraftTree | None:
         draft, start = longest_suffix_match(
