@@ -634,19 +634,60 @@ def test_copiers_say_when_the_context_tail_repeats_earlier_text():
     ref = ReferenceProposer(None)
     tail_of = lambda n: code[:n]  # noqa: E731 - the output re-emitting the first n tokens of the code
     for n, want in ((RESUME_MATCH - 1, False), (RESUME_MATCH, True), (RESUME_MATCH + 5, True)):
-        own = _req("a", [1, *code, 2, *novel, *tail_of(n)])
+        own = _req(f"a{n}", [1, *code, 2, *novel, *tail_of(n)])
         assert ng.copy_resumes([own]) is want, n
-        assert not ng.copy_resumes([_req("b", [1, *novel, *tail_of(n)])])  # nothing to repeat
-        with_ref = _req("c", [1, *novel, *tail_of(n)], reference_token_ids=code)
+        assert not ng.copy_resumes([_req(f"b{n}", [1, *novel, *tail_of(n)])])  # nothing to repeat
+        with_ref = _req(f"c{n}", [1, *novel, *tail_of(n)], reference_token_ids=code)
         assert ng.copy_resumes([with_ref]) is want
         ref.add_request(with_ref)
         assert ref.copy_resumes([with_ref]) is want
-        ref.remove_request("c")
+        ref.remove_request(f"c{n}")
     off = _req("d", [1, *code, 2, *code[:RESUME_MATCH]], speculative=False)
     assert not ng.copy_resumes([off])
     assert ng.copy_resumes([off, _req("e", [1, *code, 2, *code[:RESUME_MATCH]])])
     long = _req("f", [*novel * 30, *code, *novel, *code[:RESUME_MATCH]])  # past SHORT_SEARCH: the array search
     assert ng.copy_resumes([long])
+
+
+def test_repeat_watch_answers_as_a_search_at_every_length_while_skipping_most():
+    """RepeatWatch skips the searches that cannot find a repeat of n (a repeat of n tokens j
+    tokens later holds one of n - j now) and answers as suffix_matches would at every length of a
+    growing context, in itself and in a fixed haystack; most steps of text with short repeats
+    search nothing."""
+    import random
+
+    from specserve.spec import suffix
+    from specserve.spec.suffix import RepeatWatch
+
+    rng = random.Random(5)
+    real = suffix.suffix_matches
+    searches = [0]
+
+    def counting(*a, **k):
+        searches[0] += 1
+        return real(*a, **k)
+
+    for trial in range(30):
+        n = rng.choice([2, 4, 8])
+        vocab = rng.choice([3, 6, 20, 200])
+        text, hay = [], [rng.randrange(vocab) for _ in range(rng.randrange(1, 300))]
+        own, fixed = RepeatWatch(n), RepeatWatch(n)
+        searches[0] = 0
+        suffix.suffix_matches = counting
+        try:
+            for step in range(400):
+                if rng.random() < 0.05 and len(text) > 10:  # copy a stretch of earlier text
+                    s0 = rng.randrange(len(text) - 5)
+                    text.extend(text[s0 : s0 + rng.randrange(1, 20)])
+                else:
+                    text.append(rng.randrange(vocab))
+                assert own.repeats("r", text, text, exclude_tail=True) == (
+                    real(text, text, n, n, exclude_tail=True)[0] >= n), (trial, step)
+                assert fixed.repeats("r", hay, text) == (real(hay, text, n, n)[0] >= n), (trial, step)
+        finally:
+            suffix.suffix_matches = real
+        if vocab == 200 and n == 8:
+            assert searches[0] < 0.4 * 2 * 400, searches[0]
 
 
 def test_rate_guard_remeasures_a_stale_plain_rate_with_one_plain_step():

@@ -16,7 +16,7 @@ from specserve.spec.proposer import (
     register_proposer,
 )
 from specserve.spec.served import ServedOutputs, ServedSource
-from specserve.spec.suffix import TokenArray, suffix_matches, top_path, weighted_tree
+from specserve.spec.suffix import RepeatWatch, TokenArray, suffix_matches, top_path, weighted_tree
 from specserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ class NgramProposer(ServedSource, Proposer):
         self._arrays: dict[str, TokenArray] = {}  # each request's text as an array, grown as it grows
         self._edits: dict[str, EditTracker] = {}  # what each request's output changes in the text it copies
         self._texts: dict[str, list[int]] = {}  # reference, SEP, prompt and output of requests with a reference
+        self._repeats = RepeatWatch(RESUME_MATCH)  # copy_resumes' searches
 
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Its last draft is not scored any more (and a finished request's array goes)."""
@@ -71,6 +72,7 @@ class NgramProposer(ServedSource, Proposer):
             self._arrays.pop(request_id, None)
             self._texts.pop(request_id, None)
             self._edits.pop(request_id, None)
+            self._repeats.forget(request_id)
 
     def live_request_ids(self) -> list[str]:
         """Requests whose text is mirrored for the search."""
@@ -131,7 +133,7 @@ class NgramProposer(ServedSource, Proposer):
             if (mirror := self._arrays.get(req.request_id)) is None:
                 mirror = self._arrays[req.request_id] = TokenArray()
             arr = mirror.view(text)
-            if suffix_matches(arr, arr, RESUME_MATCH, RESUME_MATCH, exclude_tail=True)[0]:
+            if self._repeats.repeats(req.request_id, arr, arr, exclude_tail=True):
                 return True
             if self.served is not None and self.served.continuations(toks, 1)[0] >= RESUME_MATCH:
                 return True

@@ -31,7 +31,7 @@ from specserve.spec.proposer import (
     longest_suffix_match,
     register_proposer,
 )
-from specserve.spec.suffix import suffix_matches, weighted_tree
+from specserve.spec.suffix import RepeatWatch, suffix_matches, weighted_tree
 from specserve.spec.tree import DraftTree
 
 # A tail match at least this long may move the anchor backwards (shorter ones only forwards:
@@ -61,6 +61,7 @@ class ReferenceProposer(Proposer):
         # (reference position, output length): the output up to that length was copying the
         # reference, whose next token is at that position (-1: not anchored yet).
         self._anchor: dict[str, tuple[int, int]] = {}
+        self._repeats = RepeatWatch(RESUME_MATCH)  # copy_resumes' searches
 
     def add_request(self, request: Request) -> None:
         """Keep the request's reference tokens (tokenizing its reference text once)."""
@@ -78,6 +79,7 @@ class ReferenceProposer(Proposer):
             self._refs.pop(request_id, None)
             self._cursor.pop(request_id, None)
             self._anchor.pop(request_id, None)
+            self._repeats.forget(request_id)
 
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
         """Drafts from the reference for each request that has one."""
@@ -96,7 +98,7 @@ class ReferenceProposer(Proposer):
         for req in requests:
             ref = self._refs.get(req.request_id)
             if ref is not None and req.sampling_params.speculative is not False and \
-                    suffix_matches(ref[1], req.all_token_ids, RESUME_MATCH, RESUME_MATCH)[0]:
+                    self._repeats.repeats(req.request_id, ref[1], req.all_token_ids):
                 return True
         return False
 

@@ -104,6 +104,35 @@ def _list_matches(hay: list[int], tail: list[int], last_end: int, n_min: int) ->
     return best, np.array([e + 1 for e, n in zip(ends, lengths) if n >= best], dtype=np.int64)
 
 
+class RepeatWatch:
+    """Whether contexts' last n tokens repeat in a haystack, asked step after step as they grow.
+
+    A search finds the longest repeated tail m; where m < n, no tail of n can repeat before the
+    context has n - m more tokens (a repeat of n tokens, j tokens later, holds a repeat of n - j
+    at the earlier length, in a haystack that only grows), so the searches in between are
+    skipped: on prose, where tails repeat one or two tokens, one search in five or six."""
+
+    __slots__ = ("_due", "n")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._due: dict[str, int] = {}  # per key: the context length from which a search may find n
+
+    def repeats(self, key: str, haystack: Sequence[int] | np.ndarray, context: Sequence[int] | np.ndarray,
+                exclude_tail: bool = False) -> bool:
+        """Whether the context's last n tokens occur in the haystack with a token after them
+        (suffix_matches); the haystack and the context only grow between calls with one key."""
+        size = len(context)
+        if size < self._due.get(key, 0):
+            return False
+        m = suffix_matches(haystack, context, 1, self.n, exclude_tail)[0]
+        self._due[key] = size + self.n - m
+        return m >= self.n
+
+    def forget(self, key: str) -> None:
+        self._due.pop(key, None)
+
+
 class TokenArray:
     """An int64 array mirroring an append-only token list (a request's prompt and output), grown
     in place as the list grows: a per-step search reads it instead of converting the whole list
