@@ -589,8 +589,9 @@ def test_rate_guard_retries_after_so_many_plain_steps_and_when_a_request_arrives
 def test_rate_guard_hold_ends_when_the_held_text_turns_copyable():
     """Held off, the guard is told each held step whether the text has turned to one a copy
     carries on (Proposer.copy_resumes): the first such step ends the hold (the trial runs that
-    step); after a failed trial it takes two such steps in a row, then four; a step that is not
-    copyable starts the count again. Outside a hold nothing changes."""
+    step); after a failed trial it takes two such steps in a row (a step that is not copyable
+    starts the count again); after GUARD_COPY_TRIALS failed trials in a row copyable text ends
+    no hold, the waits do. Outside a hold nothing changes."""
     from specserve.spec import policy as P
 
     p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.8)
@@ -603,18 +604,25 @@ def test_rate_guard_hold_ends_when_the_held_text_turns_copyable():
     assert p.guard.num_held == 1 and p.drafts_held(1)
     assert not p.guard.copy_resumes(1, False) and p.guard.holds(1)
     assert p.guard.copy_resumes(1, True) and not p.guard.holds(1)
-    for want in (2, 4):
-        for _ in range(P.GUARD_TRIAL):  # the trial fails
+
+    def failed_trial():
+        for _ in range(P.GUARD_TRIAL):
             assert p.choose(reqs) == [4]
             p.guard.observe(1, 1, 0.040, speculated=True)
             clock.t += 0.04
-        assert p.guard.holds(1) and p.guard.rates[1].failed_trials == want // 2
-        for _ in range(want - 1):
-            assert not p.guard.copy_resumes(1, True)
-        assert not p.guard.copy_resumes(1, False)  # the run is broken: counted again from 0
-        for _ in range(want - 1):
-            assert not p.guard.copy_resumes(1, True) and p.guard.holds(1)
-        assert p.guard.copy_resumes(1, True) and not p.guard.holds(1)
+
+    failed_trial()
+    assert p.guard.holds(1) and p.guard.rates[1].failed_trials == 1
+    assert not p.guard.copy_resumes(1, True)
+    assert not p.guard.copy_resumes(1, False)  # the run is broken: counted again from 0
+    assert not p.guard.copy_resumes(1, True) and p.guard.holds(1)
+    assert p.guard.copy_resumes(1, True) and not p.guard.holds(1)
+    failed_trial()
+    assert p.guard.rates[1].failed_trials == P.GUARD_COPY_TRIALS == 2
+    for _ in range(100):
+        assert not p.guard.copy_resumes(1, True) and p.guard.holds(1)
+    clock.t += 4 * P.GUARD_RETRY_S  # the wait ends it
+    assert not p.guard.holds(1)
     for _ in range(P.GUARD_TRIAL):  # this trial pays: speculation stays on
         assert p.choose(reqs) == [4]
         p.guard.observe(1, 8, 0.060, speculated=True)

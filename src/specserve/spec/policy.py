@@ -115,6 +115,7 @@ GUARD_RETRY_MAX_S = 60.0
 GUARD_RETRY_STEPS = 64
 GUARD_RETRY_MAX_STEPS = 1280
 GUARD_MAX_DOUBLINGS = 5  # arrivals that end a hold: the batch size, doubled per failed trial up to 2^5 times
+GUARD_COPY_TRIALS = 2  # failed trials in a row after which copyable text no longer ends a hold
 GUARD_TRIAL = 4
 
 
@@ -267,17 +268,19 @@ class RateGuard:
         """A held step of `batch` requests, whose text a copy carries on or not (a request's last
         RESUME_MATCH tokens repeat earlier text: Proposer.copy_resumes). Copyable text is other
         text than the hold was measured on, as an arrival is: the hold ends (the trial runs this
-        step) once so many held steps in a row were copyable, 1 doubled per failed trial in a
-        row. Returns whether it ended. (Qwen2.5-Coder 1.5B on `auto` adding docstrings to code,
+        step) once so many held steps in a row were copyable, 1, or 2 after a failed trial;
+        after GUARD_COPY_TRIALS failed trials in a row only the waits and arrivals end it (in a
+        batch some request nearly always has a copyable tail: trials every few steps where
+        drafting loses would cost what the hold saves). Returns whether it ended. (Qwen2.5-Coder 1.5B on `auto` adding docstrings to code,
         prompt lookup with the code as reference, 2-vCPU Xeon: the docstrings' rejected copies
         held speculation off, and the hold lasted through the 40 tokens of code after them, which
         then took 40 steps instead of 4; bench/spec.py's 8 edit prompts 2.15x plain, 2.38x with
         the hold ended there.)"""
         r = self.rates.get(self.bucket(batch))
-        if r is None or r.trial_left > 0 or not r.waiting(self.clock()):
+        if r is None or r.trial_left > 0 or r.failed_trials >= GUARD_COPY_TRIALS or not r.waiting(self.clock()):
             return False
         r.copy_steps = r.copy_steps + 1 if copyable else 0
-        if r.copy_steps < 1 << min(r.failed_trials, GUARD_MAX_DOUBLINGS):
+        if r.copy_steps < 1 << r.failed_trials:
             return False
         r.held_steps, r.copy_steps = r.retry_steps, 0
         return True
