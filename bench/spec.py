@@ -161,14 +161,15 @@ def section_trees(b: Bench) -> list[dict]:
     rows = []
     for method in b.args.tree_methods:
         engines = {shape: b.llm(method, b.args.tree_policy, b.args.tree_k, spec_tree=shape) for shape in ("chain", "tree")}
+        held = {shape: _count_held_steps(e.engine.policy.guard) for shape, e in engines.items()}
         modes = {"plain": engines["chain"], "chain": engines["chain"], "tree": engines["tree"]}
         eng = engines["tree"].engine
         sets = {"coding": b.coding, "edit": b.edit, "prose": b.prose}
         for set_name, prompts in [(n, sets[n]) for n in b.args.tree_sets]:
             if method == "reference" and set_name != "edit":
                 continue  # nothing to copy from
-            acc = {m: {"gen": 0, "t": 0.0, "steps": 0, "accepted": 0, "drafted": 0, "lengths": [], "same": 0}
-                   for m in TREE_MODES}
+            acc = {m: {"gen": 0, "t": 0.0, "steps": 0, "accepted": 0, "drafted": 0, "lengths": [], "same": 0,
+                       "holds": 0, "probes": 0, "held_steps": 0} for m in TREE_MODES}
             for prompt, ref in prompts:
                 plain_ids = None
                 for mode in TREE_MODES:
@@ -177,8 +178,13 @@ def section_trees(b: Bench) -> list[dict]:
                     llm.engine.kv_manager.reset_prefix_cache()
                     llm.engine.reset_suffix_cache()  # earlier runs' outputs would draft this one's
                     params = SamplingParams(max_tokens=b.args.max_tokens, temperature=0, reference_text=ref)
+                    guard, steps = llm.engine.policy.guard, held["tree" if mode == "tree" else "chain"]
+                    before = guard.num_held, guard.num_plain_probes, steps[0]
                     out = llm.generate(prompt, params, use_tqdm=False)[0]
                     m, a = out.metrics, acc[mode]
+                    a["holds"] += guard.num_held - before[0]  # the rate guard held speculation off (RateGuard)
+                    a["probes"] += guard.num_plain_probes - before[1]
+                    a["held_steps"] += steps[0] - before[2]
                     a["gen"] += m.num_generated_tokens - 1
                     a["t"] += m.e2e_s - m.ttft_s
                     a["steps"] += m.extra["num_target_steps"] - 1
@@ -200,18 +206,35 @@ def section_trees(b: Bench) -> list[dict]:
                     "draft_nodes_per_step": a["drafted"] / max(a["steps"], 1), "accepted_tokens": a["accepted"],
                     "accepted_length_histogram": _histogram(a["lengths"]),
                     "prompts_equal_to_plain": f"{a['same']}/{len(prompts)}",
+                    "rate_guard_holds": a["holds"], "rate_guard_held_steps": a["held_steps"],
+                    "rate_guard_plain_probes": a["probes"],
                 })
             plain = next(r for r in rows if r["method"] == method and r["prompt_set"] == set_name and r["mode"] == "plain")
             for r in rows[-len(TREE_MODES):]:
                 r["speedup_vs_plain"] = r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
                 log(f"trees {method:9s} {set_name:6s} {r['mode']:5s}: {r['decode_tokens_per_s']:6.2f} tok/s "
                     f"x{r['speedup_vs_plain']:.2f}, {r['tokens_per_step']:.2f} tokens/step, {r['draft_nodes_per_step']:.1f} nodes/step, "
-                    f"output equal to plain {r['prompts_equal_to_plain']}")
+                    f"output equal to plain {r['prompts_equal_to_plain']}, guard holds {r['rate_guard_holds']} ({r['rate_guard_held_steps']} steps)")
         llm = eng = modes = engines = None  # both engines go before the next method builds its own
     return rows
 
 
 TREE_MODES = ("plain", "chain", "tree")
+
+
+def _count_held_steps(guard: Any) -> list[int]:
+    """A counter of the decode steps whose drafts the rate guard held off: the engine asks
+    guard.copy_resumes on each such step, and the hold stays where it answers False."""
+    count = [0]
+    ask = guard.copy_resumes
+
+    def counted(batch: int, copyable: bool) -> bool:
+        ended = ask(batch, copyable)
+        count[0] += not ended
+        return ended
+
+    guard.copy_resumes = counted
+    return count
 
 
 def _histogram(values: list[int]) -> dict[int, int]:
