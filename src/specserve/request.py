@@ -219,6 +219,11 @@ class Request:
         min_tokens masks."""
         return torch.tensor(ending_token_ids(self.sampling_params, self.eos_token_ids), dtype=torch.long)
 
+    @functools.cached_property
+    def end_token_set(self) -> frozenset[int]:
+        """end_token_ids as a set, for drafts' tokens to be looked up in."""
+        return frozenset(ending_token_ids(self.sampling_params, self.eos_token_ids))
+
     @property
     def output_token_ids(self) -> list[int]:
         """Accepted output tokens (a copy)."""

@@ -94,3 +94,27 @@ def test_a_verified_row_is_penalised_bit_for_bit_as_plain_decoding_after_its_pat
     apply_penalties(logits, batch)
     apply_penalties(plain, plain_reqs)
     assert torch.equal(logits, plain)
+
+
+def test_nothing_follows_an_ending_token_in_a_draft():
+    """An accepted ending id (EOS unless ignore_eos, stop_token_ids) ends the output: its subtree
+    leaves the draft, the ending node stays (the output may end there), and other branches stay."""
+    from specserve.request import Request
+    from specserve.sampling.penalties import prune_banned
+
+    eos, stop = 2, 9
+    # root 5 -> eos -> 6 -> 7, root 5 -> 8 -> stop -> 4; root 3 -> 4
+    tree = DraftTree((5, eos, 6, 7, 8, stop, 4, 3, 4), (-1, 0, 1, 2, 0, 4, 5, -1, 7),
+                     scores=(0.9, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.05, 0.01))
+    req = Request("r", [1, 1], SamplingParams(stop_token_ids=[stop]), eos_token_ids=frozenset({eos}))
+    cut = prune_banned(tree, req)
+    assert cut is not None
+    assert cut.token_ids == (5, eos, 8, stop, 3, 4) and cut.parents == (-1, 0, 0, 2, -1, 4)
+    assert cut.scores == (0.9, 0.5, 0.2, 0.1, 0.05, 0.01)
+    # ignore_eos: EOS is a token like any other, the stop id still ends the output
+    req = Request("r", [1, 1], SamplingParams(stop_token_ids=[stop], ignore_eos=True), eos_token_ids=frozenset({eos}))
+    cut = prune_banned(tree, req)
+    assert cut is not None and cut.token_ids == (5, eos, 6, 7, 8, stop, 3, 4)
+    # nothing to cut: the same object back
+    plain = DraftTree((5, 6, eos), (-1, 0, 1))
+    assert prune_banned(plain, Request("r", [1], SamplingParams(), eos_token_ids=frozenset({eos}))) is plain

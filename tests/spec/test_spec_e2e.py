@@ -574,22 +574,12 @@ def test_seeded_sampling_emits_the_plain_text_with_every_proposer(tiny, which):
     assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
 
 
-@pytest.mark.parametrize("which", ["reference", "reference-chain", "ngram"])
-def test_copied_drafts_leave_out_what_the_request_bans(tiny, which):
-    """Model-free proposers copy text without reading the request: a copied token with logit_bias
-    -100, or an ending id before min_tokens, is cut from the draft with what follows it (the target
-    would reject it). The reference (and for prompt lookup the prompt) is the output itself with a
-    banned and an ending id spliced in every few tokens."""
-    prompts = _tiny_prompts(12, seed=6)
-    ban, stop = 7, 11
-    params = [_greedy(24, logit_bias={ban: -100.0}, stop_token_ids=[stop], min_tokens=24)] * len(prompts)
+def _copy_spliced_outputs(tiny, which, prompts, params, splice):
+    """Copied drafts against plain decoding: the text a copier copies (the reference, or for
+    prompt lookup the prompt) is each plain output with `splice(i, token)`'s ids after its i-th
+    token. Returns the speculative engine, its outputs, plain decoding's and every verified draft."""
     want = _llm(tiny).generate(prompts, params)
-    spliced = []
-    for o in want:
-        ref: list[int] = []
-        for i, t in enumerate(o.token_ids):
-            ref += [t] + ([ban if i % 6 == 2 else stop] if i % 3 == 2 else [])
-        spliced.append(ref)
+    spliced = [[x for i, t in enumerate(o.token_ids) for x in [t, *splice(i, t)]] for o in want]
     if which == "ngram":  # the output copies its prompt: the spliced text goes there
         prompts = [list(p) + ref for p, ref in zip(prompts, spliced)]
         want = _llm(tiny).generate(prompts, params)
@@ -604,10 +594,38 @@ def test_copied_drafts_leave_out_what_the_request_bans(tiny, which):
         return verify(out, logits)
 
     llm.engine.runner._sample_and_verify = record
-    got = llm.generate(prompts, params)
+    return llm, llm.generate(prompts, params), want, verified
+
+
+@pytest.mark.parametrize("which", ["reference", "reference-chain", "ngram"])
+def test_copied_drafts_leave_out_what_the_request_bans(tiny, which):
+    """Model-free proposers copy text without reading the request: a copied token with logit_bias
+    -100, or an ending id before min_tokens, is cut from the draft with what follows it (the target
+    would reject it). The reference (and for prompt lookup the prompt) is the output itself with a
+    banned and an ending id spliced in every few tokens."""
+    ban, stop = 7, 11
+    params = [_greedy(24, logit_bias={ban: -100.0}, stop_token_ids=[stop], min_tokens=24)] * 12
+    _, got, want, verified = _copy_spliced_outputs(
+        tiny, which, _tiny_prompts(12, seed=6), params, lambda i, _: [ban if i % 6 == 2 else stop] if i % 3 == 2 else [])
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert sum(len(d) for d in verified) >= 50, "the proposer drafted too little for the test to mean anything"
     assert not any(t in (ban, stop) for d in verified for t in d.token_ids)
+
+
+@pytest.mark.parametrize("which", ["reference", "ngram"])
+def test_copied_drafts_end_at_an_ending_token(tiny, which):
+    """A copy of text holding a stop id goes on past it in the text, but an accepted stop id ends
+    the output: verified drafts keep the stop node and nothing below it, and outputs equal plain
+    decoding's (with the stop id an output may end on)."""
+    stop = 11
+    params = [_greedy(24, stop_token_ids=[stop])] * 12
+    llm, got, want, verified = _copy_spliced_outputs(
+        tiny, which, _tiny_prompts(12, seed=8), params, lambda i, _: [stop] if i % 4 == 3 else [])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(len(d) for d in verified) >= 50, "the proposer drafted too little for the test to mean anything"
+    assert any(stop in d.token_ids for d in verified), "no draft held the stop id: the test would be vacuous"
+    assert not any(p >= 0 and d.token_ids[p] == stop for d in verified for p in d.parents)
+    assert llm.engine.check_integrity()
 
 
 @pytest.mark.slow

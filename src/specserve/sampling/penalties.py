@@ -166,23 +166,30 @@ BANNED_BIAS = -100.0  # OpenAI: a logit_bias of -100 "should result in a ban or 
 def prune_banned(tree: DraftTree, req: Request) -> DraftTree | None:
     """The draft without the nodes, and their subtrees, whose token the target's rows ban at that
     depth: a logit_bias of -100 or below, and the ending ids while the output is shorter than
-    min_tokens. Model drafters never propose those (drafter_logits); model-free ones (prompt
-    lookup, reference, lookahead) copy text without reading the request's parameters, and a node
-    verification cannot accept only shortens the step. Exactness never rests on this: the rows
-    are masked in verification whatever the draft holds. None when nothing is left."""
+    min_tokens; and without what follows an ending id (EOS unless ignore_eos, stop_token_ids):
+    accepted, it ends the output, so nothing after it is ever emitted. Model drafters never
+    propose banned ids (drafter_logits); model-free ones (prompt lookup, reference, lookahead)
+    copy text without reading the request's parameters, and a node verification cannot accept
+    or never emits only costs the step a row. (Qwen2.5-Coder 1.5B answering an edit with code: at
+    the answer's opening fence, prompt lookup copied what followed the prompt's closing one,
+    `<|im_end|>`, a newline, `<|im_start|>assistant` ..., six rows of which five could never
+    count.) Exactness never rests on this: the rows are masked in verification whatever the
+    draft holds. None when nothing is left."""
     params = req.sampling_params
     banned = {t for t, v in params.logit_bias.items() if v <= BANNED_BIAS} if params.logit_bias else set()
     short = params.min_tokens - req.num_output_tokens  # nodes at depth <= short are under min_tokens
-    if not banned and short <= 0:
+    ends = req.end_token_set
+    tokens, parents = tree.token_ids, tree.parents
+    if not banned and short <= 0 and not any(p >= 0 and tokens[p] in ends for p in parents):
         return tree
-    ends = set(req.end_token_ids.tolist()) if short > 0 else set()
     depths = tree.depths
     kept: list[int] = []
-    alive = {-1}
-    for node, (tok, parent) in enumerate(zip(tree.token_ids, tree.parents)):
+    alive = {-1}  # nodes whose children may stay
+    for node, (tok, parent) in enumerate(zip(tokens, parents)):
         if parent in alive and tok not in banned and not (depths[node] <= short and tok in ends):
-            alive.add(node)
             kept.append(node)
+            if tok not in ends:
+                alive.add(node)
     if len(kept) == len(tree):
         return tree
     return tree.select(kept) if kept else None
