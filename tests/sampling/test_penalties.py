@@ -96,11 +96,14 @@ def test_a_verified_row_is_penalised_bit_for_bit_as_plain_decoding_after_its_pat
     assert torch.equal(logits, plain)
 
 
-def test_nothing_follows_an_ending_token_in_a_draft():
-    """An accepted ending id (EOS unless ignore_eos, stop_token_ids) ends the output: its subtree
-    leaves the draft, the ending node stays (the output may end there), and other branches stay."""
+def test_an_ending_token_leaves_a_ranked_draft_with_what_follows_it():
+    """An ending id (EOS unless ignore_eos, stop_token_ids) adds no token when accepted (it ends
+    the output, and its parent's row draws it anyway): its node and subtree leave a deterministic
+    draft, other branches stay. A drawn node (an unseeded chain's draw) keeps its ending id, only
+    what follows it goes: whether a draw is verified may not depend on what was drawn."""
     from specserve.request import Request
     from specserve.sampling.penalties import prune_banned
+    from specserve.spec.tree import SiblingDraw
 
     eos, stop = 2, 9
     # root 5 -> eos -> 6 -> 7, root 5 -> 8 -> stop -> 4; root 3 -> 4
@@ -109,12 +112,23 @@ def test_nothing_follows_an_ending_token_in_a_draft():
     req = Request("r", [1, 1], SamplingParams(stop_token_ids=[stop]), eos_token_ids=frozenset({eos}))
     cut = prune_banned(tree, req)
     assert cut is not None
-    assert cut.token_ids == (5, eos, 8, stop, 3, 4) and cut.parents == (-1, 0, 0, 2, -1, 4)
-    assert cut.scores == (0.9, 0.5, 0.2, 0.1, 0.05, 0.01)
+    assert cut.token_ids == (5, 8, 3, 4) and cut.parents == (-1, 0, -1, 2)
+    assert cut.scores == (0.9, 0.2, 0.05, 0.01)
     # ignore_eos: EOS is a token like any other, the stop id still ends the output
     req = Request("r", [1, 1], SamplingParams(stop_token_ids=[stop], ignore_eos=True), eos_token_ids=frozenset({eos}))
     cut = prune_banned(tree, req)
-    assert cut is not None and cut.token_ids == (5, eos, 6, 7, 8, stop, 3, 4)
+    assert cut is not None and cut.token_ids == (5, eos, 6, 7, 8, 3, 4)
+    # a draft of nothing but an ending id: nothing left
+    assert prune_banned(DraftTree((eos,), (-1,)), Request("r", [1], SamplingParams(), eos_token_ids=frozenset({eos}))) is None
     # nothing to cut: the same object back
-    plain = DraftTree((5, 6, eos), (-1, 0, 1))
+    plain = DraftTree((5, 6, 7), (-1, 0, 1))
     assert prune_banned(plain, Request("r", [1], SamplingParams(), eos_token_ids=frozenset({eos}))) is plain
+    # a drawn chain keeps its ending draw, not what follows; under min_tokens the draw goes too
+    drawn = DraftTree.chain([5, eos, 6], torch.full((3, 12), 1 / 12))
+    assert drawn.draw is SiblingDraw.IID
+    sampled = SamplingParams(temperature=1.0)
+    cut = prune_banned(drawn, Request("r", [1], sampled, eos_token_ids=frozenset({eos})))
+    assert cut is not None and cut.token_ids == (5, eos) and cut.draw is SiblingDraw.IID
+    short = Request("r", [1], SamplingParams(temperature=1.0, min_tokens=4, max_tokens=8), eos_token_ids=frozenset({eos}))
+    cut = prune_banned(drawn, short)
+    assert cut is not None and cut.token_ids == (5,)

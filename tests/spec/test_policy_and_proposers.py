@@ -371,6 +371,29 @@ def test_ngram_proposer_copies_from_context():
     assert prop.propose([_req("b", [1, 2, 3])], [3]) == {}
 
 
+@pytest.mark.parametrize("filler", [0, 600])  # a short text is searched as a list, a long one as an array
+def test_ngram_proposer_skips_occurrences_an_ending_id_follows(filler):
+    """An occurrence of the tail that an ending id follows (EOS unless ignore_eos, stop ids) is not
+    copied: accepted, the id adds no token. Where the longest tail has only such occurrences, a
+    shorter tail's others are (a chat answer opening a code fence: the prompt's closing fence is
+    followed by the end of the turn, "```" alone also matches its opening fence)."""
+    eos, stop = 2, 3
+    pad = list(range(1000, 1000 + filler))
+
+    def draft(tokens, ngram_min=1, **kw):
+        req = Request("a", pad + tokens, SamplingParams(**kw), eos_token_ids=frozenset({eos}))
+        out = NgramProposer(ngram_min, 3).propose([req], [3])
+        return out["a"].main_path_tokens() if out else None
+
+    text = [5, 6, 7, eos, 8, 6, 7, 4, 40, 9, 5, 6, 7]  # [5, 6, 7] only before EOS; [6, 7] also before 4
+    assert draft(text) == (4, 40, 9)
+    assert draft(text, ignore_eos=True) == (eos, 8, 6)  # EOS is a token like any other
+    assert draft([5, 6, 7, stop, 8, 6, 7, 4, 40, 9, 5, 6, 7], stop_token_ids=[stop]) == (4, 40, 9)
+    mixed = [5, 6, 7, eos, 8, 5, 6, 7, 4, 40, 9, 5, 6, 7]  # the longest tail's other occurrence stays
+    assert draft(mixed) == (4, 40, 9)
+    assert draft([6, 7, eos, 9, 6, 7], ngram_min=2) is None  # no tail of >= 2 tokens goes on
+
+
 def test_reference_method_is_prompt_lookup_over_the_reference():
     """`--spec-method reference` builds prompt lookup, which searches a request's reference before
     its prompt: it copies the reference where the output's tail matches it, picks it up again

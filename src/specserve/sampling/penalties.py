@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.spec.tree import DraftTree, SiblingDraw
+
 if TYPE_CHECKING:
     from specserve.engine.scheduler import ScheduledRequest
     from specserve.request import Request
-    from specserve.spec.tree import DraftTree
 
 
 def apply_logit_bias(logits: torch.Tensor, sampled_reqs: Sequence[ScheduledRequest]) -> None:  # [sum(1 + K_i), V]
@@ -165,31 +166,40 @@ BANNED_BIAS = -100.0  # OpenAI: a logit_bias of -100 "should result in a ban or 
 
 def prune_banned(tree: DraftTree, req: Request) -> DraftTree | None:
     """The draft without the nodes, and their subtrees, whose token the target's rows ban at that
-    depth: a logit_bias of -100 or below, and the ending ids while the output is shorter than
-    min_tokens; and without what follows an ending id (EOS unless ignore_eos, stop_token_ids):
-    accepted, it ends the output, so nothing after it is ever emitted. Model drafters never
-    propose banned ids (drafter_logits); model-free ones (prompt lookup, reference, lookahead)
-    copy text without reading the request's parameters, and a node verification cannot accept
-    or never emits only costs the step a row. (Qwen2.5-Coder 1.5B answering an edit with code: at
-    the answer's opening fence, prompt lookup copied what followed the prompt's closing one,
-    `<|im_end|>`, a newline, `<|im_start|>assistant` ..., six rows of which five could never
-    count.) Exactness never rests on this: the rows are masked in verification whatever the
-    draft holds. None when nothing is left."""
+    depth (a logit_bias of -100 or below, and the ending ids while the output is shorter than
+    min_tokens), and without the ending ids' nodes themselves (EOS unless ignore_eos,
+    stop_token_ids) with what follows them. An ending node can never add a token: accepted, it
+    ends the output, and its parent's row would have drawn it from the same distribution as the
+    step's next token anyway, so it costs a row and nothing below it is ever emitted. Model
+    drafters never propose banned ids (drafter_logits); model-free ones (prompt lookup,
+    reference, lookahead) copy text without reading the request's parameters. (Qwen2.5-Coder
+    1.5B answering an edit with code: at the answer's opening fence, prompt lookup copied what
+    followed the prompt's closing one, `<|im_end|>`, a newline, `<|im_start|>assistant` ..., six
+    rows none of which could count.) Exactness never rests on this: the rows are masked in
+    verification whatever the draft holds. None when nothing is left.
+
+    A drawn node (an unseeded chain's token drawn from the drafter's distribution) keeps its
+    ending id, without what follows it: rejection sampling is exact for a draw only if whether
+    it is verified does not depend on what was drawn (specserve.spec.tree.drafts_ranked)."""
     params = req.sampling_params
     banned = {t for t, v in params.logit_bias.items() if v <= BANNED_BIAS} if params.logit_bias else set()
     short = params.min_tokens - req.num_output_tokens  # nodes at depth <= short are under min_tokens
     ends = req.end_token_set
-    tokens, parents = tree.token_ids, tree.parents
-    if not banned and short <= 0 and not any(p >= 0 and tokens[p] in ends for p in parents):
+    tokens = tree.token_ids
+    if not banned and not any(t in ends for t in tokens):
         return tree
+    drawn = tree.draw is not SiblingDraw.DETERMINISTIC
     depths = tree.depths
     kept: list[int] = []
     alive = {-1}  # nodes whose children may stay
-    for node, (tok, parent) in enumerate(zip(tokens, parents)):
-        if parent in alive and tok not in banned and not (depths[node] <= short and tok in ends):
+    for node, (tok, parent) in enumerate(zip(tokens, tree.parents)):
+        if parent not in alive or tok in banned:
+            continue
+        if tok not in ends:
             kept.append(node)
-            if tok not in ends:
-                alive.add(node)
+            alive.add(node)
+        elif drawn and depths[node] > short:
+            kept.append(node)
     if len(kept) == len(tree):
         return tree
     return tree.select(kept) if kept else None

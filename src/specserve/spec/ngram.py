@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from specserve.request import Request
 from specserve.spec.copy_trust import CopyTrust, shared_length
 from specserve.spec.edits import ALIGN_MIN_MATCH, EditTracker
@@ -92,7 +94,7 @@ class NgramProposer(ServedSource, Proposer):
             if (mirror := self._arrays.get(req.request_id)) is None:
                 mirror = self._arrays[req.request_id] = TokenArray()
             arr = mirror.view(text)
-            n, starts = suffix_matches(arr, arr, self.ngram_min, self.ngram_max, exclude_tail=True)
+            n, starts = self._matches(arr, req.end_token_set)
             own = shared_length(text, starts[-MATCHES_MEASURED:].tolist(), text) if n else 0
             shared, served = self.served.continuations(toks, k) if self.served is not None else (0, [])
             edits = self._edits.get(req.request_id)
@@ -120,6 +122,28 @@ class NgramProposer(ServedSource, Proposer):
                 tree = top_path(tree)
             out[req.request_id] = self.copies.scored(req.request_id, len(toks), tree, source, shared)
         return out
+
+    def _matches(self, arr: Sequence[int], ends: frozenset[int]) -> tuple[int, np.ndarray]:
+        """suffix_matches of the text's tail in itself, without the occurrences an ending id
+        follows (EOS, stop ids: accepted, one adds no token and ends the output, see
+        prune_banned); where that leaves none, the longest shorter tail that has others. A chat
+        prompt's text before its `<|im_end|>` is such an occurrence: an answer that opens a code
+        fence matched the prompt's closing fence ("\\n```" then `<|im_end|>`), where "```" alone
+        also matches the opening one, whose "python\\n" and code the answer goes on with."""
+        n_max = self.ngram_max
+        while True:
+            n, starts = suffix_matches(arr, arr, self.ngram_min, n_max, exclude_tail=True)
+            if not n or not ends:
+                return n, starts
+            after = arr[starts] if isinstance(arr, np.ndarray) else np.array([arr[i] for i in starts.tolist()])
+            ending = np.zeros(len(starts), dtype=bool)
+            for e in ends:  # one to a few ids
+                ending |= after == e
+            if not ending.all():
+                return n, starts[~ending] if ending.any() else starts
+            if n <= self.ngram_min:
+                return 0, starts[:0]
+            n_max = n - 1
 
     def copy_resumes(self, requests: Sequence[Request]) -> bool:
         """A request's last RESUME_MATCH tokens occur earlier in its reference, prompt or output,
