@@ -40,6 +40,8 @@ from common import RESULTS_DIR, machine_info, write_json  # noqa: E402
 from prompts import CODING, EDIT, PROSE  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.config import SpecConfig  # noqa: E402
+from specserve.errors import ConfigError  # noqa: E402
 from specserve.models.bundled import resolve_model  # noqa: E402
 from specserve.models.loader import load_model_files  # noqa: E402
 
@@ -71,14 +73,8 @@ class Bench:
     def llm(self, method: str, policy: str = "adaptive", k: int = 4, **kw: Any) -> LLM:
         gc.collect()
         quant = self.args.quantization
-        # "draft+ngram": the draft model with --spec-copy ngram in front of it; "eagle+join",
-        # "eagle+none+join": lookahead's candidates joined into its trees (--spec-join lookahead)
-        method, *extra = method.split("+")
-        for part in extra:
-            if part == "join":
-                kw["spec_join"] = "lookahead"
-            else:
-                kw["spec_copy"] = part
+        method, parts = _method_parts(method)
+        kw.update(parts)
         if method == "none-int8":  # the plain baseline on the int8 weight-only target, for reference
             method, quant = "none", "int8"
         if method == "lookahead" and self.args.lookahead_corpus:
@@ -105,6 +101,34 @@ class Bench:
         llm.engine.kv_manager.reset_prefix_cache()
         llm.engine.reset_suffix_cache()  # earlier runs' outputs would draft this one's
         return llm
+
+
+def _method_parts(name: str) -> tuple[str, dict[str, str]]:
+    """A row's proposer name as the method and its LLM keywords: "draft+ngram" is the draft model
+    with --spec-copy ngram in front of it; "eagle+join", "eagle+none+join" join lookahead's
+    candidates into its trees (--spec-join lookahead)."""
+    method, *extra = name.split("+")
+    kw = {}
+    for part in extra:
+        if part == "join":
+            kw["spec_join"] = "lookahead"
+        else:
+            kw["spec_copy"] = part
+    return method, kw
+
+
+def _check_methods(ap: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    """Refuse a proposer name the engine would refuse, before any model loads (a bad row would
+    otherwise stop the run after the rows before it)."""
+    for name in names:
+        method, kw = _method_parts(name)
+        if method == "none-int8":
+            continue
+        try:
+            SpecConfig(method=method, draft_model="draft" if method == "draft" else None,
+                       copy=kw.get("spec_copy", "auto"), join=kw.get("spec_join", "none"))
+        except ConfigError as e:
+            ap.error(f"{name}: {e}")
 
 
 def run_sequential(llm: LLM, prompts: list[tuple[str, str | None]], temperature: float, max_tokens: int) -> dict:
@@ -544,6 +568,7 @@ def main() -> int:
     ap.add_argument("--batch-max-tokens", type=int, default=32)
     ap.add_argument("--out", default="spec")
     args = ap.parse_args()
+    _check_methods(ap, [*args.tree_methods, args.batch_method])
     payload: dict[str, Any] = {"benchmark": "speculative decoding", "machine": machine_info(),
                                "settings": vars(args)}
     out_json = RESULTS_DIR / f"{args.out}.json"
