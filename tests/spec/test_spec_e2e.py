@@ -286,6 +286,47 @@ def test_adaptive_policy_learns_the_draft_cost_without_the_catch_up_pass(tiny):
     assert max(llm.engine.policy.draft_time.points.values()) < 0.02
 
 
+def test_the_rate_guard_is_told_each_drafting_step_without_the_catch_up_the_cost_model_charged(tiny):
+    """A catch-up (the drafter feeding a request's prompt, or what it fell behind while drafts
+    were held) is paid once, and the cost model weighed it, spread over the steps the request
+    has left, when it chose to draft. The rate guard judges the rate of drafting from then on:
+    it is told each step's seconds less the catch-up at the cost model's price, so one slow
+    catch-up among a few steps no longer reads as drafting that loses to plain decoding."""
+    import time
+
+    from specserve.spec.policy import CATCHUP_FREE, StepTimer
+
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="draft", spec_policy="adaptive",
+              draft_checkpoint=tiny, draft_num_layers=1, num_spec_tokens=3)
+    eng = llm.engine
+    eng.policy.target_time = StepTimer({1: 0.05, 16: 0.05})  # drafting pays (see the test above)
+    eng.policy.catchup_s_per_token = per_token = 0.02
+    prop = eng.proposer
+    real = prop.runner.forward_logits
+
+    def priced_catch_up(inputs):  # a catch-up pass costs what the cost model charges for it
+        if inputs.input_ids.numel() > CATCHUP_FREE:
+            time.sleep(per_token * (inputs.input_ids.numel() - CATCHUP_FREE))
+        return real(inputs)
+
+    prop.runner.forward_logits = priced_catch_up
+    told = []
+    observe = eng.policy.guard.observe
+
+    def spy(batch, tokens, seconds, speculated):
+        told.append((seconds, speculated))
+        observe(batch, tokens, seconds, speculated)
+
+    eng.policy.guard.observe = spy
+    prompt = list(range(5, 25))  # 20 tokens: the first drafting step catches up on ~21 (0.38 s)
+    out = llm.generate([prompt], _greedy(24))[0]
+    assert eng.spec_counters["num_draft_tokens"] > 0 and eng.spec_counters["draft_time_s"] > 0.3
+    drafting = [s for s, spec in told if spec]
+    assert drafting and max(drafting) < 0.15, drafting  # a step of the tiny model takes milliseconds
+    plain = _llm(tiny).generate([prompt], _greedy(24))[0]
+    assert out.token_ids == plain.token_ids
+
+
 def test_draft_catch_up_is_measured_and_counted_per_request(tiny):
     """The policy charges a draft model's catch-up: start-up measures its cost per token, and the
     proposer says how far its cache is behind each request (the prompt less what its prefix

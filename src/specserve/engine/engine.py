@@ -46,7 +46,7 @@ from specserve.spec.factory import (
     drafter_kv_bytes_per_token,
     reserved_kv_blocks,
 )
-from specserve.spec.policy import RecentMedian, SpecPolicy
+from specserve.spec.policy import CATCHUP_FREE, RecentMedian, SpecPolicy
 from specserve.spec.proposer import Proposer
 from specserve.spec.tree import DraftTree
 
@@ -380,6 +380,7 @@ class LLMEngine:
         self._host_s = {False: RecentMedian(HOST_WINDOW), True: RecentMedian(HOST_WINDOW)}  # see _account_host_time
         self._propose_s = RecentMedian(HOST_WINDOW)  # a scored proposer's host time per request drafted for
         self._cycle_draft_s = 0.0  # the drafting done at the start of the last step, for it (_account_cycle)
+        self._cycle_catchup_s = 0.0  # the part of it the cost model charges as a catch-up (estimated)
         self.spec_counters = {"draft_time_s": 0.0, "verify_time_s": 0.0, "decode_time_s": 0.0,
                               "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                               "num_forced_tokens": 0}
@@ -826,6 +827,7 @@ class LLMEngine:
         """The coming step's drafts: the proposer's for the requests the policy lets draft, then
         the text a grammar forces. Run first in `step`, in the order the end of the step before
         ran them until the proposal moved there (before the connector takes in new requests)."""
+        self._cycle_catchup_s = 0.0
         if self.proposer is not None and self.policy.enabled:
             t_propose = time.perf_counter()
             self._propose_next()
@@ -836,8 +838,17 @@ class LLMEngine:
 
     def _account_cycle(self, sched_out: SchedulerOutput, tokens: int, seconds: float) -> None:
         """Tell the policy's rate guard what a decode step yielded: its tokens, and its seconds
-        with the drafting done for it at its start, a catch-up included (a step
-        with a prompt chunk tells nothing about decoding)."""
+        with the drafting done for it at its start (a step with a prompt chunk tells nothing about
+        decoding). A catch-up in that drafting (the drafter feeding a request's prompt, or the
+        tokens it fell behind while drafts were held back) is left out at the rate the cost model
+        charges it: it is paid once per request or resumption, and the cost model already weighed
+        it, spread over the steps the request has left, when it chose to draft. Counted whole, it
+        was judged as the rate of drafting: Qwen 1.5B + 0.5B draft on coding prompts, 2-vCPU
+        Zen 4, each answer's first steps carry a 27-50-token catch-up of the prompt (0.06-0.1 s
+        against ~0.06 s a step), and a trial after a hold carries the held steps' backlog (64
+        tokens, ~0.1 s) within its 4 steps, so in the VM's fast-memory spells trials failed and
+        holds doubled: one run of the 8 prompts held 312 of its ~470 chain steps (1.23x plain)
+        where the next held none (1.36x)."""
         if self.proposer is None and not self.drafter_released:
             return
         if any(sr.num_new_tokens > 1 and sr.draft is None for sr in sched_out.scheduled):
@@ -845,7 +856,8 @@ class LLMEngine:
         speculated = any(sr.draft is not None and sr.request_id not in self._forced_drafts for sr in sched_out.scheduled)
         if speculated and self.policy.config.policy != "adaptive":
             return  # drafts of another policy's K: not the rate the adaptive policy gets
-        self.policy.guard.observe(len(sched_out.scheduled), tokens, seconds + self._cycle_draft_s, speculated)
+        draft_s = max(0.0, self._cycle_draft_s - self._cycle_catchup_s)
+        self.policy.guard.observe(len(sched_out.scheduled), tokens, seconds + draft_s, speculated)
 
     def _drop_failed_loads(self) -> None:
         """Lower-tier blocks that failed verification while this step loaded them: their cached
@@ -982,6 +994,9 @@ class LLMEngine:
                                              / max(self.policy.target_time(len(decoding) + other), 1e-9))
         copied = self._copied = {r.request_id for i, r in enumerate(decoding) if free and free[i] and ks[i]}
         proposals = self.proposer.propose(decoding, ks)  # type: ignore[union-attr]
+        if catchup is not None:  # what the cost model charged as catch-ups (see _account_cycle)
+            behind = sum(max(0, c - CATCHUP_FREE) for r, c, k in zip(decoding, catchup, ks) if k and r.request_id not in copied)
+            self._cycle_catchup_s = behind * self.policy.catchup_s_per_token
         delivered = {rid: tree.max_depth for rid, tree in proposals.items()}
         proposals = self.policy.prune(decoding, proposals, other, free)
         dt = time.perf_counter() - t0

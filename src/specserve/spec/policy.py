@@ -190,7 +190,8 @@ class RateGuard:
     steps then took 43-58 ms for 5-6 tokens where plain ones took 30.5 ms for 4, after a 90 ms
     pass catching the drafter up on its prompt; runs at 0.92-0.95x plain.) The guard measures
     the outcome instead: per batch size, the tokens and seconds of whole decode steps with drafts
-    (the drafting done for them included, a catch-up too: that is what speculating there costs)
+    (the drafting done for them included; a catch-up in it only as far as the cost model did not
+    charge it, since that model weighed it when it chose to draft: Engine._account_cycle)
     and without, as decayed sums (GUARD_SPEC_DECAY, GUARD_PLAIN_DECAY). Plain steps are measured wherever they happen (the policy chose no drafts,
     speculation was off); once speculating steps have been measured, a plain rate older than
     GUARD_FRESH_S is measured again with one plain step (every GUARD_FRESH_LONG_S where
