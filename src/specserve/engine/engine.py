@@ -46,7 +46,7 @@ from specserve.spec.factory import (
     drafter_kv_bytes_per_token,
     reserved_kv_blocks,
 )
-from specserve.spec.policy import CATCHUP_FREE, RecentMedian, SpecPolicy
+from specserve.spec.policy import RecentMedian, SpecPolicy
 from specserve.spec.proposer import Proposer
 from specserve.spec.tree import DraftTree
 
@@ -995,8 +995,8 @@ class LLMEngine:
         copied = self._copied = {r.request_id for i, r in enumerate(decoding) if free and free[i] and ks[i]}
         proposals = self.proposer.propose(decoding, ks)  # type: ignore[union-attr]
         if catchup is not None:  # what the cost model charged as catch-ups (see _account_cycle)
-            behind = sum(max(0, c - CATCHUP_FREE) for r, c, k in zip(decoding, catchup, ks) if k and r.request_id not in copied)
-            self._cycle_catchup_s = behind * self.policy.catchup_s_per_token
+            self._cycle_catchup_s = sum(self.policy.catchup_seconds(c) for r, c, k in zip(decoding, catchup, ks)
+                                        if k and r.request_id not in copied)
         delivered = {rid: tree.max_depth for rid, tree in proposals.items()}
         proposals = self.policy.prune(decoding, proposals, other, free)
         dt = time.perf_counter() - t0

@@ -983,14 +983,19 @@ class SpecPolicy:
             return req.priority < 0
         return True
 
+    def catchup_seconds(self, behind: int) -> float:
+        """Seconds of catching the proposer up on `behind` tokens of a request, less the
+        CATCHUP_FREE it processes every step anyway (0 where no catch-up cost was measured)."""
+        return max(0, behind - CATCHUP_FREE) * self.catchup_s_per_token
+
     def _catchup_cost(self, req: Request, behind: int, accepted: float) -> float:
         """Seconds per step of catching the proposer up on `behind` tokens of `req`, spread over
         the steps it has left (max_tokens still to go, 1 + `accepted` tokens per step)."""
-        extra = behind - CATCHUP_FREE
-        if extra <= 0 or self.catchup_s_per_token <= 0:
+        once = self.catchup_seconds(behind)
+        if once <= 0:
             return 0.0
         left = max(1, req.sampling_params.max_tokens - req.num_output_tokens)
-        return extra * self.catchup_s_per_token * (1.0 + accepted) / left
+        return once * (1.0 + accepted) / left
 
     def _cost_model_choice(self, requests: Sequence[Request], eligible: list[bool], other: int,
                            catchup: Sequence[int], free: Sequence[bool]) -> list[int]:
