@@ -109,7 +109,7 @@ def test_models_health_metrics_admin(smol_server):
                  "specserve_generation_tokens_total", "specserve_spec_draft_tokens_total",
                  "specserve_spec_accepted_tokens_total", "specserve_inter_token_latency_seconds",
                  "specserve_spec_accepted_length", "specserve_spec_drafts_total", "specserve_spec_guard_holds_total",
-                 "specserve_spec_guard_plain_probes_total"):
+                 "specserve_spec_guard_plain_probes_total", "specserve_spec_draft_time_scale"):
         assert name in text, name
     assert httpx.post(base + "/admin/speculation", json={"enabled": False}).json() == {"enabled": False}
     smol_server.wait_idle()

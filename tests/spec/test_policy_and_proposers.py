@@ -142,6 +142,41 @@ def test_catch_up_is_charged_over_the_steps_a_request_has_left():
     assert free.choose([_req("e", [1] * 500, max_tokens=3)], catchup=[500])[0] > 0
 
 
+def test_drafting_is_priced_as_measured_against_its_prediction_per_batch_size():
+    """The draft timer prices one-token passes; a step's drafting also feeds each request's first
+    pass its unseen tokens, runs as many passes as its longest proposal and works on the host.
+    observe_drafting() learns measured over predicted drafting seconds per number of drafting
+    requests (a recent median), and the cost model scales its prediction by it: drafting that pays as predicted
+    at batch 4 stops once steps there measure 3x the prediction, while batch 1, measured as
+    predicted, drafts on."""
+    p = _policy({1: 0.030, 4: 0.035, 8: 0.050, 16: 0.090, 32: 0.180}, {1: 0.005, 4: 0.006}, acceptance=0.7)
+    four = [_req(r, [1, 2, 3], max_tokens=1000) for r in "abcd"]
+    one = [_req("e", [1, 2, 3], max_tokens=1000)]
+    ks = p.choose(four)
+    assert all(ks)
+    _, predicted = p._draft_predicted
+    assert abs(predicted - 0.006 * max(p.stats("a").proposed_by_k(4)[k] for k in ks)) < 1e-12
+    steps = 0
+    while any(p.choose(four)) and steps < 10:  # drafting at batch 4 measures 3x its prediction
+        p.observe_drafting(3 * p._draft_predicted[1])
+        steps += 1
+        assert p.choose(one)[0] > 0  # batch 1 measures its prediction
+        p.observe_drafting(p._draft_predicted[1])
+    assert 0 < steps < 10 and p.draft_scale(4) > 1.5 and p.draft_scale(1) == 1.0
+    assert p.choose(four) == [0] * 4 and p._draft_predicted is None
+    assert p.choose(one)[0] > 0
+    p.choose(four)
+    before = p.draft_scales()
+    p.observe_drafting(0.5)  # nothing was predicted (a step without drafts): nothing learned
+    assert p.draft_scales() == before
+    # A first use of a shape (a one-off 10x) moves nothing: the scale is a median.
+    q = _policy({1: 0.030, 4: 0.035, 8: 0.050, 16: 0.090, 32: 0.180}, {1: 0.005, 4: 0.006}, acceptance=0.7)
+    for ratio in (10, 1, 1, 1):
+        assert all(q.choose(four))
+        q.observe_drafting(ratio * q._draft_predicted[1])
+    assert q.draft_scale(4) == 1.0
+
+
 def test_new_requests_start_from_pooled_acceptance():
     """A new request's estimate starts where earlier requests left the pooled one, not at the
     fixed prior: after many requests with poor first drafts a newcomer is not speculated for."""

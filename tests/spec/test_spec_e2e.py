@@ -327,6 +327,39 @@ def test_the_rate_guard_is_told_each_drafting_step_without_the_catch_up_the_cost
     assert out.token_ids == plain.token_ids
 
 
+def test_the_cost_model_learns_drafting_time_from_each_step_without_a_catch_up(tiny):
+    """Each drafting step tells the policy what its drafting took (observe_drafting), against
+    which the cost model scales its predicted drafting at that batch size, except a step that
+    also caught the drafter up (its cost is the catch-up estimate's, not drafting's)."""
+    from specserve.spec.policy import CATCHUP_FREE, StepTimer
+
+    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="draft", spec_policy="adaptive",
+              draft_checkpoint=tiny, draft_num_layers=1, num_spec_tokens=3)
+    eng = llm.engine
+    eng.policy.target_time = StepTimer({1: 0.05, 16: 0.05})  # drafting pays (see above)
+    eng.policy.catchup_s_per_token = 0.02
+    eng.policy.draft_time = StepTimer({1: 1e-3})
+    told, proposals = [], []
+    observe, propose = eng.policy.observe_drafting, eng.proposer.propose
+
+    def spy(seconds):
+        told.append((seconds, eng._cycle_catchup_s, eng.policy._draft_predicted))
+        observe(seconds)
+
+    def count(requests, ks):  # whether the proposal catches the drafter up
+        proposals.append(any(k and eng.proposer.catchup_tokens(r) > CATCHUP_FREE for r, k in zip(requests, ks)))
+        return propose(requests, ks)
+
+    eng.policy.observe_drafting, eng.proposer.propose = spy, count
+    prompt = list(range(5, 25))
+    out = llm.generate([prompt], _greedy(24))[0]
+    assert len(proposals) >= 4 and proposals[0]  # the first catches up on the prompt
+    assert len(told) == proposals.count(False)
+    assert all(s > 0 and catch == 0 and pred is not None and pred[1] > 0 for s, catch, pred in told)
+    assert list(eng.policy.draft_scales()) == [1] and eng.policy.draft_scale(1) != 1.0
+    assert out.token_ids == _llm(tiny).generate([prompt], _greedy(24))[0].token_ids
+
+
 def test_draft_catch_up_is_measured_and_counted_per_request(tiny):
     """The policy charges a draft model's catch-up: start-up measures its cost per token, and the
     proposer says how far its cache is behind each request (the prompt less what its prefix

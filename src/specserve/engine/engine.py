@@ -1003,6 +1003,8 @@ class LLMEngine:
         if self.policy.scored:  # the host's time per request for a proposal and its pruning (choose() weighs it)
             self.policy.propose_s = self._propose_s.add(dt / max(1, sum(1 for k in ks if k)))
         self.spec_counters["draft_time_s"] += dt
+        if not self._cycle_catchup_s:  # (a catch-up's cost is its own estimate's: left out)
+            self.policy.observe_drafting(dt)
         if self.policy.draft_cost_is_per_token:  # the draft model
             # Steady cost of a draft position, without the catch-up pass; None when every
             # request stopped after that pass (K = 1, or an unsure first draft).

@@ -161,6 +161,10 @@ class ServerMetrics:
                                    labels, registry=r)
         self.guard_probes = Counter("specserve_spec_guard_plain_probes", "Decode steps run plain to re-measure "
                                     "plain decoding's tokens/s beside speculation's.", labels, registry=r)
+        self.draft_scale = Gauge("specserve_spec_draft_time_scale", "Drafting's measured seconds over the cost "
+                                 "model's prediction (recent median), by drafting requests (batch: 1-7, then the "
+                                 "power of two starting each bucket); scales the predicted drafting time.",
+                                 ["model", "batch"], registry=r)
         self.draft_tokens = Counter("specserve_spec_draft_tokens", "Draft tokens (tree nodes) verified; "
                                     "over specserve_spec_drafts: nodes per step.", labels, registry=r)
         self.accepted_len = Histogram("specserve_spec_accepted_length", "Draft tokens accepted per verify step.",
@@ -251,6 +255,8 @@ class ServerMetrics:
             self._inc_to("guard_holds", self.guard_holds, engine.policy.guard.num_held)
             self._inc_to("guard_probes", self.guard_probes, engine.policy.guard.num_plain_probes)
             self._inc_to("draft_tokens", self.draft_tokens, c["num_draft_tokens"])
+            for batch, scale in engine.policy.draft_scales().items():
+                self.draft_scale.labels(m, str(batch)).set(scale)
             self._inc_to("accepted", self.accepted_tokens, c["num_accepted_tokens"])
             for phase, key in (("draft", "draft_time_s"), ("verify", "verify_time_s"), ("decode", "decode_time_s")):
                 self._inc_to(f"time_{phase}", self.spec_time, c[key], phase=phase)
