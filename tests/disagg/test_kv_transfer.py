@@ -505,18 +505,23 @@ def test_a_draft_transfer_whose_request_ended_stops_the_prefill_workers_draft(sm
     # The decode worker steps only once the prefill worker has sent its first draft pass: else
     # on a machine where the decode step wins the race the draft is cancelled before it starts
     # (draft_bytes 0), which would not show that a running draft stops between its passes.
-    first_pass = threading.Event()
+    first_pass, ended = threading.Event(), threading.Event()
     send_draft, step = pre.connector._send_draft, dec_eng.step
 
     def sent_one(todo):
         send_draft(todo)
-        if first_pass.is_set():  # later passes: each as slow as on a slow machine, so the decode
-            time.sleep(0.02)     # worker's cancel lands within the prompt however fast the draft runs
+        if first_pass.is_set():  # later passes: each waits for the decode worker to have ended the
+            ended.wait(5)        # request, then as slow as on a slow machine, so its cancel lands
+            time.sleep(0.02)     # within the prompt however fast the draft or slow the decode step runs
         first_pass.set()
 
     def step_after_first_pass():
         first_pass.wait(10)
-        return step()
+        try:
+            return step()
+        finally:
+            if dec_eng.scheduler.requests.get("short") is None:
+                ended.set()
 
     pre.connector._send_draft, dec_eng.step = sent_one, step_after_first_pass
     before = _shm_files()
