@@ -780,8 +780,6 @@ class SpecPolicy:
             eligible = [self._eligible(r, n) for r in requests]
             ks = self._guarded(self._cost_model_choice(requests, eligible, num_other_tokens, catchup or [0] * n,
                                                        free or [False] * n), num_other_tokens)
-            if not any(ks):
-                self._draft_predicted = None
         if self.trees:
             for i, (r, k) in enumerate(zip(requests, ks)):
                 self.stats(r.request_id, bool(free and free[i])).depth_asked = k
