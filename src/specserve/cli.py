@@ -78,7 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-model", default=None,
                    help="draft model (bundled name, GGUF or HF dir; auto: the bundled smaller sibling of a bundled target); "
                         "with --spec-method eagle | medusa | mtp | layerskip: a head or exit file from `specserve train-draft` (default: the "
-                        "one trained for this model in the cache)")
+                        "one trained for this model in the cache; mtp: first the MTP layer a GGUF target ships, llama.cpp's "
+                        "blk.N.nextn.*), or for mtp a GGUF or safetensors file that ships one")
     s.add_argument("--num-spec-tokens", type=int, default=8, help="maximum draft tokens K per step (the policy picks <= this)")
     s.add_argument("--spec-policy", choices=["adaptive", "always", "off"], default="adaptive",
                    help="adaptive: cost model decides K per request per step")

@@ -107,6 +107,89 @@ def write_random_head(ckpt: Any, path: str | Path, method: str = "eagle", seed: 
     return Path(path)
 
 
+# HF names of a decoder block's tensors -> GGUF's (llama.cpp's converter).
+_GGUF_BLOCK = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+# A multi-token-prediction module's own tensors (DeepSeek-V3 names, see spec.eagle.MTPModule) -> GGUF's.
+_GGUF_NEXTN = {"eh_proj": "nextn.eh_proj", "enorm": "nextn.enorm", "hnorm": "nextn.hnorm",
+               "shared_head.norm": "nextn.shared_head_norm"}
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet in byte order: printable bytes as themselves, the others
+    shifted past 255."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(shifted)) for b in range(256)]
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """The row reordering llama.cpp's converter applies to Llama q/k (the loader undoes it)."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf_model(path: str | Path, arch: str, hf_weights: dict[str, torch.Tensor], cfg: dict, *,
+                     mtp: dict[str, torch.Tensor] | None = None, nextn_key: bool = True, byte_vocab: bool = False,
+                     extra: Any = ()) -> Path:
+    """A llama / qwen2 GGUF as llama.cpp's converter writes it, from HF-named float tensors; cfg:
+    layers, hidden, ffn, heads, kv_heads. mtp: a multi-token-prediction module in DeepSeek-V3's
+    names (eh_proj, enorm, hnorm, shared_head.norm, the block's self_attn / mlp / norms), written as
+    the block after the decoder's (blk.N.nextn.* beside the block's own tensors, block_count
+    counting it, `<arch>.nextn_predict_layers` 1 unless nextn_key is False). byte_vocab: a
+    byte-level BPE tokenizer of 256 ids (bytes 0-254 and "ab"; ids 1 / 2 BOS / EOS), so that an
+    engine can load the file by path. extra: (name, array) tensors written as they are."""
+    import gguf
+
+    def name_of(hf: str) -> str:
+        if hf in _GGUF_GLOBAL:
+            return _GGUF_GLOBAL[hf]
+        _, _, layer, *rest = hf.split(".")
+        module, kind = ".".join(rest[:-1]), rest[-1]
+        return f"blk.{layer}.{_GGUF_NEXTN.get(module) or _GGUF_BLOCK[module]}.{kind}"
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    writer.add_block_count(cfg["layers"] + (mtp is not None))
+    if mtp is not None and nextn_key:
+        writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    writer.add_context_length(256)
+    writer.add_embedding_length(cfg["hidden"])
+    writer.add_feed_forward_length(cfg["ffn"])
+    writer.add_head_count(cfg["heads"])
+    writer.add_head_count_kv(cfg["kv_heads"])
+    writer.add_rope_freq_base(5000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    if byte_vocab:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([*_byte_chars()[:255], "ab"])  # (a GGUF needs one merge)
+        writer.add_token_types([1] * 256)
+        writer.add_token_merges(["a b"])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+    tensors = dict(hf_weights)
+    tensors.update({f"model.layers.{cfg['layers']}.{k}": v for k, v in (mtp or {}).items()})
+    for name, tensor in tensors.items():
+        gname = name_of(name)
+        data = tensor.detach().float().numpy()
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            data = llama_cpp_permute(data, cfg["heads"] if "attn_q" in gname else cfg["kv_heads"])
+        writer.add_tensor(gname, np.ascontiguousarray(data))
+    for gname, data in extra:
+        writer.add_tensor(gname, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
 class _PlainMemmapNumpy:
     """Stand-in for the numpy module inside gguf's reader whose memmap returns a plain ndarray.
 

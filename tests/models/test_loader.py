@@ -21,11 +21,12 @@ from specserve.models.bundled import ensure_bundled
 from specserve.models.loader import (
     LoadedCheckpoint,
     expected_shapes,
+    gguf_mtp_tensors,
     load_model_files,
     open_gguf,
 )
 from specserve.models.tokenizer import Tokenizer
-from specserve.testing import plain_memmap
+from specserve.testing import plain_memmap, write_gguf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -148,58 +149,8 @@ def test_missing_path(tmp_path):
 # --- synthetic GGUF files ----------------------------------------------------------------------
 
 
-def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """The row reordering llama.cpp's converter applies to Llama q/k (test-side version)."""
-    head_dim = w.shape[0] // n_heads
-    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_tiny_gguf(
-    path: Path, arch: str, hf_weights: dict[str, torch.Tensor], cfg: dict, *, extra=()
-) -> None:
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name("tiny")
-    writer.add_block_count(cfg["layers"])
-    writer.add_context_length(256)
-    writer.add_embedding_length(cfg["hidden"])
-    writer.add_feed_forward_length(cfg["ffn"])
-    writer.add_head_count(cfg["heads"])
-    writer.add_head_count_kv(cfg["kv_heads"])
-    writer.add_rope_freq_base(5000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    block = {
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }
-    for name, tensor in hf_weights.items():
-        if name in names:
-            gname = names[name]
-        else:
-            _, _, layer, *rest = name.split(".")
-            module, kind = ".".join(rest[:-1]), rest[-1]
-            gname = f"blk.{layer}.{block[module]}.{kind}"
-        data = tensor.numpy()
-        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
-            data = _llama_cpp_permute(data, cfg["heads"] if "attn_q" in gname else cfg["kv_heads"])
-        writer.add_tensor(gname, np.ascontiguousarray(data))
-    for gname, data in extra:
-        writer.add_tensor(gname, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+def _write_tiny_gguf(path: Path, arch: str, hf_weights: dict[str, torch.Tensor], cfg: dict, *, extra=()) -> None:
+    write_gguf_model(path, arch, hf_weights, cfg, extra=extra)
 
 
 TINY = {"layers": 2, "hidden": 64, "ffn": 96, "heads": 4, "kv_heads": 2, "vocab": 300}
@@ -241,6 +192,63 @@ def test_synthetic_gguf_round_trip(tmp_path, key, tied):
     for name, tensor in weights.items():
         # Llama q/k come back in HF order (the permutation was undone); Qwen2 was never permuted.
         assert torch.equal(ck.weights[name], tensor), name
+
+
+def _mtp_layer(arch: ArchConfig, seed: int) -> dict[str, torch.Tensor]:
+    """A multi-token-prediction module's tensors in DeepSeek-V3's names: eh_proj, its norms and one
+    decoder block of the target's shape."""
+    gen = torch.Generator().manual_seed(seed)
+    h = arch.hidden_size
+    block = {n.removeprefix("model.layers.0."): s for n, s in expected_shapes(arch).items() if n.startswith("model.layers.0.")}
+    shapes = {"eh_proj.weight": (h, 2 * h), "enorm.weight": (h,), "hnorm.weight": (h,), "shared_head.norm.weight": (h,),
+              **block}
+    return {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+
+
+@pytest.mark.parametrize("key", ["llama", "qwen2"])
+def test_a_gguf_s_multi_token_prediction_layer_is_not_part_of_the_network(tmp_path, key):
+    """llama.cpp writes a model's MTP modules (DeepSeek-V3, GLM-4.5, Qwen3.5) as the blocks after
+    the decoder's, counted in block_count, named blk.N.nextn.* beside the block's own tensors, and
+    says how many in <arch>.nextn_predict_layers. The loader leaves them out of the network (the
+    same arch and weights as the file without them), and gguf_mtp_tensors reads the first one in
+    DeepSeek-V3's names, q/k rows in HF order, without its copies of the embedding and head."""
+    arch = _tiny_arch(key, tied=False)
+    weights = _random_weights(arch, seed=7)
+    mtp = _mtp_layer(arch, seed=8)
+    vocab_sized = [(f"blk.{TINY['layers']}.nextn.{n}.weight", np.zeros((TINY["vocab"], TINY["hidden"]), np.float32))
+                   for n in ("embed_tokens", "shared_head_head")]
+    path = write_gguf_model(tmp_path / "mtp.gguf", key, weights, TINY, mtp=mtp, extra=vocab_sized)
+    ck = load_model_files(path, load_tokenizer=False)
+    assert ck.arch == arch and ck.weights.keys() == weights.keys()
+    assert all(torch.equal(ck.weights[n], t) for n, t in weights.items())
+    layer = gguf_mtp_tensors(path)
+    assert layer.keys() == {f"model.layers.{TINY['layers']}.{n}" for n in mtp}
+    for name, tensor in mtp.items():
+        assert torch.equal(layer[f"model.layers.{TINY['layers']}.{name}"], tensor), name
+    plain = write_gguf_model(tmp_path / "plain.gguf", key, weights, TINY)
+    with pytest.raises(UnsupportedModelError, match="no multi-token-prediction layer"):
+        gguf_mtp_tensors(plain)
+
+
+def test_mtp_layers_the_file_does_not_count_are_refused_with_the_reason(tmp_path):
+    arch = _tiny_arch("qwen2", tied=False)
+    path = write_gguf_model(tmp_path / "unsaid.gguf", "qwen2", _random_weights(arch, 0), TINY, mtp=_mtp_layer(arch, 1),
+                            nextn_key=False)
+    with pytest.raises(UnsupportedModelError, match="nextn_predict_layers"):
+        load_model_files(path, load_tokenizer=False)
+    writer = gguf.GGUFWriter(str(tmp_path / "all.gguf"), "qwen2")
+    writer.add_block_count(2)
+    writer.add_uint32("qwen2.nextn_predict_layers", 2)  # every block a drafter's: no network left
+    writer.add_embedding_length(4)
+    writer.add_head_count(1)
+    writer.add_feed_forward_length(8)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CorruptModelError, match="nextn_predict_layers"):
+        load_model_files(tmp_path / "all.gguf", load_tokenizer=False)
 
 
 def test_unknown_architecture_is_unsupported(tmp_path):

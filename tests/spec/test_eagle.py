@@ -454,24 +454,29 @@ def test_train_draft_end_to_end_on_smollm2_resumes_and_serves(smollm_path, tmp_p
     assert "MTP module" in llm.engine.describe()["speculation"]
 
 
+def _random_mtp_in_deepseek_names(arch, seed: int) -> dict[str, torch.Tensor]:
+    """A randomly initialised MTP module's tensors as DeepSeek-V3's checkpoints name them."""
+    from specserve.spec.eagle import MTPModule
+
+    torch.manual_seed(seed)
+    out = {}
+    for name, t in MTPModule(head_arch(arch)).state_dict().items():
+        for ours, theirs in MTPModule.DEEPSEEK_NAMES.items():
+            if name.startswith(ours):
+                name = theirs + name.removeprefix(ours)
+                break
+        out[name] = t.contiguous()
+    return out
+
+
 def test_an_mtp_module_shipped_in_deepseek_names_is_imported(tiny, tmp_path):
     """A checkpoint's own MTP layer (eh_proj / enorm / hnorm / shared_head.norm and a block, under
     its layer prefix, beside the embedding and head it shares) serves as --spec-method mtp with
     greedy output equal to plain; one made for another hidden size is refused."""
     from safetensors.torch import save_file
 
-    from specserve.spec.eagle import MTPModule, head_arch
-
-    torch.manual_seed(3)
-    module = MTPModule(head_arch(tiny.arch))
     h = tiny.arch.hidden_size
-    theirs = {}
-    for name, t in module.state_dict().items():
-        for ours, deepseek in MTPModule.DEEPSEEK_NAMES.items():
-            if name.startswith(ours):
-                name = deepseek + name.removeprefix(ours)
-                break
-        theirs[f"model.layers.2.{name}"] = t.contiguous()
+    theirs = {f"model.layers.2.{name}": t for name, t in _random_mtp_in_deepseek_names(tiny.arch, seed=3).items()}
     theirs["model.layers.2.embed_tokens.weight"] = torch.zeros(tiny.arch.vocab_size, h)
     theirs["model.layers.2.shared_head.head.weight"] = torch.zeros(tiny.arch.vocab_size, h)
     path = tmp_path / "mtp.safetensors"
@@ -489,6 +494,44 @@ def test_an_mtp_module_shipped_in_deepseek_names_is_imported(tiny, tmp_path):
     with pytest.raises(ConfigError, match="another model"):
         LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="mtp", draft_model=str(tmp_path / "bad.safetensors"),
             profile_spec_costs=False)
+
+
+def test_the_mtp_layer_a_gguf_model_ships_drafts_by_default(tiny, tmp_path):
+    """A GGUF that ships a multi-token-prediction layer (llama.cpp's blk.N.nextn.* and
+    <arch>.nextn_predict_layers) serves `--spec-method mtp` with it and no --draft-model: the
+    module drafts as the same tensors imported from a safetensors file in DeepSeek-V3's names do,
+    greedy output equal to plain; the file as --draft-model of another method, and a GGUF without
+    such a layer as an MTP module, are refused with the reason."""
+    from safetensors.torch import save_file
+
+    from specserve.testing import write_gguf_model
+
+    deepseek = _random_mtp_in_deepseek_names(tiny.arch, seed=4)
+    a = tiny.arch
+    cfg = {"layers": a.num_layers, "hidden": a.hidden_size, "ffn": a.intermediate_size, "heads": a.num_heads,
+           "kv_heads": a.num_kv_heads}
+    path = write_gguf_model(tmp_path / "ships.gguf", "llama", tiny.weights, cfg, mtp=deepseek, byte_vocab=True)
+    plain_file = write_gguf_model(tmp_path / "plain.gguf", "llama", tiny.weights, cfg, byte_vocab=True)
+    save_file({f"model.layers.{a.num_layers}.{n}": t for n, t in deepseek.items()}, str(tmp_path / "mtp.safetensors"))
+
+    prompts = [[5, 9, 11, 13] * 4, list(range(3, 30))]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    opts = {"dtype": "float32", "spec_policy": "always", "draft_p_min": 0.0, "profile_spec_costs": False}
+    base = [o.token_ids for o in LLM(str(plain_file), dtype="float32").generate(prompts, params)]
+    assert base == [o.token_ids for o in LLM(str(path), dtype="float32").generate(prompts, params)]  # the layer is not run
+    shipped = LLM(str(path), spec_method="mtp", **opts)
+    assert [o.token_ids for o in shipped.generate(prompts, params)] == base
+    assert "shipped in the GGUF file" in shipped.engine.describe()["speculation"]
+    imported = LLM(str(path), spec_method="mtp", draft_model=str(tmp_path / "mtp.safetensors"), **opts)
+    assert [o.token_ids for o in imported.generate(prompts, params)] == base
+    counters = ("num_draft_tokens", "num_accepted_tokens")
+    assert shipped.engine.spec_counters["num_draft_tokens"] > 0
+    assert [shipped.engine.spec_counters[c] for c in counters] == [imported.engine.spec_counters[c] for c in counters]
+
+    with pytest.raises(ConfigError, match="not a 'eagle' head"):
+        LLM(str(plain_file), spec_method="eagle", draft_model=str(path), profile_spec_costs=False)
+    with pytest.raises(ConfigError, match="no multi-token-prediction layer"):
+        LLM(str(path), spec_method="mtp", draft_model=str(plain_file), profile_spec_costs=False)
 
 
 def test_generated_conversations_mark_the_answers_and_held_out_agreement_counts_only_them(tmp_path):

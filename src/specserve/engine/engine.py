@@ -521,7 +521,7 @@ class LLMEngine:
             spec=self.config.spec, model=self.config.model, cache=self.config.cache,
             max_model_len=self.max_model_len, tokenizer=self.tokenizer, target_vocab_size=self.arch.vocab_size,
             target_num_blocks=self.runner.num_blocks, draft_checkpoint=self._draft_checkpoint, target_runner=self.runner,
-            target_block_ids=self.kv_manager.block_ids,
+            target_block_ids=self.kv_manager.block_ids, target_source=self._source,
         ))
         # Feature-level drafters read the target's hidden states of every verified token.
         self.runner.capture_hidden = proposer is not None and proposer.traits.needs_hidden_states

@@ -209,7 +209,7 @@ def arch_from_gguf(reader: GGUFFile) -> ArchConfig:
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=_require_int(reader, pre + "feed_forward_length"),
-        num_layers=_require_int(reader, pre + "block_count"),
+        num_layers=_require_int(reader, pre + "block_count") - nextn_layers(reader),
         num_heads=n_head,
         num_kv_heads=n_kv,
         head_dim=head_dim,
@@ -220,6 +220,24 @@ def arch_from_gguf(reader: GGUFFile) -> ArchConfig:
         attention_bias=key == "qwen2",
         name=str(_field(reader, "general.name", "") or ""),
     )
+
+
+def nextn_layers(reader: GGUFFile) -> int:
+    """How many multi-token-prediction layers the file ships after its decoder layers
+    (``<arch>.nextn_predict_layers``, llama.cpp's name: DeepSeek-V3, GLM-4.5, Qwen3.5 and the like
+    convert their MTP modules as the last blocks, counted in ``block_count``, with
+    ``blk.N.nextn.*`` tensors beside the block's own). They are not part of the network that
+    decodes: the loader leaves them out, and ``--spec-method mtp`` drafts with the first one
+    (gguf_mtp_tensors)."""
+    source = str(_field(reader, "general.architecture", ""))
+    value = _field(reader, source + ".nextn_predict_layers", 0)
+    blocks = _field(reader, source + ".block_count", 0)
+    if isinstance(value, list) or not 0 <= int(value or 0) < max(1, int(blocks or 0)):
+        raise CorruptModelError(
+            f"{source}.nextn_predict_layers is {value!r} with block_count {blocks!r}: the file's "
+            "multi-token-prediction layers do not fit its blocks; re-convert it with a current llama.cpp."
+        )
+    return int(value or 0)
 
 
 _GGUF_GLOBAL_NAMES = {
@@ -239,6 +257,15 @@ _GGUF_BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+
+
+_GGUF_BLOCK_PREFIX = re.compile(r"blk\.(\d+)\.")
+
+
+def _block_of(gguf_name: str) -> int:
+    """The block a GGUF tensor belongs to (-1 for the embedding, the final norm and the head)."""
+    m = _GGUF_BLOCK_PREFIX.match(gguf_name)
+    return int(m.group(1)) if m else -1
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -281,20 +308,26 @@ def load_gguf(
     arch = arch_from_gguf(reader)
     tokenizer = Tokenizer.from_gguf(reader, name=arch.name) if load_tokenizer else None
 
-    unknown = [t.name for t in reader.tensors if _hf_name(t.name) is None]
+    # The multi-token-prediction blocks after the decoder's (nextn_layers) are a drafter's, not
+    # the network's: left for gguf_mtp_tensors.
+    tensors = [t for t in reader.tensors if _block_of(t.name) < arch.num_layers]
+    unknown = [t.name for t in tensors if _hf_name(t.name) is None]
     if unknown:
         shown = ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else "")
+        hint = (" Its blk.N.nextn.* tensors are multi-token-prediction layers, but the file does not say "
+                f"how many ({arch.architecture}.nextn_predict_layers): re-convert it with a current llama.cpp."
+                if any(".nextn." in n for n in unknown) else "")
         raise UnsupportedModelError(
             f"{p} holds tensors specserve does not know how to use ({shown}); it is not a plain "
-            f"{arch.architecture} network. Use a standard Llama/Qwen2 GGUF."
+            f"{arch.architecture} network. Use a standard Llama/Qwen2 GGUF.{hint}"
         )
-    names = [_hf_name(t.name) for t in reader.tensors]
-    shapes = [tuple(reversed([int(d) for d in t.shape])) for t in reader.tensors]
+    names = [_hf_name(t.name) for t in tensors]
+    shapes = [tuple(reversed([int(d) for d in t.shape])) for t in tensors]
     # Refuse an inconsistent file before spending seconds decoding it.
     _check_shapes(arch, dict(zip(names, shapes, strict=True)), p)  # type: ignore[arg-type]
     packed: dict[str, PackedWeight] = {}
     if keep_blocks:
-        for t, name, shape in zip(reader.tensors, names, shapes, strict=True):
+        for t, name, shape in zip(tensors, names, shapes, strict=True):
             assert name is not None
             if kernel_can_read(int(t.tensor_type), shape):
                 if _LINEAR_WEIGHT.search(name):
@@ -305,10 +338,10 @@ def load_gguf(
                     packed[name] = packed_from_gguf(t.data, int(t.tensor_type), shape)  # type: ignore[arg-type]
                     if arch.tie_word_embeddings:
                         packed["lm_head.weight"] = packed[name]
-    todo = [(t, n, s) for t, n, s in zip(reader.tensors, names, shapes, strict=True) if n not in packed]
+    todo = [(t, n, s) for t, n, s in zip(tensors, names, shapes, strict=True) if n not in packed]
     with spinner(f"loading {p.name} ({len(packed)} tensors kept in blocks, {len(todo)} decoded)"):
         values = dequantize_many([(t.data, t.tensor_type, shape) for t, _, shape in todo])
-    del reader  # the decoded tensors own their memory; release the file mapping
+    del reader, tensors  # the decoded tensors own their memory; release the file mapping
     weights: dict[str, torch.Tensor] = {}
     with _one_thread_per_op():  # see there: keeps the copies below fast on a busy machine
         for (_, name, _), value in zip(todo, values, strict=True):
@@ -327,6 +360,51 @@ def _llama_row_order(arch: ArchConfig, name: str, value: torch.Tensor) -> torch.
         return _unpermute_rope_rows(value, arch.num_kv_heads)
     # Qwen2 GGUFs keep HF's row order (llama.cpp runs them with NEOX-style RoPE).
     return value
+
+
+# A multi-token-prediction layer's own tensors (blk.N.nextn.*, llama.cpp's names) -> DeepSeek-V3's.
+_NEXTN_NAMES = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "shared_head_norm": "shared_head.norm"}
+# Its copies of the embedding and the output head: the module drafts with the target's own.
+_NEXTN_SHARED = ("embed_tokens", "shared_head_head")
+
+
+def gguf_mtp_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The first multi-token-prediction layer a GGUF ships (see nextn_layers), float32, in DeepSeek-V3's
+    names under ``model.layers.N.``: ``eh_proj``, ``enorm``, ``hnorm``, ``shared_head.norm`` and the
+    block's own ``self_attn.*`` / ``mlp.*`` / norms (Llama q/k rows in HF order), as
+    specserve.spec.eagle.import_mtp_tensors reads them. The layer's copies of the embedding and the
+    output head are not decoded. UnsupportedModelError for a file without such a layer, or with
+    tensors in it that specserve cannot run."""
+    p = Path(path)
+    reader = open_gguf(p)
+    arch = arch_from_gguf(reader)
+    if nextn_layers(reader) == 0:
+        raise UnsupportedModelError(
+            f"{p} ships no multi-token-prediction layer ({arch.architecture}.nextn_predict_layers is absent or "
+            "0); train a module for the model with `specserve train-draft --method mtp --model MODEL`."
+        )
+    layer = arch.num_layers  # the first block after the decoder's
+    prefix = f"blk.{layer}."
+    picked = []
+    for t in reader.tensors:
+        if not t.name.startswith(prefix):
+            continue
+        stem, _, kind = t.name.removeprefix(prefix).rpartition(".")
+        if stem.removeprefix("nextn.") in _NEXTN_SHARED:
+            continue
+        name = _NEXTN_NAMES.get(stem.removeprefix("nextn.")) if stem.startswith("nextn.") else _GGUF_BLOCK_NAMES.get(stem)
+        if name is None or kind not in ("weight", "bias"):
+            raise UnsupportedModelError(
+                f"{p}'s multi-token-prediction layer holds {t.name}, which specserve does not know how to "
+                "run: its MTP module is not DeepSeek-V3's form over a Llama/Qwen2 block."
+            )
+        picked.append((t, f"model.layers.{layer}.{name}.{kind}", tuple(reversed([int(d) for d in t.shape]))))
+    if not any(name.endswith(".eh_proj.weight") for _, name, _ in picked):
+        raise CorruptModelError(f"{p} says it ships a multi-token-prediction layer but has no {prefix}nextn.eh_proj.weight; "
+                                "re-convert it with a current llama.cpp.")
+    with spinner(f"loading the multi-token-prediction layer of {p.name} ({len(picked)} tensors)"):
+        values = dequantize_many([(t.data, t.tensor_type, shape) for t, _, shape in picked])
+    return {name: _llama_row_order(arch, name, value) for (_, name, _), value in zip(picked, values, strict=True)}
 
 
 # --- HF directories -----------------------------------------------------------------------------

@@ -41,7 +41,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.attention import build_attention_metadata
-from specserve.errors import ConfigError
+from specserve.errors import (
+    ConfigError,
+    CorruptModelError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.kv_cache.pages import LayerKV, zeroed_pages
 from specserve.models.arch import ArchConfig
@@ -333,6 +338,13 @@ def load_head_file(path: str | Path, method: str = "eagle") -> tuple[dict[str, t
     if not path.is_file():
         raise ConfigError(f"No drafter head at {path}; train one with `specserve train-draft --method {method} "
                           f"--model M --out {path}`.")
+    if ships_mtp_layer(path) is not None:  # a GGUF model file: the MTP layer it ships
+        from specserve.models.loader import gguf_mtp_tensors
+
+        try:
+            return gguf_mtp_tensors(path), {"method": "mtp", "imported": True, "source": "gguf"}
+        except (ModelNotFoundError, CorruptModelError, UnsupportedModelError) as exc:
+            raise ConfigError(str(exc)) from exc
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -344,6 +356,23 @@ def load_head_file(path: str | Path, method: str = "eagle") -> tuple[dict[str, t
             return tensors, {"method": "mtp", "imported": True}
         raise ConfigError(f"{path} is not a specserve drafter head (format {meta.get('format')!r}).")
     return tensors, json.loads(meta["card"])
+
+
+def ships_mtp_layer(path: str | Path) -> bool | None:
+    """For a GGUF file, whether it ships a multi-token-prediction layer (llama.cpp's
+    nextn_predict_layers); None for any other file."""
+    from specserve.models.loader import nextn_layers, open_gguf
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return None
+    except OSError:
+        return None
+    try:
+        return nextn_layers(open_gguf(path)) > 0
+    except (ModelNotFoundError, CorruptModelError, UnsupportedModelError):
+        return False
 
 
 def float_rows(linear: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -767,7 +796,8 @@ class MTPProposer(EagleProposer):
 
     def describe(self) -> str:
         """The module's origin and shape, for the start-up summary."""
-        origin = "imported from a checkpoint" if self.card.get("imported") else "trained here"
+        origin = ("shipped in the GGUF file" if self.card.get("source") == "gguf"
+                  else "imported from a checkpoint" if self.card.get("imported") else "trained here")
         return f"MTP module (DeepSeek-V3 form, {origin}): " + super().describe()
 
 
