@@ -4,6 +4,7 @@ checked against their target, and `specserve train-draft` runs end to end."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -532,6 +533,27 @@ def test_the_mtp_layer_a_gguf_model_ships_drafts_by_default(tiny, tmp_path):
         LLM(str(plain_file), spec_method="eagle", draft_model=str(path), profile_spec_costs=False)
     with pytest.raises(ConfigError, match="no multi-token-prediction layer"):
         LLM(str(path), spec_method="mtp", draft_model=str(plain_file), profile_spec_costs=False)
+
+
+def test_the_mtp_layer_a_hf_directory_ships_drafts_by_default(tiny, tmp_path):
+    """A HF directory whose safetensors hold an MTP layer after the decoder's (DeepSeek-V3's
+    model.layers.N.eh_proj and block, num_nextn_predict_layers in config.json) serves `--spec-method
+    mtp` with it and no --draft-model; the network is the one without it."""
+    from safetensors.torch import save_file
+
+    n = tiny.arch.num_layers
+    config = json.loads((Path(tiny.source) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    mtp = {f"model.layers.{n}.{k}": v for k, v in _random_mtp_in_deepseek_names(tiny.arch, seed=6).items()}
+    save_file({**tiny.weights, **mtp}, str(tmp_path / "model.safetensors"))
+    prompts = [[5, 9, 11, 13] * 4, list(range(3, 30))]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    base = [o.token_ids for o in LLM("tiny", dtype="float32", checkpoint=tiny).generate(prompts, params)]
+    llm = LLM(str(tmp_path), dtype="float32", spec_method="mtp", spec_policy="always", draft_p_min=0.0,
+              profile_spec_costs=False)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == base
+    assert llm.engine.spec_counters["num_draft_tokens"] > 0
+    assert "shipped in the model directory" in llm.engine.describe()["speculation"]
 
 
 def test_generated_conversations_mark_the_answers_and_held_out_agreement_counts_only_them(tmp_path):

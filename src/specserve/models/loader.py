@@ -545,6 +545,51 @@ def load_hf_dir(path: str | os.PathLike[str], *, load_tokenizer: bool = True) ->
     return LoadedCheckpoint(arch, weights, tokenizer, str(p))
 
 
+_LAYER_INDEX = re.compile(r"\.(\d+)\.$")
+
+
+def hf_mtp_prefix(path: str | os.PathLike[str]) -> str | None:
+    """The name prefix (``model.layers.N.``) of the first multi-token-prediction layer a HF
+    directory's safetensors ship in DeepSeek-V3's form (``eh_proj`` beside the block, after the
+    decoder's layers, which load_hf_dir leaves out), from the files' headers alone; None for a
+    directory without one or that is not a HF model."""
+    from safetensors import SafetensorError, safe_open
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        return None
+    try:
+        files = _safetensors_files(p)
+        anchors = []
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                anchors += [k.removesuffix("eh_proj.weight") for k in f.keys() if k.endswith("eh_proj.weight")]  # noqa: SIM118
+    except (ModelNotFoundError, CorruptModelError, SafetensorError, OSError):
+        return None
+    if not anchors:
+        return None
+    return min(anchors, key=lambda k: int(m.group(1)) if (m := _LAYER_INDEX.search(k)) else -1)
+
+
+def hf_mtp_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The first multi-token-prediction layer of a HF directory (hf_mtp_prefix), float32, under its
+    own names; its copies of the embedding and the output head are not read (the module drafts
+    with the target's)."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    prefix = hf_mtp_prefix(p)
+    if prefix is None:
+        raise UnsupportedModelError(f"{p} ships no multi-token-prediction layer (no '*eh_proj.weight' in its safetensors).")
+    out: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(p):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if key.startswith(prefix) and not key.removeprefix(prefix).startswith(("embed_tokens.", "shared_head.head.")):
+                    out[key] = f.get_tensor(key).to(torch.float32).contiguous()
+    return out
+
+
 # --- validation ---------------------------------------------------------------------------------
 
 

@@ -335,13 +335,16 @@ def load_head_file(path: str | Path, method: str = "eagle") -> tuple[dict[str, t
     from safetensors import safe_open
 
     path = Path(path)
-    if not path.is_file():
+    ships = ships_mtp_layer(path)
+    if not path.is_file() and ships is None:
         raise ConfigError(f"No drafter head at {path}; train one with `specserve train-draft --method {method} "
                           f"--model M --out {path}`.")
-    if ships_mtp_layer(path) is not None:  # a GGUF model file: the MTP layer it ships
-        from specserve.models.loader import gguf_mtp_tensors
+    if ships is not None:  # a GGUF model file or a HF model directory: the MTP layer it ships
+        from specserve.models.loader import gguf_mtp_tensors, hf_mtp_tensors
 
         try:
+            if path.is_dir():
+                return hf_mtp_tensors(path), {"method": "mtp", "imported": True, "source": "directory"}
             return gguf_mtp_tensors(path), {"method": "mtp", "imported": True, "source": "gguf"}
         except (ModelNotFoundError, CorruptModelError, UnsupportedModelError) as exc:
             raise ConfigError(str(exc)) from exc
@@ -359,10 +362,13 @@ def load_head_file(path: str | Path, method: str = "eagle") -> tuple[dict[str, t
 
 
 def ships_mtp_layer(path: str | Path) -> bool | None:
-    """For a GGUF file, whether it ships a multi-token-prediction layer (llama.cpp's
-    nextn_predict_layers); None for any other file."""
-    from specserve.models.loader import nextn_layers, open_gguf
+    """For a GGUF file or a HF model directory, whether it ships a multi-token-prediction layer
+    (llama.cpp's nextn_predict_layers; DeepSeek-V3's eh_proj and block after the decoder's); None
+    for anything else."""
+    from specserve.models.loader import hf_mtp_prefix, nextn_layers, open_gguf
 
+    if Path(path).is_dir():
+        return hf_mtp_prefix(path) is not None if (Path(path) / "config.json").is_file() else None
     try:
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
@@ -796,8 +802,8 @@ class MTPProposer(EagleProposer):
 
     def describe(self) -> str:
         """The module's origin and shape, for the start-up summary."""
-        origin = ("shipped in the GGUF file" if self.card.get("source") == "gguf"
-                  else "imported from a checkpoint" if self.card.get("imported") else "trained here")
+        origin = {"gguf": "shipped in the GGUF file", "directory": "shipped in the model directory"}.get(
+            self.card.get("source", ""), "imported from a checkpoint" if self.card.get("imported") else "trained here")
         return f"MTP module (DeepSeek-V3 form, {origin}): " + super().describe()
 
 

@@ -128,7 +128,7 @@ def _build_draft(ctx: ProposerContext) -> Proposer:
 
 def _head_for_target(ctx: ProposerContext, method: str) -> tuple[object, tuple[str, str], object, bool]:
     """(target runner, its fingerprints (current, legacy), the head file, whether to quantize the head) for a
-    feature-level drafter: --draft-model FILE, or (None / auto) the MTP layer a GGUF target ships (mtp) or else the
+    feature-level drafter: --draft-model FILE, or (None / auto) the MTP layer a GGUF or HF-directory target ships (mtp) or else the
     head train-draft left in the cache."""
     from specserve.models.block_linear import embedding_rows
     from specserve.spec.eagle import (
