@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specserve.defaults import default_head_vocab
 from specserve.errors import ConfigError
 from specserve.spec.asks import chat_prompts
 from specserve.spec.corpus import corpus_files
@@ -109,15 +110,6 @@ class _History:
     loss: list[float] = field(default_factory=list)
     eval_steps: list[int] = field(default_factory=list)
     eval_acc: list[list[float]] = field(default_factory=list)  # per depth
-
-
-def default_head_vocab(vocab_size: int) -> int:
-    """The head's LM head reads this many of the most frequent ids: one layer costs a few
-    percent of a target step, a full 150k-row head would cost ten. SmolLM2's greedy answers to
-    the benchmark's prompts are 94% among its 16k most frequent ids, 99% among 32k; a
-    32k-id SmolLM2 head drafted no more (1.78 vs 1.79 tokens per forward on coding prompts, 1.52
-    on prose) and was 15-20% slower."""
-    return min(vocab_size, 16_384 if vocab_size <= 65_536 else 32_768)
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
