@@ -219,7 +219,7 @@ def test_a_gguf_s_multi_token_prediction_layer_is_not_part_of_the_network(tmp_pa
                    for n in ("embed_tokens", "shared_head_head")]
     path = write_gguf_model(tmp_path / "mtp.gguf", key, weights, TINY, mtp=mtp, extra=vocab_sized)
     ck = load_model_files(path, load_tokenizer=False)
-    assert ck.arch == arch and ck.weights.keys() == weights.keys()
+    assert ck.arch == arch and ck.weights.keys() == weights.keys() and ck.mtp_layers == 1
     assert all(torch.equal(ck.weights[n], t) for n, t in weights.items())
     layer = gguf_mtp_tensors(path)
     assert layer.keys() == {f"model.layers.{TINY['layers']}.{n}" for n in mtp}

@@ -519,7 +519,9 @@ def test_the_mtp_layer_a_gguf_model_ships_drafts_by_default(tiny, tmp_path):
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     opts = {"dtype": "float32", "spec_policy": "always", "draft_p_min": 0.0, "profile_spec_costs": False}
     base = [o.token_ids for o in LLM(str(plain_file), dtype="float32").generate(prompts, params)]
-    assert base == [o.token_ids for o in LLM(str(path), dtype="float32").generate(prompts, params)]  # the layer is not run
+    plain = LLM(str(path), dtype="float32")
+    assert base == [o.token_ids for o in plain.generate(prompts, params)]  # the layer is not run
+    assert "ships a multi-token-prediction layer: --spec-method mtp" in plain.engine.describe()["speculation"]
     shipped = LLM(str(path), spec_method="mtp", **opts)
     assert [o.token_ids for o in shipped.generate(prompts, params)] == base
     assert "shipped in the GGUF file" in shipped.engine.describe()["speculation"]
@@ -549,6 +551,7 @@ def test_the_mtp_layer_a_hf_directory_ships_drafts_by_default(tiny, tmp_path):
     prompts = [[5, 9, 11, 13] * 4, list(range(3, 30))]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     base = [o.token_ids for o in LLM("tiny", dtype="float32", checkpoint=tiny).generate(prompts, params)]
+    assert "--spec-method mtp drafts with it" in LLM(str(tmp_path), dtype="float32").engine.describe()["speculation"]
     llm = LLM(str(tmp_path), dtype="float32", spec_method="mtp", spec_policy="always", draft_p_min=0.0,
               profile_spec_costs=False)
     assert [o.token_ids for o in llm.generate(prompts, params)] == base

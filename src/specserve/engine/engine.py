@@ -331,6 +331,7 @@ class LLMEngine:
         )
         source = path if path is not None else checkpoint.source
         self._source = source
+        self._ships_mtp = checkpoint.mtp_layers > 0  # a model trained with multi-token prediction
         del checkpoint  # the runner holds converted copies; let the float32 originals go
         self.kv_manager = KVCacheManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
@@ -521,7 +522,7 @@ class LLMEngine:
             spec=self.config.spec, model=self.config.model, cache=self.config.cache,
             max_model_len=self.max_model_len, tokenizer=self.tokenizer, target_vocab_size=self.arch.vocab_size,
             target_num_blocks=self.runner.num_blocks, draft_checkpoint=self._draft_checkpoint, target_runner=self.runner,
-            target_block_ids=self.kv_manager.block_ids, target_source=self._source,
+            target_block_ids=self.kv_manager.block_ids, target_source=self._source if self._ships_mtp else None,
         ))
         # Feature-level drafters read the target's hidden states of every verified token.
         self.runner.capture_hidden = proposer is not None and proposer.traits.needs_hidden_states
@@ -1220,7 +1221,8 @@ class LLMEngine:
         if self.drafter_released:
             out["speculation"] = f"{spec.method}: switched off, drafter released (switching on reloads it)"
         elif self.proposer is None:
-            out["speculation"] = "off (--spec-method draft | ngram | reference | lookahead, or --draft-model auto)"
+            out["speculation"] = "off (--spec-method draft | ngram | reference | lookahead, or --draft-model auto)" + (
+                "; this model ships a multi-token-prediction layer: --spec-method mtp drafts with it" if self._ships_mtp else "")
         else:
             what = f"{spec.method} {spec.draft_model}" if spec.draft_model else spec.method
             if detail := self.proposer.describe():

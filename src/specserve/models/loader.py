@@ -56,6 +56,7 @@ class LoadedCheckpoint(NamedTuple):
     tokenizer: Tokenizer | None
     source: str  # the file or directory the checkpoint was read from
     packed: dict[str, PackedWeight] = {}  # noqa: RUF012 - never mutated; NamedTuple default
+    mtp_layers: int = 0  # multi-token-prediction layers the file ships beside the network (not loaded)
 
 
 # --- entry point ---------------------------------------------------------------------------------
@@ -311,6 +312,7 @@ def load_gguf(
     # The multi-token-prediction blocks after the decoder's (nextn_layers) are a drafter's, not
     # the network's: left for gguf_mtp_tensors.
     tensors = [t for t in reader.tensors if _block_of(t.name) < arch.num_layers]
+    mtp_layers = nextn_layers(reader)
     unknown = [t.name for t in tensors if _hf_name(t.name) is None]
     if unknown:
         shown = ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else "")
@@ -349,7 +351,7 @@ def load_gguf(
             weights[name] = _llama_row_order(arch, name, value)
         for name, pw in packed.items():  # rows are independent runs of blocks: permute them alike
             packed[name] = pw._replace(data=_llama_row_order(arch, name, pw.data))
-    return LoadedCheckpoint(arch, weights, tokenizer, str(p), packed)
+    return LoadedCheckpoint(arch, weights, tokenizer, str(p), packed, mtp_layers)
 
 
 def _llama_row_order(arch: ArchConfig, name: str, value: torch.Tensor) -> torch.Tensor:
@@ -537,12 +539,14 @@ def load_hf_dir(path: str | os.PathLike[str], *, load_tokenizer: bool = True) ->
         weights.pop("lm_head.weight", None)
     _check_shapes(arch, {n: tuple(t.shape) for n, t in weights.items()}, p)
     wanted = expected_shapes(arch)
+    # DeepSeek-V3-style MTP layers after the decoder's (hf_mtp_prefix): not part of the network.
+    mtp_layers = len({n.removesuffix("eh_proj.weight") for n in weights if n.endswith("eh_proj.weight")})
     for extra in [n for n in weights if n not in wanted]:
-        del weights[extra]  # e.g. rotary inv_freq buffers saved by old transformers versions
+        del weights[extra]  # e.g. rotary inv_freq buffers saved by old transformers versions, MTP layers
     tokenizer = None
     if load_tokenizer and (p / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_dir(p)
-    return LoadedCheckpoint(arch, weights, tokenizer, str(p))
+    return LoadedCheckpoint(arch, weights, tokenizer, str(p), mtp_layers=mtp_layers)
 
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.$")

@@ -33,7 +33,7 @@ class ProposerContext:
     draft_checkpoint: object | None = None  # tests: an already loaded draft checkpoint
     target_runner: object | None = None  # the target's ModelRunner (feature-level drafters share its embedding and head)
     target_block_ids: Callable[[str], list[int]] | None = None  # a request's target block table (read only)
-    target_source: str | None = None  # the target's model file or directory (None: a checkpoint handed in)
+    target_source: str | None = None  # the target's file or directory when it ships an MTP layer (else None)
 
 
 def _served(ctx: ProposerContext) -> ServedOutputs | None:
@@ -131,12 +131,7 @@ def _head_for_target(ctx: ProposerContext, method: str) -> tuple[object, tuple[s
     feature-level drafter: --draft-model FILE, or (None / auto) the MTP layer a GGUF or HF-directory target ships (mtp) or else the
     head train-draft left in the cache."""
     from specserve.models.block_linear import embedding_rows
-    from specserve.spec.eagle import (
-        FINGERPRINT_ROWS,
-        default_head_path,
-        ships_mtp_layer,
-        target_fingerprints,
-    )
+    from specserve.spec.eagle import FINGERPRINT_ROWS, default_head_path, target_fingerprints
 
     runner = ctx.target_runner
     if runner is None:
@@ -144,7 +139,7 @@ def _head_for_target(ctx: ProposerContext, method: str) -> tuple[object, tuple[s
     fp = target_fingerprints(runner.arch, ctx.tokenizer.fingerprint() if ctx.tokenizer is not None else None,
                              embedding_rows(runner.model.model.embed_tokens, FINGERPRINT_ROWS))
     path = ctx.spec.draft_model
-    if path in (None, "auto") and method == "mtp" and ctx.target_source and ships_mtp_layer(ctx.target_source):
+    if path in (None, "auto") and method == "mtp" and ctx.target_source:
         path = ctx.target_source  # the module the model's authors trained with it comes first
     elif path in (None, "auto"):
         path = default_head_path(fp[0], method)
