@@ -236,19 +236,23 @@ def test_mtp_layers_the_file_does_not_count_are_refused_with_the_reason(tmp_path
                             nextn_key=False)
     with pytest.raises(UnsupportedModelError, match="nextn_predict_layers"):
         load_model_files(path, load_tokenizer=False)
-    writer = gguf.GGUFWriter(str(tmp_path / "all.gguf"), "qwen2")
-    writer.add_block_count(2)
-    writer.add_uint32("qwen2.nextn_predict_layers", 2)  # every block a drafter's: no network left
-    writer.add_embedding_length(4)
-    writer.add_head_count(1)
-    writer.add_feed_forward_length(8)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(CorruptModelError, match="nextn_predict_layers"):
-        load_model_files(tmp_path / "all.gguf", load_tokenizer=False)
+    for name, value in (("all", 2), ("text", "one")):  # every block a drafter's (no network left); not a count
+        writer = gguf.GGUFWriter(str(tmp_path / f"{name}.gguf"), "qwen2")
+        writer.add_block_count(2)
+        if isinstance(value, int):
+            writer.add_uint32("qwen2.nextn_predict_layers", value)
+        else:
+            writer.add_string("qwen2.nextn_predict_layers", value)
+        writer.add_embedding_length(4)
+        writer.add_head_count(1)
+        writer.add_feed_forward_length(8)
+        writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(CorruptModelError, match="nextn_predict_layers"):
+            load_model_files(tmp_path / f"{name}.gguf", load_tokenizer=False)
 
 
 def test_unknown_architecture_is_unsupported(tmp_path):

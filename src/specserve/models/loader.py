@@ -233,12 +233,12 @@ def nextn_layers(reader: GGUFFile) -> int:
     source = str(_field(reader, "general.architecture", ""))
     value = _field(reader, source + ".nextn_predict_layers", 0)
     blocks = _field(reader, source + ".block_count", 0)
-    if isinstance(value, list) or not 0 <= int(value or 0) < max(1, int(blocks or 0)):
+    if not (isinstance(value, int) and isinstance(blocks, int) and 0 <= value < max(1, blocks)):
         raise CorruptModelError(
             f"{source}.nextn_predict_layers is {value!r} with block_count {blocks!r}: the file's "
             "multi-token-prediction layers do not fit its blocks; re-convert it with a current llama.cpp."
         )
-    return int(value or 0)
+    return value
 
 
 _GGUF_GLOBAL_NAMES = {
