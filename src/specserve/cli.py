@@ -91,7 +91,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-num-layers", type=int, default=None, help="use only the draft's first N layers; layerskip: the target layer its draft exits after "
                         "(default: the fitted exit's, else three quarters of the layers)")
     s.add_argument("--draft-quantization", default=None, choices=QUANTIZATIONS,
-                   help="draft model quantization (default: int4 when --quantization is auto, else as "
+                   help="draft model (and EAGLE head / MTP module) quantization (default: int4 when --quantization is auto, else as "
                         "--quantization); a draft's precision changes its acceptance rate, never the output")
     s.add_argument("--draft-vocab-size", type=int, default=None,
                    help="draft LM head over only the N most frequent tokens (+ special tokens); stays exact "

@@ -68,17 +68,31 @@ def test_unrolled_training_forward_is_the_serving_forward(tiny):
             torch.testing.assert_close(node[0], p2[0, i], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["eagle", "mtp"])
-def test_a_quantized_heads_layer_in_one_native_call_equals_its_native_ops(smollm_path, smollm_checkpoint, tmp_path, method):
-    """On a native target the head's matrices are quantized and its layer runs as one native call
-    (a DecoderStack of one layer): the same kernels its native ops call one by one, so a catch-up
-    pass and a tree pass over it give the same bits, and write the same KV, as the layer module."""
+@pytest.mark.parametrize(("method", "precision"), [("eagle", None), ("mtp", None), ("eagle", "auto")])
+def test_a_quantized_heads_layer_in_one_native_call_equals_its_native_ops(smollm_path, smollm_checkpoint, tmp_path, method,
+                                                                          precision):
+    """On a native target the head's matrices are quantized (4-bit blocks by default, as a draft
+    model's; Q8_0 with --draft-quantization auto), its rows of the target's LM head likewise, and its
+    layer runs as one native call (a DecoderStack of one layer): the same kernels its native ops
+    call one by one, so a catch-up pass and a tree pass over it give the same bits, and write the
+    same KV, as the layer module."""
     from conftest import make_head_file
 
+    from specserve.models.block_linear import FOUR_BIT, Q8_0
+
     path = make_head_file(smollm_checkpoint, tmp_path / f"{method}.safetensors", seed=3, method=method)
-    llm = LLM(str(smollm_path), spec_method=method, draft_model=str(path), profile_spec_costs=False)
-    head = llm.engine.proposer.drafter.head if hasattr(llm.engine.proposer, "drafter") else llm.engine.proposer.head
+    llm = LLM(str(smollm_path), spec_method=method, draft_model=str(path), profile_spec_costs=False,
+              draft_quantization=precision)
+    proposer = llm.engine.proposer.drafter if hasattr(llm.engine.proposer, "drafter") else llm.engine.proposer
+    head = proposer.head
     assert head.native_stack is not None
+    four_bit = precision is None
+    assert proposer.weight_format == ("4-bit" if four_bit else "Q8_0")
+    assert f"MLP {head.arch.intermediate_size}, {proposer.weight_format}" in llm.engine.describe()["speculation"]
+    for linear in (head.fc, head.layer.self_attn.o_proj, head.layer.mlp.down_proj):
+        assert (linear.qtype in FOUR_BIT) if four_bit else linear.qtype == Q8_0
+    target_rows = llm.engine.runner.model.lm_head.qtype
+    assert proposer.lm_head.proj.qtype in (FOUR_BIT if four_bit else (target_rows,))
     arch = head.arch
     torch.manual_seed(1)
     s, h = 20, arch.hidden_size

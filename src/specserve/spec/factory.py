@@ -152,13 +152,20 @@ def _head_for_target(ctx: ProposerContext, method: str) -> tuple[object, tuple[s
     return runner, fp, path, quantize
 
 
+def _four_bit_head(ctx: ProposerContext) -> bool:
+    """An EAGLE head or MTP module in 4-bit blocks: as a draft model, int4 unless --draft-quantization
+    says otherwise when the target runs its file's blocks (build_eagle has the measurements)."""
+    return default_draft_quantization(ctx.spec.draft_quantization, ctx.model.quantization) == Quantization.INT4
+
+
 def _build_eagle(ctx: ProposerContext) -> Proposer:
     from specserve.engine.runner import ROPE_SLACK
     from specserve.spec.eagle import build_eagle
 
     runner, fp, path, quantize = _head_for_target(ctx, "eagle")
     return build_eagle(path, runner, fp, ctx.cache.block_size, ctx.target_num_blocks, ctx.max_model_len + ROPE_SLACK,
-                       p_min=ctx.spec.draft_p_min, tree=ctx.spec.use_trees(True), seed=ctx.model.seed, quantize=quantize)
+                       p_min=ctx.spec.draft_p_min, tree=ctx.spec.use_trees(True), seed=ctx.model.seed, quantize=quantize,
+                       four_bit=_four_bit_head(ctx))
 
 
 def _build_mtp(ctx: ProposerContext) -> Proposer:
@@ -175,7 +182,7 @@ def _build_mtp(ctx: ProposerContext) -> Proposer:
     ids = frequent_token_subset(ctx.tokenizer, size, vocab) if vocab is not None and vocab < size else None
     return build_eagle(path, runner, fp, ctx.cache.block_size, ctx.target_num_blocks, ctx.max_model_len + ROPE_SLACK,
                        p_min=ctx.spec.draft_p_min, tree=ctx.spec.use_trees(True), seed=ctx.model.seed, quantize=quantize,
-                       method="mtp", default_ids=ids)
+                       method="mtp", default_ids=ids, four_bit=_four_bit_head(ctx))
 
 
 def _build_medusa(ctx: ProposerContext) -> Proposer:
