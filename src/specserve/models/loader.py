@@ -311,8 +311,9 @@ def load_gguf(
 
     # The multi-token-prediction blocks after the decoder's (nextn_layers) are a drafter's, not
     # the network's: left for gguf_mtp_tensors.
-    tensors = [t for t in reader.tensors if _block_of(t.name) < arch.num_layers]
     mtp_layers = nextn_layers(reader)
+    mtp_blocks = range(arch.num_layers, arch.num_layers + mtp_layers)
+    tensors = [t for t in reader.tensors if _block_of(t.name) not in mtp_blocks]
     unknown = [t.name for t in tensors if _hf_name(t.name) is None]
     if unknown:
         shown = ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else "")
