@@ -30,13 +30,7 @@ from prompts import CODING, PROSE  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.models.bundled import resolve_model  # noqa: E402
-from specserve.testing import llama_cpp_permute  # noqa: E402
-
-# Our MTPModule's names -> llama.cpp's (the block's own tensors keep the decoder's GGUF names).
-NEXTN = {"fc.": "nextn.eh_proj.", "enorm.": "nextn.enorm.", "hnorm.": "nextn.hnorm.", "norm.": "nextn.shared_head_norm."}
-BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-         "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+from specserve.testing import gguf_name, llama_cpp_permute  # noqa: E402
 
 
 def module_file(model: str) -> Path:
@@ -58,9 +52,10 @@ def write_with_mtp(src: Path, module: Path, out: Path) -> dict:
     """`src` written again to `out` with the MTP module of `module` as its multi-token-prediction layer."""
     import gguf
 
-    from specserve.spec.eagle import load_head_file
+    from specserve.spec.eagle import load_head_file, mtp_in_deepseek_names
 
     tensors, card = load_head_file(module, "mtp")
+    tensors.pop("token_ids")
     reader = gguf.GGUFReader(str(src))
     arch = str(reader.fields["general.architecture"].contents())
     blocks = int(reader.fields[f"{arch}.block_count"].contents())
@@ -76,17 +71,12 @@ def write_with_mtp(src: Path, module: Path, out: Path) -> dict:
     writer.add_block_count(blocks + 1)
     writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
     added = {}
-    for name, t in tensors.items():
-        if name == "token_ids":
-            continue
-        stem = next((g + name.removeprefix(o) for o, g in NEXTN.items() if name.startswith(o)), None)
-        if stem is None:  # layer.<module>.<kind>
-            module_name, _, kind = name.removeprefix("layer.").rpartition(".")
-            stem = f"{BLOCK[module_name]}.{kind}"
+    for name, t in mtp_in_deepseek_names(tensors).items():
+        gname = gguf_name(f"model.layers.{blocks}.{name}")
         data = t.float().numpy()
-        if arch == "llama" and stem in ("attn_q.weight", "attn_k.weight"):
-            data = llama_cpp_permute(data, heads if stem.startswith("attn_q") else kv_heads)
-        added[f"blk.{blocks}.{stem}"] = np.ascontiguousarray(data)
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            data = llama_cpp_permute(data, heads if "attn_q" in gname else kv_heads)
+        added[gname] = np.ascontiguousarray(data)
     for t in reader.tensors:
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
     for name, data in added.items():

@@ -107,17 +107,17 @@ def write_random_head(ckpt: Any, path: str | Path, method: str = "eagle", seed: 
     return Path(path)
 
 
-# HF names of a decoder block's tensors -> GGUF's (llama.cpp's converter).
-_GGUF_BLOCK = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-}
-_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
-# A multi-token-prediction module's own tensors (DeepSeek-V3 names, see spec.eagle.MTPModule) -> GGUF's.
-_GGUF_NEXTN = {"eh_proj": "nextn.eh_proj", "enorm": "nextn.enorm", "hnorm": "nextn.hnorm",
-               "shared_head.norm": "nextn.shared_head_norm"}
+def gguf_name(hf_name: str) -> str:
+    """A tensor's name in a GGUF as llama.cpp's converter writes it, from its HF name (a DeepSeek-V3
+    MTP layer's own tensors as blk.N.nextn.*): the loader's tables read backwards."""
+    from specserve.models.loader import GGUF_BLOCK_NAMES, GGUF_GLOBAL_NAMES, GGUF_NEXTN_NAMES
+
+    glob = {hf: g for g, hf in GGUF_GLOBAL_NAMES.items()}
+    if hf_name in glob:
+        return glob[hf_name]
+    block = {hf: g for g, hf in GGUF_BLOCK_NAMES.items()} | {hf: "nextn." + g for g, hf in GGUF_NEXTN_NAMES.items()}
+    _, _, layer, *rest = hf_name.split(".")
+    return f"blk.{layer}.{block['.'.join(rest[:-1])]}.{rest[-1]}"
 
 
 def _byte_chars() -> list[str]:
@@ -146,13 +146,6 @@ def write_gguf_model(path: str | Path, arch: str, hf_weights: dict[str, torch.Te
     engine can load the file by path. extra: (name, array) tensors written as they are."""
     import gguf
 
-    def name_of(hf: str) -> str:
-        if hf in _GGUF_GLOBAL:
-            return _GGUF_GLOBAL[hf]
-        _, _, layer, *rest = hf.split(".")
-        module, kind = ".".join(rest[:-1]), rest[-1]
-        return f"blk.{layer}.{_GGUF_NEXTN.get(module) or _GGUF_BLOCK[module]}.{kind}"
-
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny")
     writer.add_block_count(cfg["layers"] + (mtp is not None))
@@ -176,7 +169,7 @@ def write_gguf_model(path: str | Path, arch: str, hf_weights: dict[str, torch.Te
     tensors = dict(hf_weights)
     tensors.update({f"model.layers.{cfg['layers']}.{k}": v for k, v in (mtp or {}).items()})
     for name, tensor in tensors.items():
-        gname = name_of(name)
+        gname = gguf_name(name)
         data = tensor.detach().float().numpy()
         if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
             data = llama_cpp_permute(data, cfg["heads"] if "attn_q" in gname else cfg["kv_heads"])

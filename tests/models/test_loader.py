@@ -149,10 +149,6 @@ def test_missing_path(tmp_path):
 # --- synthetic GGUF files ----------------------------------------------------------------------
 
 
-def _write_tiny_gguf(path: Path, arch: str, hf_weights: dict[str, torch.Tensor], cfg: dict, *, extra=()) -> None:
-    write_gguf_model(path, arch, hf_weights, cfg, extra=extra)
-
-
 TINY = {"layers": 2, "hidden": 64, "ffn": 96, "heads": 4, "kv_heads": 2, "vocab": 300}
 
 
@@ -185,7 +181,7 @@ def test_synthetic_gguf_round_trip(tmp_path, key, tied):
     arch = _tiny_arch(key, tied)
     weights = _random_weights(arch, seed=len(key) + tied)
     path = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(path, key, weights, TINY)
+    write_gguf_model(path, key, weights, TINY)
     ck = load_model_files(path, load_tokenizer=False)
     assert ck.arch == arch
     assert ck.weights.keys() == weights.keys()
@@ -271,7 +267,7 @@ def test_unknown_tensor_is_unsupported(tmp_path):
     arch = _tiny_arch("qwen2", False)
     path = tmp_path / "extra.gguf"
     extra = [("blk.0.attn_q_norm.weight", np.ones(16, np.float32))]
-    _write_tiny_gguf(path, "qwen2", _random_weights(arch, 0), TINY, extra=extra)
+    write_gguf_model(path, "qwen2", _random_weights(arch, 0), TINY, extra=extra)
     with pytest.raises(UnsupportedModelError, match="attn_q_norm"):
         load_model_files(path, load_tokenizer=False)
 
@@ -281,7 +277,7 @@ def test_missing_tensor_is_corrupt(tmp_path):
     weights = _random_weights(arch, 0)
     del weights["model.layers.1.mlp.up_proj.weight"]
     path = tmp_path / "missing.gguf"
-    _write_tiny_gguf(path, "llama", weights, TINY)
+    write_gguf_model(path, "llama", weights, TINY)
     with pytest.raises(CorruptModelError, match="up_proj"):
         load_model_files(path, load_tokenizer=False)
 
@@ -291,7 +287,7 @@ def test_misshapen_tensor_is_corrupt(tmp_path):
     weights = _random_weights(arch, 0)
     weights["model.layers.1.self_attn.v_proj.weight"] = torch.randn(30, TINY["hidden"])
     path = tmp_path / "misshapen.gguf"
-    _write_tiny_gguf(path, "llama", weights, TINY)
+    write_gguf_model(path, "llama", weights, TINY)
     with pytest.raises(CorruptModelError, match=r"v_proj.weight has shape \(30, 64\)"):
         load_model_files(path, load_tokenizer=False)
 
@@ -381,9 +377,9 @@ def test_hf_dir_unsupported_and_broken(tmp_path):
 
 def test_directory_with_single_gguf(tmp_path):
     arch = _tiny_arch("qwen2", False)
-    _write_tiny_gguf(tmp_path / "only.gguf", "qwen2", _random_weights(arch, 3), TINY)
+    write_gguf_model(tmp_path / "only.gguf", "qwen2", _random_weights(arch, 3), TINY)
     ck = load_model_files(tmp_path, load_tokenizer=False)
     assert ck.arch == arch and ck.source == str(tmp_path / "only.gguf")
-    _write_tiny_gguf(tmp_path / "second.gguf", "qwen2", _random_weights(arch, 4), TINY)
+    write_gguf_model(tmp_path / "second.gguf", "qwen2", _random_weights(arch, 4), TINY)
     with pytest.raises(ModelNotFoundError, match="several"):
         load_model_files(tmp_path)

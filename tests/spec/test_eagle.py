@@ -471,17 +471,10 @@ def test_train_draft_end_to_end_on_smollm2_resumes_and_serves(smollm_path, tmp_p
 
 def _random_mtp_in_deepseek_names(arch, seed: int) -> dict[str, torch.Tensor]:
     """A randomly initialised MTP module's tensors as DeepSeek-V3's checkpoints name them."""
-    from specserve.spec.eagle import MTPModule
+    from specserve.spec.eagle import MTPModule, mtp_in_deepseek_names
 
     torch.manual_seed(seed)
-    out = {}
-    for name, t in MTPModule(head_arch(arch)).state_dict().items():
-        for ours, theirs in MTPModule.DEEPSEEK_NAMES.items():
-            if name.startswith(ours):
-                name = theirs + name.removeprefix(ours)
-                break
-        out[name] = t.contiguous()
-    return out
+    return {k: t.contiguous() for k, t in mtp_in_deepseek_names(MTPModule(head_arch(arch)).state_dict()).items()}
 
 
 def test_an_mtp_module_shipped_in_deepseek_names_is_imported(tiny, tmp_path):

@@ -241,12 +241,12 @@ def nextn_layers(reader: GGUFFile) -> int:
     return value
 
 
-_GGUF_GLOBAL_NAMES = {
+GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_GGUF_BLOCK_NAMES = {
+GGUF_BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -270,11 +270,11 @@ def _block_of(gguf_name: str) -> int:
 
 
 def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[gguf_name]
+    if gguf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[gguf_name]
     m = _GGUF_BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _GGUF_BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in GGUF_BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{GGUF_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -365,8 +365,8 @@ def _llama_row_order(arch: ArchConfig, name: str, value: torch.Tensor) -> torch.
     return value
 
 
-# A multi-token-prediction layer's own tensors (blk.N.nextn.*, llama.cpp's names) -> DeepSeek-V3's.
-_NEXTN_NAMES = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "shared_head_norm": "shared_head.norm"}
+# A multi-token-prediction layer's own tensors (blk.N.nextn.<key>, llama.cpp's names) -> DeepSeek-V3's.
+GGUF_NEXTN_NAMES = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "shared_head_norm": "shared_head.norm"}
 # Its copies of the embedding and the output head: the module drafts with the target's own.
 _NEXTN_SHARED = ("embed_tokens", "shared_head_head")
 
@@ -395,7 +395,7 @@ def gguf_mtp_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         stem, _, kind = t.name.removeprefix(prefix).rpartition(".")
         if stem.removeprefix("nextn.") in _NEXTN_SHARED:
             continue
-        name = _NEXTN_NAMES.get(stem.removeprefix("nextn.")) if stem.startswith("nextn.") else _GGUF_BLOCK_NAMES.get(stem)
+        name = GGUF_NEXTN_NAMES.get(stem.removeprefix("nextn.")) if stem.startswith("nextn.") else GGUF_BLOCK_NAMES.get(stem)
         if name is None or kind not in ("weight", "bias"):
             raise UnsupportedModelError(
                 f"{p}'s multi-token-prediction layer holds {t.name}, which specserve does not know how to "

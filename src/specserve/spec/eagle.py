@@ -220,6 +220,17 @@ class MTPModule(EagleHead):
         return self.norm(h)
 
 
+def mtp_in_deepseek_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An MTPModule's state under the names DeepSeek-V3's checkpoints give its layer (what
+    import_mtp_tensors reads back): `fc` as `eh_proj`, `norm` as `shared_head.norm`, the block's
+    tensors without `layer.`."""
+    out = {}
+    for name, t in state.items():
+        ours = next((o for o in MTPModule.DEEPSEEK_NAMES if name.startswith(o)), "")
+        out[MTPModule.DEEPSEEK_NAMES.get(ours, "") + name.removeprefix(ours)] = t
+    return out
+
+
 def import_mtp_tensors(tensors: dict[str, torch.Tensor], hidden_size: int) -> dict[str, torch.Tensor]:
     """MTPModule's state from a checkpoint's MTP layer in DeepSeek-V3's names (`eh_proj`, `enorm`,
     `hnorm`, `shared_head.norm`, and the block's own `self_attn.*` / `mlp.*` / norms), under any
@@ -335,15 +346,15 @@ def load_head_file(path: str | Path, method: str = "eagle") -> tuple[dict[str, t
     from safetensors import safe_open
 
     path = Path(path)
-    ships = ships_mtp_layer(path)
-    if not path.is_file() and ships is None:
+    model_dir = path.is_dir() and (path / "config.json").is_file()
+    if not path.is_file() and not model_dir:
         raise ConfigError(f"No drafter head at {path}; train one with `specserve train-draft --method {method} "
                           f"--model M --out {path}`.")
-    if ships is not None:  # a GGUF model file or a HF model directory: the MTP layer it ships
+    if model_dir or _is_gguf(path):  # a model: the MTP layer it ships
         from specserve.models.loader import gguf_mtp_tensors, hf_mtp_tensors
 
         try:
-            if path.is_dir():
+            if model_dir:
                 return hf_mtp_tensors(path), {"method": "mtp", "imported": True, "source": "directory"}
             return gguf_mtp_tensors(path), {"method": "mtp", "imported": True, "source": "gguf"}
         except (ModelNotFoundError, CorruptModelError, UnsupportedModelError) as exc:
@@ -361,23 +372,11 @@ def load_head_file(path: str | Path, method: str = "eagle") -> tuple[dict[str, t
     return tensors, json.loads(meta["card"])
 
 
-def ships_mtp_layer(path: str | Path) -> bool | None:
-    """For a GGUF file or a HF model directory, whether it ships a multi-token-prediction layer
-    (llama.cpp's nextn_predict_layers; DeepSeek-V3's eh_proj and block after the decoder's); None
-    for anything else."""
-    from specserve.models.loader import hf_mtp_prefix, nextn_layers, open_gguf
-
-    if Path(path).is_dir():
-        return hf_mtp_prefix(path) is not None if (Path(path) / "config.json").is_file() else None
+def _is_gguf(path: Path) -> bool:
     try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                return None
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
     except OSError:
-        return None
-    try:
-        return nextn_layers(open_gguf(path)) > 0
-    except (ModelNotFoundError, CorruptModelError, UnsupportedModelError):
         return False
 
 
