@@ -20,6 +20,7 @@ from specserve.config import (
 from specserve.engine.engine import LLMEngine
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.models.chat import ChatError, render_chat
+from specserve.models.tools import check_tools
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -251,10 +252,13 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Render one conversation or a list of them with the model's chat template (or
         `chat_template`), then generate; arguments as vLLM's `LLM.chat`. Messages are checked as
-        the server checks them (models.chat): a bad role or content raises ChatError, a ValueError."""
+        the server checks them (models.chat): a bad role or content raises ChatError, a ValueError.
+        `tools` (OpenAI's form) go to the template as transformers passes them (written into the
+        messages for a template that takes none); models.tools.parse_calls reads calls back."""
         if self.tokenizer is None:
             raise ChatError("this model has no tokenizer, so it has no chat template; use generate() with token ids.")
         many = (isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], Sequence)
@@ -262,7 +266,8 @@ class LLM:
         convs = list(messages) if many else [messages]
         prompts = [render_chat(self.tokenizer, c, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
                                continue_final_message=continue_final_message,
-                               chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
+                               chat_template_kwargs=chat_template_kwargs, chat_template=chat_template,
+                               tools=check_tools(tools, "auto" if tools else "none") if tools else None)
                    for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, params=params)  # (params=: the earlier name)
 

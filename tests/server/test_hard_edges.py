@@ -532,11 +532,12 @@ def test_top_logprobs_from_every_sampling_path(tiny_tok_checkpoint, path):
     ("extra", "named"),
     [
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"frobnicate": 1, "store": True}, "frobnicate"),
         (
-            {"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "1"}]}]},
+            {"messages": [{"role": "user", "content": "hi", "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
             "tool_calls",
         ),
         ({"stream_options": {"include_usage": True, "chunky": 3}}, "chunky"),

@@ -9,13 +9,15 @@ so the server answers 400 and the Python API raises before anything is scheduled
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from specserve.errors import InvalidRequestError, SpecServeError
+from specserve.models.tools import as_plain_chat, template_mentions_tools
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
-_TEMPLATE_OWNED = {"messages", "add_generation_prompt", "chat_template"}
+_TEMPLATE_OWNED = {"messages", "add_generation_prompt", "chat_template", "tools"}
 
 
 class ChatError(InvalidRequestError):
@@ -67,17 +69,55 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, s
                 raise ChatError(f"{where}.name must be a string.", param=f"{where}.name")
             if name:
                 msg["name"] = name
+        calls = m.get("tool_calls")
+        if calls:
+            if role != "assistant":
+                raise ChatError(f"{where} is a {role} message; only assistant messages carry tool_calls.",
+                                param=f"{where}.tool_calls")
+            msg["tool_calls"] = _template_calls(calls, f"{where}.tool_calls")
+        call_id = m.get("tool_call_id")
+        if call_id is not None:
+            if role != "tool" or not isinstance(call_id, str):
+                raise ChatError(f"{where}.tool_call_id must be a string, on a tool message.", param=f"{where}.tool_call_id")
+            msg["tool_call_id"] = call_id
         out.append(msg)
+    return out
+
+
+def _template_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's tool calls as templates read them: `arguments` an object (a client sends
+    its JSON text, which is parsed, as vLLM does)."""
+    if not isinstance(calls, Sequence) or isinstance(calls, (str, bytes)):
+        raise ChatError(f"{where} must be a list of tool calls.", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ChatError(f"{at} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}.",
+                            param=at)
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise ChatError(f"{at}.function.arguments is not JSON text.", param=f"{at}.function.arguments") from None
+        if not isinstance(args, Mapping):
+            raise ChatError(f"{at}.function.arguments must be a JSON object.", param=f"{at}.function.arguments")
+        out.append({"id": str(call.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": dict(args)}})
     return out
 
 
 def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,  # noqa: ANN001
                 continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
-                chat_template: str | None = None) -> str:
+                chat_template: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     """The conversation through the model's chat template (or `chat_template`).
 
     With continue_final_message the text stops where the last message's content ends (as
-    transformers' and vLLM's), so the model continues that message instead of opening a turn."""
+    transformers' and vLLM's), so the model continues that message instead of opening a turn.
+    `tools` (models.tools.check_tools' form) reach a template that reads them; for one that does
+    not, tools, calls and results are written into the messages (models.tools.as_plain_chat)."""
     if tokenizer is None:
         raise ChatError("This model has no tokenizer, hence no chat template; send a prompt or token ids instead.")
     msgs = template_messages(messages)
@@ -86,6 +126,12 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, add_generat
     if taken:
         raise ChatError(f"chat_template_kwargs may not set {taken}: they have their own fields.",
                         param="chat_template_kwargs")
+    source = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    if template_mentions_tools(source):
+        if tools:
+            kwargs["tools"] = [dict(t) for t in tools]
+    elif tools or any("tool_calls" in m or "tool_call_id" in m for m in msgs):
+        msgs = as_plain_chat(msgs, tools or ())
     final = msgs[-1]["content"].strip()
     if continue_final_message and (add_generation_prompt or not final):
         raise ChatError("continue_final_message continues the last message: it needs add_generation_prompt "

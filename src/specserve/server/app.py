@@ -26,8 +26,13 @@ from specserve.errors import ConfigError, InvalidRequestError, SpecServeError
 from specserve.llm import _nth_sample_params
 from specserve.models.chat import ChatError, render_chat
 from specserve.models.tokenizer import Tokenizer
+from specserve.models.tools import CallStream, check_tools, forced_calls, forced_schema, parse_calls
 from specserve.outputs import RequestOutput
-from specserve.sampling_params import SamplingParams, structured_output_from_openai
+from specserve.sampling_params import (
+    SamplingParams,
+    StructuredOutput,
+    structured_output_from_openai,
+)
 from specserve.server.async_engine import (
     AsyncEngine,
     EngineOverloadedError,
@@ -409,17 +414,20 @@ class OpenAIServer:
             stream.abort()  # no-op when everything finished; frees KV at once on disconnect
 
     # ------------------------------------------------------------------ chat
-    async def _render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
+    async def _render_chat(self, req: ChatCompletionRequest | TokenizeRequest,
+                           tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation through the model's chat template (models.chat.render_chat; its errors
-        are the client's: 400)."""
+        are the client's: 400), with `tools` (models.tools.check_tools' form)."""
         assert req.messages is not None
         if self.tokenizer is None:
             raise APIError(400, "This model has no tokenizer, hence no chat template; use /v1/completions.")
-        messages = [m.model_dump(include={"role", "content", "name"}) for m in req.messages]  # text parts as dicts
+        messages = [m.model_dump(include={"role", "content", "name", "tool_calls", "tool_call_id"}, exclude_none=True)
+                    for m in req.messages]  # text parts and calls as dicts
         try:
             prompt = await run_in_threadpool(partial(
                 render_chat, self.tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs))
+                continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs,
+                tools=tools))
         except ChatError as e:
             raise APIError(400, str(e), param=e.param) from e
         self._check_prompt_chars(prompt, "messages")
@@ -458,24 +466,35 @@ class OpenAIServer:
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
         self._check_admissible(req.n)
-        prompt = await self._render_chat(req)
+        calls = _ToolUse.of(req)
+        prompt = await self._render_chat(req, calls.tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         base = self._sampling_params(req, max_tokens, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+        if calls.schema is not None:  # tool_choice required or named: the output is held to the calls' schema
+            if base.structured_output is not None:
+                raise APIError(400, "tool_choice required or a named tool fixes the output's form; leave out "
+                               "response_format and the guided_* fields.", param="tool_choice")
+            try:
+                base = replace(base, structured_output=StructuredOutput.json(calls.schema))
+            except InvalidRequestError as e:
+                raise APIError(400, f"The tools' parameters are not a usable JSON schema: {e}", param="tools") from e
         prepared, prompt_lens = await run_in_threadpool(self._prepare, [prompt], base, req.n, req.priority, max_tokens,
                                                         prompt_param="messages")
         self.metrics.tag_requests([p.request.request_id for p in prepared], req.request_class)
         stream = self._submit(prepared)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self._stream_chat(stream, req, prepared, prompt_lens, include_usage))
+            return _sse(self._stream_chat(stream, req, prepared, prompt_lens, include_usage, calls))
         finals = await self._collect(stream, http)
         if finals is None:
             return Response(status_code=499)
         choices = []
         for i, out in enumerate(finals):
             c = out.outputs[0]
+            content, made = calls.read(c.text)
             choices.append(ChatChoice(
-                index=i, message=ChatResponseMessage(content=c.text), finish_reason=_finish(c.finish_reason),
+                index=i, message=ChatResponseMessage(content=content, tool_calls=[m.as_openai() for m in made] or None),
+                finish_reason=calls.finish(_finish(c.finish_reason), made),
                 stop_reason=c.stop_reason,
                 logprobs=(self._chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, req.top_logprobs or 0)
                           if req.logprobs else None),
@@ -486,15 +505,20 @@ class OpenAIServer:
 
     async def _stream_chat(self, stream: RequestStream, req: ChatCompletionRequest,
                            prepared: list[PreparedRequest], prompt_lens: list[int],
-                           include_usage: bool) -> AsyncIterator[str]:
+                           include_usage: bool, calls: _ToolUse) -> AsyncIterator[str]:
         rid = new_id("chatcmpl")
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
         clock = TokenClock()
+        readers = [calls.stream() for _ in prepared]  # per choice: what of its text may stream now
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
-            return _event(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices,
-                                              usage=usage).model_dump(exclude_none=False))
+            body = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices,
+                                       usage=usage).model_dump(exclude_none=False)
+            for ch in body["choices"]:  # (tool_calls only where there are some, as OpenAI's chunks)
+                if ch["delta"].get("tool_calls") is None:
+                    ch["delta"].pop("tool_calls", None)
+            return _event(body)
 
         try:
             for i in range(len(prepared)):
@@ -505,17 +529,25 @@ class OpenAIServer:
                 # A token whose text is held back (a partial character, a possible stop string)
                 # still has a logprob entry: it goes out now, with empty content.
                 with_logprobs = req.logprobs and c.logprobs is not None and bool(c.delta_token_ids)
-                if c.delta_text or with_logprobs:
+                text = readers[idx].feed(c.delta_text or "")
+                if text or with_logprobs:
                     lp = None
                     if with_logprobs:
                         n_new = len(c.delta_token_ids)
                         lp = self._chat_logprobs(c.delta_token_ids, _last(c.logprobs, n_new),
                                                  _last(c.top_logprobs, n_new), req.top_logprobs or 0)
-                    yield chunk([ChatChunkChoice(index=idx, delta=DeltaMessage(content=c.delta_text), logprobs=lp)])
+                    yield chunk([ChatChunkChoice(index=idx, delta=DeltaMessage(content=text), logprobs=lp)])
                 if out.finished:
                     finals[idx] = out
+                    rest, made = readers[idx].finish()
+                    if rest:
+                        yield chunk([ChatChunkChoice(index=idx, delta=DeltaMessage(content=rest))])
+                    if made:
+                        yield chunk([ChatChunkChoice(index=idx, delta=DeltaMessage(
+                            tool_calls=[m.as_openai(k) for k, m in enumerate(made)]))])
                     yield chunk([ChatChunkChoice(index=idx, delta=DeltaMessage(),
-                                                 finish_reason=_finish(c.finish_reason), stop_reason=c.stop_reason)])
+                                                 finish_reason=calls.finish(_finish(c.finish_reason), made),
+                                                 stop_reason=c.stop_reason)])
             if self._aborted_by_drain(list(finals.values())):
                 yield _event(self._drain_error())
             if include_usage:
@@ -670,6 +702,74 @@ class _Offsets:
     def __init__(self) -> None:
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.at = 0
+
+
+class _ToolUse:
+    """A chat request's tools (models.tools): how they enter the prompt and the sampling, and how
+    each choice's text becomes content and calls."""
+
+    def __init__(self, tools: list[dict[str, Any]], choice: Any, parallel: bool) -> None:
+        self.tools, self.choice = tools or None, choice
+        self.names = [t["function"]["name"] for t in tools]
+        self.schema = forced_schema(tools, choice, parallel) if tools else None
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest) -> _ToolUse:
+        choice = req.tool_choice
+        if choice is None:
+            choice = "auto" if req.tools else "none"  # (OpenAI's default)
+        elif not isinstance(choice, str):
+            choice = choice.model_dump()
+        try:
+            tools = check_tools([t.model_dump() for t in req.tools or ()], choice)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param) from e
+        return cls(tools, choice, req.parallel_tool_calls)
+
+    @property
+    def parsing(self) -> bool:
+        return bool(self.tools) and self.choice != "none"
+
+    def read(self, text: str) -> tuple[str | None, list[Any]]:
+        """(content, calls) of a finished choice's text."""
+        if not self.parsing:
+            return text, []
+        if self.schema is None:
+            return parse_calls(text, self.names)
+        made = forced_calls(text, self.choice)
+        return (None, made) if made else (text, [])
+
+    def stream(self) -> _CallReader:
+        return _CallReader(self)
+
+    def finish(self, reason: str | None, made: list[Any]) -> str | None:
+        """finish_reason: "tool_calls" where the model chose to call (OpenAI's "stop" for a named tool)."""
+        if made and reason == "stop" and not isinstance(self.choice, dict):
+            return "tool_calls"
+        return reason
+
+
+class _CallReader:
+    """One streamed choice's text through its _ToolUse: content as it may go out, calls at the end."""
+
+    def __init__(self, use: _ToolUse) -> None:
+        self.use = use
+        self.free = CallStream(use.names) if use.parsing and use.schema is None else None
+        self.text = ""
+
+    def feed(self, delta: str) -> str:
+        if self.free is not None:
+            return self.free.feed(delta)
+        self.text += delta
+        return "" if self.use.parsing else delta
+
+    def finish(self) -> tuple[str, list[Any]]:
+        if self.free is not None:
+            return self.free.finish()
+        if not self.use.parsing:
+            return "", []
+        content, made = self.use.read(self.text)
+        return content or "", made
 
 
 def _normalize_prompts(prompt: Any) -> list[str | list[int]]:

@@ -13,11 +13,11 @@ field such as `messages` is still refused). Nothing is silently ignored: a field
 does not declare is refused with a 400 that names it, unless it is null or one of the values
 below that ask for nothing (clients such as LangChain send some of them at their defaults):
 
-- both endpoints: `store` false, `metadata` {}, `service_tier` "auto" / "default", `tools` [],
-  `tool_choice` "none", `parallel_tool_calls` true / false, `functions` [], `function_call`
-  "none", `modalities` ["text"]; vLLM's `use_beam_search` false, `length_penalty` 1,
-  `skip_special_tokens` true;
-- a chat message: `tool_calls` [] (`refusal`, `audio`, `function_call` only as null);
+- both endpoints: `store` false, `metadata` {}, `service_tier` "auto" / "default", `functions` [],
+  `function_call` "none", `modalities` ["text"]; vLLM's `use_beam_search` false, `length_penalty` 1,
+  `skip_special_tokens` true; completions also `tools` [], `tool_choice` "none",
+  `parallel_tool_calls` true / false (chat implements tools: models.tools);
+- a chat message: `refusal`, `audio`, `function_call` only as null;
 - `stream_options`: `include_obfuscation` true / false (there is nothing to pad).
 
 Declared fields that specserve does not implement (`suffix`,
@@ -229,13 +229,56 @@ class ContentPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
-    """One message of a conversation."""
+class ToolCallFunction(_Body):
+    """The function a tool call names, and its arguments as JSON text."""
 
-    NOOP_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {"tool_calls": ([],)}
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallBody(_Body):
+    """A call an assistant turn made (sent back in a conversation)."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Body):
+    """One message of a conversation (an assistant's may carry tool_calls, a tool's the
+    tool_call_id it answers)."""
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallBody] | None = None
+    tool_call_id: str | None = None  # (models.chat checks who carries what, naming the message)
+
+
+class ToolFunction(_Body):
+    """A function the model may call: name, description, parameters (a JSON schema)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Body):
+    """An entry of `tools` (functions are the only kind)."""
+
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedToolChoice(_Body):
+    """tool_choice {"type": "function", "function": {"name": ...}}: call this tool."""
+
+    class Name(_Body):
+        name: str
+
+    type: Literal["function"]
+    function: Name
 
 
 class _ChatTemplateFields(_Body):
@@ -270,6 +313,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     prediction: Prediction | None = None
+    # Tool calling (models.tools): the tools, whether and which to call, several calls per turn.
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
     @model_validator(mode="after")
     def _prediction_is_the_reference(self) -> ChatCompletionRequest:
@@ -356,10 +403,11 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """The assistant's message."""
+    """The assistant's message (tool_calls: OpenAI's {"id", "type", "function": {"name", "arguments"}})."""
 
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -388,6 +436,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # whole calls, with their index, once the output ends
 
 
 class ChatChunkChoice(BaseModel):
