@@ -168,6 +168,10 @@ VALID = {
 }
 
 
+TOOLS = [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}},
+         {"type": "function", "function": {"name": "b"}}]
+
+
 @pytest.fixture(scope="module")
 def draft_server(tiny_tok_checkpoint):
     """The same tiny model drafting for itself with its first layer, in trees: the model-drafter
@@ -195,7 +199,10 @@ def test_fuzz_valid_completions(valid_server, body):
 @FUZZ_SETTINGS
 @given(body=st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant"]), "content": text(20)}), min_size=1, max_size=3)},
-    optional={**VALID, "logprobs": st.booleans(), "top_logprobs": st.integers(min_value=0, max_value=20)}))
+    optional={**VALID, "logprobs": st.booleans(), "top_logprobs": st.integers(min_value=0, max_value=20),
+              "tools": st.lists(st.sampled_from(TOOLS), min_size=1, max_size=2, unique_by=lambda t: t["function"]["name"]),
+              "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "a"}}]),
+              "parallel_tool_calls": st.booleans()}))
 def test_fuzz_valid_chat(valid_server, body):
     _check_valid(valid_server, "/v1/chat/completions", body)
 

@@ -119,3 +119,30 @@ def test_bad_tool_requests_are_400_naming_the_field(smol_server, extra, param):
     r = httpx.post(smol_server.base_url + "/v1/completions",
                    json={"model": "smollm2", "prompt": "hi", "max_tokens": 2, "tools": [WEATHER]}, timeout=60)
     assert r.status_code == 400 and "tools" in r.json()["error"]["param"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_choice_of_n_gets_its_own_calls(client, smol_server, stream):
+    kw = dict(model="smollm2", messages=MSGS, tools=[WEATHER, TIME], tool_choice="required", max_tokens=96,
+              temperature=1.0, seed=11, n=3, stream=stream)
+    got: dict[int, list] = {0: [], 1: [], 2: []}
+    finish = {}
+    if stream:
+        for ch in client.chat.completions.create(**kw):
+            for c in ch.choices:
+                got[c.index] += c.delta.tool_calls or []
+                assert not c.delta.content
+                if c.finish_reason:
+                    finish[c.index] = c.finish_reason
+    else:
+        r = client.chat.completions.create(**kw)
+        for c in r.choices:
+            got[c.index] = c.message.tool_calls or []
+            finish[c.index] = c.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
+    for calls in got.values():
+        assert calls
+        for c in calls:
+            jsonschema.validate(json.loads(c.function.arguments), _schema({"get_weather": WEATHER, "get_time": TIME}[c.function.name]))
+    smol_server.wait_idle()
+    assert smol_server.engine.check_integrity()
