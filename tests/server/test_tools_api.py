@@ -146,3 +146,14 @@ def test_every_choice_of_n_gets_its_own_calls(client, smol_server, stream):
             jsonschema.validate(json.loads(c.function.arguments), _schema({"get_weather": WEATHER, "get_time": TIME}[c.function.name]))
     smol_server.wait_idle()
     assert smol_server.engine.check_integrity()
+
+
+def test_tokenize_counts_the_tools_a_chat_request_would_prompt_with(smol_server, client):
+    body = {"model": "smollm2", "messages": MSGS, "tools": [WEATHER]}
+    r = httpx.post(smol_server.base_url + "/tokenize", json=body, timeout=60)
+    bare = httpx.post(smol_server.base_url + "/tokenize", json={"model": "smollm2", "messages": MSGS}, timeout=60)
+    assert r.status_code == bare.status_code == 200, r.text
+    assert r.json()["count"] > bare.json()["count"] + 50
+    chat = client.chat.completions.create(model="smollm2", messages=MSGS, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=1, temperature=0)
+    assert chat.usage.prompt_tokens == r.json()["count"]

@@ -442,7 +442,7 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise APIError(400, "This model has no tokenizer; send token ids to the completions endpoint.")
         if req.messages is not None:
-            text, special = await self._render_chat(req), False
+            text, special = await self._render_chat(req, _ToolUse.of(req).tools), False
         else:
             text, special = req.prompt, req.add_special_tokens
             self._check_prompt_chars(text, "prompt")
@@ -714,8 +714,8 @@ class _ToolUse:
         self.schema = forced_schema(tools, choice, parallel) if tools else None
 
     @classmethod
-    def of(cls, req: ChatCompletionRequest) -> _ToolUse:
-        choice = req.tool_choice
+    def of(cls, req: ChatCompletionRequest | TokenizeRequest) -> _ToolUse:
+        choice = getattr(req, "tool_choice", None)
         if choice is None:
             choice = "auto" if req.tools else "none"  # (OpenAI's default)
         elif not isinstance(choice, str):
@@ -724,7 +724,7 @@ class _ToolUse:
             tools = check_tools([t.model_dump() for t in req.tools or ()], choice)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from e
-        return cls(tools, choice, req.parallel_tool_calls)
+        return cls(tools, choice, getattr(req, "parallel_tool_calls", True))
 
     @property
     def parsing(self) -> bool:

@@ -483,6 +483,7 @@ class TokenizeRequest(_ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = None  # as a chat request's: they are part of its prompt
     add_special_tokens: StrictBool = True  # a prompt's (the chat template writes its own)
 
 
