@@ -478,8 +478,13 @@ class OpenAIServer:
                 base = replace(base, structured_output=StructuredOutput.json(calls.schema))
             except InvalidRequestError as e:
                 raise APIError(400, f"The tools' parameters are not a usable JSON schema: {e}", param="tools") from e
-        prepared, prompt_lens = await run_in_threadpool(self._prepare, [prompt], base, req.n, req.priority, max_tokens,
-                                                        prompt_param="messages")
+        try:
+            prepared, prompt_lens = await run_in_threadpool(self._prepare, [prompt], base, req.n, req.priority,
+                                                            max_tokens, prompt_param="messages")
+        except APIError as e:
+            if calls.schema is not None and e.param == "response_format":  # the schema the tools made
+                raise APIError(e.status, f"The tools' parameters: {e.message}", param="tools") from e
+            raise
         self.metrics.tag_requests([p.request.request_id for p in prepared], req.request_class)
         stream = self._submit(prepared)
         if req.stream:
