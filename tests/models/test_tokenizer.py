@@ -356,3 +356,36 @@ def test_user_defined_tokens_are_not_special():
     assert tool not in ours.special_token_ids
     assert ours.decode([tool]) == "<tool_call>"
     assert isinstance(ours.backend.get_added_tokens_decoder()[tool], AddedToken)
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+]
+
+
+def test_tools_reach_a_template_that_reads_them_as_transformers_passes_them(pair):
+    """models.chat.render_chat with tools, an assistant's call (arguments sent as JSON text) and a
+    tool result: for Qwen2.5's template, the prompt transformers renders from the same conversation
+    (its arguments as an object, as vLLM hands them over); SmolLM2's template reads no tools, so
+    they are written into the messages instead of dropped."""
+    import json
+
+    from specserve.models.chat import render_chat
+    from specserve.models.tools import check_tools
+
+    ours, hf = pair
+    prompt = render_chat(ours, TOOL_CONVERSATION, tools=check_tools([TOOL], "auto"))
+    if "tools" in (ours.chat_template or ""):
+        as_hf = [dict(m) for m in TOOL_CONVERSATION]
+        as_hf[1] = {**as_hf[1], "tool_calls": [{**as_hf[1]["tool_calls"][0], "function": {
+            "name": "get_weather", "arguments": json.loads(as_hf[1]["tool_calls"][0]["function"]["arguments"])}}]}
+        assert prompt == hf.apply_chat_template(as_hf, tools=[TOOL], add_generation_prompt=True, tokenize=False)
+        assert "<tools>" in prompt and '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    else:
+        assert json.dumps(check_tools([TOOL], "auto")[0]) in prompt and "<tool_response>\n18 C\n</tool_response>" in prompt
