@@ -163,3 +163,25 @@ def test_llm_chat_takes_tools_and_their_calls_read_back(smollm_llm):
     assert content is None and calls[0].name == "get_weather" and json.loads(calls[0].arguments)["city"] in ("Paris", "Rome")
     with pytest.raises(InvalidRequestError):
         smollm_llm.chat(CONVERSATION[:1], params, tools=[{"type": "function", "function": {"name": "two words"}}])
+
+
+@pytest.mark.slow
+def test_qwen_calls_a_tool_when_asked_and_not_otherwise():
+    """The real Qwen2.5-Coder-0.5B with its own template and a get_weather tool (greedy, prompt
+    lookup drafting): the weather ask comes back as a call to it, a haiku ask as text."""
+    from specserve import LLM, SamplingParams
+    from specserve.errors import ModelPackageMissingError
+    from specserve.models.bundled import ensure_bundled
+
+    try:
+        ensure_bundled("qwen2.5-coder-0.5b-instruct", progress=False)
+    except ModelPackageMissingError as exc:
+        pytest.skip(f"Qwen2.5-Coder-0.5B is not installed: {exc}")
+    llm = LLM("qwen2.5-coder-0.5b-instruct", kv_cache_gib=0.25, spec_method="ngram")
+    asks = ["What's the weather like in Paris right now?", "Write a haiku about autumn."]
+    outs = llm.chat([[{"role": "user", "content": a}] for a in asks], SamplingParams(max_tokens=64, temperature=0),
+                    tools=[WEATHER])
+    content, calls = parse_calls(outs[0].outputs[0].text, ["get_weather"])
+    assert content is None and [c.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].arguments)["city"] == "Paris"
+    assert parse_calls(outs[1].outputs[0].text, ["get_weather"])[1] == []
