@@ -44,12 +44,12 @@ def test_an_output_that_is_only_a_call_object_is_the_call():
     or naming no given tool stays content."""
     args = {"city": "Paris", "unit": "C"}
     obj = json.dumps({"name": "get_weather", "arguments": args}, indent=2)
-    for text in (obj, f"```json\n{obj}\n```", f"  ```\n{obj}\n```\n", f"[{obj}, {obj}]",
+    for text in (obj, f"```json\n{obj}\n```", f"  ```\n{obj}\n```\n", f"[{obj}, {obj}]", f"{obj}\n{obj}", f"{obj}; {obj}",
                  json.dumps({"name": "get_weather", "parameters": args})):
         content, calls = parse_calls(text, ["get_weather"])
         assert content is None and calls and all(json.loads(c.arguments) == args for c in calls), text
     for text in (f"Here: {obj}", f"```python\n{obj}\n```", json.dumps({"name": "other", "arguments": {}}),
-                 '{"answer": 42}', f"[{obj}, 3]"):
+                 '{"answer": 42}', f"[{obj}, 3]", f"{obj}\n{obj[:-3]}", f"{obj} and then", f"[{obj}] [{obj}]"):
         assert parse_calls(text, ["get_weather"]) == (text, []), text
 
 

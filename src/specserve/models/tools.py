@@ -126,8 +126,9 @@ def parse_calls(text: str, names: Sequence[str]) -> tuple[str | None, list[ToolC
     """(content, calls) of a freely written output: each <tool_call> block holding JSON
     {"name": a given tool, "arguments": an object (or its JSON text)} becomes a call; the rest of
     the text is the content (None when only whitespace is left beside calls). Without such
-    blocks, an output that is nothing but such an object or a list of them (bare, or alone in a
-    ``` / ```json fence: Llama-3.1's form, and how Qwen2.5-Coder-1.5B answers) is the calls."""
+    blocks, an output that is nothing but such an object, a list of them or several one after
+    another (bare, or alone in a ``` / ```json fence: Llama-3.1's form, and how Qwen2.5-Coder
+    answers) is the calls."""
     whole = _whole_output_calls(text, names)
     if whole:
         return None, whole
@@ -161,11 +162,17 @@ def _whole_output_calls(text: str, names: Sequence[str]) -> list[ToolCall] | Non
         body = fenced.group(1).strip()
     if body[:1] not in ("{", "["):
         return None
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    items = value if isinstance(value, list) else [value]
+    items: list[Any] = []
+    decoder = json.JSONDecoder()
+    at = 0
+    while at < len(body):  # one value, or objects one after another (newlines or ';' between: Llama-3.1's parallel calls)
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return None
+        items += value if isinstance(value, list) and not items else [value]
+        while at < len(body) and (body[at].isspace() or body[at] == ";"):
+            at += 1
     calls = [_value_call(v, names) for v in items]
     if not calls or any(c is None for c in calls):
         return None
