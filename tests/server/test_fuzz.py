@@ -63,7 +63,9 @@ COMMON = {
                                          [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "array"},
                                           {"minimum": 3}, {"type": 7}])}), VALUES)}),
                                  VALUES),
-    "tools": st.one_of(st.just([]), VALUES),
+    "tools": st.one_of(st.just([]), VALUES, st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]), "function": st.one_of(
+        st.fixed_dictionaries({"name": st.one_of(text(6), st.just("f"))}, optional={"parameters": st.one_of(VALUES, st.just({"type": 7}))}),
+        VALUES)}), max_size=2)),
     "frequency_penalty": st.one_of(st.floats(min_value=-3, max_value=3), VALUES),
     "repetition_penalty": st.one_of(st.floats(min_value=-1, max_value=3), NON_FINITE, VALUES),
     "min_p": st.one_of(st.floats(min_value=-0.5, max_value=1.5), NON_FINITE, VALUES),
@@ -77,7 +79,7 @@ COMMON = {
     "guided_json": st.one_of(st.sampled_from([{"type": "object"}, {"type": "integer"}, {"enum": ["a", 1]}, {"type": "bogus"},
                                               "{\"type\": \"string\"}", "{"]), VALUES),
     "guided_grammar": st.one_of(st.sampled_from(['root ::= "a" | "b"', "root ::=", 'root ::= [0-9]+']), text(10), VALUES),
-    "tool_choice": st.one_of(st.sampled_from(["none", "auto"]), VALUES),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]), VALUES),
 }
 PROMPT = st.one_of(text(60), st.lists(text(20), max_size=3),
                    st.lists(st.integers(min_value=-5, max_value=60000), max_size=20),
