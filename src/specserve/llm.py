@@ -264,10 +264,10 @@ class LLM:
         many = (isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], Sequence)
                 and not isinstance(messages[0], (str, bytes)))  # a list of conversations
         convs = list(messages) if many else [messages]
+        checked = check_tools(tools, "auto") if tools else None
         prompts = [render_chat(self.tokenizer, c, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
                                continue_final_message=continue_final_message,
-                               chat_template_kwargs=chat_template_kwargs, chat_template=chat_template,
-                               tools=check_tools(tools, "auto" if tools else "none") if tools else None)
+                               chat_template_kwargs=chat_template_kwargs, chat_template=chat_template, tools=checked)
                    for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, params=params)  # (params=: the earlier name)
 

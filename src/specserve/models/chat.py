@@ -126,12 +126,12 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, add_generat
     if taken:
         raise ChatError(f"chat_template_kwargs may not set {taken}: they have their own fields.",
                         param="chat_template_kwargs")
-    source = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
-    if template_mentions_tools(source):
-        if tools:
+    if tools or any("tool_calls" in m or "tool_call_id" in m for m in msgs):
+        source = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+        if not template_mentions_tools(source):
+            msgs = as_plain_chat(msgs, tools or ())
+        elif tools:
             kwargs["tools"] = [dict(t) for t in tools]
-    elif tools or any("tool_calls" in m or "tool_call_id" in m for m in msgs):
-        msgs = as_plain_chat(msgs, tools or ())
     final = msgs[-1]["content"].strip()
     if continue_final_message and (add_generation_prompt or not final):
         raise ChatError("continue_final_message continues the last message: it needs add_generation_prompt "

@@ -518,12 +518,8 @@ class OpenAIServer:
         readers = [calls.stream() for _ in prepared]  # per choice: what of its text may stream now
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
-            body = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices,
-                                       usage=usage).model_dump(exclude_none=False)
-            for ch in body["choices"]:  # (tool_calls only where there are some, as OpenAI's chunks)
-                if ch["delta"].get("tool_calls") is None:
-                    ch["delta"].pop("tool_calls", None)
-            return _event(body)
+            return _event(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices,
+                                              usage=usage).model_dump(exclude_none=False))
 
         try:
             for i in range(len(prepared)):
@@ -760,13 +756,15 @@ class _CallReader:
     def __init__(self, use: _ToolUse) -> None:
         self.use = use
         self.free = CallStream(use.names) if use.parsing and use.schema is None else None
-        self.text = ""
+        self.text = ""  # a forced call's output, kept for the end
 
     def feed(self, delta: str) -> str:
+        if not self.use.parsing:  # (every chat stream without tools: nothing kept)
+            return delta
         if self.free is not None:
             return self.free.feed(delta)
         self.text += delta
-        return "" if self.use.parsing else delta
+        return ""
 
     def finish(self) -> tuple[str, list[Any]]:
         if self.free is not None:

@@ -39,6 +39,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -437,6 +438,14 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # whole calls, with their index, once the output ends
+
+    @model_serializer(mode="wrap")
+    def _calls_only_where_made(self, handler: Any) -> dict[str, Any]:
+        """A delta names tool_calls only in the chunk that carries them (as OpenAI's chunks)."""
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChunkChoice(BaseModel):
