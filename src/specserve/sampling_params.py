@@ -29,6 +29,10 @@ class StructuredOutput:
 
     kind: StructuredKind
     spec: str = ""  # the schema as JSON text, the regex, the EBNF grammar, or the choices as a JSON list
+    # The request field it came from, named by the error where it does not compile (None: the
+    # field that carries its kind, `response_format` or a guided_* one; "tools" for the calls'
+    # schema of tool_choice required or named). Not part of the constraint.
+    param: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in ("json_object", "json_schema", "regex", "grammar", "choice"):

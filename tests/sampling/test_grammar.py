@@ -10,6 +10,7 @@ what the grammar allows after the path and renormalised.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -142,6 +143,23 @@ def test_specs_validate_and_compile(compiler: GrammarCompiler) -> None:
     SamplingParams(min_tokens=5, structured_output=StructuredOutput.json())  # vLLM accepts it: so do we
     with pytest.raises(InvalidRequestError):
         StructuredOutput("xml", "<a/>")  # type: ignore[arg-type]
+
+
+def test_a_refused_spec_names_the_request_field_it_came_from(compiler: GrammarCompiler) -> None:
+    """By its kind (response_format, guided_*), or the field that made it: the tools' schema of
+    tool_choice required is refused as `tools`, and the field is no part of the constraint."""
+    bad = StructuredOutput.json({"type": 7})
+    with pytest.raises(InvalidRequestError, match="could not be compiled") as e:
+        compiler.compile(bad)
+    assert e.value.param == "response_format"
+    with pytest.raises(InvalidRequestError) as e:
+        compiler.compile(StructuredOutput.regex("(unclosed"))
+    assert e.value.param == "guided_regex"
+    made = dataclasses.replace(bad, param="tools")
+    with pytest.raises(InvalidRequestError, match="^tools: the json schema could not be compiled") as e:
+        compiler.compile(made)
+    assert e.value.param == "tools"
+    assert made == bad and hash(made) == hash(bad)
 
 
 def processed(table: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [..., V] logits -> probs

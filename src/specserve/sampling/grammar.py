@@ -88,8 +88,14 @@ class GrammarCompiler:
             return _SHARED[key]
 
     def compile(self, spec: StructuredOutput) -> Any:  # xgrammar.CompiledGrammar
-        """Compile `spec`; a spec the library refuses raises InvalidRequestError with its reason."""
-        return self._compile(spec.kind, spec.spec)
+        """Compile `spec`; a spec the library refuses raises InvalidRequestError with its reason,
+        naming the request field it came from."""
+        try:
+            return self._compile(spec.kind, spec.spec)
+        except InvalidRequestError as exc:
+            if spec.param is None or spec.param == exc.param:
+                raise
+            raise InvalidRequestError(f"{spec.param}: {exc}", param=spec.param) from None
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - one compiler per engine, lives as long as it
     def _compile(self, kind: str, text: str) -> Any:

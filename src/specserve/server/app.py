@@ -475,16 +475,12 @@ class OpenAIServer:
                 raise APIError(400, "tool_choice required or a named tool fixes the output's form; leave out "
                                "response_format and the guided_* fields.", param="tool_choice")
             try:
-                base = replace(base, structured_output=StructuredOutput.json(calls.schema))
+                schema = replace(StructuredOutput.json(calls.schema), param="tools")
             except InvalidRequestError as e:
                 raise APIError(400, f"The tools' parameters are not a usable JSON schema: {e}", param="tools") from e
-        try:
-            prepared, prompt_lens = await run_in_threadpool(self._prepare, [prompt], base, req.n, req.priority,
-                                                            max_tokens, prompt_param="messages")
-        except APIError as e:
-            if calls.schema is not None and e.param == "response_format":  # the schema the tools made
-                raise APIError(e.status, f"The tools' parameters: {e.message}", param="tools") from e
-            raise
+            base = replace(base, structured_output=schema)
+        prepared, prompt_lens = await run_in_threadpool(self._prepare, [prompt], base, req.n, req.priority,
+                                                        max_tokens, prompt_param="messages")
         self.metrics.tag_requests([p.request.request_id for p in prepared], req.request_class)
         stream = self._submit(prepared)
         if req.stream:
