@@ -137,6 +137,40 @@ def test_fuzz_chat(fuzz_server, body):
     assert r.status_code < 500, (body, r.text)
 
 
+RESPONSE_ITEM = st.one_of(
+    MESSAGE,
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output", "message", "x"])},
+                          optional={"call_id": st.one_of(text(6), VALUES), "name": st.one_of(st.just("f"), text(6)),
+                                    "arguments": st.one_of(st.just("{}"), text(10), VALUES),
+                                    "output": st.one_of(text(10), VALUES), "role": st.sampled_from(["user", "developer"]),
+                                    "content": st.one_of(text(10), st.lists(st.fixed_dictionaries({
+                                        "type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                        "text": text(6)}), max_size=2))}),
+)
+
+
+@FUZZ_SETTINGS
+@given(body=_body({"input": st.one_of(text(40), st.lists(RESPONSE_ITEM, max_size=4), VALUES),
+                   "instructions": st.one_of(text(20), VALUES),
+                   "max_output_tokens": st.one_of(SMALL_INT, VALUES),
+                   "tools": st.one_of(VALUES, st.lists(st.fixed_dictionaries(
+                       {"type": st.sampled_from(["function", "web_search"]), "name": st.one_of(st.just("f"), text(6))},
+                       optional={"parameters": st.one_of(VALUES, st.just({"type": 7}))}), max_size=2)),
+                   "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"}]),
+                                            VALUES),
+                   "text": st.one_of(st.fixed_dictionaries({"format": st.one_of(
+                       st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
+                                             optional={"schema": st.sampled_from([{"type": "object"}, {"type": 7}])}),
+                       VALUES)}), VALUES),
+                   "previous_response_id": st.one_of(text(8), VALUES), "store": st.one_of(st.booleans(), VALUES),
+                   "metadata": VALUES}))
+def test_fuzz_responses(fuzz_server, body):
+    r = _post(fuzz_server, "/v1/responses", json.dumps(body).encode())
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code != 200:
+        assert "error" in r.json()
+
+
 # Bodies of valid values only, in any combination: they reach sampling, speculation, grammars,
 # penalties, logprobs and streaming instead of stopping at validation.
 VOCAB = 49152
@@ -233,7 +267,7 @@ def _refuse(name: str) -> None:
 @FUZZ_SETTINGS
 @given(raw=st.one_of(st.binary(max_size=64), st.text(max_size=64).map(str.encode), VALUES.map(lambda v: json.dumps(v).encode())))
 def test_fuzz_raw_bytes(fuzz_server, raw):
-    for path in ("/v1/completions", "/v1/chat/completions", "/admin/speculation"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/admin/speculation"):
         r = _post(fuzz_server, path, raw)
         assert r.status_code < 500, (path, raw, r.text)
 

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -64,6 +65,13 @@ from specserve.server.protocol import (
     UsageInfo,
     error_body,
     new_id,
+)
+from specserve.server.responses import (
+    ResponseEvents,
+    ResponsesRequest,
+    response_body,
+    response_param,
+    to_chat,
 )
 
 logger = logging.getLogger(__name__)
@@ -504,6 +512,40 @@ class OpenAIServer:
                                       usage=self._usage(prompt_lens, finals))
         return JSONResponse(body.model_dump())
 
+    async def responses(self, req: ResponsesRequest, http: Request) -> Response:
+        """POST /v1/responses: asked and answered through the chat completions path
+        (specserve.server.responses); errors name the Responses request's fields."""
+        try:
+            chat_req = ChatCompletionRequest.model_validate(to_chat(req))
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err.get("loc", ()))
+            param = (err.get("ctx") or {}).get("param") or loc or None
+            raise APIError(400, f"Invalid request: {loc + ': ' if loc else ''}{err.get('msg', 'invalid')}",
+                           param=response_param(str(param) if param else None)) from None
+        try:
+            resp = await self.chat(chat_req, http)
+        except APIError as e:
+            raise APIError(e.status, e.message, e.type, response_param(e.param), e.code, e.headers) from e
+        if not req.stream:
+            if resp.status_code != 200:  # (the client left)
+                return resp
+            return JSONResponse(response_body(req, self.model_name, json.loads(resp.body)))
+        return _sse(self._stream_response(resp, req))
+
+    async def _stream_response(self, resp: StreamingResponse, req: ResponsesRequest) -> AsyncIterator[str]:
+        events = ResponseEvents(req, self.model_name)
+        chunks = resp.body_iterator
+        try:
+            yield events.start()
+            async for text in chunks:
+                for line in str(text).splitlines():
+                    if line.startswith("data: ") and line != "data: [DONE]" and (out := events.feed(json.loads(line[6:]))):
+                        yield out
+            yield events.finish()
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]  # (aborts the request if the client left)
+
     async def _stream_chat(self, stream: RequestStream, req: ChatCompletionRequest,
                            prepared: list[PreparedRequest], prompt_lens: list[int],
                            include_usage: bool, calls: _ToolUse) -> AsyncIterator[str]:
@@ -869,6 +911,15 @@ def build_app(server: OpenAIServer) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat(body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await server.responses(body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        return _error_response(404, f"No response {response_id!r}: responses are not stored here (store has no "
+                               "effect); keep the answer the POST returned.", "not_found_error", "response_id")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
