@@ -57,6 +57,7 @@ class InputMessage(_Item):
 
     @property
     def text(self) -> str:
+        """The message's text (its parts joined)."""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -104,6 +105,8 @@ class TextFormat(_Body):
 
 
 class TextConfig(_Body):
+    """`text`: the output's format."""
+
     NOOP_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {"verbosity": ("medium",)}
     format: TextFormat | None = None
 
@@ -223,6 +226,7 @@ class _Shell:
 
     def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
              incomplete: str | None = None) -> dict[str, Any]:
+        """The Response object with this status, output items and usage."""
         req = self.req
         fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else {"type": "text"}
         tool_choice = req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None else req.tool_choice.model_dump()
@@ -298,6 +302,7 @@ class ResponseEvents:
         return f"event: {type_}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     def start(self) -> str:
+        """response.created and response.in_progress."""
         body = self.shell.body("in_progress", [], None)
         return self._event("response.created", response=body) + self._event("response.in_progress", response=body)
 
