@@ -517,12 +517,10 @@ class OpenAIServer:
         (specserve.server.responses); errors name the Responses request's fields."""
         try:
             chat_req = ChatCompletionRequest.model_validate(to_chat(req))
-        except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(x) for x in err.get("loc", ()))
-            param = (err.get("ctx") or {}).get("param") or loc or None
-            raise APIError(400, f"Invalid request: {loc + ': ' if loc else ''}{err.get('msg', 'invalid')}",
-                           param=response_param(str(param) if param else None)) from None
+        except ValidationError as e:  # (the chat request's own checks: the same 400 as its route gives)
+            errs = e.errors()
+            raise APIError(400, "Invalid request: " + "; ".join(_error_parts(errs)),
+                           param=response_param(_error_param(errs))) from None
         try:
             resp = await self.chat(chat_req, http)
         except APIError as e:
@@ -841,6 +839,26 @@ def _finish(reason: str | None) -> str | None:
     return {"abort": "abort", "error": "error"}.get(reason or "", reason)
 
 
+def _error_parts(errs: list[Any]) -> list[str]:
+    """A pydantic validation's first errors as "field: why" (the body's own root left out)."""
+    parts = []
+    for e in errs[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        msg = e.get("msg", "invalid")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return parts
+
+
+def _error_param(errs: list[Any]) -> str | None:
+    """The field a client should look at: the first error's, with the part our own checks name
+    in their context."""
+    if not errs:
+        return None
+    loc = [str(x) for x in errs[0].get("loc", ()) if x != "body"]
+    named = (errs[0].get("ctx") or {}).get("param")
+    return ".".join(loc + [str(named)]) if named else (loc[0] if loc else None)
+
+
 def _event(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -873,12 +891,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
-        parts = []
-        for e in errs[:5]:
-            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            msg = e.get("msg", "invalid")
-            parts.append(f"{loc}: {msg}" if loc else msg)
-        param = None
+        parts = _error_parts(errs)
         if errs and errs[0].get("type") == "json_invalid":  # its loc is a byte offset, not a field
             return _error_response(400, f"Invalid request: the body is not valid JSON ({errs[0].get('msg', '')} at "
                                    f"character {errs[0].get('loc', ('', '?'))[-1]}).")
@@ -886,11 +899,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
                                                                                               "dict_type"):
             return _error_response(400, "Invalid request: the body must be a JSON object, sent with "
                                    "'Content-Type: application/json'.")
-        if errs:  # the field a client should look at; our own checks name it in their context
-            loc = [str(x) for x in errs[0].get("loc", ()) if x != "body"]
-            named = (errs[0].get("ctx") or {}).get("param")
-            param = ".".join(loc + [str(named)]) if named else (loc[0] if loc else None)
-        return _error_response(400, "Invalid request: " + "; ".join(parts), param=param)
+        return _error_response(400, "Invalid request: " + "; ".join(parts), param=_error_param(errs))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
