@@ -106,6 +106,7 @@ def test_a_conversation_with_calls_and_results_is_answered(client):
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}], "tool_choice": "required"},
      "tools"),
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": [

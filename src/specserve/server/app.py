@@ -486,7 +486,10 @@ class OpenAIServer:
                 schema = replace(StructuredOutput.json(calls.schema), param="tools")
             except InvalidRequestError as e:
                 raise APIError(400, f"The tools' parameters are not a usable JSON schema: {e}", param="tools") from e
-            base = replace(base, structured_output=schema)
+            try:
+                base = replace(base, structured_output=schema)
+            except InvalidRequestError as e:  # a field a held output cannot go with (ignore_eos)
+                raise APIError(400, str(e), param=e.param) from e
         prepared, prompt_lens = await run_in_threadpool(self._prepare, [prompt], base, req.n, req.priority,
                                                         max_tokens, prompt_param="messages")
         self.metrics.tag_requests([p.request.request_id for p in prepared], req.request_class)
