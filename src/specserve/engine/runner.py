@@ -252,10 +252,12 @@ class ModelRunner:
         quantized = self.kv_cache_dtype.quantized
         page_dtype = self.kv_cache_dtype.storage(self.dtype)
         shapes = [(shape, page_dtype)] * 2 + ([(shape[:3], torch.float32)] * 2 if quantized else [])
+        parts = arch.num_layers * len(shapes)  # each starts its own share of a huge page in (pages.py)
         try:
             self.kv_caches: list[LayerKV] = [
-                LayerKV(*(zeroed_pages(shp, dt, self.device) for shp, dt in shapes))
-                for _ in range(arch.num_layers)
+                LayerKV(*(zeroed_pages(shp, dt, self.device, stagger=(layer * len(shapes) + j) / parts)
+                          for j, (shp, dt) in enumerate(shapes)))
+                for layer in range(arch.num_layers)
             ]
         except (MemoryError, OSError, torch.OutOfMemoryError) as exc:
             raise ConfigError(
