@@ -97,7 +97,6 @@ def test_a_large_cache_starts_on_a_huge_page_and_asks_for_them():
     assert int(small.count_nonzero()) == 0 and int(x.count_nonzero()) == 0
 
 
-
 @pytest.mark.skipif(_thp_mode() in (None, "never"), reason="no transparent huge pages on this machine")
 def test_a_staggered_cache_starts_its_share_of_a_huge_page_past_a_boundary():
     """zeroed_pages(stagger=s) starts s of a huge page past a 2 MiB boundary (a small page's

@@ -91,8 +91,8 @@ def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
         return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
     if not 0.0 <= stagger < 1.0:
         raise ValueError(f"stagger is a fraction of a huge page in [0, 1), got {stagger}")
-    # Room to start on (or `offset` past) a 2 MiB boundary; the pages before it are never touched,
-    # so never resident.
+    # Room to start `offset` past a 2 MiB boundary. The pages before the boundary are never
+    # touched, so never resident; the gap after it is, within the first huge page.
     offset = int(stagger * HUGE_PAGE) // mmap.PAGESIZE * mmap.PAGESIZE
     m = mmap.mmap(-1, nbytes + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     boundary = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % HUGE_PAGE
