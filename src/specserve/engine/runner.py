@@ -21,7 +21,7 @@ from specserve.engine.scheduler import SampledTokens, ScheduledRequest, Schedule
 from specserve.errors import ConfigError
 from specserve.kernels import row_argmax
 from specserve.kv_cache.layer_load import KVLoad, LayerLoader, LayerWriter
-from specserve.kv_cache.pages import LayerKV, zeroed_pages
+from specserve.kv_cache.pages import LayerKV, layer_pages
 from specserve.kv_cache.tiers import TieredKVStore
 from specserve.models.arch import ArchConfig
 from specserve.models.block_linear import (
@@ -252,13 +252,8 @@ class ModelRunner:
         quantized = self.kv_cache_dtype.quantized
         page_dtype = self.kv_cache_dtype.storage(self.dtype)
         shapes = [(shape, page_dtype)] * 2 + ([(shape[:3], torch.float32)] * 2 if quantized else [])
-        parts = arch.num_layers * len(shapes)  # each starts its own share of a huge page in (pages.py)
         try:
-            self.kv_caches: list[LayerKV] = [
-                LayerKV(*(zeroed_pages(shp, dt, self.device, stagger=(layer * len(shapes) + j) / parts)
-                          for j, (shp, dt) in enumerate(shapes)))
-                for layer in range(arch.num_layers)
-            ]
+            self.kv_caches: list[LayerKV] = layer_pages(arch.num_layers, shapes, self.device)
         except (MemoryError, OSError, torch.OutOfMemoryError) as exc:
             raise ConfigError(
                 f"kv_cache_gib={cache_config.kv_cache_gib} does not fit in this machine's memory ({exc}); "

@@ -100,3 +100,13 @@ def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     with contextlib.suppress(OSError):  # advice only: small pages work too
         m.madvise(mmap.MADV_HUGEPAGE, boundary, (offset + nbytes) // HUGE_PAGE * HUGE_PAGE)
     return torch.frombuffer(m, dtype=dtype, offset=start, count=math.prod(shape)).view(shape)
+
+
+def layer_pages(num_layers: int, parts: list[tuple[tuple[int, ...], torch.dtype]],
+                device: torch.device | str = "cpu") -> list[LayerKV]:
+    """A paged cache's layers, each a LayerKV of zeroed `parts` (shape, dtype), every part
+    starting its own share of a huge page past a boundary (see above)."""
+    total = num_layers * len(parts)
+    return [LayerKV(*(zeroed_pages(shape, dtype, device, stagger=(layer * len(parts) + j) / total)
+                      for j, (shape, dtype) in enumerate(parts)))
+            for layer in range(num_layers)]

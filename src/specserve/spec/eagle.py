@@ -48,7 +48,7 @@ from specserve.errors import (
     UnsupportedModelError,
 )
 from specserve.kv_cache.manager import KVCacheManager
-from specserve.kv_cache.pages import LayerKV, zeroed_pages
+from specserve.kv_cache.pages import LayerKV, layer_pages
 from specserve.models.arch import ArchConfig
 from specserve.models.linear import storage_bytes
 from specserve.models.llama import DecoderLayer, RestrictedLMHead, RMSNorm, RotaryEmbedding
@@ -479,9 +479,7 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions).to(self.device)
         self.block_size = block_size
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        # (K and V staggered half a huge page apart: their first writes past a 2 MiB edge fall on different blocks)
-        self.kv_cache = LayerKV(zeroed_pages(shape, torch.float32, self.device),
-                                zeroed_pages(shape, torch.float32, self.device, stagger=0.5))
+        self.kv_cache = layer_pages(1, [(shape, torch.float32)] * 2, self.device)[0]
         self.kv = KVCacheManager(num_blocks, block_size, False, name="eagle")
         self.p_min = p_min
         self.children = CHILDREN if tree else 1
