@@ -205,6 +205,31 @@ def test_measured_cost_context_and_noise():
     assert m.step_s(StepShape(prefill=((512, 2048),))) == pytest.approx(step(512) + 1.0)
 
 
+def test_decode_steps_grow_on_a_line_in_the_context_through_the_shortest_ones_time():
+    p = synthetic_profile()
+    contexts = [128, 1024, 2560]
+    per_key = 2e-6  # seconds a step adds per key a request reads
+    p["decode"]["contexts"] = contexts
+    p["decode"]["step_s"] = [[step(b) + per_key * b * (c - 128) for b in BATCHES] for c in contexts]
+    exact = MeasuredCostModel.from_profile(p)
+    # A middle point timed in a fast spell no longer bends the whole range below it ...
+    p["decode"]["step_s"][1][1] = step(2) + 0.2 * per_key * 2 * (1024 - 128)
+    m = MeasuredCostModel.from_profile(p)
+    at = (128, 700, 1300, 2000, 2560)
+    line = [m.step_s(StepShape(2, 2, 2 * (c - 1), c - 1)) for c in at]
+    assert line[0] == pytest.approx(step(2))  # the shortest context as timed
+    slopes = [(y1 - y0) / (x1 - x0) for x0, x1, y0, y1 in zip(at, at[1:], line, line[1:])]
+    assert slopes[0] > 0 and slopes == pytest.approx([slopes[0]] * 4, rel=1e-6)  # one straight line
+    piecewise = step(2) + 0.2 * per_key * 2 * (1024 - 128) + (1300 - 1024) / (2560 - 1024) * (
+        per_key * 2 * (2560 - 128) - 0.2 * per_key * 2 * (1024 - 128))
+    assert piecewise < line[2] < exact.step_s(StepShape(2, 2, 2 * 1299, 1299))
+    # ... other batches keep their exact lines, and a slope is never negative.
+    assert m.step_s(StepShape(4, 4, 4 * 1299, 1299)) == pytest.approx(exact.step_s(StepShape(4, 4, 4 * 1299, 1299)))
+    p["decode"]["step_s"][2] = [v * 0.5 for v in p["decode"]["step_s"][0]]
+    flat = MeasuredCostModel.from_profile(p)
+    assert flat.step_s(StepShape(8, 8, 8 * 2559, 2559)) == pytest.approx(flat.step_s(StepShape(8, 8, 8 * 127, 127)))
+
+
 def test_profile_round_trip(tmp_path, cost):
     from specserve.ops.profile import write_profile
 
