@@ -141,3 +141,83 @@ def test_the_runner_staggers_its_kv_parts_so_huge_page_faults_fall_on_different_
         for kind in crossings.values():
             assert len(set(kind)) == len(kind), crossings
         assert all(int(t.count_nonzero()) == 0 for t in parts)
+
+
+def _can_populate() -> bool:
+    from specserve.kv_cache.pages import KVPrefaulter
+
+    return KVPrefaulter([LayerKV(zeroed_pages((4, 16, 1, 8), torch.float32), zeroed_pages((4, 16, 1, 8), torch.float32))]).available
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_the_prefaulter_makes_pages_resident_ahead_of_the_allocator_without_changing_them():
+    """KVPrefaulter faults in every part's pages of blocks [done, upto) a slice at a time, until
+    its deadline (at least one part's slice a call), never past the pool; what is in the blocks
+    stays (a block written meanwhile keeps its values), the rest reads as zeros."""
+    from specserve.kv_cache.pages import KVPrefaulter
+
+    if not _can_populate():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    gc.collect()
+    shape = (256, 16, 4, 64)  # 16 KiB a block and part: 4 MiB a part
+    layers = [LayerKV(zeroed_pages(shape, torch.float32, stagger=0.25 * i), zeroed_pages(shape, torch.float32, stagger=0.25 * i + 0.125))
+              for i in range(4)]
+    layers[2].v[200, 3, 1, 7] = 5.0  # written before: kept
+    pf = KVPrefaulter(layers)
+    assert pf.available and pf.num_blocks == 256 and pf.slice_blocks == 128
+    before = _resident_mib()
+    assert pf.advance(256, deadline=0.0)  # a past deadline: one part's slice, and more to do
+    assert pf.done == 0 and pf.faulted_bytes == 128 * 16384
+    assert not pf.advance(100, deadline=float("inf"))  # the slice in progress ends where it began
+    assert pf.done == 128 and pf.faulted_bytes == 8 * 128 * 16384
+    grown = _resident_mib() - before
+    # 2 MiB a part faulted; a staggered part's slice may straddle two huge pages
+    assert 8 * 2 - 1 < grown < 8 * 4 + 4, f"{grown:.1f} MiB resident for 16 MiB faulted"
+    assert not pf.advance(10_000, deadline=float("inf")) and pf.done == 256  # never past the pool
+    assert pf.faulted_bytes == 8 * 256 * 16384
+    assert float(layers[2].v[200, 3, 1, 7]) == 5.0
+    assert all(int(t.count_nonzero()) == (1 if t is layers[2].v else 0) for layer in layers for t in layer)
+
+
+def test_an_idle_server_faults_in_the_kv_its_next_requests_write(monkeypatch):
+    """The server's engine thread, idle, faults in the pages past the pool's highest block handed
+    out (Engine.prefault_kv), a bounded window; requests served afterwards are unchanged."""
+    import asyncio
+    import time
+
+    from conftest import tiny_checkpoint
+
+    from specserve import LLM, SamplingParams
+    from specserve.engine import engine as engine_mod
+    from specserve.server.async_engine import AsyncEngine
+
+    if not _can_populate():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    _, ckpt = tiny_checkpoint("llama", seed=5, vocab=256, layers=4)
+    llm = LLM("tiny", dtype="float32", checkpoint=ckpt, kv_cache_gib=0.25)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
+    pf = eng._kv_prefaulter
+    assert pf is not None and pf.done == 0  # nothing faulted by a busy engine
+    monkeypatch.setattr(engine_mod, "PREFAULT_AHEAD_BYTES", 64 * eng.runner.block_payload_bytes())
+    target = min(pf.num_blocks, len(eng.kv_manager.pool.blocks) + 64)
+
+    async def serve() -> list[int]:
+        ae = AsyncEngine(eng)
+        ae.start(asyncio.get_running_loop())
+        try:
+            deadline = time.monotonic() + 30
+            while pf.done < target and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert pf.done >= target and pf.done < pf.num_blocks, (pf.done, target, pf.num_blocks)
+            out = None
+            async for _, out in ae.submit([eng.prepare_request([5, 6, 7, 8], params)]):
+                if out.finished:
+                    break
+            return list(out.outputs[0].token_ids)
+        finally:
+            await ae.shutdown(5)
+
+    assert asyncio.run(serve()) == list(want)
+    assert eng.kv_manager.check_integrity([])

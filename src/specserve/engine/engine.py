@@ -32,6 +32,7 @@ from specserve.errors import (
     SpecServeError,
 )
 from specserve.kv_cache.manager import KVCacheManager
+from specserve.kv_cache.pages import KVPrefaulter
 from specserve.kv_cache.tiers import TieredKVStore
 from specserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -73,6 +74,9 @@ RESTORE_SPEED = (0.5, 2.0)  # that speed against the saved one's, outside which 
 CATCHUP_PROFILE_TOKENS = 64  # one request's tokens in the pass that times a proposer's catch-up
 # When the model declares a longer context than this, default to it (KV memory stays modest).
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+# KV bytes (over every layer) an idle server keeps faulted in past the pool's highest block handed
+# out (Engine.prefault_kv): a few long prompts' worth, resident memory otherwise following the KV used.
+PREFAULT_AHEAD_BYTES = 128 << 20
 
 
 class EngineConnector(StepConnector, Protocol):
@@ -338,6 +342,7 @@ class LLMEngine:
             tiers=self._build_tiers(config, source),
         )
         self.runner.tiers = self.kv_manager.tiers
+        self._kv_prefaulter = KVPrefaulter(self.runner.kv_caches) if self.runner.device.type == "cpu" else None
         self.num_failed_load_requeues = 0  # requests sent back because a block failed while loading
         sched = config.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
@@ -568,6 +573,16 @@ class LLMEngine:
     def drafter_memory_bytes(self) -> int:
         """Bytes the proposer holds now (a draft model's weights and KV cache; 0 when released)."""
         return self.proposer.memory_bytes() if self.proposer is not None else 0
+
+    def prefault_kv(self, budget_s: float = 0.002) -> bool:
+        """Idle work for the server's engine thread: fault in, for about `budget_s`, the KV pages
+        the next allocations will write, up to PREFAULT_AHEAD_BYTES past the highest block the pool
+        has handed out (specserve.kv_cache.pages); True while some remain."""
+        pf = self._kv_prefaulter
+        if pf is None or not pf.available:
+            return False
+        ahead = -(-PREFAULT_AHEAD_BYTES // max(self.runner.block_payload_bytes(), 1))
+        return pf.advance(len(self.kv_manager.pool.blocks) + ahead, time.monotonic() + budget_s)
 
     def release_idle_drafter(self, now: float | None = None) -> int:
         """Free the proposer's weights and KV cache once speculation has been switched off for

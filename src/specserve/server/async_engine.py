@@ -275,16 +275,21 @@ class AsyncEngine:
 
     def _steps(self) -> None:
         eng = self.engine
+        idle_work = False
         while not self._stop.is_set() and self._keep_going():
             try:
-                # Idle: sleep until a command arrives. Busy: only pick up what is queued.
-                for cmd in take_commands(self._commands, None if eng.has_unfinished_requests() else 0.5):
+                # Idle: sleep until a command arrives (only look while idle work remains). Busy:
+                # only pick up what is queued.
+                busy = eng.has_unfinished_requests()
+                for cmd in take_commands(self._commands, None if busy else 0.0 if idle_work else 0.5):
                     self._handle(*cmd)
                 if eng.has_unfinished_requests():
                     self._deliver(eng.step())
                     self.last_step_time = time.time()
+                    idle_work = False
                 else:
                     eng.release_idle_drafter()  # step() checks while busy
+                    idle_work = eng.prefault_kv()  # the KV pages the next requests will write
                 if self.on_step is not None:
                     self.on_step(eng)
             except Exception as exc:  # noqa: BLE001 - the engine is broken: fail everyone loudly
