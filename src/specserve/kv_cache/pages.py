@@ -24,8 +24,9 @@ its huge pages), so the gap before the start is resident with the first block: o
 huge page a part (Qwen2.5 1.5B: 56 MiB).
 
 Staggered, the zeroing is spread, not gone: during the pool's first fill it lands on ~9% of a
-SmolLM2 batch-8 loop's decode steps (p99 step 21 ms against 9.6 with the pool faulted in
-beforehand, mean +5-10%), and a 2,000-token prefill writes 46 MiB of new pages. A server is often
+SmolLM2 batch-8 loop's decode steps (two runs each: mean step 9.07 / 8.92 ms against 8.07 / 8.65
+with the pool faulted in beforehand, p99 21.1 / 21.4 against 9.6 / 24.7), and a 2,000-token
+prefill writes 46 MiB of new pages (2.30-2.55 s against 2.02-2.32 s). A server is often
 idle between requests, so its engine thread faults in, while idle, the pages the next allocations
 will write (KVPrefaulter: `madvise(MADV_POPULATE_WRITE)`, which leaves their contents as they are),
 a bounded window ahead of the highest block the pool has handed out, so resident memory still
