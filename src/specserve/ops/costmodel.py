@@ -250,8 +250,8 @@ def _linear_in_context(decode: Surface) -> Surface:
     the longer ones (never negative: a longer context never makes a step cheaper).
 
     What a decode step adds per token of context is the KV it reads, linear in the context (the
-    native attention spreads a step's keys over the threads evenly). The table times three
-    contexts per batch; one point timed in a fast spell, interpolated piecewise, bent a whole
+    native attention shares a step's keys out among the threads by their count). The table
+    times three contexts per batch; one point timed in a fast spell, interpolated piecewise, bent a whole
     range: on the Xeon recordings the batch-2 step at 1,024 tokens came out 0.4-0.6 ms per
     thousand keys where every other point read 1.1-1.5, and bench/disagg.py's long prompts, two
     requests decoding at a mean context of ~1,300, were predicted 22-30% under their TPOT. Over
@@ -307,11 +307,11 @@ class MeasuredCostModel:
         overhead(d + chunks) + D(d, L) + [V(d, n) - V(d, 1)] + c * (T - d) * max(0, L - L_V)
             + [G(T + sum p) - G(T)] + c * sum (p (p + 1) / 2 + p * o)  (+ c * pad)
 
-    D: the decode table by batch and context (linear in the context, _linear_in_context); V: the verify table by batch and tokens per
-    request (its growth over n = 1 is what the drafts add), timed at context L_V; each draft
-    row also attends over the L - L_V keys the context has beyond it (the decode table carries
-    that for the one row a request always has); c: seconds per (query, key) pair of
-    attention, fitted on chunks timed after a context. G(m) = P(m) - c * m (m + 1) / 2 is the
+    D: the decode table by batch and context (a line in the context: _linear_in_context); V: the
+    verify table by batch and tokens per request (its growth over n = 1 is what the drafts add),
+    timed at context L_V; each draft row also attends over the L - L_V keys the context has
+    beyond it (the decode table carries that for the one row a request always has); c: seconds
+    per (query, key) pair of attention, fitted on chunks timed after a context. G(m) = P(m) - c * m (m + 1) / 2 is the
     prefill table P less its chunk's own causal attention: what a forward over m token rows
     costs in its matmuls. A step's rows go through one forward, so its chunks' rows cost what
     they add to the decodes' rows (G(T + sum p) - G(T)), not a forward of their own: the
