@@ -354,18 +354,21 @@ class WorkerCore:
 
     def _run(self) -> None:
         eng = self.engine
+        idle_work = False
         while not self._stop.is_set():
             try:
                 busy = eng.has_unfinished_requests() and not self.paused
                 # Running requests: take what is queued. Only transfers in flight: poll them every
-                # millisecond. Idle: sleep until a command arrives.
-                timeout = None if busy and eng.scheduler.running else 0.001 if busy else 0.2
+                # millisecond. Idle: sleep until a command arrives (only look while idle work remains).
+                timeout = None if busy and eng.scheduler.running else 0.001 if busy else 0.0 if idle_work else 0.2
                 for cmd in take_commands(self._commands, timeout):
                     self._handle(*cmd)
                 if eng.has_unfinished_requests() and not self.paused:
                     self._emit(eng.step())
+                    idle_work = False
                 else:
                     eng.release_idle_drafter()  # step() checks while busy
+                    idle_work = eng.prefault_kv()  # the KV pages the next prompts or transfers write
             except Exception as exc:  # noqa: BLE001 - a broken engine: fail loudly, stop
                 logger.exception("%s: engine loop crashed", self.name)
                 self.error = f"{type(exc).__name__}: {exc}"
