@@ -367,8 +367,7 @@ class WorkerCore:
                     self._emit(eng.step())
                     idle_work = False
                 else:
-                    eng.release_idle_drafter()  # step() checks while busy
-                    idle_work = eng.prefault_kv()  # the KV pages the next prompts or transfers write
+                    idle_work = eng.idle_work()
             except Exception as exc:  # noqa: BLE001 - a broken engine: fail loudly, stop
                 logger.exception("%s: engine loop crashed", self.name)
                 self.error = f"{type(exc).__name__}: {exc}"

@@ -574,6 +574,14 @@ class LLMEngine:
         """Bytes the proposer holds now (a draft model's weights and KV cache; 0 when released)."""
         return self.proposer.memory_bytes() if self.proposer is not None else 0
 
+    def idle_work(self) -> bool:
+        """What the engine thread of a server or a worker does in a turn with no request running:
+        release a drafter switched off long enough, and fault in the KV pages the next requests
+        will write (prefault_kv). True while some of that work remains (look for commands, do not
+        sleep)."""
+        self.release_idle_drafter()  # step() checks while busy
+        return self.prefault_kv()
+
     def prefault_kv(self, budget_s: float = 0.002) -> bool:
         """Idle work for the server's engine thread: fault in, for about `budget_s`, the KV pages
         the next allocations will write, up to PREFAULT_AHEAD_BYTES past the highest block the pool

@@ -444,14 +444,26 @@ HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux
 
 
-def _advise_huge_pages(addr: int, nbytes: int) -> None:
-    """madvise(MADV_HUGEPAGE) over [addr, addr + nbytes) (both 2 MiB aligned), where the OS has it."""
+def madvise(addr: int, nbytes: int, advice: int) -> int:
+    """madvise(2) over [addr, addr + nbytes) (addr page-aligned), the GIL released: 0, the errno
+    it failed with, or -1 where the OS has no madvise (not Linux, no libc)."""
     if not sys.platform.startswith("linux"):
-        return
+        return -1
     import ctypes
 
-    with contextlib.suppress(OSError, AttributeError):  # advice only: small pages work too
-        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return -1
+    if fn(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), ctypes.c_int(advice)) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def _advise_huge_pages(addr: int, nbytes: int) -> None:
+    """madvise(MADV_HUGEPAGE) over [addr, addr + nbytes) (both 2 MiB aligned), where the OS has it
+    (advice only: small pages work too)."""
+    madvise(addr, nbytes, _MADV_HUGEPAGE)
 
 
 def pack_into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

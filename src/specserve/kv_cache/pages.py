@@ -41,12 +41,11 @@ import logging
 import math
 import mmap
 import os
-import sys
 import time
 
 import torch
 
-from specserve.kernels import HUGE_PAGE
+from specserve.kernels import HUGE_PAGE, madvise
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +136,7 @@ class KVPrefaulter:
     of blocks [0, upto) not yet faulted, in slices of about a huge page per part, until the
     deadline. Contents never change (MADV_POPULATE_WRITE faults a page in as a write would, without
     writing), so a block an engine writes meanwhile is safe. Where the OS cannot (another OS, a
-    kernel before 5.14, no libc), `available` is False and nothing is done."""
+    kernel before 5.14, no libc), `available` turns False at the first try and nothing more is done."""
 
     def __init__(self, layers: list[LayerKV]) -> None:
         self.parts = [t for layer in layers for t in layer if t.device.type == "cpu" and t.numel() > 0]
@@ -149,17 +148,7 @@ class KVPrefaulter:
         self._part = 0  # the next part to fault of the slice [done, _slice_end)
         self._slice_end = 0
         self.faulted_bytes = 0
-        self._madvise = None
-        if self.parts and os.environ.get("SPECSERVE_KV_PREFAULT") != "0" and sys.platform.startswith("linux"):
-            with contextlib.suppress(OSError, AttributeError, TypeError):
-                madvise = ctypes.CDLL(None, use_errno=True).madvise
-                madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                madvise.restype = ctypes.c_int
-                self._madvise = madvise
-
-    @property
-    def available(self) -> bool:
-        return self._madvise is not None
+        self.available = bool(self.parts) and os.environ.get("SPECSERVE_KV_PREFAULT") != "0"
 
     def _populate(self, t: torch.Tensor, start: int, stop: int) -> bool:
         """Fault in bytes [start, stop) of t's storage for writing (page-rounded outwards: the
@@ -168,19 +157,20 @@ class KVPrefaulter:
         lo = addr - addr % mmap.PAGESIZE
         hi = t.data_ptr() + stop
         hi += -hi % mmap.PAGESIZE
-        if self._madvise(lo, hi - lo, _MADV_POPULATE_WRITE) == 0:
+        err = madvise(lo, hi - lo, _MADV_POPULATE_WRITE)
+        if err == 0:
             self.faulted_bytes += stop - start
             return True
-        err = ctypes.get_errno()
-        logger.debug("KV prefault off: madvise(MADV_POPULATE_WRITE) failed (%s)", os.strerror(err))
-        self._madvise = None
+        logger.debug("KV prefault off: madvise(MADV_POPULATE_WRITE) failed (%s)",
+                     os.strerror(err) if err > 0 else "no madvise here")
+        self.available = False
         return False
 
     def advance(self, upto: int, deadline: float) -> bool:
         """Fault blocks [done, upto) until `deadline` (time.monotonic()); True while some remain.
         At least one part's slice is faulted per call."""
         upto = min(upto, self.num_blocks)
-        while self._madvise is not None and self.done < upto:
+        while self.available and self.done < upto:
             if self._part == 0:
                 self._slice_end = min(upto, self.done + self.slice_blocks)
             t, bb = self.parts[self._part], self.block_bytes[self._part]
@@ -191,4 +181,4 @@ class KVPrefaulter:
                 self._part, self.done = 0, self._slice_end
             if time.monotonic() >= deadline:
                 break
-        return self._madvise is not None and self.done < upto
+        return self.available and self.done < upto

@@ -288,8 +288,7 @@ class AsyncEngine:
                     self.last_step_time = time.time()
                     idle_work = False
                 else:
-                    eng.release_idle_drafter()  # step() checks while busy
-                    idle_work = eng.prefault_kv()  # the KV pages the next requests will write
+                    idle_work = eng.idle_work()
                 if self.on_step is not None:
                     self.on_step(eng)
             except Exception as exc:  # noqa: BLE001 - the engine is broken: fail everyone loudly
