@@ -198,7 +198,6 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         show = use_tqdm if use_tqdm is not None else len(submitted) > 1
         bar = tqdm(total=len(submitted), desc="generate", unit="req", disable=not show)
-        closed, engine.arrivals_closed = engine.arrivals_closed, True  # nothing joins these before they finish
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -209,7 +208,6 @@ class LLM:
             engine.abort_request([r for r in submitted if r not in final])
             raise
         finally:
-            engine.arrivals_closed = closed
             bar.close()
         results = []
         for ids in groups:

@@ -71,31 +71,6 @@ def test_shared_draft_pass_cost_is_amortised_over_the_batch():
                                                                               for i, k in enumerate(ks)))
 
 
-def test_a_closed_wave_drafts_only_where_its_last_request_finishes_sooner():
-    """Three requests accept well, one hardly at all, all 32 tokens from their ends. For tokens
-    per second of the batch, drafting for the three pays (13 tokens a step instead of 4); but
-    each step then takes more than twice as long, and the fourth, which gains nothing, finishes
-    after ~32 of them instead of 32 plain ones. Where nothing can join the batch before they all
-    finish (closed), the wave's time is the last request's: no drafts. Once all four accept
-    well, drafting shortens the wave and is kept."""
-    target = {4: 0.10, 8: 0.13, 12: 0.16, 16: 0.19, 20: 0.22, 32: 0.31}
-
-    def batch(bad: bool):
-        p = _policy(target, {1: 0.01, 4: 0.01}, acceptance=0.9)
-        reqs = [_req(str(i), [1, 2, 3], max_tokens=32) for i in range(4)]
-        if bad:
-            p.stats("3").rates = [0.02] * 4
-        return p, reqs
-
-    p, reqs = batch(bad=True)
-    open_ks = p.choose(reqs)
-    assert sum(open_ks[:3]) >= 6 and open_ks[3] < open_ks[0], open_ks
-    p, reqs = batch(bad=True)
-    assert p.choose(reqs, closed=True) == [0, 0, 0, 0]
-    p, reqs = batch(bad=False)
-    assert all(k >= 2 for k in p.choose(reqs, closed=True))
-
-
 def test_requests_with_poor_acceptance_get_fewer_drafts_than_good_ones():
     p = _policy(CHEAP_VERIFY, {1: 0.01, 4: 0.01}, acceptance=0.8)
     good, bad = _req("g", [1, 2]), _req("b", [1, 2])

@@ -286,32 +286,6 @@ def test_adaptive_policy_learns_the_draft_cost_without_the_catch_up_pass(tiny):
     assert max(llm.engine.policy.draft_time.points.values()) < 0.02
 
 
-def test_generate_tells_the_policy_when_its_batch_is_a_closed_wave(tiny):
-    """LLM.generate adds its prompts and steps until they finish: once none waits, nothing can
-    join the running ones (the policy then asks drafts to shorten the wave). Before that, and
-    in an engine driven otherwise (a server), the batch is open."""
-    llm = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="draft", spec_policy="adaptive",
-              draft_checkpoint=tiny, draft_num_layers=1, num_spec_tokens=3, max_num_seqs=2)
-    eng = llm.engine
-    seen = []
-    choose = eng.policy.choose
-
-    def spy(requests, *args, closed=False, **kw):
-        seen.append((closed, len(eng.scheduler.waiting)))
-        return choose(requests, *args, closed=closed, **kw)
-
-    eng.policy.choose = spy
-    llm.generate(_tiny_prompts(4, seed=3), _greedy(12))
-    assert seen and eng.arrivals_closed is False
-    assert all(closed == (waiting == 0) for closed, waiting in seen), seen
-    assert any(closed for closed, _ in seen) and any(not closed for closed, _ in seen), seen
-    seen.clear()
-    eng.add_request(_tiny_prompts(1, seed=4)[0], _greedy(8))
-    while eng.has_unfinished_requests():
-        eng.step()
-    assert seen and not any(closed for closed, _ in seen)
-
-
 def test_the_rate_guard_is_told_each_drafting_step_without_the_catch_up_the_cost_model_charged(tiny):
     """A catch-up (the drafter feeding a request's prompt, or what it fell behind while drafts
     were held) is paid once, and the cost model weighed it, spread over the steps the request

@@ -373,9 +373,6 @@ class LLMEngine:
         self._draft_checkpoint = draft_checkpoint
         self._spec_off_since: float | None = None  # monotonic time speculation was switched off
         self.drafter_released = False  # the proposer was freed while off; switching on rebuilds it
-        # No request will be added before the ones in flight finish (LLM.generate sets it while it
-        # steps its batch; a server never does): once none waits, the batch is a closed wave.
-        self.arrivals_closed = False
         self.proposer: Proposer | None = self._build_proposer()
         traits = self.proposer.traits if self.proposer is not None else None
         self.policy = SpecPolicy(
@@ -1005,7 +1002,7 @@ class LLMEngine:
             chosen = self.policy.prefer_copy(decoding, free)
             self.proposer.decline_free({r.request_id for r, f, c in zip(decoding, free, chosen) if f and not c})  # type: ignore[union-attr]
             free = chosen
-        ks = self.policy.choose(decoding, other, catchup, free, closed=self.arrivals_closed and not self.scheduler.waiting)
+        ks = self.policy.choose(decoding, other, catchup, free)
         for i, req in enumerate(decoding):
             if ks[i]:
                 # Never draft past the context window or past the last token max_tokens allows.

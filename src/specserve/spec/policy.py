@@ -611,12 +611,6 @@ class AcceptanceStats:
         return _expected_runs(self.reach, kmax)
 
 
-def _tokens_left(req: Request) -> int:
-    """The most tokens `req` may still generate (max_tokens less its output; unbounded: many)."""
-    limit = req.sampling_params.max_tokens
-    return (limit if limit is not None else 1 << 20) - req.num_output_tokens
-
-
 def _fold_run(est: list[float], limit: int, run: int, weight: float) -> None:
     """EWMA-update per-position chances from one outcome: positions 0..run-1 succeeded and
     position `run` failed (if it is below `limit`, the positions that could be tried)."""
@@ -759,16 +753,14 @@ class SpecPolicy:
             self.stats(request_id, free).update_scores(0.0, 0, 0)
 
     def choose(self, requests: Sequence[Request], num_other_tokens: int = 0,
-               catchup: Sequence[int] | None = None, free: Sequence[bool] | None = None,
-               closed: bool = False) -> list[int]:
+               catchup: Sequence[int] | None = None, free: Sequence[bool] | None = None) -> list[int]:
         """K for each request (0 = no speculation this step).
 
         `requests` are the decoding requests of the next step; num_other_tokens counts prompt
         tokens the step will also carry (they make the verify tokens relatively cheaper);
         catchup[i] the tokens the proposer must process for request i before drafting for it
         (Proposer.catchup_tokens); free[i] that request i's draft will be copied, with no draft
-        pass (Proposer.free_drafts); closed: no request can join these before they finish (an
-        offline batch's last wave), so the drafts must also shorten the wave (_shortens_wave).
+        pass (Proposer.free_drafts).
         """
         kmax = self.config.num_spec_tokens
         n = len(requests)
@@ -787,7 +779,7 @@ class SpecPolicy:
         else:
             eligible = [self._eligible(r, n) for r in requests]
             ks = self._guarded(self._cost_model_choice(requests, eligible, num_other_tokens, catchup or [0] * n,
-                                                       free or [False] * n, closed), num_other_tokens)
+                                                       free or [False] * n), num_other_tokens)
         if self.trees:
             for i, (r, k) in enumerate(zip(requests, ks)):
                 self.stats(r.request_id, bool(free and free[i])).depth_asked = k
@@ -1018,7 +1010,7 @@ class SpecPolicy:
         return once * (1.0 + accepted) / left
 
     def _cost_model_choice(self, requests: Sequence[Request], eligible: list[bool], other: int,
-                           catchup: Sequence[int], free: Sequence[bool], closed: bool = False) -> list[int]:
+                           catchup: Sequence[int], free: Sequence[bool]) -> list[int]:
         """Maximise expected tokens per second of the step over the K of every request.
 
         The draft pass has a fixed cost shared by everyone who speculates, so the objective is
@@ -1031,8 +1023,6 @@ class SpecPolicy:
         counts the expected delivered drafts, and the draft passes those of the longest request;
         a request that starts drafting adds its catch-up, spread over its remaining steps. A
         copied draft (free) is verified like any other but makes no draft pass and no catch-up.
-        In a closed wave (`closed`) the drafts chosen must also shorten it (_shortens_wave), or
-        the step runs plain (the probes below still run).
         """
         kmax = self.config.num_spec_tokens
         n = len(requests)
@@ -1088,13 +1078,6 @@ class SpecPolicy:
             caught += catch[i][new] - catch[i][old]
             n_spec += modelled[i] * ((new > 0) - (old > 0))
             ks[i] = new
-        if closed and any(ks):
-            passes = max((walks[i][k] for i, k in enumerate(ks) if modelled[i]), default=0.0)
-            cost = self._cost(verify + drafted, passes, n_spec) + caught
-            if not self._shortens_wave(requests, [1.0 + gains[i][k] for i, k in enumerate(ks)], cost,
-                                       self._cost(verify, 0, 0)):
-                ks, tokens, drafted, caught, n_spec = [0] * n, float(n), 0.0, 0.0, 0
-                best = rate(n, 0, 0, 0, 0.0)
         # Give held-back requests an occasional probe one position further, so an estimate
         # that fell below break-even can recover (switched off: k = 1; short: k + 1). A request
         # at k = 0 probes only where a typical one (the pooled acceptance) would draft now.
@@ -1129,27 +1112,6 @@ class SpecPolicy:
         drafting = self._drafting_seconds(passes, n_spec)
         self._draft_predicted = (RateGuard.bucket(n_spec), drafting) if drafting > 0 else None
         return ks
-
-    @staticmethod
-    def _shortens_wave(requests: Sequence[Request], yields: Sequence[float], cost: float, plain_cost: float) -> bool:
-        """Whether steps yielding `yields[i]` tokens for request i at `cost` seconds each finish
-        all of `requests` sooner than plain steps at `plain_cost`.
-
-        When no request can join the batch before these finish (LLM.generate's last wave: nothing
-        waits, nothing arrives), the wave lasts until its last request ends, and more tokens per
-        second over the batch is not less time: drafting that speeds up the requests that accept
-        well makes every step longer for one that accepts little, which then finishes later than
-        it would have decoding plainly. Repeating this step's choice, request i needs
-        left_i / yields[i] steps, and the wave the longest of those. (Qwen2.5-Coder 1.5B + 0.5B
-        draft, 8 coding prompts of 32 tokens, 2-vCPU Xeon: the throughput choice drafted K = 1-4
-        for all eight, 5-20% more tokens per second predicted, ~0-4% measured per step, and the
-        wave ran 0.95-0.96x plain decoding's speed: its first drafting step pays the drafter's
-        prompt catch-up, its last steps a straggler at a small batch. With this check it drafted
-        ~120 tokens (probes) instead of ~700 and ran 0.98-0.99x; batch 2 and 4 unchanged.) The
-        estimate is pessimistic for drafting (the batch shrinks as its faster requests finish,
-        which makes its later steps cheaper), as a rule that only removes drafts should be."""
-        left = [max(1, _tokens_left(r)) for r in requests]
-        return max(t / y for t, y in zip(left, yields)) * cost < max(left) * plain_cost
 
     def observe_drafting(self, seconds: float) -> None:
         """Learn from what drafting for the last choice took (the proposal, passes and pruning,
