@@ -444,17 +444,28 @@ HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux
 
 
-def madvise(addr: int, nbytes: int, advice: int) -> int:
-    """madvise(2) over [addr, addr + nbytes) (addr page-aligned), the GIL released: 0, the errno
-    it failed with, or -1 where the OS has no madvise (not Linux, no libc)."""
+@functools.cache
+def _libc_madvise():  # noqa: ANN202 - a ctypes function pointer, or None
+    """libc's madvise, looked up once (a CDLL lookup costs ~25 us, the prefaulter calls it per
+    slice); None where there is none (not Linux, no libc)."""
     if not sys.platform.startswith("linux"):
-        return -1
+        return None
     import ctypes
 
     try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
+        return ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
+        return None
+
+
+def madvise(addr: int, nbytes: int, advice: int) -> int:
+    """madvise(2) over [addr, addr + nbytes) (addr page-aligned), the GIL released: 0, the errno
+    it failed with, or -1 where the OS has no madvise (not Linux, no libc)."""
+    fn = _libc_madvise()
+    if fn is None:
         return -1
+    import ctypes
+
     if fn(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), ctypes.c_int(advice)) == 0:
         return 0
     return ctypes.get_errno()
