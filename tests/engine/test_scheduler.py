@@ -181,3 +181,31 @@ def test_the_scheduler_places_the_blocks_of_kv_arriving_from_outside():
     while not big.is_finished:
         fake_step(sched)
     assert kv.check_integrity([])
+
+
+def test_prompt_tokens_next_step_counts_what_the_next_schedule_will_carry():
+    """Drafts are proposed before a step admits anyone: the engine asks how many prompt tokens
+    the step will carry, running prompts and the waiting ones admission takes (less what the
+    prefix cache holds), within the token budget and max_num_seqs; schedule() agrees."""
+    sched, kv = make(budget=32, max_seqs=3)
+    sched.add_request(req("a", 8, max_tokens=20))
+    fake_step(sched)  # a decodes from here on
+    assert sched.prompt_tokens_next_step(1) == 0
+    sched.add_request(req("b", 10, first=100))
+    assert sched.prompt_tokens_next_step(1) == 10
+    out = sched.schedule()
+    assert sum(len(s.token_ids) for s in out.scheduled if s.request_id == "b") == 10
+    sched.update_from_output(out, {s.request_id: SampledTokens([7]) for s in out.scheduled if s.sample})
+    # c repeats a's prompt: the prefix cache holds its first block (the last token is always computed)
+    sched.add_request(req("c", 8, max_tokens=4))
+    hit = kv.num_cached_tokens(sched.waiting[0])
+    assert hit > 0 and sched.prompt_tokens_next_step(2) == 8 - hit
+    # A long prompt fills the budget left beside the decodes; max_num_seqs caps who is admitted.
+    sched.add_request(req("d", 60, first=200))
+    assert sched.prompt_tokens_next_step(2) == 8 - hit  # one seat left: c only
+    out = sched.schedule()
+    assert sum(len(s.token_ids) for s in out.scheduled if s.request_id == "c") == 8 - hit
+    assert [s.request_id for s in out.scheduled] == ["a", "b", "c"]
+    sched.update_from_output(out, {s.request_id: SampledTokens([7]) for s in out.scheduled if s.sample})
+    sched.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
+    assert sched.prompt_tokens_next_step(2) == 30  # d: the 32-token budget less two decode rows

@@ -363,6 +363,31 @@ def test_a_cap_the_proposer_rarely_fills_is_charged_only_what_it_delivers():
     assert stops_early.choose([_req("a", [1])]) == [4]
 
 
+def test_a_step_carrying_a_prompt_keeps_only_drafts_that_add_a_tenth_to_its_time():
+    """A prompt's first token waits for its whole step: drafts beside a short prompt are cut to
+    what adds PROMPT_DRAFT_SHARE to the step's time without them (the largest request's first),
+    beside a long chunk they cost little and stay, and without prompt tokens nothing changes."""
+    from specserve.spec.policy import PROMPT_DRAFT_SHARE
+
+    # A compute-bound curve: 5 ms plus 0.6 ms a row (SmolLM2 on two cores).
+    linear = {n: 0.005 + 0.0006 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)}
+    p = _policy(linear, {1: 0.001}, acceptance=0.9)
+    assert p.cap_for_prompts([12], 0) == [12]
+    # 1 decode + 10 prompt rows: T(11) = 11.6 ms, a tenth of that is 1.9 rows.
+    assert p.cap_for_prompts([12], 10) == [1]
+    assert p.target_time(11 + 1) <= (1 + PROMPT_DRAFT_SHARE) * p.target_time(11) < p.target_time(11 + 2)
+    assert p.cap_for_prompts([8, 3], 40) == [2, 3]  # T(42) = 30.2 ms: 5 rows, cut from the largest
+    assert p.cap_for_prompts([12, 4], 500) == [12, 4]  # a 500-token chunk hides 16 rows
+    assert p.cap_for_prompts([0, 0], 10) == [0, 0]
+    always = _policy(linear, {1: 0.001}, acceptance=0.9, policy="always")
+    assert always.cap_for_prompts([12], 10) == [12]
+    # Drafting that ran for a cut choice is not what the cost model priced: nothing to learn from it.
+    p.choose([_req("a", [1, 2, 3])])
+    p.cap_for_prompts([12], 10)
+    p.observe_drafting(0.5)
+    assert p.draft_scales() == {}
+
+
 def test_thresholds_batch_size_and_priority():
     p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.9, on_batch=2, off_batch=4)
     reqs = [_req(f"r{i}", [1], priority=-1 if i == 0 else 0) for i in range(3)]

@@ -202,3 +202,53 @@ def test_the_rate_guard_measures_decode_steps_and_its_hold_removes_every_draft(t
     assert [o.outputs[0].token_ids for o in held] == [o.outputs[0].token_ids for o in base]
     assert eng.spec_counters["num_drafts"] == drafts and not any(s for _, _, s in seen)
     assert eng.check_integrity()
+
+
+
+def test_a_new_prompt_is_not_held_behind_another_requests_draft(tiny):
+    """Drafts are proposed before a step admits a waiting request, so a copy sized for a decode
+    step alone used to land in the step that computes a new prompt, and that prompt's first token
+    waited for it. Now a step carrying prompt tokens verifies only the draft rows that add at most
+    PROMPT_DRAFT_SHARE to its predicted time; both outputs stay plain decoding's, nothing leaks."""
+    from specserve.spec.policy import PROMPT_DRAFT_SHARE, StepTimer
+
+    prompts = repetitive_prompts(2)
+    a, b = prompts[0], prompts[1][:10]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    kw = dict(dtype="float32", checkpoint=tiny, profile_spec_costs=False)
+    plain = [o.outputs[0].token_ids for o in LLM("tiny", spec_method="none", **kw).generate([a, b], params)]
+    llm = LLM("tiny", spec_method="ngram", spec_policy="adaptive", num_spec_tokens=8, **kw)
+    eng = llm.engine
+    # A curve where a row costs 5% of a one-token step (kept: the tiny model's own times are flat).
+    eng.policy.target_time = timer = StepTimer({n: 1e-3 * (1 + 0.05 * n) for n in (1, 2, 4, 8, 16, 32, 64, 128)})
+    timer.observe_scaled = timer.observe = lambda n, seconds: None
+    eng.policy.guard.allows = lambda batch: True
+    steps: list[dict[str, int]] = []
+    execute = eng.runner.execute
+
+    def spy(out):
+        steps.append({sr.request_id: len(sr.draft) if sr.draft is not None else -len(sr.token_ids) for sr in out.scheduled})
+        return execute(out)
+
+    eng.runner.execute = spy
+    # a copies its reference (its own plain answer) in long drafts
+    copying = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, reference_token_ids=list(plain[0]))
+    eng.add_request(a, copying, request_id="a")
+    while not any(s.get("a", 0) > 4 for s in steps):
+        assert len(steps) < 20, steps
+        eng.step()
+    eng.add_request(b, params, request_id="b")
+    eng.step()
+    admitted = steps[-1]
+    assert admitted["b"] == -len(b)  # b's whole prompt (no prefix in the cache) beside a's draft
+    base = 1 + len(b)
+    allowed = max(d for d in range(64) if timer(base + d) <= (1 + PROMPT_DRAFT_SHARE) * timer(base))
+    assert 0 <= admitted.get("a", 0) <= allowed < 4
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+    assert outs["a"] == plain[0] and outs["b"] == plain[1]
+    assert max(s.get("a", 0) for s in steps) > allowed  # uncut where no prompt shared the step
+    assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks

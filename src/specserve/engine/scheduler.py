@@ -141,6 +141,35 @@ class Scheduler:
         """True while any request is waiting or running."""
         return bool(self.waiting or self.running)
 
+    def prompt_tokens_next_step(self, num_decode_rows: int) -> int:
+        """Prompt tokens the next schedule() will carry beside `num_decode_rows` decode rows, as
+        far as can be told before drafting: the running requests' unfinished prompts, then the
+        waiting requests admission takes in queue order (what the prefix cache lacks of each, a
+        lookup only; within the token budget and max_num_seqs). Drafts are proposed before the
+        step admits anyone, so without the waiting ones a draft is sized for a step that turns
+        out to carry a new request's prompt too, and that request's first token waits for it."""
+        budget = self.config.max_num_batched_tokens - num_decode_rows
+        total = 0
+        for req in self.running:
+            if budget <= 0:
+                return total
+            if not req.is_decoding:
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                total, budget = total + n, budget - n
+        seats = self.config.max_num_seqs - len(self.running)
+        for req in self.waiting:
+            if budget <= 0 or seats <= 0:
+                break
+            if req.kv_source is not None:
+                if not req.kv_source.admissible():
+                    continue
+                cached = req.kv_source.num_tokens
+            else:
+                cached = 0 if req.wants_prompt_logprobs else self.kv.num_cached_tokens(req)
+            n = min(req.num_tokens - cached, budget)
+            total, budget, seats = total + n, budget - n, seats - 1
+        return total
+
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then admit waiting ones."""

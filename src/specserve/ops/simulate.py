@@ -35,7 +35,9 @@ What it models, each piece as specserve does it:
   speculation is on, every step also pays what the policy and a model-free proposer cost
   (`CostModel.spec_step_s`), drafting or not: the real policy runs every step; a step that
   verifies drafts also pays `CostModel.spec_verify_s` (a model-free proposer's proposals, the
-  draft tree, the verification outside the forward).
+  draft tree, the verification outside the forward). A step that also carries prompt tokens keeps
+  only the drafts that add at most PROMPT_DRAFT_SHARE to its time, the largest cut first, as the
+  engine's policy keeps them (a prompt's first token waits for its whole step).
 
 - **the front end**: a request reaches the engine `CostModel.request_overhead_s` after it
   arrives (HTTP or an in-process driver, chat template, tokenizing, streaming the first chunk
@@ -67,6 +69,10 @@ from typing import Any, NamedTuple
 from specserve.errors import SpecServeError
 from specserve.ops.calc import expected_tokens, transfer_time
 from specserve.ops.costmodel import CostModel, StepShape
+
+# Drafts may add this share to the time of a step that carries prompt tokens (the engine's
+# spec.policy.PROMPT_DRAFT_SHARE; this module stays free of torch, so it keeps its own copy).
+PROMPT_DRAFT_SHARE = 0.1
 
 
 class SimulationError(SpecServeError, ValueError):
@@ -352,7 +358,28 @@ class _Engine:
             n = min(r.target - r.computed, budget)
             chunks.append((r, n))
             budget -= n
+        if chunks and any(dr for _, dr in decodes):
+            decodes = self._cap_for_prompts(decodes, chunks)
         return _Step(now, decodes, chunks)
+
+    def _cap_for_prompts(self, decodes: list[tuple[_Req, int]], chunks: list[tuple[_Req, int]]) -> list[tuple[_Req, int]]:
+        """The drafts of a step that carries prompt tokens, cut (the largest first) to what adds at
+        most PROMPT_DRAFT_SHARE to its time without them, as the engine's policy cuts them
+        (`SpecPolicy.cap_for_prompts`): a prompt's first token waits for its whole step."""
+        cost, role = self.sim.cost, self.role
+        context = sum(r.trace.prompt_tokens + r.generated for r, _ in decodes)
+        longest = max(r.trace.prompt_tokens + r.generated for r, _ in decodes)
+        prompt = tuple((n, r.computed) for r, n in chunks)
+
+        def step_s(ds: list[int]) -> float:
+            return cost.step_s(StepShape(len(ds), sum(1 + d for d in ds), context, longest, prompt), role)
+
+        ds = [dr for _, dr in decodes]
+        limit = (1 + PROMPT_DRAFT_SHARE) * step_s([0] * len(ds))
+        while sum(ds) and step_s(ds) > limit:
+            i = max(range(len(ds)), key=ds.__getitem__)
+            ds[i] -= 1
+        return [(r, dr) for (r, _), dr in zip(decodes, ds)]
 
     def _choose_k(self) -> tuple[int, frozenset[_Req]]:
         """The policy's K for this step's decodes and the requests that draft (see the module
