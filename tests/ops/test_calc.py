@@ -334,3 +334,20 @@ def test_cli_entry_point_subprocess():
         timeout=120,
     )
     assert proc.returncode == 0 and "3170.0 ms" in proc.stdout
+
+
+def test_cut_largest_first_levels_the_largest_sizes_down_to_the_total():
+    """What the policy and the simulator keep of a step's drafts beside a prompt: the largest cut
+    first, down to one level, the last of those above it keeping one more; unchanged when they fit."""
+    assert calc.cut_largest_first([8, 3], 5) == [2, 3]
+    assert calc.cut_largest_first([12], 1) == [1]
+    assert calc.cut_largest_first([16, 2, 9, 0], 12) == [5, 2, 5, 0]
+    assert calc.cut_largest_first([16, 2, 9, 0], 13) == [5, 2, 6, 0]
+    assert calc.cut_largest_first([4, 4], 8) == [4, 4] and calc.cut_largest_first([4, 4], 20) == [4, 4]
+    assert calc.cut_largest_first([4, 4], 0) == [0, 0] and calc.cut_largest_first([], 3) == []
+    for sizes in ([7, 1, 7, 3], [1] * 9, [30, 29, 1]):
+        for total in range(sum(sizes) + 1):
+            out = calc.cut_largest_first(sizes, total)
+            assert sum(out) == total and all(0 <= o <= s for o, s in zip(out, sizes))
+            cut = [o for o, s in zip(out, sizes) if o < s]
+            assert not cut or max(out) - min(cut) <= 1  # no size kept above one that was cut

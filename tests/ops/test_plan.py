@@ -396,9 +396,7 @@ def test_a_step_carrying_a_prompt_keeps_only_drafts_that_add_a_tenth_to_its_time
     that copies 12 tokens a step is computed in step(1 + 20 + 7) (7 rows: a tenth of step(21)),
     not step(1 + 20 + 12)."""
     from specserve.ops import simulate as sim
-    from specserve.spec.policy import PROMPT_DRAFT_SHARE
 
-    assert sim.PROMPT_DRAFT_SHARE == PROMPT_DRAFT_SHARE  # the simulator keeps a copy (it imports no torch)
     trace = [TraceRequest(0.0, 100, 400, acceptance=1.0, spec_k=12), TraceRequest(1.0, 20, 5)]
     dep = Deployment(spec=SpecSetting(4))
     cut = simulate(trace, dep, cost)

@@ -67,12 +67,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from specserve.errors import SpecServeError
-from specserve.ops.calc import expected_tokens, transfer_time
+from specserve.ops.calc import PROMPT_DRAFT_SHARE, cut_largest_first, expected_tokens, transfer_time
 from specserve.ops.costmodel import CostModel, StepShape
-
-# Drafts may add this share to the time of a step that carries prompt tokens (the engine's
-# spec.policy.PROMPT_DRAFT_SHARE; this module stays free of torch, so it keeps its own copy).
-PROMPT_DRAFT_SHARE = 0.1
 
 
 class SimulationError(SpecServeError, ValueError):
@@ -371,15 +367,16 @@ class _Engine:
         longest = max(r.trace.prompt_tokens + r.generated for r, _ in decodes)
         prompt = tuple((n, r.computed) for r, n in chunks)
 
-        def step_s(ds: list[int]) -> float:
-            return cost.step_s(StepShape(len(ds), sum(1 + d for d in ds), context, longest, prompt), role)
+        def step_s(rows: int) -> float:  # the drafts' rows in all (the step's cost counts only those)
+            return cost.step_s(StepShape(len(decodes), len(decodes) + rows, context, longest, prompt), role)
 
         ds = [dr for _, dr in decodes]
-        limit = (1 + PROMPT_DRAFT_SHARE) * step_s([0] * len(ds))
-        while sum(ds) and step_s(ds) > limit:
-            i = max(range(len(ds)), key=ds.__getitem__)
-            ds[i] -= 1
-        return [(r, dr) for (r, _), dr in zip(decodes, ds)]
+        limit = (1 + PROMPT_DRAFT_SHARE) * step_s(0)
+        lo, hi = 0, sum(ds)
+        while lo < hi:  # the most rows within the limit
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if step_s(mid) <= limit else (lo, mid - 1)
+        return [(r, dr) for (r, _), dr in zip(decodes, cut_largest_first(ds, lo))]
 
     def _choose_k(self) -> tuple[int, frozenset[_Req]]:
         """The policy's K for this step's decodes and the requests that draft (see the module

@@ -68,6 +68,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specserve.config import SpecConfig
+from specserve.ops.calc import PROMPT_DRAFT_SHARE, cut_largest_first
 from specserve.request import Request
 from specserve.spec.tree import DraftTree
 
@@ -99,12 +100,6 @@ CATCHUP_FREE = 2  # tokens a drafting request's proposer processes every step an
 DRAFT_SCALE_WINDOW = 9
 DRAFT_SCALE_RANGE = (0.5, 4.0)
 DRAFT_SCALE_PRIOR = 2
-# A step that carries prompt tokens (a request's prefill, chunk by chunk) verifies drafts that add
-# at most PROMPT_DRAFT_SHARE to its predicted time (SpecPolicy.cap_for_prompts): the prompt's first
-# token waits for the whole step. SmolLM2 with prompt lookup on a 2-vCPU Xeon, a short chat ask
-# arriving while another request copied its answer in 12-node trees: the ask's step took 22 ms
-# against 7 without the drafts, its time to first token 29 against 18 ms through the server.
-PROMPT_DRAFT_SHARE = 0.1
 # The rate guard (RateGuard): speculation is held off at a batch size where its measured tokens
 # per second fall below GUARD_MARGIN of plain decoding's, measured at that size within
 # GUARD_FRESH_S (GUARD_FRESH_LONG_S where speculation leads by GUARD_CLEAR or more; an older
@@ -813,12 +808,8 @@ class SpecPolicy:
             lo, hi = (mid, hi) if self.target_time(base + mid) <= limit else (lo, mid - 1)
         if lo >= drafted:
             return ks
-        out = list(ks)
-        for _ in range(drafted - lo):
-            i = max(range(len(out)), key=out.__getitem__)
-            out[i] -= 1
         self._draft_predicted = None  # drafting is not what the cost model priced: nothing to learn
-        return out
+        return cut_largest_first(ks, lo)
 
     def drafts_held(self, batch: int, num_other_tokens: int = 0) -> bool:
         """Whether choose() would return no drafts whatever the cost model chose: the rate guard
