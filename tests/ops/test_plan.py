@@ -395,12 +395,10 @@ def test_a_step_carrying_a_prompt_keeps_only_drafts_that_add_a_tenth_to_its_time
     prompt to what adds PROMPT_DRAFT_SHARE to it: a 20-token prompt arriving beside a request
     that copies 12 tokens a step is computed in step(1 + 20 + 7) (7 rows: a tenth of step(21)),
     not step(1 + 20 + 12)."""
-    from specserve.ops import simulate as sim
-
     trace = [TraceRequest(0.0, 100, 400, acceptance=1.0, spec_k=12), TraceRequest(1.0, 20, 5)]
     dep = Deployment(spec=SpecSetting(4))
     cut = simulate(trace, dep, cost)
-    monkeypatch.setattr(sim, "PROMPT_DRAFT_SHARE", 100.0)
+    monkeypatch.setattr(calc, "PROMPT_DRAFT_SHARE", 100.0)
     whole = simulate(trace, dep, cost)
     assert cut.requests[0].ttft_s == whole.requests[0].ttft_s  # a's own prompt: nothing drafts beside it
     assert whole.requests[1].ttft_s - cut.requests[1].ttft_s == pytest.approx(step(1 + 20 + 12) - step(1 + 20 + 7))

@@ -367,7 +367,7 @@ def test_a_step_carrying_a_prompt_keeps_only_drafts_that_add_a_tenth_to_its_time
     """A prompt's first token waits for its whole step: drafts beside a short prompt are cut to
     what adds PROMPT_DRAFT_SHARE to the step's time without them (the largest request's first),
     beside a long chunk they cost little and stay, and without prompt tokens nothing changes."""
-    from specserve.spec.policy import PROMPT_DRAFT_SHARE
+    from specserve.ops.calc import PROMPT_DRAFT_SHARE
 
     # A compute-bound curve: 5 ms plus 0.6 ms a row (SmolLM2 on two cores).
     linear = {n: 0.005 + 0.0006 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)}

@@ -210,7 +210,8 @@ def test_a_new_prompt_is_not_held_behind_another_requests_draft(tiny):
     step alone used to land in the step that computes a new prompt, and that prompt's first token
     waited for it. Now a step carrying prompt tokens verifies only the draft rows that add at most
     PROMPT_DRAFT_SHARE to its predicted time; both outputs stay plain decoding's, nothing leaks."""
-    from specserve.spec.policy import PROMPT_DRAFT_SHARE, StepTimer
+    from specserve.ops.calc import PROMPT_DRAFT_SHARE
+    from specserve.spec.policy import StepTimer
 
     prompts = repetitive_prompts(2)
     a, b = prompts[0], prompts[1][:10]

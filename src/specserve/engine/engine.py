@@ -1009,7 +1009,7 @@ class LLMEngine:
                 room = min(self.max_model_len - req.num_tokens,
                            req.sampling_params.max_tokens - req.num_output_tokens) - 1
                 ks[i] = max(0, min(ks[i], room))
-        if any(ks):  # a prompt in the step (one admitted now too) waits for its drafts' rows
+        if any(ks) and (other or self.scheduler.waiting):  # a prompt in the step (one admitted now too) waits for its drafts' rows
             ks = self.policy.cap_for_prompts(ks, self.scheduler.prompt_tokens_next_step(len(decoding)))
         if not any(ks):
             return

@@ -67,7 +67,12 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from specserve.errors import SpecServeError
-from specserve.ops.calc import PROMPT_DRAFT_SHARE, cut_largest_first, expected_tokens, transfer_time
+from specserve.ops.calc import (
+    cut_largest_first,
+    draft_rows_beside_prompt,
+    expected_tokens,
+    transfer_time,
+)
 from specserve.ops.costmodel import CostModel, StepShape
 
 
@@ -371,12 +376,8 @@ class _Engine:
             return cost.step_s(StepShape(len(decodes), len(decodes) + rows, context, longest, prompt), role)
 
         ds = [dr for _, dr in decodes]
-        limit = (1 + PROMPT_DRAFT_SHARE) * step_s(0)
-        lo, hi = 0, sum(ds)
-        while lo < hi:  # the most rows within the limit
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if step_s(mid) <= limit else (lo, mid - 1)
-        return [(r, dr) for (r, _), dr in zip(decodes, cut_largest_first(ds, lo))]
+        kept = cut_largest_first(ds, draft_rows_beside_prompt(step_s, sum(ds)))
+        return [(r, dr) for (r, _), dr in zip(decodes, kept)]
 
     def _choose_k(self) -> tuple[int, frozenset[_Req]]:
         """The policy's K for this step's decodes and the requests that draft (see the module

@@ -68,7 +68,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specserve.config import SpecConfig
-from specserve.ops.calc import PROMPT_DRAFT_SHARE, cut_largest_first
+from specserve.ops.calc import cut_largest_first, draft_rows_beside_prompt
 from specserve.request import Request
 from specserve.spec.tree import DraftTree
 
@@ -801,15 +801,11 @@ class SpecPolicy:
         if num_prompt_tokens <= 0 or not drafted or self.config.policy == "always":
             return ks
         base = len(ks) + num_prompt_tokens
-        limit = (1 + PROMPT_DRAFT_SHARE) * self.target_time(base)
-        lo, hi = 0, drafted  # the most rows within the limit (T(n) rises with n)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.target_time(base + mid) <= limit else (lo, mid - 1)
-        if lo >= drafted:
+        rows = draft_rows_beside_prompt(lambda r: self.target_time(base + r), drafted)
+        if rows >= drafted:
             return ks
         self._draft_predicted = None  # drafting is not what the cost model priced: nothing to learn
-        return cut_largest_first(ks, lo)
+        return cut_largest_first(ks, rows)
 
     def drafts_held(self, batch: int, num_other_tokens: int = 0) -> bool:
         """Whether choose() would return no drafts whatever the cost model chose: the rate guard
