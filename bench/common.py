@@ -55,3 +55,26 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str))
     return path
+
+
+def product_calls(model: torch.nn.Module, rows: int) -> list[tuple[torch.nn.Module, torch.Tensor]]:
+    """Every quantized product of a model (its BlockQuantLinear layers, in forward order) with
+    `rows` random activation rows for it: one forward's matrix products, to time alone."""
+    from specserve.models.block_linear import BlockQuantLinear
+
+    return [(m, torch.randn(rows, m.in_features)) for m in model.modules() if isinstance(m, BlockQuantLinear)]
+
+
+def time_products(calls: list[tuple[torch.nn.Module, torch.Tensor]], repeats: int, warmup: int = 1) -> float:
+    """Best-of-`repeats` seconds of one pass over `calls`, each product once and in order (the
+    weights stream from memory as in a forward), after `warmup` untimed passes."""
+    for _ in range(warmup):
+        for mod, x in calls:
+            mod(x)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for mod, x in calls:
+            mod(x)
+        best = min(best, time.perf_counter() - t0)
+    return best

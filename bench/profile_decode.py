@@ -32,33 +32,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, machine_info, write_json  # noqa: E402
+from common import RESULTS_DIR, machine_info, product_calls, time_products, write_json  # noqa: E402
 
 PROMPT = "Write a Python function that parses an ISO 8601 date string and returns a datetime."
 
 
 def linear_kernel_time(model, repeats: int = 20) -> tuple[float, int]:
     """Seconds for one batch-1 pass over every quantized product of the model, and their count."""
-    import torch
-
-    from specserve.models.block_linear import BlockQuantLinear
-
-    layers = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
-    calls = []
-    for mod in layers:
-        k = mod.in_features
-        x = torch.randn(1, k)
-        calls.append((mod, x))
-    for _ in range(3):
-        for mod, x in calls:
-            mod(x)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for mod, x in calls:
-            mod(x)
-        best = min(best, time.perf_counter() - t0)
-    return best, len(calls)
+    calls = product_calls(model, 1)
+    return time_products(calls, repeats, warmup=3), len(calls)
 
 
 def main() -> int:

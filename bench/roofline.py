@@ -9,6 +9,18 @@ throughput of all threads; a forward of n tokens needs n * MACs-per-token, so
 T(n) >= max(T(1), n * MACs / peak)); and, where the engine accepts the precision for a target,
 the full engine's decode step so the Python/scheduler overhead per step is visible.
 
+Where the weights stay in their blocks (`auto`, `int4`), it also splits a forward's quantized
+products (every matrix product of the n rows, LM head included) into what streaming them costs
+and what computing them costs: `products_streamed_ms[n]` runs each product once, in forward
+order, so the weights come from memory as in a forward; `products_hot_ms[n]` runs each product
+several times in a row and keeps its fastest run, so its weights sit in cache and what remains is
+the kernels' arithmetic and a call's fixed cost (a product larger than the last-level cache still
+streams: there it is an upper bound). With memory traffic wholly hidden behind arithmetic, the
+products of n tokens would cost max(streamed(1), hot(n)) (`products_overlap_floor_ratio`, as a
+multiple of streamed(1)): where hot(n) exceeds streamed(1), only cheaper arithmetic flattens the
+verify curve; below it, the gap between streamed(n) and that floor is memory traffic the kernels
+fail to hide.
+
     python bench/roofline.py
     python bench/roofline.py --models qwen2.5-coder-0.5b-instruct --precisions none int8
 
@@ -20,11 +32,19 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, machine_info, measure_read_bandwidth, write_json
+from common import (
+    RESULTS_DIR,
+    machine_info,
+    measure_read_bandwidth,
+    product_calls,
+    time_products,
+    write_json,
+)
 from throughput import measure_decode
 
 from specserve import LLM
@@ -51,6 +71,28 @@ def macs_per_token(arch: object) -> float:
     return float(a.num_layers * per_layer + h * a.vocab_size)  # type: ignore[attr-defined]
 
 
+def product_times(model: object, repeats: int, hot_runs: int = 6) -> dict[str, dict[int, float]] | None:
+    """Milliseconds of a forward's quantized products at each n (see the module docstring), or
+    None where the model has none (a float precision)."""
+    streamed, hot = {}, {}
+    for n in VERIFY_TOKENS:
+        calls = product_calls(model, n)  # type: ignore[arg-type]
+        if not calls:
+            return None
+        streamed[n] = 1e3 * time_products(calls, repeats)
+        total = 0.0
+        for m, x in calls:
+            m(x)  # brings the weights in; the timed runs find them in cache
+            runs = []
+            for _ in range(hot_runs):
+                t0 = time.perf_counter()
+                m(x)
+                runs.append(time.perf_counter() - t0)
+            total += min(runs)
+        hot[n] = 1e3 * total
+    return {"streamed_ms": streamed, "hot_ms": hot}
+
+
 def int8_peak_gmacs(seconds: float = 0.5) -> float:
     """u8 x s8 multiply-adds per second of all threads through the kernels' widest instruction
     (AVX2 vpmaddubsw: 32 per instruction; VNNI vpdpbusd likewise; 64 per 512-bit vpdpbusd where
@@ -67,6 +109,8 @@ def main() -> int:
     ap.add_argument("--precisions", nargs="+", default=["auto", "int4", "none"])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--skip-products", action="store_true",
+                    help="skip timing the quantized products alone, streamed and cache-resident")
     ap.add_argument("--out", default="roofline")
     args = ap.parse_args()
 
@@ -108,6 +152,14 @@ def main() -> int:
                 "macs_per_token": macs_per_token(ckpt.arch),
                 "verify_floor_ratio": {n: max(1.0, n * macs_per_token(ckpt.arch) / (peak * 1e9) / t1) for n in VERIFY_TOKENS},
             }
+            products = None if args.skip_products else product_times(runner.model, args.repeats)
+            if products is not None:
+                row["products_streamed_ms"] = products["streamed_ms"]
+                row["products_hot_ms"] = products["hot_ms"]
+                # Where a perfect overlap of memory and arithmetic would put T(n) / T(1).
+                floor = {n: max(products["streamed_ms"][1], products["hot_ms"][n]) / products["streamed_ms"][1]
+                         for n in VERIFY_TOKENS}
+                row["products_overlap_floor_ratio"] = floor
             del runner
             gc.collect()
             if not Quantization(prec).draft_only:
@@ -126,6 +178,9 @@ def main() -> int:
             print(f"{name:30s} {prec:5s}: forward {row['forward_ms']:7.1f} ms, {wbytes / 1e6:7.0f} MB, "
                   f"{row['achieved_bandwidth_gbs']:5.1f} GB/s = {100 * row['roofline_fraction']:.0f}% of {bw_here / 1e9:.1f} GB/s | "
                   f"verify cost n:{ratios}{extra}", flush=True)
+            if products is not None:
+                parts = " ".join(f"{n}:{products['streamed_ms'][n]:.1f}/{products['hot_ms'][n]:.1f}" for n in VERIFY_TOKENS)
+                print(f"{'':30s} {'':5s}  products ms streamed/in cache by n: {parts}", flush=True)
         del ckpt
     payload = {"benchmark": "batch-1 roofline", "machine": machine_info(), "read_bandwidth_gbs": bw / 1e9,
                "int8_peak_gmacs": peak,
@@ -160,6 +215,12 @@ def plot(payload: dict, path: Path) -> None:
         a1.plot(sorted(ratios), [ratios[n] for n in sorted(ratios)], "o-",
                 label=f"{r['model'].replace('qwen2.5-coder-', '').replace('-instruct', '')} {r['precision']}")
     a1.plot(VERIFY_TOKENS, VERIFY_TOKENS, ":", color="gray", label="linear (no reuse)")
+    for r in rows:
+        if "products_overlap_floor_ratio" in r:
+            f = {int(n): v for n, v in r["products_overlap_floor_ratio"].items()}
+            a1.plot(sorted(f), [f[n] for n in sorted(f)], "x-.", alpha=0.7,
+                    label=f"{r['model'].replace('qwen2.5-coder-', '').replace('-instruct', '')} {r['precision']}: "
+                          "its products in cache (kernel arithmetic floor)")
     if rows and "verify_floor_ratio" in rows[0]:
         f = {int(n): v for n, v in rows[0]["verify_floor_ratio"].items()}
         a1.plot(sorted(f), [f[n] for n in sorted(f)], "--", color="#c44e52",
