@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,25 +71,19 @@ def macs_per_token(arch: object) -> float:
 
 
 def product_times(model: object, repeats: int, hot_runs: int = 6) -> dict[str, dict[int, float]] | None:
-    """Milliseconds of a forward's quantized products at each n (see the module docstring), or
-    None where the model has none (a float precision)."""
+    """Milliseconds of a forward's quantized products at each n, streamed and in cache, and the
+    floor a perfect overlap of the two would give (see the module docstring); None where the
+    model has no quantized products (a float precision)."""
+    if not product_calls(model, 1):  # type: ignore[arg-type]
+        return None
     streamed, hot = {}, {}
     for n in VERIFY_TOKENS:
         calls = product_calls(model, n)  # type: ignore[arg-type]
-        if not calls:
-            return None
         streamed[n] = 1e3 * time_products(calls, repeats)
-        total = 0.0
-        for m, x in calls:
-            m(x)  # brings the weights in; the timed runs find them in cache
-            runs = []
-            for _ in range(hot_runs):
-                t0 = time.perf_counter()
-                m(x)
-                runs.append(time.perf_counter() - t0)
-            total += min(runs)
-        hot[n] = 1e3 * total
-    return {"streamed_ms": streamed, "hot_ms": hot}
+        # Each product alone: its untimed first run brings the weights in, the timed ones find them in cache.
+        hot[n] = 1e3 * sum(time_products([call], hot_runs) for call in calls)
+    floor = {n: max(streamed[1], hot[n]) / streamed[1] for n in VERIFY_TOKENS}
+    return {"streamed_ms": streamed, "hot_ms": hot, "overlap_floor_ratio": floor}
 
 
 def int8_peak_gmacs(seconds: float = 0.5) -> float:
@@ -154,12 +147,7 @@ def main() -> int:
             }
             products = None if args.skip_products else product_times(runner.model, args.repeats)
             if products is not None:
-                row["products_streamed_ms"] = products["streamed_ms"]
-                row["products_hot_ms"] = products["hot_ms"]
-                # Where a perfect overlap of memory and arithmetic would put T(n) / T(1).
-                floor = {n: max(products["streamed_ms"][1], products["hot_ms"][n]) / products["streamed_ms"][1]
-                         for n in VERIFY_TOKENS}
-                row["products_overlap_floor_ratio"] = floor
+                row.update({f"products_{key}": value for key, value in products.items()})
             del runner
             gc.collect()
             if not Quantization(prec).draft_only:
@@ -191,6 +179,11 @@ def main() -> int:
     return 0
 
 
+def _short(model: str) -> str:
+    """A model's name without the Qwen coder family's prefix and suffix, for plot labels."""
+    return model.replace("qwen2.5-coder-", "").replace("-instruct", "")
+
+
 def plot(payload: dict, path: Path) -> None:
     """Left: fraction of roofline per model/precision. Right: verify cost vs tokens."""
     import matplotlib
@@ -200,7 +193,7 @@ def plot(payload: dict, path: Path) -> None:
 
     rows = payload["results"]
     fig, (a0, a1) = plt.subplots(1, 2, figsize=(13, 4.5))
-    labels = [f"{r['model'].replace('qwen2.5-coder-', '').replace('-instruct', '')}\n{r['precision']}" for r in rows]
+    labels = [f"{_short(r['model'])}\n{r['precision']}" for r in rows]
     a0.bar(range(len(rows)), [100 * r["roofline_fraction"] for r in rows], color="#4c72b0")
     for i, r in enumerate(rows):
         a0.annotate(f"{r['forward_ms']:.0f} ms\n{r['weight_bytes'] / 1e9:.2f} GB", (i, 100 * r["roofline_fraction"]),
@@ -213,18 +206,18 @@ def plot(payload: dict, path: Path) -> None:
     for r in rows:
         ratios = {int(n): v for n, v in r["verify_cost_ratio"].items()}  # JSON keys come back as strings
         a1.plot(sorted(ratios), [ratios[n] for n in sorted(ratios)], "o-",
-                label=f"{r['model'].replace('qwen2.5-coder-', '').replace('-instruct', '')} {r['precision']}")
+                label=f"{_short(r['model'])} {r['precision']}")
     a1.plot(VERIFY_TOKENS, VERIFY_TOKENS, ":", color="gray", label="linear (no reuse)")
     for r in rows:
         if "products_overlap_floor_ratio" in r:
             f = {int(n): v for n, v in r["products_overlap_floor_ratio"].items()}
             a1.plot(sorted(f), [f[n] for n in sorted(f)], "x-.", alpha=0.7,
-                    label=f"{r['model'].replace('qwen2.5-coder-', '').replace('-instruct', '')} {r['precision']}: "
+                    label=f"{_short(r['model'])} {r['precision']}: "
                           "its products in cache (kernel arithmetic floor)")
     if rows and "verify_floor_ratio" in rows[0]:
         f = {int(n): v for n, v in rows[0]["verify_floor_ratio"].items()}
         a1.plot(sorted(f), [f[n] for n in sorted(f)], "--", color="#c44e52",
-                label=f"int8 peak floor ({payload.get('int8_peak_gmacs', 0):.0f} GMAC/s), {rows[0]['model'].replace('qwen2.5-coder-', '')}")
+                label=f"int8 peak floor ({payload.get('int8_peak_gmacs', 0):.0f} GMAC/s), {_short(rows[0]['model'])}")
     a1.set_xscale("log", base=2)
     a1.set_yscale("log", base=2)
     a1.set_xlabel("tokens verified in one forward (1 request)")
