@@ -71,8 +71,11 @@ _EDITS = [
     "Replace print calls with logging (add `import logging` at the top). Reply with the full code only.",
 ]
 
-EDIT = [(f"{_EDITS[i % len(_EDITS)]}\n\n```python\n{_SNIPPETS[i % len(_SNIPPETS)]}```", _SNIPPETS[i % len(_SNIPPETS)])
-        for i in range(8)]
+# Eight distinct (instruction, snippet) pairs, each instruction one that applies to its snippet; the
+# snippet is the request's reference. (Until session 76 the set held the first four pairs twice, so
+# an "8-prompt" edit run measured four answers, each decoded twice.)
+_EDIT_PAIRS = [(0, 0), (1, 1), (2, 2), (3, 3), (1, 0), (2, 1), (0, 2), (2, 3)]
+EDIT = [(f"{_EDITS[e]}\n\n```python\n{_SNIPPETS[s]}```", _SNIPPETS[s]) for e, s in _EDIT_PAIRS]
 
 # Prose asks, none of them among the subjects or wordings `specserve train-draft` generates its
 # conversations from (held out for drafter heads trained here).
