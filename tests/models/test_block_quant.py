@@ -890,7 +890,7 @@ class _FakeWideKernels:
         return old
 
 
-@pytest.mark.parametrize("wins_from, chosen", [(4, 4), (2, 2), (None, 33), ("6 but not 8", 33)])
+@pytest.mark.parametrize("wins_from, chosen", [(4, 4), (2, 2), (1, 1), (None, 33), ("6 but not 8", 33)])
 def test_wide_pass_tuning_keeps_the_smallest_width_that_wins_from_there_on(monkeypatch, wins_from, chosen):
     """tune_wide_passes times 256- and 512-bit passes per candidate width and keeps the smallest
     width from which the 512-bit pass wins at every larger candidate (or never); once per

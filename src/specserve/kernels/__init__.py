@@ -323,7 +323,7 @@ def prefetch_tuning() -> dict[str, object]:
 
 # Pass widths (activation rows) at which tune_wide_passes compares the 512-bit and the 256-bit
 # kernels, and the value that keeps every pass at 256 bits (more rows than a pass takes).
-WIDE_CANDIDATES = (2, 3, 4, 5, 6, 8)
+WIDE_CANDIDATES = (1, 2, 3, 4, 5, 6, 8)
 WIDE_NEVER = 33
 WIDE_MARGIN = 0.97  # the 512-bit pass must be at least 3% faster to be chosen
 _wide_tuned: dict[str, object] = {}

@@ -277,6 +277,39 @@ inline void prefetch_slice(const uint8_t* blk, int64_t bytes, int64_t ahead, int
   for (int64_t o = lo; o < hi; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
 }
 
+// The cache lines of prefetch_slice(blk, bytes, ahead, part, parts), asked for one per activation
+// row of the pass (prefetch_share) instead of all before the rows' multiply-adds. Where a pass's
+// arithmetic takes about as long as its weights' traffic (a verify pass of 4-12 rows), the memory
+// time was mostly not hidden behind it: a 2-vCPU Xeon VM (AMX, family 6 model 167) spent 10.4 ms
+// on the Qwen2.5-Coder-1.5B's Q6_K LM head at 9 rows where the same rows took 6.8 ms from cache
+// and one row 5.4-6.4 ms from DRAM. A plain loop streaming 192 MiB per thread with 9 rows of
+// vpdpbusd per 256 bytes, arithmetic about as long as the traffic, lost 16-25% to it at its best
+// prefetch distance with the multiplier in a register and 33-48% once each multiply-add read its
+// 4 activation bytes with a broadcast load, as these kernels do: the prefetches, issued in a burst
+// among those loads, seem to wait for them.
+// Spread one a row, the 1.5B's 197 products at 5 / 9 rows went from 51.1-51.6 to 45.9-47.7 / from
+// 59.5-60.4 to 55.0-56.1 ms, whole forwards of 4 / 5 / 9 tokens 44.8-45.3 -> 41.4 / 48.3-49.4 ->
+// 42.6-42.8 / 56.8-57.7 -> 51.6 ms (processes alternating). Spreading them evenly over the rows
+// instead (row m asking for lines [m n / M, (m + 1) n / M)) gained at 5 rows but not at 9, and
+// made the 256-bit 3-row passes 8% slower, so the 256-bit kernels keep prefetch_slice.
+struct SliceLines {
+  const char* p;
+  int n;
+};
+
+inline SliceLines slice_lines(const uint8_t* blk, int64_t bytes, int64_t ahead, int part, int parts) {
+  if (ahead <= 0) return {nullptr, 0};
+  const int64_t lo = part * bytes / parts & ~int64_t{63};
+  const int64_t hi = part + 1 == parts ? bytes : (part + 1) * bytes / parts & ~int64_t{63};
+  return {reinterpret_cast<const char*>(blk) + ahead + lo, static_cast<int>((hi - lo + 63) / 64)};
+}
+
+inline void prefetch_share(const SliceLines& s, int m, int M) {
+  if (m < s.n) _mm_prefetch(s.p + 64 * m, _MM_HINT_T1);  // one line a row, from the first row
+  if (m + 1 == M)
+    for (int l = M; l < s.n; ++l) _mm_prefetch(s.p + 64 * l, _MM_HINT_T1);  // fewer rows than lines: the rest
+}
+
 inline float hsum(__m256 v) {
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -910,7 +943,7 @@ void dot_q4_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
     const uint8_t* b1 = b0 + 1184;
     for (int m = 0; m < M; ++m) sumi[m] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      prefetch_slice(b0, 2 * 1184, ahead, j, 8);
+      const SliceLines pf = slice_lines(b0, 2 * 1184, ahead, j, 8);
       const uint8_t* s0 = b0 + 96 + 136 * j;
       const uint8_t* s1 = b1 + 96 + 136 * j;
       const __m512i s32 = _mm512_cvtepu8_epi32(join8(s0, s1));
@@ -923,6 +956,7 @@ void dot_q4_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
       const int64_t off = b * 256 + 32 * j;
 #pragma GCC unroll 16
       for (int m = 0; m < M; ++m) {
+        prefetch_share(pf, m, M);
         const int8_t* x = a[m].q + off;
         __m512i plo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4z(x));
         __m512i phi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], bcast4z(x + 4));
@@ -955,7 +989,7 @@ void dot_q6_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
     const uint8_t* b1 = b0 + 1680;
     for (int m = 0; m < M; ++m) sumi[m] = _mm512_setzero_si512();
     for (int c = 0; c < 8; ++c) {
-      prefetch_slice(b0, 2 * 1680, ahead, c, 8);
+      const SliceLines pf = slice_lines(b0, 2 * 1680, ahead, c, 8);
       const uint8_t* c0 = b0 + 16 + 208 * c;
       const uint8_t* c1 = b1 + 16 + 208 * c;
       const __m512i sc16 = _mm512_cvtepi8_epi16(join16(c0, c1));
@@ -975,6 +1009,7 @@ void dot_q6_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
       const int64_t off = b * 256 + 32 * c;
 #pragma GCC unroll 16
       for (int m = 0; m < M; ++m) {
+        prefetch_share(pf, m, M);
         const int8_t* x = a[m].q + off;
         __m512i s = sumi[m];
         // Chains of 8 values, each starting at -32 * the sum of its x (an int16 broadcast to both
@@ -1011,12 +1046,13 @@ void dot_q8_0_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* b0 = grp + b * 2 * 272;
     const uint8_t* b1 = b0 + 272;
-    prefetch_ahead(b0, 2 * 272, ahead);
+    const SliceLines pf = slice_lines(b0, 2 * 272, ahead, 0, 1);
     const __m512 d = halves16(b0, b1);
     __m512i w[8];
     for (int i = 0; i < 8; ++i) w[i] = _mm512_xor_si512(join32(b0 + 16 + 32 * i, b1 + 16 + 32 * i), flip);
 #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
+      prefetch_share(pf, m, M);
       const int8_t* x = a[m].q + b * 32;
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
       for (int i = 0; i < 8; i += 2) {
@@ -1045,7 +1081,7 @@ void dot_q4_q5_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float*
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* b0 = grp + b * 2 * kBytes;
     const uint8_t* b1 = b0 + kBytes;
-    prefetch_ahead(b0, 2 * kBytes, ahead);
+    const SliceLines pf = slice_lines(b0, 2 * kBytes, ahead, 0, 1);
     const __m512 d = halves16(b0, b1);
     const __m512 mn = kMin ? halves16(b0 + 16, b1 + 16) : _mm512_setzero_ps();
     __m512i v[8];
@@ -1068,6 +1104,7 @@ void dot_q4_q5_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float*
     }
 #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
+      prefetch_share(pf, m, M);
       const int8_t* x = a[m].q + b * 32;
       __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
       for (int i = 0; i < 8; i += 2) {
@@ -1449,7 +1486,9 @@ void dot_x16(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, int M
 // 256-bit kernels over both groups; more than kPassRows: never wide). On a 2-vCPU Zen 5 EPYC,
 // Qwen2.5-Coder-1.5B Q4_K_M forwards of n tokens, 512-bit over 256-bit: 0.94x at n = 1, 0.95x
 // at 2, 0.99x at 3, 1.08x at 4, 1.44x at 5 (the 256-bit kernels keep their sums in registers up
-// to 4 rows only), 1.66x at 9. The engine measures it per machine at start-up
+// to 4 rows only), 1.66x at 9. Since the 512-bit kernels spread their prefetches over the rows
+// (prefetch_share), the 2-vCPU Xeon VM measured 1.04x at n = 1, 1.14x at 2, 1.18x at 3 (before:
+// 1.05x at 2 and 3, threshold 4). The engine measures it per machine at start-up
 // (specserve.kernels.tune_wide_passes); set_wide_min_rows changes it.
 std::atomic<int> g_wide_min_rows{5};
 #endif
