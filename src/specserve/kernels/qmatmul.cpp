@@ -290,8 +290,11 @@ inline void prefetch_slice(const uint8_t* blk, int64_t bytes, int64_t ahead, int
 // Spread one a row, the 1.5B's 197 products at 5 / 9 rows went from 51.1-51.6 to 45.9-47.7 / from
 // 59.5-60.4 to 55.0-56.1 ms, whole forwards of 4 / 5 / 9 tokens 44.8-45.3 -> 41.4 / 48.3-49.4 ->
 // 42.6-42.8 / 56.8-57.7 -> 51.6 ms (processes alternating). Spreading them evenly over the rows
-// instead (row m asking for lines [m n / M, (m + 1) n / M)) gained at 5 rows but not at 9, and
-// made the 256-bit 3-row passes 8% slower, so the 256-bit kernels keep prefetch_slice.
+// instead (row m asking for lines [m n / M, (m + 1) n / M)) gained at 5 rows but not at 9. The
+// 256-bit kernels ask for the whole slice before a multi-row pass's rows (one a row there made the
+// 3-row passes 8% slower, and an AVX2 build's 3-17-row forwards 2-8% slower) and, in a one-row
+// pass, after the sub-block's loads: one-token forwards 37.3-37.5 -> 35.7-36.1 ms on that Xeon
+// (38.2-38.6 -> 36.7-37.0 built for AVX2 only).
 struct SliceLines {
   const char* p;
   int n;
@@ -595,7 +598,8 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
     const uint8_t* blk = grp + gi * gap + b * step;
     for (int m = 0; m < M; ++m) _mm256_store_si256(reinterpret_cast<__m256i*>(sumi + 8 * m), _mm256_setzero_si256());
     for (int j = 0; j < 8; ++j) {
-      prefetch_slice(blk, 1184, ahead, j, 8);
+      const SliceLines pf = slice_lines(blk, 1184, ahead, j, 8);
+      if (M > 1) prefetch_share(pf, 0, 1);  // every line now
       const uint8_t* sub = blk + 96 + 136 * j;
       const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub)));
 #if !SPECSERVE_VNNI
@@ -609,6 +613,7 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
       }
       const int64_t off = b * 256 + 32 * j;
       for (int m = 0; m < M; ++m) {
+        if (M == 1) prefetch_share(pf, m, M);
         const int8_t* x = a[m].q + off;
         __m256i* s = reinterpret_cast<__m256i*>(sumi + 8 * m);
 #if SPECSERVE_VNNI
@@ -678,7 +683,8 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
     const uint8_t* blk = grp + gi * gap + b * step;
     for (int m = 0; m < M; ++m) _mm256_store_si256(reinterpret_cast<__m256i*>(sumi + 8 * m), _mm256_setzero_si256());
     for (int c = 0; c < 8; ++c) {  // 32 values: 16-value groups 2c and 2c+1 = scale pair c
-      prefetch_slice(blk, 1680, ahead, c, 8);
+      const SliceLines pf = slice_lines(blk, 1680, ahead, c, 8);
+      if (M > 1) prefetch_share(pf, 0, 1);  // every line now
       const uint8_t* chunk = blk + 16 + 208 * c;
       const uint8_t* ql = chunk + 16;
       const uint8_t* qh = chunk + 144;
@@ -705,6 +711,7 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
       }
       const int64_t off = b * 256 + 32 * c;
       for (int m = 0; m < M; ++m) {
+        if (M == 1) prefetch_share(pf, m, M);
         const int8_t* x = a[m].q + off;
         __m256i* s = reinterpret_cast<__m256i*>(sumi + 8 * m);
 #if SPECSERVE_VNNI
