@@ -253,6 +253,12 @@ inline void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
 std::atomic<int64_t> g_prefetch_ahead{2048};
 std::atomic<int64_t> g_prefetch_ahead_rows{8192};
 
+// One cache line into L2, as _mm_prefetch(p, _MM_HINT_T1), but as a volatile asm statement, which
+// the compiler may not delete: GCC 12 dropped loops of _mm_prefetch (nothing else in them) from
+// every block kernel of some builds, which then ran as if nothing were prefetched (session 76; see
+// test_every_compiled_kernel_prefetches_the_weights_it_will_read).
+inline void prefetch_line(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
+
 // The prefetch distance of a pass over M activation rows.
 inline int64_t prefetch_distance(int M) {
   return (M > 1 ? g_prefetch_ahead_rows : g_prefetch_ahead).load(std::memory_order_relaxed);
@@ -261,7 +267,7 @@ inline int64_t prefetch_distance(int M) {
 inline void prefetch_ahead(const uint8_t* blk, int64_t bytes, int64_t ahead) {
   if (ahead <= 0) return;
   const char* p = reinterpret_cast<const char*>(blk) + ahead;
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+  for (int64_t o = 0; o < bytes; o += 64) prefetch_line(p + o);
 }
 
 // Part `part` of `parts` of prefetch_ahead(blk, bytes, ahead), for kernels that walk a large block
@@ -274,7 +280,7 @@ inline void prefetch_slice(const uint8_t* blk, int64_t bytes, int64_t ahead, int
   const char* p = reinterpret_cast<const char*>(blk) + ahead;
   const int64_t lo = part * bytes / parts & ~int64_t{63};
   const int64_t hi = part + 1 == parts ? bytes : (part + 1) * bytes / parts & ~int64_t{63};
-  for (int64_t o = lo; o < hi; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+  for (int64_t o = lo; o < hi; o += 64) prefetch_line(p + o);
 }
 
 // The cache lines of prefetch_slice(blk, bytes, ahead, part, parts), asked for one per activation
@@ -308,9 +314,9 @@ inline SliceLines slice_lines(const uint8_t* blk, int64_t bytes, int64_t ahead, 
 }
 
 inline void prefetch_share(const SliceLines& s, int m, int M) {
-  if (m < s.n) _mm_prefetch(s.p + 64 * m, _MM_HINT_T1);  // one line a row, from the first row
+  if (m < s.n) prefetch_line(s.p + 64 * m);  // one line a row, from the first row
   if (m + 1 == M)
-    for (int l = M; l < s.n; ++l) _mm_prefetch(s.p + 64 * l, _MM_HINT_T1);  // fewer rows than lines: the rest
+    for (int l = M; l < s.n; ++l) prefetch_line(s.p + 64 * l);  // fewer rows than lines: the rest
 }
 
 inline float hsum(__m256 v) {
@@ -2638,7 +2644,7 @@ inline int64_t attn_ahead_rows(int64_t D) {
 template <typename KT>
 inline void prefetch_row(const KT* row, int64_t D) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t o = 0; o < D * static_cast<int64_t>(sizeof(KT)); o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+  for (int64_t o = 0; o < D * static_cast<int64_t>(sizeof(KT)); o += 64) prefetch_line(p + o);
 }
 
 // Eight cache values as float32: a float32 cache's as they are, a float16 cache's widened (exact,
