@@ -1045,11 +1045,11 @@ def test_every_compiled_kernel_prefetches_the_weights_it_will_read():
     """Each block kernel the build holds asks for the cache lines ahead of it (prefetcht*).
 
     A decode step streams the weights from memory; the kernels' software prefetches are what keep
-    the core from waiting on them (a 1.5B step 47 -> 37-40 ms on a 2-vCPU Xeon). They are loops of
-    _mm_prefetch with nothing else in them, and GCC 12 dropped such loops from every kernel of a
-    build whose source moved them a little (session 76: three experimental builds ran every pass as
-    if nothing were prefetched, one-row kernels untouched by the change included). A build that
-    loses them still computes the same numbers, so only the machine code shows it."""
+    the core from waiting on them (a 1.5B step 47 -> 37-40 ms on a 2-vCPU Xeon). Written as loops of
+    _mm_prefetch with nothing else in them, GCC 12 dropped them from every kernel of builds whose
+    source moved them a little (session 76: three experimental builds ran every pass as if nothing
+    were prefetched); they are volatile asm now (prefetch_line). A build that loses them still
+    computes the same numbers, so only the machine code shows it."""
     import re
     import shutil
     import subprocess
