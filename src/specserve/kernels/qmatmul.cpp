@@ -275,12 +275,25 @@ inline void prefetch_ahead(const uint8_t* blk, int64_t bytes, int64_t ahead) {
 // prefetches at each block start overflows the core's queue of outstanding misses; spread out,
 // a Q4_K pass over one activation row in 512-bit registers went from 0.78x to 0.92x the 256-bit
 // one's speed, single-threaded from DRAM (Zen 5).
-inline void prefetch_slice(const uint8_t* blk, int64_t bytes, int64_t ahead, int part, int parts) {
-  if (ahead <= 0) return;
-  const char* p = reinterpret_cast<const char*>(blk) + ahead;
+// slice_lines says which lines those are; prefetch_lines asks for them (from line `from` on).
+struct SliceLines {
+  const char* p;
+  int n;
+};
+
+inline SliceLines slice_lines(const uint8_t* blk, int64_t bytes, int64_t ahead, int part, int parts) {
+  if (ahead <= 0) return {nullptr, 0};
   const int64_t lo = part * bytes / parts & ~int64_t{63};
   const int64_t hi = part + 1 == parts ? bytes : (part + 1) * bytes / parts & ~int64_t{63};
-  for (int64_t o = lo; o < hi; o += 64) prefetch_line(p + o);
+  return {reinterpret_cast<const char*>(blk) + ahead + lo, static_cast<int>((hi - lo + 63) / 64)};
+}
+
+inline void prefetch_lines(const SliceLines& s, int from = 0) {
+  for (int l = from; l < s.n; ++l) prefetch_line(s.p + 64 * l);
+}
+
+inline void prefetch_slice(const uint8_t* blk, int64_t bytes, int64_t ahead, int part, int parts) {
+  prefetch_lines(slice_lines(blk, bytes, ahead, part, parts));
 }
 
 // The cache lines of prefetch_slice(blk, bytes, ahead, part, parts), asked for one per activation
@@ -301,22 +314,9 @@ inline void prefetch_slice(const uint8_t* blk, int64_t bytes, int64_t ahead, int
 // 3-row passes 8% slower, and an AVX2 build's 3-17-row forwards 2-8% slower) and, in a one-row
 // pass, after the sub-block's loads: one-token forwards 37.3-37.5 -> 35.7-36.1 ms on that Xeon
 // (38.2-38.6 -> 36.7-37.0 built for AVX2 only).
-struct SliceLines {
-  const char* p;
-  int n;
-};
-
-inline SliceLines slice_lines(const uint8_t* blk, int64_t bytes, int64_t ahead, int part, int parts) {
-  if (ahead <= 0) return {nullptr, 0};
-  const int64_t lo = part * bytes / parts & ~int64_t{63};
-  const int64_t hi = part + 1 == parts ? bytes : (part + 1) * bytes / parts & ~int64_t{63};
-  return {reinterpret_cast<const char*>(blk) + ahead + lo, static_cast<int>((hi - lo + 63) / 64)};
-}
-
 inline void prefetch_share(const SliceLines& s, int m, int M) {
   if (m < s.n) prefetch_line(s.p + 64 * m);  // one line a row, from the first row
-  if (m + 1 == M)
-    for (int l = M; l < s.n; ++l) prefetch_line(s.p + 64 * l);  // fewer rows than lines: the rest
+  if (m + 1 == M) prefetch_lines(s, M);  // fewer rows than lines: the rest
 }
 
 inline float hsum(__m256 v) {
@@ -605,7 +605,7 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
     for (int m = 0; m < M; ++m) _mm256_store_si256(reinterpret_cast<__m256i*>(sumi + 8 * m), _mm256_setzero_si256());
     for (int j = 0; j < 8; ++j) {
       const SliceLines pf = slice_lines(blk, 1184, ahead, j, 8);
-      if (M > 1) prefetch_share(pf, 0, 1);  // every line now
+      if (M > 1) prefetch_lines(pf);  // several rows: the whole slice before the loads
       const uint8_t* sub = blk + 96 + 136 * j;
       const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub)));
 #if !SPECSERVE_VNNI
@@ -619,7 +619,7 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
       }
       const int64_t off = b * 256 + 32 * j;
       for (int m = 0; m < M; ++m) {
-        if (M == 1) prefetch_share(pf, m, M);
+        if (M == 1) prefetch_lines(pf);  // one row: after them
         const int8_t* x = a[m].q + off;
         __m256i* s = reinterpret_cast<__m256i*>(sumi + 8 * m);
 #if SPECSERVE_VNNI
@@ -690,7 +690,7 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
     for (int m = 0; m < M; ++m) _mm256_store_si256(reinterpret_cast<__m256i*>(sumi + 8 * m), _mm256_setzero_si256());
     for (int c = 0; c < 8; ++c) {  // 32 values: 16-value groups 2c and 2c+1 = scale pair c
       const SliceLines pf = slice_lines(blk, 1680, ahead, c, 8);
-      if (M > 1) prefetch_share(pf, 0, 1);  // every line now
+      if (M > 1) prefetch_lines(pf);  // several rows: the whole slice before the loads
       const uint8_t* chunk = blk + 16 + 208 * c;
       const uint8_t* ql = chunk + 16;
       const uint8_t* qh = chunk + 144;
@@ -717,7 +717,7 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
       }
       const int64_t off = b * 256 + 32 * c;
       for (int m = 0; m < M; ++m) {
-        if (M == 1) prefetch_share(pf, m, M);
+        if (M == 1) prefetch_lines(pf);  // one row: after them
         const int8_t* x = a[m].q + off;
         __m256i* s = reinterpret_cast<__m256i*>(sumi + 8 * m);
 #if SPECSERVE_VNNI
