@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from specserve.config import SpecConfig
@@ -581,7 +583,8 @@ def test_rate_guard_holds_speculation_off_where_it_measurably_loses():
     size: below GUARD_MARGIN of plain, speculation is held off there (choose() returns no drafts
     whatever the cost model says), retried after GUARD_RETRY_S for GUARD_TRIAL steps (twice as
     long after a failed trial), and resumes when a trial measures it ahead. Rates are tokens
-    over seconds (one slow step weighs by its time); other batch sizes are judged apart."""
+    over seconds (one slow step weighs by its time, and widens the rate's error); other batch
+    sizes are judged apart."""
     from specserve.spec import policy as P
 
     p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.8)
@@ -591,10 +594,10 @@ def test_rate_guard_holds_speculation_off_where_it_measurably_loses():
     p.guard.observe(4, 4, 0.080, speculated=False)  # plain: 50 tok/s
     p.guard.observe(4, 5, 0.300, speculated=True)  # a catch-up pass: 16.7 tok/s
     for _ in range(P.GUARD_MIN_CYCLES - 2):
-        p.guard.observe(4, 6, 0.120, speculated=True)  # 50 tok/s
-        clock.t += 0.12
+        p.guard.observe(4, 6, 0.150, speculated=True)  # 40 tok/s
+        clock.t += 0.15
         assert all(p.choose(reqs))  # not judged before GUARD_MIN_CYCLES steps
-    p.guard.observe(4, 6, 0.120, speculated=True)  # with the catch-up: ~42 tok/s
+    p.guard.observe(4, 6, 0.150, speculated=True)  # with the catch-up: ~37 tok/s, +- ~3
     assert p.guard.num_held == 1 and p.guard.summary()[4]["held"]
     assert p.guard.holds(4) and not p.guard.holds(1)  # (asking moves nothing)
     assert p.drafts_held(4) and not p.drafts_held(4, num_other_tokens=16)  # a step with prompt tokens is not held
@@ -621,6 +624,43 @@ def test_rate_guard_holds_speculation_off_where_it_measurably_loses():
     assert not any(p.choose(reqs)) and p.guard.num_plain_probes == 1  # the plain rate is GUARD_FRESH_S old
     p.guard.observe(4, 4, 0.100, speculated=False)
     assert all(p.choose(reqs))
+
+
+def test_rate_guard_holds_only_where_the_loss_is_more_than_the_steps_noise():
+    """A few steps' accepted lengths are noise: speculating steps hold speculation off only where
+    their rate is below GUARD_MARGIN of plain's by more than GUARD_Z standard errors of it
+    (StepSums.rate_error). Eight steps with one accepted draft token read 26.2 tok/s against a
+    27.8 plain rate, below the margin but within one error: not held; the same steps going on
+    with nothing accepted hold it off once the evidence is in; steps that lose alike every time
+    (no noise) hold it off at GUARD_MIN_CYCLES, as before."""
+    from specserve.spec import policy as P
+
+    sums = P.StepSums()
+    for _ in range(4):
+        sums.fold(2, 0.05, 0.9)
+    assert sums.rate == pytest.approx(40.0) and sums.rate_error() < 1e-6
+    sums = P.StepSums().fold(3, 0.1).fold(1, 0.1)  # 20 tok/s from steps of 30 and 10
+    assert sums.rate == pytest.approx(20.0) and sums.rate_error() == pytest.approx(math.sqrt(2) / 0.2)
+
+    g = P.RateGuard(clock=_Clock())
+    g.observe(1, 1, 0.036, speculated=False)  # plain: 27.8 tok/s
+    for tokens in [2] + [1] * (P.GUARD_MIN_CYCLES - 1):
+        g.observe(1, tokens, 0.043, speculated=True)
+    rate, err = g.rates[1].spec.rate, g.rates[1].spec.rate_error()
+    assert rate < P.GUARD_MARGIN / 0.036 < rate + P.GUARD_Z * err
+    assert g.num_held == 0 and not g.holds(1)
+    steps = 0
+    while not g.num_held and steps < 50:
+        g.observe(1, 1, 0.043, speculated=True)  # 23.3 tok/s
+        steps += 1
+    assert g.num_held == 1 and 1 <= steps < 20 and g.holds(1)
+
+    g = P.RateGuard(clock=_Clock())
+    g.observe(1, 1, 0.036, speculated=False)
+    for i in range(P.GUARD_MIN_CYCLES):
+        assert g.num_held == 0
+        g.observe(1, 1, 0.043, speculated=True)
+    assert g.num_held == 1
 
 
 def test_rate_guard_retries_after_so_many_plain_steps_and_when_a_request_arrives():
