@@ -657,7 +657,7 @@ def test_rate_guard_holds_only_where_the_loss_is_more_than_the_steps_noise():
 
     g = P.RateGuard(clock=_Clock())
     g.observe(1, 1, 0.036, speculated=False)
-    for i in range(P.GUARD_MIN_CYCLES):
+    for _ in range(P.GUARD_MIN_CYCLES):
         assert g.num_held == 0
         g.observe(1, 1, 0.043, speculated=True)
     assert g.num_held == 1
