@@ -264,12 +264,6 @@ inline int64_t prefetch_distance(int M) {
   return (M > 1 ? g_prefetch_ahead_rows : g_prefetch_ahead).load(std::memory_order_relaxed);
 }
 
-inline void prefetch_ahead(const uint8_t* blk, int64_t bytes, int64_t ahead) {
-  if (ahead <= 0) return;
-  const char* p = reinterpret_cast<const char*>(blk) + ahead;
-  for (int64_t o = 0; o < bytes; o += 64) prefetch_line(p + o);
-}
-
 // Part `part` of `parts` of prefetch_ahead(blk, bytes, ahead), for kernels that walk a large block
 // in sub-blocks: one slice per sub-block instead of every line at once. A burst of 20-40
 // prefetches at each block start overflows the core's queue of outstanding misses; spread out,
@@ -295,6 +289,9 @@ inline void prefetch_lines(const SliceLines& s, int from = 0) {
 inline void prefetch_slice(const uint8_t* blk, int64_t bytes, int64_t ahead, int part, int parts) {
   prefetch_lines(slice_lines(blk, bytes, ahead, part, parts));
 }
+
+// Every line of a block `ahead` bytes further on: the one slice of one part.
+inline void prefetch_ahead(const uint8_t* blk, int64_t bytes, int64_t ahead) { prefetch_slice(blk, bytes, ahead, 0, 1); }
 
 // The cache lines of prefetch_slice(blk, bytes, ahead, part, parts), asked for one per activation
 // row of the pass (prefetch_share) instead of all before the rows' multiply-adds. Where a pass's

@@ -210,7 +210,7 @@ class _Rates:
     failed_trials: int = 0  # trials in a row that held it off again
     copy_steps: int = 0  # held steps in a row whose text a copy carries (see RateGuard.copy_resumes)
     trial_left: int = 0  # speculating steps of a trial still to come
-    trial: list[tuple[float, float]] = field(default_factory=list)  # the trial's steps (tokens, seconds)
+    trial: StepSums | None = None  # the steps of the trial under way
 
     @staticmethod
     def rate(sums: StepSums | None) -> float | None:
@@ -277,7 +277,7 @@ class RateGuard:
         if r.held_since is not None:
             if r.waiting(now):
                 return False
-            r.held_since, r.trial_left, r.trial = None, GUARD_TRIAL - 1, []
+            r.held_since, r.trial_left, r.trial = None, GUARD_TRIAL - 1, StepSums()
             return True
         if r.spec_n < GUARD_MIN_CYCLES:  # nothing to weigh the plain rate against yet
             return True
@@ -344,14 +344,11 @@ class RateGuard:
             r.plain, r.plain_at = (r.plain or StepSums()).fold(tokens, seconds, GUARD_PLAIN_DECAY), now
             r.held_steps += 1
             return
-        if r.trial_left > 0 or r.trial:
-            r.trial.append((tokens, seconds))
+        if r.trial is not None:
+            r.trial.fold(tokens, seconds)
             if r.trial_left > 0:
                 return
-            r.spec = StepSums()
-            for t, sec in r.trial:
-                r.spec.fold(t, sec)
-            r.spec_n, r.trial, after_trial = GUARD_MIN_CYCLES, [], True
+            r.spec, r.spec_n, r.trial, after_trial = r.trial, GUARD_MIN_CYCLES, None, True
         else:
             if now - r.spec_at > GUARD_FRESH_S:  # seconds old: maybe another phase of the machine's speed
                 r.spec, r.spec_n = None, 0
