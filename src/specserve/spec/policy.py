@@ -391,20 +391,31 @@ class StepTimer:
     alone took their noise for a slope: a start-up profile with T(7), T(8) = 46.5, 48.1 ms on the
     Zen 4 put the line at 36.7 ms for one token, above the read, and T(1) stayed at the profile's
     36.2 ms through a phase whose decode steps took 21-33; the fit over 7..14 says 5.6 ms a token.)
-    Steps of the curve's first size (one token) move the phase; a larger size up to the knee learns its own point against the phase, and one
-    past the knee its own estimate. (The larger read-bound sizes used to move the phase too, but
-    in a fast phase their arithmetic, hidden under the read in the profile, is what binds: a
-    lookahead run, 93% 4-5 token steps and one 1-token step per request, read T(1) as 26.8 ms
-    where it was ~23 and drafted too much. Phases last thousands of steps; one-token steps come at
-    least once per request, the first after its prompt.) A curve with no point past its knee (a
+    The knee is where the measured shape put it (a profile, `calibrate`; or the points of a
+    timer that learns in seconds, `observe`): what a step teaches later never moves it, so a
+    point never changes from the read's units to seconds.
+    Steps of the curve's first size (one token) move the phase; a larger size up to the knee
+    learns whichever binds there now: where the read does, its own point against the phase;
+    where the arithmetic under the read does (a fast phase), that size's own C(n) in seconds
+    (`under_read`, in place of the line there); past the knee, its own estimate. Any step bounds
+    the read from above (it reads all the weights): one faster than the phase's T(1) lowers the
+    phase, where no one-token step runs (batch 4) as anywhere. (The larger read-bound sizes used
+    to move the phase both ways, but in a fast phase their arithmetic, hidden under the read in
+    the profile, is what binds: a lookahead run, 93% 4-5 token steps and one 1-token step per
+    request, read T(1) as 26.8 ms where it was ~23 and drafted too much. Phases last thousands of
+    steps; one-token steps come at least once per request, the first after its prompt.) A curve with no point past its knee (a
     GPU's, flat far beyond the sizes measured) is all read and moves as a whole.
 
     One factor for the whole curve (before) made a fast phase's verifies look as cheap against a
     decode step as a slow phase's; the points' own slow share pulled the sizes that ran back and
     left the others (a 3000-step simulation of that Zen 4 curve under alternating phases: the
-    worst size's error 15% at the median step, 4% now). What stays unseen: the arithmetic under
-    the read. The line below the knee is a floor; the Zen 4 took 29 ms for 3 tokens in its fast
-    phase, where the line says 21.
+    worst size's error 15% at the median step, 4% now). What stays unseen until a size runs in
+    a fast phase: the arithmetic under the read. The line below the knee is a floor; the Zen 4
+    took 29 ms for 3 tokens in its fast phase, where the line says 21.
+
+    Read as a whole, the curve never falls: T(n) is at least the estimate at any measured size
+    below n. (Points learned in different phases, or noise past the knee, otherwise showed the
+    policy a draft token that made the step faster.)
     """
 
     def __init__(self, points: dict[int, float] | None = None) -> None:
@@ -414,50 +425,93 @@ class StepTimer:
         self._shape: tuple[list[int], int, tuple[float, float] | None] | None = None
         self._shape_key: tuple[int, int] = (-1, -1)
         self._version = 0
+        self._knee_size = self._find_knee()  # the largest size of the read, fixed by the measured shape
+        # Seconds of sizes up to the knee whose steps measured the arithmetic under the read (a
+        # fast phase's): C(n) there in place of the line.
+        self.under_read: dict[int, float] = {}
         # Answers since the points or the phase last moved: the policy asks for the same few sizes
         # several times a step (a batch-1 choice asked T(1) three times and T(1 + nodes) twice).
         self._memo: dict[float, float] = {}
         self._memo_key: tuple[int, int, float] = (-1, -1, 0.0)
+        self._rising: tuple[list[int], list[float]] | None = None  # sizes and the running max of their times (_floor_below)
 
     def calibrate(self, points: dict[int, float]) -> None:
         """Take freshly measured points (phase 1.0 from now on), keeping others not re-measured."""
         self.points.update(points)
+        self.under_read.clear()
         self.phase = 1.0
         self._version += 1
+        self._knee_size = self._find_knee()
 
     def observe(self, n: int, seconds: float) -> None:
-        """Fold one measurement of an n-token step into the estimate at n (EWMA)."""
+        """Fold one measurement of an n-token step into the estimate at n (EWMA); the shape
+        (where the knee lies) follows the points, as a curve measured at one phase does."""
         if n <= 0 or seconds <= 0:
             return
         self.points[n] = ewma(self.points.get(n), seconds, EWMA)
         self._version += 1
+        self._knee_size = self._find_knee()
+
+    def _find_knee(self) -> int:
+        """The last size of the first run of sizes within KNEE of the first point's time (0: no points)."""
+        xs = sorted(self.points)
+        if not xs:
+            return 0
+        first, knee = self.points[xs[0]], 0
+        while knee + 1 < len(xs) and self.points[xs[knee + 1]] <= KNEE * first:
+            knee += 1
+        return xs[knee]
 
     def observe_scaled(self, n: int, seconds: float) -> None:
         """Fold one measurement of an n-token step into the curve: a one-token step (the curve's
-        first size) into the phase, any other size into its own point (against the phase where
-        the read binds at n); past the knee, into the phase where the read binds there, else into
-        its own point."""
+        first size) into the phase; any other size up to the knee into its own point (against
+        the phase) where the read binds at n, else into its arithmetic (under_read); past the
+        knee, into the phase where the read binds there, else into its own point. A step of any
+        size faster than the read as estimated lowers the phase first."""
         if n <= 0 or seconds <= 0:
             return
         if not self.points:
             self.observe(n, seconds)
             return
         xs, knee, _ = self._xs_knee()
-        if n not in self.points:  # a size not measured yet: its own point, at phase 1.0
-            self.observe(n, seconds / self.phase if self._binds_read(n, xs, knee) else seconds)
+        if n not in self.points:  # a size not measured yet: its own point, at phase 1.0 (the knee stays)
+            if self._binds_read(n, xs, knee):
+                self.points[n] = seconds / self.phase
+            elif knee < len(xs) - 1 and n < xs[knee]:  # under the read: the read as estimated, the arithmetic measured
+                self.points[n], self.under_read[n] = self._read(n, xs, knee), seconds
+            else:
+                self.points[n] = seconds
+            self._version += 1
             return
-        if knee == len(xs) - 1 or n <= xs[knee]:
-            # A size up to the knee: its time is the read unless the arithmetic below it explains
-            # it (then the read is known only to be no slower: the phase may fall, not rise).
+        if n != xs[0] and seconds < (first := self.phase * self.points[xs[0]]):
+            # Any step reads all the weights: one faster than the read as estimated bounds it (at
+            # batch 4 no one-token step comes to correct a phase read too slow, and T(1) under
+            # every larger size showed their verifies as free: Qwen 1.5B on the Zen 4, a restore
+            # read 36 ms where steps of 1-4 tokens took 30).
+            self._move_phase(seconds / first)
+        if n == xs[0]:
+            # The one-token step, the phase's own measure: its time is the read unless the
+            # arithmetic below it explains it (then the read is known only to be no slower: the
+            # phase may fall, not rise).
             read = _interpolate(self.points, xs, n, 0, knee)
             arithmetic = self._arithmetic(n, xs, knee) if knee < len(xs) - 1 else 0.0
-            above = seconds > READ_EVIDENCE * arithmetic  # (not the arithmetic plus noise)
-            if above or self.phase * read > seconds:
-                if n == xs[0]:  # the one-token step: the read alone, the phase's own measure
-                    self._move_phase(seconds / (self.phase * read))
-                else:  # a larger step: its own point, against the phase
+            if seconds > READ_EVIDENCE * arithmetic or self.phase * read > seconds:  # (not the arithmetic plus noise)
+                self._move_phase(seconds / (self.phase * read))
+        elif knee == len(xs) - 1 or n <= xs[knee]:
+            # A larger size up to the knee measures whichever binds there now: the read (its own
+            # point, against the phase) or the arithmetic under it (its own learned time, in
+            # seconds). (Learned as the read, a fast phase's arithmetic-bound steps raised the
+            # read's point by 1 / phase: Qwen 1.5B at batch 4 on the Zen 4, 4 tokens in 30.5 ms
+            # at phase 0.55 read as 55 ms of read, and T(4) then stood above T(5).)
+            read = self.phase * self._read(n, xs, knee)
+            arithmetic = self._arithmetic(n, xs, knee) if knee < len(xs) - 1 else 0.0
+            if read >= arithmetic:
+                self.points[n] = ewma(self.points[n], seconds / self.phase, PHASE_EWMA)
+            else:
+                self.under_read[n] = ewma(arithmetic, seconds, PHASE_EWMA)
+                if seconds < read:  # and the read is no slower than this step
                     self.points[n] = ewma(self.points[n], seconds / self.phase, PHASE_EWMA)
-                    self._version += 1
+            self._version += 1
         elif self._binds_read(n, xs, knee):  # past the knee, in a phase slow enough for the read to bind
             self._move_phase(seconds / self(n))
         else:
@@ -474,11 +528,23 @@ class StepTimer:
         """Estimated seconds for a step of n tokens (n may be an expected, fractional count)."""
         key = (len(self.points), self._version, self.phase)
         if key != self._memo_key:
-            self._memo, self._memo_key = {}, key
+            self._memo, self._memo_key, self._rising = {}, key, None
         elif (t := self._memo.get(n)) is not None:
             return t
-        t = self._memo[n] = self._estimate(n)
+        t = self._memo[n] = max(self._estimate(n), self._floor_below(n))
         return t
+
+    def _floor_below(self, n: float) -> float:
+        """The most any measured size below n is estimated to take: a step of more tokens is never
+        read as cheaper than one of fewer (noisy points past the knee, or a size learned in one
+        phase beside one learned in another, would show the policy a draft token that saves time)."""
+        if self._rising is None:
+            self._rising = (self._xs_knee()[0], [])
+        xs, rising = self._rising
+        i = bisect.bisect_left(xs, n)
+        while len(rising) < i:  # (built only as far as asked: most asks are small steps)
+            rising.append(max(rising[-1] if rising else 0.0, self._estimate(xs[len(rising)])))
+        return rising[i - 1] if i > 0 else 0.0
 
     def _estimate(self, n: float) -> float:
         if not self.points:
@@ -492,15 +558,13 @@ class StepTimer:
         return max(self.phase * self._read(n, xs, knee), self._arithmetic(n, xs, knee))
 
     def _xs_knee(self) -> tuple[list[int], int, tuple[float, float] | None]:
-        """The sorted sizes, the index of the knee (the last of the first run of sizes within KNEE
-        of the first point's time) and C's line below the knee (_line_below); the policy asks many
-        times a step, points change rarely."""
+        """The sorted sizes, the index of the knee (the last size up to the measured shape's knee,
+        _find_knee) and C's line below the knee (_line_below); the policy asks many times a step,
+        points change rarely."""
         key = (len(self.points), self._version)
         if self._shape is None or key != self._shape_key:
             xs = sorted(self.points)
-            first, knee = self.points[xs[0]], 0
-            while knee + 1 < len(xs) and self.points[xs[knee + 1]] <= KNEE * first:
-                knee += 1
+            knee = max(bisect.bisect_right(xs, self._knee_size) - 1, 0)
             self._shape, self._shape_key = (xs, knee, self._line_below(xs, knee)), key
         return self._shape
 
@@ -539,7 +603,17 @@ class StepTimer:
             return _interpolate(p, xs, n, knee, len(xs) - 1)
         # The caller's _xs_knee() has just refreshed the shape; a point past the knee exists here.
         slope, intercept = self._shape[2]  # type: ignore[index, misc]
-        return min(max(slope * n + intercept, 0.0), _interpolate(p, xs, n, 0, knee))
+
+        def line(x: float) -> float:
+            return min(max(slope * x + intercept, 0.0), _interpolate(p, xs, x, 0, knee))
+
+        # Where steps measured the arithmetic under the read, their times (between two sizes, the
+        # two values joined); elsewhere the line.
+        lo, hi = math.floor(n), math.ceil(n)
+        if not self.under_read or (lo not in self.under_read and hi not in self.under_read):
+            return line(n)
+        at_lo = self.under_read.get(lo) or line(lo)
+        return at_lo + (n - lo) * ((self.under_read.get(hi) or line(hi)) - at_lo)
 
     def _binds_read(self, n: float, xs: list[int], knee: int) -> bool:
         return knee == len(xs) - 1 or self.phase * self._read(n, xs, knee) >= self._arithmetic(n, xs, knee)
