@@ -538,12 +538,13 @@ class StepTimer:
         """The most any measured size below n is estimated to take: a step of more tokens is never
         read as cheaper than one of fewer (noisy points past the knee, or a size learned in one
         phase beside one learned in another, would show the policy a draft token that saves time)."""
-        if self._rising is None:
-            self._rising = (self._xs_knee()[0], [])
-        xs, rising = self._rising
+        xs, rising = self._rising or (self._xs_knee()[0], [])
         i = bisect.bisect_left(xs, n)
-        while len(rising) < i:  # (built only as far as asked: most asks are small steps)
-            rising.append(max(rising[-1] if rising else 0.0, self._estimate(xs[len(rising)])))
+        if len(rising) < i:  # built only as far as asked (most asks are small steps), on a copy
+            rising = list(rising)  # (another thread may be reading the one it replaces)
+            while len(rising) < i:
+                rising.append(max(rising[-1] if rising else 0.0, self._estimate(xs[len(rising)])))
+            self._rising = (xs, rising)
         return rising[i - 1] if i > 0 else 0.0
 
     def _estimate(self, n: float) -> float:
