@@ -403,8 +403,9 @@ class StepTimer:
     to move the phase both ways, but in a fast phase their arithmetic, hidden under the read in
     the profile, is what binds: a lookahead run, 93% 4-5 token steps and one 1-token step per
     request, read T(1) as 26.8 ms where it was ~23 and drafted too much. Phases last thousands of
-    steps; one-token steps come at least once per request, the first after its prompt.) A curve with no point past its knee (a
-    GPU's, flat far beyond the sizes measured) is all read and moves as a whole.
+    steps; one-token steps come at least once per request, the first after its prompt.) A curve
+    with no point past its knee (a GPU's, flat far beyond the sizes measured) is all read and
+    moves as a whole.
 
     One factor for the whole curve (before) made a fast phase's verifies look as cheap against a
     decode step as a slow phase's; the points' own slow share pulled the sizes that ran back and
@@ -599,22 +600,22 @@ class StepTimer:
 
     def _arithmetic(self, n: float, xs: list[int], knee: int) -> float:
         """C(n): the points past the knee, joined to the knee point; below, their line."""
-        p = self.points
         if n > xs[knee]:
-            return _interpolate(p, xs, n, knee, len(xs) - 1)
-        # The caller's _xs_knee() has just refreshed the shape; a point past the knee exists here.
-        slope, intercept = self._shape[2]  # type: ignore[index, misc]
-
-        def line(x: float) -> float:
-            return min(max(slope * x + intercept, 0.0), _interpolate(p, xs, x, 0, knee))
-
+            return _interpolate(self.points, xs, n, knee, len(xs) - 1)
+        # (The caller's _xs_knee() has just refreshed the shape; a point past the knee exists here.)
         # Where steps measured the arithmetic under the read, their times (between two sizes, the
         # two values joined); elsewhere the line.
+        under = self.under_read
         lo, hi = math.floor(n), math.ceil(n)
-        if not self.under_read or (lo not in self.under_read and hi not in self.under_read):
-            return line(n)
-        at_lo = self.under_read.get(lo) or line(lo)
-        return at_lo + (n - lo) * ((self.under_read.get(hi) or line(hi)) - at_lo)
+        if not under or (lo not in under and hi not in under):
+            return self._line(n, xs, knee)
+        at_lo = under.get(lo) or self._line(lo, xs, knee)
+        return at_lo + (n - lo) * ((under.get(hi) or self._line(hi, xs, knee)) - at_lo)
+
+    def _line(self, n: float, xs: list[int], knee: int) -> float:
+        """C's line below the knee at n, no higher than the read's points there."""
+        slope, intercept = self._shape[2]  # type: ignore[index, misc]
+        return min(max(slope * n + intercept, 0.0), _interpolate(self.points, xs, n, 0, knee))
 
     def _binds_read(self, n: float, xs: list[int], knee: int) -> bool:
         return knee == len(xs) - 1 or self.phase * self._read(n, xs, knee) >= self._arithmetic(n, xs, knee)
