@@ -80,6 +80,11 @@ KNEE = 1.2  # a step within this factor of the smallest measured one's time is t
 # 5% noise, steps at the arithmetic itself pushed the phase up and a point past the knee).
 READ_EVIDENCE = 1.1
 PHASE_RANGE = (0.25, 4.0)  # the phase never leaves this range, whatever a stalled step measured
+# StepTimer: the median of the last READ_BOUND_WINDOW larger steps' times, each over the read's
+# point, bounds the phase from above (any step reads all the weights). One step alone bounding it
+# biased a noisy near-flat curve: SmolLM2's 3-5 ms steps, 15% noise, read T(3) / T(1) 1.05 where
+# it is 1.03, and prompt lookup drafted half its nodes.
+READ_BOUND_WINDOW = 9
 POOLED_EWMA = 0.05  # the same for the acceptance pooled over requests (a new request's prior)
 SCORE_EWMA = 0.1  # weight of the newest verify in a request's score calibration
 SCORE_PRIOR_WEIGHT = 2.0  # the pooled calibration counts as this many predicted acceptances
@@ -435,11 +440,15 @@ class StepTimer:
         self._memo: dict[float, float] = {}
         self._memo_key: tuple[int, int, float] = (-1, -1, 0.0)
         self._rising: tuple[list[int], list[float]] | None = None  # sizes and the running max of their times (_floor_below)
+        # The phases the latest steps larger than the first size would have if each read alone
+        # (its time over the read's point): their median bounds the phase (READ_BOUND_WINDOW).
+        self._read_bounds: deque[float] = deque(maxlen=READ_BOUND_WINDOW)
 
     def calibrate(self, points: dict[int, float]) -> None:
         """Take freshly measured points (phase 1.0 from now on), keeping others not re-measured."""
         self.points.update(points)
         self.under_read.clear()
+        self._read_bounds.clear()
         self.phase = 1.0
         self._version += 1
         self._knee_size = self._find_knee()
@@ -484,12 +493,15 @@ class StepTimer:
                 self.points[n] = seconds
             self._version += 1
             return
-        if n != xs[0] and seconds < (first := self.phase * self.points[xs[0]]):
-            # Any step reads all the weights: one faster than the read as estimated bounds it (at
-            # batch 4 no one-token step comes to correct a phase read too slow, and T(1) under
-            # every larger size showed their verifies as free: Qwen 1.5B on the Zen 4, a restore
-            # read 36 ms where steps of 1-4 tokens took 30).
-            self._move_phase(seconds / first)
+        if n != xs[0]:
+            # Any step reads all the weights: larger steps faster than the read as estimated bound
+            # it (at batch 4 no one-token step comes to correct a phase read too slow, and T(1)
+            # under every larger size showed their verifies as free: Qwen 1.5B on the Zen 4, a
+            # restore read 36 ms where steps of 1-4 tokens took 30). Their median, not each one:
+            # noise alone takes some steps of a near-flat curve below its read.
+            self._read_bounds.append(seconds / self.points[xs[0]])
+            if len(self._read_bounds) == READ_BOUND_WINDOW and (bound := statistics.median(self._read_bounds)) < self.phase:
+                self._move_phase(bound / self.phase)
         if n == xs[0]:
             # The one-token step, the phase's own measure: its time is the read unless the
             # arithmetic below it explains it (then the read is known only to be no slower: the
