@@ -7,6 +7,8 @@ that must be exact (row independence, speculation on the fast path) is compared 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -420,6 +422,30 @@ def test_auto_keeps_the_files_blocks(smol_auto):
     assert {m.qtype for m in lins} == {3, 8}  # Q4_1 layers, tied Q8_0 head
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert model.model.layers[0].mlp.native is not None
+
+
+def test_hot_products_time_the_first_layers_products_from_cache(smol_auto, smollm_llm, monkeypatch):
+    """time_hot_products: best-of seconds of the model's first block-quantized products (up to
+    HOT_TUNE_BYTES of weights) at n rows, after a pass that brings them into cache; NaN where
+    the model has none (float weights)."""
+    import specserve.engine.runner as runner_mod
+
+    runner = smol_auto.engine.runner
+    seen = []
+    real = BlockQuantLinear.forward
+
+    def forward(self, x):
+        seen.append((self.weight_nbytes, x.shape[0]))
+        return real(self, x)
+
+    monkeypatch.setattr(BlockQuantLinear, "forward", forward)
+    t = runner.time_hot_products(3, repeats=2)
+    assert 0 < t < 1.0
+    per_pass = len(seen) // 3  # one untimed pass and two timed ones, each over the same products
+    assert len(seen) == 3 * per_pass and {rows for _, rows in seen} == {3}
+    nbytes = [b for b, _ in seen[:per_pass]]
+    assert sum(nbytes[:-1]) < runner_mod.HOT_TUNE_BYTES <= sum(nbytes)  # stops once past it
+    assert math.isnan(smollm_llm.engine.runner.time_hot_products(3))
 
 
 @pytest.mark.parametrize("qtype", sorted(NAMES))
@@ -919,6 +945,37 @@ def test_wide_pass_tuning_keeps_the_smallest_width_that_wins_from_there_on(monke
     assert info["min_rows"] == chosen and set(info["ratio"]) == set(kmod.WIDE_CANDIDATES)
     n = len(calls)
     assert kmod.tune_wide_passes(step, big) is None and len(calls) == n  # once per process
+
+
+@pytest.mark.parametrize("forward, hot, chosen", [
+    ({}, {2: 0.8, 3: 0.8, 4: 0.8}, 2),  # forwards even (memory-bound), the 512-bit pass computes faster: it goes from 2
+    ({}, {}, 5),  # even everywhere but from 5 (the forward rule alone)
+    ({2: 1.05}, {2: 0.8, 3: 0.8, 4: 0.8}, 3),  # its 2-row forward 5% slower: not there, whatever it computes
+    ({3: 1.02}, {2: 0.8, 3: 0.8, 4: 0.8}, 2),  # 2% slower is within the margin
+    ({}, {2: 1.2, 3: 0.8, 4: 0.8}, 3),  # computes slower at 2 rows
+])
+def test_wide_passes_that_compute_faster_win_where_forwards_wait_on_memory(monkeypatch, forward, hot, chosen):
+    """A forward in a slow memory phase times the 256- and 512-bit passes even at 2-4 rows (the
+    read hides the arithmetic; a 2-vCPU Zen 4 chose 512 bits from 4 or 5 there and from 2 in a
+    fast phase, where the 256-bit passes cost 8-16% more). Timed in cache too, the 512-bit pass
+    wins where it computes faster and its forward is not slower beyond the margin."""
+    import specserve.kernels as kmod
+
+    fake = _FakeWideKernels()
+    monkeypatch.setattr(kmod, "kernels", lambda: fake)
+    monkeypatch.setattr(kmod, "_wide_tuned", {})
+
+    def step(n: int) -> float:  # forwards: the 512-bit pass 20% faster from 5 rows, else even (unless `forward` says)
+        wide = fake.rows <= n
+        return 0.03 * (1.0 if not wide else forward.get(n, 0.8 if n >= 5 else 1.0))
+
+    def in_cache(n: int) -> float:
+        wide = fake.rows <= n
+        return 0.001 * n * (1.0 if not wide else hot.get(n, 0.8 if n >= 5 else 1.0))
+
+    assert kmod.tune_wide_passes(step, kmod.PREFETCH_TUNE_MIN_BYTES, time_hot=in_cache) == chosen and fake.rows == chosen
+    info = kmod.wide_tuning()
+    assert set(info["hot_ratio"]) == set(kmod.WIDE_CANDIDATES)
 
 
 def test_weights_move_into_one_huge_page_buffer_unchanged():
