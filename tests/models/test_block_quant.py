@@ -953,6 +953,7 @@ def test_wide_pass_tuning_keeps_the_smallest_width_that_wins_from_there_on(monke
     ({2: 1.05}, {2: 0.8, 3: 0.8, 4: 0.8}, 3),  # its 2-row forward 5% slower: not there, whatever it computes
     ({3: 1.02}, {2: 0.8, 3: 0.8, 4: 0.8}, 2),  # 2% slower is within the margin
     ({}, {2: 1.2, 3: 0.8, 4: 0.8}, 3),  # computes slower at 2 rows
+    ({}, {1: 0.8, 2: 0.8, 3: 0.8, 4: 0.8}, 2),  # one row: the forward alone decides (its pass is the read)
 ])
 def test_wide_passes_that_compute_faster_win_where_forwards_wait_on_memory(monkeypatch, forward, hot, chosen):
     """A forward in a slow memory phase times the 256- and 512-bit passes even at 2-4 rows (the

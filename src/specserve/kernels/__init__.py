@@ -347,8 +347,8 @@ def tune_wide_passes(time_step: Callable[[int], float], weight_bytes: int, round
     256-bit passes then cost 8-16% more at 2-4 rows (products streamed 26.6 / 30.2 / 37.2 ms
     against 24.5 / 26.2 / 32.1), and a cached choice outlives the phase it was made in. So with
     `time_hot(n)` (seconds of products of n rows over weights already in cache: the arithmetic
-    alone) the 512-bit pass also wins at n where it computes WIDE_MARGIN faster and its forward is
-    no more than the same margin slower. Runs once per process, on the first model with
+    alone) the 512-bit pass also wins at n > 1 where it computes WIDE_MARGIN faster and its
+    forward is no more than the same margin slower. Runs once per process, on the first model with
     at least PREFETCH_TUNE_MIN_BYTES of weights and only where the build has the AVX-512 path;
     results are bit-identical either way. Returns the threshold set, or None when nothing was tuned.
     """
@@ -383,7 +383,10 @@ def tune_wide_passes(time_step: Callable[[int], float], weight_bytes: int, round
         def wins(n: int) -> bool:
             if best[n, True] <= WIDE_MARGIN * best[n, False]:
                 return True
-            return (hot is not None and hot[n, True] <= WIDE_MARGIN * hot[n, False]
+            # Not for one row: its pass is the read itself, and how it streams is what a cache
+            # timing cannot see (the Zen 4's one-token forwards ran 512 bits wide at 0.83-1.00x
+            # the 256-bit speed from start to start, while in cache it computed 1.15-1.22x faster).
+            return (n > 1 and hot is not None and hot[n, True] <= WIDE_MARGIN * hot[n, False]
                     and WIDE_MARGIN * best[n, True] <= best[n, False])
 
         choice = WIDE_NEVER
