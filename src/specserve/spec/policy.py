@@ -402,9 +402,10 @@ class StepTimer:
     Steps of the curve's first size (one token) move the phase; a larger size up to the knee
     learns whichever binds there now: where the read does, its own point against the phase;
     where the arithmetic under the read does (a fast phase), that size's own C(n) in seconds
-    (`under_read`, in place of the line there); past the knee, its own estimate. Any step bounds
-    the read from above (it reads all the weights): one faster than the phase's T(1) lowers the
-    phase, where no one-token step runs (batch 4) as anywhere. (The larger read-bound sizes used
+    (`under_read`, in place of the line there); past the knee, its own estimate. Every step
+    bounds the read from above (it reads all the weights): where the median of the last
+    READ_BOUND_WINDOW larger steps runs faster than the phase's T(1), the phase falls, where no
+    one-token step runs (batch 4) as anywhere. (The larger read-bound sizes used
     to move the phase both ways, but in a fast phase their arithmetic, hidden under the read in
     the profile, is what binds: a lookahead run, 93% 4-5 token steps and one 1-token step per
     request, read T(1) as 26.8 ms where it was ~23 and drafted too much. Phases last thousands of
@@ -476,8 +477,8 @@ class StepTimer:
         """Fold one measurement of an n-token step into the curve: a one-token step (the curve's
         first size) into the phase; any other size up to the knee into its own point (against
         the phase) where the read binds at n, else into its arithmetic (under_read); past the
-        knee, into the phase where the read binds there, else into its own point. A step of any
-        size faster than the read as estimated lowers the phase first."""
+        knee, into the phase where the read binds there, else into its own point. Larger steps
+        whose median runs faster than the read as estimated lower the phase first."""
         if n <= 0 or seconds <= 0:
             return
         if not self.points:
