@@ -364,21 +364,17 @@ def tune_wide_passes(time_step: Callable[[int], float], weight_bytes: int, round
         if not math.isfinite(time_step(WIDE_CANDIDATES[0])):
             module.set_wide_min_rows(before)
             return None
-        def run(setting: tuple[int, bool]) -> float:
-            n, wide = setting
-            module.set_wide_min_rows(n if wide else WIDE_NEVER)
-            return time_step(n)
 
-        settings = [(n, wide) for n in WIDE_CANDIDATES for wide in (False, True)]
-        best = _best_times(settings, run, rounds)
-        hot = None
-        if time_hot is not None:
-            def run_hot(setting: tuple[int, bool]) -> float:
+        def at_width(timer: Callable[[int], float]) -> Callable[[tuple[int, bool]], float]:
+            def run(setting: tuple[int, bool]) -> float:
                 n, wide = setting
                 module.set_wide_min_rows(n if wide else WIDE_NEVER)
-                return time_hot(n)
+                return timer(n)
+            return run
 
-            hot = _best_times(settings, run_hot, rounds)
+        settings = [(n, wide) for n in WIDE_CANDIDATES for wide in (False, True)]
+        best = _best_times(settings, at_width(time_step), rounds)
+        hot = None if time_hot is None else _best_times(settings, at_width(time_hot), rounds)
 
         def wins(n: int) -> bool:
             if best[n, True] <= WIDE_MARGIN * best[n, False]:

@@ -159,6 +159,11 @@ class RecentMedian:
         self._recent: deque[float] = deque(maxlen=window)
         self.value: float | None = None
 
+    @property
+    def full(self) -> bool:
+        """Whether `window` measurements are in."""
+        return len(self._recent) == self._recent.maxlen
+
     def add(self, x: float) -> float:
         """Fold in one measurement; the new median."""
         self._recent.append(x)
@@ -443,13 +448,13 @@ class StepTimer:
         self._rising: tuple[list[int], list[float]] | None = None  # sizes and the running max of their times (_floor_below)
         # The phases the latest steps larger than the first size would have if each read alone
         # (its time over the read's point): their median bounds the phase (READ_BOUND_WINDOW).
-        self._read_bounds: deque[float] = deque(maxlen=READ_BOUND_WINDOW)
+        self._read_bounds = RecentMedian(READ_BOUND_WINDOW)
 
     def calibrate(self, points: dict[int, float]) -> None:
         """Take freshly measured points (phase 1.0 from now on), keeping others not re-measured."""
         self.points.update(points)
         self.under_read.clear()
-        self._read_bounds.clear()
+        self._read_bounds = RecentMedian(READ_BOUND_WINDOW)
         self.phase = 1.0
         self._version += 1
         self._knee_size = self._find_knee()
@@ -500,8 +505,8 @@ class StepTimer:
             # under every larger size showed their verifies as free: Qwen 1.5B on the Zen 4, a
             # restore read 36 ms where steps of 1-4 tokens took 30). Their median, not each one:
             # noise alone takes some steps of a near-flat curve below its read.
-            self._read_bounds.append(seconds / self.points[xs[0]])
-            if len(self._read_bounds) == READ_BOUND_WINDOW and (bound := statistics.median(self._read_bounds)) < self.phase:
+            bound = self._read_bounds.add(seconds / self.points[xs[0]])
+            if self._read_bounds.full and bound < self.phase:
                 self._move_phase(bound / self.phase)
         if n == xs[0]:
             # The one-token step, the phase's own measure: its time is the read unless the
