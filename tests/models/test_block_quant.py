@@ -646,6 +646,22 @@ def test_paired_groups_give_the_unpaired_bits_for_any_pass_width(qtype):
         k.interleave_rows(random_blocks(qtype, 40, 512).data, qtype, True)
 
 
+@pytest.mark.parametrize("qtype", [12, 14])
+def test_k_quant_passes_of_every_row_count_equal_their_rows_alone(qtype):
+    """Q4_K and Q6_K passes of 5-15 activation rows run a kernel compiled for that row count (the
+    others share one loop from 5 rows on): every count must give each row exactly what it gets
+    alone, in one 8-row group layout and two groups side by side."""
+    k = kernels()
+    if not k.has_avx2():
+        pytest.skip("interleaved layouts need the AVX2 build")
+    kq, data = interleave_rows(random_blocks(qtype, 40, 1024, seed=qtype), paired=False)
+    assert kq == INTERLEAVED[qtype]
+    x = torch.randn(18, 1024, generator=torch.Generator().manual_seed(qtype)) * 3
+    alone = torch.cat([k.qmatmul(x[i : i + 1], data, kq) for i in range(18)])
+    for m in range(1, 19):
+        assert torch.equal(k.qmatmul(x[:m], data, kq), alone[:m]), m
+
+
 def test_prefill_sized_products_equal_their_rows_in_small_batches():
     """A product of many rows whose activations exceed the L2 runs in sweeps of rows over the weight
     tiles; every row must come out exactly as in a small batch (plain and fused SiLU-gated forms,
