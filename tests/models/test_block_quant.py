@@ -646,11 +646,10 @@ def test_paired_groups_give_the_unpaired_bits_for_any_pass_width(qtype):
         k.interleave_rows(random_blocks(qtype, 40, 512).data, qtype, True)
 
 
-@pytest.mark.parametrize("qtype", [12, 14])
-def test_k_quant_passes_of_every_row_count_equal_their_rows_alone(qtype):
-    """Q4_K and Q6_K passes of 5-15 activation rows run a kernel compiled for that row count (the
-    others share one loop from 5 rows on): every count must give each row exactly what it gets
-    alone, in one 8-row group layout and two groups side by side."""
+@pytest.mark.parametrize("qtype", sorted(INTERLEAVED))
+def test_passes_of_every_row_count_equal_their_rows_alone(qtype):
+    """Passes of 5-15 activation rows run a kernel compiled for that row count (16 and more share
+    one loop): every count must give each row exactly what it gets alone."""
     k = kernels()
     if not k.has_avx2():
         pytest.skip("interleaved layouts need the AVX2 build")

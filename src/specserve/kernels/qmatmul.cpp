@@ -570,9 +570,9 @@ inline __m256i bcast4(const int8_t* p) {
 // with per-row register accumulators the kernels spilled from 5 rows on and a 9-token verify
 // cost 3.2 single-token steps on a 2-core AVX2 EPYC. For 1-4 rows the same code is instantiated
 // with a fixed row count (MT), whose accumulator arrays the compiler keeps in registers: that is
-// faster there than the L1 scratch (measured: 1-row Q4_K 0.37 vs 0.51 ms). The K-quants' passes of
-// 5-15 rows (verify steps, small decode batches) get a fixed count too, their row loops unrolled
-// (see dot_x8_kquant). Per row, the integer sums are exact and
+// faster there than the L1 scratch (measured: 1-row Q4_K 0.37 vs 0.51 ms). Passes of 5-15 rows
+// (verify steps, small decode batches) get a fixed count too, their row loops unrolled (see
+// dot_x8_fixed). Per row, the integer sums are exact and
 // the float operations are the same, in the same order, for any number of rows in the pass, so
 // results stay bit-identical to single-row calls (and between the AVX2 and VNNI builds).
 constexpr int kPassRows = 32;  // activation rows per pass over an 8-row weight group
@@ -780,6 +780,7 @@ void dot_q8_0_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
     // |w| as unsigned bytes, the sign moved onto x: 8 registers of |w| and 8 of w do not fit
     // beside the row loop, so the weights are re-read from L1 per row (loads are cheap).
     const uint8_t* ws = blk + 16;
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
       const int8_t* x = a[m].q + b * 32;
       __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();  // two dependency chains
@@ -871,6 +872,7 @@ void dot_q4_q5_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, con
       v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(H, 2), bit));
       v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(H, 3), bit));
     }
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
       const __m256i dot = dot_x8_block32(v, a[m].q + b * 32);
       const __m256 dx = _mm256_set1_ps(a[m].d[b]);
@@ -1447,23 +1449,21 @@ void dot_x8_t(int64_t qtype, const uint8_t* grp, int64_t gap, int64_t step, int6
   }
 }
 
-// Q4_K and Q6_K passes of MT..15 rows with the row count fixed at compile time; false where M is
-// outside that range. The row loops are then unrolled with each row's activation pointer held
-// across sub-blocks instead of reloaded by a loop. An AVX2 build on a Zen 4 (family 25 model 17),
-// whole forwards of the Qwen2.5-Coder-1.5B (Q4_K_M) timed in one process, the two forms
-// alternating (76-90 rounds): 5 / 6 / 8 / 9 / 11 / 13 / 15 tokens 56.7 / 61.6 / 78.4 / 90.6 /
-// 103.7 / 118.7 / 146.0 ms with the loop, 54.0 / 58.8 / 73.6 / 85.7 / 98.8 / 114.1 / 140.0 fixed
-// (faster in 66-88 of the rounds); 16 tokens 148.1 -> 156.6, slower, so 16 rows keep the loop.
-// The other formats keep one loop from 5 rows on (fewer instantiations to compile).
+// Passes of MT..15 rows with the row count fixed at compile time (false where M is outside that
+// range). The row loops are then unrolled with each row's activation pointer held across
+// sub-blocks instead of reloaded by a loop. An AVX2 build on a Zen 4 (family 25 model 17), whole
+// forwards of the Qwen2.5-Coder-1.5B (Q4_K_M) timed in one process, the two forms alternating
+// (76-90 rounds): 5 / 6 / 8 / 9 / 11 / 13 / 15 tokens 56.7 / 61.6 / 78.4 / 90.6 / 103.7 / 118.7 /
+// 146.0 ms with the loop, 54.0 / 58.8 / 73.6 / 85.7 / 98.8 / 114.1 / 140.0 fixed (faster in 66-88
+// of the rounds); 16 tokens 148.1 -> 156.6, slower, so 16 rows and more keep the loop.
 template <int G, int MT = 5>
-bool dot_x8_kquant(int64_t qtype, const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M, float* out) {
+bool dot_x8_fixed(int64_t qtype, const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M, float* out) {
   if constexpr (MT > 15) {
     return false;
   } else {
-    if (M != MT) return dot_x8_kquant<G, MT + 1>(qtype, grp, gap, step, nb, a, M, out);
-    if (qtype == kQ4_K_X8) return dot_q4_k_x8<MT, G>(grp, gap, step, nb, a, M, out), true;
-    if (qtype == kQ6_K_X8) return dot_q6_k_x8<MT, G>(grp, gap, step, nb, a, M, out), true;
-    return false;
+    if (M != MT) return dot_x8_fixed<G, MT + 1>(qtype, grp, gap, step, nb, a, M, out);
+    dot_x8_t<MT, G>(qtype, grp, gap, step, nb, a, M, out);
+    return true;
   }
 }
 
@@ -1475,7 +1475,7 @@ void dot_x8_g(int64_t qtype, const uint8_t* grp, int64_t gap, int64_t step, int6
     case 3: return dot_x8_t<3, G>(qtype, grp, gap, step, nb, a, M, out);
     case 4: return dot_x8_t<4, G>(qtype, grp, gap, step, nb, a, M, out);
     default:
-      if (!dot_x8_kquant<G>(qtype, grp, gap, step, nb, a, M, out)) dot_x8_t<0, G>(qtype, grp, gap, step, nb, a, M, out);
+      if (!dot_x8_fixed<G>(qtype, grp, gap, step, nb, a, M, out)) dot_x8_t<0, G>(qtype, grp, gap, step, nb, a, M, out);
   }
 }
 
