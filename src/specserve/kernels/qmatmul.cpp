@@ -572,7 +572,7 @@ inline __m256i bcast4(const int8_t* p) {
 // with a fixed row count (MT), whose accumulator arrays the compiler keeps in registers: that is
 // faster there than the L1 scratch (measured: 1-row Q4_K 0.37 vs 0.51 ms). Passes of 5-15 rows
 // (verify steps, small decode batches) get a fixed count too, their row loops unrolled (see
-// dot_x8_fixed). Per row, the integer sums are exact and
+// dot_x8_g). Per row, the integer sums are exact and
 // the float operations are the same, in the same order, for any number of rows in the pass, so
 // results stay bit-identical to single-row calls (and between the AVX2 and VNNI builds).
 constexpr int kPassRows = 32;  // activation rows per pass over an 8-row weight group
@@ -1449,34 +1449,22 @@ void dot_x8_t(int64_t qtype, const uint8_t* grp, int64_t gap, int64_t step, int6
   }
 }
 
-// Passes of MT..15 rows with the row count fixed at compile time (false where M is outside that
-// range). The row loops are then unrolled with each row's activation pointer held across
-// sub-blocks instead of reloaded by a loop. An AVX2 build on a Zen 4 (family 25 model 17), whole
-// forwards of the Qwen2.5-Coder-1.5B (Q4_K_M) timed in one process, the two forms alternating
-// (76-90 rounds): 5 / 6 / 8 / 9 / 11 / 13 / 15 tokens 56.7 / 61.6 / 78.4 / 90.6 / 103.7 / 118.7 /
-// 146.0 ms with the loop, 54.0 / 58.8 / 73.6 / 85.7 / 98.8 / 114.1 / 140.0 fixed (faster in 66-88
-// of the rounds); 16 tokens 148.1 -> 156.6, slower, so 16 rows and more keep the loop.
-template <int G, int MT = 5>
-bool dot_x8_fixed(int64_t qtype, const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M, float* out) {
-  if constexpr (MT > 15) {
-    return false;
-  } else {
-    if (M != MT) return dot_x8_fixed<G, MT + 1>(qtype, grp, gap, step, nb, a, M, out);
-    dot_x8_t<MT, G>(qtype, grp, gap, step, nb, a, M, out);
-    return true;
-  }
-}
-
-template <int G>
+// Passes of 1-15 rows run a kernel compiled for their row count (MT), 16 and more one loop
+// (MT = 0). With the count fixed the row loops are unrolled with each row's activation pointer
+// held across sub-blocks instead of reloaded by a loop. An AVX2 build on a Zen 4 (family 25 model
+// 17), whole forwards of the Qwen2.5-Coder-1.5B (Q4_K_M) timed in one process, fixed counts from 5
+// rows against the loop, alternating (76-90 rounds): 5 / 6 / 8 / 9 / 11 / 13 / 15 tokens 56.7 /
+// 61.6 / 78.4 / 90.6 / 103.7 / 118.7 / 146.0 ms with the loop, 54.0 / 58.8 / 73.6 / 85.7 / 98.8 /
+// 114.1 / 140.0 fixed (faster in 66-88 of the rounds); 16 tokens 148.1 -> 156.6, slower, so 16
+// rows and more keep the loop.
+template <int G, int MT = 1>
 void dot_x8_g(int64_t qtype, const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M, float* out) {
-  switch (M) {
-    case 1: return dot_x8_t<1, G>(qtype, grp, gap, step, nb, a, M, out);
-    case 2: return dot_x8_t<2, G>(qtype, grp, gap, step, nb, a, M, out);
-    case 3: return dot_x8_t<3, G>(qtype, grp, gap, step, nb, a, M, out);
-    case 4: return dot_x8_t<4, G>(qtype, grp, gap, step, nb, a, M, out);
-    default:
-      if (!dot_x8_fixed<G>(qtype, grp, gap, step, nb, a, M, out)) dot_x8_t<0, G>(qtype, grp, gap, step, nb, a, M, out);
-  }
+  if constexpr (MT > 15)
+    dot_x8_t<0, G>(qtype, grp, gap, step, nb, a, M, out);
+  else if (M == MT)
+    dot_x8_t<MT, G>(qtype, grp, gap, step, nb, a, M, out);
+  else
+    dot_x8_g<G, MT + 1>(qtype, grp, gap, step, nb, a, M, out);
 }
 
 #endif
