@@ -99,6 +99,7 @@ def test_text_format_holds_the_output_to_a_schema(client):
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": 10**9}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "schema": {"type": 7}}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"tools": [{"type": "function", "name": "bad name"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),

@@ -19,6 +19,7 @@ import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, StrictBool, StrictInt, model_validator
+from pydantic_core import PydanticCustomError
 
 from specserve.server.protocol import ToolFunction, _Body
 
@@ -102,6 +103,14 @@ class TextFormat(_Body):
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        """json_schema without `schema` would constrain nothing; OpenAI refuses it too."""
+        if self.type == "json_schema" and self.schema_ is None:
+            raise PydanticCustomError("missing_schema", 'format json_schema needs "schema": the JSON Schema the '
+                                      "output must validate against", {"param": "schema"})
+        return self
 
 
 class TextConfig(_Body):
@@ -196,7 +205,7 @@ def to_chat(req: ResponsesRequest) -> dict[str, Any]:
     if fmt is not None and fmt.type == "json_object":
         body["response_format"] = {"type": "json_object"}
     elif fmt is not None and fmt.type == "json_schema":
-        schema = {"name": fmt.name or "response", "schema": fmt.schema_ if fmt.schema_ is not None else {}}
+        schema = {"name": fmt.name or "response", "schema": fmt.schema_}
         body["response_format"] = {"type": "json_schema", "json_schema": schema}
     return body
 
