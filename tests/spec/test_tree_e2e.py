@@ -253,3 +253,42 @@ def test_a_new_prompt_is_not_held_behind_another_requests_draft(tiny):
     assert outs["a"] == plain[0] and outs["b"] == plain[1]
     assert max(s.get("a", 0) for s in steps) > allowed  # uncut where no prompt shared the step
     assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+
+
+@pytest.mark.parametrize("method", ["ngram", "lookahead", "draft"])
+def test_drafts_near_the_length_limit_stay_exact_and_inside_it(tiny, method):
+    """Requests that run into max_model_len while drafting: every verified tree fits in the
+    positions left (its deepest node and the token after it included), the outputs equal plain
+    decoding's and end at the limit, batched and alone, and no block leaks."""
+    limit = 64
+    prompts = [p[: limit - 1 - k % 12] for k, p in enumerate(repetitive_prompts(12)) if len(p) >= limit - 1]
+    prompts += [p[:n] for p, n in zip(repetitive_prompts(4, seed=9), (limit - 1, limit - 2, limit - 3, 40))]
+    params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    kw = dict(dtype="float32", checkpoint=tiny, max_model_len=limit, profile_spec_costs=False)
+    base = LLM("tiny", spec_method="none", **kw).generate(prompts, params)
+    extra = dict(draft_checkpoint=tiny) if method == "draft" else dict(lookahead_corpus="none")
+    llm = LLM("tiny", spec_method=method, spec_policy="always", num_spec_tokens=8, spec_copy="none", **extra, **kw)
+    runner, near = llm.engine.runner, Counter()
+    execute = runner.execute
+
+    def wrapped(out):
+        for sr in out.scheduled:
+            if sr.draft is not None:
+                last_known = sr.start_pos + len(sr.token_ids) - len(sr.draft) - 1
+                # the deepest node, then the token the target samples after it, both inside the window
+                end = last_known + sr.draft.max_depth + 2
+                assert end <= limit, (last_known, sr.draft.max_depth)
+                near["drafts"] += 1
+                near["at_the_limit"] += end == limit
+        return execute(out)
+
+    runner.execute = wrapped
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in base]
+    for p, b in list(zip(prompts, base))[::3]:
+        out = llm.generate([p], params)[0]
+        assert out.token_ids == b.token_ids and len(p) + len(out.token_ids) == limit and out.finish_reason == "length"
+    assert near["drafts"] > 0 and near["at_the_limit"] > 0, near
+    eng = llm.engine
+    assert eng.check_integrity()
+    if method == "draft":
+        assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
