@@ -908,12 +908,40 @@ def test_prefetch_tuning_keeps_the_fastest_distance_once_per_process(monkeypatch
     assert (fake.distance, fake.multi_distance) == (3072, 12288)
     assert sorted({d for n, d in calls if n == 1}) == sorted(kmod.PREFETCH_CANDIDATES)
     assert sorted({d for n, d in calls if n > 1}) == sorted(kmod.PREFETCH_MULTI_CANDIDATES)
-    assert {n for n, _ in calls} == {1, kmod.PREFETCH_MULTI_TOKENS}
+    assert {n for n, _ in calls} == {1, *kmod.PREFETCH_MULTI_TOKENS}
     info = kmod.prefetch_tuning()
     assert info["distance"] == 3072 and set(info["step_ms"]) == set(kmod.PREFETCH_CANDIDATES)
     assert info["multi_row_distance"] == 12288 and set(info["multi_row_step_ms"]) == set(kmod.PREFETCH_MULTI_CANDIDATES)
+    assert all(len(ms) == len(kmod.PREFETCH_MULTI_TOKENS) for ms in info["multi_row_step_ms"].values())
     n = len(calls)
     assert kmod.tune_prefetch(step, big) is None and len(calls) == n  # once per process
+
+
+def test_the_multi_row_distance_is_the_one_fastest_over_its_small_forwards_together(monkeypatch):
+    """The multi-row distance is timed on forwards of each of PREFETCH_MULTI_TOKENS and chosen by
+    the least sum of each forward's time over its fastest distance's: a distance 30% slower on
+    one forward loses to one 2% slower on the other (as 4 KiB against 8 KiB on a Zen 4's 2-token
+    forwards, where the 8-token forward alone could not tell them apart)."""
+    import specserve.kernels as kmod
+
+    fake = _FakePrefetchKernels()
+    monkeypatch.setattr(kmod, "kernels", lambda: fake)
+    monkeypatch.setattr(kmod, "_prefetch_tuned", {})
+    monkeypatch.delenv("SPECSERVE_PREFETCH", raising=False)
+    few = kmod.PREFETCH_MULTI_TOKENS[0]
+
+    def step(tokens: int) -> float:
+        if tokens == 1:
+            return 0.025
+        d = fake.multi_distance
+        if tokens == few:  # fastest at 8 KiB, 4 KiB 30% slower
+            return 0.025 * (1.3 if d == 4096 else 1.0 if d == 8192 else 1.1)
+        return 0.040 * (1.0 if d == 4096 else 1.02 if d == 8192 else 1.1)  # 4 KiB fastest by 2%
+
+    kmod.tune_prefetch(step, kmod.PREFETCH_TUNE_MIN_BYTES)
+    assert fake.multi_distance == 8192
+    ms = kmod.prefetch_tuning()["multi_row_step_ms"]
+    assert ms[4096] == [32.5, 40.0] and ms[8192] == [25.0, 40.8]
 
 
 class _FakeWideKernels:

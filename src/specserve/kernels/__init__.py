@@ -13,7 +13,7 @@ distance is a property of the machine (2 KiB on one 2-vCPU Xeon VM, 4 KiB on an 
 one, each ~10% better than the other's choice), and passes over several activation rows (verify
 passes, batched decoding, prompts) want a longer one than one-row decode passes (8 KiB against
 3-4 KiB on a Zen 5). So the first model of a process large enough to stream from DRAM picks both
-by timing its own forwards of 1 and of 8 tokens (`tune_prefetch`). ``$SPECSERVE_PREFETCH=<bytes>``
+by timing its own forwards of 1 token, and of 2 and 5 tokens (`tune_prefetch`). ``$SPECSERVE_PREFETCH=<bytes>``
 pins both instead, ``<one-row>,<multi-row>`` each (0 turns prefetching off).
 
 ``$SPECSERVE_MARCH`` replaces ``native`` in ``-march=``: ``x86-64-v3`` builds the AVX2 kernels an
@@ -247,7 +247,9 @@ def _prefetch_from_env(module: ModuleType) -> None:
 # it the weights sit in cache and any distance looks the same).
 PREFETCH_CANDIDATES = (1024, 2048, 3072, 4096, 6144, 8192)
 PREFETCH_MULTI_CANDIDATES = (2048, 4096, 6144, 8192, 12288, 16384)
-PREFETCH_MULTI_TOKENS = 8  # the forward the multi-row distance is timed on
+# The forwards the multi-row distance is timed on: few rows, where the weights still stream from
+# DRAM and the distance decides the pass's speed (see tune_prefetch).
+PREFETCH_MULTI_TOKENS = (2, 5)
 PREFETCH_TUNE_MIN_BYTES = 64 << 20
 _prefetch_tuned: dict[str, object] = {}
 _TUNE_LOCK = threading.Lock()
@@ -268,13 +270,21 @@ def _best_times(settings: Sequence[T], run: Callable[[T], float], rounds: int) -
 
 def tune_prefetch(time_step: Callable[[int], float], weight_bytes: int, rounds: int = 2) -> int | None:
     """Set the prefetch distances under which the model's forwards are fastest: the one-row
-    distance from `time_step(1)`, the multi-row one from `time_step(PREFETCH_MULTI_TOKENS)`
-    (seconds of one forward of n tokens).
+    distance from `time_step(1)`, the multi-row one from `time_step(n)` for each n in
+    PREFETCH_MULTI_TOKENS (seconds of one forward of n tokens).
+
+    The multi-row distance is timed where it matters: on a 2-vCPU Zen 4 (Qwen 1.5B, 4-minute
+    sweeps) 2- and 3-token forwards at 4 KiB took 33.8 / 36.0 ms against 25.4 / 27.7 at 8 KiB
+    (T(1) 25.2), 2 KiB twice that, while 8-token forwards were within 2% from 4 to 16 KiB. Timed on
+    8 tokens (until session 81) the choice was noise, and a start that kept 4 KiB made every small
+    verify pass ~25% slower; replayed over the sweeps, picking from 2 and 5 tokens cost at most 4%
+    at any of 2 / 3 / 5 / 8 rows (the 8-token rule up to 20%, on the AVX2 build 42%).
 
     Runs once per process, on the first model with at least PREFETCH_TUNE_MIN_BYTES of weights
     per step: every candidate is timed `rounds` times, interleaved, and the best time of each
-    decides. Prefetching changes speed only, never results, so a noisy pick costs nothing but
-    a little speed. Returns the one-row distance chosen, or None when $SPECSERVE_PREFETCH pins
+    decides (for several forwards, the least sum of each one's best time over its fastest
+    candidate's). Prefetching changes speed only, never results, so a noisy pick costs nothing
+    but a little speed. Returns the one-row distance chosen, or None when $SPECSERVE_PREFETCH pins
     them, the weights are too small to tell, or the distances were already chosen in this process.
     """
     if _prefetch_pinned() is not None or weight_bytes < PREFETCH_TUNE_MIN_BYTES:
@@ -285,35 +295,40 @@ def tune_prefetch(time_step: Callable[[int], float], weight_bytes: int, rounds: 
         module = kernels()
         if not module.has_avx2():  # the portable build does not prefetch
             return None
-        one_row = _tune_distance(module, time_step, 1, False, PREFETCH_CANDIDATES, rounds)
+        one_row = _tune_distance(module, time_step, (1,), False, PREFETCH_CANDIDATES, rounds)
         multi_row = one_row and _tune_distance(module, time_step, PREFETCH_MULTI_TOKENS, True, PREFETCH_MULTI_CANDIDATES, rounds)
         if not multi_row:
             return None
         (one, one_ms), (multi, multi_ms) = one_row, multi_row
         _prefetch_tuned.update(distance=one, step_ms=one_ms, multi_row_distance=multi, multi_row_step_ms=multi_ms)
-        logger.info("prefetch distance %d bytes, %d for multi-row passes (1-token / %d-token forward ms by distance: "
-                    "%s / %s)", one, multi, PREFETCH_MULTI_TOKENS, one_ms, multi_ms)
+        logger.info("prefetch distance %d bytes, %d for multi-row passes (forward ms by distance, 1 token: %s; "
+                    "%s tokens: %s)", one, multi, one_ms, " / ".join(map(str, PREFETCH_MULTI_TOKENS)), multi_ms)
         return one
 
 
-def _tune_distance(module: ModuleType, time_step: Callable[[int], float], tokens: int, multi_row: bool,
-                   candidates: Sequence[int], rounds: int) -> tuple[int, dict[int, float]] | None:
-    """Set the one-row or multi-row distance under which `time_step(tokens)` is fastest; returns
-    it with the best milliseconds of each candidate, or None (distance restored) when the
-    forward cannot be timed here."""
+def _tune_distance(module: ModuleType, time_step: Callable[[int], float], tokens: Sequence[int], multi_row: bool,
+                   candidates: Sequence[int], rounds: int) -> tuple[int, dict[int, object]] | None:
+    """Set the one-row or multi-row distance under which forwards of `tokens` (each count) are
+    fastest together: the least sum over counts of each distance's best time over the fastest
+    distance's. Returns it with the best milliseconds of each candidate (for several counts, a
+    list in their order), or None (distance restored) when a forward cannot be timed here."""
     before = module.set_prefetch_distance(candidates[0], multi_row)
-    if not math.isfinite(time_step(tokens)):  # warm-up (first touch); NaN: the step cannot be timed here
+    if not all(math.isfinite(time_step(n)) for n in tokens):  # warm-up (first touch); NaN: cannot be timed here
         module.set_prefetch_distance(before, multi_row)
         return None
 
-    def run(dist: int) -> float:
+    def run(setting: tuple[int, int]) -> float:
+        dist, n = setting
         module.set_prefetch_distance(dist, multi_row)
-        return time_step(tokens)
+        return time_step(n)
 
-    best = _best_times(candidates, run, rounds)
-    choice = min(best, key=best.__getitem__)
+    best = _best_times([(d, n) for d in candidates for n in tokens], run, rounds)
+    fastest = {n: min(best[d, n] for d in candidates) for n in tokens}
+    score = {d: sum(best[d, n] / fastest[n] for n in tokens) for d in candidates}
+    choice = min(candidates, key=score.__getitem__)
     module.set_prefetch_distance(choice, multi_row)
-    return choice, {d: round(t * 1e3, 2) for d, t in best.items()}
+    ms = {d: [round(best[d, n] * 1e3, 2) for n in tokens] for d in candidates}
+    return choice, {d: v[0] if len(tokens) == 1 else v for d, v in ms.items()}
 
 
 def prefetch_tuning() -> dict[str, object]:
