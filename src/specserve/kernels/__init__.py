@@ -276,7 +276,7 @@ def tune_prefetch(time_step: Callable[[int], float], weight_bytes: int, rounds: 
     The multi-row distance is timed where it matters: on a 2-vCPU Zen 4 (Qwen 1.5B, 4-minute
     sweeps) 2- and 3-token forwards at 4 KiB took 33.8 / 36.0 ms against 25.4 / 27.7 at 8 KiB
     (T(1) 25.2), 2 KiB twice that, while 8-token forwards were within 2% from 4 to 16 KiB. Timed on
-    8 tokens (until session 81) the choice was noise, and a start that kept 4 KiB made every small
+    8 tokens alone (the rule before) the choice was noise, and a start that kept 4 KiB made every small
     verify pass ~25% slower; replayed over the sweeps, picking from 2 and 5 tokens cost at most 4%
     at any of 2 / 3 / 5 / 8 rows (the 8-token rule up to 20%, on the AVX2 build 42%).
 
