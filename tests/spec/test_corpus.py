@@ -363,6 +363,30 @@ def test_steps_bound_by_the_arithmetic_under_the_knee_leave_the_read_and_the_cur
     assert min(margins) > 0.3 and statistics.median(margins) > 0.7
 
 
+def test_a_size_no_longer_run_is_bounded_by_the_larger_steps_that_run():
+    """Qwen 1.5B on the 2-vCPU Zen 4 (ms): batch 1 and 2 runs, their one-token steps in a fast
+    phase of the one-row kernel (24 ms) while 2- and 3-token steps kept their 33, stored T(2) and
+    T(3) against that phase; once one-token steps took 33 again they read 45 ms, and at batch 4,
+    where no 2- or 3-token step runs, the curve's floor held T(4) and T(5) at 45 while 4-token
+    steps took 33.5: a fifth token looked free and the policy drafted where it lost. The larger
+    steps that run bound the sizes below them; the curve still never falls."""
+    t = StepTimer({1: 34.0, 2: 33.4, 3: 34.0, 4: 37.2, 5: 37.0, 10: 63.1, 16: 99.0, 20: 127.8, 32: 195.1})
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.choice([1, 1, 2, 3])
+        t.observe_scaled(n, (24.0 if n == 1 else 33.0) * rng.uniform(0.97, 1.03))
+    for _ in range(300):
+        t.observe_scaled(1, 33.0 * rng.uniform(0.97, 1.03))
+    assert t(2) > 40.0  # the stale point (what the batch-4 steps below must correct)
+    for _ in range(40):
+        t.observe_scaled(4, 33.5 * rng.uniform(0.97, 1.03))
+    assert t(4) == pytest.approx(33.5, rel=0.03)
+    assert t(2) <= t(4) * 1.01 and t(3) <= t(4) * 1.01
+    assert t(5) - t(4) > 1.0  # a fifth token costs again
+    curve = [t(k) for k in range(1, 12)]
+    assert all(b >= a for a, b in zip(curve, curve[1:]))
+
+
 def test_a_noisy_near_flat_curve_reads_its_verifies_without_bias():
     """SmolLM2 135M on the 2-vCPU Zen 4: steps of 3-5 ms, 15% noise, a curve nearly flat to 4
     tokens, 60% one-token steps. Each larger step that noise took below the read's estimate

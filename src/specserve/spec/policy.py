@@ -449,12 +449,16 @@ class StepTimer:
         # The phases the latest steps larger than the first size would have if each read alone
         # (its time over the read's point): their median bounds the phase (READ_BOUND_WINDOW).
         self._read_bounds = RecentMedian(READ_BOUND_WINDOW)
+        # The median of each larger size's last READ_BOUND_WINDOW steps, in seconds: what bounds
+        # the estimates of the smaller sizes (_bound_smaller).
+        self._size_bounds: dict[int, RecentMedian] = {}
 
     def calibrate(self, points: dict[int, float]) -> None:
         """Take freshly measured points (phase 1.0 from now on), keeping others not re-measured."""
         self.points.update(points)
         self.under_read.clear()
         self._read_bounds = RecentMedian(READ_BOUND_WINDOW)
+        self._size_bounds = {}
         self.phase = 1.0
         self._version += 1
         self._knee_size = self._find_knee()
@@ -536,8 +540,45 @@ class StepTimer:
         else:
             self.points[n] = ewma(self.points[n], seconds, PHASE_EWMA)
             self._version += 1
+        if n != xs[0]:
+            self._bound_smaller(n, seconds)
         # (The phase alone leaves the curve's shape, which _xs_knee caches, as it was: a decode
         # step, which moves only the phase, no longer has the next step re-sort the points.)
+
+    def _bound_smaller(self, n: int, seconds: float) -> None:
+        """A step of n tokens bounds the estimate of every measured size below n (bar the first,
+        which the phase answers for): where the median of n's last READ_BOUND_WINDOW steps ran
+        faster than such a size is estimated, that size's own values (its point, its arithmetic
+        under the read) move a PHASE_EWMA share of the way down to it.
+
+        A size's point up to the knee is kept against the phase, which the one-token steps set;
+        where the one-row kernel's speed moved and the multi-row ones' did not, a point learned
+        then is off by the phases' ratio once the phase moves back. Qwen 1.5B on the 2-vCPU Zen 4,
+        after the multi-row prefetch distance changed (220a008): batch 1 and 2 runs left T(2) and
+        T(3) at 45-48 ms, the curve's floor held T(4) and T(5) there through batch 4's runs whose
+        4-token steps took 33-36 ms, a fifth token read as free, and the policy drafted with the
+        draft model at batch 4 where it ran 0.79-0.94x plain. Nothing else corrects a size that
+        no longer runs. The median, not each step: noise alone takes some steps of a near-flat
+        curve below a smaller size's true time."""
+        recent = self._size_bounds.get(n)
+        if recent is None:
+            recent = self._size_bounds[n] = RecentMedian(READ_BOUND_WINDOW)
+        bound = recent.add(seconds)
+        if not recent.full:
+            return
+        xs = self._xs_knee()[0]
+        lowered = False
+        for m in xs[1 : bisect.bisect_left(xs, n)]:
+            est = self._estimate(m)
+            if est <= bound:
+                continue
+            f = 1.0 + PHASE_EWMA * (bound / est - 1.0)
+            self.points[m] *= f
+            if m in self.under_read:
+                self.under_read[m] *= f
+            lowered = True
+        if lowered:
+            self._version += 1
 
     def _move_phase(self, ratio: float) -> None:
         """Move the phase a PHASE_EWMA share of the way to explaining a step `ratio` times its estimate."""
