@@ -10,7 +10,7 @@ from specserve.config import SpecConfig
 from specserve.request import Request
 from specserve.sampling_params import SamplingParams
 from specserve.spec.ngram import NgramProposer
-from specserve.spec.policy import AcceptanceStats, SpecPolicy, StepTimer
+from specserve.spec.policy import LENGTH_MIN, AcceptanceStats, SpecPolicy, StepTimer
 from specserve.spec.proposer import longest_suffix_match
 from specserve.spec.reference import ReferenceProposer
 
@@ -142,6 +142,31 @@ def test_catch_up_is_charged_over_the_steps_a_request_has_left():
     assert p.choose([ending], catchup=[1])[0] > 0  # caught up: drafting pays again
     free = _policy(CHEAP_VERIFY, {1: 0.01}, acceptance=0.8)  # no catch-up cost measured: as before
     assert free.choose([_req("e", [1] * 500, max_tokens=3)], catchup=[500])[0] > 0
+
+
+def test_catch_up_is_charged_over_the_answer_a_request_is_expected_to_give():
+    """A request sent without max_tokens may run to its context window and ends at its first stop:
+    charged over the window, a drafter's catch-up on a long prompt looked free. Once answers have
+    finished, it is charged over what the answers longer than this one so far went on for; never
+    over more than max_tokens allows, and an abort's length is not an answer's."""
+    p = _policy(CHEAP_VERIFY, {1: 0.01}, acceptance=0.8)
+    p.catchup_s_per_token = 0.002
+    window = _req("w", [1] * 2000, max_tokens=30000)
+    assert p.tokens_left(window) == 30000
+    assert p.choose([window], catchup=[2000])[0] > 0  # 4 s over 30000 tokens: free
+    for i in range(LENGTH_MIN - 1):
+        p.forget(f"done{i}", 20)
+    p.forget("aborted", None)
+    assert p.tokens_left(window) == 30000  # too few answers yet
+    p.forget("last", 20)
+    assert p.tokens_left(window) == 20
+    assert p.choose([window], catchup=[2000]) == [0]  # 4 s over ~20 tokens: no
+    assert p.choose([window], catchup=[1])[0] > 0  # caught up: drafting pays
+    assert p.tokens_left(_req("short", [1], max_tokens=5)) == 5  # max_tokens still bounds it
+    for i in range(3):
+        p.forget(f"long{i}", 400)
+    window.append_output_tokens([7] * 100)  # past every 20-token answer: what the long ones went on for
+    assert p.tokens_left(window) == 300
 
 
 def test_drafting_is_priced_as_measured_against_its_prediction_per_batch_size():

@@ -1110,7 +1110,9 @@ class LLMEngine:
         for req in finished:
             if self.connector is not None:
                 self.connector.request_finished(req)
-            self.policy.forget(req.request_id)
+            # (an answer's length where it ended by itself or at its limit, not an abort's)
+            ended = req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+            self.policy.forget(req.request_id, req.num_output_tokens if ended else None)
             if self.proposer is not None:
                 self.proposer.request_finished(req)
                 self.proposer.remove_request(req.request_id, finished=True)

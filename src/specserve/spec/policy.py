@@ -98,6 +98,11 @@ PROBE_SHARE = 0.02
 RUN_PROBE_STALE = 4  # after a wholly accepted draft, test the next position unless tested this recently
 NEVER = -(1 << 30)  # AcceptanceStats.tested of a position not tested yet
 CATCHUP_FREE = 2  # tokens a drafting request's proposer processes every step anyway (not a catch-up)
+# A catch-up is charged over the steps a request is expected to have left: its max_tokens still to
+# go, or less where the last LENGTH_WINDOW finished requests' answers say so (at least
+# LENGTH_MIN of them; see SpecPolicy.tokens_left).
+LENGTH_WINDOW = 64
+LENGTH_MIN = 8
 # SpecPolicy.draft_scale: the median of the last DRAFT_SCALE_WINDOW ratios of measured drafting
 # seconds to predicted ones (each kept within DRAFT_SCALE_RANGE), the window starting with
 # DRAFT_SCALE_PRIOR ratios of 1.0. A first use of a shape is an outlier the median ignores: the
@@ -825,6 +830,8 @@ class SpecPolicy:
     _pooled: AcceptanceStats | None = None
     _pooled_free: AcceptanceStats | None = None
     _step: int = 0  # choose() calls so far: the clock of AcceptanceStats.tested
+    _lengths: deque[int] = field(default_factory=lambda: deque(maxlen=LENGTH_WINDOW))  # recent answers' tokens (tokens_left)
+    _sorted_lengths: list[int] = field(default_factory=list)  # the same, sorted
     guard: RateGuard = field(default_factory=RateGuard)  # adaptive only: measured outcomes veto drafts
     # Drafting's measured seconds over the cost model's prediction, by the requests in the draft
     # passes (RateGuard.bucket; see observe_drafting).
@@ -858,10 +865,31 @@ class SpecPolicy:
                                                                    drafted_nodes=pooled.drafted_nodes)
         return st
 
-    def forget(self, request_id: str) -> None:
-        """Drop a finished request's estimates."""
+    def forget(self, request_id: str, generated: int | None = None) -> None:
+        """Drop a finished request's estimates; `generated`, its answer's length in tokens, is
+        remembered for tokens_left (None: a request that did not finish, e.g. aborted)."""
         self._stats.pop((request_id, False), None)
         self._stats.pop((request_id, True), None)
+        if generated is not None and generated > 0:
+            self._lengths.append(generated)
+            self._sorted_lengths = sorted(self._lengths)
+
+    def tokens_left(self, req: Request) -> int:
+        """How many more tokens `req` is expected to generate: its max_tokens still to go, or,
+        once LENGTH_MIN answers have finished, the median of what the recent answers longer than
+        it is now went on for (the median length of them all where fewer than 3 are longer),
+        whichever is smaller. A request sent without max_tokens may run to its context window
+        (thousands of tokens) and end at its first stop after fifty: a drafter's catch-up on its
+        prompt, charged over the window, looked free."""
+        cap = max(1, req.sampling_params.max_tokens - req.num_output_tokens)
+        lengths = self._sorted_lengths
+        if len(lengths) < LENGTH_MIN:
+            return cap
+        done = req.num_output_tokens
+        first = bisect.bisect_right(lengths, done)
+        longer = lengths[first:] if len(lengths) - first >= 3 else lengths
+        typical = statistics.median(longer) - (done if longer is not lengths else 0)
+        return max(1, min(cap, math.ceil(typical)))
 
     def observe_proposal(self, request_id: str, k: int, num_proposed: int, num_kept: int | None = None,
                          free: bool = False) -> None:
@@ -1189,12 +1217,11 @@ class SpecPolicy:
 
     def _catchup_cost(self, req: Request, behind: int, accepted: float) -> float:
         """Seconds per step of catching the proposer up on `behind` tokens of `req`, spread over
-        the steps it has left (max_tokens still to go, 1 + `accepted` tokens per step)."""
+        the steps it is expected to have left (tokens_left, 1 + `accepted` tokens per step)."""
         once = self.catchup_seconds(behind)
         if once <= 0:
             return 0.0
-        left = max(1, req.sampling_params.max_tokens - req.num_output_tokens)
-        return once * (1.0 + accepted) / left
+        return once * (1.0 + accepted) / self.tokens_left(req)
 
     def _cost_model_choice(self, requests: Sequence[Request], eligible: list[bool], other: int,
                            catchup: Sequence[int], free: Sequence[bool]) -> list[int]:
