@@ -886,9 +886,11 @@ class SpecPolicy:
         if len(lengths) < LENGTH_MIN:
             return cap
         done = req.num_output_tokens
-        first = bisect.bisect_right(lengths, done)
-        longer = lengths[first:] if len(lengths) - first >= 3 else lengths
-        typical = statistics.median(longer) - (done if longer is not lengths else 0)
+        first = bisect.bisect_right(lengths, done)  # (sorted: the answers longer than this one so far)
+        if len(lengths) - first >= 3:
+            typical = statistics.median(lengths[first:]) - done
+        else:
+            typical = statistics.median(lengths)
         return max(1, min(cap, math.ceil(typical)))
 
     def observe_proposal(self, request_id: str, k: int, num_proposed: int, num_kept: int | None = None,
