@@ -76,7 +76,9 @@ def plot(payload: dict, path: Path) -> None:
         ax.plot(range(1, len(run["seconds"]) + 1), run["seconds"], "o-", label=f"{run['mode']} ({sum(run['seconds']):.1f} s)")
     ax.set_xlabel("request (one at a time, in order)")
     ax.set_ylabel("seconds")
-    ax.set_title(f"long prompts, short answers, no max_tokens ({payload['machine'].get('cpu', '')})", fontsize=9)
+    mi = payload["machine"]
+    ax.set_title(f"long prompts, short answers, no max_tokens\n{payload['settings']['target']} + "
+                 f"{payload['settings']['draft']} — {mi['cpu']}, commit {mi['commit']}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1217,13 +1217,12 @@ class SpecPolicy:
         CATCHUP_FREE it processes every step anyway (0 where no catch-up cost was measured)."""
         return max(0, behind - CATCHUP_FREE) * self.catchup_s_per_token
 
-    def _catchup_cost(self, req: Request, behind: int, accepted: float) -> float:
-        """Seconds per step of catching the proposer up on `behind` tokens of `req`, spread over
-        the steps it is expected to have left (tokens_left, 1 + `accepted` tokens per step)."""
+    def _catchup_per_token(self, req: Request, behind: int) -> float:
+        """Seconds of catching the proposer up on `behind` tokens of `req`, spread over the tokens
+        it is expected to have left (tokens_left): a step of 1 + accepted tokens is charged that
+        many times this."""
         once = self.catchup_seconds(behind)
-        if once <= 0:
-            return 0.0
-        return once * (1.0 + accepted) / self.tokens_left(req)
+        return once / self.tokens_left(req) if once > 0 else 0.0
 
     def _cost_model_choice(self, requests: Sequence[Request], eligible: list[bool], other: int,
                            catchup: Sequence[int], free: Sequence[bool]) -> list[int]:
@@ -1248,8 +1247,8 @@ class SpecPolicy:
         gains = [st.accepted_by_k(kmax) for st in stats]
         sizes = [st.proposed_by_k(kmax) for st in stats]
         walks = [[0.0] * (kmax + 1) if f else s for s, f in zip(sizes, free)]
-        catch = [[0.0] * (kmax + 1) if f else [0.0] + [self._catchup_cost(r, c, g[k]) for k in range(1, kmax + 1)]
-                 for r, c, g, f in zip(requests, catchup, gains, free)]
+        per_token = [0.0 if f else self._catchup_per_token(r, c) for r, c, f in zip(requests, catchup, free)]
+        catch = [[0.0] + [t * (1.0 + g[k]) for k in range(1, kmax + 1)] for t, g in zip(per_token, gains)]
         verify = n + other
 
         def rate(tokens: float, drafted: float, passes: float, n_spec: int, caught: float) -> float:
@@ -1306,7 +1305,7 @@ class SpecPolicy:
                     pooled = self.pooled_for(free[i])
                     gain, size = pooled.expected_accepted(1), pooled.expected_proposed(1)
                     walk = size * modelled[i]
-                    cost = self._catchup_cost(requests[i], catchup[i], gain) * modelled[i]
+                    cost = self._catchup_per_token(requests[i], catchup[i]) * (1.0 + gain) * modelled[i]
                     r = rate(tokens + gain, drafted + size, max(passes, walk), n_spec + modelled[i], caught + cost)
                     if r > best:
                         ks[i], st.steps_off, best, st.probing = 1, 0, r, True
