@@ -1305,7 +1305,7 @@ class SpecPolicy:
                     pooled = self.pooled_for(free[i])
                     gain, size = pooled.expected_accepted(1), pooled.expected_proposed(1)
                     walk = size * modelled[i]
-                    cost = self._catchup_per_token(requests[i], catchup[i]) * (1.0 + gain) * modelled[i]
+                    cost = per_token[i] * (1.0 + gain)  # (0 for a copy)
                     r = rate(tokens + gain, drafted + size, max(passes, walk), n_spec + modelled[i], caught + cost)
                     if r > best:
                         ks[i], st.steps_off, best, st.probing = 1, 0, r, True
