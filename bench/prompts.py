@@ -89,3 +89,16 @@ PROSE = [
     "Give advice to someone preparing for their first job interview.",
     "Compare tea and hot chocolate as winter drinks.",
 ]
+
+# Coding and explanation asks in Chinese: a third of Qwen2.5's tokens in Chinese answers lie above
+# the 65,536 ids a draft head keeps by default (BPE merge order puts English and code first).
+CHINESE = [
+    "请写一个Python函数，计算列表中所有偶数的和，并解释它的时间复杂度。",
+    "用中文解释什么是二分查找，并给出一个Python实现。",
+    "请用中文介绍一下快速排序算法的原理和步骤。",
+    "写一个Python类来表示银行账户，支持存款和取款，并用中文注释。",
+    "用中文解释Python中列表和元组的区别。",
+    "请写一段Python代码读取CSV文件并计算每一列的平均值，用中文说明每一步。",
+    "什么是递归？请用中文举一个计算阶乘的例子。",
+    "请用中文解释HTTP协议中GET和POST请求的区别。",
+]

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, machine_info, write_json  # noqa: E402
-from prompts import CODING, EDIT, PROSE  # noqa: E402
+from prompts import CHINESE, CODING, EDIT, PROSE  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.config import SpecConfig  # noqa: E402
@@ -69,6 +69,8 @@ class Bench:
                      for p, ref in EDIT[: args.prompts]]
         self.prose = [(tok.apply_chat_template([{"role": "user", "content": p}]), None)
                       for p in PROSE[: args.prompts]]
+        self.chinese = [(tok.apply_chat_template([{"role": "user", "content": p}]), None)
+                        for p in CHINESE[: args.prompts]]
 
     def llm(self, method: str, policy: str = "adaptive", k: int = 4, **kw: Any) -> LLM:
         gc.collect()
@@ -188,7 +190,7 @@ def section_trees(b: Bench) -> list[dict]:
         held = {shape: _count_held_steps(e.engine.policy.guard) for shape, e in engines.items()}
         modes = {"plain": engines["chain"], "chain": engines["chain"], "tree": engines["tree"]}
         eng = engines["tree"].engine
-        sets = {"coding": b.coding, "edit": b.edit, "prose": b.prose}
+        sets = {"coding": b.coding, "edit": b.edit, "prose": b.prose, "chinese": b.chinese}
         for set_name, prompts in [(n, sets[n]) for n in b.args.tree_sets]:
             if method == "reference" and set_name != "edit":
                 continue  # nothing to copy from
@@ -588,7 +590,7 @@ def main() -> int:
                     help="trees section: the node budget per step (--num-speculative-tokens)")
     ap.add_argument("--max-draft-nodes", type=int, default=None,
                     help="the most nodes a tree may have (--max-draft-nodes; the engine's default when not given)")
-    ap.add_argument("--tree-sets", nargs="+", default=["coding", "edit"], choices=["coding", "edit", "prose"],
+    ap.add_argument("--tree-sets", nargs="+", default=["coding", "edit"], choices=["coding", "edit", "prose", "chinese"],
                     help="prompt sets of the trees section")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per set")
     ap.add_argument("--max-tokens", type=int, default=96)

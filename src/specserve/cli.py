@@ -94,7 +94,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="draft model (and EAGLE head / MTP module) quantization (default: int4 when --quantization is auto, else as "
                         "--quantization); a draft's precision changes its acceptance rate, never the output")
     s.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="draft LM head over only the N most frequent tokens (+ special tokens); stays exact "
+                   help="draft LM head over only the N most frequent tokens (+ special tokens, + up to 1024 ids "
+                        "the requests' text uses beyond them, learned as they come); stays exact "
                         "(default: 65536 for vocabularies above 100k; 0: the whole vocabulary)")
     s.add_argument("--draft-p-min", type=float, default=None,
                    help="a draft stops after a token it gives a probability below this (default 0.8; 0: "

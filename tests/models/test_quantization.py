@@ -74,6 +74,65 @@ def test_restricted_head_equals_full_head_on_its_subset():
     assert torch.allclose(p.sum(-1), torch.ones(5)) and (p[:, mask] == 0).all()
 
 
+def test_restricted_head_learns_the_ids_seen_enough_with_the_full_heads_logits(monkeypatch):
+    """An id outside the subset gets a logit once the requests' text held it LEARN_AFTER times (2 here),
+    the full head's; ids in the subset, out of range or seen once stay as they were; at most
+    MAX_LEARNED_IDS are learned, the most emitted ones."""
+    import specserve.models.llama as llama
+
+    monkeypatch.setattr(llama, "LEARN_AFTER", 2)
+    torch.manual_seed(2)
+    full = nn.Linear(16, 10, bias=False)
+    ids = torch.tensor([1, 4, 7, 9])
+    w = full.weight.detach()
+    head = RestrictedLMHead(w[ids], ids, 10, rows=lambda t: w[t])
+    h = torch.randn(3, 16)
+    with torch.no_grad():
+        want = full(h)
+    assert head.learn([2, 4, -1, 10, 3]) == 0 and torch.isneginf(head(h)[:, [0, 2, 3, 5, 6, 8]]).all()
+    assert head.learn([2, 4, 1]) == 1 and head.num_learned == 1  # 2 twice; 4 and 1 are in the subset
+    got = head(h)
+    assert torch.allclose(got[:, [1, 2, 4, 7, 9]], want[:, [1, 2, 4, 7, 9]], atol=1e-6)
+    assert torch.isneginf(got[:, [0, 3, 5, 6, 8]]).all()
+    assert head.learn([2, 2, 2]) == 0  # learned once
+    monkeypatch.setattr(llama, "MAX_LEARNED_IDS", 2)
+    assert head.learn([0, 5, 6, 0, 5, 6]) == 1 and head.num_learned == 2  # room for one more
+    assert head.learn([3, 3]) == 0
+    assert torch.isfinite(head(h)[:, [0, 1, 2, 4, 7, 9]]).all() and torch.isneginf(head(h)[:, [3, 5, 6, 8]]).all()
+    # Full: an id takes over the slot of the learned id counted least (0, twice) once emitted
+    # twice as often; 2 (five times) keeps its slot.
+    assert head.learn([8, 8, 8]) == 0 and head.learn([8]) == 1 and sorted(head.learned_ids.tolist()) == [2, 8]
+    got = head(h)
+    assert torch.allclose(got[:, [2, 8]], want[:, [2, 8]], atol=1e-6) and torch.isneginf(got[:, 0]).all()
+    # A head given no rows (an EAGLE head over a subset) learns nothing.
+    fixed = RestrictedLMHead(w[ids], ids, 10)
+    assert fixed.learn([0, 0, 0]) == 0 and torch.isneginf(fixed(h)[:, 0]).all()
+
+
+def test_a_restricted_tied_head_learns_rows_of_the_embedding_table(smollm_path):
+    """SmolLM2's head is its embedding table: a learned id's logits are the table row's product
+    with the hidden state, in both the float model and the one computing from GGUF blocks."""
+    from specserve.config import CacheConfig, ModelConfig
+    from specserve.engine.runner import ModelRunner
+    from specserve.models.loader import load_model_files
+
+    ck = load_model_files(smollm_path, keep_blocks=True)
+    subset = torch.arange(4096)
+    for quant in ("none", "auto"):
+        runner = ModelRunner(ck.arch, ck.weights, ModelConfig(model="smollm2", dtype="float32", quantization=quant),
+                             CacheConfig(block_size=16, kv_cache_gib=0.01), 64, vocab_subset=subset,
+                             packed=ck.packed)
+        head = runner.model.lm_head
+        assert isinstance(head, RestrictedLMHead)
+        assert head.learn([9000, 20000, 9000, 20000]) == 2
+        h = torch.randn(2, ck.arch.hidden_size)
+        table = runner.model.model.embed_tokens(torch.tensor([9000, 20000])).float()
+        with torch.no_grad():
+            got = head(h)
+        assert torch.allclose(got[:, [9000, 20000]], h @ table.T, atol=1e-4, rtol=1e-4)
+        assert torch.isneginf(got[:, 9001]).all() and torch.isfinite(got[:, :4096]).all()
+
+
 def test_frequent_subset_keeps_special_tokens(smollm_checkpoint):
     tok = smollm_checkpoint.tokenizer
     ids = frequent_token_subset(tok, smollm_checkpoint.arch.vocab_size, 1000).tolist()

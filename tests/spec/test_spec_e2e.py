@@ -140,8 +140,10 @@ def test_tiny_greedy_spec_equals_plain_batched_and_alone(tiny, which):
     batched = llm.generate(prompts, params)
     for b, o in zip(base, batched):
         assert o.token_ids == b.token_ids
+    outs = list(batched)
     for p, prm, b in list(zip(prompts, params, base))[::3]:
-        assert llm.generate([p], prm)[0].token_ids == b.token_ids
+        outs.append(llm.generate([p], prm)[0])
+        assert outs[-1].token_ids == b.token_ids
     eng = llm.engine
     assert eng.spec_counters["num_draft_tokens"] > 0, "nothing was speculated"
     if which in ("draft-full",):
@@ -158,6 +160,12 @@ def test_tiny_greedy_spec_equals_plain_batched_and_alone(tiny, which):
         assert eng.proposer.num_copied > 0 and eng.proposer.num_modelled > 0
     if which == "copy-auto":
         assert [type(c).__name__ for c in eng.proposer.copier.copiers] == ["ReferenceProposer", "NgramProposer"]
+    if which == "draft-restricted":  # the draft's head learned the ids of the upper half the requests used
+        upper = tiny.arch.vocab_size // 2
+        used = {t for p, o in zip(prompts, outs) for t in (*p, *o.token_ids) if t >= upper}
+        learned = set(eng.proposer._head.learned_ids.tolist())
+        # (A request's tokens after its last drafting step are never counted.)
+        assert learned <= used and len(learned) >= len(used) // 2 > 0, (len(learned), len(used))
 
 
 def test_a_join_under_the_adaptive_policy_drafts_with_the_helper_alone_where_the_drafter_is_held_back(tiny):

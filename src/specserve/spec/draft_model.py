@@ -32,6 +32,7 @@ from specserve.kernels import row_argmax, row_topk
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.kv_cache.pages import LayerKV
 from specserve.models.arch import ArchConfig
+from specserve.models.llama import RestrictedLMHead
 from specserve.request import Request
 from specserve.sampling.penalties import drafter_logits
 from specserve.sampling.sampler import (
@@ -65,7 +66,7 @@ MAX_PASSES = 8
 class _DraftSeq:
     """A request as seen by the draft cache: accepted tokens plus unverified fed drafts."""
 
-    __slots__ = ("request_id", "all_token_ids", "num_computed_tokens", "fed")
+    __slots__ = ("request_id", "all_token_ids", "num_computed_tokens", "fed", "counted")
 
     def __init__(self, request: Request) -> None:
         self.request_id = request.request_id
@@ -74,6 +75,7 @@ class _DraftSeq:
         # Draft nodes fed after them last time, in slot order (a chain, or the expanded nodes of
         # a tree), not yet verified.
         self.fed: DraftTree | None = None
+        self.counted = 0  # tokens (prompt, then outputs) already counted by the draft's head
 
 
 class _Cand:
@@ -369,6 +371,8 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
             self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, name="draft"
         )
         self.device = self.runner.device
+        head = self.runner.model.lm_head
+        self._head = head if isinstance(head, RestrictedLMHead) else None  # learns the target's ids outside it
         self._seqs: dict[str, _DraftSeq] = {}
         self._cached: dict[str, int] = {}  # prefix-cache hits of requests not yet drafting
         self._memory_bytes: int | None = None
@@ -520,6 +524,9 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
         if seq is None:
             seq = self._seqs[req.request_id] = _DraftSeq(req)
         self._sync(seq)
+        if self._head is not None and len(seq.all_token_ids) > seq.counted:  # the prompt, then new outputs
+            self._head.learn(seq.all_token_ids[seq.counted :])
+            seq.counted = len(seq.all_token_ids)
         hits, start = self._prefix_hits(seq, len(seq.all_token_ids))
         new = seq.all_token_ids[start:]
         if not self.kv.allocate_slots(seq, len(new) + extra, hits):
