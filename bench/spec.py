@@ -13,6 +13,10 @@ Sections (all by default, in one run):
   batchsweep  batch 1..64: policy none vs always vs adaptive (--batch-method, the draft model by default)
   hf          HF transformers on the same GGUF pair: plain, assisted generation
               (assistant_model) and prompt lookup (prompt_lookup_num_tokens), batch 1 greedy
+  drafthead   the draft model's LM head: its first --draft-vocab ids alone, with the ids the
+              requests use learned (the default), and the whole vocabulary, against plain;
+              the four engines alternate prompt by prompt in one process (--tree-sets, e.g.
+              chinese: a third of the target's tokens there lie above the first 65,536 ids)
 
     python bench/spec.py                       # everything (~1 h on 2 CPU cores)
     python bench/spec.py --sections trees batchsweep
@@ -270,6 +274,53 @@ def _histogram(values: list[int]) -> dict[int, int]:
     return dict(sorted(out.items()))
 
 
+def section_drafthead(b: Bench) -> list[dict]:
+    """Draft-model tokens per step and decode speed by LM head, batch 1, greedy (see the module doc).
+    Fresh engines per prompt set; --drafthead-rounds passes over its prompts, the heads keeping
+    what they learned from one pass to the next (as a server's would)."""
+    k, policy = b.args.tree_k, b.args.tree_policy
+    sets = {"coding": b.coding, "edit": b.edit, "prose": b.prose, "chinese": b.chinese}
+    rows = []
+    for set_name in b.args.tree_sets:
+        engines = {"plain": b.llm("none"), "first_ids": b.llm("draft", policy, k), "learned": b.llm("draft", policy, k),
+                   "whole": b.llm("draft", policy, k, draft_vocab_size=0)}
+        head = engines["first_ids"].engine.proposer._head
+        if head is not None:
+            head.stop_learning()  # also what the warm-up taught it
+        for rnd in range(b.args.drafthead_rounds):
+            acc = {name: {"gen": 0, "t": 0.0, "steps": 0, "drafted": 0, "accepted": 0, "outputs": []} for name in engines}
+            for i, (prompt, ref) in enumerate(sets[set_name]):
+                names = list(engines) if (i + rnd) % 2 == 0 else list(engines)[::-1]  # drift hits all alike
+                for name in names:
+                    llm = engines[name]
+                    llm.engine.kv_manager.reset_prefix_cache()
+                    llm.engine.reset_suffix_cache()
+                    params = SamplingParams(max_tokens=b.args.max_tokens, temperature=0, reference_text=ref)
+                    out = llm.generate(prompt, params, use_tqdm=False)[0]
+                    m, a = out.metrics, acc[name]
+                    a["gen"] += m.num_generated_tokens
+                    a["t"] += m.e2e_s - m.ttft_s
+                    a["steps"] += m.extra["num_target_steps"]
+                    a["drafted"] += m.extra["num_draft_tokens"]
+                    a["accepted"] += m.extra["num_accepted_tokens"]
+                    a["outputs"].append(out.token_ids)
+            n = len(sets[set_name])
+            base = (acc["plain"]["gen"] - n) / acc["plain"]["t"]
+            for name, a in acc.items():
+                rate = (a["gen"] - n) / a["t"]
+                head = engines[name].engine.proposer._head if name != "plain" else None
+                learned = head.num_learned if head is not None else 0
+                same = a["outputs"] == acc["plain"]["outputs"]
+                rows.append({"prompt_set": set_name, "round": rnd, "head": name, "prompts": n, "policy": policy,
+                             "k_max": k, "decode_tokens_per_s": rate, "speedup_vs_plain": rate / base,
+                             "tokens_per_step": a["gen"] / a["steps"], "draft_tokens": a["drafted"],
+                             "accepted_tokens": a["accepted"], "learned_ids": learned, "outputs_equal_plain": same})
+                log(f"drafthead {set_name:7s} round {rnd} {name:9s}: {rate:6.2f} tok/s x{rate / base:.2f}, "
+                    f"{a['gen'] / a['steps']:.2f} tokens/step, {learned} ids learned, outputs equal to plain: {same}")
+        del engines
+    return rows
+
+
 def section_batch1(b: Bench) -> list[dict]:
     """none / draft / ngram / reference at batch 1 on both prompt sets, greedy and T=0.7."""
     rows = []
@@ -503,6 +554,24 @@ def plot(payload: dict, path: Path) -> None:
         ax.set_xlabel("K (draft tokens per step)")
         ax.legend(fontsize=8)
         ax.set_title("draft model, greedy, coding prompts", fontsize=10)
+    dh = payload.get("drafthead") or []
+    if dh and not ks and not trees:  # the draft head's vocabulary, where no K sweep takes the panel
+        ax = axes[0][1]
+        groups = list(dict.fromkeys((r["prompt_set"], r["round"]) for r in dh))
+        heads = [h for h in ("first_ids", "learned", "whole") if any(r["head"] == h for r in dh)]
+        width = 0.8 / len(heads)
+        for j, h in enumerate(heads):
+            for i, g in enumerate(groups):
+                r = next(r for r in dh if (r["prompt_set"], r["round"]) == g and r["head"] == h)
+                x = i + (j - (len(heads) - 1) / 2) * width
+                ax.bar(x, r["speedup_vs_plain"], width=width, color=f"C{j}", label=h if i == 0 else None)
+                ax.annotate(f"{r['speedup_vs_plain']:.2f}x\n{r['tokens_per_step']:.2f}", (x, r["speedup_vs_plain"]),
+                            ha="center", va="bottom", fontsize=6)
+        ax.set_xticks(range(len(groups)), [f"{ps}\npass {rnd + 1}" for ps, rnd in groups], fontsize=7)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_ylabel("decode speedup vs plain (batch 1, greedy)")
+        ax.set_title("draft model by LM head (labels: speedup, tokens/step)", fontsize=10)
+        ax.legend(fontsize=8)
     bs = payload.get("batchsweep") or []
     ax = axes[1][0]
     if bs:
@@ -545,8 +614,8 @@ def plot(payload: dict, path: Path) -> None:
         ax.set_title(f"what the drafts yield (policy {payload['settings'].get('tree_policy', 'adaptive')})", fontsize=10)
     carried = payload.get("carried", {})
     for ax, key in ((axes[0][1], "ksweep"), (axes[1][0], "batchsweep"), (axes[1][1], "hf")):
-        if key == "ksweep" and not payload.get(key) and trees:
-            continue  # the panel shows tokens per forward instead
+        if key == "ksweep" and not payload.get(key) and (trees or payload.get("drafthead")):
+            continue  # the panel shows tokens per forward or the draft heads instead
         if not payload.get(key):
             ax.text(0.5, 0.5, f"not measured in this run\n(python bench/spec.py --sections {key})",
                     ha="center", va="center", transform=ax.transAxes, fontsize=9, color="#666666")
@@ -578,12 +647,14 @@ def main() -> int:
     ap.add_argument("--extra-baselines", nargs="*", default=[],
                     help="extra batch-1 rows: none-int8 = plain decoding of the int8 target")
     ap.add_argument("--batch-rounds", type=int, default=3, help="batchsweep: interleaved rounds (medians reported)")
+    ap.add_argument("--drafthead-rounds", type=int, default=2, help="drafthead: passes over each set's prompts")
     ap.add_argument("--batch-method", default="draft", help="batchsweep: the proposer (METHOD+COPY as --tree-methods)")
     ap.add_argument("--tree-methods", nargs="+", default=["draft", "ngram", "reference", "lookahead"],
                     help="proposers of the trees section; METHOD+COPY (draft+ngram, eagle+reference) puts "
                          "--spec-copy COPY in front of a model drafter, METHOD+join (eagle+join, eagle+none+join) "
                          "joins lookahead's candidates into its trees (--spec-join lookahead)")
-    ap.add_argument("--sections", nargs="+", default=["trees", "batch1", "ksweep", "batchsweep", "hf"])
+    ap.add_argument("--sections", nargs="+", default=["trees", "batch1", "ksweep", "batchsweep", "hf"],
+                    choices=["trees", "batch1", "ksweep", "batchsweep", "hf", "drafthead"])
     ap.add_argument("--tree-policy", default="adaptive", choices=["adaptive", "always"],
                     help="trees section: the policy (always: every step drafts, to measure acceptance)")
     ap.add_argument("--tree-k", type=int, default=8,
@@ -608,13 +679,13 @@ def main() -> int:
         old = json.loads(out_json.read_text())
         same = all(old.get("settings", {}).get(k) == getattr(args, k) for k in ("target", "draft", "quantization"))
         carried = dict(old.get("carried", {}))
-        for key in ("trees", "batch1", "ksweep", "batchsweep", "hf"):
+        for key in ("trees", "batch1", "ksweep", "batchsweep", "hf", "drafthead"):
             if same and key in old and key not in args.sections:  # never mix precisions in one file
                 payload[key] = old[key]
                 payload.setdefault("carried", {})[key] = carried.get(key, old["machine"].get("commit"))
     b = Bench(args)
     sections = {"trees": section_trees, "batch1": section_batch1, "ksweep": section_ksweep,
-                "batchsweep": section_batchsweep, "hf": section_hf}
+                "batchsweep": section_batchsweep, "hf": section_hf, "drafthead": section_drafthead}
     for name in args.sections:
         t0 = time.perf_counter()
         payload[name] = sections[name](b)

@@ -104,6 +104,9 @@ def test_restricted_head_learns_the_ids_seen_enough_with_the_full_heads_logits(m
     assert head.learn([8, 8, 8]) == 0 and head.learn([8]) == 1 and sorted(head.learned_ids.tolist()) == [2, 8]
     got = head(h)
     assert torch.allclose(got[:, [2, 8]], want[:, [2, 8]], atol=1e-6) and torch.isneginf(got[:, 0]).all()
+    head.stop_learning()  # the subset alone again, for good
+    assert head.num_learned == 0 and head.learn([0, 0, 3, 3, 3, 3]) == 0
+    assert torch.isneginf(head(h)[:, [0, 2, 3, 8]]).all() and torch.isfinite(head(h)[:, ids]).all()
     # A head given no rows (an EAGLE head over a subset) learns nothing.
     fixed = RestrictedLMHead(w[ids], ids, 10)
     assert fixed.learn([0, 0, 0]) == 0 and torch.isneginf(fixed(h)[:, 0]).all()

@@ -18,9 +18,9 @@ from specserve.models.arch import ArchConfig
 # A restricted LM head learns an id outside its subset once the requests' text (prompts and
 # outputs) held it this often, and at most this many: their logits are a float product beside
 # the subset's (896 wide: 25-57 us for 256 at 1-4 rows, 75-300 us for 1024, where a 0.5B draft
-# pass takes 7-8 ms). On 8 Chinese asks (Qwen2.5-Coder 1.5B + 0.5B, K 4): 1.96 tokens a step
-# with the first 65,536 ids alone, 2.24 learning ids seen twice, 2.42 learning them at once,
-# 2.62 with the whole vocabulary (a 10% dearer pass).
+# pass takes 7-8 ms). On 8 Chinese asks (Qwen2.5-Coder 1.5B + 0.5B, every step drafting K 4):
+# 1.97 tokens a step with the first 65,536 ids alone, 2.24 learning ids once seen twice, 2.43
+# learning them at once, 2.62 with the whole vocabulary (a ~10% dearer pass).
 LEARN_AFTER = 1
 MAX_LEARNED_IDS = 1024
 # Layers per native call in a forward that waits on KV loading layer by layer (LlamaModel.layer_wait).
@@ -376,6 +376,14 @@ class RestrictedLMHead(nn.Module):
         else:
             self.learned_ids[slot] = token
             self.learned_weight[slot] = row[0]
+
+    def stop_learning(self) -> None:
+        """Forget the learned ids and learn no more: the subset alone (to compare against)."""
+        self._rows = None
+        self.learned_ids = self.learned_ids[:0]
+        self.learned_weight = None
+        self._counts.clear()
+        self._slots.clear()
 
     @property
     def num_learned(self) -> int:

@@ -66,7 +66,7 @@ MAX_PASSES = 8
 class _DraftSeq:
     """A request as seen by the draft cache: accepted tokens plus unverified fed drafts."""
 
-    __slots__ = ("request_id", "all_token_ids", "num_computed_tokens", "fed", "counted")
+    __slots__ = ("request_id", "all_token_ids", "num_computed_tokens", "fed")
 
     def __init__(self, request: Request) -> None:
         self.request_id = request.request_id
@@ -75,7 +75,6 @@ class _DraftSeq:
         # Draft nodes fed after them last time, in slot order (a chain, or the expanded nodes of
         # a tree), not yet verified.
         self.fed: DraftTree | None = None
-        self.counted = 0  # tokens (prompt, then outputs) already counted by the draft's head
 
 
 class _Cand:
@@ -372,7 +371,8 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
         )
         self.device = self.runner.device
         head = self.runner.model.lm_head
-        self._head = head if isinstance(head, RestrictedLMHead) else None  # learns the target's ids outside it
+        self._head = head if isinstance(head, RestrictedLMHead) else None  # learns the ids the requests use beyond it
+        self._counted: dict[str, int] = {}  # request id -> its tokens the head has counted
         self._seqs: dict[str, _DraftSeq] = {}
         self._cached: dict[str, int] = {}  # prefix-cache hits of requests not yet drafting
         self._memory_bytes: int | None = None
@@ -404,8 +404,29 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
         return max(0, len(request.all_token_ids) - seq.num_computed_tokens - fed)
 
     # ------------------------------------------------------------------ lifecycle
+    def add_request(self, request: Request) -> None:
+        """The head counts the prompt's ids (and later the answer's, drafted for or not)."""
+        self._count_text(request)
+
+    def request_finished(self, request: Request) -> None:
+        """The head counts what the request wrote after its last draft."""
+        self._count_text(request)
+        self._counted.pop(request.request_id, None)
+
+    def _count_text(self, request: Request) -> None:
+        """Show the restricted head the request's tokens it has not counted yet."""
+        if self._head is None:
+            return
+        ids = request.all_token_ids
+        done = self._counted.get(request.request_id, 0)
+        if len(ids) > done:
+            self._head.learn(ids[done:])
+            self._counted[request.request_id] = len(ids)
+
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Free the request's draft KV (a preempted request catches up again later)."""
+        if finished:
+            self._counted.pop(request_id, None)
         self._cached.pop(request_id, None)
         self._arriving.pop(request_id, None)
         seq = self._seqs.pop(request_id, None)
@@ -524,9 +545,7 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
         if seq is None:
             seq = self._seqs[req.request_id] = _DraftSeq(req)
         self._sync(seq)
-        if self._head is not None and len(seq.all_token_ids) > seq.counted:  # the prompt, then new outputs
-            self._head.learn(seq.all_token_ids[seq.counted :])
-            seq.counted = len(seq.all_token_ids)
+        self._count_text(req)
         hits, start = self._prefix_hits(seq, len(seq.all_token_ids))
         new = seq.all_token_ids[start:]
         if not self.kv.allocate_slots(seq, len(new) + extra, hits):
