@@ -163,7 +163,12 @@ def test_tiny_greedy_spec_equals_plain_batched_and_alone(tiny, which):
     if which == "draft-restricted":  # the draft's head learned the ids of the upper half the requests used
         upper = tiny.arch.vocab_size // 2
         used = {t for p, o in zip(prompts, outs) for t in (*p, *o.token_ids) if t >= upper}
-        assert used and set(eng.proposer._head.learned_ids.tolist()) == used
+        head = eng.proposer._head
+        assert used and set(head.learned_ids.tolist()) == used
+        # The tiny model's head is untied: kept whole for those rows, and counted as the draft's memory.
+        whole = head.rows_data
+        assert whole is not None and whole.shape[0] == tiny.arch.vocab_size
+        assert eng.proposer.memory_bytes() >= whole.numel() * whole.element_size() + eng.proposer.runner.kv_cache_bytes
 
 
 def test_a_join_under_the_adaptive_policy_drafts_with_the_helper_alone_where_the_drafter_is_held_back(tiny):

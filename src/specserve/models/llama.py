@@ -309,7 +309,8 @@ class RestrictedLMHead(nn.Module):
     """
 
     def __init__(self, proj: nn.Module | torch.Tensor, token_ids: torch.Tensor, vocab_size: int,
-                 rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 rows_data: torch.Tensor | None = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         if isinstance(proj, torch.Tensor):  # the subset's rows of a float head
@@ -322,6 +323,8 @@ class RestrictedLMHead(nn.Module):
         device = next(proj.buffers()) if device is None else device
         self.register_buffer("token_ids", token_ids.to(device=device.device, dtype=torch.long), persistent=False)
         self._rows = rows  # ids -> the full head's rows, float32 (None: nothing is learned)
+        # What `rows` reads that nothing else keeps (an untied head, whole): counted in the model's memory.
+        self.register_buffer("rows_data", rows_data, persistent=False)
         self.register_buffer("learned_ids", torch.empty(0, dtype=torch.long, device=device.device), persistent=False)
         self.register_buffer("learned_weight", None, persistent=False)  # [learned, hidden] float32
         self._in_subset = bytearray(vocab_size)
@@ -418,31 +421,33 @@ class LlamaForCausalLM(nn.Module):
 
     def restrict_vocab(self, token_ids: torch.Tensor) -> None:
         """Replace the LM head by one over `token_ids` only (sorted, unique); see RestrictedLMHead."""
-        from specserve.models.block_linear import BlockQuantLinear
+        from specserve.models.block_linear import BlockQuantLinear, PackedWeight
 
         head = self.lm_head
+        # The rows of ids it learns (RestrictedLMHead.learn): a tied head's are the embedding
+        # table's, which stays loaded; an untied head is kept whole (and counted as the head's).
+        kept = None
         if isinstance(head, BlockQuantLinear):  # rows of blocks are independent: keep the chosen ones
             pw = head.packed()
             rows = pw.data.index_select(0, token_ids.to(pw.data.device))
             proj: nn.Module | torch.Tensor = BlockQuantLinear(pw._replace(data=rows, shape=(rows.shape[0], pw.shape[1])))
+            kept = pw.data
+
+            def whole_rows(ids: torch.Tensor) -> torch.Tensor:
+                return PackedWeight(pw.qtype, pw.data.index_select(0, ids.to(pw.data.device)),
+                                    (ids.numel(), pw.shape[1])).dequantize()
         else:
-            proj = head.weight.detach().index_select(0, token_ids.to(head.weight.device))
-        self.lm_head = RestrictedLMHead(proj, token_ids, self.config.vocab_size, rows=self._head_rows(head))
+            weight = kept = head.weight.detach()
+            proj = weight.index_select(0, token_ids.to(weight.device))
 
-    def _head_rows(self, head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        """ids -> the full LM head's rows in float32, for the restricted head's learned ids: a tied
-        head's are the embedding table's rows (which stays loaded); an untied head is kept whole."""
-        from specserve.models.block_linear import BlockQuantLinear, PackedWeight
-
+            def whole_rows(ids: torch.Tensor) -> torch.Tensor:
+                return weight.index_select(0, ids.to(weight.device)).float()
         if self.config.tie_word_embeddings:
-            table = self.model.embed_tokens
-            return lambda ids: table(ids).float()
-        if isinstance(head, BlockQuantLinear):
-            pw = head.packed()
-            return lambda ids: PackedWeight(pw.qtype, pw.data.index_select(0, ids.to(pw.data.device)),
-                                            (ids.numel(), pw.shape[1])).dequantize()
-        weight = head.weight.detach()
-        return lambda ids: weight.index_select(0, ids.to(weight.device)).float()
+            table, kept = self.model.embed_tokens, None
+
+            def whole_rows(ids: torch.Tensor) -> torch.Tensor:
+                return table(ids).float()
+        self.lm_head = RestrictedLMHead(proj, token_ids, self.config.vocab_size, rows=whole_rows, rows_data=kept)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Adopt HF-named tensors as the parameters (no copy), refusing missing or extra names.
