@@ -325,22 +325,31 @@ class RestrictedLMHead(nn.Module):
         self._rows = rows  # ids -> the full head's rows, float32 (None: nothing is learned)
         # What `rows` reads that nothing else keeps (an untied head, whole): counted in the model's memory.
         self.register_buffer("rows_data", rows_data, persistent=False)
-        self.register_buffer("learned_ids", torch.empty(0, dtype=torch.long, device=device.device), persistent=False)
-        self.register_buffer("learned_weight", None, persistent=False)  # [learned, hidden] float32
+        # The learned ids and their rows, room for MAX_LEARNED_IDS made at the first (the first
+        # num_learned in use): learning never copies what was learned before.
+        self.register_buffer("ids_buf", None, persistent=False)
+        self.register_buffer("rows_buf", None, persistent=False)  # float32
+        self.num_learned = 0
         self._in_subset = bytearray(vocab_size)
         for i in token_ids.tolist():
             self._in_subset[i] = 1
         self._counts: dict[int, int] = {}  # ids outside the subset: times the requests' text held them
-        self._slots: dict[int, int] = {}  # learned id -> its row of learned_weight
+        self._slots: dict[int, int] = {}  # learned id -> its slot
+        self._floor = 0  # a lower bound on the least count among the learned ids (counts only grow)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         """Logits over the full vocabulary, -inf outside the subset and the learned ids."""
         sub = self.proj(hidden)
         out = sub.new_full((hidden.shape[0], self.vocab_size), float("-inf"))
         out.index_copy_(1, self.token_ids, sub)
-        if self.learned_weight is not None:
-            out.index_copy_(1, self.learned_ids, (hidden.float() @ self.learned_weight.T).to(out.dtype))
+        if n := self.num_learned:
+            out.index_copy_(1, self.ids_buf[:n], (hidden.float() @ self.rows_buf[:n].T).to(out.dtype))
         return out
+
+    @property
+    def learned_ids(self) -> torch.Tensor:
+        """The ids learned so far, by slot."""
+        return self.ids_buf[: self.num_learned] if self.ids_buf is not None else self.token_ids[:0]
 
     def learn(self, text: Sequence[int]) -> int:
         """Count the ids outside the subset in a request's new text. One counted LEARN_AFTER times
@@ -349,7 +358,7 @@ class RestrictedLMHead(nn.Module):
         ids its traffic uses most, not the first ones). Returns how many ids were added."""
         if self._rows is None:
             return 0
-        counts, slots, added = self._counts, self._slots, 0
+        counts, slots, placed = self._counts, self._slots, []
         for t in text:
             if not 0 <= t < self.vocab_size or self._in_subset[t]:
                 continue
@@ -359,39 +368,40 @@ class RestrictedLMHead(nn.Module):
             if len(slots) < MAX_LEARNED_IDS:
                 slot = len(slots)
             else:
+                if n < 2 * self._floor:  # below twice any learned id's count: nothing to take over
+                    continue
                 slot, least = min(((j, counts[i]) for i, j in slots.items()), key=lambda jc: jc[1])
+                self._floor = least
                 if n < 2 * least:
                     continue
-                del slots[int(self.learned_ids[slot])]
+                del slots[next(i for i, j in slots.items() if j == slot)]
             slots[t] = slot
-            self._place(slot, t)
-            added += 1
-        return added
+            placed.append((slot, t))
+        if placed:
+            self._place(placed)
+        return len(placed)
 
-    def _place(self, slot: int, token: int) -> None:
-        """Give `token` the learned row `slot` (the next one, or one taken over)."""
-        row = self._rows(torch.tensor([token], device=self.learned_ids.device)).to(torch.float32)
-        if slot == self.learned_ids.numel():
-            ids = torch.tensor([token], dtype=torch.long, device=self.learned_ids.device)
-            self.learned_ids = torch.cat((self.learned_ids, ids))
-            w = self.learned_weight
-            self.learned_weight = row if w is None else torch.cat((w, row.to(w.device)))
-        else:
-            self.learned_ids[slot] = token
-            self.learned_weight[slot] = row[0]
+    def _place(self, placed: list[tuple[int, int]]) -> None:
+        """Give each token its slot's row (a new slot, or one taken over): one read of the rows."""
+        placed = list(dict(placed).items())  # a slot taken over within the call: its last token
+        dev = self.token_ids.device
+        tokens = torch.tensor([t for _, t in placed], dtype=torch.long, device=dev)
+        rows = self._rows(tokens).to(device=dev, dtype=torch.float32)
+        if self.ids_buf is None:
+            self.ids_buf = torch.zeros(MAX_LEARNED_IDS, dtype=torch.long, device=dev)
+            self.rows_buf = torch.zeros(MAX_LEARNED_IDS, rows.shape[1], device=dev)
+        where = torch.tensor([j for j, _ in placed], dtype=torch.long, device=dev)
+        self.ids_buf[where] = tokens
+        self.rows_buf[where] = rows
+        self.num_learned = max(self.num_learned, max(j for j, _ in placed) + 1)
 
     def stop_learning(self) -> None:
         """Forget the learned ids and learn no more: the subset alone (to compare against)."""
         self._rows = None
-        self.learned_ids = self.learned_ids[:0]
-        self.learned_weight = None
+        self.num_learned = 0
+        self._floor = 0
         self._counts.clear()
         self._slots.clear()
-
-    @property
-    def num_learned(self) -> int:
-        """Ids outside the subset learned so far."""
-        return self.learned_ids.numel()
 
 
 class LlamaForCausalLM(nn.Module):
