@@ -370,11 +370,11 @@ class RestrictedLMHead(nn.Module):
             else:
                 if n < 2 * self._floor:  # below twice any learned id's count: nothing to take over
                     continue
-                slot, least = min(((j, counts[i]) for i, j in slots.items()), key=lambda jc: jc[1])
-                self._floor = least
-                if n < 2 * least:
+                victim = min(slots, key=counts.__getitem__)
+                self._floor = counts[victim]
+                if n < 2 * self._floor:
                     continue
-                del slots[next(i for i, j in slots.items() if j == slot)]
+                slot = slots.pop(victim)
             slots[t] = slot
             placed.append((slot, t))
         if placed:
@@ -434,29 +434,25 @@ class LlamaForCausalLM(nn.Module):
         from specserve.models.block_linear import BlockQuantLinear, PackedWeight
 
         head = self.lm_head
-        # The rows of ids it learns (RestrictedLMHead.learn): a tied head's are the embedding
-        # table's, which stays loaded; an untied head is kept whole (and counted as the head's).
-        kept = None
         if isinstance(head, BlockQuantLinear):  # rows of blocks are independent: keep the chosen ones
             pw = head.packed()
             rows = pw.data.index_select(0, token_ids.to(pw.data.device))
             proj: nn.Module | torch.Tensor = BlockQuantLinear(pw._replace(data=rows, shape=(rows.shape[0], pw.shape[1])))
-            kept = pw.data
-
-            def whole_rows(ids: torch.Tensor) -> torch.Tensor:
-                return PackedWeight(pw.qtype, pw.data.index_select(0, ids.to(pw.data.device)),
-                                    (ids.numel(), pw.shape[1])).dequantize()
         else:
-            weight = kept = head.weight.detach()
-            proj = weight.index_select(0, token_ids.to(weight.device))
+            proj = head.weight.detach().index_select(0, token_ids.to(head.weight.device))
+        # The rows of the ids it learns (RestrictedLMHead.learn): a tied head's are the embedding
+        # table's, which stays loaded; an untied head is kept whole (and counted as the head's).
+        packed = isinstance(head, BlockQuantLinear)
+        table = self.model.embed_tokens
+        kept = None if self.config.tie_word_embeddings else pw.data if packed else head.weight.detach()
+        qtype, width = (pw.qtype if packed else None), self.config.hidden_size
 
-            def whole_rows(ids: torch.Tensor) -> torch.Tensor:
-                return weight.index_select(0, ids.to(weight.device)).float()
-        if self.config.tie_word_embeddings:
-            table, kept = self.model.embed_tokens, None
-
-            def whole_rows(ids: torch.Tensor) -> torch.Tensor:
+        def whole_rows(ids: torch.Tensor) -> torch.Tensor:
+            if kept is None:
                 return table(ids).float()
+            picked = kept.index_select(0, ids.to(kept.device))
+            return picked.float() if qtype is None else PackedWeight(qtype, picked, (ids.numel(), width)).dequantize()
+
         self.lm_head = RestrictedLMHead(proj, token_ids, self.config.vocab_size, rows=whole_rows, rows_data=kept)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
