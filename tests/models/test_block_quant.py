@@ -131,6 +131,26 @@ def test_interleaved_layout_round_trips_and_agrees_with_rows(qtype):
     torch.testing.assert_close(lin(x), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", sorted(INTERLEAVED))
+def test_rows_decode_just_the_rows_asked_from_every_layout(qtype):
+    """BlockQuantLinear.rows (a learned draft id's row of a 150k-row head) equals the whole
+    weight's rows for ids in any order, repeated, first and last, whatever layout the kernel
+    reads: the file's, 8-row groups, pairs of groups."""
+    pw = random_blocks(qtype, rows=48, cols=512, seed=3)
+    whole = pw.dequantize()
+    ids = torch.tensor([47, 0, 17, 16, 17, 31, 8, 40])
+    layouts = [BlockQuantLinear(pw, interleave=False), BlockQuantLinear(pw)]
+    if kernels().has_avx2():
+        lin = BlockQuantLinear(pw, interleave=False)
+        lin.kernel_qtype, data = interleave_rows(pw, paired=not kernels().has_avx512())  # the other form
+        lin.qweight = data
+        layouts.append(lin)
+    assert {m.kernel_qtype for m in layouts} >= ({qtype, INTERLEAVED[qtype], PAIRED[qtype]} if kernels().has_avx2() else {qtype})
+    for lin in layouts:
+        assert torch.equal(lin.rows(ids), whole[ids]), lin.kernel_qtype
+        assert lin.rows(ids[:0]).shape == (0, 512)
+
+
 def test_fused_products_equal_separate_ones():
     """One call over several weights (row and interleaved layouts mixed, a segment whose row
     count is not a multiple of 8 first) equals the separate products bit for bit."""

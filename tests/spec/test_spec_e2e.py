@@ -163,7 +163,7 @@ def test_tiny_greedy_spec_equals_plain_batched_and_alone(tiny, which):
     if which == "draft-restricted":  # the draft's head learned the ids of the upper half the requests used
         upper = tiny.arch.vocab_size // 2
         used = {t for p, o in zip(prompts, outs) for t in (*p, *o.token_ids) if t >= upper}
-        head = eng.proposer._head
+        head = eng.proposer.learning_head
         assert used and set(head.learned_ids.tolist()) == used
         # The tiny model's head is untied: kept whole for those rows, and counted as the draft's memory.
         whole = head.rows_data

@@ -100,6 +100,23 @@ class BlockQuantLinear(nn.Module):
         """The float32 weight the blocks encode (tests, diagnostics)."""
         return self.packed().dequantize()
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 rows of `ids` (1-D), decoding only what holds them: an interleaved weight's
+        8- or 16-row groups (a few hundred us for a handful of a 150k-row head's rows, where
+        `dequantized_weight` decodes all of it)."""
+        ids = ids.to(device="cpu", dtype=torch.long)
+        n, k = len(ids), self.in_features
+        if n == 0:
+            return torch.zeros(0, k)
+        if self.kernel_qtype == self.qtype:
+            return PackedWeight(self.qtype, self.qweight.index_select(0, ids), (n, k)).dequantize()
+        group = 16 if self.kernel_qtype == PAIRED[self.qtype] else 8
+        groups, where = torch.unique(ids // group, return_inverse=True)
+        gguf = deinterleave_rows(self.qtype, self.qweight.index_select(0, groups), (len(groups) * group, k),
+                                 self.kernel_qtype)
+        picked = gguf.view(len(groups), group, -1)[where, ids % group]
+        return PackedWeight(self.qtype, picked, (n, k)).dequantize()
+
     def extra_repr(self) -> str:
         from gguf import GGMLQuantizationType
 

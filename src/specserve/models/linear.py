@@ -34,6 +34,17 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+def row_reader(linear: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """ids -> those rows of a linear layer's weight, float32, read without decoding the rest:
+    nn.Linear, GGUF blocks (BlockQuantLinear.rows), int8 per row (Int8Linear.rows); None for a
+    layout whose rows only come out whole (oneDNN's packing, fbgemm's)."""
+    if isinstance(linear, nn.Linear):
+        w = linear.weight
+        return lambda ids: w.detach().index_select(0, ids.to(w.device)).float()
+    rows = getattr(linear, "rows", None)
+    return rows if callable(rows) else None
+
+
 class OneDNNLinear(nn.Module):
     """A float32 linear layer whose weight lives in oneDNN's packed layout."""
 
@@ -116,6 +127,11 @@ class Int8Linear(_QuantizedLinear):
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight this layer effectively multiplies by (for tests and diagnostics)."""
         return self.qweight.float() * self.scales.float()[:, None]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Those rows of dequantized_weight (1-D ids)."""
+        ids = ids.to(self.qweight.device)
+        return self.qweight.index_select(0, ids).float() * self.scales.index_select(0, ids).float()[:, None]
 
 
 class DynamicInt8Linear(_QuantizedLinear):

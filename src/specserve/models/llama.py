@@ -429,31 +429,34 @@ class LlamaForCausalLM(nn.Module):
         """Project hidden states to vocabulary logits in float32."""
         return self.lm_head(hidden).float()
 
+    def head_rows(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """ids -> the LM head's float32 rows of them, read alone: a tied head's from the embedding
+        table (the native kernels decode a block table's rows), an untied one's from the head where
+        its layout allows (row_reader: None for oneDNN's packing)."""
+        from specserve.models.linear import row_reader
+
+        if self.config.tie_word_embeddings:
+            table = self.model.embed_tokens
+            return lambda ids: table(ids).float()
+        return row_reader(self.lm_head)
+
     def restrict_vocab(self, token_ids: torch.Tensor) -> None:
         """Replace the LM head by one over `token_ids` only (sorted, unique); see RestrictedLMHead."""
-        from specserve.models.block_linear import BlockQuantLinear, PackedWeight
+        from specserve.models.block_linear import BlockQuantLinear
 
         head = self.lm_head
         if isinstance(head, BlockQuantLinear):  # rows of blocks are independent: keep the chosen ones
             pw = head.packed()
-            rows = pw.data.index_select(0, token_ids.to(pw.data.device))
-            proj: nn.Module | torch.Tensor = BlockQuantLinear(pw._replace(data=rows, shape=(rows.shape[0], pw.shape[1])))
+            kept_rows = pw.data.index_select(0, token_ids.to(pw.data.device))
+            proj: nn.Module | torch.Tensor = BlockQuantLinear(pw._replace(data=kept_rows, shape=(len(kept_rows), pw.shape[1])))
         else:
             proj = head.weight.detach().index_select(0, token_ids.to(head.weight.device))
         # The rows of the ids it learns (RestrictedLMHead.learn): a tied head's are the embedding
         # table's, which stays loaded; an untied head is kept whole (and counted as the head's).
-        packed = isinstance(head, BlockQuantLinear)
-        table = self.model.embed_tokens
-        kept = None if self.config.tie_word_embeddings else pw.data if packed else head.weight.detach()
-        qtype, width = (pw.qtype if packed else None), self.config.hidden_size
-
-        def whole_rows(ids: torch.Tensor) -> torch.Tensor:
-            if kept is None:
-                return table(ids).float()
-            picked = kept.index_select(0, ids.to(kept.device))
-            return picked.float() if qtype is None else PackedWeight(qtype, picked, (ids.numel(), width)).dequantize()
-
-        self.lm_head = RestrictedLMHead(proj, token_ids, self.config.vocab_size, rows=whole_rows, rows_data=kept)
+        kept = None
+        if not self.config.tie_word_embeddings:
+            kept = head.qweight if isinstance(head, BlockQuantLinear) else head.weight.detach()
+        self.lm_head = RestrictedLMHead(proj, token_ids, self.config.vocab_size, rows=self.head_rows(), rows_data=kept)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Adopt HF-named tensors as the parameters (no copy), refusing missing or extra names.

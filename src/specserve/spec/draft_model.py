@@ -32,7 +32,6 @@ from specserve.kernels import row_argmax, row_topk
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.kv_cache.pages import LayerKV
 from specserve.models.arch import ArchConfig
-from specserve.models.llama import RestrictedLMHead
 from specserve.request import Request
 from specserve.sampling.penalties import drafter_logits
 from specserve.sampling.sampler import (
@@ -42,6 +41,7 @@ from specserve.sampling.sampler import (
 )
 from specserve.spec.policy import tree_depth
 from specserve.spec.proposer import (
+    LearnsHeadIds,
     PromptFeed,
     PromptKVTraveller,
     Proposer,
@@ -340,7 +340,7 @@ class CandidateWidth:
 
 
 @register_proposer("draft")
-class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
+class DraftModelProposer(LearnsHeadIds, PassTimer, PromptKVTraveller, Proposer):
     """Autoregressive drafting with a smaller model over its own paged KV cache."""
 
     # Chains by default: trees accept as many tokens per step as chains (3.0 vs 3.1, coding
@@ -370,9 +370,7 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
             self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, name="draft"
         )
         self.device = self.runner.device
-        head = self.runner.model.lm_head
-        self._head = head if isinstance(head, RestrictedLMHead) else None  # learns the ids the requests use beyond it
-        self._counted: dict[str, int] = {}  # request id -> its tokens the head has counted
+        self.learn_with(self.runner.model.lm_head)  # a restricted head learns the ids the requests use beyond it
         self._seqs: dict[str, _DraftSeq] = {}
         self._cached: dict[str, int] = {}  # prefix-cache hits of requests not yet drafting
         self._memory_bytes: int | None = None
@@ -404,29 +402,8 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
         return max(0, len(request.all_token_ids) - seq.num_computed_tokens - fed)
 
     # ------------------------------------------------------------------ lifecycle
-    def add_request(self, request: Request) -> None:
-        """The head counts the prompt's ids (and later the answer's, drafted for or not)."""
-        self._count_text(request)
-
-    def request_finished(self, request: Request) -> None:
-        """The head counts what the request wrote after its last draft."""
-        self._count_text(request)
-        self._counted.pop(request.request_id, None)
-
-    def _count_text(self, request: Request) -> None:
-        """Show the restricted head the request's tokens it has not counted yet."""
-        if self._head is None:
-            return
-        ids = request.all_token_ids
-        done = self._counted.get(request.request_id, 0)
-        if len(ids) > done:
-            self._head.learn(ids[done:])
-            self._counted[request.request_id] = len(ids)
-
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Free the request's draft KV (a preempted request catches up again later)."""
-        if finished:
-            self._counted.pop(request_id, None)
         self._cached.pop(request_id, None)
         self._arriving.pop(request_id, None)
         seq = self._seqs.pop(request_id, None)
@@ -545,7 +522,7 @@ class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
         if seq is None:
             seq = self._seqs[req.request_id] = _DraftSeq(req)
         self._sync(seq)
-        self._count_text(req)
+        self.count_text(req)
         hits, start = self._prefix_hits(seq, len(seq.all_token_ids))
         new = seq.all_token_ids[start:]
         if not self.kv.allocate_slots(seq, len(new) + extra, hits):

@@ -50,7 +50,7 @@ from specserve.errors import (
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.kv_cache.pages import LayerKV, layer_pages
 from specserve.models.arch import ArchConfig
-from specserve.models.linear import storage_bytes
+from specserve.models.linear import row_reader, storage_bytes
 from specserve.models.llama import DecoderLayer, RestrictedLMHead, RMSNorm, RotaryEmbedding
 from specserve.models.registry import unset_weights
 from specserve.request import Request
@@ -66,6 +66,7 @@ from specserve.spec.draft_model import (
     picked_rows,
 )
 from specserve.spec.proposer import (
+    LearnsHeadIds,
     PromptFeed,
     PromptKVTraveller,
     Proposer,
@@ -381,10 +382,12 @@ def _is_gguf(path: Path) -> bool:
 
 
 def float_rows(linear: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of any linear layer's weight in float32: nn.Linear, quantized layers (which can
-    dequantize), or a packed backend (recovered as linear(I)^T, exact for a bias-free layer)."""
-    if isinstance(linear, nn.Linear):
-        return linear.weight.detach().float().index_select(0, ids.to(linear.weight.device))
+    """Rows `ids` of any linear layer's weight in float32: read alone where the layout allows
+    (row_reader), else from the dequantized weight or a packed backend (recovered as linear(I)^T,
+    exact for a bias-free layer)."""
+    read = row_reader(linear)
+    if read is not None:
+        return read(ids)
     if hasattr(linear, "dequantized_weight"):
         w = linear.dequantized_weight().float()
         return w.index_select(0, ids.to(w.device))
@@ -460,7 +463,7 @@ class _EagleTree(_TreeDraft):
 
 
 @register_proposer("eagle")
-class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
+class EagleProposer(LearnsHeadIds, PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
     """Trees from a one-layer head over the target's features (see the module docstring)."""
 
     traits = ProposerTraits(cost="per_pass", trees=True, tree_by_default=True, needs_hidden_states=True,
@@ -472,6 +475,7 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
         self.head = head.eval()
         self.embed = embed
         self.lm_head = lm_head
+        self.learn_with(lm_head)  # a head over a subset learns the ids the requests use beyond it
         self.card = card or {}
         self.weight_format = "float32"  # of its matrices (build_eagle: Q8_0 or 4-bit blocks on the native kernels)
         arch = head.arch
@@ -732,6 +736,7 @@ class EagleProposer(PassTimer, CandidateWidth, PromptKVTraveller, Proposer):
             seq = self._seqs.get(req.request_id)
             if k <= 0 or seq is None or req.request_id in self._arriving:  # no draft until its prompt KV is in
                 continue
+            self.count_text(req)
             self.kv.rollback(seq, seq.num_computed_tokens)  # last step's tree nodes
             all_ids = req.all_token_ids
             n_new = seq.num_pending
@@ -841,7 +846,8 @@ def restricted_lm_head(target_runner: object, token_ids: torch.Tensor, four_bit:
         proj: nn.Module | torch.Tensor = BlockQuantLinear(requantize_4bit(sub) if four_bit else sub)
     else:
         proj = float_rows(lm, token_ids)
-    return RestrictedLMHead(proj, token_ids, target_runner.arch.vocab_size)
+    # The ids it learns beyond token_ids read their rows from the target's head, which stays loaded.
+    return RestrictedLMHead(proj, token_ids, target_runner.arch.vocab_size, rows=target_runner.model.head_rows())
 
 
 def quantize_linears(modules: list[nn.Module], four_bit: bool = False) -> None:
