@@ -13,11 +13,10 @@ Sections (all by default, in one run):
   batchsweep  batch 1..64: policy none vs always vs adaptive (--batch-method, the draft model by default)
   hf          HF transformers on the same GGUF pair: plain, assisted generation
               (assistant_model) and prompt lookup (prompt_lookup_num_tokens), batch 1 greedy
-  drafthead   the drafter's LM head (--drafthead-method: the draft model, or an eagle / mtp /
-              medusa head): its first ids alone, with the ids the requests use learned (the
-              default), and (draft model) the whole vocabulary, against plain; the engines
-              alternate prompt by prompt in one process (--tree-sets, e.g. chinese: a third of
-              the target's tokens there lie above the first 65,536 ids)
+  drafthead   the draft model's LM head: its first --draft-vocab ids alone, with the ids the
+              requests use learned (the default), and the whole vocabulary, against plain;
+              the four engines alternate prompt by prompt in one process (--tree-sets, e.g.
+              chinese: a third of the target's tokens there lie above the first 65,536 ids)
 
     python bench/spec.py                       # everything (~1 h on 2 CPU cores)
     python bench/spec.py --sections trees batchsweep
@@ -276,16 +275,15 @@ def _histogram(values: list[int]) -> dict[int, int]:
 
 
 def section_drafthead(b: Bench) -> list[dict]:
-    """A drafter's tokens per step and decode speed by LM head, batch 1, greedy (see the module doc).
+    """Draft-model tokens per step and decode speed by LM head, batch 1, greedy (see the module doc).
     Fresh engines per prompt set; --drafthead-rounds passes over its prompts, the heads keeping
     what they learned from one pass to the next (as a server's would)."""
-    k, policy, method = b.args.tree_k, b.args.tree_policy, b.args.drafthead_method
+    k, policy = b.args.tree_k, b.args.tree_policy
     sets = {"coding": b.coding, "edit": b.edit, "prose": b.prose, "chinese": b.chinese}
     rows = []
     for set_name in b.args.tree_sets:
-        engines = {"plain": b.llm("none"), "first_ids": b.llm(method, policy, k), "learned": b.llm(method, policy, k)}
-        if method == "draft":
-            engines["whole"] = b.llm("draft", policy, k, draft_vocab_size=0)
+        engines = {"plain": b.llm("none"), "first_ids": b.llm("draft", policy, k), "learned": b.llm("draft", policy, k),
+                   "whole": b.llm("draft", policy, k, draft_vocab_size=0)}
         head = engines["first_ids"].engine.proposer.learning_head
         if head is not None:
             head.stop_learning()  # also what the warm-up taught it
@@ -313,7 +311,7 @@ def section_drafthead(b: Bench) -> list[dict]:
                 head = engines[name].engine.proposer.learning_head if name != "plain" else None
                 learned = head.num_learned if head is not None else 0
                 same = a["outputs"] == acc["plain"]["outputs"]
-                rows.append({"prompt_set": set_name, "round": rnd, "method": method, "head": name, "prompts": n, "policy": policy,
+                rows.append({"prompt_set": set_name, "round": rnd, "head": name, "prompts": n, "policy": policy,
                              "k_max": k, "decode_tokens_per_s": rate, "speedup_vs_plain": rate / base,
                              "tokens_per_step": a["gen"] / a["steps"], "draft_tokens": a["drafted"],
                              "accepted_tokens": a["accepted"], "learned_ids": learned, "outputs_equal_plain": same})
@@ -572,8 +570,7 @@ def plot(payload: dict, path: Path) -> None:
         ax.set_xticks(range(len(groups)), [f"{ps}\npass {rnd + 1}" for ps, rnd in groups], fontsize=7)
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_ylabel("decode speedup vs plain (batch 1, greedy)")
-        who = {"draft": "draft model"}.get(dh[0].get("method", "draft"), dh[0].get("method", "draft"))
-        ax.set_title(f"{who} by LM head (labels: speedup, tokens/step)", fontsize=10)
+        ax.set_title("draft model by LM head (labels: speedup, tokens/step)", fontsize=10)
         ax.legend(fontsize=8)
     bs = payload.get("batchsweep") or []
     ax = axes[1][0]
@@ -651,8 +648,6 @@ def main() -> int:
                     help="extra batch-1 rows: none-int8 = plain decoding of the int8 target")
     ap.add_argument("--batch-rounds", type=int, default=3, help="batchsweep: interleaved rounds (medians reported)")
     ap.add_argument("--drafthead-rounds", type=int, default=2, help="drafthead: passes over each set's prompts")
-    ap.add_argument("--drafthead-method", default="draft", choices=["draft", "eagle", "mtp", "medusa"],
-                    help="drafthead: whose LM head (eagle / mtp / medusa: the head in --eagle-head or the cache's)")
     ap.add_argument("--batch-method", default="draft", help="batchsweep: the proposer (METHOD+COPY as --tree-methods)")
     ap.add_argument("--tree-methods", nargs="+", default=["draft", "ngram", "reference", "lookahead"],
                     help="proposers of the trees section; METHOD+COPY (draft+ngram, eagle+reference) puts "

@@ -74,9 +74,8 @@ def smollm_llm(smollm_checkpoint):
     return LLM("smollm2-135m-instruct", dtype="float32", checkpoint=smollm_checkpoint, kv_cache_gib=0.5)
 
 
-def make_head_file(ckpt, path, seed: int = 0, method: str = "eagle", token_ids=None, **card):
-    """A randomly initialised EAGLE (or Medusa, 3 heads, or MTP) head file for the target `ckpt`
-    (its LM head over `token_ids`, default every id)."""
+def make_head_file(ckpt, path, seed: int = 0, method: str = "eagle", **card):
+    """A randomly initialised EAGLE (or Medusa, 3 heads, or MTP) head file for the target `ckpt`."""
     from specserve.testing import write_random_head
 
-    return write_random_head(ckpt, path, method, seed, token_ids, **card)
+    return write_random_head(ckpt, path, method, seed, **card)

@@ -81,10 +81,9 @@ def repetitive_prompts(n: int = 24, seed: int = 3, vocab: int = 64) -> list[list
     return out
 
 
-def write_random_head(ckpt: Any, path: str | Path, method: str = "eagle", seed: int = 0,
-                      token_ids: torch.Tensor | None = None, **card: object) -> Path:
+def write_random_head(ckpt: Any, path: str | Path, method: str = "eagle", seed: int = 0, **card: object) -> Path:
     """A randomly initialised EAGLE, MTP or Medusa (3 heads) head file for the checkpoint `ckpt`
-    (its fingerprint; its LM head over `token_ids`, default every id)."""
+    (its fingerprint, every id)."""
     from specserve.spec.eagle import EagleHead, MTPModule, head_arch, save_head, target_fingerprint
     from specserve.spec.medusa import MedusaHeads
 
@@ -104,7 +103,7 @@ def write_random_head(ckpt: Any, path: str | Path, method: str = "eagle", seed: 
     fp = target_fingerprint(arch, tok.fingerprint() if tok is not None else None, ckpt.weights["model.embed_tokens.weight"])
     meta = {"method": method, "target": fp, "target_name": "tiny", "intermediate_size": arch.intermediate_size,
             "num_heads": 3, **card}
-    save_head(path, head, torch.arange(arch.vocab_size) if token_ids is None else token_ids, meta)
+    save_head(path, head, torch.arange(arch.vocab_size), meta)
     return Path(path)
 
 

@@ -19,6 +19,7 @@ from specserve.models.linear import (
     Int8Linear,
     apply_quantization,
     linear_weight_bytes,
+    row_reader,
 )
 from specserve.models.llama import RestrictedLMHead
 from specserve.sampling_params import SamplingParams
@@ -44,6 +45,13 @@ def test_int8_linear_matches_its_dequantized_weight(cls):
         # (Int8Linear's bf16 scale is rounded up by at most 2^-7 + 2^-9 relative.)
         assert ((w - lin.weight).abs() <= step / 2 * (1 + 2.0**-6) + 1e-7).all()
     assert linear_weight_bytes(q) <= 96 * 40 + 40 * 4  # a quarter of float32, plus the scales
+    # Rows read alone (a restricted head's learned ids) where the layout keeps rows apart.
+    read = row_reader(q)
+    ids = torch.tensor([39, 0, 7, 7])
+    assert (read is None) == (cls is DynamicInt8Linear)
+    if read is not None:
+        assert torch.equal(read(ids), w[ids])
+    assert torch.equal(row_reader(lin)(ids), lin.weight.detach()[ids])
 
 
 def test_apply_quantization_replaces_every_linear_including_a_restricted_head():

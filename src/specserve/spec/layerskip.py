@@ -51,7 +51,7 @@ from specserve.spec.draft_model import (
     grow_trees,
     picked_rows,
 )
-from specserve.spec.proposer import LearnsHeadIds, Proposer, ProposerTraits, register_proposer
+from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
 from specserve.spec.tree import DraftTree
 
 # Nodes one propose() may feed per request (the tree drafter's cap), plus the newest token.
@@ -88,7 +88,7 @@ class ExitHead(nn.Module):
 
 
 @register_proposer("layerskip")
-class LayerSkipProposer(LearnsHeadIds, PassTimer, CandidateWidth, Proposer):
+class LayerSkipProposer(PassTimer, CandidateWidth, Proposer):
     """Drafts with the target's first L layers over its own KV cache (see the module docstring)."""
 
     # Chains by default, as for the draft model: a draft pass is a sizeable share of a target
@@ -109,7 +109,6 @@ class LayerSkipProposer(LearnsHeadIds, PassTimer, CandidateWidth, Proposer):
         self.block_ids_of = block_ids_of
         self.exit = exit_head
         self.lm_head = lm_head
-        self.learn_with(lm_head)  # a head over a subset learns the ids the requests use beyond it
         self.card = card or {}
         self.block_size = runner.block_size
         self.scratch = list(runner.reserved_block_ids)
@@ -216,7 +215,6 @@ class LayerSkipProposer(LearnsHeadIds, PassTimer, CandidateWidth, Proposer):
             table = self._table(req, free)
             if table is None:
                 continue
-            self.count_text(req)
             ids = req.all_token_ids
             first = req.num_computed_tokens
             n = len(ids) - first

@@ -30,7 +30,7 @@ from specserve.spec.draft_model import (
     _TreeDraft,
     expand_rows,
 )
-from specserve.spec.proposer import LearnsHeadIds, Proposer, ProposerTraits, register_proposer
+from specserve.spec.proposer import Proposer, ProposerTraits, register_proposer
 from specserve.spec.tree import DraftTree
 
 EXPAND_PER_DEPTH = 4  # nodes of a depth that get children from the next head
@@ -76,7 +76,7 @@ class _Seq:
 
 
 @register_proposer("medusa")
-class MedusaProposer(LearnsHeadIds, PassTimer, CandidateWidth, Proposer):
+class MedusaProposer(PassTimer, CandidateWidth, Proposer):
     """Trees from M heads on the target's newest hidden state (see the module docstring)."""
 
     traits = ProposerTraits(cost="per_pass", trees=True, tree_by_default=True, needs_hidden_states=True,
@@ -86,7 +86,6 @@ class MedusaProposer(LearnsHeadIds, PassTimer, CandidateWidth, Proposer):
                  card: dict | None = None, device: torch.device | str = "cpu") -> None:
         self.heads = heads.eval()
         self.lm_head = lm_head
-        self.learn_with(lm_head)  # a head over a subset learns the ids the requests use beyond it
         self.card = card or {}
         self.children = CHILDREN if tree else 1
         self.device = torch.device(device)  # the target's: the heads read its features there
@@ -144,7 +143,6 @@ class MedusaProposer(LearnsHeadIds, PassTimer, CandidateWidth, Proposer):
             seq = self._seqs.get(req.request_id)
             # The newest feature must be the root's parent's (position len - 2): the root was drawn from it.
             if k > 0 and seq is not None and seq.pos == len(req.all_token_ids) - 2:
-                self.count_text(req)
                 active.append((req, seq, k))
         if not active:
             return {}
