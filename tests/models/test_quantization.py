@@ -94,6 +94,9 @@ def test_restricted_head_learns_the_ids_seen_enough_with_the_full_heads_logits(m
     ids = torch.tensor([1, 4, 7, 9])
     w = full.weight.detach()
     head = RestrictedLMHead(w[ids], ids, 10, rows=lambda t: w[t])
+    # Room for every id it may learn, held from the start: part of the model's memory before any is learned.
+    assert head.rows_buf.shape == (llama.MAX_LEARNED_IDS, 16) and head.num_learned == 0
+    assert head.rows_buf in set(head.buffers())
     h = torch.randn(3, 16)
     with torch.no_grad():
         want = full(h)
@@ -118,6 +121,7 @@ def test_restricted_head_learns_the_ids_seen_enough_with_the_full_heads_logits(m
     # A head given no rows (an EAGLE head over a subset) learns nothing.
     fixed = RestrictedLMHead(w[ids], ids, 10)
     assert fixed.learn([0, 0, 0]) == 0 and torch.isneginf(fixed(h)[:, 0]).all()
+    assert fixed.rows_buf.numel() == 0 and fixed.learned_ids.numel() == 0  # and holds no room for any
 
 
 def test_a_restricted_tied_head_learns_rows_of_the_embedding_table(smollm_path):

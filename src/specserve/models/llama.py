@@ -325,10 +325,14 @@ class RestrictedLMHead(nn.Module):
         self._rows = rows  # ids -> the full head's rows, float32 (None: nothing is learned)
         # What `rows` reads that nothing else keeps (an untied head, whole): counted in the model's memory.
         self.register_buffer("rows_data", rows_data, persistent=False)
-        # The learned ids and their rows, room for MAX_LEARNED_IDS made at the first (the first
-        # num_learned in use): learning never copies what was learned before.
-        self.register_buffer("ids_buf", None, persistent=False)
-        self.register_buffer("rows_buf", None, persistent=False)  # float32
+        # The learned ids and their rows, room for MAX_LEARNED_IDS made up front (the first
+        # num_learned in use): learning never copies what was learned before, and the room is
+        # counted in the model's memory from the start (the drafter's memory the engine reports).
+        learns = rows is not None
+        self.register_buffer("ids_buf", torch.zeros(MAX_LEARNED_IDS if learns else 0, dtype=torch.long,
+                                                    device=device.device), persistent=False)
+        self.register_buffer("rows_buf", torch.zeros(MAX_LEARNED_IDS if learns else 0, proj.in_features,
+                                                     device=device.device), persistent=False)  # float32
         self.num_learned = 0
         self._in_subset = bytearray(vocab_size)
         for i in token_ids.tolist():
@@ -343,13 +347,13 @@ class RestrictedLMHead(nn.Module):
         out = sub.new_full((hidden.shape[0], self.vocab_size), float("-inf"))
         out.index_copy_(1, self.token_ids, sub)
         if n := self.num_learned:
-            out.index_copy_(1, self.ids_buf[:n], (hidden.float() @ self.rows_buf[:n].T).to(out.dtype))
+            out.index_copy_(1, self.ids_buf[:n], (hidden.float() @ self.rows_buf[:n].float().T).to(out.dtype))
         return out
 
     @property
     def learned_ids(self) -> torch.Tensor:
         """The ids learned so far, by slot."""
-        return self.ids_buf[: self.num_learned] if self.ids_buf is not None else self.token_ids[:0]
+        return self.ids_buf[: self.num_learned]
 
     def learn(self, text: Sequence[int]) -> int:
         """Count the ids outside the subset in a request's new text. One counted LEARN_AFTER times
@@ -387,9 +391,6 @@ class RestrictedLMHead(nn.Module):
         dev = self.token_ids.device
         tokens = torch.tensor([t for _, t in placed], dtype=torch.long, device=dev)
         rows = self._rows(tokens).to(device=dev, dtype=torch.float32)
-        if self.ids_buf is None:
-            self.ids_buf = torch.zeros(MAX_LEARNED_IDS, dtype=torch.long, device=dev)
-            self.rows_buf = torch.zeros(MAX_LEARNED_IDS, rows.shape[1], device=dev)
         where = torch.tensor([j for j, _ in placed], dtype=torch.long, device=dev)
         self.ids_buf[where] = tokens
         self.rows_buf[where] = rows
