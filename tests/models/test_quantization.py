@@ -65,10 +65,12 @@ def test_apply_quantization_replaces_every_linear_including_a_restricted_head():
         apply_quantization(model, "int3")
 
 
-def test_restricted_head_equals_full_head_on_its_subset():
+@pytest.mark.parametrize("subset", [[1, 4, 7, 9], [0, 1, 2, 3, 7, 9], [0, 1, 2, 3, 4]])
+def test_restricted_head_equals_full_head_on_its_subset(subset):
+    """Ids anywhere, a leading run with a tail (the first ids plus special ones), a run alone."""
     torch.manual_seed(1)
     full = nn.Linear(16, 10, bias=False)
-    ids = torch.tensor([1, 4, 7, 9])
+    ids = torch.tensor(subset)
     head = RestrictedLMHead(full.weight.detach()[ids], ids, 10)
     h = torch.randn(5, 16)
     with torch.no_grad():

@@ -335,8 +335,13 @@ class RestrictedLMHead(nn.Module):
                                                      device=device.device), persistent=False)  # float32
         self.num_learned = 0
         self._in_subset = bytearray(vocab_size)
-        for i in token_ids.tolist():
+        ids = token_ids.tolist()
+        for i in ids:
             self._in_subset[i] = 1
+        # The subset's leading run 0..m-1 (a frequency subset is the first ids plus a few special
+        # ones): copied into the logits as one slice, the rest by index. index_copy_ across a
+        # row costs ~50 us per row for 65,560 ids, the slice ~10 us in all.
+        self._run = next((j for j, i in enumerate(ids) if i != j), len(ids))
         self._counts: dict[int, int] = {}  # ids outside the subset: times the requests' text held them
         self._slots: dict[int, int] = {}  # learned id -> its slot
         self._floor = 0  # a lower bound on the least count among the learned ids (counts only grow)
@@ -344,8 +349,12 @@ class RestrictedLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         """Logits over the full vocabulary, -inf outside the subset and the learned ids."""
         sub = self.proj(hidden)
-        out = sub.new_full((hidden.shape[0], self.vocab_size), float("-inf"))
-        out.index_copy_(1, self.token_ids, sub)
+        m = self._run
+        out = sub.new_empty((hidden.shape[0], self.vocab_size))
+        out[:, :m] = sub[:, :m]
+        out[:, m:] = float("-inf")
+        if m < len(self.token_ids):
+            out.index_copy_(1, self.token_ids[m:], sub[:, m:])
         if n := self.num_learned:
             out.index_copy_(1, self.ids_buf[:n], (hidden.float() @ self.rows_buf[:n].float().T).to(out.dtype))
         return out
