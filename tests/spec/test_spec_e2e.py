@@ -236,6 +236,30 @@ def test_while_the_rate_guard_holds_drafts_off_neither_copier_nor_policy_is_aske
     assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
 
 
+def test_a_learning_draft_head_forgets_aborted_and_finished_requests(tiny):
+    """The restricted draft head counts a request's prompt on arrival and its answer as drafting
+    reaches it; an abort mid-answer or a finish leaves no request counted, and the others' outputs
+    stay plain's."""
+    prompts = [p for p in _tiny_prompts(12, seed=4) if any(t >= tiny.arch.vocab_size // 2 for t in p)][:6]
+    base = _llm(tiny).generate(prompts, _greedy(24))
+    llm = _spec_llm(tiny, "draft-restricted")
+    eng = llm.engine
+    head = eng.proposer.learning_head
+    rids = [eng.add_request(p, _greedy(24)) for p in prompts]
+    upper = tiny.arch.vocab_size // 2
+    assert set(head.learned_ids.tolist()) == {t for p in prompts for t in p if t >= upper}  # prompts on arrival
+    final = {}
+    for _ in range(3):
+        final.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert rids[0] not in final and rids[0] in eng.proposer._counted  # mid-answer
+    eng.abort_request(rids[0])
+    while eng.has_unfinished_requests():
+        final.update((o.request_id, o) for o in eng.step() if o.finished)
+    for rid, b in zip(rids[1:], base[1:]):
+        assert final[rid].token_ids == b.token_ids
+    assert eng.proposer._counted == {} and not eng.proposer.live_request_ids() and eng.check_integrity()
+
+
 def test_draft_stops_after_the_first_token_it_is_unsure_of():
     """draft_p_min: every proposed token but the last has draft probability >= p_min, and a
     proposal shorter than K ends with the token that fell below it."""
