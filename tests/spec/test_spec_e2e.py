@@ -245,6 +245,7 @@ def test_a_learning_draft_head_forgets_aborted_and_finished_requests(tiny):
     llm = _spec_llm(tiny, "draft-restricted")
     eng = llm.engine
     head = eng.proposer.learning_head
+    assert eng.proposer.describe().endswith(f"-token head learning up to {len(head.rows_buf):,} more ids from the requests")
     rids = [eng.add_request(p, _greedy(24)) for p in prompts]
     upper = tiny.arch.vocab_size // 2
     assert set(head.learned_ids.tolist()) == {t for p in prompts for t in p if t >= upper}  # prompts on arrival

@@ -411,10 +411,12 @@ class DraftModelProposer(LearnsHeadIds, PassTimer, PromptKVTraveller, Proposer):
             self.kv.forget(seq) if finished else self.kv.free(seq)
 
     def describe(self) -> str:
-        """The draft's precision and LM-head size, for the start-up summary."""
+        """The draft's precision and LM-head size (and how many ids it may learn beyond it), for
+        the start-up summary."""
         head = getattr(self.runner.model, "lm_head", None)
         vocab = f", {len(head.token_ids):,}-token head" if hasattr(head, "token_ids") else ""
-        return f"{self.runner.quantization}{vocab}"
+        room = len(getattr(head, "rows_buf", ()))
+        return f"{self.runner.quantization}{vocab}{f' learning up to {room:,} more ids from the requests' if room else ''}"
 
     def memory_bytes(self) -> int:
         """The draft's weights and KV cache (both fixed once built)."""
