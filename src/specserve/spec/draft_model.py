@@ -32,6 +32,7 @@ from specserve.kernels import row_argmax, row_topk
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.kv_cache.pages import LayerKV
 from specserve.models.arch import ArchConfig
+from specserve.models.llama import RestrictedLMHead
 from specserve.request import Request
 from specserve.sampling.penalties import drafter_logits
 from specserve.sampling.sampler import (
@@ -41,7 +42,6 @@ from specserve.sampling.sampler import (
 )
 from specserve.spec.policy import tree_depth
 from specserve.spec.proposer import (
-    LearnsHeadIds,
     PromptFeed,
     PromptKVTraveller,
     Proposer,
@@ -340,7 +340,7 @@ class CandidateWidth:
 
 
 @register_proposer("draft")
-class DraftModelProposer(LearnsHeadIds, PassTimer, PromptKVTraveller, Proposer):
+class DraftModelProposer(PassTimer, PromptKVTraveller, Proposer):
     """Autoregressive drafting with a smaller model over its own paged KV cache."""
 
     # Chains by default: trees accept as many tokens per step as chains (3.0 vs 3.1, coding
@@ -370,7 +370,10 @@ class DraftModelProposer(LearnsHeadIds, PassTimer, PromptKVTraveller, Proposer):
             self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, name="draft"
         )
         self.device = self.runner.device
-        self.learn_with(self.runner.model.lm_head)  # a restricted head learns the ids the requests use beyond it
+        head = self.runner.model.lm_head
+        # A restricted head learns the ids the requests use beyond it (count_text).
+        self.learning_head = head if isinstance(head, RestrictedLMHead) else None
+        self._counted: dict[str, int] = {}  # request id -> its tokens the head has counted
         self._seqs: dict[str, _DraftSeq] = {}
         self._cached: dict[str, int] = {}  # prefix-cache hits of requests not yet drafting
         self._memory_bytes: int | None = None
@@ -402,6 +405,26 @@ class DraftModelProposer(LearnsHeadIds, PassTimer, PromptKVTraveller, Proposer):
         return max(0, len(request.all_token_ids) - seq.num_computed_tokens - fed)
 
     # ------------------------------------------------------------------ lifecycle
+    def add_request(self, request: Request) -> None:
+        """The head counts the prompt's ids (and later the answer's, drafted for or not)."""
+        self.count_text(request)
+
+    def request_finished(self, request: Request) -> None:
+        """The head counts what the request wrote after its last draft."""
+        self.count_text(request)
+        self._counted.pop(request.request_id, None)
+
+    def count_text(self, request: Request) -> None:
+        """Show the restricted head the request's tokens it has not counted yet: the prompt when
+        the request arrives, the answer as drafting reaches it and when it ends."""
+        if self.learning_head is None:
+            return
+        ids = request.all_token_ids
+        done = self._counted.get(request.request_id, 0)
+        if len(ids) > done:
+            self.learning_head.learn(ids[done:])
+            self._counted[request.request_id] = len(ids)
+
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Free the request's draft KV (a preempted request catches up again later)."""
         self._cached.pop(request_id, None)

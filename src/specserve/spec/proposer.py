@@ -59,38 +59,6 @@ class PromptFeed(NamedTuple):
     next_token: int | None = None
 
 
-class LearnsHeadIds:
-    """For a proposer drafting through a restricted LM head (RestrictedLMHead, or anything with
-    its `learn`): shows the head every request's text once -- the prompt when the request
-    arrives, its answer as drafting reaches it (`count_text`, called by the proposer's propose)
-    and when it ends -- so the head learns the ids beyond its subset that the traffic uses.
-    Mix in ahead of Proposer and call `learn_with(head)` in __init__."""
-
-    def learn_with(self, head: object) -> None:
-        """The head to show the text to (one without `learn`: nothing is counted)."""
-        self.learning_head = head if callable(getattr(head, "learn", None)) else None
-        self._counted: dict[str, int] = {}  # request id -> its tokens the head has counted
-
-    def count_text(self, request: Request) -> None:
-        """Show the head the request's tokens it has not counted yet."""
-        if self.learning_head is None:
-            return
-        ids = request.all_token_ids
-        done = self._counted.get(request.request_id, 0)
-        if len(ids) > done:
-            self.learning_head.learn(ids[done:])
-            self._counted[request.request_id] = len(ids)
-
-    def add_request(self, request: Request) -> None:
-        """The head counts the prompt's ids (and later the answer's, drafted for or not)."""
-        self.count_text(request)
-
-    def request_finished(self, request: Request) -> None:
-        """The head counts what the request wrote after its last draft."""
-        self.count_text(request)
-        self._counted.pop(request.request_id, None)
-
-
 class PromptKVTraveller(ABC):
     """A drafter whose prompt KV can travel between disaggregated workers: a prefill worker
     holding the same drafter computes it beside the target's (`feed_prompts`) and sends it; the
