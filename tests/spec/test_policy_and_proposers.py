@@ -117,16 +117,48 @@ def test_switched_off_request_probes_only_where_a_typical_request_would_draft():
 
     p = _policy(CHEAP_VERIFY, {1: 0.01, 8: 0.01}, acceptance=0.9)
     r = _req("a", [1], max_tokens=1000)
-    p.stats("a").rates = [0.01] * 4
+    p.stats("a").rates, p.stats("a").verified = [0.01] * 4, 3  # measured, and unlucky
     ks = [p.choose([r])[0] for _ in range(PROBE_EVERY)]
     assert ks[:-1] == [0] * (PROBE_EVERY - 1) and ks[-1] == 1
 
     p = _policy(COSTLY_VERIFY, {1: 0.01, 8: 0.01}, acceptance=0.9)
     reqs = [_req(str(i), [1], max_tokens=1000) for i in range(8)]
     for i in range(8):
-        p.stats(str(i)).rates = [0.01] * 4
+        p.stats(str(i)).rates, p.stats(str(i)).verified = [0.01] * 4, 3
     steps = [p.choose(reqs) for _ in range(3 * PROBE_EVERY)]
     assert all(k == 0 for ks in steps for k in ks)
+
+
+def test_a_pooled_acceptance_below_break_even_does_not_keep_new_requests_from_drafting():
+    """The pooled acceptance is learned only from requests that draft. Once earlier text pushed
+    it below break-even, a new request starting from it would never draft and the pool would
+    never recover: a request none of whose drafts was verified probes once, at its first step,
+    judged with the prior acceptance. Accepted, its estimate restarts from the prior and it
+    drafts on; rejected, it stays off and probes only as a measured request does. At a batch
+    size where drafting would not pay even at the prior, there is no probe."""
+    from specserve.spec.policy import PROBE_EVERY
+
+    p = _policy(CHEAP_VERIFY, {1: 0.01}, acceptance=0.8)
+    p.pooled.rates[:] = [0.02] * 4  # what text sampled hot left behind
+    good, bad = _req("good", [1], max_tokens=1000), _req("bad", [1], max_tokens=1000)
+    assert p.choose([good]) == [1]  # the first step: a probe, not the pooled start's 0
+    p.observe_proposal("good", 1, 1)
+    p.observe("good", 1, 1)
+    assert p.stats("good").rates[0] >= 0.8  # restarted from the prior
+    assert p.choose([good])[0] > 1  # and drafting on, not probing
+    assert p.choose([bad]) == [1]
+    start = p.stats("bad").rates[0]  # the pool's (the good request's verify raised it a little)
+    assert start < 0.1
+    p.observe_proposal("bad", 1, 1)
+    p.observe("bad", 1, 0)
+    assert p.stats("bad").rates[0] < start  # the pooled start, lowered by the miss
+    ks = [p.choose([bad])[0] for _ in range(PROBE_EVERY - 1)]
+    assert ks == [0] * (PROBE_EVERY - 1)  # no second first probe
+
+    costly = _policy(COSTLY_VERIFY, {1: 0.01, 8: 0.01}, acceptance=0.8)
+    costly.pooled.rates[:] = [0.02] * 4
+    reqs = [_req(str(i), [1], max_tokens=1000) for i in range(8)]
+    assert all(k == 0 for _ in range(3) for k in costly.choose(reqs))
 
 
 def test_catch_up_is_charged_over_the_steps_a_request_has_left():
@@ -206,14 +238,19 @@ def test_drafting_is_priced_as_measured_against_its_prediction_per_batch_size():
 
 def test_new_requests_start_from_pooled_acceptance():
     """A new request's estimate starts where earlier requests left the pooled one, not at the
-    fixed prior: after many requests with poor first drafts a newcomer is not speculated for."""
+    fixed prior: after many requests with poor first drafts a newcomer is not speculated for
+    beyond one probe of a single position (which, rejected, leaves it off)."""
     p = _policy(CHEAP_VERIFY, {1: 0.03}, acceptance=0.9)
     assert p.choose([_req("first", [1])])[0] > 0
     for i in range(200):
         p.observe(f"old{i}", 4, 0)
     assert p.pooled.rates[0] < 0.05
     assert p.stats("new").rates[0] < 0.05
-    assert p.choose([_req("new", [1])]) == [0]
+    new = _req("new", [1])
+    assert p.choose([new]) == [1]
+    p.observe_proposal("new", 1, 1)
+    p.observe("new", 1, 0)
+    assert [p.choose([new])[0] for _ in range(8)] == [0] * 8
 
 
 def test_undelivered_positions_count_as_misses():
@@ -692,7 +729,9 @@ def test_rate_guard_retries_after_so_many_plain_steps_and_when_a_request_arrives
     """A fast model makes hundreds of steps a second: held off, speculation is tried again after
     GUARD_RETRY_STEPS plain steps at that batch size when they come before GUARD_RETRY_S (and
     after twice as many following a failed trial), not only after the seconds; and once as many
-    requests arrived as the batch size holds (twice as many after each failed trial)."""
+    requests arrived as the batch size holds (twice as many after each failed trial in a batch
+    of several, where an arrival changes only a part of the text; alone, every arrival is all
+    new text)."""
     from specserve.spec import policy as P
 
     p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.8)
@@ -713,17 +752,15 @@ def test_rate_guard_retries_after_so_many_plain_steps_and_when_a_request_arrives
             p.guard.observe(1, 1, 0.004, speculated=True)
     assert p.guard.num_held == 3 and p.guard.holds(1)
     assert p.guard.rates[1].retry_steps == 4 * P.GUARD_RETRY_STEPS
-    # New requests are other text: once as many arrived as the batch size holds, doubled for each
-    # failed trial in a row (two here), the next step tries.
-    for _ in range(3):
-        p.guard.new_request()
-        assert p.guard.holds(1)
+    # A new request is other text: alone in its batch, the next step tries after two failed
+    # trials in a row too.
     p.guard.new_request()
     assert not p.guard.holds(1)
     for _ in range(P.GUARD_TRIAL):
         assert p.choose(reqs) == [4]
         p.guard.observe(1, 1, 0.004, speculated=True)
     assert p.guard.num_held == 4 and p.guard.rates[1].retry_steps == 8 * P.GUARD_RETRY_STEPS
+    # In a batch of 4, once as many arrived as the batch holds, doubled for each failed trial in a row.
     p.guard.rates[4] = P._Rates(held_since=clock.t, retry_s=3600.0)  # batch 4, held off by a first judgement
     for _ in range(P.GUARD_RETRY_STEPS):  # (steps at batch 1 do not count at batch 4)
         p.guard.observe(1, 1, 0.003, speculated=False)
@@ -732,6 +769,43 @@ def test_rate_guard_retries_after_so_many_plain_steps_and_when_a_request_arrives
         assert p.guard.holds(4)
     p.guard.new_request()
     assert not p.guard.holds(4)
+    p.guard.rates[4] = P._Rates(held_since=clock.t, retry_s=3600.0, failed_trials=2)
+    for _ in range(15):
+        p.guard.new_request()
+        assert p.guard.holds(4)
+    p.guard.new_request()
+    assert not p.guard.holds(4)
+
+
+def test_a_rate_guard_trial_starts_again_on_the_text_of_new_requests():
+    """A trial's verdict is on the text it measured: where as many requests arrive during one as
+    its batch size holds, it starts again, so losing steps of the earlier text do not hold the
+    new text's drafts off; a part of a larger batch arriving leaves the trial as it is."""
+    from specserve.spec import policy as P
+
+    p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.8)
+    clock = p.guard.clock = _Clock()
+    reqs = [_req("a", [1, 2, 3])]
+    p.guard.observe(1, 1, 0.003, speculated=False)  # plain: 333 tok/s
+    for _ in range(P.GUARD_MIN_CYCLES):
+        p.guard.observe(1, 1, 0.004, speculated=True)  # 250 tok/s
+    assert p.guard.num_held == 1
+    for _ in range(P.GUARD_RETRY_STEPS):
+        p.guard.observe(1, 1, 0.003, speculated=False)
+        clock.t += 0.003
+    for _ in range(P.GUARD_TRIAL - 1):  # the trial's steps on the old text: losing (100 tok/s)
+        assert p.choose(reqs) == [4]
+        p.guard.observe(1, 1, 0.010, speculated=True)
+    p.guard.new_request()  # the next answer: other text
+    for _ in range(P.GUARD_TRIAL):  # a whole trial on it, which wins
+        assert p.choose(reqs) == [4]
+        p.guard.observe(1, 4, 0.006, speculated=True)  # 667 tok/s
+    assert p.guard.num_held == 1 and not p.guard.holds(1) and p.choose(reqs) == [4]
+
+    g = P.RateGuard(clock=_Clock())  # batch 4: one arrival is a part of the text
+    g.rates[4] = P._Rates(trial=P.StepSums().fold(4, 0.1), trial_left=1)
+    g.new_request()
+    assert g.rates[4].trial_left == 1 and g.rates[4].trial.tokens == 4
 
 
 def test_rate_guard_hold_ends_when_the_held_text_turns_copyable():
