@@ -10,7 +10,7 @@ from specserve.config import SpecConfig
 from specserve.request import Request
 from specserve.sampling_params import SamplingParams
 from specserve.spec.ngram import NgramProposer
-from specserve.spec.policy import LENGTH_MIN, AcceptanceStats, SpecPolicy, StepTimer
+from specserve.spec.policy import EWMA, LENGTH_MIN, AcceptanceStats, SpecPolicy, StepTimer
 from specserve.spec.proposer import longest_suffix_match
 from specserve.spec.reference import ReferenceProposer
 
@@ -132,33 +132,46 @@ def test_switched_off_request_probes_only_where_a_typical_request_would_draft():
 def test_a_pooled_acceptance_below_break_even_does_not_keep_new_requests_from_drafting():
     """The pooled acceptance is learned only from requests that draft. Once earlier text pushed
     it below break-even, a new request starting from it would never draft and the pool would
-    never recover: a request none of whose drafts was verified probes once, at its first step,
-    judged with the prior acceptance. Accepted, its estimate restarts from the prior and it
-    drafts on; rejected, it stays off and probes only as a measured request does. At a batch
-    size where drafting would not pay even at the prior, there is no probe."""
+    never recover: a request none of whose drafts was verified probes one draft at its first
+    step where drafting would pay once that draft were accepted, and learns from its first
+    verifies as a running mean with its pooled start counted once. Accepted, it drafts on;
+    rejected, it stays off and probes only as a measured request does. At a batch size where
+    drafting would not pay even then, there is no probe."""
     from specserve.spec.policy import PROBE_EVERY
 
     p = _policy(CHEAP_VERIFY, {1: 0.01}, acceptance=0.8)
-    p.pooled.rates[:] = [0.02] * 4  # what text sampled hot left behind
+    p.pooled.rates[:] = [0.05] * 4  # what text sampled hot left behind
     good, bad = _req("good", [1], max_tokens=1000), _req("bad", [1], max_tokens=1000)
-    assert p.choose([good]) == [1]  # the first step: a probe, not the pooled start's 0
+    assert p.choose([good]) == [1] and p.stats("good").probing  # not the pooled start's 0
     p.observe_proposal("good", 1, 1)
     p.observe("good", 1, 1)
-    assert p.stats("good").rates[0] >= 0.8  # restarted from the prior
-    assert p.choose([good])[0] > 1  # and drafting on, not probing
-    assert p.choose([bad]) == [1]
-    start = p.stats("bad").rates[0]  # the pool's (the good request's verify raised it a little)
-    assert start < 0.1
+    assert p.stats("good").rates[0] == pytest.approx(0.525)  # halfway from the pool to 1
+    k = p.choose([good])[0]
+    assert k >= 1 and not p.stats("good").probing  # drafting on
+    p.observe_proposal("good", k, k)
+    p.observe("good", k, k)
+    assert p.stats("good").rates[0] == pytest.approx((0.05 + 2) / 3)  # a running mean still
+    p.pooled.rates[:] = [0.05] * 4  # (the good request's verifies raised it)
+    assert p.choose([bad]) == [1] and p.stats("bad").probing
+    start = p.stats("bad").rates[0]
+    assert start == pytest.approx(0.05)
     p.observe_proposal("bad", 1, 1)
     p.observe("bad", 1, 0)
-    assert p.stats("bad").rates[0] < start  # the pooled start, lowered by the miss
+    assert p.stats("bad").rates[0] == pytest.approx(start / 2)
     ks = [p.choose([bad])[0] for _ in range(PROBE_EVERY - 1)]
     assert ks == [0] * (PROBE_EVERY - 1)  # no second first probe
 
     costly = _policy(COSTLY_VERIFY, {1: 0.01, 8: 0.01}, acceptance=0.8)
-    costly.pooled.rates[:] = [0.02] * 4
+    costly.pooled.rates[:] = [0.05] * 4
     reqs = [_req(str(i), [1], max_tokens=1000) for i in range(8)]
     assert all(k == 0 for _ in range(3) for k in costly.choose(reqs))
+    # A request that started drafting from a pool above break-even learns at the usual rate.
+    usual = _policy(CHEAP_VERIFY, {1: 0.01}, acceptance=0.8)
+    k = usual.choose([_req("u", [1], max_tokens=1000)])[0]
+    assert k > 1
+    usual.observe_proposal("u", k, k)
+    usual.observe("u", k, 0)
+    assert usual.stats("u").rates[0] == pytest.approx(0.8 * (1 - EWMA))
 
 
 def test_catch_up_is_charged_over_the_steps_a_request_has_left():

@@ -38,14 +38,16 @@ policy settled on K = 1 for most steps, 26.2 tok/s; a fixed K = 3 gave 28.6.)
 The pooled acceptance is itself learned only from requests that draft, so once earlier text
 pushed it below break-even no later request drafted and nothing corrected it: the model's
 drafts stayed off for whatever text came next. So a request none of whose model drafts has been
-verified yet probes once, from its first decode step, where drafting would pay for it with the
-prior acceptance (what is assumed of text not yet measured) or the pooled one, whichever
-promises more; a probe it accepts restarts its estimate from the prior (its text is unlike the
-text the pool measured), one it rejects leaves the pooled start, lowered. (Qwen2.5-Coder 1.5B +
-0.5B draft, 2-vCPU Zen 4, batch 1: after eight answers sampled at temperature 1.3 the pooled
-first-position acceptance stood at 0.2, and in 2 of 5 runs the next eight greedy coding answers
-drafted in 2-15 of ~120 steps each, 36-40 tok/s, where the same answers on a fresh engine ran at
-52-60 tok/s with ~3.5 tokens a step.)
+verified yet probes one draft from its first decode step where drafting would pay for it once
+that one draft were accepted, and such a request learns from its first verifies as a running
+mean with its pooled start counted as one observation (as a copy's estimate does): an accepted
+probe lifts its estimate halfway to 1, where it drafts on, and a few rejected drafts stop it.
+(Qwen2.5-Coder 1.5B + 0.5B draft, 2-vCPU Zen 4, batch 1: after eight answers sampled at
+temperature 1.3 the pooled first-position acceptance stood at 0.2, and in 2 of 5 runs the next
+eight greedy coding answers drafted in 2-15 of ~120 steps each, 36-40 tok/s, where the same
+answers on a fresh engine ran at 52-60 tok/s with ~3.5 tokens a step. One hard coding answer
+can do it too: it left the pool at 0.68, where that phase's costs said a draft does not pay,
+and the next four answers drafted in 3-5 of 126 steps.)
 
 A step whose drafts were all accepted says nothing about the position past them: that position
 is censored, and its estimate stays wherever it last was (at first the prior). In a run where
@@ -756,7 +758,7 @@ class AcceptanceStats:
     declined: int = 0  # a copy's estimate: copies declined in a row for the model's draft (see prefer_copy)
     trials: int = 0  # a copy's estimate: verifies of this request's copies folded in (see SpecPolicy.observe)
     verified: int = 0  # verifies folded into this estimate (either source)
-    restart: bool = False  # this step's K is a first probe that, accepted, restarts the estimate from the prior
+    learns_fast: bool = False  # started off below break-even: first verifies a running mean with the pooled start
     full_run: int = 0  # the last verify accepted all of its drafts, this many (0: it did not)
     # Score calibration (proposers whose scores predict acceptance): accepted drafts and the
     # scores' prediction of them, both decayed, over this request's verifies.
@@ -877,10 +879,6 @@ class SpecPolicy:
             self._pooled = AcceptanceStats([self.prior_acceptance] * self.config.num_spec_tokens)
         return self._pooled
 
-    def prior_for(self, free: bool) -> float:
-        """The acceptance assumed of drafts from one source on text not yet measured."""
-        return self.free_prior if free else self.prior_acceptance
-
     def pooled_for(self, free: bool) -> AcceptanceStats:
         """The pooled estimate of drafts made with a draft pass (free=False) or without (a copy)."""
         if not free:
@@ -967,18 +965,16 @@ class SpecPolicy:
             asked = max(st.asked, num_draft)
             st.asked = 0
             st.verified += 1
-            if st.restart and num_accepted > 0:  # a first probe accepted: not the text the pool measured
-                prior = self.prior_for(free)
-                st.rates[:] = [max(x, prior) for x in st.rates]
-                st.given[:] = [max(x, prior) for x in st.given]
-            st.restart = False
             # A request's copies hold or fail as a whole (a copy run, or none), unlike a model's
             # steady fraction: its first verifies count as a running mean with the pooled guess
-            # (one pseudo-observation), so one copy run tells, then the usual EWMA.
+            # (one pseudo-observation), so one copy run tells, then the usual EWMA. So do a
+            # model's for a request that started below break-even (see the module docstring).
             weight = EWMA
             if free:
                 weight = max(EWMA, 1.0 / (st.trials + 2))
                 st.trials += 1
+            elif st.learns_fast:
+                weight = max(EWMA, 1.0 / (st.verified + 1))
             st.update(asked, num_accepted, weight)
             self.pooled_for(free).update(asked, num_accepted, POOLED_EWMA)
             if num_draft > 0:
@@ -1338,20 +1334,19 @@ class SpecPolicy:
         # Give held-back requests an occasional probe one position further, so an estimate
         # that fell below break-even can recover (switched off: k = 1; short: k + 1). A request
         # at k = 0 probes only where a typical one (the pooled acceptance) would draft now, or,
-        # where none of its model drafts was verified yet, one of text not yet measured (the
-        # prior): see the module docstring.
+        # where none of its model drafts was verified yet, where it would once one draft were
+        # accepted (its estimate halfway from the pooled one to 1): see the module docstring.
         passes = max((walks[i][k] for i, k in enumerate(ks)), default=0.0)
         for i, st in enumerate(stats):
-            st.probing, st.run_probe, st.restart = False, 0, False
+            st.probing, st.run_probe = False, 0
             if eligible[i] and ks[i] == 0:
                 st.steps_off += 1
                 first = st.verified == 0 and not free[i]
                 if st.steps_off >= PROBE_EVERY or first:
                     pooled = self.pooled_for(free[i])
                     gain, size = pooled.expected_accepted(1), pooled.expected_proposed(1)
-                    prior = self.prior_for(free[i])
-                    if first and prior > gain:  # (one position: E(1) is its acceptance)
-                        gain, st.restart = prior, True
+                    if first:  # (one position: E(1) is its acceptance)
+                        gain = (gain + 1.0) / 2
                     walk = size * modelled[i]
                     cost = per_token[i] * (1.0 + gain)  # (0 for a copy)
                     r = rate(tokens + gain, drafted + size, max(passes, walk), n_spec + modelled[i], caught + cost)
@@ -1359,8 +1354,7 @@ class SpecPolicy:
                         ks[i], st.steps_off, best, st.probing = 1, 0, r, True
                         tokens, drafted, caught = tokens + gain, drafted + size, caught + cost
                         n_spec, passes = n_spec + modelled[i], max(passes, walk)
-                    else:
-                        st.restart = False
+                        st.learns_fast = st.learns_fast or first
                 continue
             st.steps_off = 0
             if eligible[i] and ks[i] < kmax:
