@@ -336,7 +336,8 @@ class RateGuard:
         text that loses costs little. (Qwen2.5-Coder 1.5B + 0.5B draft, batch 1: eight answers
         sampled at temperature 1.3 left a hold after three failed trials, which held the next
         greedy coding answer's drafts off for all its 128 steps; the SmolLM2 head at T 0.7 ran
-        1.016 / 1.001x plain with every arrival ending the hold, 1.019 / 0.960x before.)
+        0.979-1.032x plain in four runs with every arrival ending the hold, 0.960-1.019x in four
+        before.)
 
         A trial under way when as many requests have arrived as its size holds starts again:
         its steps so far were of other text. (Qwen2.5-Coder 1.5B + 0.5B draft, batch 1: a trial
