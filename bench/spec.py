@@ -17,6 +17,10 @@ Sections (all by default, in one run):
               requests use learned (the default), and the whole vocabulary, against plain;
               the four engines alternate prompt by prompt in one process (--tree-sets, e.g.
               chinese: a third of the target's tokens there lie above the first 65,536 ids)
+  shift       traffic that changes, batch 1: an engine that first served prose answers sampled
+              hot (--shift-temperature; its drafts mostly rejected), then the coding prompts
+              greedy, against a fresh engine and plain on the same coding prompts, the three
+              alternating prompt by prompt; fresh engines each of --shift-rounds rounds
 
     python bench/spec.py                       # everything (~1 h on 2 CPU cores)
     python bench/spec.py --sections trees batchsweep
@@ -321,6 +325,52 @@ def section_drafthead(b: Bench) -> list[dict]:
     return rows
 
 
+def section_shift(b: Bench) -> list[dict]:
+    """Does the adaptive policy draft on text that drafts well after text that did not? Per round:
+    a "shifted" engine answers the prose prompts sampled at --shift-temperature, then it, a fresh
+    engine and a plain one answer the coding prompts greedy, alternating prompt by prompt."""
+    method = b.args.batch_method
+    prelude = SamplingParams(max_tokens=128, temperature=b.args.shift_temperature, top_p=1.0)
+    tok = b.target.tokenizer
+    hot = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROSE[:8]]
+    rows = []
+    for rnd in range(b.args.shift_rounds):
+        engines = {"plain": b.llm("none"), "fresh": b.llm(method), "shifted": b.llm(method)}
+        for i, prompt in enumerate(hot):
+            engines["shifted"].generate(prompt, dataclasses.replace(prelude, seed=100 * rnd + i), use_tqdm=False)
+        acc = {name: {"gen": 0, "t": 0.0, "steps": 0, "spec_steps": 0, "held_answers": 0, "outputs": []} for name in engines}
+        for i, (prompt, _) in enumerate(b.coding):
+            names = list(engines) if (i + rnd) % 2 == 0 else list(engines)[::-1]  # drift hits all alike
+            for name in names:
+                llm = engines[name]
+                llm.engine.kv_manager.reset_prefix_cache()
+                llm.engine.reset_suffix_cache()
+                out = llm.generate(prompt, SamplingParams(max_tokens=b.args.max_tokens, temperature=0), use_tqdm=False)[0]
+                m, a = out.metrics, acc[name]
+                a["gen"] += m.num_generated_tokens
+                a["t"] += m.e2e_s - m.ttft_s
+                a["steps"] += m.extra["num_target_steps"]
+                a["spec_steps"] += m.extra["num_spec_steps"]
+                a["held_answers"] += m.extra["num_spec_steps"] < m.extra["num_target_steps"] / 4
+                a["outputs"].append(out.token_ids)
+        n = len(b.coding)
+        base = (acc["plain"]["gen"] - n) / acc["plain"]["t"]
+        for name, a in acc.items():
+            rate = (a["gen"] - n) / a["t"]
+            same = a["outputs"] == acc["plain"]["outputs"]
+            rows.append({"round": rnd, "engine": name, "method": "none" if name == "plain" else method,
+                         "prelude_temperature": b.args.shift_temperature, "prompts": n,
+                         "decode_tokens_per_s": rate, "speedup_vs_plain": rate / base,
+                         "tokens_per_step": a["gen"] / a["steps"], "spec_steps": a["spec_steps"],
+                         "target_steps": a["steps"], "answers_drafting_in_under_a_quarter_of_steps": a["held_answers"],
+                         "outputs_equal_plain": same})
+            log(f"shift round {rnd} {name:8s}: {rate:6.2f} tok/s x{rate / base:.2f}, {a['gen'] / a['steps']:.2f} "
+                f"tokens/step, drafting in {a['spec_steps']} of {a['steps']} steps, "
+                f"{a['held_answers']} answers drafting in < 1/4 of their steps, outputs equal to plain: {same}")
+        del engines
+    return rows
+
+
 def section_batch1(b: Bench) -> list[dict]:
     """none / draft / ngram / reference at batch 1 on both prompt sets, greedy and T=0.7."""
     rows = []
@@ -589,8 +639,20 @@ def plot(payload: dict, path: Path) -> None:
         ax.legend(fontsize=7)
         ax.set_title("speculation vs batch size (greedy, medians of rounds)", fontsize=10)
     hf = payload.get("hf") or []
+    shift = payload.get("shift") or []
     ax = axes[1][1]
-    if hf:
+    if shift and not hf:  # the peer panel shows traffic that changes instead
+        names = ["fresh", "shifted"]
+        rounds = sorted({r["round"] for r in shift})
+        for j, name in enumerate(names):
+            vals = [next(r["speedup_vs_plain"] for r in shift if r["round"] == k and r["engine"] == name) for k in rounds]
+            ax.bar([k + (j - 0.5) * 0.4 for k in rounds], vals, width=0.4, label=name)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks(rounds, [f"round {k}" for k in rounds], fontsize=8)
+        ax.set_ylabel("coding decode speedup vs plain (batch 1)")
+        ax.legend(fontsize=8)
+        ax.set_title(f"after prose sampled at T {shift[0]['prelude_temperature']} (shifted) vs a fresh engine", fontsize=10)
+    elif hf:
         ours = {(r["method"], r["prompt_set"]): r["decode_tokens_per_s"] for r in b1 if r["temperature"] == 0.0}
         pairs = [("none", "hf_plain"), ("draft", "hf_assisted"), ("ngram", "hf_prompt_lookup")]
         labels, a, c = [], [], []
@@ -616,6 +678,8 @@ def plot(payload: dict, path: Path) -> None:
     for ax, key in ((axes[0][1], "ksweep"), (axes[1][0], "batchsweep"), (axes[1][1], "hf")):
         if key == "ksweep" and not payload.get(key) and (trees or payload.get("drafthead")):
             continue  # the panel shows tokens per forward or the draft heads instead
+        if key == "hf" and not hf and shift:
+            continue  # the panel shows traffic that changes
         if not payload.get(key):
             ax.text(0.5, 0.5, f"not measured in this run\n(python bench/spec.py --sections {key})",
                     ha="center", va="center", transform=ax.transAxes, fontsize=9, color="#666666")
@@ -648,13 +712,16 @@ def main() -> int:
                     help="extra batch-1 rows: none-int8 = plain decoding of the int8 target")
     ap.add_argument("--batch-rounds", type=int, default=3, help="batchsweep: interleaved rounds (medians reported)")
     ap.add_argument("--drafthead-rounds", type=int, default=2, help="drafthead: passes over each set's prompts")
+    ap.add_argument("--shift-rounds", type=int, default=3, help="shift: rounds, fresh engines each")
+    ap.add_argument("--shift-temperature", type=float, default=1.3,
+                    help="shift: temperature of the prose answers the shifted engine serves first")
     ap.add_argument("--batch-method", default="draft", help="batchsweep: the proposer (METHOD+COPY as --tree-methods)")
     ap.add_argument("--tree-methods", nargs="+", default=["draft", "ngram", "reference", "lookahead"],
                     help="proposers of the trees section; METHOD+COPY (draft+ngram, eagle+reference) puts "
                          "--spec-copy COPY in front of a model drafter, METHOD+join (eagle+join, eagle+none+join) "
                          "joins lookahead's candidates into its trees (--spec-join lookahead)")
     ap.add_argument("--sections", nargs="+", default=["trees", "batch1", "ksweep", "batchsweep", "hf"],
-                    choices=["trees", "batch1", "ksweep", "batchsweep", "hf", "drafthead"])
+                    choices=["trees", "batch1", "ksweep", "batchsweep", "hf", "drafthead", "shift"])
     ap.add_argument("--tree-policy", default="adaptive", choices=["adaptive", "always"],
                     help="trees section: the policy (always: every step drafts, to measure acceptance)")
     ap.add_argument("--tree-k", type=int, default=8,
@@ -679,13 +746,14 @@ def main() -> int:
         old = json.loads(out_json.read_text())
         same = all(old.get("settings", {}).get(k) == getattr(args, k) for k in ("target", "draft", "quantization"))
         carried = dict(old.get("carried", {}))
-        for key in ("trees", "batch1", "ksweep", "batchsweep", "hf", "drafthead"):
+        for key in ("trees", "batch1", "ksweep", "batchsweep", "hf", "drafthead", "shift"):
             if same and key in old and key not in args.sections:  # never mix precisions in one file
                 payload[key] = old[key]
                 payload.setdefault("carried", {})[key] = carried.get(key, old["machine"].get("commit"))
     b = Bench(args)
     sections = {"trees": section_trees, "batch1": section_batch1, "ksweep": section_ksweep,
-                "batchsweep": section_batchsweep, "hf": section_hf, "drafthead": section_drafthead}
+                "batchsweep": section_batchsweep, "hf": section_hf, "drafthead": section_drafthead,
+                "shift": section_shift}
     for name in args.sections:
         t0 = time.perf_counter()
         payload[name] = sections[name](b)
