@@ -278,6 +278,32 @@ def _histogram(values: list[int]) -> dict[int, int]:
     return dict(sorted(out.items()))
 
 
+def _alternating(engines: dict[str, LLM], prompts: list[tuple[str, str | None]], rnd: int,
+                 params: Callable[[str | None], SamplingParams]) -> dict[str, list]:
+    """Every prompt on every engine, the engines back to back in an order that alternates by
+    prompt and round (a noisy machine's drift hits all alike), each starting without cached
+    prompts or outputs: each engine's outputs in prompt order."""
+    outs: dict[str, list] = {name: [] for name in engines}
+    for i, (prompt, ref) in enumerate(prompts):
+        for name in list(engines) if (i + rnd) % 2 == 0 else list(engines)[::-1]:
+            llm = engines[name]
+            llm.engine.kv_manager.reset_prefix_cache()
+            llm.engine.reset_suffix_cache()
+            outs[name].append(llm.generate(prompt, params(ref), use_tqdm=False)[0])
+    return outs
+
+
+def _summed(outs: list, **counters: str) -> dict[str, Any]:
+    """Generated tokens, decode seconds (after the first token), target steps and the outputs'
+    token ids of one engine's outputs, and each named speculation counter summed."""
+    sums: dict[str, Any] = {"gen": sum(o.metrics.num_generated_tokens for o in outs),
+                            "t": sum(o.metrics.e2e_s - o.metrics.ttft_s for o in outs),
+                            "steps": sum(o.metrics.extra["num_target_steps"] for o in outs),
+                            "outputs": [o.token_ids for o in outs]}
+    sums.update({key: sum(o.metrics.extra[counter] for o in outs) for key, counter in counters.items()})
+    return sums
+
+
 def section_drafthead(b: Bench) -> list[dict]:
     """Draft-model tokens per step and decode speed by LM head, batch 1, greedy (see the module doc).
     Fresh engines per prompt set; --drafthead-rounds passes over its prompts, the heads keeping
@@ -292,22 +318,10 @@ def section_drafthead(b: Bench) -> list[dict]:
         if head is not None:
             head.stop_learning()  # also what the warm-up taught it
         for rnd in range(b.args.drafthead_rounds):
-            acc = {name: {"gen": 0, "t": 0.0, "steps": 0, "drafted": 0, "accepted": 0, "outputs": []} for name in engines}
-            for i, (prompt, ref) in enumerate(sets[set_name]):
-                names = list(engines) if (i + rnd) % 2 == 0 else list(engines)[::-1]  # drift hits all alike
-                for name in names:
-                    llm = engines[name]
-                    llm.engine.kv_manager.reset_prefix_cache()
-                    llm.engine.reset_suffix_cache()
-                    params = SamplingParams(max_tokens=b.args.max_tokens, temperature=0, reference_text=ref)
-                    out = llm.generate(prompt, params, use_tqdm=False)[0]
-                    m, a = out.metrics, acc[name]
-                    a["gen"] += m.num_generated_tokens
-                    a["t"] += m.e2e_s - m.ttft_s
-                    a["steps"] += m.extra["num_target_steps"]
-                    a["drafted"] += m.extra["num_draft_tokens"]
-                    a["accepted"] += m.extra["num_accepted_tokens"]
-                    a["outputs"].append(out.token_ids)
+            outs = _alternating(engines, sets[set_name], rnd, lambda ref: SamplingParams(
+                max_tokens=b.args.max_tokens, temperature=0, reference_text=ref))
+            acc = {name: _summed(os, drafted="num_draft_tokens", accepted="num_accepted_tokens")
+                   for name, os in outs.items()}
             n = len(sets[set_name])
             base = (acc["plain"]["gen"] - n) / acc["plain"]["t"]
             for name, a in acc.items():
@@ -338,21 +352,11 @@ def section_shift(b: Bench) -> list[dict]:
         engines = {"plain": b.llm("none"), "fresh": b.llm(method), "shifted": b.llm(method)}
         for i, prompt in enumerate(hot):
             engines["shifted"].generate(prompt, dataclasses.replace(prelude, seed=100 * rnd + i), use_tqdm=False)
-        acc = {name: {"gen": 0, "t": 0.0, "steps": 0, "spec_steps": 0, "held_answers": 0, "outputs": []} for name in engines}
-        for i, (prompt, _) in enumerate(b.coding):
-            names = list(engines) if (i + rnd) % 2 == 0 else list(engines)[::-1]  # drift hits all alike
-            for name in names:
-                llm = engines[name]
-                llm.engine.kv_manager.reset_prefix_cache()
-                llm.engine.reset_suffix_cache()
-                out = llm.generate(prompt, SamplingParams(max_tokens=b.args.max_tokens, temperature=0), use_tqdm=False)[0]
-                m, a = out.metrics, acc[name]
-                a["gen"] += m.num_generated_tokens
-                a["t"] += m.e2e_s - m.ttft_s
-                a["steps"] += m.extra["num_target_steps"]
-                a["spec_steps"] += m.extra["num_spec_steps"]
-                a["held_answers"] += m.extra["num_spec_steps"] < m.extra["num_target_steps"] / 4
-                a["outputs"].append(out.token_ids)
+        outs = _alternating(engines, b.coding, rnd, lambda ref: SamplingParams(max_tokens=b.args.max_tokens, temperature=0))
+        acc = {name: _summed(os, spec_steps="num_spec_steps") for name, os in outs.items()}
+        for name, os in outs.items():
+            acc[name]["held_answers"] = sum(o.metrics.extra["num_spec_steps"] < o.metrics.extra["num_target_steps"] / 4
+                                            for o in os)
         n = len(b.coding)
         base = (acc["plain"]["gen"] - n) / acc["plain"]["t"]
         for name, a in acc.items():
