@@ -117,14 +117,14 @@ def test_switched_off_request_probes_only_where_a_typical_request_would_draft():
 
     p = _policy(CHEAP_VERIFY, {1: 0.01, 8: 0.01}, acceptance=0.9)
     r = _req("a", [1], max_tokens=1000)
-    p.stats("a").rates, p.stats("a").verified = [0.01] * 4, 3  # measured, and unlucky
+    p.stats("a").rates, p.stats("a").trials = [0.01] * 4, 3  # measured, and unlucky
     ks = [p.choose([r])[0] for _ in range(PROBE_EVERY)]
     assert ks[:-1] == [0] * (PROBE_EVERY - 1) and ks[-1] == 1
 
     p = _policy(COSTLY_VERIFY, {1: 0.01, 8: 0.01}, acceptance=0.9)
     reqs = [_req(str(i), [1], max_tokens=1000) for i in range(8)]
     for i in range(8):
-        p.stats(str(i)).rates, p.stats(str(i)).verified = [0.01] * 4, 3
+        p.stats(str(i)).rates, p.stats(str(i)).trials = [0.01] * 4, 3
     steps = [p.choose(reqs) for _ in range(3 * PROBE_EVERY)]
     assert all(k == 0 for ks in steps for k in ks)
 

@@ -235,12 +235,11 @@ class _Rates:
     retry_s: float = 0.0  # how long it stays held off this time
     held_steps: int = 0  # plain steps at this size since it was held off
     retry_steps: int = 1 << 62  # how many of them it stays held off this time (at most)
-    arrivals: int = 0  # requests that arrived since it was held off (see RateGuard.new_request)
+    arrivals: int = 0  # requests that arrived since it was held off, or since its trial began (see RateGuard.new_request)
     failed_trials: int = 0  # trials in a row that held it off again
     copy_steps: int = 0  # held steps in a row whose text a copy carries (see RateGuard.copy_resumes)
     trial_left: int = 0  # speculating steps of a trial still to come
     trial: StepSums | None = None  # the steps of the trial under way
-    trial_arrivals: int = 0  # requests that arrived since the trial under way started
 
     @staticmethod
     def rate(sums: StepSums | None) -> float | None:
@@ -307,7 +306,7 @@ class RateGuard:
         if r.held_since is not None:
             if r.waiting(now):
                 return False
-            r.held_since, r.trial_left, r.trial, r.trial_arrivals = None, GUARD_TRIAL - 1, StepSums(), 0
+            r.held_since, r.trial_left, r.trial, r.arrivals = None, GUARD_TRIAL - 1, StepSums(), 0
             return True
         if r.spec_n < GUARD_MIN_CYCLES:  # nothing to weigh the plain rate against yet
             return True
@@ -345,11 +344,11 @@ class RateGuard:
         a greedy coding answer, failed on the earlier text's rate, and held the new answer's
         drafts off for all its 127 steps.)"""
         for size, r in self.rates.items():
-            if r.trial is not None:
-                r.trial_arrivals += 1
-                if r.trial_arrivals >= size:
-                    r.trial, r.trial_left, r.trial_arrivals = StepSums(), GUARD_TRIAL, 0
-            if r.held_since is not None:
+            if r.trial is not None:  # (a trial and a hold never overlap: one counter serves both)
+                r.arrivals += 1
+                if r.arrivals >= size:
+                    r.trial, r.trial_left, r.arrivals = StepSums(), GUARD_TRIAL, 0
+            elif r.held_since is not None:
                 r.arrivals += 1
                 if r.arrivals >= (size << min(r.failed_trials, GUARD_MAX_DOUBLINGS) if size > 1 else 1):
                     r.held_steps = r.retry_steps
@@ -757,8 +756,7 @@ class AcceptanceStats:
     steps_off: int = 0  # steps with k = 0 since the last probe
     steps_short: int = 0  # steps with 0 < k < max since the last probe of one position more
     declined: int = 0  # a copy's estimate: copies declined in a row for the model's draft (see prefer_copy)
-    trials: int = 0  # a copy's estimate: verifies of this request's copies folded in (see SpecPolicy.observe)
-    verified: int = 0  # verifies folded into this estimate (either source)
+    trials: int = 0  # verifies of this request's drafts (of this source) folded in (see SpecPolicy.observe)
     learns_fast: bool = False  # started off below break-even: first verifies a running mean with the pooled start
     full_run: int = 0  # the last verify accepted all of its drafts, this many (0: it did not)
     # Score calibration (proposers whose scores predict acceptance): accepted drafts and the
@@ -965,17 +963,12 @@ class SpecPolicy:
         if num_draft > 0 or st.asked > 0:
             asked = max(st.asked, num_draft)
             st.asked = 0
-            st.verified += 1
+            st.trials += 1
             # A request's copies hold or fail as a whole (a copy run, or none), unlike a model's
             # steady fraction: its first verifies count as a running mean with the pooled guess
             # (one pseudo-observation), so one copy run tells, then the usual EWMA. So do a
             # model's for a request that started below break-even (see the module docstring).
-            weight = EWMA
-            if free:
-                weight = max(EWMA, 1.0 / (st.trials + 2))
-                st.trials += 1
-            elif st.learns_fast:
-                weight = max(EWMA, 1.0 / (st.verified + 1))
+            weight = max(EWMA, 1.0 / (st.trials + 1)) if free or st.learns_fast else EWMA
             st.update(asked, num_accepted, weight)
             self.pooled_for(free).update(asked, num_accepted, POOLED_EWMA)
             if num_draft > 0:
@@ -1342,7 +1335,7 @@ class SpecPolicy:
             st.probing, st.run_probe = False, 0
             if eligible[i] and ks[i] == 0:
                 st.steps_off += 1
-                first = st.verified == 0 and not free[i]
+                first = st.trials == 0 and not free[i]
                 if st.steps_off >= PROBE_EVERY or first:
                     pooled = self.pooled_for(free[i])
                     gain, size = pooled.expected_accepted(1), pooled.expected_proposed(1)
@@ -1355,7 +1348,7 @@ class SpecPolicy:
                         ks[i], st.steps_off, best, st.probing = 1, 0, r, True
                         tokens, drafted, caught = tokens + gain, drafted + size, caught + cost
                         n_spec, passes = n_spec + modelled[i], max(passes, walk)
-                        st.learns_fast = st.learns_fast or first
+                        st.learns_fast |= first
                 continue
             st.steps_off = 0
             if eligible[i] and ks[i] < kmax:
