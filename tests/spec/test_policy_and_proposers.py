@@ -1020,3 +1020,41 @@ def test_a_delivered_tree_node_is_valued_by_its_acceptance_given_delivery():
         p.observe_proposal("b", 2, 1)
         p.observe("b", 1, 1)
     assert SpecPolicy.node_gains(p.stats("b"), chain)[1] < 0.05
+
+
+def test_a_draft_row_is_charged_its_attention_over_the_requests_context():
+    """T(n) is timed at a short context; a draft row attends over its request's whole context, and
+    on the CPU that attention is arithmetic the rows do not share (the Qwen 1.5B's T(9) / T(1): 1.8
+    at 64 tokens of context, 4.3 at 8,000). With pair_s the policy charges each draft row its
+    keys beyond T(n)'s context: a long request drafts less than a short one with the same
+    acceptance, in K (choose) and in what prune() keeps; without it (0: not measured) the two
+    are alike, as before."""
+    from specserve.spec.policy import TIMED_CONTEXT
+    from specserve.spec.tree import DraftTree
+
+    short, long = _req("s", list(range(40))), _req("l", list(range(8000)))
+    p = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.6)
+    assert p.choose([short]) == p.choose([long]) == [4]
+    p.pair_s = 0.05 / (8000 - TIMED_CONTEXT)  # a row at 8,000 tokens: half a 0.1 s step
+    assert p.choose([short]) == [4]
+    assert p.choose([long]) == [1]  # 1.6 tokens in 0.203 s beat 1 in 0.15; two drafts do not
+    poor = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.3)
+    poor.pair_s = p.pair_s
+    for r in (short, long):  # verified before: no first probe (see the module docstring)
+        poor.stats(r.request_id).trials = 1
+    assert poor.choose([short])[0] > 0 and poor.choose([long]) == [0]
+    assert p.row_s(short) == pytest.approx(0.05 * 8 / (8000 - TIMED_CONTEXT)) and p.row_s(long) == pytest.approx(0.05)
+    # A step's attention beyond T(n)'s: causal pairs of each request's rows over its keys.
+    assert p.attention_s([(1, 7999)]) == pytest.approx(p.pair_s * (8000 - TIMED_CONTEXT))
+    assert p.attention_s([(3, 100)]) == pytest.approx(p.pair_s * (101 + 102 + 103 - 3 * TIMED_CONTEXT))
+
+    # prune(): a chain at acceptance 0.3 keeps its first nodes at a short context, none at a long one.
+    tree = DraftTree(tuple(range(4)), (-1, 0, 1, 2), scores=(0.3, 0.09, 0.027, 0.008))
+    kept = {}
+    for r in (short, long):
+        q = _policy(CHEAP_VERIFY, {1: 0.001}, acceptance=0.3)
+        q.pair_s = p.pair_s
+        kept[r.request_id] = len(q.prune([r], {r.request_id: tree}).get(r.request_id) or ())
+        q.pair_s = 0.0
+        assert len(q.prune([r], {r.request_id: tree})[r.request_id]) == 3  # as before, whatever the context
+    assert kept == {"s": 3, "l": 0}

@@ -292,3 +292,21 @@ def test_drafts_near_the_length_limit_stay_exact_and_inside_it(tiny, method):
     assert eng.check_integrity()
     if method == "draft":
         assert eng.proposer.kv.num_free_blocks == eng.proposer.kv.num_blocks
+
+
+def test_the_policy_is_told_what_a_draft_rows_attention_costs_per_key_of_context(tiny):
+    """The engine times the native attention per (query row, key) at start-up (pair_s), so the
+    policy charges each draft row its request's context beyond the short one T(n) was timed at;
+    a runner off the native kernels reports 0 (its T(n) is all the policy has, as before)."""
+    llm = LLM("smollm2-135m-instruct", spec_method="ngram", quantization="auto", kv_cache_gib=0.25)
+    runner, policy = llm.engine.runner, llm.engine.policy
+    assert runner.native_ops and 0 < policy.pair_s < 1e-4
+    per_pair = runner.time_attention_pairs(keys=1024)
+    assert 0 < per_pair < 1e-4
+    # A step's attention is taken off the time T(n) learns: a 4,000-token request's decode row
+    # carries ~4,000 pairs of it, a short one none.
+    assert policy.attention_s([(1, 3999)]) == pytest.approx(policy.pair_s * (4000 - 32))
+    assert policy.attention_s([(1, 10)]) == 0.0
+    plain = LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="ngram")
+    assert not plain.engine.runner.native_ops and plain.engine.runner.time_attention_pairs() == 0.0
+    assert plain.engine.policy.pair_s == 0.0

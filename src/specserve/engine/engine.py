@@ -77,6 +77,9 @@ PROFILE_WARM_STEPS = 4  # one-token steps before each round's small points (the 
 # and the points below the knee learn against it meanwhile.)
 RESTORE_ROUNDS = 5
 RESTORE_SPEED = (0.5, 2.0)  # that speed against the saved one's, outside which the costs are measured afresh
+# A step's time as T(n) learns it keeps at least this share when its attention beyond T(n)'s
+# context is taken off (pair_s is timed on the kernel alone, and may run ahead of a busy step).
+MIN_SHARE_AFTER_ATTENTION = 0.25
 CATCHUP_PROFILE_TOKENS = 64  # one request's tokens in the pass that times a proposer's catch-up
 # When the model declares a longer context than this, default to it (KV memory stays modest).
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -411,7 +414,10 @@ class LLMEngine:
         fresh one-token step gives today's speed against it, which is the StepTimer's phase;
         the policy reads every point through it (and refines them from the steps it sees) just
         as after a fresh profile. A speed more than twice or half the saved one says the
-        machine is not the one measured (another VM of the same CPU type): profile afresh."""
+        machine is not the one measured (another VM of the same CPU type): profile afresh.
+        The attention a draft row adds per key of context beyond T(n)'s is timed at every start
+        (a few milliseconds over the native kernel: ModelRunner.time_attention_pairs)."""
+        self.policy.pair_s = self.runner.time_attention_pairs()
         cache = self._cost_cache()
         saved = cache.load() if cache is not None else None
         if saved is not None and self._restore_costs(saved):
@@ -929,7 +935,11 @@ class LLMEngine:
     def _account_step(self, sched_out: SchedulerOutput, sampled: dict[str, SampledTokens]) -> None:
         t = self.runner.last_forward_time_s
         if self._teaches_step_cost(sched_out):
-            self.policy.target_time.observe_scaled(sched_out.num_batched_tokens, t)
+            # T(n) is the curve at a short context: the attention beyond it (charged per request by
+            # the policy, pair_s) is taken off first, or a long context's steps would read as a
+            # slow memory phase and make every verify look as cheap as a decode step.
+            attn = self.policy.attention_s([(len(sr.token_ids), sr.start_pos) for sr in sched_out.scheduled])
+            self.policy.target_time.observe_scaled(sched_out.num_batched_tokens, max(t - attn, t * MIN_SHARE_AFTER_ATTENTION))
         spec = False
         for sr in sched_out.scheduled:
             st = sampled.get(sr.request_id)

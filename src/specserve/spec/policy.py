@@ -87,6 +87,9 @@ from specserve.request import Request
 from specserve.spec.tree import DraftTree
 
 EWMA = 0.15  # weight of the newest observation in acceptance and timing estimates
+# The context T(n) is timed at (ModelRunner.time_decode_step's): a query row's attention over more
+# keys than this is what SpecPolicy.pair_s charges on top of T(n).
+TIMED_CONTEXT = 32
 
 PHASE_EWMA = 0.1  # share of a step-time measurement's ratio to the estimate that moves the read's phase (or a point)
 KNEE = 1.2  # a step within this factor of the smallest measured one's time is the weights' read (StepTimer)
@@ -857,6 +860,13 @@ class SpecPolicy:
     # Host seconds a step with drafts spends beyond one without (tree masks, verification,
     # bookkeeping), measured by the engine: what a scored proposer's first kept node also pays.
     verify_overhead_s: float = 0.0
+    # Seconds of attention per (query row, key) pair beyond TIMED_CONTEXT keys, over the whole
+    # stack (ModelRunner.time_attention_pairs; 0: not charged). A draft row attends over its
+    # request's whole context, so a verify is flat only while contexts are short: the Qwen 1.5B's
+    # T(9) / T(1) read 1.8 at 64 tokens of context, 3.2 at 2,048 and 4.3 at 8,000 (2-vCPU Zen 4),
+    # and without this prompt lookup drafted at a 7,000-token context at 0.56-0.62x plain until the
+    # rate guard held it.
+    pair_s: float = 0.0
     propose_s: float = 0.0  # host seconds a scored proposer's proposal and its pruning take per request it drafts for (measured)
     free_prior: float = 0.5  # a copier's prior acceptance (drafts made without a draft pass)
     _stats: dict[tuple[str, bool], AcceptanceStats] = field(default_factory=dict)
@@ -1081,7 +1091,10 @@ class SpecPolicy:
         # first node that fails to pay: the measured T(n) is not convex everywhere, e.g. a kernel
         # that handles 4 rows at once makes the third token dear and the fourth nearly free.)
         tokens, verify = float(len(requests)), base
-        best, best_m = tokens / self.target_time(verify), 0
+        # Each kept node attends over its request's context (row_s); so does every decode row.
+        row = {r.request_id: self.row_s(r) for r in requests}
+        attn = sum(row.values()) + sum(row.get(rid, 0.0) * len(t) for rid, t in drafts.items() if rid not in gains)
+        best, best_m = tokens / (self.target_time(verify) + attn), 0
         overhead = self.verify_overhead_s if self.scored else 0.0
         taken = dict.fromkeys(gains, 0)
         order: list[str] = []
@@ -1091,9 +1104,9 @@ class SpecPolicy:
             neg, rid = heapq.heappop(heap)
             if neg > -PRUNE_MIN_GAIN:
                 break  # the rest gain less still
-            tokens, verify = tokens - neg, verify + 1
+            tokens, verify, attn = tokens - neg, verify + 1, attn + row[rid]
             order.append(rid)
-            rate = tokens / (self.target_time(verify) + overhead)
+            rate = tokens / (self.target_time(verify) + overhead + attn)
             if rate > best:
                 best, best_m = rate, len(order)
             taken[rid] += 1
@@ -1199,21 +1212,24 @@ class SpecPolicy:
         n = len(requests)
         verify = n + other
         interval = self._probe_interval(n, verify)
-        tokens, rate = float(n), n / self.target_time(verify)
+        rows = [self.row_s(r) for r in requests]  # a node's attention over its request's context
+        attn = sum(rows)
+        tokens, rate = float(n), n / (self.target_time(verify) + attn)
         stats = [self.stats(r.request_id, f) for r, f in zip(requests, free)]
         eligible = [self._eligible(r, n) for r in requests]
         measured = [st if st.drafted_yield is not None else self.pooled_for(f) for st, f in zip(stats, free)]
         out = [e and m.drafted_yield is None for e, m in zip(eligible, measured)]
         cands = sorted(((m.drafted_yield / (self.propose_s + self.target_time(verify + m.drafted_nodes)  # type: ignore[operator]
-                                            - self.target_time(verify) + 1e-9), i)
+                                            - self.target_time(verify) + rows[i] * m.drafted_nodes + 1e-9), i)
                         for i, (e, m) in enumerate(zip(eligible, measured)) if e and not out[i]), reverse=True)
         drafted, extra_nodes = sum(out), 0.0
         for _, i in cands:
             y, nodes = measured[i].drafted_yield or 0.0, measured[i].drafted_nodes
             t = (self.target_time(verify + extra_nodes + nodes) + self.propose_s * (drafted + 1)
-                 + (self.verify_overhead_s if drafted == 0 else 0.0))
+                 + (self.verify_overhead_s if drafted == 0 else 0.0) + attn + rows[i] * nodes)
             if (tokens + y) / t > rate:
                 tokens, rate, drafted, extra_nodes = tokens + y, (tokens + y) / t, drafted + 1, extra_nodes + nodes
+                attn += rows[i] * nodes
                 out[i] = True
         for i, st in enumerate(stats):
             if out[i] or not eligible[i]:
@@ -1280,11 +1296,16 @@ class SpecPolicy:
         sizes = [st.proposed_by_k(kmax) for st in stats]
         walks = [[0.0] * (kmax + 1) if f else s for s, f in zip(sizes, free)]
         per_token = [0.0 if f else self._catchup_per_token(r, c) for r, c, f in zip(requests, catchup, free)]
-        catch = [[0.0] + [t * (1.0 + g[k]) for k in range(1, kmax + 1)] for t, g in zip(per_token, gains)]
+        # A draft row's attention over its request's context (row_s) is charged with the request,
+        # as its catch-up is; every request's own decode row pays it too (base).
+        rows = [self.row_s(r) for r in requests]
+        catch = [[0.0] + [t * (1.0 + g[k]) + w * z[k] for k in range(1, kmax + 1)]
+                 for t, g, w, z in zip(per_token, gains, rows, sizes)]
         verify = n + other
+        base = sum(rows)
 
         def rate(tokens: float, drafted: float, passes: float, n_spec: int, caught: float) -> float:
-            return tokens / (self._cost(verify + drafted, passes, n_spec) + caught)
+            return tokens / (self._cost(verify + drafted, passes, n_spec) + caught + base)
 
         ks, best = [0] * n, rate(n, 0, 0, 0, 0.0)
         idx = [i for i in range(n) if eligible[i]]
@@ -1342,7 +1363,7 @@ class SpecPolicy:
                     if first:  # (one position: E(1) is its acceptance)
                         gain = (gain + 1.0) / 2
                     walk = size * modelled[i]
-                    cost = per_token[i] * (1.0 + gain)  # (0 for a copy)
+                    cost = per_token[i] * (1.0 + gain) + rows[i] * size  # (catch-up 0 for a copy)
                     r = rate(tokens + gain, drafted + size, max(passes, walk), n_spec + modelled[i], caught + cost)
                     if r > best:
                         ks[i], st.steps_off, best, st.probing = 1, 0, r, True
@@ -1405,6 +1426,20 @@ class SpecPolicy:
         if passes <= 0 or not num_spec_reqs:
             return 0.0
         return self.draft_time(num_spec_reqs) * (passes if self.draft_cost_is_per_token else 1)
+
+    def row_s(self, req: Request) -> float:
+        """Seconds one more query row of `req` adds to a step for its attention over the keys of
+        its context beyond what T(n) was timed with (pair_s)."""
+        return self.pair_s * max(0, len(req.all_token_ids) - TIMED_CONTEXT) if self.pair_s else 0.0
+
+    def attention_s(self, rows: Sequence[tuple[int, int]]) -> float:
+        """Seconds a step's attention takes beyond T(n)'s: (query rows, keys before the first
+        row) per request, each row seeing those keys and the rows up to itself (a tree's nodes see
+        fewer: the causal count bounds them)."""
+        if not self.pair_s:
+            return 0.0
+        pairs = sum(max(0, n * (start + (n + 1) / 2 - TIMED_CONTEXT)) for n, start in rows)
+        return self.pair_s * pairs
 
     def _cost(self, num_tokens: float, passes: float, num_spec_reqs: int) -> float:
         """A step's predicted seconds: the verify forward over num_tokens and the drafting, as
