@@ -938,7 +938,7 @@ class LLMEngine:
             # T(n) is the curve at a short context: the attention beyond it (charged per request by
             # the policy, pair_s) is taken off first, or a long context's steps would read as a
             # slow memory phase and make every verify look as cheap as a decode step.
-            attn = self.policy.attention_s([(len(sr.token_ids), sr.start_pos) for sr in sched_out.scheduled])
+            attn = self.policy.attention_s((len(sr.token_ids), sr.start_pos) for sr in sched_out.scheduled)
             self.policy.target_time.observe_scaled(sched_out.num_batched_tokens, max(t - attn, t * MIN_SHARE_AFTER_ATTENTION))
         spec = False
         for sr in sched_out.scheduled:

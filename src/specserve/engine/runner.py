@@ -53,6 +53,7 @@ from specserve.sampling.penalties import (
 from specserve.sampling.rejection import SpecBatch, rejection_sample
 from specserve.sampling.sampler import Sampler, SamplingMetadata, processed_rows, top_logprobs
 from specserve.sampling.tree_rejection import verify_trees
+from specserve.spec.policy import TIMED_CONTEXT
 from specserve.spec.tree import DraftTree, SiblingDraw
 
 # Extra rotary positions beyond max_model_len so look-ahead (draft) slots always have a table row.
@@ -951,18 +952,16 @@ class ModelRunner:
         if n_blocks > self.num_blocks:
             return 0.0
         layer = self.kv_caches[0]
-        table = torch.arange(n_blocks, dtype=torch.long).view(1, n_blocks)
-        k_pos = torch.arange(keys, dtype=torch.long)
         gen = torch.Generator().manual_seed(0)
 
-        def best(n: int) -> float:
+        def best(n: int) -> float:  # n new rows after keys - n cached ones: keys keys for the last
             q = torch.randn(n, self.arch.num_heads, self.arch.head_dim, generator=gen)
-            mask = (k_pos[None, :] <= (keys - n + torch.arange(n))[:, None]).view(1, 1, n, keys)
-            index = torch.arange(n, dtype=torch.long)
+            meta = build_attention_metadata([n], [keys - n], [list(range(n_blocks))], self.block_size, self.device)
             out = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                kernels().paged_attention(q, layer[0], layer[1], table, mask, index, 0.125, *layer[2:])
+                kernels().paged_attention(q, layer[0], layer[1], meta.block_tables, meta.attn_mask, meta.query_index,
+                                          0.125, *layer[2:])
                 out = min(out, time.perf_counter() - t0)
             return out
 
@@ -971,7 +970,8 @@ class ModelRunner:
         return max(0.0, extra / ((rows - 1) * keys)) * self.arch.num_layers
 
     @torch.inference_mode()
-    def time_decode_step(self, batch: int, tokens_per_req: int = 1, repeats: int = 3, context: int = 32) -> float:
+    def time_decode_step(self, batch: int, tokens_per_req: int = 1, repeats: int = 3,
+                         context: int = TIMED_CONTEXT) -> float:
         """Seconds of one forward over `batch` requests of tokens_per_req new tokens each.
 
         Only for start-up profiling, while the KV cache holds nothing: it writes into blocks

@@ -78,7 +78,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from specserve.config import SpecConfig
@@ -87,8 +87,8 @@ from specserve.request import Request
 from specserve.spec.tree import DraftTree
 
 EWMA = 0.15  # weight of the newest observation in acceptance and timing estimates
-# The context T(n) is timed at (ModelRunner.time_decode_step's): a query row's attention over more
-# keys than this is what SpecPolicy.pair_s charges on top of T(n).
+# The context T(n) is timed at (ModelRunner.time_decode_step's default): a query row's attention
+# over more keys than this is what SpecPolicy.pair_s charges on top of T(n).
 TIMED_CONTEXT = 32
 
 PHASE_EWMA = 0.1  # share of a step-time measurement's ratio to the estimate that moves the read's phase (or a point)
@@ -1432,7 +1432,7 @@ class SpecPolicy:
         its context beyond what T(n) was timed with (pair_s)."""
         return self.pair_s * max(0, len(req.all_token_ids) - TIMED_CONTEXT) if self.pair_s else 0.0
 
-    def attention_s(self, rows: Sequence[tuple[int, int]]) -> float:
+    def attention_s(self, rows: Iterable[tuple[int, int]]) -> float:
         """Seconds a step's attention takes beyond T(n)'s: (query rows, keys before the first
         row) per request, each row seeing those keys and the rows up to itself (a tree's nodes see
         fewer: the causal count bounds them)."""
