@@ -1044,9 +1044,14 @@ def test_a_draft_row_is_charged_its_attention_over_the_requests_context():
         poor.stats(r.request_id).trials = 1
     assert poor.choose([short])[0] > 0 and poor.choose([long]) == [0]
     assert p.row_s(short) == pytest.approx(0.05 * 8 / (8000 - TIMED_CONTEXT)) and p.row_s(long) == pytest.approx(0.05)
-    # A step's attention beyond T(n)'s: causal pairs of each request's rows over its keys.
+    # A step's attention beyond T(n)'s: each row's keys beyond those its counterpart in T(n)'s
+    # profile saw (that profile's rows also saw the rows before them, as a chunk's rows do).
     assert p.attention_s([(1, 7999)]) == pytest.approx(p.pair_s * (8000 - TIMED_CONTEXT))
-    assert p.attention_s([(3, 100)]) == pytest.approx(p.pair_s * (101 + 102 + 103 - 3 * TIMED_CONTEXT))
+    assert p.attention_s([(3, 100)]) == pytest.approx(p.pair_s * 3 * (101 - TIMED_CONTEXT))
+    # A prompt's first chunk attends among its own rows only: as T(n) was timed, nothing beyond it
+    # (counting the chunk's causal pairs here took ~115 ms off each 512-token chunk SmolLM2's T(512) learned).
+    assert p.attention_s([(512, 0)]) == 0.0
+    assert p.attention_s([(512, 512), (1, 40)]) == pytest.approx(p.pair_s * (512 * (513 - TIMED_CONTEXT) + 41 - TIMED_CONTEXT))
 
     # prune(): a chain at acceptance 0.3 keeps its first nodes at a short context, none at a long one.
     tree = DraftTree(tuple(range(4)), (-1, 0, 1, 2), scores=(0.3, 0.09, 0.027, 0.008))

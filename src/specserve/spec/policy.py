@@ -1430,16 +1430,16 @@ class SpecPolicy:
     def row_s(self, req: Request) -> float:
         """Seconds one more query row of `req` adds to a step for its attention over the keys of
         its context beyond what T(n) was timed with (pair_s)."""
-        return self.pair_s * max(0, len(req.all_token_ids) - TIMED_CONTEXT) if self.pair_s else 0.0
+        return self.pair_s * max(0, req.num_tokens - TIMED_CONTEXT) if self.pair_s else 0.0
 
     def attention_s(self, rows: Iterable[tuple[int, int]]) -> float:
         """Seconds a step's attention takes beyond T(n)'s: (query rows, keys before the first
-        row) per request, each row seeing those keys and the rows up to itself (a tree's nodes see
-        fewer: the causal count bounds them)."""
+        row) per request. T(n) was timed with its rows after TIMED_CONTEXT keys, each also seeing
+        the rows before it, so each row here sees start + 1 - TIMED_CONTEXT keys more than its
+        counterpart there (row_s's count for a decode row); the rows among themselves are in both."""
         if not self.pair_s:
             return 0.0
-        pairs = sum(max(0, n * (start + (n + 1) / 2 - TIMED_CONTEXT)) for n, start in rows)
-        return self.pair_s * pairs
+        return self.pair_s * sum(n * max(0, start + 1 - TIMED_CONTEXT) for n, start in rows)
 
     def _cost(self, num_tokens: float, passes: float, num_spec_reqs: int) -> float:
         """A step's predicted seconds: the verify forward over num_tokens and the drafting, as
