@@ -2778,20 +2778,22 @@ inline void scores_heads(const float* q, const KT* k, const int64_t* off, int64_
 }
 
 #if SPECSERVE_AVX512
-// values_heads' AVX-512 sweep over the n keys for columns [c, c + 16 * NG) of GH heads: each key's
-// weights broadcast once and its row's NG 16-value pieces loaded once for all heads.
+// The AVX-512 values sweep over the n keys for columns [c, c + 16 * NG) of GH rows, row h's
+// weights at w[h][i] and its sums at acc_out[h] (a query head of one token, or of any token of a
+// tile whose keys these are): each key's weights broadcast once and its row's NG 16-value pieces
+// loaded once for all GH rows.
 template <int GH, int NG, typename KT>
-inline void values_sweep512(const float* w, int64_t stride, const KT* v, const int64_t* off, int64_t n, int64_t D, int64_t c,
-                            int64_t ahead, float* acc_out) {
+inline void values_sweep512(const float* const* w, const KT* v, const int64_t* off, int64_t n, int64_t c, int64_t ahead,
+                            float* const* acc_out) {
   __m512 acc[GH][NG];
   for (int h = 0; h < GH; ++h)
-    for (int g = 0; g < NG; ++g) acc[h][g] = _mm512_loadu_ps(acc_out + h * D + c + 16 * g);
+    for (int g = 0; g < NG; ++g) acc[h][g] = _mm512_loadu_ps(acc_out[h] + c + 16 * g);
   for (int64_t i = 0; i < n; ++i) {
     if (i + ahead < n)
       for (int64_t b = 0; b < 16 * NG * static_cast<int64_t>(sizeof(KT)); b += 64)  // every line (one in four missed the rest)
         _mm_prefetch(reinterpret_cast<const char*>(v + off[i + ahead] + c) + b, _MM_HINT_T1);
     __m512 wb[GH];
-    for (int h = 0; h < GH; ++h) wb[h] = _mm512_set1_ps(w[h * stride + i]);
+    for (int h = 0; h < GH; ++h) wb[h] = _mm512_set1_ps(w[h][i]);
     const KT* vr = v + off[i] + c;
     for (int g = 0; g < NG; ++g) {
       const __m512 x = load16(vr + 16 * g);
@@ -2799,17 +2801,28 @@ inline void values_sweep512(const float* w, int64_t stride, const KT* v, const i
     }
   }
   for (int h = 0; h < GH; ++h)
-    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(acc_out + h * D + c + 16 * g, acc[h][g]);
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(acc_out[h] + c + 16 * g, acc[h][g]);
 }
 
 // values_sweep512 over min(NG, groups) registers of columns from c; returns the columns it took.
 template <int GH, int NG, typename KT>
-inline int64_t values_sweep_upto(const float* w, int64_t stride, const KT* v, const int64_t* off, int64_t n, int64_t D, int64_t c,
-                                 int64_t ahead, float* acc_out, int64_t groups) {
+inline int64_t values_sweep_upto(const float* const* w, const KT* v, const int64_t* off, int64_t n, int64_t c, int64_t ahead,
+                                 float* const* acc_out, int64_t groups) {
   if constexpr (NG > 1)
-    if (groups < NG) return values_sweep_upto<GH, NG - 1, KT>(w, stride, v, off, n, D, c, ahead, acc_out, groups);
-  values_sweep512<GH, NG, KT>(w, stride, v, off, n, D, c, ahead, acc_out);
+    if (groups < NG) return values_sweep_upto<GH, NG - 1, KT>(w, v, off, n, c, ahead, acc_out, groups);
+  values_sweep512<GH, NG, KT>(w, v, off, n, c, ahead, acc_out);
   return 16 * NG;
+}
+
+// Every column of GH rows in sweeps of 16 columns per 512-bit register, as many registers per
+// sweep as GH rows leave room for (at most 24 accumulators): per column the same multiply-adds in
+// the same key order as one register per sweep, but each value row is read in one sweep instead
+// of D / 16 (SmolLM2's rows are 4 such pieces, each a cache line a whole row's stride from the next).
+template <int GH, typename KT>
+inline void values_rows512(const float* const* w, const KT* v, const int64_t* off, int64_t n, int64_t D, float* const* acc_out) {
+  constexpr int kGroups = GH <= 3 ? 8 : GH == 4 ? 6 : 4;
+  const int64_t ahead = attn_ahead_rows<KT>(D);
+  for (int64_t c = 0; c < D;) c += values_sweep_upto<GH, kGroups, KT>(w, v, off, n, c, ahead, acc_out, (D - c) / 16);
 }
 #endif
 
@@ -2821,13 +2834,11 @@ template <int GH, typename KT>
 inline void values_heads(const float* w, int64_t stride, const KT* v, const int64_t* off, int64_t n, int64_t D, float* acc_out) {
   const int64_t ahead = attn_ahead_rows<KT>(D);
 #if SPECSERVE_AVX512
-  // 16 columns per 512-bit register, as many registers per sweep as GH heads leave room for (at
-  // most 24 accumulators): per column the same multiply-adds in the same key order as one
-  // register per sweep, but each value row is read in one sweep instead of D / 16 (SmolLM2's
-  // rows are 4 such pieces, each a cache line a whole row's stride from the next).
-  if (D % 16 == 0) {
-    constexpr int kGroups = GH <= 3 ? 8 : GH == 4 ? 6 : 4;
-    for (int64_t c = 0; c < D;) c += values_sweep_upto<GH, kGroups, KT>(w, stride, v, off, n, D, c, ahead, acc_out, (D - c) / 16);
+  if (D % 16 == 0) {  // values_rows512
+    const float* wr[GH];
+    float* ar[GH];
+    for (int h = 0; h < GH; ++h) wr[h] = w + h * stride, ar[h] = acc_out + h * D;
+    values_rows512<GH, KT>(wr, v, off, n, D, ar);
     return;
   }
 #endif
@@ -2894,6 +2905,143 @@ inline void attention_scores(const float* q, int64_t G, const KT* k, const int64
     }
 }
 
+#if SPECSERVE_AVX512
+// Scores of a tile's tokens over the keys they all see (a verify's context, the keys a prefill
+// tile's tokens share), from keys widened and turned on their side once for the tile:
+// kt[c * M + j] is key j's value c. Each score is the arithmetic of scores_block, bit for bit:
+// lane l's chain of multiply-adds over c = l, l + 8, ... from zero, the eight chains added in
+// hsum's order, times scale; only here lane l's chain is a register of 16 keys, so there is no
+// horizontal sum per key and no widening per token. Scores of 8 tokens x 3 heads against 128 keys
+// of 64 values (SmolLM2, one thread, Zen 4, float16 keys): 6.9 -> 4.9 us with the turn (0.7 us)
+// counted; 8 x 6 heads against 64 keys of 128 (Qwen 1.5B): 10.9 -> 8.5 us. With fewer rows the
+// turn costs what it saves (2 x 6 heads: 2.7 / 2.6 us, 4 x 3: 1.7 / 1.4), hence kSideRows.
+constexpr int64_t kSideRows = 15;
+
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int j = 0; j < 16; j += 2) {
+    t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+    t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+  }
+  const auto lo = [](__m512 a, __m512 b) { return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))); };
+  const auto hi = [](__m512 a, __m512 b) { return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))); };
+  for (int j = 0; j < 16; j += 4) {
+    r[j] = lo(t[j], t[j + 2]);
+    r[j + 1] = hi(t[j], t[j + 2]);
+    r[j + 2] = lo(t[j + 1], t[j + 3]);
+    r[j + 3] = hi(t[j + 1], t[j + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[h + j] = _mm512_shuffle_f32x4(r[h + j], r[h + j + 4], 0x88);
+      t[h + j + 4] = _mm512_shuffle_f32x4(r[h + j], r[h + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// kt[c * M + j] = value c of the key row at k + off[j] for j < m, 0 for m <= j < M (M: m rounded
+// up to 16); D a multiple of 16. The rows ahead are asked for up to `listed` (the rows the list
+// holds from off), across the chunk's end: the next chunk's first rows came as demand misses.
+template <typename KT>
+inline void keys_on_side(const KT* k, const int64_t* off, int64_t m, int64_t listed, int64_t D, float* kt, int64_t M) {
+  const int64_t ahead = attn_ahead_rows<KT>(D);
+  for (int64_t j0 = 0; j0 < M; j0 += 16) {
+    for (int64_t j = j0 + ahead; j < std::min(listed, j0 + ahead + 16); ++j) prefetch_row(k + off[j], D);
+    for (int64_t c0 = 0; c0 < D; c0 += 16) {
+      __m512 r[16];
+      for (int j = 0; j < 16; ++j) r[j] = j0 + j < m ? load16(k + off[j0 + j] + c0) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(kt + (c0 + c) * M + j0, r[c]);
+    }
+  }
+}
+
+// Scores of P rows (query rows q[p], D values each) against keys [j0, j0 + 16 R) of kt, into
+// out[p][j] for j < m. Lanes l and l + 4 go through one pass and are added at its end, so four
+// sums wait for the last additions ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), not eight
+// (16 tokens x 3 heads x 128 keys of 64 values: 9.2 -> 8.6 us with the turn).
+template <int P, int R>
+inline void side_scores_block(const float* const* q, const float* kt, int64_t M, int64_t j0, int64_t m, int64_t D, float scale,
+                              float* const* out) {
+  __m512 part[4][P][R];  // lane l's chain + lane l + 4's
+  for (int l = 0; l < 4; ++l) {
+    __m512 a[P][R], b[P][R];
+    for (int p = 0; p < P; ++p)
+      for (int r = 0; r < R; ++r) a[p][r] = b[p][r] = _mm512_setzero_ps();
+    for (int64_t c = l; c < D; c += 8) {
+      __m512 k0[R], k4[R];
+      for (int r = 0; r < R; ++r) {
+        k0[r] = _mm512_loadu_ps(kt + c * M + j0 + 16 * r);
+        k4[r] = _mm512_loadu_ps(kt + (c + 4) * M + j0 + 16 * r);
+      }
+      for (int p = 0; p < P; ++p) {
+        const __m512 x = _mm512_set1_ps(q[p][c]), y = _mm512_set1_ps(q[p][c + 4]);
+        for (int r = 0; r < R; ++r) {
+          a[p][r] = _mm512_fmadd_ps(x, k0[r], a[p][r]);
+          b[p][r] = _mm512_fmadd_ps(y, k4[r], b[p][r]);
+        }
+      }
+    }
+    for (int p = 0; p < P; ++p)
+      for (int r = 0; r < R; ++r) part[l][p][r] = _mm512_add_ps(a[p][r], b[p][r]);
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(part[0][p][r], part[2][p][r]), _mm512_add_ps(part[1][p][r], part[3][p][r])), sc);
+      const int64_t j = j0 + 16 * r;
+      if (j + 16 <= m)
+        _mm512_storeu_ps(out[p] + j, s);
+      else if (j < m)
+        _mm512_mask_storeu_ps(out[p] + j, static_cast<__mmask16>((1u << (m - j)) - 1), s);
+    }
+}
+
+template <int P>
+inline void side_scores_rows(const float* const* q, const float* kt, int64_t M, int64_t m, int64_t D, float scale,
+                             float* const* out) {
+  int64_t j0 = 0;
+  for (; j0 + 32 <= M; j0 += 32) side_scores_block<P, 2>(q, kt, M, j0, m, D, scale, out);
+  for (; j0 < M; j0 += 16) side_scores_block<P, 1>(q, kt, M, j0, m, D, scale, out);
+}
+
+// out[r][j] = scale * <q[r], key j> for `rows` query rows against the m keys turned into kt.
+inline void side_scores(const float* const* q, int64_t rows, const float* kt, int64_t M, int64_t m, int64_t D, float scale,
+                        float* const* out) {
+  for (int64_t i = 0; i < rows; i += 6) {
+    switch (std::min<int64_t>(6, rows - i)) {
+      case 6: side_scores_rows<6>(q + i, kt, M, m, D, scale, out + i); break;
+      case 5: side_scores_rows<5>(q + i, kt, M, m, D, scale, out + i); break;
+      case 4: side_scores_rows<4>(q + i, kt, M, m, D, scale, out + i); break;
+      case 3: side_scores_rows<3>(q + i, kt, M, m, D, scale, out + i); break;
+      case 2: side_scores_rows<2>(q + i, kt, M, m, D, scale, out + i); break;
+      default: side_scores_rows<1>(q + i, kt, M, m, D, scale, out + i); break;
+    }
+  }
+}
+
+// acc[r][c] += sum_i w[r][i] * v_i[c] for `rows` rows sharing the n value rows at v + off[i]
+// (the heads of a tile's tokens over keys they all see): values_heads' sums, each value row
+// read once for up to 6 rows of any of the tokens.
+template <typename KT>
+inline void values_side(const float* const* w, int64_t rows, const KT* v, const int64_t* off, int64_t n, int64_t D,
+                        float* const* acc) {
+  for (int64_t i = 0; i < rows; i += 6) {
+    switch (std::min<int64_t>(6, rows - i)) {
+      case 6: values_rows512<6, KT>(w + i, v, off, n, D, acc + i); break;
+      case 5: values_rows512<5, KT>(w + i, v, off, n, D, acc + i); break;
+      case 4: values_rows512<4, KT>(w + i, v, off, n, D, acc + i); break;
+      case 3: values_rows512<3, KT>(w + i, v, off, n, D, acc + i); break;
+      case 2: values_rows512<2, KT>(w + i, v, off, n, D, acc + i); break;
+      default: values_rows512<1, KT>(w + i, v, off, n, D, acc + i); break;
+    }
+  }
+}
+#endif
+
 template <typename KT>
 inline void attention_values(const float* w, int64_t G, int64_t stride, const KT* v, const int64_t* off, int64_t n, int64_t D,
                              float* acc) {
@@ -2934,7 +3082,10 @@ inline void warm_rows(const KT* base, const int64_t* off, int64_t n, int64_t D) 
 #endif
 }
 
-constexpr int64_t kAttnTile = 8;           // consecutive tokens of one request that share a pass over their keys
+// Consecutive tokens of one request that share a pass over their keys. 16, not 8: a prefill tile
+// widens and turns its keys once for twice the rows (keys_on_side), SmolLM2 prefill of 7,908
+// tokens 21.6-22.0 -> 20.8-21.1 s on the Zen 4.
+constexpr int64_t kAttnTile = 16;
 constexpr int64_t kAttnChunkBytes = 16384;  // key (or value) rows read once per chunk for the whole tile
 
 // Attention of a few new tokens per request over the paged KV cache, without gathering pages:
@@ -2987,21 +3138,23 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
   // prefix and ancestors in the same order as the same token in a plain sequence would.
   std::vector<int64_t> tile_start;  // token tiles: runs of <= kAttnTile tokens of one request
   // A run of r consecutive tokens of one request splits into ceil(r / kAttnTile) tiles. Where the
-  // KV heads do not divide among the threads (SmolLM2's 3 on 2), the tiles are of even size (9
-  // tokens: 5 + 4, not 8 + 1), so the threads' shares of a verify step come out even: one
-  // 9-token SmolLM2 layer at 2,048 keys 298 -> 251-264 us on 2 Zen 5 threads. Otherwise full tiles
-  // share each key read among more tokens (Qwen's 2 heads: 412-441 us full, 426-449 even, noise).
+  // KV heads do not divide among the threads (SmolLM2's 3 on 2), the tiles are of even size, and a
+  // run of 9-16 tokens makes two (9 tokens: 5 + 4, not 9 or 8 + 1), so the threads' shares of a
+  // verify step come out even: one 9-token SmolLM2 layer at 2,048 keys 298 -> 251-264 us on 2
+  // Zen 5 threads (against 8 + 1). Otherwise full tiles share each key read among more tokens
+  // (Qwen's 2 heads: 412-441 us full, 426-449 even, noise).
   const bool even = Hkv % std::max(at::get_num_threads(), 1) != 0;
   for (int64_t t0 = 0; t0 < T;) {
     int64_t t1 = t0 + 1;
     while (t1 < T && qip[t1] / Q == qip[t0] / Q) ++t1;
-    const int64_t run = t1 - t0, parts = (run + kAttnTile - 1) / kAttnTile;
+    const int64_t run = t1 - t0, parts = std::max((run + kAttnTile - 1) / kAttnTile, even && run > 8 ? int64_t{2} : int64_t{1});
     for (int64_t i = 0; i < parts; ++i) tile_start.push_back(t0 + (even ? run * i / parts : i * kAttnTile));
     t0 = t1;
   }
   tile_start.push_back(T);
   const int64_t tiles = static_cast<int64_t>(tile_start.size()) - 1;
   const int64_t chunk = std::max<int64_t>(16, kAttnChunkBytes / (D * static_cast<int64_t>(sizeof(KT))));
+  const int64_t side_keys = (chunk + 15) / 16 * 16;  // keys_on_side's room
   // Items (tile, KV head). A prefill's tiles see ever more keys: the shared counter hands out the
   // last (longest) tiles first and the short ones even out the end (a static split gave one
   // thread three quarters of a causal prefill's work). Decode batches (one token per tile, like
@@ -3017,9 +3170,12 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
   // batch-32 decode layer 7%), with the tile whose key lists it holds (a tile's items are consecutive).
   struct Scratch {
     std::vector<int64_t> slots[kAttnTile], slot_ids[kAttnTile];
-    std::vector<float> p[kAttnTile], acc, mxs, dens;
+    std::vector<float> p[kAttnTile], acc, mxs, dens, kt;
+    std::vector<const float*> rows_in;  // per (token, head) of a tile: a query or weight row
+    std::vector<float*> rows_out;       // and its scores or value sums
     int64_t tile = -1;
     int64_t n[kAttnTile];
+    int64_t common = 0;  // leading keys the tile's tokens list alike
   };
   const auto scratch = []() -> Scratch& {
     thread_local Scratch scr;
@@ -3036,6 +3192,11 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
     int64_t n[kAttnTile];  // a local copy: stores through the key lists cannot alias it
     const int64_t tile = uneven ? tiles - 1 - item / Hkv : item / Hkv, kvh = item % Hkv;
     const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
+#if SPECSERVE_AVX512
+    const bool side = nt > 1 && nt * G >= kSideRows && D % 16 == 0;
+#else
+    const bool side = false;
+#endif
     // Each token's allowed key rows as offsets of KV head 0's part (head kvh's is kvh * D further
     // on), listed once for all the tile's KV heads: a long context's mask is read once a token,
     // not once a head.
@@ -3063,6 +3224,18 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
         scr.n[u] = cnt;
         if (static_cast<int64_t>(p[u].size()) < G * cnt) p[u].resize(G * cnt);
       }
+      scr.common = 0;
+#if SPECSERVE_AVX512
+      if (side) {
+        int64_t common = scr.n[0];
+        for (int64_t u = 1; u < nt; ++u)
+          common = std::mismatch(slots[0].data(), slots[0].data() + std::min(common, scr.n[u]), slots[u].data()).first - slots[0].data();
+        scr.common = common;
+        scr.rows_in.resize(nt * G);
+        scr.rows_out.resize(nt * G);
+        if (static_cast<int64_t>(scr.kt.size()) < side_keys * D) scr.kt.resize(side_keys * D);
+      }
+#endif
     }
     std::copy_n(scr.n, nt, n);
     // Token u's keys in this call: [lo, hi[u]); its splits [j0, s1[u]).
@@ -3079,13 +3252,41 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
     const KT* kh = kp + kvh * D;
     const KT* vh = vp + kvh * D;
     const int64_t step = nt > 1 ? chunk : std::max<int64_t>(far - lo, 1);  // one token: nothing to share
+    // Keys [lo, shared): every token of the tile has them at the same places in its list, and in
+    // this call. Their scores and value sums go through the side kernels for all the tile's rows
+    // at once (keys_on_side, side_scores, values_side); the rest token by token.
+    int64_t shared = lo;
+    if (side) {
+      shared = scr.common;
+      for (int64_t u = 0; u < nt; ++u) shared = std::min(shared, hi[u]);
+    }
+#if SPECSERVE_AVX512
+    const auto side_rows = [&](int64_t c0, bool weights, int64_t sp) {  // the tile's rows from key c0
+      for (int64_t u = 0; u < nt; ++u)
+        for (int64_t g = 0; g < G; ++g) {
+          scr.rows_in[u * G + g] = weights ? p[u].data() + g * n[u] + c0 : qp + ((t0 + u) * Hq + kvh * G + g) * D;
+          scr.rows_out[u * G + g] = weights ? acc.data() + ((soff[u] + sp - j0) * G + g) * D : p[u].data() + g * n[u] + c0;
+        }
+    };
+#endif
     for (int64_t u = 0; u < nt; ++u)
       if (lo < hi[u]) warm_rows(kh, slots[u].data() + lo, hi[u] - lo, D);
-    for (int64_t c0 = lo; c0 < far; c0 += step)
-      for (int64_t u = 0; u < nt; ++u)
-        if (c0 < hi[u])
-          attention_scores(qp + ((t0 + u) * Hq + kvh * G) * D, G, kh, slots[u].data() + c0, std::min(step, hi[u] - c0), n[u], D,
-                           sc, p[u].data() + c0);
+    for (int64_t c0 = lo; c0 < far; c0 += step) {
+      const int64_t s0 = std::clamp(shared, c0, c0 + step);  // this chunk's side keys end
+#if SPECSERVE_AVX512
+      if (s0 > c0) {
+        const int64_t m = s0 - c0, M = (m + 15) / 16 * 16;
+        keys_on_side(kh, slots[0].data() + c0, m, n[0] - c0, D, scr.kt.data(), M);
+        side_rows(c0, false, 0);
+        side_scores(scr.rows_in.data(), nt * G, scr.kt.data(), M, m, D, sc, scr.rows_out.data());
+      }
+#endif
+      for (int64_t u = 0; u < nt; ++u) {
+        const int64_t e = std::min(c0 + step, hi[u]);
+        if (s0 < e)
+          attention_scores(qp + ((t0 + u) * Hq + kvh * G) * D, G, kh, slots[u].data() + s0, e - s0, n[u], D, sc, p[u].data() + s0);
+      }
+    }
     if constexpr (kScaled)  // an int8 key's score: its integer dot product times the key's scale
       for (int64_t u = 0; u < nt; ++u)
         for (int64_t i = lo; i < hi[u]; ++i) {
@@ -3116,13 +3317,20 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
       if (a > lo)  // each pass prefetches only within its own keys: ask for the next split's first rows
         for (int64_t u = 0; u < nt; ++u)
           if (a < hi[u]) warm_rows(vh, slots[u].data() + a, hi[u] - a, D);
-      for (int64_t c0 = a; c0 < b; c0 += step)
-        for (int64_t u = 0; u < nt; ++u) {
-          const int64_t e = std::min(hi[u], b);
-          if (c0 < e)
-            attention_values(p[u].data() + c0, G, n[u], vh, slots[u].data() + c0, std::min(step, e - c0), D,
-                             acc.data() + (soff[u] + sp - j0) * G * D);
+      for (int64_t c0 = a; c0 < b; c0 += step) {
+        const int64_t s0 = std::clamp(shared, c0, std::min(c0 + step, b));
+#if SPECSERVE_AVX512
+        if (s0 > c0) {
+          side_rows(c0, true, sp);
+          values_side(scr.rows_in.data(), nt * G, vh, slots[0].data() + c0, s0 - c0, D, scr.rows_out.data());
         }
+#endif
+        for (int64_t u = 0; u < nt; ++u) {
+          const int64_t e = std::min({hi[u], b, c0 + step});
+          if (s0 < e)
+            attention_values(p[u].data() + s0, G, n[u], vh, slots[u].data() + s0, e - s0, D, acc.data() + (soff[u] + sp - j0) * G * D);
+        }
+      }
     }
     for (int64_t u = 0; u < nt; ++u) {
       const int64_t S = s1[u] - j0, at = soff[u];
