@@ -369,6 +369,46 @@ def test_native_decode_attention_split_by_work_keeps_each_token_exact():
         torch.set_num_threads(before)
 
 
+def test_native_attention_shares_a_lone_verify_tile_between_threads_exactly():
+    """A lone request's draft (2-9 tokens, a tree among them) after a long context is split
+    between threads by key splits like a decode step (SmolLM2's three KV heads left one thread
+    two of them), and its tokens' shared keys go through the side kernels where the tile has 15
+    or more query rows: every token's output stays bit-identical to the token alone, on 1-3
+    threads, for a float16 and an int8 cache, and close to a float64 reference."""
+    from specserve.attention import paged_attention, quantize_kv
+
+    torch.manual_seed(6)
+    tree = torch.ones(5, 5, dtype=torch.bool).tril()
+    tree[3, 1] = tree[4, 1] = False
+    before = torch.get_num_threads()
+    try:
+        for d, heads, n_kv in [(64, 9, 3), (128, 12, 2)]:
+            for n, mask in [(2, None), (3, None), (5, tree), (9, None)]:
+                start = 2100 + n  # splits end at 1,024 and 2,048 keys: the tile's tokens straddle the second
+                table = list(range(-(-(start + n) // 16)))
+                q, kc, vc, meta = _attention_step([n], [start], [table], [mask], bs=16, nblocks=len(table), n_kv=n_kv,
+                                                  heads=heads, d=d)
+                (k8, ks), (v8, vs) = quantize_kv(kc), quantize_kv(vc)
+                args = (meta.block_tables, meta.attn_mask, meta.query_index, d**-0.5)
+                ref = paged_attention(q.double(), kc.double(), vc.double(), meta, d**-0.5).float()
+                for cache in ((kc.half(), vc.half()), (k8, v8, ks, vs)):
+                    k_, v_, *scales = cache
+                    outs = []
+                    for threads in (1, 2, 3):
+                        torch.set_num_threads(threads)
+                        outs.append(kernels().paged_attention(q, k_, v_, *args, *scales))
+                        for i in range(n):
+                            alone = kernels().paged_attention(q[i : i + 1], k_, v_, meta.block_tables,
+                                                              meta.attn_mask[:, :, i : i + 1], torch.zeros(1, dtype=torch.long),
+                                                              d**-0.5, *scales)
+                            assert torch.equal(alone[0], outs[-1][i]), (d, n, threads, i)
+                    assert all(torch.equal(outs[0], o) for o in outs)
+                    if not scales:
+                        torch.testing.assert_close(outs[1], ref, rtol=2e-3, atol=2e-3)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_native_attention_over_long_contexts_merges_key_splits_exactly():
     """Past kAttnSplitKeys (1,024) keys a token's softmax and value sums run in splits merged in
     order, and a decode step shares one long request's splits between threads. Each token's

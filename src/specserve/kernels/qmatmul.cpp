@@ -2914,8 +2914,9 @@ inline void attention_scores(const float* q, int64_t G, const KT* k, const int64
 // horizontal sum per key and no widening per token. Scores of 8 tokens x 3 heads against 128 keys
 // of 64 values (SmolLM2, one thread, Zen 4, float16 keys): 6.9 -> 4.9 us with the turn (0.7 us)
 // counted; 8 x 6 heads against 64 keys of 128 (Qwen 1.5B): 10.9 -> 8.5 us. With fewer rows the
-// turn costs what it saves (2 x 6 heads: 2.7 / 2.6 us, 4 x 3: 1.7 / 1.4), hence kSideRows.
-constexpr int64_t kSideRows = 15;
+// turn costs what it saves (2 x 6 heads: 2.7 / 2.6 us; 3 x 3: 2.6 / 2.6; 4 x 3: 1.7 / 1.4), hence
+// kSideRows and at least kSideTokens.
+constexpr int64_t kSideRows = 12, kSideTokens = 3;
 
 inline void transpose16(__m512 (&r)[16]) {
   __m512 t[16];
@@ -3155,11 +3156,12 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
   const int64_t tiles = static_cast<int64_t>(tile_start.size()) - 1;
   const int64_t chunk = std::max<int64_t>(16, kAttnChunkBytes / (D * static_cast<int64_t>(sizeof(KT))));
   const int64_t side_keys = (chunk + 15) / 16 * 16;  // keys_on_side's room
-  // Items (tile, KV head). A prefill's tiles see ever more keys: the shared counter hands out the
-  // last (longest) tiles first and the short ones even out the end (a static split gave one
+  // Items (tile, KV head). A prefill's many tiles see ever more keys: the shared counter hands out
+  // the last (longest) tiles first and the short ones even out the end (a static split gave one
   // thread three quarters of a causal prefill's work). Decode batches (one token per tile, like
-  // work per item) keep the static split, measured faster for them.
-  const bool uneven = tiles < T;
+  // work per item) and steps of few items keep the static split by work below, measured faster
+  // for them.
+  const bool longest_first = tiles < T && tiles * Hkv >= 4 * at::get_num_threads();
   // Splits [j0, j1) of item (tile, KV head): each token's keys from j0 * kAttnSplitKeys to its
   // end or j1 * kAttnSplitKeys. A token whose every split is in the range gets its output here;
   // otherwise (a decode item shared between threads) the range's partials go to part + s * unit
@@ -3190,10 +3192,10 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
     auto& mxs = scr.mxs;
     auto& dens = scr.dens;
     int64_t n[kAttnTile];  // a local copy: stores through the key lists cannot alias it
-    const int64_t tile = uneven ? tiles - 1 - item / Hkv : item / Hkv, kvh = item % Hkv;
+    const int64_t tile = longest_first ? tiles - 1 - item / Hkv : item / Hkv, kvh = item % Hkv;
     const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
 #if SPECSERVE_AVX512
-    const bool side = nt > 1 && nt * G >= kSideRows && D % 16 == 0;
+    const bool side = nt >= kSideTokens && nt * G >= kSideRows && D % 16 == 0;
 #else
     const bool side = false;
 #endif
@@ -3332,16 +3334,18 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
         }
       }
     }
+    int64_t item_splits = 0;  // splits of the tile's longest list: the room each token has in part
+    for (int64_t u = 0; u < nt; ++u) item_splits = std::max(item_splits, attn_splits(n[u]));
     for (int64_t u = 0; u < nt; ++u) {
       const int64_t S = s1[u] - j0, at = soff[u];
       if (S <= 0) continue;
-      if (j0 == 0 && s1[u] == attn_splits(n[u])) {  // every split of this token: its output
+      if (part == nullptr) {  // every split of this token: its output
         merge_splits(S, G, D, mxs.data() + at * G, dens.data() + at * G, G, acc.data() + at * G * D, G * D,
                      op + ((t0 + u) * Hq + kvh * G) * D);
         continue;
       }
-      for (int64_t s = 0; s < S; ++s) {  // a decode token's share (nt == 1): its partials
-        float* dst = part + (j0 + s) * unit;
+      for (int64_t s = 0; s < S; ++s) {  // an item shared between threads: this share's partials
+        float* dst = part + (u * item_splits + j0 + s) * unit;
         std::copy_n(mxs.data() + (at + s) * G, G, dst);
         std::copy_n(dens.data() + (at + s) * G, G, dst + G);
         std::copy_n(acc.data() + (at + s) * G * D, G * D, dst + 2 * G);
@@ -3352,34 +3356,47 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
     Scratch& scr = scratch();
     for (int64_t item = begin; item < end; ++item) attend(scr, item, 0, kAllSplits, nullptr);
   };
-  if (uneven) {
-    parallel_guided(tiles * Hkv, run);
-    return out;
-  }
-  // Decode batches: a static split over (item, key split) units, cut where the keys to read (the
-  // work) are halved: an even split of items by count put a 2,150-token request's every KV head on
-  // one thread and a 150-token neighbour's on the other, and the long request decoded at one
-  // thread's speed (SmolLM2, 2 threads: 16.5 ms per token beside a short request vs 12.7 alone);
-  // whole items still left one thread two of SmolLM2's three heads of a lone long request.
   const int64_t items = tiles * Hkv;
   const int64_t threads = at::get_num_threads();
+  if (longest_first) {
+    parallel_guided(items, run);
+    return out;
+  }
   if (threads <= 1) {
     run(0, items);
     return out;
   }
-  std::vector<int64_t> keys(tiles), first(items + 1, 0);  // keys of each tile's token; first unit of each item
-  for (int64_t t = 0; t < tiles; ++t) {
-    const bool* allowed = mp + qip[t] * L;  // one token per tile here
+  // Decode batches and verify steps (few items): a static split over (item, key split) units, cut
+  // where the keys to read (the work) are halved: an even split of items by count put a
+  // 2,150-token request's every KV head on one thread and a 150-token neighbour's on the other,
+  // and the long request decoded at one thread's speed (SmolLM2, 2 threads: 16.5 ms per token
+  // beside a short request vs 12.7 alone); whole items still left one thread two of SmolLM2's
+  // three heads of a lone long request, and of a lone request's 2-8-token verify tile (T(2) at
+  // 8,000 keys 2.8 x T(1)). An item's unit s is split s of each of its tokens' key lists.
+  std::vector<int64_t> keys(T), first(items + 1, 0), room(items + 1, 0);  // keys of each token; first unit and partials of each item
+  for (int64_t t = 0; t < T; ++t) {
+    const bool* allowed = mp + qip[t] * L;
     keys[t] = std::count(allowed, allowed + L, true);
   }
-  for (int64_t i = 0; i < items; ++i) first[i + 1] = first[i] + attn_splits(keys[i / Hkv]);
+  std::vector<int64_t> splits(tiles, 0);  // of each tile's longest list
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t u = tile_start[t]; u < tile_start[t + 1]; ++u) splits[t] = std::max(splits[t], attn_splits(keys[u]));
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t t = i / Hkv;
+    first[i + 1] = first[i] + splits[t];
+    room[i + 1] = room[i] + splits[t] * (tile_start[t + 1] - tile_start[t]);
+  }
   const int64_t units = first[items];
   std::vector<int64_t> work(units + 1, 0);  // keys (+ 1 per unit) of units [0, u)
-  for (int64_t i = 0; i < items; ++i)
-    for (int64_t s = 0; s < first[i + 1] - first[i]; ++s) {
-      const int64_t k = std::min(keys[i / Hkv] - s * kAttnSplitKeys, kAttnSplitKeys);
-      work[first[i] + s + 1] = work[first[i] + s] + k + 1;
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t t = i / Hkv;
+    for (int64_t s = 0; s < splits[t]; ++s) {
+      int64_t k = 1;
+      for (int64_t u = tile_start[t]; u < tile_start[t + 1]; ++u)
+        k += std::clamp<int64_t>(keys[u] - s * kAttnSplitKeys, 0, kAttnSplitKeys);
+      work[first[i] + s + 1] = work[first[i] + s] + k;
     }
+  }
   const double total = static_cast<double>(work[units]);
   const int64_t shares = std::min(threads, units);
   std::vector<int64_t> cut(shares + 1, units);
@@ -3388,13 +3405,14 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
     const double mid = 0.5 * (work[u] + work[u + 1]);
     while (th < shares && mid >= total * th / shares) cut[th++] = u;  // unit u's middle lies in a later share
   }
-  std::vector<float> parts;  // partials of items cut between shares: [unit][G * (2 + D)]
+  std::vector<float> parts;  // partials of items cut between shares: [item's room][G * (2 + D)]
   std::vector<int64_t> shared;  // those items
+  std::vector<char> is_shared(items, 0);
   for (int64_t i = 0, th = 1; i < items; ++i) {
     while (th < shares && cut[th] <= first[i]) ++th;
-    if (th < shares && cut[th] < first[i + 1]) shared.push_back(i);
+    if (th < shares && cut[th] < first[i + 1]) shared.push_back(i), is_shared[i] = 1;
   }
-  if (!shared.empty()) parts.resize(units * unit);
+  if (!shared.empty()) parts.resize(room[items] * unit);
   const auto share = [&](int64_t sh) {
     Scratch& scr = scratch();
     int64_t u = cut[sh];
@@ -3402,17 +3420,19 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
     int64_t i = std::upper_bound(first.begin(), first.end(), u) - first.begin() - 1;
     for (; u < e; ++i) {
       const int64_t j0 = u - first[i], j1 = std::min(e, first[i + 1]) - first[i];
-      attend(scr, i, j0, j1, parts.empty() ? nullptr : parts.data() + first[i] * unit);
+      attend(scr, i, j0, j1, is_shared[i] ? parts.data() + room[i] * unit : nullptr);
       u = first[i] + j1;
     }
   };
   at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t sh = s0; sh < s1; ++sh) share(sh);
   });
-  for (const int64_t i : shared) {  // the shared items' splits, merged in order from their partials
-    const float* part = parts.data() + first[i] * unit;
-    merge_splits(first[i + 1] - first[i], G, D, part, part + G, unit, part + 2 * G, unit,
-                 op + (tile_start[i / Hkv] * Hq + i % Hkv * G) * D);
+  for (const int64_t i : shared) {  // the shared items' tokens, each merged in split order from its partials
+    const int64_t t = i / Hkv;
+    for (int64_t u = tile_start[t]; u < tile_start[t + 1]; ++u) {
+      const float* part = parts.data() + (room[i] + (u - tile_start[t]) * splits[t]) * unit;
+      merge_splits(attn_splits(keys[u]), G, D, part, part + G, unit, part + 2 * G, unit, op + (u * Hq + i % Hkv * G) * D);
+    }
   }
   return out;
 }
