@@ -2826,17 +2826,28 @@ inline void values_rows512(const float* const* w, const KT* v, const int64_t* of
 }
 #endif
 
-// The 256-bit values sweep: acc_out[h][c] += sum_i w[h][i] * v_i[c] for GH rows, 16 columns at a
-// time, each value row piece loaded once for all GH rows.
+// acc[h * D + c] += sum_i w[h * stride + i] * v_i[c] for GH heads and n keys, summed in key
+// order per value onto what acc holds (so keys may come in chunks: the sums are the same);
+// 16 values of the head at a time (AVX2) or up to 128 (AVX-512), each value row piece loaded
+// once for all GH heads.
 template <int GH, typename KT>
-inline void values_rows256(const float* const* w, const KT* v, const int64_t* off, int64_t n, int64_t D, float* const* acc_out) {
+inline void values_heads(const float* w, int64_t stride, const KT* v, const int64_t* off, int64_t n, int64_t D, float* acc_out) {
   const int64_t ahead = attn_ahead_rows<KT>(D);
+#if SPECSERVE_AVX512
+  if (D % 16 == 0) {  // values_rows512
+    const float* wr[GH];
+    float* ar[GH];
+    for (int h = 0; h < GH; ++h) wr[h] = w + h * stride, ar[h] = acc_out + h * D;
+    values_rows512<GH, KT>(wr, v, off, n, D, ar);
+    return;
+  }
+#endif
   for (int64_t c = 0; c < D; c += 16) {
     const bool two = c + 16 <= D;
     __m256 acc[GH][2];
     for (int h = 0; h < GH; ++h) {
-      acc[h][0] = _mm256_loadu_ps(acc_out[h] + c);
-      acc[h][1] = two ? _mm256_loadu_ps(acc_out[h] + c + 8) : _mm256_setzero_ps();
+      acc[h][0] = _mm256_loadu_ps(acc_out + h * D + c);
+      acc[h][1] = two ? _mm256_loadu_ps(acc_out + h * D + c + 8) : _mm256_setzero_ps();
     }
     for (int64_t i = 0; i < n; ++i) {
       if (i + ahead < n) _mm_prefetch(reinterpret_cast<const char*>(v + off[i + ahead] + c), _MM_HINT_T1);
@@ -2844,37 +2855,16 @@ inline void values_rows256(const float* const* w, const KT* v, const int64_t* of
       const __m256 v0 = load8(vr);
       const __m256 v1 = two ? load8(vr + 8) : _mm256_setzero_ps();
       for (int h = 0; h < GH; ++h) {
-        const __m256 wh = _mm256_set1_ps(w[h][i]);
+        const __m256 wh = _mm256_set1_ps(w[h * stride + i]);
         acc[h][0] = _mm256_fmadd_ps(wh, v0, acc[h][0]);
         acc[h][1] = _mm256_fmadd_ps(wh, v1, acc[h][1]);
       }
     }
     for (int h = 0; h < GH; ++h) {
-      _mm256_storeu_ps(acc_out[h] + c, acc[h][0]);
-      if (two) _mm256_storeu_ps(acc_out[h] + c + 8, acc[h][1]);
+      _mm256_storeu_ps(acc_out + h * D + c, acc[h][0]);
+      if (two) _mm256_storeu_ps(acc_out + h * D + c + 8, acc[h][1]);
     }
   }
-}
-
-// acc_out[h][c] += sum_i w[h][i] * v_i[c] for GH rows (query heads of one token, or of any token
-// of a tile whose keys these are) and n keys, summed in key order per value onto what acc holds
-// (so keys may come in chunks: the sums are the same); 16 values of a row at a time (AVX2) or up
-// to 128 (AVX-512), each value row piece loaded once for all GH rows.
-template <int GH, typename KT>
-inline void values_rows(const float* const* w, const KT* v, const int64_t* off, int64_t n, int64_t D, float* const* acc_out) {
-#if SPECSERVE_AVX512
-  if (D % 16 == 0) return values_rows512<GH, KT>(w, v, off, n, D, acc_out);
-#endif
-  values_rows256<GH, KT>(w, v, off, n, D, acc_out);
-}
-
-// values_rows for GH heads of one token: head h's weights at w[h * stride + i], its sums at acc_out[h * D].
-template <int GH, typename KT>
-inline void values_heads(const float* w, int64_t stride, const KT* v, const int64_t* off, int64_t n, int64_t D, float* acc_out) {
-  const float* wr[GH];
-  float* ar[GH];
-  for (int h = 0; h < GH; ++h) wr[h] = w + h * stride, ar[h] = acc_out + h * D;
-  values_rows<GH, KT>(wr, v, off, n, D, ar);
 }
 #endif
 
@@ -2915,12 +2905,12 @@ inline void attention_scores(const float* q, int64_t G, const KT* k, const int64
     }
 }
 
-#if SPECSERVE_AVX2
+#if SPECSERVE_AVX512
 // Scores of a tile's tokens over the keys they all see (a verify's context, the keys a prefill
 // tile's tokens share), from keys widened and turned on their side once for the tile:
 // kt[c * M + j] is key j's value c. Each score is the arithmetic of scores_block, bit for bit:
 // lane l's chain of multiply-adds over c = l, l + 8, ... from zero, the eight chains added in
-// hsum's order, times scale; only here lane l's chain is a register of 16 keys (8 in an AVX2 build), so there is no
+// hsum's order, times scale; only here lane l's chain is a register of 16 keys, so there is no
 // horizontal sum per key and no widening per token. Scores of 8 tokens x 3 heads against 128 keys
 // of 64 values (SmolLM2, one thread, Zen 4, float16 keys): 6.9 -> 4.9 us with the turn (0.7 us)
 // counted; 8 x 6 heads against 64 keys of 128 (Qwen 1.5B): 10.9 -> 8.5 us. With fewer rows the
@@ -2928,7 +2918,6 @@ inline void attention_scores(const float* q, int64_t G, const KT* k, const int64
 // kSideRows and at least kSideTokens.
 constexpr int64_t kSideRows = 12, kSideTokens = 3;
 
-#if SPECSERVE_AVX512
 inline void transpose16(__m512 (&r)[16]) {
   __m512 t[16];
   for (int j = 0; j < 16; j += 2) {
@@ -2954,140 +2943,77 @@ inline void transpose16(__m512 (&r)[16]) {
   }
 }
 
-// The side kernels' registers: 16 keys each (AVX-512).
-struct SideVec {
-  using V = __m512;
-  static constexpr int64_t W = 16;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  template <typename KT>
-  static V widen(const KT* p) { return load16(p); }
-  static V bcast(float x) { return _mm512_set1_ps(x); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static void store_first(float* p, V v, int64_t n) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v); }
-  static void transpose(V (&r)[W]) { transpose16(r); }
-};
-#else
-inline void transpose8(__m256 (&r)[8]) {
-  __m256 t[8];
-  for (int j = 0; j < 8; j += 2) {
-    t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
-    t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
-  }
-  for (int j = 0; j < 8; j += 4) {
-    r[j] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int j = 0; j < 4; ++j) {
-    t[j] = _mm256_permute2f128_ps(r[j], r[j + 4], 0x20);
-    t[j + 4] = _mm256_permute2f128_ps(r[j], r[j + 4], 0x31);
-  }
-  for (int j = 0; j < 8; ++j) r[j] = t[j];
-}
-
-// The side kernels' registers: 8 keys each (AVX2).
-struct SideVec {
-  using V = __m256;
-  static constexpr int64_t W = 8;
-  static V zero() { return _mm256_setzero_ps(); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  template <typename KT>
-  static V widen(const KT* p) { return load8(p); }
-  static V bcast(float x) { return _mm256_set1_ps(x); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static void store_first(float* p, V v, int64_t n) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, v);
-    std::copy_n(lanes, n, p);
-  }
-  static void transpose(V (&r)[W]) { transpose8(r); }
-};
-#endif
-constexpr int64_t kSideLanes = SideVec::W;  // keys a register
-
 // kt[c * M + j] = value c of the key row at k + off[j] for j < m, 0 for m <= j < M (M: m rounded
 // up to 16); D a multiple of 16. The rows ahead are asked for up to `listed` (the rows the list
 // holds from off), across the chunk's end: the next chunk's first rows came as demand misses.
 template <typename KT>
 inline void keys_on_side(const KT* k, const int64_t* off, int64_t m, int64_t listed, int64_t D, float* kt, int64_t M) {
-  using S = SideVec;
   const int64_t ahead = attn_ahead_rows<KT>(D);
-  for (int64_t j0 = 0; j0 < M; j0 += S::W) {
-    for (int64_t j = j0 + ahead; j < std::min(listed, j0 + ahead + S::W); ++j) prefetch_row(k + off[j], D);
-    for (int64_t c0 = 0; c0 < D; c0 += S::W) {
-      S::V r[S::W];
-      for (int j = 0; j < S::W; ++j) r[j] = j0 + j < m ? S::widen(k + off[j0 + j] + c0) : S::zero();
-      S::transpose(r);
-      for (int c = 0; c < S::W; ++c) S::store(kt + (c0 + c) * M + j0, r[c]);
+  for (int64_t j0 = 0; j0 < M; j0 += 16) {
+    for (int64_t j = j0 + ahead; j < std::min(listed, j0 + ahead + 16); ++j) prefetch_row(k + off[j], D);
+    for (int64_t c0 = 0; c0 < D; c0 += 16) {
+      __m512 r[16];
+      for (int j = 0; j < 16; ++j) r[j] = j0 + j < m ? load16(k + off[j0 + j] + c0) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(kt + (c0 + c) * M + j0, r[c]);
     }
   }
 }
 
-// Scores of P rows (query rows q[p], D values each) against keys [j0, j0 + W R) of kt, into
+// Scores of P rows (query rows q[p], D values each) against keys [j0, j0 + 16 R) of kt, into
 // out[p][j] for j < m. Lanes l and l + 4 go through one pass and are added at its end, so four
 // sums wait for the last additions ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), not eight
 // (16 tokens x 3 heads x 128 keys of 64 values: 9.2 -> 8.6 us with the turn).
 template <int P, int R>
 inline void side_scores_block(const float* const* q, const float* kt, int64_t M, int64_t j0, int64_t m, int64_t D, float scale,
                               float* const* out) {
-  using S = SideVec;
-  typename S::V part[4][P][R];  // lane l's chain + lane l + 4's
+  __m512 part[4][P][R];  // lane l's chain + lane l + 4's
   for (int l = 0; l < 4; ++l) {
-    typename S::V a[P][R], b[P][R];
+    __m512 a[P][R], b[P][R];
     for (int p = 0; p < P; ++p)
-      for (int r = 0; r < R; ++r) a[p][r] = b[p][r] = S::zero();
+      for (int r = 0; r < R; ++r) a[p][r] = b[p][r] = _mm512_setzero_ps();
     for (int64_t c = l; c < D; c += 8) {
-      typename S::V k0[R], k4[R];
+      __m512 k0[R], k4[R];
       for (int r = 0; r < R; ++r) {
-        k0[r] = S::load(kt + c * M + j0 + S::W * r);
-        k4[r] = S::load(kt + (c + 4) * M + j0 + S::W * r);
+        k0[r] = _mm512_loadu_ps(kt + c * M + j0 + 16 * r);
+        k4[r] = _mm512_loadu_ps(kt + (c + 4) * M + j0 + 16 * r);
       }
       for (int p = 0; p < P; ++p) {
-        const typename S::V x = S::bcast(q[p][c]), y = S::bcast(q[p][c + 4]);
+        const __m512 x = _mm512_set1_ps(q[p][c]), y = _mm512_set1_ps(q[p][c + 4]);
         for (int r = 0; r < R; ++r) {
-          a[p][r] = S::fma(x, k0[r], a[p][r]);
-          b[p][r] = S::fma(y, k4[r], b[p][r]);
+          a[p][r] = _mm512_fmadd_ps(x, k0[r], a[p][r]);
+          b[p][r] = _mm512_fmadd_ps(y, k4[r], b[p][r]);
         }
       }
     }
     for (int p = 0; p < P; ++p)
-      for (int r = 0; r < R; ++r) part[l][p][r] = S::add(a[p][r], b[p][r]);
+      for (int r = 0; r < R; ++r) part[l][p][r] = _mm512_add_ps(a[p][r], b[p][r]);
   }
-  const typename S::V sc = S::bcast(scale);
+  const __m512 sc = _mm512_set1_ps(scale);
   for (int p = 0; p < P; ++p)
     for (int r = 0; r < R; ++r) {
-      const typename S::V s = S::mul(S::add(S::add(part[0][p][r], part[2][p][r]), S::add(part[1][p][r], part[3][p][r])), sc);
-      const int64_t j = j0 + S::W * r;
-      if (j + S::W <= m)
-        S::store(out[p] + j, s);
+      const __m512 s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(part[0][p][r], part[2][p][r]), _mm512_add_ps(part[1][p][r], part[3][p][r])), sc);
+      const int64_t j = j0 + 16 * r;
+      if (j + 16 <= m)
+        _mm512_storeu_ps(out[p] + j, s);
       else if (j < m)
-        S::store_first(out[p] + j, s, m - j);
+        _mm512_mask_storeu_ps(out[p] + j, static_cast<__mmask16>((1u << (m - j)) - 1), s);
     }
 }
 
 template <int P>
 inline void side_scores_rows(const float* const* q, const float* kt, int64_t M, int64_t m, int64_t D, float scale,
                              float* const* out) {
-  constexpr int R = SPECSERVE_AVX512 || P <= 2 ? 2 : 1;
   int64_t j0 = 0;
-  for (; j0 + R * kSideLanes <= M; j0 += R * kSideLanes) side_scores_block<P, R>(q, kt, M, j0, m, D, scale, out);
-  for (; j0 < M; j0 += kSideLanes) side_scores_block<P, 1>(q, kt, M, j0, m, D, scale, out);
+  for (; j0 + 32 <= M; j0 += 32) side_scores_block<P, 2>(q, kt, M, j0, m, D, scale, out);
+  for (; j0 < M; j0 += 16) side_scores_block<P, 1>(q, kt, M, j0, m, D, scale, out);
 }
 
 // out[r][j] = scale * <q[r], key j> for `rows` query rows against the m keys turned into kt.
 inline void side_scores(const float* const* q, int64_t rows, const float* kt, int64_t M, int64_t m, int64_t D, float scale,
                         float* const* out) {
-  constexpr int64_t kRows = SPECSERVE_AVX512 ? 6 : 4;  // a pass's rows: 4 in the AVX2 build's 16 registers
-  for (int64_t i = 0; i < rows; i += kRows) {
-    switch (std::min<int64_t>(kRows, rows - i)) {
+  for (int64_t i = 0; i < rows; i += 6) {
+    switch (std::min<int64_t>(6, rows - i)) {
       case 6: side_scores_rows<6>(q + i, kt, M, m, D, scale, out + i); break;
       case 5: side_scores_rows<5>(q + i, kt, M, m, D, scale, out + i); break;
       case 4: side_scores_rows<4>(q + i, kt, M, m, D, scale, out + i); break;
@@ -3106,12 +3032,12 @@ inline void values_side(const float* const* w, int64_t rows, const KT* v, const 
                         float* const* acc) {
   for (int64_t i = 0; i < rows; i += 6) {
     switch (std::min<int64_t>(6, rows - i)) {
-      case 6: values_rows<6, KT>(w + i, v, off, n, D, acc + i); break;
-      case 5: values_rows<5, KT>(w + i, v, off, n, D, acc + i); break;
-      case 4: values_rows<4, KT>(w + i, v, off, n, D, acc + i); break;
-      case 3: values_rows<3, KT>(w + i, v, off, n, D, acc + i); break;
-      case 2: values_rows<2, KT>(w + i, v, off, n, D, acc + i); break;
-      default: values_rows<1, KT>(w + i, v, off, n, D, acc + i); break;
+      case 6: values_rows512<6, KT>(w + i, v, off, n, D, acc + i); break;
+      case 5: values_rows512<5, KT>(w + i, v, off, n, D, acc + i); break;
+      case 4: values_rows512<4, KT>(w + i, v, off, n, D, acc + i); break;
+      case 3: values_rows512<3, KT>(w + i, v, off, n, D, acc + i); break;
+      case 2: values_rows512<2, KT>(w + i, v, off, n, D, acc + i); break;
+      default: values_rows512<1, KT>(w + i, v, off, n, D, acc + i); break;
     }
   }
 }
@@ -3268,7 +3194,7 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
     int64_t n[kAttnTile];  // a local copy: stores through the key lists cannot alias it
     const int64_t tile = longest_first ? tiles - 1 - item / Hkv : item / Hkv, kvh = item % Hkv;
     const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
-#if SPECSERVE_AVX2
+#if SPECSERVE_AVX512
     const bool side = nt >= kSideTokens && nt * G >= kSideRows && D % 16 == 0;
 #else
     const bool side = false;
@@ -3301,7 +3227,7 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
         if (static_cast<int64_t>(p[u].size()) < G * cnt) p[u].resize(G * cnt);
       }
       scr.common = 0;
-#if SPECSERVE_AVX2
+#if SPECSERVE_AVX512
       if (side) {
         int64_t common = scr.n[0];
         for (int64_t u = 1; u < nt; ++u)
@@ -3336,7 +3262,7 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
       shared = scr.common;
       for (int64_t u = 0; u < nt; ++u) shared = std::min(shared, hi[u]);
     }
-#if SPECSERVE_AVX2
+#if SPECSERVE_AVX512
     const auto side_rows = [&](int64_t c0, bool weights, int64_t sp) {  // the tile's rows from key c0
       for (int64_t u = 0; u < nt; ++u)
         for (int64_t g = 0; g < G; ++g) {
@@ -3349,7 +3275,7 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
       if (lo < hi[u]) warm_rows(kh, slots[u].data() + lo, hi[u] - lo, D);
     for (int64_t c0 = lo; c0 < far; c0 += step) {
       const int64_t s0 = std::clamp(shared, c0, c0 + step);  // this chunk's side keys end
-#if SPECSERVE_AVX2
+#if SPECSERVE_AVX512
       if (s0 > c0) {
         const int64_t m = s0 - c0, M = (m + 15) / 16 * 16;
         keys_on_side(kh, slots[0].data() + c0, m, n[0] - c0, D, scr.kt.data(), M);
@@ -3395,7 +3321,7 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
           if (a < hi[u]) warm_rows(vh, slots[u].data() + a, hi[u] - a, D);
       for (int64_t c0 = a; c0 < b; c0 += step) {
         const int64_t s0 = std::clamp(shared, c0, std::min(c0 + step, b));
-#if SPECSERVE_AVX2
+#if SPECSERVE_AVX512
         if (s0 > c0) {
           side_rows(c0, true, sp);
           values_side(scr.rows_in.data(), nt * G, vh, slots[0].data() + c0, s0 - c0, D, scr.rows_out.data());
