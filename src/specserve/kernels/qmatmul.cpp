@@ -3254,6 +3254,16 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
     const KT* kh = kp + kvh * D;
     const KT* vh = vp + kvh * D;
     const int64_t step = nt > 1 ? chunk : std::max<int64_t>(far - lo, 1);  // one token: nothing to share
+    // A tile's passes go a chunk at a time, each kernel asking for rows ahead only within its
+    // chunk: each chunk asks for the next one's first rows (of the token with the longest list,
+    // whose rows the others' lists begin with in a prefill tile or a draft). Without it a 2-token
+    // tile at 8,000 keys met the first half of every chunk as demand misses.
+    int64_t longest = 0;
+    for (int64_t u = 1; u < nt; ++u)
+      if (hi[u] > hi[longest]) longest = u;
+    const auto warm_next = [&](const KT* base, int64_t c1, int64_t end) {
+      if (nt > 1 && c1 < end) warm_rows(base, slots[longest].data() + c1, end - c1, D);
+    };
     // Keys [lo, shared): every token of the tile has them at the same places in its list, and in
     // this call. Their scores and value sums go through the side kernels for all the tile's rows
     // at once (keys_on_side, side_scores, values_side); the rest token by token.
@@ -3274,6 +3284,7 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
     for (int64_t u = 0; u < nt; ++u)
       if (lo < hi[u]) warm_rows(kh, slots[u].data() + lo, hi[u] - lo, D);
     for (int64_t c0 = lo; c0 < far; c0 += step) {
+      warm_next(kh, c0 + step, hi[longest]);
       const int64_t s0 = std::clamp(shared, c0, c0 + step);  // this chunk's side keys end
 #if SPECSERVE_AVX512
       if (s0 > c0) {
@@ -3320,6 +3331,7 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
         for (int64_t u = 0; u < nt; ++u)
           if (a < hi[u]) warm_rows(vh, slots[u].data() + a, hi[u] - a, D);
       for (int64_t c0 = a; c0 < b; c0 += step) {
+        warm_next(vh, c0 + step, std::min(b, hi[longest]));
         const int64_t s0 = std::clamp(shared, c0, std::min(c0 + step, b));
 #if SPECSERVE_AVX512
         if (s0 > c0) {
