@@ -21,8 +21,13 @@ multiple of streamed(1)): where hot(n) exceeds streamed(1), only cheaper arithme
 verify curve; below it, the gap between streamed(n) and that floor is memory traffic the kernels
 fail to hide.
 
+With `--contexts`, the verify curve is timed again with the request's context at each of those
+lengths (`verify_cost_at_context`, a third panel): a draft row attends over the whole context, so
+past a few thousand tokens a verify's attention, not its weights, sets what it costs.
+
     python bench/roofline.py
     python bench/roofline.py --models qwen2.5-coder-0.5b-instruct --precisions none int8
+    python bench/roofline.py --models smollm2-135m-instruct --precisions auto --contexts 2048 8000
 
 Writes bench/results/roofline.json and roofline.png.
 """
@@ -56,10 +61,10 @@ VERIFY_TOKENS = [1, 2, 3, 5, 9, 17, 33]
 CONTEXT = 64
 
 
-def forward_times(runner: ModelRunner, repeats: int) -> dict[int, float]:
-    """Best-of-`repeats` seconds for one request appending n tokens, for each n."""
-    runner.time_decode_step(1, context=CONTEXT)  # warm-up
-    return {n: runner.time_decode_step(1, tokens_per_req=n, repeats=repeats, context=CONTEXT) for n in VERIFY_TOKENS}
+def forward_times(runner: ModelRunner, repeats: int, context: int = CONTEXT) -> dict[int, float]:
+    """Best-of-`repeats` seconds for one request appending n tokens after `context`, for each n."""
+    runner.time_decode_step(1, context=context)  # warm-up
+    return {n: runner.time_decode_step(1, tokens_per_req=n, repeats=repeats, context=context) for n in VERIFY_TOKENS}
 
 
 def macs_per_token(arch: object) -> float:
@@ -104,8 +109,13 @@ def main() -> int:
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--skip-products", action="store_true",
                     help="skip timing the quantized products alone, streamed and cache-resident")
+    ap.add_argument("--contexts", nargs="*", type=int, default=[],
+                    help="also time the verify curve with the request's context at these lengths (tokens)")
     ap.add_argument("--out", default="roofline")
     args = ap.parse_args()
+    if any(c < 1 for c in args.contexts):
+        ap.error("--contexts: lengths of at least one token")
+    longest = max(args.contexts, default=0) + max(VERIFY_TOKENS)
 
     bw = measure_read_bandwidth()
     peak = int8_peak_gmacs()
@@ -126,7 +136,10 @@ def main() -> int:
             gc.collect()
             cfg = ModelConfig(model=name, quantization=prec)
             packed = ckpt.packed if blocks else None
-            runner = ModelRunner(ckpt.arch, ckpt.weights, cfg, CacheConfig(kv_cache_gib=0.25), 1024, packed=packed)
+            # Room for the longest context asked for (and its tokens) in every layer's cache, at
+            # up to 4 bytes a value (the cache's dtype is the runner's choice).
+            kv_gib = max(0.25, 1.25 * ckpt.arch.kv_bytes_per_token(4) * longest / 2**30)
+            runner = ModelRunner(ckpt.arch, ckpt.weights, cfg, CacheConfig(kv_cache_gib=kv_gib), max(1024, longest), packed=packed)
             # This VM's bandwidth drifts by tens of percent over minutes: probe again right
             # before each measurement and take the fraction against that.
             bw_here = measure_read_bandwidth(repeats=3)
@@ -145,6 +158,10 @@ def main() -> int:
                 "macs_per_token": macs_per_token(ckpt.arch),
                 "verify_floor_ratio": {n: max(1.0, n * macs_per_token(ckpt.arch) / (peak * 1e9) / t1) for n in VERIFY_TOKENS},
             }
+            at_context = {c: forward_times(runner, args.repeats, c) for c in args.contexts}
+            if at_context:
+                row["forward_ms_at_context"] = {c: 1e3 * t[1] for c, t in at_context.items()}
+                row["verify_cost_at_context"] = {c: {n: t[n] / t[1] for n in VERIFY_TOKENS} for c, t in at_context.items()}
             products = None if args.skip_products else product_times(runner.model, args.repeats)
             if products is not None:
                 row.update({f"products_{key}": value for key, value in products.items()})
@@ -166,6 +183,10 @@ def main() -> int:
             print(f"{name:30s} {prec:5s}: forward {row['forward_ms']:7.1f} ms, {wbytes / 1e6:7.0f} MB, "
                   f"{row['achieved_bandwidth_gbs']:5.1f} GB/s = {100 * row['roofline_fraction']:.0f}% of {bw_here / 1e9:.1f} GB/s | "
                   f"verify cost n:{ratios}{extra}", flush=True)
+            for c, ratio in row.get("verify_cost_at_context", {}).items():
+                parts = " ".join(f"{n}:{r:.2f}" for n, r in ratio.items())
+                print(f"{'':30s} {'':5s}  at a {c}-token context: forward {row['forward_ms_at_context'][c]:.1f} ms, "
+                      f"verify cost n:{parts}", flush=True)
             if products is not None:
                 parts = " ".join(f"{n}:{products['streamed_ms'][n]:.1f}/{products['hot_ms'][n]:.1f}" for n in VERIFY_TOKENS)
                 print(f"{'':30s} {'':5s}  products ms streamed/in cache by n: {parts}", flush=True)
@@ -192,7 +213,9 @@ def plot(payload: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = payload["results"]
-    fig, (a0, a1) = plt.subplots(1, 2, figsize=(13, 4.5))
+    contexts = any("verify_cost_at_context" in r for r in rows)
+    fig, axes = plt.subplots(1, 3 if contexts else 2, figsize=(19 if contexts else 13, 4.5))
+    a0, a1 = axes[0], axes[1]
     labels = [f"{_short(r['model'])}\n{r['precision']}" for r in rows]
     a0.bar(range(len(rows)), [100 * r["roofline_fraction"] for r in rows], color="#4c72b0")
     for i, r in enumerate(rows):
@@ -222,8 +245,24 @@ def plot(payload: dict, path: Path) -> None:
     a1.set_yscale("log", base=2)
     a1.set_xlabel("tokens verified in one forward (1 request)")
     a1.set_ylabel("forward time / 1-token forward")
-    a1.set_title("what a verify step costs", fontsize=10)
+    a1.set_title(f"what a verify step costs ({payload.get('context_tokens', CONTEXT)}-token context)", fontsize=10)
     a1.legend(fontsize=7)
+    if contexts:
+        a2 = axes[2]
+        for r in rows:
+            # JSON keys come back as strings
+            at = {int(c): {int(n): v for n, v in ratio.items()} for c, ratio in r.get("verify_cost_at_context", {}).items()}
+            t1 = {int(c): ms for c, ms in r.get("forward_ms_at_context", {}).items()}
+            for c, ratio in sorted(at.items()):
+                a2.plot(sorted(ratio), [ratio[n] for n in sorted(ratio)], "o-",
+                        label=f"{_short(r['model'])} {r['precision']}, {c} tokens (T(1) {t1[c]:.0f} ms)")
+        a2.plot(VERIFY_TOKENS, VERIFY_TOKENS, ":", color="gray", label="linear (no reuse)")
+        a2.set_xscale("log", base=2)
+        a2.set_yscale("log", base=2)
+        a2.set_xlabel("tokens verified in one forward (1 request)")
+        a2.set_ylabel("forward time / 1-token forward at that context")
+        a2.set_title("a verify step after a long context", fontsize=10)
+        a2.legend(fontsize=7)
     mi = payload["machine"]
     fig.suptitle(f"specserve roofline — {mi['cpu']}, {mi['torch_threads']} threads, "
                  f"{payload['read_bandwidth_gbs']:.1f} GB/s read at start (each bar vs a probe taken just before it), commit {mi['commit']}", fontsize=9)
