@@ -3163,9 +3163,10 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
   // for them.
   const bool longest_first = tiles < T && tiles * Hkv >= 4 * at::get_num_threads();
   // Splits [j0, j1) of item (tile, KV head): each token's keys from j0 * kAttnSplitKeys to its
-  // end or j1 * kAttnSplitKeys. A token whose every split is in the range gets its output here;
-  // otherwise (a decode item shared between threads) the range's partials go to part + s * unit
-  // for split s (max and sum per head, then the weighted values) and merge_splits runs after.
+  // end or j1 * kAttnSplitKeys. An item no other thread shares (part null) gives each token its
+  // output here; a shared one's range leaves each token u's partials of split s at
+  // part + (u * S + s) * unit, S the splits of the tile's longest list (max and sum per head, then
+  // the weighted values), and merge_splits runs after.
   const int64_t unit = G * (2 + D);
   // Scratch kept per thread across calls (a decode step's items are short, and grabs many), looked
   // up once per thread's share and passed to each item (a thread_local's address per item cost a
