@@ -372,9 +372,10 @@ def test_native_decode_attention_split_by_work_keeps_each_token_exact():
 def test_native_attention_shares_a_lone_verify_tile_between_threads_exactly():
     """A lone request's draft (2-9 tokens, a tree among them) after a long context is split
     between threads by key splits like a decode step (SmolLM2's three KV heads left one thread
-    two of them), and its tokens' shared keys go through the side kernels where the tile has 15
-    or more query rows: every token's output stays bit-identical to the token alone, on 1-3
-    threads, for a float16 and an int8 cache, and close to a float64 reference."""
+    two of them), as are two requests' drafts in one step, and tokens' shared keys go through the
+    side kernels where a tile has 3+ tokens and 12+ query rows: every token's output stays
+    bit-identical to the token alone, on 1-3 threads, for a float16 and an int8 cache, and close
+    to a float64 reference."""
     from specserve.attention import paged_attention, quantize_kv
 
     torch.manual_seed(6)
@@ -383,11 +384,15 @@ def test_native_attention_shares_a_lone_verify_tile_between_threads_exactly():
     before = torch.get_num_threads()
     try:
         for d, heads, n_kv in [(64, 9, 3), (128, 12, 2)]:
-            for n, mask in [(2, None), (3, None), (5, tree), (9, None)]:
-                start = 2100 + n  # splits end at 1,024 and 2,048 keys: the tile's tokens straddle the second
-                table = list(range(-(-(start + n) // 16)))
-                q, kc, vc, meta = _attention_step([n], [start], [table], [mask], bs=16, nblocks=len(table), n_kv=n_kv,
-                                                  heads=heads, d=d)
+            for lens, masks in [([2], [None]), ([3], [None]), ([5], [tree]), ([9], [None]), ([5, 3], [tree, None])]:
+                # splits end at 1,024 and 2,048 keys: the drafts' tokens straddle the second
+                starts = [2100 + n + 7 * i for i, n in enumerate(lens)]
+                tables, nxt = [], 0
+                for s0, n in zip(starts, lens):
+                    blocks = -(-(s0 + n) // 16)
+                    tables.append(list(range(nxt, nxt + blocks)))
+                    nxt += blocks
+                q, kc, vc, meta = _attention_step(lens, starts, tables, masks, bs=16, nblocks=nxt, n_kv=n_kv, heads=heads, d=d)
                 (k8, ks), (v8, vs) = quantize_kv(kc), quantize_kv(vc)
                 args = (meta.block_tables, meta.attn_mask, meta.query_index, d**-0.5)
                 ref = paged_attention(q.double(), kc.double(), vc.double(), meta, d**-0.5).float()
@@ -397,11 +402,12 @@ def test_native_attention_shares_a_lone_verify_tile_between_threads_exactly():
                     for threads in (1, 2, 3):
                         torch.set_num_threads(threads)
                         outs.append(kernels().paged_attention(q, k_, v_, *args, *scales))
-                        for i in range(n):
-                            alone = kernels().paged_attention(q[i : i + 1], k_, v_, meta.block_tables,
-                                                              meta.attn_mask[:, :, i : i + 1], torch.zeros(1, dtype=torch.long),
-                                                              d**-0.5, *scales)
-                            assert torch.equal(alone[0], outs[-1][i]), (d, n, threads, i)
+                        for i in range(q.shape[0]):
+                            b, r = divmod(int(meta.query_index[i]), meta.attn_mask.shape[2])
+                            alone = kernels().paged_attention(q[i : i + 1], k_, v_, meta.block_tables[b : b + 1],
+                                                              meta.attn_mask[b : b + 1, :, r : r + 1],
+                                                              torch.zeros(1, dtype=torch.long), d**-0.5, *scales)
+                            assert torch.equal(alone[0], outs[-1][i]), (d, lens, threads, i)
                     assert all(torch.equal(outs[0], o) for o in outs)
                     if not scales:
                         torch.testing.assert_close(outs[1], ref, rtol=2e-3, atol=2e-3)
