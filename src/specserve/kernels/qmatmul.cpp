@@ -2832,7 +2832,6 @@ inline void values_rows512(const float* const* w, const KT* v, const int64_t* of
 // once for all GH heads.
 template <int GH, typename KT>
 inline void values_heads(const float* w, int64_t stride, const KT* v, const int64_t* off, int64_t n, int64_t D, float* acc_out) {
-  const int64_t ahead = attn_ahead_rows<KT>(D);
 #if SPECSERVE_AVX512
   if (D % 16 == 0) {  // values_rows512
     const float* wr[GH];
@@ -2842,6 +2841,7 @@ inline void values_heads(const float* w, int64_t stride, const KT* v, const int6
     return;
   }
 #endif
+  const int64_t ahead = attn_ahead_rows<KT>(D);
   for (int64_t c = 0; c < D; c += 16) {
     const bool two = c + 16 <= D;
     __m256 acc[GH][2];
@@ -2944,13 +2944,13 @@ inline void transpose16(__m512 (&r)[16]) {
 }
 
 // kt[c * M + j] = value c of the key row at k + off[j] for j < m, 0 for m <= j < M (M: m rounded
-// up to 16); D a multiple of 16. The rows ahead are asked for up to `listed` (the rows the list
-// holds from off), across the chunk's end: the next chunk's first rows came as demand misses.
+// up to 16); D a multiple of 16. Rows ahead asked for within the m, as the other kernels do (the
+// attention's chunk loop asks for the next chunk's first rows).
 template <typename KT>
-inline void keys_on_side(const KT* k, const int64_t* off, int64_t m, int64_t listed, int64_t D, float* kt, int64_t M) {
+inline void keys_on_side(const KT* k, const int64_t* off, int64_t m, int64_t D, float* kt, int64_t M) {
   const int64_t ahead = attn_ahead_rows<KT>(D);
   for (int64_t j0 = 0; j0 < M; j0 += 16) {
-    for (int64_t j = j0 + ahead; j < std::min(listed, j0 + ahead + 16); ++j) prefetch_row(k + off[j], D);
+    for (int64_t j = j0 + ahead; j < std::min(m, j0 + ahead + 16); ++j) prefetch_row(k + off[j], D);
     for (int64_t c0 = 0; c0 < D; c0 += 16) {
       __m512 r[16];
       for (int j = 0; j < 16; ++j) r[j] = j0 + j < m ? load16(k + off[j0 + j] + c0) : _mm512_setzero_ps();
@@ -3290,7 +3290,7 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
 #if SPECSERVE_AVX512
       if (s0 > c0) {
         const int64_t m = s0 - c0, M = (m + 15) / 16 * 16;
-        keys_on_side(kh, slots[0].data() + c0, m, n[0] - c0, D, scr.kt.data(), M);
+        keys_on_side(kh, slots[0].data() + c0, m, D, scr.kt.data(), M);
         side_rows(c0, false, 0);
         side_scores(scr.rows_in.data(), nt * G, scr.kt.data(), M, m, D, sc, scr.rows_out.data());
       }
@@ -3418,14 +3418,13 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
     const double mid = 0.5 * (work[u] + work[u + 1]);
     while (th < shares && mid >= total * th / shares) cut[th++] = u;  // unit u's middle lies in a later share
   }
-  std::vector<float> parts;  // partials of items cut between shares: [item's room][G * (2 + D)]
-  std::vector<int64_t> shared;  // those items
-  std::vector<char> is_shared(items, 0);
+  std::vector<char> is_shared(items, 0);  // items cut between shares
   for (int64_t i = 0, th = 1; i < items; ++i) {
     while (th < shares && cut[th] <= first[i]) ++th;
-    if (th < shares && cut[th] < first[i + 1]) shared.push_back(i), is_shared[i] = 1;
+    is_shared[i] = th < shares && cut[th] < first[i + 1];
   }
-  if (!shared.empty()) parts.resize(room[items] * unit);
+  std::vector<float> parts;  // their partials: [item's room][G * (2 + D)]
+  if (std::find(is_shared.begin(), is_shared.end(), 1) != is_shared.end()) parts.resize(room[items] * unit);
   const auto share = [&](int64_t sh) {
     Scratch& scr = scratch();
     int64_t u = cut[sh];
@@ -3440,7 +3439,8 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
   at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t sh = s0; sh < s1; ++sh) share(sh);
   });
-  for (const int64_t i : shared) {  // the shared items' tokens, each merged in split order from its partials
+  for (int64_t i = 0; i < items; ++i) {  // the shared items' tokens, each merged in split order from its partials
+    if (!is_shared[i]) continue;
     const int64_t t = i / Hkv;
     for (int64_t u = tile_start[t]; u < tile_start[t + 1]; ++u) {
       const float* part = parts.data() + (room[i] + (u - tile_start[t]) * splits[t]) * unit;
