@@ -57,7 +57,13 @@ from specserve.spec.tree import DraftTree, SiblingDraw, drafts_ranked
 # unexpanded alternatives stay as leaves: where the draft is sure the tree is a chain, where it
 # is unsure it branches, for the price of the chain's passes. The draft keeps the best nodes
 # within the step's node budget (and the policy prunes what does not pay to verify).
-EXPAND_WIDTH = 2  # a CPU draft pass over 4 tokens per request costs ~1.5 passes over 1
+# Nodes fed per request and pass. A pass over more rows is no longer dear (the 0.5B int4 draft alone,
+# 2-vCPU Zen 4: 2 / 3 / 4 rows 1.02 / 1.04 / 1.07 x one row's 8.3 ms), but side nodes are fed only
+# where the draft is sure of them (p_min), so width rarely binds: 4 instead of 2 left SmolLM2's
+# EAGLE trees unchanged (1.70 / 1.49 tokens per forward, coding / prose) and the Qwen pair's
+# draft-model trees at 3.49-3.65 tokens a step against 3.19-3.39, their speed within the phases'
+# noise (session 90).
+EXPAND_WIDTH = 2
 CHILDREN = 4
 EXPAND_MIN = 0.05
 MAX_PASSES = 8
