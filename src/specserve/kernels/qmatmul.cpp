@@ -992,6 +992,7 @@ template <int MT>
 void dot_q6_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
+  constexpr int kGroups = MT == 5 ? 1 : 2;  // 16-value groups unpacked per pass over the rows (below)
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i top = _mm512_set1_epi8(0x30);
   const __m512i even = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
@@ -1012,35 +1013,44 @@ void dot_q6_k_x16(const uint8_t* grp, int64_t nb, const Acts* a, int M_, float* 
       // Each row's scale as the int16 pair (scale, 0): vpdpwssd then adds scale * (low half).
       const __m512i sc_a = _mm512_srli_epi32(_mm512_shuffle_epi8(sc16, even), 16);
       const __m512i sc_b = _mm512_srli_epi32(_mm512_shuffle_epi8(sc16, odd), 16);
-      __m512i v[8];
-      for (int h = 0; h < 2; ++h) {
-        const __m512i H = join32(c0 + 144 + 32 * h, c1 + 144 + 32 * h);
-        const __m512i L0 = join32(c0 + 16 + 64 * h, c1 + 16 + 64 * h);
-        const __m512i L1 = join32(c0 + 48 + 64 * h, c1 + 48 + 64 * h);
-        v[4 * h + 0] = _mm512_or_si512(_mm512_and_si512(L0, low), _mm512_and_si512(_mm512_slli_epi16(H, 4), top));
-        v[4 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L0, 4), low), _mm512_and_si512(_mm512_slli_epi16(H, 2), top));
-        v[4 * h + 2] = _mm512_or_si512(_mm512_and_si512(L1, low), _mm512_and_si512(H, top));
-        v[4 * h + 3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L1, 4), low), _mm512_and_si512(_mm512_srli_epi16(H, 2), top));
-      }
       const int64_t off = b * 256 + 32 * c;
+      // The 16-value groups g0 .. g0 + kGroups - 1 of the chunk are unpacked, then every row runs
+      // over them: both at once, or (five rows) one at a time, 4 registers of values live instead
+      // of 8. At five rows GCC spilled the 8 and reloaded them per row: the 1.5B's Q6_K down_proj
+      // took 670-678 us at 5 rows where 4 took 482, 605 one group at a time (which costs 3-4 rows
+      // 9-15% and 6-17 rows 1-10%, so they keep both). The rows' arithmetic is the same either way.
+      for (int g0 = 0; g0 < 2; g0 += kGroups) {
+        __m512i v[4 * kGroups];
+        for (int u = 0; u < kGroups; ++u) {
+          const int g = g0 + u;
+          const __m512i H = join32(c0 + 144 + 32 * g, c1 + 144 + 32 * g);
+          const __m512i L0 = join32(c0 + 16 + 64 * g, c1 + 16 + 64 * g);
+          const __m512i L1 = join32(c0 + 48 + 64 * g, c1 + 48 + 64 * g);
+          v[4 * u + 0] = _mm512_or_si512(_mm512_and_si512(L0, low), _mm512_and_si512(_mm512_slli_epi16(H, 4), top));
+          v[4 * u + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L0, 4), low), _mm512_and_si512(_mm512_slli_epi16(H, 2), top));
+          v[4 * u + 2] = _mm512_or_si512(_mm512_and_si512(L1, low), _mm512_and_si512(H, top));
+          v[4 * u + 3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L1, 4), low), _mm512_and_si512(_mm512_srli_epi16(H, 2), top));
+        }
 #pragma GCC unroll 16
-      for (int m = 0; m < M; ++m) {
-        prefetch_share(pf, m, M);
-        const int8_t* x = a[m].q + off;
-        __m512i s = sumi[m];
-        // Chains of 8 values, each starting at -32 * the sum of its x (an int16 broadcast to both
-        // halves of each lane): it ends at sum((q - 32) * x) in the low half, |.| <= 8 * 32 * 127
-        // < 2^15, and one vpdpwssd with the lane's (scale, 0) pair adds it times the 16-value
-        // group's scale (the high half, times 0, is ignored). Exactly the int32 sum a vpmulld
-        // per group gave; per row and 32 values 12 vector instructions instead of 18.
-        for (int g = 0; g < 2; ++g)
-          for (int h = 0; h < 2; ++h) {
-            const int8_t* xh = x + 16 * g + 8 * h;
-            __m512i p = _mm512_dpbusd_epi32(_mm512_set1_epi16(a[m].z8[b * 32 + 4 * c + 2 * g + h]), v[4 * g + 2 * h], bcast4z(xh));
-            p = _mm512_dpbusd_epi32(p, v[4 * g + 2 * h + 1], bcast4z(xh + 4));
-            s = _mm512_dpwssd_epi32(s, p, g == 0 ? sc_a : sc_b);
-          }
-        sumi[m] = s;
+        for (int m = 0; m < M; ++m) {
+          if (g0 == 0) prefetch_share(pf, m, M);
+          const int8_t* x = a[m].q + off;
+          __m512i s = sumi[m];
+          // Chains of 8 values, each starting at -32 * the sum of its x (an int16 broadcast to
+          // both halves of each lane): it ends at sum((q - 32) * x) in the low half, |.| <= 8 *
+          // 32 * 127 < 2^15, and one vpdpwssd with the lane's (scale, 0) pair adds it times the
+          // 16-value group's scale (the high half, times 0, is ignored). Exactly the int32 sum a
+          // vpmulld per group gave; per row and 32 values 12 vector instructions instead of 18.
+          for (int u = 0; u < kGroups; ++u)
+            for (int h = 0; h < 2; ++h) {
+              const int g = g0 + u;
+              const int8_t* xh = x + 16 * g + 8 * h;
+              __m512i p = _mm512_dpbusd_epi32(_mm512_set1_epi16(a[m].z8[b * 32 + 4 * c + 2 * g + h]), v[4 * u + 2 * h], bcast4z(xh));
+              p = _mm512_dpbusd_epi32(p, v[4 * u + 2 * h + 1], bcast4z(xh + 4));
+              s = _mm512_dpwssd_epi32(s, p, g == 0 ? sc_a : sc_b);
+            }
+          sumi[m] = s;
+        }
       }
     }
     const __m512 d = halves16(b0, b1);
