@@ -38,6 +38,7 @@ import argparse
 import gc
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -77,9 +78,9 @@ def forward_times(runner: ModelRunner, repeats: int, context: int = CONTEXT) -> 
 def macs_per_token(arch: object) -> float:
     """Multiply-adds of one token's forward through every projection and the LM head."""
     a = arch
-    h, q, kv, inter = a.hidden_size, a.q_size, a.kv_size, a.intermediate_size  # type: ignore[attr-defined]
+    h, q, kv, inter = a.hidden_size, a.q_size, a.kv_size, a.intermediate_size
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
-    return float(a.num_layers * per_layer + h * a.vocab_size)  # type: ignore[attr-defined]
+    return float(a.num_layers * per_layer + h * a.vocab_size)
 
 
 def product_times(model: object, repeats: int, hot_runs: int = 6) -> dict[str, dict[int, float]] | None:
@@ -212,6 +213,23 @@ def _short(model: str) -> str:
     return model.replace("qwen2.5-coder-", "").replace("-instruct", "")
 
 
+def _curve(ax: Any, by_n: dict, style: str, **kw: Any) -> None:
+    """One curve of values by token count n (JSON keys come back as strings)."""
+    ys = {int(n): v for n, v in by_n.items()}
+    ax.plot(sorted(ys), [ys[n] for n in sorted(ys)], style, **kw)
+
+
+def _verify_axes(ax: Any, ylabel: str, title: str) -> None:
+    """A verify-cost panel's frame: the linear (no reuse) line, log-log axes, labels, legend."""
+    ax.plot(VERIFY_TOKENS, VERIFY_TOKENS, ":", color="gray", label="linear (no reuse)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("tokens verified in one forward (1 request)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+
+
 def plot(payload: dict, path: Path) -> None:
     """Left: fraction of roofline per model/precision. Right: verify cost vs tokens."""
     import matplotlib
@@ -234,42 +252,23 @@ def plot(payload: dict, path: Path) -> None:
     a0.set_title("batch-1 decode vs memory roofline", fontsize=10)
     a0.legend(fontsize=8)
     for r in rows:
-        ratios = {int(n): v for n, v in r["verify_cost_ratio"].items()}  # JSON keys come back as strings
-        a1.plot(sorted(ratios), [ratios[n] for n in sorted(ratios)], "o-",
-                label=f"{_short(r['model'])} {r['precision']}")
-    a1.plot(VERIFY_TOKENS, VERIFY_TOKENS, ":", color="gray", label="linear (no reuse)")
+        _curve(a1, r["verify_cost_ratio"], "o-", label=f"{_short(r['model'])} {r['precision']}")
     for r in rows:
         if "products_overlap_floor_ratio" in r:
-            f = {int(n): v for n, v in r["products_overlap_floor_ratio"].items()}
-            a1.plot(sorted(f), [f[n] for n in sorted(f)], "x-.", alpha=0.7,
-                    label=f"{_short(r['model'])} {r['precision']}: "
-                          "its products in cache (kernel arithmetic floor)")
+            _curve(a1, r["products_overlap_floor_ratio"], "x-.", alpha=0.7,
+                   label=f"{_short(r['model'])} {r['precision']}: its products in cache (kernel arithmetic floor)")
     if rows and "verify_floor_ratio" in rows[0]:
-        f = {int(n): v for n, v in rows[0]["verify_floor_ratio"].items()}
-        a1.plot(sorted(f), [f[n] for n in sorted(f)], "--", color="#c44e52",
-                label=f"int8 peak floor ({payload.get('int8_peak_gmacs', 0):.0f} GMAC/s), {_short(rows[0]['model'])}")
-    a1.set_xscale("log", base=2)
-    a1.set_yscale("log", base=2)
-    a1.set_xlabel("tokens verified in one forward (1 request)")
-    a1.set_ylabel("forward time / 1-token forward")
-    a1.set_title(f"what a verify step costs ({payload.get('context_tokens', CONTEXT)}-token context)", fontsize=10)
-    a1.legend(fontsize=7)
+        _curve(a1, rows[0]["verify_floor_ratio"], "--", color="#c44e52",
+               label=f"int8 peak floor ({payload.get('int8_peak_gmacs', 0):.0f} GMAC/s), {_short(rows[0]['model'])}")
+    _verify_axes(a1, "forward time / 1-token forward",
+                 f"what a verify step costs ({payload.get('context_tokens', CONTEXT)}-token context)")
     if contexts:
         a2 = axes[2]
         for r in rows:
-            # JSON keys come back as strings
-            at = {int(c): {int(n): v for n, v in ratio.items()} for c, ratio in r.get("verify_cost_at_context", {}).items()}
-            t1 = {int(c): ms for c, ms in r.get("forward_ms_at_context", {}).items()}
-            for c, ratio in sorted(at.items()):
-                a2.plot(sorted(ratio), [ratio[n] for n in sorted(ratio)], "o-",
-                        label=f"{_short(r['model'])} {r['precision']}, {c} tokens (T(1) {t1[c]:.0f} ms)")
-        a2.plot(VERIFY_TOKENS, VERIFY_TOKENS, ":", color="gray", label="linear (no reuse)")
-        a2.set_xscale("log", base=2)
-        a2.set_yscale("log", base=2)
-        a2.set_xlabel("tokens verified in one forward (1 request)")
-        a2.set_ylabel("forward time / 1-token forward at that context")
-        a2.set_title("a verify step after a long context", fontsize=10)
-        a2.legend(fontsize=7)
+            t1 = r.get("forward_ms_at_context", {})
+            for c, ratio in sorted(r.get("verify_cost_at_context", {}).items(), key=lambda item: int(item[0])):
+                _curve(a2, ratio, "o-", label=f"{_short(r['model'])} {r['precision']}, {c} tokens (T(1) {t1[c]:.0f} ms)")
+        _verify_axes(a2, "forward time / 1-token forward at that context", "a verify step after a long context")
     mi = payload["machine"]
     fig.suptitle(f"specserve roofline — {mi['cpu']}, {mi['torch_threads']} threads, "
                  f"{payload['read_bandwidth_gbs']:.1f} GB/s read at start (each bar vs a probe taken just before it), commit {mi['commit']}", fontsize=9)
