@@ -3429,12 +3429,14 @@ torch::Tensor paged_attention_t(const torch::Tensor& q, const torch::Tensor& k_c
     while (th < shares && mid >= total * th / shares) cut[th++] = u;  // unit u's middle lies in a later share
   }
   std::vector<char> is_shared(items, 0);  // items cut between shares
+  bool any_shared = false;
   for (int64_t i = 0, th = 1; i < items; ++i) {
     while (th < shares && cut[th] <= first[i]) ++th;
     is_shared[i] = th < shares && cut[th] < first[i + 1];
+    any_shared |= is_shared[i] != 0;
   }
   std::vector<float> parts;  // their partials: [item's room][G * (2 + D)]
-  if (std::find(is_shared.begin(), is_shared.end(), 1) != is_shared.end()) parts.resize(room[items] * unit);
+  if (any_shared) parts.resize(room[items] * unit);
   const auto share = [&](int64_t sh) {
     Scratch& scr = scratch();
     int64_t u = cut[sh];
