@@ -408,9 +408,10 @@ class ModelRunner:
             assert draft is not None
             root = sr.start_pos + n - k - 1
             positions += [root + d for d in draft.depths]
-            if not draft.is_chain:
-                tail = torch.ones(n, n, dtype=torch.bool).tril_()
-                tail[n - k :, n - k :] = draft.ancestor_mask()
+            if not draft.is_chain:  # causal over the request's other new tokens, then the nodes' ancestry
+                before = n - k
+                tail = torch.tensor([[j <= i for j in range(n)] for i in range(before)] + draft.ancestor_rows(before),
+                                    dtype=torch.bool)
         # The last non-draft token predicts the next token (the root's children); each draft node
         # predicts its own children (used by verification).
         rows = range(n - 1 - k, n) if sr.sample else range(0)

@@ -147,9 +147,9 @@ def _sample_rows(
         num_acc[g] = first
         last[g] = am[pos == first[local]]
 
-    live = (~meta.greedy).nonzero().squeeze(1)  # sampled requests whose drafts so far were all kept
-    if not live.numel():  # greedy requests that asked for logprobs: nothing below to do
+    if meta.all_greedy:  # nothing below to do
         return _result(target_logits, batch, starts, num_acc, last)
+    live = (~meta.greedy).nonzero().squeeze(1)  # sampled requests whose drafts so far were all kept
     one_hot = torch.tensor(_one_hot_requests(batch), dtype=torch.bool, device=device)
     probs = _draft_prob_rows(batch)  # [sum K_i, V'] or None: row draft0[i] + j is request i's p_j
     vocab = target_logits.shape[-1]

@@ -89,7 +89,7 @@ def verify_trees(
     starts = [0]
     for n in sizes[:-1]:
         starts.append(starts[-1] + n)
-    greedy = meta.greedy.tolist()
+    greedy = list(meta.greedies)
     walks: list[tuple[list[int], list[int]]] = [([], [])] * len(trees)
     if any(greedy):
         argmax = target_argmax if target_argmax is not None else row_argmax(target_logits).tolist()

@@ -126,24 +126,13 @@ class NgramProposer(ServedSource, Proposer):
     def _matches(self, arr: Sequence[int], ends: frozenset[int]) -> tuple[int, np.ndarray]:
         """suffix_matches of the text's tail in itself, without the occurrences an ending id
         follows (EOS, stop ids: accepted, one adds no token and ends the output, see
-        prune_banned); where that leaves none, the longest shorter tail that has others. A chat
-        prompt's text before its `<|im_end|>` is such an occurrence: an answer that opens a code
-        fence matched the prompt's closing fence ("\\n```" then `<|im_end|>`), where "```" alone
-        also matches the opening one, whose "python\\n" and code the answer goes on with."""
-        n_max = self.ngram_max
-        while True:
-            n, starts = suffix_matches(arr, arr, self.ngram_min, n_max, exclude_tail=True)
-            if not n or not ends:
-                return n, starts
-            after = arr[starts] if isinstance(arr, np.ndarray) else np.array([arr[i] for i in starts.tolist()])
-            ending = np.zeros(len(starts), dtype=bool)
-            for e in ends:  # one to a few ids
-                ending |= after == e
-            if not ending.all():
-                return n, starts[~ending] if ending.any() else starts
-            if n <= self.ngram_min:
-                return 0, starts[:0]
-            n_max = n - 1
+        prune_banned): the longest tail that has other occurrences. A chat prompt's text before
+        its `<|im_end|>` is such an occurrence: an answer that opens a code fence matched the
+        prompt's closing fence ("\\n```" then `<|im_end|>`), where "```" alone also matches the
+        opening one, whose "python\\n" and code the answer goes on with. (One search: the
+        ending ids are dropped while the occurrences are found. A search, then a filter and a
+        shorter search where the filter left none, cost ~35 us more a step in the engine.)"""
+        return suffix_matches(arr, arr, self.ngram_min, self.ngram_max, exclude_tail=True, banned_next=ends)
 
     def copy_resumes(self, requests: Sequence[Request]) -> bool:
         """A request's last RESUME_MATCH tokens occur earlier in its reference, prompt or output,

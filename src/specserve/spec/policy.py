@@ -481,11 +481,14 @@ class StepTimer:
         # Seconds of sizes up to the knee whose steps measured the arithmetic under the read (a
         # fast phase's): C(n) there in place of the line.
         self.under_read: dict[int, float] = {}
-        # Answers since the points or the phase last moved: the policy asks for the same few sizes
-        # several times a step (a batch-1 choice asked T(1) three times and T(1 + nodes) twice).
-        self._memo: dict[float, float] = {}
-        self._memo_key: tuple[int, int, float] = (-1, -1, 0.0)
-        self._rising: tuple[list[int], list[float]] | None = None  # sizes and the running max of their times (_floor_below)
+        # Each size's (read, arithmetic) parts (_parts, the floor below folded in) since the points
+        # last moved: the policy asks for the same few sizes several times a step (a batch-1
+        # choice asked T(1) three times and T(1 + nodes) twice, a prune ~11 sizes), and the phase,
+        # which every decode step moves, only scales the read part.
+        self._memo: dict[float, tuple[float, float]] = {}
+        self._memo_key: tuple[int, int] = (-1, -1)
+        # The sizes and the running maxima of their parts (_floor_below), built as far as asked.
+        self._rising: tuple[list[int], list[tuple[float, float]]] | None = None
         # The phases the latest steps larger than the first size would have if each read alone
         # (its time over the read's point): their median bounds the phase (READ_BOUND_WINDOW).
         self._read_bounds = RecentMedian(READ_BOUND_WINDOW)
@@ -626,37 +629,52 @@ class StepTimer:
 
     def __call__(self, n: float) -> float:
         """Estimated seconds for a step of n tokens (n may be an expected, fractional count)."""
-        key = (len(self.points), self._version, self.phase)
+        if not self.points:
+            return 1.0  # unknown: a flat cost, i.e. verifying extra tokens looks free
+        key = (len(self.points), self._version)
         if key != self._memo_key:
             self._memo, self._memo_key, self._rising = {}, key, None
-        elif (t := self._memo.get(n)) is not None:
-            return t
-        t = self._memo[n] = max(self._estimate(n), self._floor_below(n))
-        return t
+        parts = self._memo.get(n)
+        if parts is None:
+            (read, arithmetic), (read_below, arithmetic_below) = self._parts(n), self._floor_below(n)
+            parts = self._memo[n] = (max(read, read_below), max(arithmetic, arithmetic_below))
+        return max(self.phase * parts[0], parts[1])
 
-    def _floor_below(self, n: float) -> float:
-        """The most any measured size below n is estimated to take: a step of more tokens is never
-        read as cheaper than one of fewer (noisy points past the knee, or a size learned in one
-        phase beside one learned in another, would show the policy a draft token that saves time)."""
+    def _floor_below(self, n: float) -> tuple[float, float]:
+        """The parts of the most any measured size below n is estimated to take: a step of more
+        tokens is never read as cheaper than one of fewer (noisy points past the knee, or a size
+        learned in one phase beside one learned in another, would show the policy a draft token
+        that saves time). The greatest read part and the greatest arithmetic part below n: the
+        phase scales every read part alike, so the most of max(phase * read, arithmetic) over the
+        sizes is max(phase * the greatest read, the greatest arithmetic) at any phase."""
         xs, rising = self._rising or (self._xs_knee()[0], [])
         i = bisect.bisect_left(xs, n)
         if len(rising) < i:  # built only as far as asked (most asks are small steps), on a copy
             rising = list(rising)  # (another thread may be reading the one it replaces)
             while len(rising) < i:
-                rising.append(max(rising[-1] if rising else 0.0, self._estimate(xs[len(rising)])))
+                read, arithmetic = self._parts(xs[len(rising)])
+                if rising:
+                    read, arithmetic = max(read, rising[-1][0]), max(arithmetic, rising[-1][1])
+                rising.append((read, arithmetic))
             self._rising = (xs, rising)
-        return rising[i - 1] if i > 0 else 0.0
+        return rising[i - 1] if i > 0 else (0.0, 0.0)
 
     def _estimate(self, n: float) -> float:
         if not self.points:
             return 1.0  # unknown: a flat cost, i.e. verifying extra tokens looks free
+        read, arithmetic = self._parts(n)
+        return max(self.phase * read, arithmetic)
+
+    def _parts(self, n: float) -> tuple[float, float]:
+        """(read, arithmetic) with the estimate at n = max(phase * read, arithmetic): neither
+        depends on the phase (points present)."""
         xs, knee, _ = self._xs_knee()
         if knee == len(xs) - 1:
-            return self.phase * _interpolate(self.points, xs, n)
+            return _interpolate(self.points, xs, n), 0.0
         if n > xs[knee]:  # the arithmetic binds at phase 1.0 and below; the read only in a slow phase
             c = _interpolate(self.points, xs, n, knee, len(xs) - 1)
-            return max(self.phase * min(self.points[xs[knee]], c), c)
-        return max(self.phase * self._read(n, xs, knee), self._arithmetic(n, xs, knee))
+            return min(self.points[xs[knee]], c), c
+        return self._read(n, xs, knee), self._arithmetic(n, xs, knee)
 
     def _xs_knee(self) -> tuple[list[int], int, tuple[float, float] | None]:
         """The sorted sizes, the index of the knee (the last size up to the measured shape's knee,

@@ -21,12 +21,13 @@ from specserve.spec.tree import DraftTree
 
 def suffix_matches(
     haystack: Sequence[int] | np.ndarray, context: Sequence[int] | np.ndarray, n_min: int, n_max: int,
-    exclude_tail: bool = False,
+    exclude_tail: bool = False, banned_next: frozenset[int] = frozenset(),
 ) -> tuple[int, np.ndarray]:
     """(n, starts): the longest n in [n_min, n_max] whose last-n-tokens pattern of `context`
     occurs in `haystack` with at least one token after it, and where each such continuation
     starts (ascending). With exclude_tail the occurrence may not be the suffix itself (a
-    context searched in itself). (0, empty) when nothing matches.
+    context searched in itself); an occurrence whose next token is in banned_next does not
+    count (a continuation that would begin with an ending id). (0, empty) when nothing matches.
 
     One pass over the haystack finds where the context's last token occurs; each of those
     occurrences is then extended backwards while it keeps matching, up to n_max tokens, so the
@@ -39,7 +40,7 @@ def suffix_matches(
         return 0, _NONE
     last_end, tail = bounds
     if isinstance(haystack, list) and len(haystack) <= SHORT_SEARCH:
-        return _list_matches(haystack, tail, last_end, n_min)
+        return _list_matches(haystack, tail, last_end, n_min, banned_next)
     hay = np.asarray(haystack, dtype=np.int64)
     top = len(tail)
     ends = np.flatnonzero(hay[:last_end] == tail[0])
@@ -51,8 +52,12 @@ def suffix_matches(
         if not alive.size:
             break
         length[np.searchsorted(ends, alive)] += 1
+    if banned_next and ends.size:
+        after = hay[ends + 1]
+        for t in banned_next:  # one to a few ids
+            length[after == t] = 0
     best = int(length.max()) if length.size else 0
-    if best < n_min:
+    if best < max(n_min, 1):
         return 0, _NONE
     return best, ends[length >= best] + 1
 
@@ -82,7 +87,8 @@ def _bounds(hay_len: int, context: Sequence[int] | np.ndarray, n_min: int, n_max
     return last_end, [int(t) for t in context[-top:]][::-1]
 
 
-def _list_matches(hay: list[int], tail: list[int], last_end: int, n_min: int) -> tuple[int, np.ndarray]:
+def _list_matches(hay: list[int], tail: list[int], last_end: int, n_min: int,
+                  banned_next: frozenset[int]) -> tuple[int, np.ndarray]:
     """suffix_matches over a list: the same answer."""
     top = len(tail)
     first = tail[0]
@@ -93,13 +99,15 @@ def _list_matches(hay: list[int], tail: list[int], last_end: int, n_min: int) ->
             e = hay.index(first, e + 1, last_end)
         except ValueError:
             break
+        if hay[e + 1] in banned_next:
+            continue
         n = 1
         while n < top and e >= n and hay[e - n] == tail[n]:
             n += 1
         ends.append(e)
         lengths.append(n)
         best = max(best, n)
-    if best < n_min:
+    if best < max(n_min, 1):
         return 0, _NONE
     return best, np.array([e + 1 for e, n in zip(ends, lengths) if n >= best], dtype=np.int64)
 

@@ -150,13 +150,19 @@ class DraftTree:
 
     def ancestor_mask(self) -> torch.Tensor:  # [N, N] bool
         """mask[i, j]: node i attends to node j (j is i or one of its ancestors)."""
+        return torch.tensor(self.ancestor_rows(), dtype=torch.bool).view(len(self), len(self))
+
+    def ancestor_rows(self, before: int = 0) -> list[list[bool]]:
+        """ancestor_mask's rows as lists, each after `before` True entries (keys every node sees).
+        (Built in Python and made a tensor once: a tensor write per node cost a verify step
+        several microseconds a node on caches a forward has just swept.)"""
         n = len(self)
-        mask = torch.zeros(n, n, dtype=torch.bool)
+        rows: list[list[bool]] = []
         for i, p in enumerate(self.parents):
-            if p >= 0:
-                mask[i] = mask[p]
-            mask[i, i] = True
-        return mask
+            row = rows[p].copy() if p >= 0 else [True] * before + [False] * n
+            row[before + i] = True
+            rows.append(row)
+        return rows
 
     def truncate(self, n: int) -> DraftTree:
         """The first n nodes (a tree again: parents come first)."""
