@@ -508,6 +508,39 @@ def test_ngram_proposer_copies_from_context():
     assert prop.propose([_req("b", [1, 2, 3])], [3]) == {}
 
 
+def test_ngram_may_draft_is_false_only_where_the_search_finds_nothing():
+    """may_draft answers without a search (the engine then skips the step's choice and search):
+    False only where the last token never occurred before it, in the text or the reference, and
+    no earlier output shares the tail; it follows the text as it grows."""
+    import random
+
+    from specserve.spec.served import ServedOutputs
+
+    rng = random.Random(0)
+    for trial in range(300):
+        served = ServedOutputs() if trial % 3 == 0 else None
+        if served is not None:
+            served.add([rng.randrange(12) for _ in range(30)])
+        prop = NgramProposer(1, 3, served=served)
+        ref = [rng.randrange(12) for _ in range(rng.randrange(0, 6))] if trial % 2 else None
+        req = Request("a", [rng.randrange(12)], SamplingParams(reference_token_ids=ref))
+        for _ in range(rng.randrange(1, 25)):
+            may = prop.may_draft(req)
+            assert may or not prop.propose([req], [4])
+            req.append_output_tokens([rng.randrange(12)])
+    prop = NgramProposer(1, 3)
+    req = Request("b", [5, 6, 7], SamplingParams())
+    assert not prop.may_draft(req)
+    req.append_output_tokens([6])
+    assert prop.may_draft(req) and prop.propose([req], [2])["b"].token_ids == (7, 6)
+    assert NgramProposer(1, 3).may_draft(Request("c", [5, 6], SamplingParams(reference_token_ids=[9, 6, 4])))
+    served = ServedOutputs()
+    served.add([1, 2, 3, 4, 5, 6])  # an earlier answer: a request whose own text is new goes on with it
+    prop = NgramProposer(1, 3, served=served)
+    req = Request("d", [1, 2, 3, 4], SamplingParams())
+    assert prop.may_draft(req) and prop.propose([req], [2])["d"].token_ids == (5, 6)
+
+
 @pytest.mark.parametrize("filler", [0, 600])  # a short text is searched as a list, a long one as an array
 def test_ngram_proposer_skips_occurrences_an_ending_id_follows(filler):
     """An occurrence of the tail that an ending id follows (EOS unless ignore_eos, stop ids) is not

@@ -1007,6 +1007,9 @@ class LLMEngine:
             # Xeon: the guard held 480 of 1,001 steps' drafts off, each of which had spent ~0.25
             # ms of a 5.5 ms step on a copy match and the policy's choice.
             return
+        if not any(self.proposer.may_draft(r) for r in decoding  # type: ignore[union-attr]
+                   if r.sampling_params.speculative is not False):
+            return  # no request has anything to draft from: no choice to make, no search to run
         spec = self.policy.config
         # How far a stateful drafter is behind each request: asked only where catching up costs.
         catchup = ([self.proposer.catchup_tokens(r) for r in decoding]  # type: ignore[union-attr]

@@ -66,6 +66,7 @@ class NgramProposer(ServedSource, Proposer):
         self._edits: dict[str, EditTracker] = {}  # what each request's output changes in the text it copies
         self._texts: dict[str, list[int]] = {}  # reference, SEP, prompt and output of requests with a reference
         self._repeats = RepeatWatch(RESUME_MATCH)  # copy_resumes' searches
+        self._seen: dict[str, tuple[set[int], int]] = {}  # may_draft's: the tokens before each request's last one, and how many
 
     def remove_request(self, request_id: str, finished: bool = True) -> None:
         """Its last draft is not scored any more (and a finished request's array goes)."""
@@ -75,10 +76,28 @@ class NgramProposer(ServedSource, Proposer):
             self._texts.pop(request_id, None)
             self._edits.pop(request_id, None)
             self._repeats.forget(request_id)
+            self._seen.pop(request_id, None)
 
     def live_request_ids(self) -> list[str]:
         """Requests whose text is mirrored for the search."""
         return list(self._arrays)
+
+    def may_draft(self, request: Request) -> bool:
+        """Whether the request's last token occurs earlier in its text or reference, or an earlier
+        output shares its tail: without either, the search finds no match. (Answers kept as a set
+        of the tokens seen, grown as the text grows. SmolLM2's coding answers, batch 1: in 207 of
+        464 steps the last token was new to the text, and asking the policy and searching cost
+        ~0.1 ms of a ~4.5 ms step.)"""
+        toks = request.all_token_ids
+        if not toks:
+            return False
+        rid = request.request_id
+        seen, upto = self._seen.get(rid) or (set(request.sampling_params.reference_token_ids or ()), 0)
+        if upto < len(toks) - 1:
+            seen.update(toks[upto:-1])
+            upto = len(toks) - 1
+        self._seen[rid] = (seen, upto)
+        return toks[-1] in seen or (self.served is not None and self.served.may_continue(toks))
 
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> dict[str, DraftTree]:
         """Drafts of up to k nodes for each request with k > 0 (fewer, or none, without matches)."""

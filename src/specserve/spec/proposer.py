@@ -140,6 +140,13 @@ class Proposer(ABC):
         A proposer may return fewer nodes than asked (or none) when it has no good guess.
         """
 
+    def may_draft(self, request: Request) -> bool:
+        """False only where propose() would surely draft nothing for the request now, known
+        without its search (a copier whose text holds no earlier occurrence of the last token).
+        The engine asks nothing more, not even the policy's choice, in a step where no request
+        may draft."""
+        return True
+
     def prompt_kv_traveller(self) -> PromptKVTraveller | None:
         """The drafter whose prompt KV travels between disaggregated workers (traits.prompt_kv_travels)."""
         return self if self.traits.prompt_kv_travels and isinstance(self, PromptKVTraveller) else None

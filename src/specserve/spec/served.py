@@ -87,6 +87,11 @@ class ServedOutputs:
         self._index.clear()
         self.num_tokens = self._stale = self._live = 0
 
+    def may_continue(self, context: Sequence[int]) -> bool:
+        """Whether continuations(context, ...) could find a hit: its last KEY_LEN tokens' hash
+        is indexed (one lookup, no walk)."""
+        return len(context) >= KEY_LEN and bool(self._entries) and bool(self._index.get(hash(tuple(context[-KEY_LEN:]))))
+
     def continuations(self, context: Sequence[int], budget: int) -> tuple[int, list[tuple[list[int], float]]]:
         """(shared, continuations): the most context any recent hit shares (0: no hit of at least
         KEY_LEN tokens) and the continuations of the hits sharing that much, latest first, each of
