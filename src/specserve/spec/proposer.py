@@ -143,8 +143,8 @@ class Proposer(ABC):
     def may_draft(self, request: Request) -> bool:
         """False only where propose() would surely draft nothing for the request now, known
         without its search (a copier whose text holds no earlier occurrence of the last token).
-        The engine asks nothing more, not even the policy's choice, in a step where no request
-        may draft."""
+        The engine then does not ask propose() for the request, and tells the policy that nothing
+        was drafted, as an empty proposal would have."""
         return True
 
     def prompt_kv_traveller(self) -> PromptKVTraveller | None:
