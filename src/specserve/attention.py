@@ -95,7 +95,7 @@ def _lone_mask(q: int, kv: int, tail: torch.Tensor | None) -> torch.Tensor:  # [
     if tail is not None:
         mask[0, 0, :, kv - tail.shape[1] :] = tail.cpu()
     elif q > 1:
-        mask[0, 0, :, kv - q :].tril_()
+        mask.tril_(kv - q)  # query i, at slot kv - q + i, sees keys up to its own
     return mask
 
 
