@@ -691,8 +691,12 @@ def plot(payload: dict, path: Path) -> None:
         elif key in carried:
             ax.set_title(ax.get_title() + f" [earlier run, commit {carried[key]}]", fontsize=9)
     mi = payload["machine"]
-    fig.suptitle(f"specserve speculative decoding — {payload['settings']['target']} + "
-                 f"{payload['settings']['draft']} — {mi['cpu']}, commit {mi['commit']}", fontsize=10)
+    # The draft model is named where a section may have run it: the trees and shift rows say
+    # which methods ran; the other sections run the draft model (or --batch-method) anyway.
+    drafted = any(payload.get(k) for k in ("batch1", "ksweep", "batchsweep", "hf")) or any(
+        r.get("method") == "draft" for k in ("trees", "shift") for r in payload.get(k) or [])
+    pair = payload["settings"]["target"] + (f" + {payload['settings']['draft']}" if drafted else "")
+    fig.suptitle(f"specserve speculative decoding — {pair} — {mi['cpu']}, commit {mi['commit']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
