@@ -485,3 +485,24 @@ def test_lookahead_describes_its_corpus_beside_the_served_outputs():
     assert p.describe() == ""
     p.corpus_note = "no corpus"
     assert p.describe() == "no corpus"
+
+
+def test_step_timer_floor_bounds_every_larger_size_through_phases_and_noise():
+    """StepTimer.floor(n) is at most the estimate at n and at every larger size (prune() stops
+    where even that floor leaves no longer prefix a better rate), whatever the phase and however
+    noisy the points; it is the estimate of a measured size just below n."""
+    rng = random.Random(7)
+    for _ in range(200):
+        t1 = rng.uniform(0.002, 0.04)
+        pts = {n: t1 * (1 + rng.uniform(-0.15, 0.15) + max(0, n - rng.choice([1, 3, 8])) * rng.uniform(0.02, 0.3))
+               for n in (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 33) if n == 1 or rng.random() < 0.7}
+        t = StepTimer(pts)
+        for _ in range(rng.randrange(0, 60)):
+            n = rng.choice([1, 1, 2, 3, 5, 9, 17])
+            t.observe_scaled(n, pts.get(n, t1) * rng.uniform(0.6, 1.6))
+        sizes = [1 + i / 2 for i in range(80)]
+        for i, n in enumerate(sizes):
+            assert all(t.floor(n) <= t(m) * (1 + 1e-12) for m in sizes[i:])
+        below = max((x for x in t.points if x < 5), default=None)
+        if below is not None:
+            assert t.floor(5) >= t(below) * (1 - 1e-12)

@@ -642,6 +642,14 @@ class StepTimer:
             parts = self._memo[n] = (max(read, read_below), max(arithmetic, arithmetic_below))
         return max(self.phase * parts[0], parts[1])
 
+    def floor(self, n: float) -> float:
+        """A lower bound on the estimate at n and at every size above it: the most any measured
+        size below n is estimated to take (the floor every larger size's estimate includes)."""
+        if not self.points:
+            return 1.0
+        read, arithmetic = self._floor_below(n)
+        return max(self.phase * read, arithmetic)
+
     def _floor_below(self, n: float) -> tuple[float, float]:
         """The parts of the most any measured size below n is estimated to take: a step of more
         tokens is never read as cheaper than one of fewer (noisy points past the knee, or a size
@@ -1120,15 +1128,24 @@ class SpecPolicy:
         order: list[str] = []
         heap = [(-g[0], rid) for rid, g in gains.items()]
         heapq.heapify(heap)
+        # The gains not taken yet: no longer prefix makes more tokens than these on top. With the
+        # least the curve says any larger step takes (StepTimer.floor), they bound every longer
+        # prefix's rate, and the walk stops where that bound is below the best: the prefix it
+        # keeps is the same. (A verify step reshapes the curve, and the next prune's every size
+        # was estimated anew: SmolLM2's 16-node copies, of which 0-4 are kept, spent 55-85 us here
+        # between two ~4.5 ms forwards.)
+        left = sum(max(g, 0.0) for gs in gains.values() for g in gs)
         while heap:
             neg, rid = heapq.heappop(heap)
             if neg > -PRUNE_MIN_GAIN:
                 break  # the rest gain less still
-            tokens, verify, attn = tokens - neg, verify + 1, attn + row[rid]
+            tokens, verify, attn, left = tokens - neg, verify + 1, attn + row[rid], left + neg
             order.append(rid)
             rate = tokens / (self.target_time(verify) + overhead + attn)
             if rate > best:
                 best, best_m = rate, len(order)
+            elif tokens + left < best * (self.target_time.floor(verify + 1) + overhead + attn) * (1.0 - 1e-9):
+                break
             taken[rid] += 1
             if taken[rid] < len(gains[rid]):
                 heapq.heappush(heap, (-gains[rid][taken[rid]], rid))
