@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -66,7 +67,7 @@ def spec_metrics(req: Request) -> dict[str, Any]:
         "acceptance_per_position": [a / d if d else None for a, d in zip(accepted, drafted)],
         "mean_accepted_len": (req.num_accepted_tokens / req.num_spec_steps) if req.num_spec_steps else None,
         "draft_nodes_per_step": (req.num_draft_tokens / req.num_spec_steps) if req.num_spec_steps else None,
-        "accepted_length_histogram": dict(sorted(req.accepted_length_counts.items())),
+        "accepted_length_histogram": dict(sorted(Counter(req.accepted_lengths).items())),  # counted in C
         "accepted_lengths": list(req.accepted_lengths),
         "target_forwards_per_token": req.num_target_steps / n_out if n_out else None,
     }

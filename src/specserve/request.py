@@ -135,7 +135,6 @@ class Request:
         self.drafted_per_position: list[int] = []  # steps whose draft reached depth j + 1 and tested it
         self.accepted_per_position: list[int] = []  # of those, steps that accepted a node at depth j + 1
         self.accepted_lengths: list[int] = []  # accepted drafts per speculative step (a histogram's data)
-        self.accepted_length_counts: dict[int, int] = {}  # their histogram, kept as they come (outputs report it every step)
         self._last_verify: tuple[int, int, int, int] | None = None  # record_verify's last counts
 
     def __getstate__(self) -> dict:
@@ -166,16 +165,10 @@ class Request:
         self.num_spec_steps += sign
         self.num_draft_tokens += sign * num_draft
         self.num_accepted_tokens += sign * num_accepted
-        counts = self.accepted_length_counts
         if sign > 0:
             self.accepted_lengths.append(num_accepted)
-            counts[num_accepted] = counts.get(num_accepted, 0) + 1
         else:
-            taken = self.accepted_lengths.pop()
-            if counts[taken] > 1:
-                counts[taken] -= 1
-            else:
-                del counts[taken]
+            self.accepted_lengths.pop()
         while len(self.drafted_per_position) < depth:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)

@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from specserve.request import Request
 from specserve.spec.copy_trust import CopyTrust, shared_length
 from specserve.spec.edits import ALIGN_MIN_MATCH, EditTracker
@@ -113,7 +111,13 @@ class NgramProposer(ServedSource, Proposer):
             if (mirror := self._arrays.get(req.request_id)) is None:
                 mirror = self._arrays[req.request_id] = TokenArray()
             arr = mirror.view(text)
-            n, starts = self._matches(arr, req.end_token_set)
+            # The tail's earlier occurrences, less those an ending id follows (EOS, stop ids:
+            # accepted, one adds no token and ends the output, see prune_banned): the longest tail
+            # that has others. A chat prompt's text before its `<|im_end|>` is such an occurrence:
+            # an answer opening a code fence matched the prompt's closing fence, where "```" alone
+            # also matches the opening one, whose "python\n" and code the answer goes on with.
+            n, starts = suffix_matches(arr, arr, self.ngram_min, self.ngram_max, exclude_tail=True,
+                                       banned_next=req.end_token_set)
             own = shared_length(text, starts[-MATCHES_MEASURED:].tolist(), text) if n else 0
             shared, served = self.served.continuations(toks, k) if self.served is not None else (0, [])
             edits = self._edits.get(req.request_id)
@@ -141,17 +145,6 @@ class NgramProposer(ServedSource, Proposer):
                 tree = top_path(tree)
             out[req.request_id] = self.copies.scored(req.request_id, len(toks), tree, source, shared)
         return out
-
-    def _matches(self, arr: Sequence[int], ends: frozenset[int]) -> tuple[int, np.ndarray]:
-        """suffix_matches of the text's tail in itself, without the occurrences an ending id
-        follows (EOS, stop ids: accepted, one adds no token and ends the output, see
-        prune_banned): the longest tail that has other occurrences. A chat prompt's text before
-        its `<|im_end|>` is such an occurrence: an answer that opens a code fence matched the
-        prompt's closing fence ("\\n```" then `<|im_end|>`), where "```" alone also matches the
-        opening one, whose "python\\n" and code the answer goes on with. (One search: the
-        ending ids are dropped while the occurrences are found. A search, then a filter and a
-        shorter search where the filter left none, cost ~35 us more a step in the engine.)"""
-        return suffix_matches(arr, arr, self.ngram_min, self.ngram_max, exclude_tail=True, banned_next=ends)
 
     def copy_resumes(self, requests: Sequence[Request]) -> bool:
         """A request's last RESUME_MATCH tokens occur earlier in its reference, prompt or output,
