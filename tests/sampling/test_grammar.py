@@ -18,7 +18,12 @@ import torch
 from scipy.stats import chisquare
 
 from specserve.errors import InvalidRequestError
-from specserve.sampling.grammar import GrammarCompiler, apply_masks, forbid_unless_only
+from specserve.sampling.grammar import (
+    GrammarCompiler,
+    apply_masks,
+    forbid_unless_only,
+    never_ending_rules,
+)
 from specserve.sampling.sampler import SamplingMetadata, logits_to_probs
 from specserve.sampling.tree_rejection import verify_trees
 from specserve.sampling_params import SamplingParams, StructuredOutput
@@ -77,6 +82,55 @@ def test_forced_text_inside_a_character_is_empty_not_an_error(smollm_checkpoint)
     assert state.num_rejected == 0
     assert state.forced_text() == ""
     assert not state.valid(first_byte)  # inside the character only its own continuation fits
+
+
+ENDLESS = [  # (spec, a rule the check must name)
+    (StructuredOutput.json({"type": "array", "minItems": 1, "items": {"$ref": "#"}}), "root"),
+    (StructuredOutput.json({"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}), "root"),
+    # The root can end ({} or {"ok": 1}), but a model that opens "loop" could never close it.
+    (StructuredOutput.json({"type": "object", "properties": {"ok": {"type": "integer"}, "loop": {
+        "type": "object", "properties": {"z": {"$ref": "#/properties/loop"}}, "required": ["z"]}}}), "properties_loop"),
+    (StructuredOutput.grammar('root ::= "[" root "]"'), "root"),
+    (StructuredOutput.grammar('root ::= "a" | "b" x\nx ::= "c" x+'), "x"),
+]
+ENDING = [  # recursive, but each recursion has a way out
+    StructuredOutput.json({"type": "object", "properties": {"x": {"$ref": "#"}}}),
+    StructuredOutput.json({"$defs": {"n": {"type": "object", "properties": {"kids": {"type": "array", "items": {
+        "$ref": "#/$defs/n"}}}, "required": ["kids"]}}, "$ref": "#/$defs/n"}),
+    StructuredOutput.json({"oneOf": [{"type": "null"}, {"type": "array", "items": {"$ref": "#"}, "minItems": 1}]}),
+    StructuredOutput.json({"type": "object", "properties": {"s": {"type": "string", "pattern": "^a+$", "minLength": 2},
+                                                            "n": {"type": "integer", "minimum": 3}}, "required": ["s", "n"]}),
+    StructuredOutput.grammar('root ::= obj\nobj ::= "{" (pair ("," pair)*)? "}"\npair ::= [a-z]+ ":" (obj | [0-9]+)'),
+    StructuredOutput.grammar('root ::= "a" root "b" | "c" "d"{2,} [x-z]*'),
+    StructuredOutput.regex("(ab|c)+[0-9]{2,}"),
+    StructuredOutput.choice(["yes", "no"]),
+]
+
+
+@pytest.mark.parametrize("spec,rule", ENDLESS)
+def test_a_grammar_without_a_finite_output_is_refused_naming_its_rules(compiler: GrammarCompiler, spec, rule) -> None:
+    """No finite text satisfies these (or a reachable branch of them): a matcher inside such a rule
+    has an endless forced continuation, which xgrammar's jump-forward lookup built until the
+    server ran out of memory. They are refused when compiled, naming the request field."""
+    with pytest.raises(InvalidRequestError) as err:
+        compiler.compile(spec)
+    assert err.value.param == ("response_format" if spec.kind == "json_schema" else "guided_grammar")
+    assert rule in str(err.value) and ("no finite" in str(err.value))
+
+
+@pytest.mark.parametrize("spec", ENDING)
+def test_recursive_grammars_with_a_way_out_compile_and_end(compiler: GrammarCompiler, spec) -> None:
+    compiled = compiler.compile(spec)
+    assert never_ending_rules(str(compiled.grammar)) == []
+    compiler.new_state(spec).forced_text()  # returns
+
+
+def test_grammar_text_the_check_cannot_read_is_never_refused() -> None:
+    """A construct it does not know (a later xgrammar's) is taken to end: no refusal on a guess."""
+    assert never_ending_rules('root ::= (("a" root))') == ["root"]
+    assert never_ending_rules('root ::= (("a" root)) <<unknown>>') == []
+    assert never_ending_rules('root ::= ((Future("x)", n=1) root))') == ["root"]  # a call is a terminal
+    assert never_ending_rules('root ::= ((Future("x)", n=1)))') == []
 
 
 def test_prune_cuts_what_the_grammar_refuses(compiler: GrammarCompiler) -> None:

@@ -73,6 +73,11 @@ def test_json_object_and_guided_extras(client):
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "one output constraint"),
     ({"guided_regex": "(unclosed"}, "compiled"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    # No finite text satisfies these: the engine's forced-text lookup never returned on them (its
+    # string grew until the server ran out of memory), so they are refused before any work.
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "minItems": 1, "items": {"$ref": "#"}}}}}, "no finite value"),
+    ({"guided_grammar": 'root ::= "a" | "b" x\nx ::= "c" x'}, "never end"),
 ])
 def test_bad_constraints_are_400_with_a_reason(smol_server, body, needle):
     r = httpx.post(smol_server.base_url + "/v1/chat/completions", timeout=60,

@@ -106,16 +106,21 @@ class GrammarCompiler:
                     # valid JSON either way, and free whitespace lets a small model pad its output
                     # with newlines up to max_tokens.
                     schema = text if kind == "json_schema" else '{"type": "object"}'
-                    return self._compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
-                if kind == "regex":
-                    return self._compiler.compile_regex(text)
-                if kind == "choice":
+                    compiled = self._compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
+                elif kind == "regex":
+                    compiled = self._compiler.compile_regex(text)
+                elif kind == "choice":
                     options = json.loads(text)
-                    return self._compiler.compile_regex("|".join(_regex_literal(o) for o in options))
-                return self._compiler.compile_grammar(text)
+                    compiled = self._compiler.compile_regex("|".join(_regex_literal(o) for o in options))
+                else:
+                    compiled = self._compiler.compile_grammar(text)
             except (RuntimeError, ValueError, TypeError) as exc:
                 raise InvalidRequestError(f"the {kind.replace('_', ' ')} could not be compiled: {_library_reason(exc)}",
                                           param=STRUCTURED_PARAM.get(kind)) from None
+        endless = never_ending_rules(str(compiled.grammar))
+        if endless:
+            raise InvalidRequestError(_endless_message(kind, endless), param=STRUCTURED_PARAM.get(kind))
+        return compiled
 
     def new_state(self, spec: StructuredOutput, emitted: Sequence[int] = ()) -> GrammarState:
         """A matcher at the start of the output, advanced over tokens already emitted."""
@@ -138,6 +143,174 @@ def _library_reason(exc: Exception) -> str:
 def _regex_literal(text: str) -> str:
     special = set(".^$*+?{}[]\\|()")
     return "(" + "".join("\\" + c if c in special else c for c in text) + ")"
+
+
+# Tokens of the EBNF that xgrammar prints for a compiled grammar (`str(compiled.grammar)`): a string,
+# a character class, a call such as Regex("...", json_string=true) (opaque: taken to end), a rule's
+# start, a lookahead's opening, a name, a repetition's bounds, and single punctuation.
+_EBNF_TOKEN = re.compile(r"""\s*(?:
+    (?P<str>"(?:[^"\\]|\\.)*")
+  | (?P<cls>\[(?:[^\]\\]|\\.)*\]\*?)
+  | (?P<call>[A-Za-z_][\w.\-]*\()
+  | (?P<def>::=)
+  | (?P<look>\(=)
+  | (?P<name>[A-Za-z_][\w.\-]*)
+  | (?P<rep>\{\s*(?P<lo>\d+)\s*(?:,\s*(?:-?\d+)?\s*)?\})
+  | (?P<punct>[()|*+?])
+)""", re.VERBOSE)
+
+
+_QUANTIFIERS = (("punct", "*"), ("punct", "+"), ("punct", "?"))
+
+
+def _ebnf_tokens(text: str) -> list[tuple[str, str]]:
+    """(kind, text) tokens of a printed grammar; a call's arguments are skipped whole."""
+    out: list[tuple[str, str]] = []
+    pos = 0
+    while pos < len(text):
+        m = _EBNF_TOKEN.match(text, pos)
+        if m is None:
+            if text[pos:].strip():
+                raise ValueError(f"unexpected grammar text at {pos}: {text[pos:pos + 20]!r}")
+            break
+        pos = m.end()
+        kind = m.lastgroup  # where groups nest, the outer one: "rep", not "lo"
+        if kind == "call":  # skip to the balancing parenthesis, strings included
+            depth = 1
+            while depth:
+                s = re.compile(r'[^()"]*(?:"(?:[^"\\]|\\.)*"[^()"]*)*').match(text, pos)
+                pos = s.end()
+                if pos >= len(text):
+                    raise ValueError("unbalanced call in grammar text")
+                depth += 1 if text[pos] == "(" else -1
+                pos += 1
+            out.append(("term", m.group("call")))
+        elif kind == "rep":
+            out.append(("rep", m.group("lo")))
+        else:
+            out.append((kind, m.group(kind)))
+    return out
+
+
+def never_ending_rules(ebnf: str) -> list[str]:
+    """The rules reachable from `root` that derive no finite text: every alternative of each needs
+    one of them again (`X ::= "c" X`; a JSON schema whose required property, or array of at least
+    one item, holds the schema itself through `$ref`). Empty for a grammar whose every reachable
+    rule can end.
+
+    Why it is checked: a matcher inside such a rule has an endless forced continuation, and
+    xgrammar's `find_jump_forward_string` (LLMEngine._draft_forced asks it every step) then never
+    returns while its string grows until the process runs out of memory; even without it the
+    output could only stop at max_tokens. The test is the textbook one for productive
+    nonterminals: a fixpoint over "some alternative has only terminals, optional parts and rules
+    already known to end". Text it cannot read (a construct of a later xgrammar) is taken to end,
+    so a grammar is never refused on a guess."""
+    try:
+        rules = _parse_rules(_ebnf_tokens(ebnf))
+    except (ValueError, IndexError):
+        return []
+    ends: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for name, expr in rules.items():
+            if name not in ends and _can_end(expr, ends, rules):
+                ends.add(name)
+                changed = True
+    seen, todo = set(), ["root"] if "root" in rules else []
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(r for r in _refs(rules[name]) if r in rules)
+    return sorted(seen - ends)
+
+
+def _parse_rules(tokens: list[tuple[str, str]]) -> dict[str, tuple]:
+    """name -> expression: ("alt", [expr]), ("seq", [expr]), ("ref", name), ("term",), ("opt", expr)
+    (may be absent), ("rep", expr, at_least)."""
+    rules: dict[str, tuple] = {}
+    i = 0
+
+    def at_rule_start(j: int) -> bool:
+        return j + 1 < len(tokens) and tokens[j][0] == "name" and tokens[j + 1][0] == "def"
+
+    def alternatives(j: int) -> tuple[tuple, int]:
+        alts = []
+        while True:
+            seq, j = sequence(j)
+            alts.append(seq)
+            if j < len(tokens) and tokens[j] == ("punct", "|"):
+                j += 1
+                continue
+            return ("alt", alts), j
+
+    def sequence(j: int) -> tuple[tuple, int]:
+        items = []
+        while j < len(tokens) and not at_rule_start(j) and tokens[j] not in (("punct", "|"), ("punct", ")")):
+            kind, text = tokens[j]
+            if kind == "look":  # a lookahead asserts, it consumes nothing
+                _, j = alternatives(j + 1)
+                j += 1  # its ")"
+                continue
+            if kind == "punct" and text == "(":
+                item, j = alternatives(j + 1)
+                if tokens[j] != ("punct", ")"):
+                    raise ValueError("unbalanced group")
+                j += 1
+            elif kind == "name":
+                item, j = ("ref", text), j + 1
+            elif kind in ("str", "cls", "term"):
+                item, j = ("term",), j + 1
+            else:
+                raise ValueError(f"unexpected {text!r}")
+            while j < len(tokens) and (tokens[j][0] == "rep" or tokens[j] in _QUANTIFIERS):
+                kind, text = tokens[j]
+                item = ("rep", item, int(text)) if kind == "rep" else ("rep", item, 1) if text == "+" else ("opt", item)
+                j += 1
+            items.append(item)
+        return ("seq", items), j
+
+    while i < len(tokens):
+        if not at_rule_start(i):
+            raise ValueError(f"expected a rule at token {i}")
+        name = tokens[i][1]
+        rules[name], i = alternatives(i + 2)
+    return rules
+
+
+def _can_end(expr: tuple, ends: set[str], rules: dict[str, tuple]) -> bool:
+    kind = expr[0]
+    if kind in ("term", "opt"):
+        return True
+    if kind == "ref":
+        return expr[1] in ends or expr[1] not in rules  # a name it does not define: not its to judge
+    if kind == "rep":
+        return expr[2] == 0 or _can_end(expr[1], ends, rules)
+    if kind == "seq":
+        return all(_can_end(e, ends, rules) for e in expr[1])
+    return any(_can_end(e, ends, rules) for e in expr[1])  # alt
+
+
+def _refs(expr: tuple) -> list[str]:
+    kind = expr[0]
+    if kind == "ref":
+        return [expr[1]]
+    if kind == "term":
+        return []
+    if kind in ("opt", "rep"):
+        return _refs(expr[1])
+    return [r for e in expr[1] for r in _refs(e)]
+
+
+def _endless_message(kind: str, rules: list[str]) -> str:
+    names = ", ".join(rules[:6]) + (f" and {len(rules) - 6} more" if len(rules) > 6 else "")
+    if kind == "json_schema":
+        return (f"the JSON schema admits no finite value along some path: a required property, or an array of at "
+                f"least one item, holds the schema itself again (through $ref) with no way to stop (grammar rules "
+                f"that never end: {names}); make that property optional or allow an empty array")
+    return (f"the {kind.replace('_', ' ')} admits no finite output: the rules {names} never end (every "
+            f"alternative of each needs one of them again); give each an alternative without itself")
 
 
 class GrammarState:
