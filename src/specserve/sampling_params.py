@@ -56,6 +56,8 @@ class StructuredOutput:
                 schema = json.loads(schema)
             except ValueError as exc:
                 raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}.") from None
+            except RecursionError:  # valid JSON, but Python's parser stops at ~1,000 levels: a 500 before
+                raise InvalidRequestError("the JSON schema nests deeper than the parser allows.") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError("a JSON schema must be a JSON object.")
         return cls("json_schema", json.dumps(schema))
@@ -109,7 +111,10 @@ def structured_output_from_openai(
             if unknown:
                 raise InvalidRequestError(f"response_format.json_schema has unsupported fields {unknown}.",
                                           param="response_format")
-            asked.append(("response_format", StructuredOutput.json(spec["schema"])))
+            try:
+                asked.append(("response_format", StructuredOutput.json(spec["schema"])))
+            except InvalidRequestError as e:  # (a schema given as text that does not parse)
+                raise InvalidRequestError(f"response_format.json_schema.schema: {e}", param="response_format") from None
         elif kind != "text":
             raise InvalidRequestError(
                 f"response_format type {kind!r} is not supported; use text, json_object or json_schema "

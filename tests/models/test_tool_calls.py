@@ -85,6 +85,13 @@ def test_forced_schemas_and_their_calls():
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {}), ("get_weather", {"city": "Rome"})]
     assert [c.name for c in forced_calls('{"city": "Oslo"}', named)] == ["get_weather"]
     assert forced_calls('[{"name": "get_time", "argu', "required") is None  # cut short
+    # An output nested past Python's recursion limit is no call (RecursionError escaped before).
+    deep = "[" * 5000 + "]" * 5000
+    assert forced_calls(deep, "required") is None and forced_calls(deep, named) is None
+    assert parse_calls(deep, ["get_weather"]) == (deep, [])
+    wrapped = '{"name": "get_weather", "arguments": "' + "[" * 5000 + '"}'
+    assert parse_calls(f"<tool_call>{deep}</tool_call>", ["get_weather"])[1] == []
+    assert parse_calls(wrapped, ["get_weather"]) == (wrapped, [])
 
 
 @pytest.mark.parametrize(("tools", "choice", "param"), [
@@ -141,6 +148,9 @@ def test_a_template_without_tools_gets_them_written_into_the_messages(smollm_tok
      "messages[0].tool_calls[0].function.arguments"),
     ({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}, "messages[0].tool_calls[0]"),
     ({"role": "user", "content": "x", "tool_call_id": "c1"}, "messages[0].tool_call_id"),
+    # Valid JSON nested past Python's recursion limit: RecursionError, not ValueError (was a 500).
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]},
+     "messages[0].tool_calls[0].function.arguments"),
 ])
 def test_bad_calls_in_a_conversation_are_refused_naming_the_field(smollm_tokenizer, message, param):
     with pytest.raises(ChatError) as e:

@@ -19,6 +19,7 @@ from scipy.stats import chisquare
 
 from specserve.errors import InvalidRequestError
 from specserve.sampling.grammar import (
+    STRUCTURED_PARAM,
     GrammarCompiler,
     apply_masks,
     forbid_unless_only,
@@ -92,6 +93,11 @@ ENDLESS = [  # (spec, a rule the check must name)
         "type": "object", "properties": {"z": {"$ref": "#/properties/loop"}}, "required": ["z"]}}}), "properties_loop"),
     (StructuredOutput.grammar('root ::= "[" root "]"'), "root"),
     (StructuredOutput.grammar('root ::= "a" | "b" x\nx ::= "c" x+'), "x"),
+    # A class no character is in: a matcher there allowed no token at all.
+    (StructuredOutput.regex("ab[^\\s\\S]"), "root"),
+    (StructuredOutput.json({"type": "object", "properties": {"a": {"type": "string", "pattern": "[^\\d\\D]+"}},
+                            "required": ["a"]}), "root_prop_0"),
+    (StructuredOutput.grammar('root ::= "a" [^\\0-\\x7f\\x80-\\U0010ffff]'), "root"),
 ]
 ENDING = [  # recursive, but each recursion has a way out
     StructuredOutput.json({"type": "object", "properties": {"x": {"$ref": "#"}}}),
@@ -103,6 +109,7 @@ ENDING = [  # recursive, but each recursion has a way out
     StructuredOutput.grammar('root ::= obj\nobj ::= "{" (pair ("," pair)*)? "}"\npair ::= [a-z]+ ":" (obj | [0-9]+)'),
     StructuredOutput.grammar('root ::= "a" root "b" | "c" "d"{2,} [x-z]*'),
     StructuredOutput.regex("(ab|c)+[0-9]{2,}"),
+    StructuredOutput.regex("[^\\s\\S]?x[^a-z\\-]"),  # an empty class that may be left out
     StructuredOutput.choice(["yes", "no"]),
 ]
 
@@ -114,7 +121,7 @@ def test_a_grammar_without_a_finite_output_is_refused_naming_its_rules(compiler:
     server ran out of memory. They are refused when compiled, naming the request field."""
     with pytest.raises(InvalidRequestError) as err:
         compiler.compile(spec)
-    assert err.value.param == ("response_format" if spec.kind == "json_schema" else "guided_grammar")
+    assert err.value.param == STRUCTURED_PARAM[spec.kind]
     assert rule in str(err.value) and ("no finite" in str(err.value))
 
 

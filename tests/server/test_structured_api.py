@@ -78,6 +78,10 @@ def test_json_object_and_guided_extras(client):
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "array", "minItems": 1, "items": {"$ref": "#"}}}}}, "no finite value"),
     ({"guided_grammar": 'root ::= "a" | "b" x\nx ::= "c" x'}, "never end"),
+    ({"guided_regex": "ab[^\\s\\S]"}, "no finite output"),  # a class no character is in: no token was allowed
+    # Schema text that is valid JSON nested past Python's recursion limit (a 500 before).
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": '{"type": "array", "items": ' * 1200 + "{}" + "}" * 1200}}}, "nests deeper"),
 ])
 def test_bad_constraints_are_400_with_a_reason(smol_server, body, needle):
     r = httpx.post(smol_server.base_url + "/v1/chat/completions", timeout=60,

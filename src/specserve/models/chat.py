@@ -100,7 +100,7 @@ def _template_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):  # (nested deeper than Python's recursion limit)
                 raise ChatError(f"{at}.function.arguments is not JSON text.", param=f"{at}.function.arguments") from None
         if not isinstance(args, Mapping):
             raise ChatError(f"{at}.function.arguments must be a JSON object.", param=f"{at}.function.arguments")

@@ -260,6 +260,8 @@ def _parse_rules(tokens: list[tuple[str, str]]) -> dict[str, tuple]:
                 j += 1
             elif kind == "name":
                 item, j = ("ref", text), j + 1
+            elif kind == "cls" and not text.endswith("*") and _class_is_empty(text):
+                item, j = ("none",), j + 1  # no character matches it
             elif kind in ("str", "cls", "term"):
                 item, j = ("term",), j + 1
             else:
@@ -279,10 +281,51 @@ def _parse_rules(tokens: list[tuple[str, str]]) -> dict[str, tuple]:
     return rules
 
 
+_CLASS_ESCAPES = {"0": 0, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "e": 27}
+_CLASS_CHAR = re.compile(r"\\(?:x([0-9A-Fa-f]{2})|u([0-9A-Fa-f]{4})|U([0-9A-Fa-f]{8})|(.))|(.)", re.DOTALL)
+
+
+def _class_is_empty(text: str) -> bool:
+    """Whether a printed character class (`[a-z]`, `[^\\0-\\U0010ffff]`) matches no character at
+    all: a regex such as `[^\\s\\S]` compiles to one (and a matcher there allows no token: the
+    sampler drew the vocabulary's last id at every step, outside the grammar)."""
+    body, negated = text[1:-1], text.startswith("[^")
+    if negated:
+        body = body[1:]
+    points = []
+    for m in _CLASS_CHAR.finditer(body):
+        hx = m.group(1) or m.group(2) or m.group(3)
+        if hx:
+            points.append(int(hx, 16))
+        elif m.group(4) is not None:
+            points.append(_CLASS_ESCAPES.get(m.group(4), ord(m.group(4))))
+        else:
+            points.append(-1 if m.group(5) == "-" else ord(m.group(5)))  # -1: a range's dash
+    spans, i = [], 0
+    while i < len(points):
+        if i + 2 < len(points) and points[i + 1] == -1:
+            spans.append((points[i], points[i + 2]))
+            i += 3
+        else:
+            c = 45 if points[i] == -1 else points[i]  # a dash outside a range is itself
+            spans.append((c, c))
+            i += 1
+    if not negated:
+        return not spans
+    covered = 0  # code points 0 .. covered - 1 are excluded
+    for lo, hi in sorted(spans):
+        if lo > covered:
+            return False
+        covered = max(covered, hi + 1)
+    return covered > 0x10FFFF
+
+
 def _can_end(expr: tuple, ends: set[str], rules: dict[str, tuple]) -> bool:
     kind = expr[0]
     if kind in ("term", "opt"):
         return True
+    if kind == "none":
+        return False
     if kind == "ref":
         return expr[1] in ends or expr[1] not in rules  # a name it does not define: not its to judge
     if kind == "rep":
@@ -296,7 +339,7 @@ def _refs(expr: tuple) -> list[str]:
     kind = expr[0]
     if kind == "ref":
         return [expr[1]]
-    if kind == "term":
+    if kind in ("term", "none"):
         return []
     if kind in ("opt", "rep"):
         return _refs(expr[1])
@@ -307,10 +350,10 @@ def _endless_message(kind: str, rules: list[str]) -> str:
     names = ", ".join(rules[:6]) + (f" and {len(rules) - 6} more" if len(rules) > 6 else "")
     if kind == "json_schema":
         return (f"the JSON schema admits no finite value along some path: a required property, or an array of at "
-                f"least one item, holds the schema itself again (through $ref) with no way to stop (grammar rules "
-                f"that never end: {names}); make that property optional or allow an empty array")
+                f"least one item, holds the schema itself again (through $ref) with no way to stop, or a pattern "
+                f"matches no text (grammar rules that never end: {names})")
     return (f"the {kind.replace('_', ' ')} admits no finite output: the rules {names} never end (every "
-            f"alternative of each needs one of them again); give each an alternative without itself")
+            f"alternative of each needs one of them again, or a character class no character is in)")
 
 
 class GrammarState:
