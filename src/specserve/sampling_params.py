@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from specserve.errors import InvalidRequestError
@@ -112,7 +112,7 @@ def structured_output_from_openai(
                 raise InvalidRequestError(f"response_format.json_schema has unsupported fields {unknown}.",
                                           param="response_format")
             try:
-                asked.append(("response_format", StructuredOutput.json(spec["schema"])))
+                asked.append(("response_format", replace(StructuredOutput.json(spec["schema"]), param="response_format")))
             except InvalidRequestError as e:  # (a schema given as text that does not parse)
                 raise InvalidRequestError(f"response_format.json_schema.schema: {e}", param="response_format") from None
         elif kind != "text":
@@ -126,11 +126,12 @@ def structured_output_from_openai(
                                ("guided_choice", guided_choice, StructuredOutput.choice)):
         if value is not None:
             try:
-                asked.append((name, build(value)))
+                asked.append((name, replace(build(value), param=name)))  # (compile errors name it too)
             except InvalidRequestError as e:
                 raise InvalidRequestError(str(e), param=name) from None
     if len(asked) > 1:
-        raise InvalidRequestError(f"ask for one output constraint at a time, not {[name for name, _ in asked]}.")
+        raise InvalidRequestError(f"ask for one output constraint at a time, not {[name for name, _ in asked]}.",
+                                  param=asked[1][0])
     return asked[0][1] if asked else None
 
 

@@ -125,6 +125,13 @@ SURROGATE = "@@LONE@@"
             "response_format.json_schema.schema.properties.\\ud800",
         ),
         ("/v1/completions", {"prompt": "x", "logit_bias": {SURROGATE: 1}}, "logit_bias.\\ud800"),
+        # Echoed back in the Response object, never read by the chat path: a 500 after the answer
+        # (a stream cut off mid-way) until the Responses body was checked too.
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "metadata": {"k": SURROGATE}}, "metadata.k"),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "stream": True, "metadata": {SURROGATE: "v"}},
+         "metadata.\\ud800"),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 2,
+                           "text": {"format": {"type": "json_object", "description": SURROGATE}}}, "text.format.description"),
     ],
 )
 def test_lone_surrogates_are_400_naming_the_field(edge, path, body, param):

@@ -115,6 +115,7 @@ def test_responses_are_not_stored_and_say_so(smol_server):
     r = httpx.post(smol_server.base_url + "/v1/responses", timeout=60,
                    json={"model": "smollm2", "input": "hi", "previous_response_id": "resp_1"})
     assert r.status_code == 400 and "previous_response_id" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "previous_response_id"
     r = httpx.get(smol_server.base_url + "/v1/responses/resp_1", timeout=60)
     assert r.status_code == 404 and "not stored" in r.json()["error"]["message"]
 

@@ -91,3 +91,20 @@ def test_bad_constraints_are_400_with_a_reason(smol_server, body, needle):
     smol_server.wait_idle()
     eng = smol_server.engine
     assert eng.check_integrity()
+
+
+@pytest.mark.parametrize("path,body,param", [
+    # A compile error names the field the constraint came in, not the one its kind usually comes in.
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "nonsense"}}, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "array", "minItems": 1, "items": {"$ref": "#"}}},
+     "guided_json"),
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": 5}}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": "{"}}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MSGS, "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+])
+def test_constraint_errors_name_the_field_sent(smol_server, path, body, param):
+    r = httpx.post(smol_server.base_url + path, timeout=60, json={"model": "smollm2", "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text

@@ -90,6 +90,21 @@ def find_invalid_text(value: Any) -> str | None:
     return None
 
 
+def refuse_invalid_text(data: Any) -> Any:
+    """`data` unchanged, or a 400 naming the first string or key in it that is not valid Unicode
+    (a request body's validator, before any field is read: text that cannot be encoded fails
+    later, when the answer that echoes it is written)."""
+    path = find_invalid_text(data)
+    if path is not None:
+        raise PydanticCustomError(
+            "invalid_unicode",
+            "{param} is not valid Unicode: it holds a lone surrogate (an unpaired \\ud800-\\udfff "
+            "escape); send text that encodes as UTF-8",
+            {"param": path},
+        )
+    return data
+
+
 def _same(value: Any, allowed: Any) -> bool:
     if isinstance(value, bool) or isinstance(allowed, bool):
         return value is allowed
@@ -202,15 +217,7 @@ class _SamplingFields(_Body):
     @model_validator(mode="before")
     @classmethod
     def _check_unicode(cls, data: Any) -> Any:
-        path = find_invalid_text(data)
-        if path is not None:
-            raise PydanticCustomError(
-                "invalid_unicode",
-                "{param} is not valid Unicode: it holds a lone surrogate (an unpaired \\ud800-\\udfff "
-                "escape); send text that encodes as UTF-8",
-                {"param": path},
-            )
-        return data
+        return refuse_invalid_text(data)
 
 
 class CompletionRequest(_SamplingFields):

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, StrictBool, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
-from specserve.server.protocol import ToolFunction, _Body
+from specserve.server.protocol import ToolFunction, _Body, refuse_invalid_text
 
 # Fields of the Responses API specserve does not implement, at the values that ask for nothing.
 _NOOP_RESPONSE_VALUES: dict[str, tuple[Any, ...]] = {
@@ -124,6 +124,7 @@ class ResponsesRequest(_Body):
     """POST /v1/responses."""
 
     NOOP_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = _NOOP_RESPONSE_VALUES
+
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
@@ -149,6 +150,11 @@ class ResponsesRequest(_Body):
 
     @model_validator(mode="before")
     @classmethod
+    def _check_unicode(cls, data: Any) -> Any:  # metadata and text.format are echoed back: a lone
+        return refuse_invalid_text(data)  # surrogate there failed the answer after its tokens (a 500)
+
+    @model_validator(mode="before")
+    @classmethod
     def _typed_items(cls, data: Any) -> Any:
         """An input item without `type` is a message (the API's easy input message)."""
         if isinstance(data, dict) and isinstance(data.get("input"), list):
@@ -160,8 +166,9 @@ class ResponsesRequest(_Body):
     @model_validator(mode="after")
     def _no_stored_responses(self) -> ResponsesRequest:
         if self.previous_response_id is not None:
-            raise ValueError("responses are not stored here, so previous_response_id cannot be followed; "
-                             "send the whole conversation as `input`")
+            raise PydanticCustomError("unsupported_field", "responses are not stored here, so previous_response_id cannot "
+                                      "be followed; send the whole conversation as `input`",
+                                      {"param": "previous_response_id"})
         return self
 
 
