@@ -161,6 +161,7 @@ _EBNF_TOKEN = re.compile(r"""\s*(?:
 
 
 _QUANTIFIERS = (("punct", "*"), ("punct", "+"), ("punct", "?"))
+_CALL_TEXT = re.compile(r'[^()"]*(?:"(?:[^"\\]|\\.)*"[^()"]*)*')  # a call's text up to its next parenthesis
 
 
 def _ebnf_tokens(text: str) -> list[tuple[str, str]]:
@@ -178,8 +179,7 @@ def _ebnf_tokens(text: str) -> list[tuple[str, str]]:
         if kind == "call":  # skip to the balancing parenthesis, strings included
             depth = 1
             while depth:
-                s = re.compile(r'[^()"]*(?:"(?:[^"\\]|\\.)*"[^()"]*)*').match(text, pos)
-                pos = s.end()
+                pos = _CALL_TEXT.match(text, pos).end()
                 if pos >= len(text):
                     raise ValueError("unbalanced call in grammar text")
                 depth += 1 if text[pos] == "(" else -1
@@ -227,8 +227,8 @@ def never_ending_rules(ebnf: str) -> list[str]:
 
 
 def _parse_rules(tokens: list[tuple[str, str]]) -> dict[str, tuple]:
-    """name -> expression: ("alt", [expr]), ("seq", [expr]), ("ref", name), ("term",), ("opt", expr)
-    (may be absent), ("rep", expr, at_least)."""
+    """name -> expression: ("alt", [expr]), ("seq", [expr]), ("ref", name), ("term",), ("none",) (a
+    class no character is in), ("opt", expr) (may be absent), ("rep", expr, at_least)."""
     rules: dict[str, tuple] = {}
     i = 0
 
