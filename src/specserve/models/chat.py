@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from specserve.errors import InvalidRequestError, SpecServeError
-from specserve.models.tools import as_plain_chat, template_mentions_tools
+from specserve.models.tools import NOT_JSON, as_plain_chat, template_mentions_tools
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 _TEMPLATE_OWNED = {"messages", "add_generation_prompt", "chat_template", "tools"}
@@ -100,7 +100,7 @@ def _template_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except (ValueError, RecursionError):  # (nested deeper than Python's recursion limit)
+            except NOT_JSON:
                 raise ChatError(f"{at}.function.arguments is not JSON text.", param=f"{at}.function.arguments") from None
         if not isinstance(args, Mapping):
             raise ChatError(f"{at}.function.arguments must be a JSON object.", param=f"{at}.function.arguments")

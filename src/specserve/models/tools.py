@@ -31,6 +31,10 @@ from typing import Any
 
 from specserve.errors import InvalidRequestError
 
+# What json.loads raises on text that is not JSON, and on JSON nested past Python's recursion limit
+# (RecursionError is no ValueError: such an argument string or model output was a 500).
+NOT_JSON = (ValueError, RecursionError)
+
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -112,7 +116,7 @@ def forced_calls(text: str, tool_choice: Any) -> list[ToolCall] | None:
     output cut short by max_tokens)."""
     try:
         value = json.loads(text)
-    except (ValueError, RecursionError):  # (an output nested deeper than Python's recursion limit)
+    except NOT_JSON:
         return None
     if isinstance(tool_choice, Mapping):
         return [ToolCall(tool_choice["function"]["name"], json.dumps(value, ensure_ascii=False), new_call_id())]
@@ -168,7 +172,7 @@ def _whole_output_calls(text: str, names: Sequence[str]) -> list[ToolCall] | Non
     while at < len(body):  # one value, or objects one after another (newlines or ';' between: Llama-3.1's parallel calls)
         try:
             value, at = decoder.raw_decode(body, at)
-        except (ValueError, RecursionError):
+        except NOT_JSON:
             return None
         items += value if isinstance(value, list) and not items else [value]
         while at < len(body) and (body[at].isspace() or body[at] == ";"):
@@ -182,7 +186,7 @@ def _whole_output_calls(text: str, names: Sequence[str]) -> list[ToolCall] | Non
 def _block_call(body: str, names: Sequence[str]) -> ToolCall | None:
     try:
         value = json.loads(body)
-    except (ValueError, RecursionError):
+    except NOT_JSON:
         return None
     return _value_call(value, names)
 
@@ -194,7 +198,7 @@ def _value_call(value: Any, names: Sequence[str]) -> ToolCall | None:
     if isinstance(args, str):  # some models write the arguments' JSON text
         try:
             args = json.loads(args)
-        except (ValueError, RecursionError):
+        except NOT_JSON:
             return None
     if not isinstance(args, dict):
         return None

@@ -124,7 +124,6 @@ class ResponsesRequest(_Body):
     """POST /v1/responses."""
 
     NOOP_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = _NOOP_RESPONSE_VALUES
-
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
