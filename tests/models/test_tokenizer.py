@@ -181,6 +181,28 @@ def test_incremental_detokenizer_matches_full_decode(pair):
     assert held_back  # some multi-byte character was split across tokens and held back
 
 
+def test_detokenizer_text_after_a_chunk_is_the_text_one_token_at_a_time(pair):
+    """Fed several ids at once (a speculative step's), the detokenizer shows what fed one at a
+    time it would after the same ids, also where the chunk ends inside a character: the text
+    stop strings and min_tokens are measured on, and what a stream has sent."""
+    ours, _ = pair
+    rng = random.Random(1)
+    texts = [t for t in TEXTS if any(ord(c) > 127 for c in t)] + ["🚀🚀 x 🚀" * 4, "日本語 🙂 café " * 3]
+    for text in texts:
+        ids = ours.encode(text, add_special_tokens=False)
+        one = IncrementalDetokenizer(ours, [])
+        seen = [one.text]
+        for i in ids:
+            one.append([i])
+            seen.append(one.text)
+        for _ in range(6):
+            chunked, n = IncrementalDetokenizer(ours, []), 0
+            for size in _random_sizes(rng, len(ids)):
+                chunked.append(ids[n : n + size])
+                n += size
+                assert chunked.text == seen[n], (text, n)
+
+
 def test_detokenizer_splits_multibyte_characters(pair):
     ours, _ = pair
     # A rare character without a token of its own is spelled with several partial-byte tokens.

@@ -17,6 +17,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.errors import ConfigError, InvalidRequestError
+from specserve.models.chat import render_chat
 
 # ----------------------------------------------------------------------------- tiny model
 
@@ -1182,6 +1183,16 @@ def test_a_stop_string_inside_a_speculative_step_ends_the_tokens_where_plain_dec
         assert len(got.outputs[0].logprobs) == len(got.token_ids)
         assert got.metrics.num_generated_tokens == len(want.token_ids)
         _assert_counts_describe_the_output(got)
+    # Characters spelled by several tokens: a step's tokens that end inside one still show the
+    # text of the characters before it, so the first min_tokens tokens' text (which a stop
+    # string must lie past) and the text cut at a stop are plain decoding's.
+    tok = spec.engine.tokenizer
+    chat = render_chat(tok, [{"role": "user", "content": "Repeat after me exactly: " + " ".join(["🚀🚀 x 🚀"] * 4)}])
+    for text, stop, m in ((chat, ["🚀"], 12), (chat, ["本", "🚀"], 33), (chat, [" x"], 30), (chat, ["🚀"], 0),
+                          ("日本語 🙂 café " * 5, ["本"], 6), ("日本語 🙂 café " * 5, ["é", "🙂"], 11)):
+        params = _greedy(38, stop=stop, min_tokens=m)
+        want, got = plain.generate(text, params)[0], spec.generate(text, params)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), (stop, m)
     # A stop token id ends the output at the end of a speculative step too (drafts never hold
     # one: accepted, it adds no token, see prune_banned; the step's own token may be it); its
     # text is left out unless include_stop_str_in_output (vLLM's convention), in plain and

@@ -1150,8 +1150,7 @@ class LLMEngine:
             if state.stop_after is None:
                 head = req.sampling_params.min_tokens - (req.num_output_tokens - len(new_tokens))
                 if head <= len(new_tokens):  # this step reaches min_tokens
-                    for t in text_tokens[: max(head, 0)]:  # one at a time, as plain decoding fed them: a chunk
-                        state.detok.append([t])  # ending inside a character showed none of its text
+                    state.detok.append(text_tokens[: max(head, 0)])
                     state.stop_after = len(state.detok.text)
                     rest = text_tokens[max(head, 0) :]
             checking = bool(state.stop) and state.stop_after is not None

@@ -615,17 +615,22 @@ class IncrementalDetokenizer:
         window = self._window
         decode = self._tokenizer.decode
         before = decode(window[self._prefix : self._read], self._skip)
-        after = decode(window[self._prefix :], self._skip)
-        # A trailing U+FFFD means the last token ended part-way through a multi-byte character;
-        # wait for the rest of its bytes before emitting anything.
+        end = len(window)
+        after = decode(window[self._prefix : end], self._skip)
+        # A trailing U+FFFD means the last token ended part-way through a multi-byte character:
+        # its bytes wait for the rest. The chunk's tokens before it are emitted as fed one at a
+        # time they would have been: up to the last of them that ends a character (a
+        # speculative step's tokens that end inside one must not hold back all of their text).
+        while after.endswith("\ufffd") and end - 1 > self._read:
+            end -= 1
+            after = decode(window[self._prefix : end], self._skip)
         if after.endswith("\ufffd") or len(after) <= len(before):
             return ""
         delta = after[len(before) :]
         # The emitted tokens become the context of the next decode; everything older is dropped.
-        drop = self._read
-        del window[:drop]
+        del window[: self._read]
         self._prefix = 0
-        self._read = len(window)
+        self._read = end - self._read
         return self._emit(delta)
 
     def flush(self) -> str:
