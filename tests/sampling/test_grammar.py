@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
+import threading
+import time
 
 import pytest
 import torch
@@ -204,6 +207,31 @@ def test_specs_validate_and_compile(compiler: GrammarCompiler) -> None:
     SamplingParams(min_tokens=5, structured_output=StructuredOutput.json())  # vLLM accepts it: so do we
     with pytest.raises(InvalidRequestError):
         StructuredOutput("xml", "<a/>")  # type: ignore[arg-type]
+
+
+def test_a_long_compile_keeps_no_other_compile_waiting() -> None:
+    """A guided_choice of thousands of options compiles for a second or more; a small spec sent
+    meanwhile (another request's thread) compiles at once, not after it."""
+    compiler = GrammarCompiler(VOCAB, V, [EOS])
+    rng = random.Random(0)
+    big = StructuredOutput.choice(["".join(rng.choice("abcdefg") for _ in range(12)) for _ in range(8_000)])
+    started, took = threading.Event(), []
+
+    def compile_big() -> None:
+        started.set()
+        t = time.perf_counter()
+        compiler.compile(big)
+        took.append(time.perf_counter() - t)
+
+    worker = threading.Thread(target=compile_big)
+    worker.start()
+    started.wait()
+    time.sleep(0.05)
+    t = time.perf_counter()
+    compiler.compile(StructuredOutput.regex("[ab]c*d"))
+    small = time.perf_counter() - t
+    worker.join()
+    assert small < took[0] / 4, (small, took)
 
 
 def test_a_refused_spec_names_the_request_field_it_came_from(compiler: GrammarCompiler) -> None:

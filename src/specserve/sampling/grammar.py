@@ -67,8 +67,9 @@ class GrammarCompiler:
         self.stop_token_ids = sorted(stop_token_ids)
         self._info = xgr.TokenizerInfo(list(vocab), vocab_type=xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
                                        stop_token_ids=self.stop_token_ids)
+        # xgrammar's compiles release the GIL and may run at once (its cache is thread-safe): a
+        # request's long compile (a huge guided_choice takes seconds) keeps no other one waiting.
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
-        self._lock = threading.Lock()
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> GrammarCompiler:  # tokenizer: models.tokenizer.Tokenizer
@@ -99,24 +100,23 @@ class GrammarCompiler:
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - one compiler per engine, lives as long as it
     def _compile(self, kind: str, text: str) -> Any:
-        with self._lock:
-            try:
-                if kind in ("json_object", "json_schema"):
-                    # json_object is OpenAI's "any JSON object". Compact separators: the output is
-                    # valid JSON either way, and free whitespace lets a small model pad its output
-                    # with newlines up to max_tokens.
-                    schema = text if kind == "json_schema" else '{"type": "object"}'
-                    compiled = self._compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
-                elif kind == "regex":
-                    compiled = self._compiler.compile_regex(text)
-                elif kind == "choice":
-                    options = json.loads(text)
-                    compiled = self._compiler.compile_regex("|".join(_regex_literal(o) for o in options))
-                else:
-                    compiled = self._compiler.compile_grammar(text)
-            except (RuntimeError, ValueError, TypeError) as exc:
-                raise InvalidRequestError(f"the {kind.replace('_', ' ')} could not be compiled: {_library_reason(exc)}",
-                                          param=STRUCTURED_PARAM.get(kind)) from None
+        try:
+            if kind in ("json_object", "json_schema"):
+                # json_object is OpenAI's "any JSON object". Compact separators: the output is
+                # valid JSON either way, and free whitespace lets a small model pad its output
+                # with newlines up to max_tokens.
+                schema = text if kind == "json_schema" else '{"type": "object"}'
+                compiled = self._compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
+            elif kind == "regex":
+                compiled = self._compiler.compile_regex(text)
+            elif kind == "choice":
+                options = json.loads(text)
+                compiled = self._compiler.compile_regex("|".join(_regex_literal(o) for o in options))
+            else:
+                compiled = self._compiler.compile_grammar(text)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"the {kind.replace('_', ' ')} could not be compiled: {_library_reason(exc)}",
+                                      param=STRUCTURED_PARAM.get(kind)) from None
         endless = never_ending_rules(str(compiled.grammar))
         if endless:
             raise InvalidRequestError(_endless_message(kind, endless), param=STRUCTURED_PARAM.get(kind))
