@@ -22,6 +22,7 @@ from scipy.stats import chisquare
 
 from specserve.errors import InvalidRequestError
 from specserve.sampling.grammar import (
+    COMPILES_AT_ONCE,
     STRUCTURED_PARAM,
     GrammarCompiler,
     apply_masks,
@@ -232,6 +233,32 @@ def test_a_long_compile_keeps_no_other_compile_waiting() -> None:
     small = time.perf_counter() - t
     worker.join()
     assert small < took[0] / 4, (small, took)
+
+
+def test_compiles_at_once_are_bounded(monkeypatch) -> None:
+    """However many requests compile at once, at most COMPILES_AT_ONCE compiles run (their
+    memory is bounded); the rest wait for a slot and then compile."""
+    compiler = GrammarCompiler(VOCAB, V, [EOS])
+    real, lock, running, most = compiler._compiler, threading.Lock(), [0], [0]
+
+    class Slow:  # the library's compiler, slowed down, counting the compiles in it
+        def compile_regex(self, text: str):
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.1)
+            with lock:
+                running[0] -= 1
+            return real.compile_regex(text)
+
+    monkeypatch.setattr(compiler, "_compiler", Slow())
+    workers = [threading.Thread(target=compiler.compile, args=(StructuredOutput.regex(f"a{{{i + 1}}}"),)) for i in range(6)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert most[0] == COMPILES_AT_ONCE
+    assert all(compiler.compile(StructuredOutput.regex(f"a{{{i + 1}}}")) is not None for i in range(6))
 
 
 def test_a_refused_spec_names_the_request_field_it_came_from(compiler: GrammarCompiler) -> None:

@@ -52,6 +52,7 @@ def _xgr() -> Any:
     return xgrammar
 
 
+COMPILES_AT_ONCE = 2  # per vocabulary; more wait for a slot
 _SHARED: dict[tuple[str, int], GrammarCompiler] = {}
 _SHARED_LOCK = threading.Lock()
 
@@ -67,9 +68,12 @@ class GrammarCompiler:
         self.stop_token_ids = sorted(stop_token_ids)
         self._info = xgr.TokenizerInfo(list(vocab), vocab_type=xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
                                        stop_token_ids=self.stop_token_ids)
-        # xgrammar's compiles release the GIL and may run at once (its cache is thread-safe): a
-        # request's long compile (a huge guided_choice takes seconds) keeps no other one waiting.
+        # xgrammar's compiles release the GIL and may run at once (its cache is thread-safe), so
+        # a request's long compile (a huge guided_choice takes seconds) keeps another waiting
+        # only where COMPILES_AT_ONCE are already running: that bounds their memory (a
+        # ~70,000-option choice, the most a 1 MiB body holds, takes ~430 MB to compile).
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
+        self._slots = threading.BoundedSemaphore(COMPILES_AT_ONCE)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> GrammarCompiler:  # tokenizer: models.tokenizer.Tokenizer
@@ -100,6 +104,14 @@ class GrammarCompiler:
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - one compiler per engine, lives as long as it
     def _compile(self, kind: str, text: str) -> Any:
+        with self._slots:
+            compiled = self._compile_unchecked(kind, text)
+        endless = never_ending_rules(str(compiled.grammar))
+        if endless:
+            raise InvalidRequestError(_endless_message(kind, endless), param=STRUCTURED_PARAM.get(kind))
+        return compiled
+
+    def _compile_unchecked(self, kind: str, text: str) -> Any:
         try:
             if kind in ("json_object", "json_schema"):
                 # json_object is OpenAI's "any JSON object". Compact separators: the output is
@@ -117,9 +129,6 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as exc:
             raise InvalidRequestError(f"the {kind.replace('_', ' ')} could not be compiled: {_library_reason(exc)}",
                                       param=STRUCTURED_PARAM.get(kind)) from None
-        endless = never_ending_rules(str(compiled.grammar))
-        if endless:
-            raise InvalidRequestError(_endless_message(kind, endless), param=STRUCTURED_PARAM.get(kind))
         return compiled
 
     def new_state(self, spec: StructuredOutput, emitted: Sequence[int] = ()) -> GrammarState:
