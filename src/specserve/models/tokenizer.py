@@ -581,11 +581,10 @@ _PROMPT_CONTEXT = 5
 class IncrementalDetokenizer:
     """Turns a stream of generated ids into text deltas, holding back incomplete UTF-8 characters.
 
-    Two offsets into the id window are kept: text before ``read`` has already been emitted, and
-    decoding starts at ``prefix`` (a few tokens before ``read``) so that each decode sees the
-    context that determines how the new tokens render. New text is the decode of
-    ``[prefix:]`` minus the decode of ``[prefix:read]``. Ids before ``prefix`` are dropped, so
-    each call costs O(tokens since the last emitted text), not O(output length).
+    The id window holds, before ``read``, the ids whose text was emitted last (the context that
+    determines how the next ones render) and, from ``read`` on, ids not yet emitted. New text is
+    the decode of the window minus the decode of ``[:read]``. Older ids are dropped at each
+    emission, so each call costs O(tokens since the last emitted text), not O(output length).
     """
 
     def __init__(
@@ -594,7 +593,6 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._window: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
-        self._prefix = 0
         self._read = len(self._window)
         self._pieces: list[str] = []
         self._text_cache = ""
@@ -614,22 +612,21 @@ class IncrementalDetokenizer:
         self.num_tokens += len(new_ids)
         window = self._window
         decode = self._tokenizer.decode
-        before = decode(window[self._prefix : self._read], self._skip)
+        before = decode(window[: self._read], self._skip)
         end = len(window)
-        after = decode(window[self._prefix : end], self._skip)
+        after = decode(window, self._skip)
         # A trailing U+FFFD means the last token ended part-way through a multi-byte character:
         # its bytes wait for the rest. The chunk's tokens before it are emitted as fed one at a
         # time they would have been: up to the last of them that ends a character (a
         # speculative step's tokens that end inside one must not hold back all of their text).
         while after.endswith("\ufffd") and end - 1 > self._read:
             end -= 1
-            after = decode(window[self._prefix : end], self._skip)
+            after = decode(window[:end], self._skip)
         if after.endswith("\ufffd") or len(after) <= len(before):
             return ""
         delta = after[len(before) :]
         # The emitted tokens become the context of the next decode; everything older is dropped.
         del window[: self._read]
-        self._prefix = 0
         self._read = end - self._read
         return self._emit(delta)
 
@@ -637,11 +634,10 @@ class IncrementalDetokenizer:
         """At end of stream, emit whatever is still held back (e.g. a truly invalid byte run)."""
         if self._read >= len(self._window):
             return ""
-        before = self._tokenizer.decode(self._window[self._prefix : self._read], self._skip)
-        after = self._tokenizer.decode(self._window[self._prefix :], self._skip)
+        before = self._tokenizer.decode(self._window[: self._read], self._skip)
+        after = self._tokenizer.decode(self._window, self._skip)
         delta = after[len(before) :] if len(after) > len(before) else ""
         del self._window[: self._read]
-        self._prefix = 0
         self._read = len(self._window)
         return self._emit(delta)
 
