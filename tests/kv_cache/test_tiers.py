@@ -3,6 +3,7 @@ manager's bookkeeping, and an engine that stays exact and warms from a restart."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,14 @@ import torch
 
 from specserve.kv_cache.block_pool import hash_block_tokens
 from specserve.kv_cache.manager import KVCacheManager
-from specserve.kv_cache.tiers import SUFFIX, HostTier, TieredKVStore, block_file_name
+from specserve.kv_cache.tiers import (
+    _HEADER_LEN,
+    MAGIC,
+    SUFFIX,
+    HostTier,
+    TieredKVStore,
+    block_file_name,
+)
 
 PAYLOAD = 64
 
@@ -111,6 +119,43 @@ def test_a_damaged_block_file_is_counted_deleted_and_never_served(tmp_path, dama
     assert again.fetch(hs[0]) is None
     assert again.counters.corrupt == 1 and not victim.exists()
     found = again.fetch(hs[1])  # the intact one is still served
+    assert found is not None and torch.equal(found.payload, _payload(1))
+    again.close()
+
+
+def _with_header(record: bytes, edit) -> bytes:  # noqa: ANN001 - edit(header dict) -> header bytes
+    """A block record whose header `edit` rewrote (magic, length and payload kept)."""
+    start = len(MAGIC) + _HEADER_LEN.size
+    (n,) = _HEADER_LEN.unpack_from(record, len(MAGIC))
+    blob = edit(json.loads(record[start : start + n]))
+    return MAGIC + _HEADER_LEN.pack(len(blob)) + blob + record[start + n :]
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: json.dumps({**h, "tokens": 5}).encode(),
+    lambda h: json.dumps({**h, "value": str(h["value"])}).encode(),
+    lambda h: json.dumps({**h, "parent": [1]}).encode(),
+    lambda h: json.dumps({**h, "payload_bytes": "64"}).encode(),
+    lambda h: json.dumps({**h, "layer_crc32": "0"}).encode(),
+    lambda h: b"[" * 100_000,  # JSON nested past the recursion limit
+], ids=["tokens", "value", "parent", "payload_bytes", "layer_crc32", "nested"])
+def test_a_block_file_whose_header_is_malformed_is_refused_at_start_up_and_when_it_appears(tmp_path, edit):
+    store = _store(tmp_path)
+    hs = _chain(2)
+    for i, h in enumerate(hs):
+        store.save(h, _payload(i))
+    assert store.flush()
+    store.close()
+    victim = store.disk.dir / block_file_name(hs[0].value)
+    good = victim.read_bytes()
+    victim.write_bytes(_with_header(good, edit))
+    again = _store(tmp_path)  # start-up reads every header
+    assert again.counters.corrupt == 1 and not victim.exists() and again.fetch(hs[0]) is None
+    for deferred in (True, False):  # a file another process wrote after start-up: found when asked for
+        victim.write_bytes(_with_header(good, edit))
+        assert again.fetch_run(hs[:1], deferred=deferred) == [] and not victim.exists()
+    assert again.counters.corrupt == 3
+    found = again.fetch(hs[1])
     assert found is not None and torch.equal(found.payload, _payload(1))
     again.close()
 

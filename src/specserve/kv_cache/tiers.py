@@ -144,14 +144,29 @@ def _header_length(head: bytes | memoryview) -> int:
     return n
 
 
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def check_header(raw: bytes | memoryview, fingerprint: str) -> dict:
-    """A block header's fields, refused (ValueError) when written for another model or incomplete."""
-    header = json.loads(bytes(raw))
+    """A block header's fields, refused (ValueError) when written for another model, incomplete,
+    or holding a field of the wrong kind: whatever bytes a file or a store entry holds, reading
+    its header raises nothing else (a header nested past the recursion limit included)."""
+    try:
+        header = json.loads(bytes(raw))
+    except RecursionError as exc:
+        raise ValueError("header nested too deeply") from exc
     if not isinstance(header, dict) or header.get("fingerprint") != fingerprint:
         raise ValueError("written for another model or layout")
     for key in ("value", "parent", "tokens", "digest", "payload_bytes"):
         if key not in header:
             raise ValueError(f"header lacks {key}")
+    tokens, crcs = header["tokens"], header.get("layer_crc32", [])
+    if not (_is_int(header["value"]) and (header["parent"] is None or _is_int(header["parent"]))
+            and isinstance(tokens, list) and all(_is_int(t) for t in tokens)
+            and isinstance(header["digest"], str) and _is_int(header["payload_bytes"])
+            and isinstance(crcs, list) and all(_is_int(c) for c in crcs)):
+        raise ValueError("header fields of the wrong kind")
     return header
 
 
