@@ -160,6 +160,37 @@ def test_a_block_file_whose_header_is_malformed_is_refused_at_start_up_and_when_
     again.close()
 
 
+def test_a_disk_that_refuses_writes_leaves_no_partial_files_and_the_store_goes_on(tmp_path, monkeypatch):
+    import specserve.kv_cache.tiers as tiers
+
+    store = _store(tmp_path)
+    hs = _chain(3)
+
+    def full(src, dst):  # noqa: ANN001, ANN202 - the disk filled up as the block was written
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tiers.os, "replace", full)
+    for i, h in enumerate(hs[:2]):
+        store.save(h, _payload(i))
+    assert store.flush()
+    assert store.counters.disk_failed == 2 and store.counters.disk.saved == 0
+    assert list(store.disk.dir.iterdir()) == [] and store.disk.used_bytes == 0 and store.fetch(hs[0]) is None
+    monkeypatch.undo()
+    store.save(hs[2], _payload(2))  # room again: the next block lands
+    assert store.flush()
+    found = store.fetch(hs[2])
+    assert found is not None and torch.equal(found.payload, _payload(2)) and len(_files(store)) == 1
+    store.close()
+
+
+def test_a_disk_tier_directory_that_cannot_be_written_is_refused_at_start(tmp_path):
+    from specserve.errors import ConfigError
+
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(ConfigError, match="cannot write to .*a-file.*--kv-disk-dir"):
+        _store(tmp_path / "a-file" / "kv")
+
+
 def test_start_up_removes_interrupted_writes_and_ignores_other_models(tmp_path):
     store = _store(tmp_path, fingerprint="model-a")
     h = _chain(1)[0]

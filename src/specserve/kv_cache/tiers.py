@@ -108,6 +108,7 @@ class TierCounters:
     remote: TierStats = field(default_factory=TierStats)
     corrupt: int = 0  # disk files / store records refused (digest, header or size wrong, another block's content)
     disk_dropped: int = 0  # saves that skipped the disk because its writer fell behind
+    disk_failed: int = 0  # saves the disk refused (full, read-only, removed): nothing of them is left there
     remote_dropped: int = 0  # saves that skipped the remote store because its sender fell behind
 
 
@@ -262,6 +263,21 @@ def drained(q: queue.Queue, timeout_s: float) -> bool:
     return True
 
 
+def _check_writable(directory: Path) -> None:
+    """Create the disk tier's directory and write a file in it, or raise a ConfigError that says
+    which directory and why: a tier that cannot write is found at start, not block by block."""
+    from specserve.errors import ConfigError
+
+    probe = directory / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"the KV disk tier cannot write to {directory} ({exc.strerror or exc}); give --kv-disk-dir a "
+                          "writable directory, or leave it out for no disk tier.") from None
+
+
 def block_file_name(value: int) -> str:
     """The disk tier's file name of the block whose chained hash is `value`."""
     return f"{value & 0xFFFFFFFFFFFFFFFF:016x}{SUFFIX}"
@@ -336,7 +352,7 @@ class DiskTier:
     def __init__(self, root: str | Path, fingerprint: str, capacity_bytes: int, payload_bytes: int,
                  counters: TierCounters, layer_bytes: Sequence[int] | None = None) -> None:
         self.dir = Path(root) / fingerprint[:24]
-        self.dir.mkdir(parents=True, exist_ok=True)
+        _check_writable(self.dir)
         self.fingerprint = fingerprint
         self.capacity_bytes = capacity_bytes
         self.payload_bytes = payload_bytes
@@ -521,8 +537,11 @@ class DiskTier:
                 if item is None:
                     return
                 self._write(*item)
-            except Exception:  # noqa: BLE001 - a full or broken disk must not stop the engine
-                logger.exception("KV disk tier: writing a block failed")
+            except Exception as exc:  # noqa: BLE001 - a full or broken disk must not stop the engine
+                self.counters.disk_failed += 1
+                if self.counters.disk_failed in (1, 10) or self.counters.disk_failed % 1000 == 0:  # not once a block
+                    logger.warning("KV disk tier: writing a block failed (%s; %d so far): such blocks are not kept on disk, "
+                                   "the engine goes on", exc, self.counters.disk_failed)
             finally:
                 if item is not None:
                     with self._lock:
@@ -534,10 +553,14 @@ class DiskTier:
         prefix = block_prefix(self.fingerprint, block_hash, data, self.layer_bytes)
         path = self.dir / _file_name(block_hash)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with tmp.open("wb") as f:
-            f.write(prefix)
-            f.write(data)
-        os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
+        try:
+            with tmp.open("wb") as f:
+                f.write(prefix)
+                f.write(data)
+            os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
+        except BaseException:  # a full disk: no part of the block stays behind
+            tmp.unlink(missing_ok=True)
+            raise
         size = len(prefix) + len(data)
         with self._lock:
             old = self._index.pop(block_hash.value, None)
@@ -733,7 +756,7 @@ class TieredKVStore:
         """Flat counters and sizes for metrics."""
         c = self.counters
         out: dict[str, float] = {"corrupt_blocks": c.corrupt, "disk_dropped_blocks": c.disk_dropped,
-                                 "remote_dropped_blocks": c.remote_dropped}
+                                 "disk_failed_blocks": c.disk_failed, "remote_dropped_blocks": c.remote_dropped}
         for name, tier, st in (("host", self.host, c.host), ("disk", self.disk, c.disk),
                                ("remote", self.remote, c.remote)):
             if tier is None:
