@@ -279,7 +279,8 @@ def cmd_calc(args: argparse.Namespace) -> int:
             if args.bytes is not None:
                 if args.model is not None or args.kv_heads is not None or args.head_dim is not None:
                     raise calc.CalcInputError("give --bytes or the KV flags (--model or dimensions), not both.")
-                report = calc.transfer_report(args.bytes, bw, args.layers or 1, args.compute_ms_per_layer)
+                report = calc.transfer_report(args.bytes, bw, 1 if args.layers is None else args.layers,
+                                                 args.compute_ms_per_layer)
             else:
                 if args.tokens is None:
                     raise calc.CalcInputError("give --bytes B, or the KV flags with --tokens N.")
@@ -311,8 +312,9 @@ def cmd_calc(args: argparse.Namespace) -> int:
     except SpecServeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:  # strict JSON: a figure that came out NaN or infinite is an input out of range
-        text = json.dumps(report.to_dict(), indent=2, allow_nan=False) if args.json else report.to_text()
+    try:  # strict JSON, in either form: a figure that came out NaN or infinite is an input out of range
+        text = json.dumps(report.to_dict(), indent=2, allow_nan=False)
+        text = text if args.json else report.to_text()
     except ValueError:
         print("error: these inputs give a result that is not a finite number; check their magnitudes.", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ class CalcInputError(SpecServeError, ValueError):
 EXACT_SUM_K = 4096  # expected_tokens sums the series exactly up to this K, past it uses the closed form
 MAX_TABLE_K = 1024  # the longest best-K table
 MAX_WEIGHTS = 1e16  # a model's weights, ten thousand times the largest published (beyond: a typo, and overflow)
+MAX_RATE = 1e9  # GB/s or TFLOP/s: a million times any published chip's (beyond: a typo, and times that underflow to 0)
 
 
 def _check_k(k: int) -> None:
@@ -255,8 +256,8 @@ def transfer_time(
     """
     if not (num_bytes >= 0 and math.isfinite(num_bytes)):
         raise CalcInputError(f"bytes to transfer must be >= 0, got {num_bytes}.")
-    if not (bandwidth_gb_s > 0 and math.isfinite(bandwidth_gb_s)):
-        raise CalcInputError(f"bandwidth must be > 0 GB/s, got {bandwidth_gb_s}.")
+    if not (0 < bandwidth_gb_s <= MAX_RATE):
+        raise CalcInputError(f"bandwidth must be in (0, {MAX_RATE:.0e}] GB/s, got {bandwidth_gb_s}.")
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
         raise CalcInputError(f"layers must be a whole number >= 1, got {layers!r}.")
     if compute_s_per_layer is not None and not (
@@ -378,9 +379,9 @@ def roofline(
         )
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise CalcInputError(f"batch must be a whole number >= 1, got {batch!r}.")
-    if not (0 < bandwidth_gb_s < math.inf and 0 < tflops < math.inf):
+    if not (0 < bandwidth_gb_s <= MAX_RATE and 0 < tflops <= MAX_RATE):
         raise CalcInputError(
-            f"bandwidth and TFLOP/s must be > 0, got {bandwidth_gb_s} and {tflops}."
+            f"bandwidth (GB/s) and TFLOP/s must be in (0, {MAX_RATE:.0e}], got {bandwidth_gb_s} and {tflops}."
         )
     if context_tokens < 0:
         raise CalcInputError(f"context tokens must be >= 0, got {context_tokens}.")
