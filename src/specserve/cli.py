@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -245,6 +246,8 @@ def cmd_calc(args: argparse.Namespace) -> int:
     def dims() -> tuple[calc.KVDims, calc.ArchConfig | None]:
         """KV dimensions from --model or from --layers/--kv-heads/--head-dim."""
         given = [args.layers, args.kv_heads, args.head_dim]
+        if args.model is not None and not args.model.strip():
+            raise calc.CalcInputError("--model is empty; give a bundled name, a GGUF file or an HF directory.")
         if args.model is not None:
             if any(v is not None for v in given):
                 raise calc.CalcInputError("give --model or the dimensions (--layers --kv-heads --head-dim), not both.")
@@ -396,9 +399,14 @@ def _add_calc_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     """specserve profile: time this machine running the model; write the profile JSON."""
     from specserve import LLM
+    from specserve.files import output_file
     from specserve.ops.profile import describe, record_profile, write_profile
     from specserve.progress import spinner
 
+    for flag, values in (("--batches", args.batches), ("--contexts", args.contexts), ("--repeats", [args.repeats])):
+        if values is not None and min(values) < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {min(values)}.")
+    output_file(args.out, "--out")
     with spinner(f"loading {args.model}"):
         llm = LLM(args.model, **engine_kwargs(args), profile_spec_costs=False)
     kwargs = {k: getattr(args, k) for k in ("batches", "contexts") if getattr(args, k) is not None}
@@ -424,12 +432,13 @@ def _layer_list(text: str) -> tuple[int, ...]:
 def cmd_build_corpus(args: argparse.Namespace) -> int:
     """specserve build-corpus: the model's own answers, for lookahead's corpus."""
     from specserve import LLM
+    from specserve.files import output_file
     from specserve.models.bundled import resolve_model
     from specserve.spec.corpus import self_text_path, write_self_text
 
     if args.asks < 1 or args.max_tokens < 1 or args.batch < 1:
         raise ConfigError("--asks, --max-tokens and --batch must be at least 1.")
-    out = Path(args.out) if args.out else self_text_path(resolve_model(args.model))
+    out = output_file(args.out, "--out") if args.out else self_text_path(resolve_model(args.model))
     llm = LLM(args.model, spec_method="none", quantization=args.quantization, max_num_seqs=args.batch,
               num_threads=args.threads)
     card = write_self_text(llm, out, args.asks, args.max_tokens, args.seed)
@@ -559,6 +568,20 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port number is 0-65535, got {port}")
     return port
+
+
+def _at_least(lo: float, kind: type) -> Callable[[str], float]:
+    """An argparse type: a finite number of this kind, at least lo."""
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'a whole number' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not (math.isfinite(value) and value >= lo):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {lo:g}, got {text}")
+        return value
+    return parse
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -779,8 +802,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: --model)")
-    p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which clients get 429")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
+    p.add_argument("--max-waiting", type=_at_least(0, int), default=256, help="queued requests beyond which clients get 429")
+    p.add_argument("--drain-timeout", type=_at_least(0, float), default=30.0,
+                   help="seconds to finish in-flight work on SIGTERM")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1, /admin, /tokenize and /detokenize (visible in the process list: "
                         f"prefer --api-key-file or ${API_KEY_ENV})")
@@ -868,6 +892,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except SpecServeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # what the machine refused mid-way (a disk that filled up): a line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

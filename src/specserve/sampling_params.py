@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
@@ -220,8 +221,8 @@ class SamplingParams:
         if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0
                 or (self.max_tokens is not None and self.min_tokens > self.max_tokens)):
             raise bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}.")
-        if not _is_number(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
-            raise bad(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}.")
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:  # (NaN fails both)
+            raise bad(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}.")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}.")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:

@@ -251,6 +251,8 @@ def test_profile_round_trip(tmp_path, cost):
     (lambda p: p.update(drafter={"cost": "cheap", "batches": [1], "pass_s": [0.1]}), "drafter.cost"),
     (lambda p: p.update(co_run={"slowdown": {"decode": -1.0, "prefill": 1.2}}), "co_run.slowdown.decode"),
     (lambda p: p.update(co_run={"slowdown": {"decode": 1.5}}), "co_run.slowdown.prefill"),
+    (lambda p: p.update(served=[1]), "not a profile `specserve profile` wrote"),  # parts of another kind
+    (lambda p: p.update(relay="x"), "not a profile `specserve profile` wrote"),
 ])
 def test_malformed_profiles_name_the_field(edit, field):
     p = synthetic_profile()
@@ -720,10 +722,24 @@ def test_plan_cli_json_with_a_profile(workload_file, tmp_path, capsys):
     (["--hardware", "h100", "--model", "llama-3-70b", "--gpus", "1"], "does not fit"),
     (["--hardware", "h100", "--model", "llama-3-8b", "--requests", "100000000"], "--requests must be in"),
     (["--hardware", "h100", "--model", "llama-3-8b", "--weight-bits", "0"], "--weight-bits must be in"),
+    (["--hardware", "h100", "--model", "llama-3-8b", "--png", "/proc/no-such/plan.png"], "--png /proc/no-such"),
+    (["--hardware", "h100", "--model", "llama-3-8b", "--png", "plan.txt"], "must end in one of"),
+    (["--hardware", "h100", "--model", "llama-3-8b", "--max-num-seqs", "0"], "must be >= 1"),
 ])
 def test_plan_cli_bad_input_exits_2(workload_file, capsys, args, message):
     assert main(["plan", "--workload", str(workload_file), *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_cli_refuses_an_unreadable_profile_and_a_folder_for_the_png(workload_file, tmp_path, capsys):
+    binary = tmp_path / "p.json"
+    binary.write_bytes(b"\xff\xfe" + bytes(range(256)))
+    assert main(["plan", "--workload", str(workload_file), "--profile", str(binary)]) == 2
+    assert "cannot read the profile" in capsys.readouterr().err
+    assert main(["plan", "--workload", str(workload_file), "--hardware", "h100", "--model", "llama-3-8b",
+                 "--png", str(tmp_path)]) == 2  # checked before the search, nothing written beside it
+    captured = capsys.readouterr()
+    assert "is a folder" in captured.err and not captured.out and not list(tmp_path.parent.glob(f"{tmp_path.name}.*"))
 
 
 def test_plan_cli_bad_workload_exits_2(tmp_path, capsys):

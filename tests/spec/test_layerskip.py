@@ -107,6 +107,13 @@ def test_train_draft_layerskip_fits_an_exit_that_serves(smollm_path, tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000
     again = train_draft(TrainConfig(**cfg))  # the normal equations are loaded, not recomputed
     assert again["candidates"] == card["candidates"] and again["wall_s"] < card["wall_s"]
+    work = tmp_path / "work"  # --fresh deletes what training wrote there, nothing else a --work-dir holds
+    (work / "notes.txt").write_text("mine")
+    (work / "runs").mkdir()
+    (work / "runs" / "state-layerskip.pt").write_text("mine too")
+    fresh = train_draft(TrainConfig(**cfg, fresh=True))
+    assert fresh["complete"] and fresh["wall_s"] > again["wall_s"]  # fitted again
+    assert (work / "notes.txt").read_text() == "mine" and (work / "runs" / "state-layerskip.pt").exists()
 
     prompts = ["def add(a, b):", "The capital of France is"]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -100,7 +100,7 @@ def test_a_negative_budget_is_refused_before_anything_loads():
     (dict(lr=float("nan")), "--lr must be > 0"),
     (dict(generated_share=1.5), "--generated-share must lie in"),
     (dict(heldout_tokens=8), "--heldout-tokens must cover"),
-    (dict(out=__file__ + "/sub/head.safetensors"), "is not a writable directory"),  # under a file
+    (dict(out=__file__ + "/sub/head.safetensors"), "is a file, not a folder"),  # under a file
 ])
 def test_bad_arguments_are_refused_before_the_model_loads_or_the_cache_is_touched(kw, message, tmp_path, monkeypatch):
     """Before: a missing corpus failed after the target loaded and the machine was timed, and left

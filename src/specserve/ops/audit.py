@@ -218,7 +218,11 @@ def read_prompts(path: str) -> list[str]:
     import json
     from pathlib import Path
 
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:  # (a ValueError that names neither the file nor the place)
+        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}); give prompts one per line, or as JSON "
+                         "lines.") from None
     prompts: list[str] = []
     for line in text.splitlines():
         line = line.strip()

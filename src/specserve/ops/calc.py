@@ -264,7 +264,7 @@ def transfer_time(
         compute_s_per_layer >= 0 and math.isfinite(compute_s_per_layer)
     ):
         raise CalcInputError(f"compute time per layer must be >= 0, got {compute_s_per_layer}.")
-    total = num_bytes / (bandwidth_gb_s * 1e9)
+    total = _finite(num_bytes / (bandwidth_gb_s * 1e9), "transfer time")
     t = total / layers
     c = t if compute_s_per_layer is None else compute_s_per_layer
     exposed = t + (layers - 1) * max(0.0, t - c)
@@ -273,8 +273,15 @@ def transfer_time(
 
 # ---------------------------------------------------------------------- latency
 def _check_times(ttft: float, tpot: float, names: str = "TTFT and TPOT") -> None:
-    if not (ttft >= 0 and tpot >= 0 and math.isfinite(ttft + tpot)):
+    if not (0 <= ttft < math.inf and 0 <= tpot < math.inf):
         raise CalcInputError(f"{names} must be >= 0 and finite, got {ttft} and {tpot}.")
+
+
+def _finite(value: float, what: str) -> float:
+    """value, or a CalcInputError where finite inputs overflowed (an answer of 'never' would be wrong)."""
+    if not math.isfinite(value):
+        raise CalcInputError(f"the {what} overflows for these inputs; check their magnitudes.")
+    return value
 
 
 def request_latency(ttft_s: float, tpot_s: float, num_tokens: int) -> float:
@@ -285,7 +292,7 @@ def request_latency(ttft_s: float, tpot_s: float, num_tokens: int) -> float:
             f"the number of output tokens must be a whole number >= 1, got {num_tokens!r}."
         )
     # The first token arrives at TTFT; each of the other N - 1 costs one TPOT.
-    return ttft_s + (num_tokens - 1) * tpot_s
+    return _finite(ttft_s + (num_tokens - 1) * tpot_s, "latency")
 
 
 # ---------------------------------------------------------------------- roofline
@@ -391,7 +398,7 @@ def roofline(
     flops_per_token = 2 * num_weights + attn_flops_per_context_token * context_tokens
     nbytes = weight_bytes + batch * kv_per_request
     flops = batch * flops_per_token
-    mem_s, comp_s = nbytes / bw, flops / peak
+    mem_s, comp_s = _finite(nbytes / bw, "memory time"), _finite(flops / peak, "compute time")
     denom = flops_per_token / peak - kv_per_request / bw
     ridge = (weight_bytes / bw) / denom if denom > 0 else math.inf
     return Roofline(
@@ -674,7 +681,7 @@ def latency_report(ttft_ms: float, tpot_ms: float, num_tokens: int) -> Report:
         "latency",
         {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "tokens": num_tokens},
         (
-            Figure("latency_ms", "latency", total * 1e3, "ms", "TTFT + (N - 1) * TPOT", ".1f"),
+            Figure("latency_ms", "latency", _finite(total * 1e3, "latency"), "ms", "TTFT + (N - 1) * TPOT", ".1f"),
             Figure(
                 "tokens_per_s",
                 "decode rate",

@@ -378,7 +378,17 @@ class MeasuredCostModel:
         """
         if http and in_process:
             raise ValueError("a front end is either HTTP or in-process, not both.")
-        r = _ProfileReader(profile)
+        try:
+            return cls._from_profile(_ProfileReader(profile), profile, served=served, http=http, in_process=in_process)
+        except ProfileError:
+            raise
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:  # a part of another kind than recorded
+            raise ProfileError(f"not a profile `specserve profile` wrote ({type(e).__name__}: {e}); record one with "
+                               "`specserve profile --model M --out P.json`.") from None
+
+    @classmethod
+    def _from_profile(cls, r: _ProfileReader, profile: Mapping[str, Any], *, served: bool, http: bool,
+                      in_process: bool) -> MeasuredCostModel:
         decode = _linear_in_context(r.surface("decode.contexts", "decode.batches", "decode.step_s"))
         if (profile.get("served") or {}).get("forward_s") is not None:
             decode = _served_steady_state(decode, r)

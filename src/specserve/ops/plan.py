@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from specserve.errors import SpecServeError
+from specserve.files import output_file
 from specserve.ops.costmodel import CostModel, MeasuredCostModel, ProfileError, RooflineCostModel
 from specserve.ops.simulate import (
     SLO,
@@ -286,13 +287,16 @@ def spec_settings(workload: Workload, ks: Sequence[int] = SPEC_KS,
 def search(plan: PlanInput, options: Sequence[WorkerOption], devices: int, specs: Sequence[SpecSetting], *,
            max_num_batched_tokens: int, max_num_seqs: int, seed: int = 0) -> list[PlanRow]:
     """Simulate the same requests through every configuration; rows ranked best first."""
+    from specserve.progress import bar
+
     trace = plan.workload.trace(plan.requests, seed)
+    runs = [(opt, devices // opt.devices, dep) for opt in options
+            for dep in deployments(devices // opt.devices, opt.cost.link_gb_s is not None, specs,
+                                   max_num_batched_tokens, max_num_seqs)]
     rows = []
-    for opt in options:
-        n = devices // opt.devices
-        for dep in deployments(n, opt.cost.link_gb_s is not None, specs, max_num_batched_tokens, max_num_seqs):
-            result = simulate(trace, dep, opt.cost, seed=seed)
-            rows.append(PlanRow(opt.label, n, dep, summarize(result, plan.slos)))
+    for opt, n, dep in bar(runs, desc=f"simulating {len(trace)} requests", unit="config"):  # (minutes on long answers)
+        result = simulate(trace, dep, opt.cost, seed=seed)
+        rows.append(PlanRow(opt.label, n, dep, summarize(result, plan.slos)))
     return sorted(rows, key=PlanRow.key)
 
 
@@ -412,11 +416,15 @@ def run(args: argparse.Namespace) -> int:
             plan = plan._replace(requests=args.requests)
         if args.gpus < 1:
             raise WorkloadError(f"--gpus must be >= 1, got {args.gpus}.")
+        if args.png:  # before the search: a plan that cannot be drawn is found out now
+            from matplotlib.figure import Figure
+
+            output_file(args.png, "--png", (f".{e}" for e in Figure().canvas.get_supported_filetypes()))
         if not 0 < args.weight_bits <= 32:
             raise WorkloadError(f"--weight-bits must be in (0, 32] (e.g. 4.5 for Q4_K, 16 for bf16), got {args.weight_bits}.")
         options, notes, budget, seqs, source = _workers(args, plan)
-        budget = args.max_num_batched_tokens or budget
-        seqs = args.max_num_seqs or seqs
+        budget = budget if args.max_num_batched_tokens is None else args.max_num_batched_tokens
+        seqs = seqs if args.max_num_seqs is None else args.max_num_seqs
         if budget < 1 or seqs < 1:
             raise WorkloadError("--max-num-batched-tokens and --max-num-seqs must be >= 1.")
         rows = search(plan, options, args.gpus, spec_settings(plan.workload), max_num_batched_tokens=budget,
@@ -454,7 +462,7 @@ def _workers(args: argparse.Namespace, plan: PlanInput) -> tuple[list[WorkerOpti
             raise WorkloadError("--model and --draft-model go with --hardware; a profile names its own model.")
         try:
             data = json.loads(Path(args.profile).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # (not UTF-8, not JSON, nested past the limit)
             raise ProfileError(f"cannot read the profile {args.profile}: {e}.") from None
         # Plan served engines: with the step overhead measured behind the OpenAI server where recorded.
         served = isinstance(data, dict) and "served" in data

@@ -63,6 +63,8 @@ from specserve.config import usable_cpus
 from specserve.engine.engine import LLMEngine
 from specserve.engine.runner import kv_bytes_per_token
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from specserve.errors import ConfigError
+from specserve.files import write_atomic
 from specserve.ops.costmodel import PROFILE_FORMAT
 from specserve.progress import bar, spinner
 from specserve.sampling_params import SamplingParams
@@ -688,8 +690,9 @@ def record_profile(
     """Time the engine's model (and drafter) and return the profile dict. disagg_kwargs: the
     LLM(...) arguments the engine was built with; given, the model is also timed disaggregated
     (`relay`)."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}.")
+    if repeats < 1 or min(batches, default=0) < 1 or min(contexts, default=0) < 1:
+        raise ConfigError(f"repeats, batches and contexts must be >= 1, got {repeats}, {list(batches)} and "
+                          f"{list(contexts)}.")
     t_start = time.perf_counter()
     runner, cfg = engine.runner, engine.config
     budget = cfg.scheduler.max_num_batched_tokens
@@ -697,7 +700,7 @@ def record_profile(
     contexts = sorted({c for c in contexts if c + max(VERIFY_TOKENS) < max_len})
     batches = sorted({b for b in batches if b <= cfg.scheduler.max_num_seqs})
     if not contexts or not batches:
-        raise ValueError(f"no context below max_model_len {max_len} or no batch within max_num_seqs "
+        raise ConfigError(f"no context below max_model_len {max_len} or no batch within max_num_seqs "
                          f"{cfg.scheduler.max_num_seqs}: give smaller --contexts / --batches.")
     chunks = sorted({c for c in (*PREFILL_CHUNKS, budget) if c <= budget})
     offsets = [o for o in PREFILL_OFFSETS if o + budget <= max_len]
@@ -800,8 +803,7 @@ def record_profile(
 def write_profile(profile: dict[str, Any], path: str | Path) -> Path:
     """Write the profile as JSON (creating the folder)."""
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(profile, indent=2))
+    write_atomic(out, lambda f: f.write(json.dumps(profile, indent=2).encode()))
     return out
 
 

@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import sysconfig
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 
 from specserve.errors import ConfigError
+from specserve.files import write_atomic
 
 ORDERS = (1, 2, 3, 4, 6)  # context lengths kept, the longest that matches is used
 TOP = 4  # continuations kept per context, the most frequent
@@ -87,23 +85,9 @@ def write_self_text(llm, path: Path, num_asks: int = SELF_ASKS, max_tokens: int 
     t0 = time.perf_counter()
     outs = llm.chat([[{"role": "user", "content": a}] for a in asks], SamplingParams(max_tokens=max_tokens, temperature=0))
     text = "\n\n".join(o.outputs[0].text for o in outs)
-    _write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
     return {"path": str(path), "asks": len(asks), "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "seconds": time.perf_counter() - t0}
-
-
-def _write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """write(file) into a temporary file beside path, then rename it over path: a crash never
-    leaves a half-written file under the final name."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _run_starts(keys: np.ndarray) -> np.ndarray:
@@ -215,7 +199,7 @@ class CorpusNgrams:
         for k, t in self.tables.items():
             for name in _Table.__slots__:
                 arrays[f"{k}_{name}"] = getattr(t, name)
-        _write_atomic(path, lambda f: np.savez(f, **arrays))
+        write_atomic(path, lambda f: np.savez(f, **arrays))
 
     @classmethod
     def load(cls, path: Path) -> CorpusNgrams:

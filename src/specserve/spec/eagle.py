@@ -337,8 +337,12 @@ def _write_head_file(path: str | Path, tensors: dict[str, torch.Tensor], meta: d
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": HEAD_FORMAT, "card": json.dumps(meta, sort_keys=True)})
-    tmp.replace(path)
+    try:
+        save_file(tensors, str(tmp), metadata={"format": HEAD_FORMAT, "card": json.dumps(meta, sort_keys=True)})
+        tmp.replace(path)
+    except BaseException:  # a full disk, a folder in the way: no partial file stays behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_head_file(path: str | Path, method: str = "eagle") -> tuple[dict[str, torch.Tensor], dict]:

@@ -23,7 +23,6 @@ import bisect
 import contextlib
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -37,12 +36,16 @@ import torch.nn.functional as F
 
 from specserve.defaults import default_head_vocab
 from specserve.errors import ConfigError
+from specserve.files import output_dir, output_file
 from specserve.spec.asks import chat_prompts
 from specserve.spec.corpus import corpus_files
 
 METHODS = ("eagle", "medusa", "mtp", "layerskip")
 LAYERSKIP_TOKENS = 32_768  # default --tokens for an exit: a least-squares fit of hidden x hidden needs far fewer than a head
 CHECKPOINT_EVERY_S = 60.0
+# What a run writes in its work directory (--fresh deletes these and nothing else there).
+WORK_FILES = ("conversations-*.json", "generated-*.json", "plan-*.json", "train-*.pt", "heldout-*.pt", "state-*.pt",
+              "train-*.pt.tmp", "heldout-*.pt.tmp", "state-*.pt.tmp")
 BAR_AGREEMENT_EVERY = 16  # optimizer steps between the progress bar's top-1 readings (an argmax over the vocabulary)
 # SmolLM2-135M on a 2-vCPU Zen 5, 250k tokens at 3/4 conversations: 600 s (generation 3 min, features
 # 1 min, 4 epochs 5.6 min); 220k keeps a fresh run inside 10 minutes.
@@ -734,14 +737,10 @@ def _check_before_loading(cfg: TrainConfig) -> None:
         if not ok:
             raise ConfigError(message + ".")
     corpus_files(cfg.corpus)  # it must be there (its held-out part is read whatever the share)
-    for flag, path in (("--out", cfg.out), ("--work-dir", cfg.work_dir)):
-        if path is None:
-            continue
-        parent = Path(path).resolve().parent if flag == "--out" else Path(path).resolve()
-        while not parent.exists():  # the nearest directory that exists must take new files
-            parent = parent.parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise ConfigError(f"{flag} {path}: {parent} is not a writable directory.")
+    if cfg.out is not None:  # (tried by writing: os.access says yes to root where nothing can be written)
+        output_file(cfg.out, "--out")
+    if cfg.work_dir is not None:
+        output_dir(cfg.work_dir, "--work-dir")
 
 
 def train_draft(cfg: TrainConfig) -> dict:
@@ -773,13 +772,17 @@ def train_draft(cfg: TrainConfig) -> dict:
     arch = engine.arch
     fp = target_fingerprints(arch, tok.fingerprint(), embedding_rows(engine.runner.model.model.embed_tokens, FINGERPRINT_ROWS))[0]
     out = Path(cfg.out) if cfg.out else default_head_path(fp, cfg.method)
+    if cfg.method != "layerskip":  # (checked against the target before anything is written)
+        layers = default_feature_layers(arch.num_layers) if cfg.feature_layers is None else tuple(cfg.feature_layers)
+        engine.runner.feature_layers = layers
     # Features and conversations are the target's, shared by every method; checkpoints are per method.
     work = Path(cfg.work_dir) if cfg.work_dir else cache_dir() / "train" / fp
     work.mkdir(parents=True, exist_ok=True)
     state_path = work / f"state-{cfg.method}.pt"
-    if cfg.fresh:
-        for p in work.glob("*"):
-            p.unlink()
+    if cfg.fresh:  # what this command wrote there, not whatever else a --work-dir holds
+        for pattern in WORK_FILES:
+            for p in work.glob(pattern):
+                p.unlink(missing_ok=True)
 
     from specserve.spec.factory import frequent_token_subset
 
@@ -789,9 +792,7 @@ def train_draft(cfg: TrainConfig) -> dict:
     if cfg.method == "layerskip":
         return _fit_exit(cfg, llm, work, fp, out, token_ids, t_start)
     # Features are extracted with EAGLE's fusion layers whatever the method (one set of shards
-    # serves every method; the others read the last hidden state alone).
-    layers = default_feature_layers(arch.num_layers) if cfg.feature_layers is None else tuple(cfg.feature_layers)
-    engine.runner.feature_layers = layers  # checks them against the target
+    # serves every method; the others read the last hidden state alone): `layers`, set above.
     # The target's embedding and LM-head rows the head trains against (the budget's timing uses them too).
     frozen = _Frozen(engine, token_ids)
     cfg = _fit_budget(cfg, llm, work, frozen, layers, t_start)
