@@ -28,10 +28,13 @@ from typing import Any
 
 import torch
 
+from specserve.files import write_atomic
+
 logger = logging.getLogger(__name__)
 
 SCHEMA = 1  # bumped when a kind's saved fields change meaning
 TENSOR_FILES_KEPT = 4  # tensor files of one kind kept (the newest), whatever their identity
+JSON_FILES_KEPT = 64  # measurements of one kind kept (a few kB each: every upgrade or setting adds one)
 
 
 def enabled() -> bool:
@@ -107,16 +110,12 @@ class StartupCache:
         if not enabled():
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             text = json.dumps({"identity": self.identity, "saved_at": time.time(), "data": data}, default=str)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.kind}-", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(text)
-                os.replace(tmp, self.path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            write_atomic(self.path, lambda f: f.write(text.encode("utf-8")))
+            # Each identity (source, settings, model files) has its own file: keep the newest of a kind.
+            older = sorted(self.path.parent.glob(f"{self.kind}-*.json"), key=lambda p: p.stat().st_mtime)
+            for stale in older[:-JSON_FILES_KEPT]:
+                stale.unlink(missing_ok=True)
         except OSError as exc:
             logger.warning("could not save the start-up profile %s (%s)", self.path, exc)
 

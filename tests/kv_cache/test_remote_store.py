@@ -36,6 +36,16 @@ def test_the_store_keeps_recent_records_within_its_bytes_and_logs_its_index():
     assert store.held("fp", [hs[0].value]) == 0 and store.changes("fp", version)[1] == [(hs[0].value, False)]
 
 
+def test_a_record_larger_than_the_store_is_logged_as_gone_so_senders_forget_it():
+    small, big = _chain(2)
+    record = _record(small, _payload(0))
+    store = KVBlockStore(len(record))
+    version = store.put("fp", [(small.value, record)])
+    store.put("fp", [(big.value, _record(big, torch.zeros(2 * PAYLOAD, dtype=torch.uint8)))])
+    assert store.held("fp", [big.value]) == 0 and store.used_bytes == len(record)
+    assert store.changes("fp", version)[1] == [(big.value, False)]  # a sender's refresh drops it from its index
+
+
 @pytest.fixture(scope="module")
 def ray_store():
     """A private local Ray with the deployment's store actor."""

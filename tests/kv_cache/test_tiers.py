@@ -183,6 +183,25 @@ def test_a_disk_that_refuses_writes_leaves_no_partial_files_and_the_store_goes_o
     store.close()
 
 
+def test_a_damaged_file_that_cannot_be_deleted_is_still_only_a_miss(tmp_path, monkeypatch):
+    store = _store(tmp_path)
+    h = _chain(1)[0]
+    store.save(h, _payload(0))
+    assert store.flush()
+    victim = store.disk.dir / block_file_name(h.value)
+    victim.write_bytes(victim.read_bytes()[:-3])  # torn; and the folder turned read-only meanwhile:
+
+    def read_only(self, missing_ok=False):  # noqa: ANN001, ANN202
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    for deferred in (True, False):
+        assert store.fetch_run([h], deferred=deferred) == []
+    assert store.counters.corrupt == 2 and victim.exists()
+    monkeypatch.undo()
+    store.close()
+
+
 def test_a_disk_tier_directory_that_cannot_be_written_is_refused_at_start(tmp_path):
     from specserve.errors import ConfigError
 
@@ -456,3 +475,16 @@ def test_served_tiers_export_metrics_and_flush_the_disk_at_shutdown(smollm_check
     disk = llm.engine.kv_manager.tiers.disk
     assert not disk._writer.is_alive() and disk._queue.unfinished_tasks == 0  # shutdown wrote every block
     assert len(list(tmp_path.rglob(f"*{SUFFIX}"))) == len(disk) > 0
+
+
+def test_engines_whose_kernels_differ_keep_their_blocks_apart(tiny_llama, tmp_path):
+    """float32 products through torch's dense matmul and through oneDNN round differently: the
+    same prompt's KV differs in its last bits, so neither may serve the other's blocks."""
+    from specserve import LLM
+
+    dirs = {}
+    for backend in ("dense", "onednn"):
+        llm = LLM("tiny", dtype="float32", checkpoint=tiny_llama[1], linear_backend=backend, kv_disk_dir=str(tmp_path),
+                  kv_host_gib=0)
+        dirs[backend] = llm.engine.kv_manager.tiers.disk.dir
+    assert dirs["dense"] != dirs["onednn"] and dirs["dense"].parent == dirs["onednn"].parent == tmp_path

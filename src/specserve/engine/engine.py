@@ -638,8 +638,9 @@ class LLMEngine:
 
     def _build_tiers(self, config: EngineConfig, path: object | None) -> TieredKVStore | None:
         """The prefix cache's host and disk tiers, when configured. Their blocks are keyed by a
-        fingerprint of everything that decides a block's bytes (model file, precision, KV dtype
-        and layout, specserve's version), so a directory never serves another model's KV."""
+        fingerprint of everything that decides a block's bytes (model file, precision, the linear
+        kernels, KV dtype and layout, specserve's version), so a directory never serves another
+        model's KV, nor KV the same model computed with other kernels."""
         cache = config.cache
         if not cache.has_tiers:
             return None
@@ -653,6 +654,8 @@ class LLMEngine:
         runner, arch = self.runner, self.arch
         ident: dict[str, object] = {
             "model": config.model.model, "quantization": config.model.quantization, "dtype": str(runner.dtype),
+            # the products' kernels (dense and oneDNN float32 matmuls round differently: another KV)
+            "linear_backend": str(getattr(runner, "linear_backend", None)), "device": str(runner.device),
             "kv_cache_dtype": cache.kv_cache_dtype, "block_size": cache.block_size, "layers": arch.num_layers,
             "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab": arch.vocab_size,
             "specserve": __version__, "python": list(sys.version_info[:2]),  # block hashes are Python's hash()

@@ -76,7 +76,8 @@ class KVBlockStore:
 
     def _put(self, fingerprint: str, items: list[tuple[int, bytes]]) -> int:
         for value, record in items:
-            if len(record) > self.capacity_bytes:
+            if len(record) > self.capacity_bytes:  # never kept: the senders' indexes drop it at their refresh
+                self._changed(fingerprint, value, False)
                 continue
             key = (fingerprint, value)
             old = self._records.pop(key, None)

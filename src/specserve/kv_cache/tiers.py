@@ -263,6 +263,15 @@ def drained(q: queue.Queue, timeout_s: float) -> bool:
     return True
 
 
+def _delete(path: Path) -> None:
+    """Delete a block file if it is there and can be: a folder that turned read-only (or a file
+    another process holds) leaves it in place, never fails the step (it is verified when read)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        logger.warning("KV disk tier: cannot delete %s (%s)", path, exc.strerror or exc)
+
+
 def _check_writable(directory: Path) -> None:
     """Create the disk tier's directory and write a file in it, or raise a ConfigError that says
     which directory and why: a tier that cannot write is found at start, not block by block."""
@@ -377,7 +386,7 @@ class DiskTier:
         for path in self.dir.iterdir():
             if path.name.endswith(".tmp"):
                 if not _writer_alive(path.name):  # a write cut off by a crash
-                    path.unlink(missing_ok=True)
+                    _delete(path)
                 continue  # another live process sharing the directory is writing it
             if not path.name.endswith(SUFFIX):
                 continue
@@ -386,13 +395,13 @@ class DiskTier:
             except (OSError, ValueError) as exc:
                 logger.warning("KV disk tier: ignoring unreadable %s (%s)", path.name, exc)
                 self.counters.corrupt += 1
-                path.unlink(missing_ok=True)
+                _delete(path)
                 continue
             bh = BlockHash(header["value"], header["parent"], tuple(header["tokens"]))
             if chain_hash(bh.parent_value, bh.token_ids) != bh.value or path.name != _file_name(bh):  # not the block it names
                 logger.warning("KV disk tier: %s holds tokens that do not hash to its block; deleted", path.name)
                 self.counters.corrupt += 1
-                path.unlink(missing_ok=True)
+                _delete(path)
                 continue
             found.append((st.st_mtime, _DiskEntry(bh, path, st.st_size)))
         for _, entry in sorted(found, key=lambda x: x[0]):
@@ -494,7 +503,7 @@ class DiskTier:
         if entry is not None and entry.path == path:
             self._remove(block_hash.value, entry)
         else:
-            path.unlink(missing_ok=True)
+            _delete(path)
 
     def vanished(self, block_hash: BlockHash) -> None:
         """A block file another process removed or replaced after this one read its header: a
@@ -559,7 +568,7 @@ class DiskTier:
                 f.write(data)
             os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
         except BaseException:  # a full disk: no part of the block stays behind
-            tmp.unlink(missing_ok=True)
+            _delete(tmp)
             raise
         size = len(prefix) + len(data)
         with self._lock:
@@ -590,7 +599,7 @@ class DiskTier:
         for _, size, path in sorted(files, key=lambda f: f[0]):
             if total <= self.capacity_bytes:
                 break
-            path.unlink(missing_ok=True)
+            _delete(path)
             total -= size
         with self._lock:
             for value, entry in list(self._index.items()):
@@ -612,7 +621,7 @@ class DiskTier:
             if self._index.get(value) is entry:
                 del self._index[value]
                 self.used_bytes -= entry.size
-        entry.path.unlink(missing_ok=True)
+        _delete(entry.path)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued block is written; False on timeout."""
@@ -626,7 +635,7 @@ class DiskTier:
             self._index.clear()
             self.used_bytes = 0
         for e in entries:
-            e.path.unlink(missing_ok=True)
+            _delete(e.path)
         return len(entries)
 
     def close(self) -> None:
