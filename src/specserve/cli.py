@@ -490,9 +490,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from specserve.defaults import bundled_draft
     from specserve.ops.audit import read_prompts, run_audit
 
+    if args.draws is None:
+        args.draws = 2_000 if args.url else 10_000
     bad = [msg for ok, msg in (
         (args.positions >= 1, f"--positions must be >= 1, got {args.positions}"),
         (args.draws >= 1, f"--draws must be >= 1, got {args.draws}"),
+        (not (args.url and (args.spec_method != "none" or args.draft_model)),
+         "--url audits the speculation the server runs: leave --spec-method and --draft-model out"),
         (0 < args.alpha < 1, f"--alpha (the significance level) must lie in (0, 1), got {args.alpha}"),
         (0 <= args.max_kl < float("inf"), f"--max-kl must be a number >= 0, got {args.max_kl}"),
         (args.continuation_tokens >= 1, f"--continuation-tokens must be >= 1, got {args.continuation_tokens}"),
@@ -520,9 +524,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
     precisions = [p for p in args.precisions.split(",") if p]
     rows = run_audit(args.model, prompts, spec_method=args.spec_method, draft_model=draft if args.spec_method == "draft" else None,
                      precisions=precisions, params=params, continuation_tokens=args.continuation_tokens,
-                     positions=args.positions, draws=args.draws, alpha=args.alpha, max_kl=args.max_kl)
+                     positions=args.positions, draws=args.draws, alpha=args.alpha, max_kl=args.max_kl,
+                     url=args.url, api_key=os.environ.get(API_KEY_ENV) or None)
     if not rows:
-        print("error: nothing to audit: give --spec-method and/or --precisions (at least two)", file=sys.stderr)
+        print("error: nothing to audit: give --spec-method, --url and/or --precisions (at least two)", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -719,7 +724,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--continuation-tokens", type=int, default=32, help="greedy tokens after each prompt")
     p.add_argument("--positions", type=int, default=8, help="audited positions per prompt (the last ones)")
-    p.add_argument("--draws", type=int, default=10_000, help="verifications per position")
+    p.add_argument("--draws", type=int, default=None,
+                   help="verifications per position (default 10,000; with --url, served draws, default 2,000)")
+    p.add_argument("--url", default=None,
+                   help="audit the sampler of this running server (e.g. http://127.0.0.1:8000), speculation as it "
+                        "serves, against --model computed here (a canary); the API key from $" + "SPECSERVE_API_KEY")
     p.add_argument("--alpha", type=float, default=1e-3, help="significance of the speculation audit")
     p.add_argument("--max-kl", type=float, default=0.1, help="largest mean KL (nats) a precision may show")
     p.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -27,6 +27,7 @@ import torch
 
 from specserve.engine.engine import LLMEngine
 from specserve.engine.runner import FeedEntry
+from specserve.errors import ConfigError
 from specserve.sampling.sampler import SamplingMetadata, logits_to_probs
 from specserve.sampling.tree_rejection import TreeVerifyResult, verify_trees
 from specserve.sampling_params import SamplingParams
@@ -135,14 +136,18 @@ def audit_position(q: torch.Tensor, q_logits: torch.Tensor, drafts: list[DraftTr
         results += verifier(rows, part, meta, generator)
     first = torch.tensor([r.token_ids[0] for r in results])
     counts = torch.bincount(first, minlength=q.shape[0]).double()
-    emp = counts / n
+    return _against(counts, q, sum(1 for r in results if r.accepted_nodes) / n)
+
+
+def _against(counts: torch.Tensor, q: torch.Tensor, acceptance: float) -> PositionAudit:
+    """Emitted-token counts ([V]) against the exact distribution q ([V])."""
+    emp = counts / counts.sum()
     exact = q.double()
     impossible = int(counts[exact == 0].sum())
     tv = 0.5 * float((emp - exact).abs().sum())
     nz = emp > 0
     kl = float((emp[nz] * (emp[nz] / exact[nz].clamp_min(1e-300)).log()).sum())
-    accepted = sum(1 for r in results if r.accepted_nodes) / n
-    return PositionAudit(tv, kl, _chi_square_pvalue(counts, exact), impossible, accepted)
+    return PositionAudit(tv, kl, _chi_square_pvalue(counts, exact), impossible, acceptance)
 
 
 def audit_speculation(
@@ -169,6 +174,11 @@ def audit_speculation(
             dists = p.unsqueeze(0)
             drafts = [DraftTree((x,), (-1,), SiblingDraw.IID, dists, (0,)) for x in toks]
         report.positions.append(audit_position(q_all[t], target_logits[t], drafts, params, verifier, g))
+    return _judge(report, alpha)
+
+
+def _judge(report: AuditReport, alpha: float) -> AuditReport:
+    """Fail a speculation audit on any impossible token or a Bonferroni-corrected p below alpha."""
     if report.positions:
         worst = min(p.pvalue for p in report.positions) * len(report.positions)
         impossible = sum(p.impossible for p in report.positions)
@@ -179,6 +189,100 @@ def audit_speculation(
             report.reason = (f"emitted tokens differ from the target's distribution: Bonferroni-corrected chi-square "
                              f"p = {worst:.2e} < {alpha:g}")
     return report
+
+
+class ServedAPI:
+    """The few calls an audit makes to a running OpenAI-compatible server (standard library HTTP)."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 120.0) -> None:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"--url {url!r} is not an http(s) address; give e.g. http://127.0.0.1:8000.")
+        self.base = url.rstrip("/").removesuffix("/v1")
+        self.api_key, self.timeout_s = api_key, timeout_s
+
+    def post(self, path: str, body: dict) -> dict:
+        import json
+        import urllib.error
+        import urllib.request
+
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.base + path, json.dumps(body).encode(), headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:300].decode("utf-8", "replace")
+            raise ConfigError(f"{self.base}{path} answered {e.code}: {detail}") from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise ConfigError(f"cannot reach {self.base}{path}: {getattr(e, 'reason', e)}; is the server up?") from None
+
+    def model_name(self) -> str:
+        """The id the server serves under (its first model)."""
+        import json
+        import urllib.request
+
+        req = urllib.request.Request(self.base + "/v1/models",
+                                     headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                return json.loads(r.read())["data"][0]["id"]
+        except Exception as e:  # noqa: BLE001 - any failure here means the address is not such a server
+            raise ConfigError(f"cannot list the models at {self.base}/v1/models ({e}); is --url an "
+                              "OpenAI-compatible server?") from None
+
+
+SERVED_N = 16  # samples per request (the server's `n` limit)
+
+
+def audit_served(api: ServedAPI, sequences: Sequence[Sequence[int]], positions: Sequence[int],
+                 target_logits: torch.Tensor, params: SamplingParams, draws: int = 2_000,
+                 alpha: float = 1e-3) -> tuple[AuditReport, dict[str, int]]:
+    """Does the served sampler, speculation and all, emit the target's distribution?
+
+    At each audited position j of a teacher-forced sequence s the exact distribution q of s[j+1]
+    given s[:j+1] is known locally (target_logits[k], from the reference model). The server is
+    asked for three tokens after s[:j], `n` at a time with speculation asked for; the draws whose
+    first token is s[j] make their second token a draw from q, written in a decode step, where a
+    server that speculates verifies drafts. Those are histogrammed and tested as the offline audit
+    does (`draws` per position; a position whose first token the server rarely writes gets fewer).
+    Returns the report and the server's speculation counters over the audit (its `usage`)."""
+    q_all = processed(target_logits, params)
+    model = api.model_name()
+    sampling = {"temperature": params.temperature, "top_p": params.top_p, "min_p": params.min_p,
+                "top_k": params.top_k if params.top_k > 0 else -1}
+    spec = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "requests": 0}
+    report = AuditReport("speculation")
+    for k, (s, j) in enumerate(zip(sequences, positions)):
+        counts = torch.zeros(q_all.shape[1], dtype=torch.float64)
+        matched, sent, drafted, accepted = 0, 0, spec["draft_tokens"], spec["accepted_tokens"]
+        while matched < draws and sent < 8 * -(-draws // SERVED_N):  # (first tokens of probability >= 1/8 fill it)
+            # Three tokens, of which the second is counted: a draft is made only for tokens that may
+            # still follow it (the last token of an answer is never drafted).
+            body = {"model": model, "prompt": list(s[:j]), "max_tokens": 3, "n": SERVED_N, "ignore_eos": True,
+                    "speculative": True, "logprobs": 0, "return_tokens_as_token_ids": True, **sampling}
+            out = api.post("/v1/completions", body)
+            sent += 1
+            for c in out.get("choices", []):
+                ids = [int(t.removeprefix("token_id:")) for t in (c.get("logprobs") or {}).get("tokens", [])]
+                if len(ids) == 3 and ids[0] == s[j] and 0 <= ids[1] < counts.shape[0]:
+                    counts[ids[1]] += 1
+                    matched += 1
+            served = (out.get("usage") or {}).get("speculation") or {}
+            for key in ("verify_steps", "draft_tokens", "accepted_tokens"):
+                spec[key] += int(served.get(key) or 0)
+        spec["requests"] += sent
+        drafted, accepted = spec["draft_tokens"] - drafted, spec["accepted_tokens"] - accepted
+        if matched:  # (acceptance: of the draft tokens the server verified for this position's requests)
+            report.positions.append(_against(counts, q_all[k], accepted / drafted if drafted else 0.0))
+    if not report.positions:
+        report.passed, report.reason = False, "the server never wrote the continuation's tokens: is it serving --model?"
+        return report, spec
+    return _judge(report, alpha), spec
 
 
 def audit_precision(reference_logits: torch.Tensor, candidate_logits: torch.Tensor,  # [T, V] each
@@ -257,12 +361,18 @@ def run_audit(
     draws: int = 10_000,
     alpha: float = 1e-3,
     max_kl: float = 0.1,
+    url: str | None = None,
+    api_key: str | None = None,
 ) -> list[dict]:
     """The audits `specserve audit` runs: speculation (when a method or draft is given) on the
-    model's default precision, and each precision in `precisions` against float32."""
+    model's default precision, the sampler of the server at `url` (speculation as it serves), and
+    each precision in `precisions` against float32."""
     from specserve import LLM
 
     params = params or SamplingParams(temperature=1.0)
+    api = ServedAPI(url, api_key) if url else None
+    if api is not None:
+        api.model_name()  # the server answers, before the reference loads
     rows: list[dict] = []
     reference = LLM(model, quantization=precisions[0] if precisions else None, kv_cache_gib=0.25,
                     profile_spec_costs=False)
@@ -282,6 +392,12 @@ def run_audit(
         nxt = [s[i + 1] for s, r in spots for i in r]
         rep = audit_speculation(torch.cat(ref_logits), nxt, params, draft_logits, draws=draws, alpha=alpha)
         rows.append({"audit": f"speculation ({draft_model or spec_method})", **rep.summary()})
+    if api is not None:
+        at = [(s, i) for s, r in spots for i in r]
+        rep, spec = audit_served(api, [s for s, _ in at], [i for _, i in at], torch.cat(ref_logits), params,
+                                 draws=draws, alpha=alpha)
+        rows.append({"audit": f"served sampler at {api.base}", **rep.summary(),
+                     **{f"served_{k}": v for k, v in spec.items()}})
     for precision in precisions[1:]:
         cand = LLM(model, quantization=precision, kv_cache_gib=0.25, profile_spec_costs=False)
         cand_logits = [teacher_forced_logits(cand.engine, s)[list(r)] for s, r in spots]

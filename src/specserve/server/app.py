@@ -357,7 +357,8 @@ class OpenAIServer:
                     tops = (out.prompt_top_logprobs or []) + tops
             choices.append(CompletionChoice(
                 index=i, text=text, finish_reason=_finish(c.finish_reason), stop_reason=c.stop_reason,
-                logprobs=(self._completion_logprobs(ids, lps, tops, req.logprobs, text)
+                logprobs=(self._completion_logprobs(ids, lps, tops, req.logprobs, text,
+                                                    as_ids=req.return_tokens_as_token_ids)
                           if req.logprobs is not None else None),
             ))
         body = CompletionResponse(model=self.model_name, choices=choices, usage=self._usage(prompt_lens, finals, prompt_only))
@@ -385,7 +386,8 @@ class OpenAIServer:
                     echoed.add(idx)
                     text = prepared[idx].prompt or self._decode(out.prompt_token_ids)
                     lp = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs,
-                                                   out.prompt_top_logprobs, req.logprobs or 0, text, runs[idx])
+                                                   out.prompt_top_logprobs, req.logprobs or 0, text, runs[idx],
+                                                   as_ids=req.return_tokens_as_token_ids)
                     yield _event(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
                         CompletionChoice(index=idx, text=text, logprobs=lp)]).model_dump())
                 self._tick(clock, c.delta_token_ids)
@@ -397,7 +399,8 @@ class OpenAIServer:
                 if req.logprobs is not None and c.logprobs is not None:
                     n_new = len(c.delta_token_ids)
                     lp = self._completion_logprobs(c.delta_token_ids, _last(c.logprobs, n_new),
-                                                   _last(c.top_logprobs, n_new), req.logprobs, run=runs[idx])
+                                                   _last(c.top_logprobs, n_new), req.logprobs, run=runs[idx],
+                                                   as_ids=req.return_tokens_as_token_ids)
                 choice = CompletionChoice(index=idx, text=c.delta_text, logprobs=lp,
                                           finish_reason=_finish(c.finish_reason) if out.finished else None,
                                           stop_reason=c.stop_reason if out.finished else None)
@@ -508,7 +511,8 @@ class OpenAIServer:
                 index=i, message=ChatResponseMessage(content=content, tool_calls=[m.as_openai() for m in made] or None),
                 finish_reason=calls.finish(_finish(c.finish_reason), made),
                 stop_reason=c.stop_reason,
-                logprobs=(self._chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, req.top_logprobs or 0)
+                logprobs=(self._chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, req.top_logprobs or 0,
+                                              as_ids=req.return_tokens_as_token_ids)
                           if req.logprobs else None),
             ))
         body = ChatCompletionResponse(model=self.model_name, choices=choices,
@@ -575,7 +579,8 @@ class OpenAIServer:
                     if with_logprobs:
                         n_new = len(c.delta_token_ids)
                         lp = self._chat_logprobs(c.delta_token_ids, _last(c.logprobs, n_new),
-                                                 _last(c.top_logprobs, n_new), req.top_logprobs or 0)
+                                                 _last(c.top_logprobs, n_new), req.top_logprobs or 0,
+                                                 as_ids=req.return_tokens_as_token_ids)
                     yield chunk([ChatChunkChoice(index=idx, delta=DeltaMessage(content=text), logprobs=lp)])
                 if out.finished:
                     finals[idx] = out
@@ -686,30 +691,37 @@ class OpenAIServer:
                 run.at += len(run.decoder.decode(self._token_bytes(t)))
         return offsets
 
+    def _token_name(self, tid: int, as_ids: bool) -> str:
+        """How a logprobs block names a token: its text, or (vLLM's return_tokens_as_token_ids)
+        "token_id:N", which a client maps back to the id whatever the text (two ids may spell one)."""
+        return f"token_id:{tid}" if as_ids else self._token_text(tid)
+
     def _completion_logprobs(self, ids: list[int], lps: list[float | None] | None,
                              tops: list[list[tuple[int, float]] | None] | None, k: int,
-                             text: str | None = None, run: _Offsets | None = None) -> CompletionLogprobs:
+                             text: str | None = None, run: _Offsets | None = None,
+                             as_ids: bool = False) -> CompletionLogprobs:
         """Legacy block: every token's text, logprob and offset in `text` (the text the tokens
         spell; see _text_offsets), and with k > 0 its k likeliest as {text: logprob}."""
-        tokens = [self._token_text(t) for t in ids]
+        tokens = [self._token_name(t, as_ids) for t in ids]
         offsets = self._text_offsets(ids, text, run)
         top = None
         if k:  # None where there is nothing to rank (an echoed prompt's first token)
-            top = [None if pairs is None else {self._token_text(tid): _finite(v) for tid, v in pairs}
+            top = [None if pairs is None else {self._token_name(tid, as_ids): _finite(v) for tid, v in pairs}
                    for pairs in _last(tops, len(ids))]
         token_lps = [None if v is None else _finite(v) for v in _last(lps, len(ids))]
         return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=top,
                                   text_offset=offsets)
 
     def _chat_logprobs(self, ids: list[int], lps: list[float | None] | None,
-                       tops: list[list[tuple[int, float]] | None] | None, k: int) -> ChatLogprobs:
+                       tops: list[list[tuple[int, float]] | None] | None, k: int,
+                       as_ids: bool = False) -> ChatLogprobs:
         """Chat block: every token's text, logprob and bytes, with its k likeliest alternatives."""
         content = []
         for t, lp, pairs in zip(ids, _last(lps, len(ids)), _last(tops, len(ids))):
-            text = self._token_text(t)
+            text = self._token_name(t, as_ids)
             # bytes: the token's own (OpenAI's), which a client joins to rebuild characters split
             # over tokens; the text of such a token alone is U+FFFD
-            alternatives = [TopLogprob(token=self._token_text(tid), logprob=_finite(v),
+            alternatives = [TopLogprob(token=self._token_name(tid, as_ids), logprob=_finite(v),
                                        bytes=list(self._token_bytes(tid)))
                             for tid, v in (pairs or [])[:k]]
             content.append(ChatLogprobToken(token=text, logprob=_finite(lp) if lp is not None else 0.0,

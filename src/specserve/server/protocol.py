@@ -4,7 +4,8 @@ Extras accepted in the body (the OpenAI client's `extra_body`): `top_k`, `specul
 `priority` (lower is served first; < 0 marks a priority request that may speculate at
 medium batch sizes), `reference_text` (text the output tracks, which prompt lookup drafts
 from; chat also takes OpenAI's `prediction`), and vLLM's `ignore_eos`,
-`min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `repetition_penalty`, `min_p` and
+`min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `return_tokens_as_token_ids`,
+`repetition_penalty`, `min_p` and
 structured-output extras `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (OpenAI's
 `response_format` json_object / json_schema is standard).
 
@@ -193,6 +194,7 @@ class _SamplingFields(_Body):
     min_tokens: StrictInt = Field(default=0, ge=0)  # vLLM's: no EOS, stop token or stop string before this many
     stop_token_ids: list[StrictInt] | None = None  # vLLM's: ids that end the output like EOS
     include_stop_str_in_output: StrictBool = False  # vLLM's
+    return_tokens_as_token_ids: StrictBool = False  # vLLM's: logprobs name tokens "token_id:N", never ambiguous text
     # The label of this request's series in /metrics (acceptance, effective tokens/s by class).
     request_class: str = Field(default="default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     # Structured output (specserve.sampling.grammar): OpenAI's response_format, or vLLM's extras.

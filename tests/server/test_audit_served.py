@@ -1,0 +1,63 @@
+"""`specserve audit --url`: the sampler of a running server, speculation as it serves, against the
+target's exact distribution computed here; a server whose verification is biased fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.cli import main
+from specserve.ops.audit import ServedAPI, audit_served, continuations, teacher_forced_logits
+
+from .conftest import free_port, serve
+
+PARAMS = SamplingParams(temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from conftest import tiny_checkpoint
+
+    return tiny_checkpoint("llama", seed=5, vocab=64, layers=2)[1]
+
+
+def _spots(ckpt) -> tuple[list[list[int]], list[int], torch.Tensor]:  # noqa: ANN001
+    """Teacher-forced sequences (a repetitive prompt, so n-gram drafts), the audited positions
+    and the exact logits there, from a plain engine."""
+    ref = LLM("tiny", checkpoint=ckpt, dtype="float32", profile_spec_costs=False, kv_cache_gib=0.02)
+    seqs = continuations(ref.engine, [[3, 4, 5, 6, 7] * 5, [9, 8, 7, 9, 8, 7] * 4], 8)
+    spots = [(s, 18) for s in seqs]  # inside the repetition: the copier drafts every second token
+    logits = torch.stack([teacher_forced_logits(ref.engine, s)[j] for s, j in spots])
+    return [s for s, _ in spots], [j for _, j in spots], logits
+
+
+def test_a_served_sampler_passes_and_a_biased_verification_fails(tiny, monkeypatch):
+    seqs, positions, logits = _spots(tiny)
+    llm = LLM("tiny", checkpoint=tiny, dtype="float32", profile_spec_costs=False, kv_cache_gib=0.05,
+              spec_method="ngram", spec_policy="always")
+    with serve(llm, name="tiny") as live:
+        api = ServedAPI(live.base_url + "/v1")
+        report, spec = audit_served(api, seqs, positions, logits, PARAMS, draws=800)
+        assert report.passed, report.reason
+        assert len(report.positions) == 2 and spec["draft_tokens"] > 0 and spec["verify_steps"] > 0
+
+        runner = llm.engine.runner
+        for name in ("_verify_chains", "_verify_trees"):  # verify drafts against q at temperature 1/8
+            real = getattr(runner, name)
+            monkeypatch.setattr(runner, name, lambda logits, *args, real=real: real(8 * logits, *args))
+        bad, spec = audit_served(api, seqs, positions, logits, PARAMS, draws=800)
+        assert not bad.passed and "differ" in bad.reason and spec["verify_steps"] > 0, (bad, spec)
+
+
+def test_audit_url_refuses_bad_addresses_and_speculation_flags(tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    base = ["audit", "--model", "smollm2-135m-instruct", "--prompts", str(prompts)]
+    assert main([*base, "--url", "http://127.0.0.1:8000", "--spec-method", "ngram"]) == 2
+    assert "leave --spec-method" in capsys.readouterr().err
+    assert main([*base, "--url", "ftp://example"]) == 1
+    assert "not an http(s) address" in capsys.readouterr().err
+    assert main([*base, "--url", f"http://127.0.0.1:{free_port()}"]) == 1  # nothing listens: before any loading
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot list the models") and "Traceback" not in err
