@@ -533,7 +533,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         for r in rows:
-            verdict = "PASS" if r["passed"] else f"FAIL ({r['reason']})"
+            verdict = ("PASS" if r["passed"] else "FAIL") + (f" ({r['reason']})" if r["reason"] else "")
             figures = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
                                 if k not in ("audit", "kind", "passed", "reason"))
             print(f"{r['audit']}: {verdict}\n  {figures}")

@@ -39,7 +39,7 @@ def test_a_served_sampler_passes_and_a_biased_verification_fails(tiny, monkeypat
     with serve(llm, name="tiny") as live:
         api = ServedAPI(live.base_url + "/v1")
         report, spec = audit_served(api, seqs, positions, logits, PARAMS, draws=800)
-        assert report.passed, report.reason
+        assert report.passed and not report.reason, report.reason
         assert len(report.positions) == 2 and spec["draft_tokens"] > 0 and spec["verify_steps"] > 0
 
         runner = llm.engine.runner
@@ -61,3 +61,11 @@ def test_audit_url_refuses_bad_addresses_and_speculation_flags(tmp_path, capsys)
     assert main([*base, "--url", f"http://127.0.0.1:{free_port()}"]) == 1  # nothing listens: before any loading
     err = capsys.readouterr().err
     assert err.startswith("error: cannot list the models") and "Traceback" not in err
+
+
+def test_a_server_that_drafts_nothing_passes_saying_so(tiny):
+    seqs, positions, logits = _spots(tiny)
+    llm = LLM("tiny", checkpoint=tiny, dtype="float32", profile_spec_costs=False, kv_cache_gib=0.05)
+    with serve(llm, name="tiny") as live:
+        report, spec = audit_served(ServedAPI(live.base_url), seqs, positions, logits, PARAMS, draws=200)
+    assert report.passed and spec["verify_steps"] == 0 and "verified no drafts" in report.reason

@@ -282,7 +282,11 @@ def audit_served(api: ServedAPI, sequences: Sequence[Sequence[int]], positions: 
     if not report.positions:
         report.passed, report.reason = False, "the server never wrote the continuation's tokens: is it serving --model?"
         return report, spec
-    return _judge(report, alpha), spec
+    report = _judge(report, alpha)
+    if report.passed and not spec["verify_steps"]:  # what was audited, said where it is read
+        report.reason = ("the server verified no drafts for these requests (its policy did not speculate): its plain "
+                         "sampler was audited; a server run with --spec-policy always audits verification")
+    return report, spec
 
 
 def audit_precision(reference_logits: torch.Tensor, candidate_logits: torch.Tensor,  # [T, V] each
