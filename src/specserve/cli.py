@@ -406,14 +406,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for flag, values in (("--batches", args.batches), ("--contexts", args.contexts), ("--repeats", [args.repeats])):
         if values is not None and min(values) < 1:
             raise ConfigError(f"{flag} must be at least 1, got {min(values)}.")
-    output_file(args.out, "--out")
+    out = output_file(args.out, "--out")
     with spinner(f"loading {args.model}"):
         llm = LLM(args.model, **engine_kwargs(args), profile_spec_costs=False)
     kwargs = {k: getattr(args, k) for k in ("batches", "contexts") if getattr(args, k) is not None}
     if args.disagg:
         kwargs["disagg_kwargs"] = engine_kwargs(args)
     profile = record_profile(llm.engine, repeats=args.repeats, **kwargs)
-    path = write_profile(profile, args.out)
+    path = write_profile(profile, out)
     print(describe(profile))
     print(f"wrote {path}")
     return 0
@@ -522,10 +522,15 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     precisions = [p for p in args.precisions.split(",") if p]
-    rows = run_audit(args.model, prompts, spec_method=args.spec_method, draft_model=draft if args.spec_method == "draft" else None,
-                     precisions=precisions, params=params, continuation_tokens=args.continuation_tokens,
-                     positions=args.positions, draws=args.draws, alpha=args.alpha, max_kl=args.max_kl,
-                     url=args.url, api_key=os.environ.get(API_KEY_ENV) or None)
+    try:
+        rows = run_audit(args.model, prompts, spec_method=args.spec_method,
+                         draft_model=draft if args.spec_method == "draft" else None, precisions=precisions,
+                         params=params, continuation_tokens=args.continuation_tokens, positions=args.positions,
+                         draws=args.draws, alpha=args.alpha, max_kl=args.max_kl, url=args.url,
+                         api_key=os.environ.get(API_KEY_ENV) or None)
+    except SpecServeError as e:  # a model, precision or server it cannot use: bad input, status 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not rows:
         print("error: nothing to audit: give --spec-method, --url and/or --precisions (at least two)", file=sys.stderr)
         return 2

@@ -62,10 +62,15 @@ def output_dir(path: str | os.PathLike, flag: str) -> Path:
     return p
 
 
-def _umask() -> int:
+def _read_umask() -> int:
     mask = os.umask(0o022)  # (read by setting it: there is no getter before Python 3.13's os.getumask)
     os.umask(mask)
     return mask
+
+
+# Read once, at import (before any thread of ours runs): setting it later, even for an instant,
+# would give a file another thread creates meanwhile the wrong permissions.
+_UMASK = _read_umask()
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
@@ -74,7 +79,7 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # as open() would have made it (mkstemp's file is 0600)
+        os.fchmod(fd, 0o666 & ~_UMASK)  # as open() would have made it (mkstemp's file is 0600)
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.replace(tmp, path)

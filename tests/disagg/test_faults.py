@@ -661,3 +661,21 @@ def test_a_prompt_whose_blocks_are_all_in_the_shared_store_skips_the_prefill_wor
     asyncio.run(scenario())
     assert pre_actor.priorities == []  # no prefill worker was asked
     store.close()
+
+
+def test_init_ray_starts_a_private_cluster_unless_told_to_join(monkeypatch):
+    """A cluster `ray start` left on this machine is joined by a bare ray.init() (which then refuses
+    num_cpus): without --ray-address or $RAY_ADDRESS, the deployment starts its own."""
+    ray = pytest.importorskip("ray")
+
+    from specserve.disagg.launch import init_ray
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    init_ray(num_cpus=2)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    init_ray()
+    init_ray("auto")
+    assert [c["address"] for c in calls] == ["local", "10.0.0.1:6379", "auto"] and calls[0]["num_cpus"] == 2

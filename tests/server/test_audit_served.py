@@ -27,7 +27,7 @@ def _spots(ckpt) -> tuple[list[list[int]], list[int], torch.Tensor]:  # noqa: AN
     and the exact logits there, from a plain engine."""
     ref = LLM("tiny", checkpoint=ckpt, dtype="float32", profile_spec_costs=False, kv_cache_gib=0.02)
     seqs = continuations(ref.engine, [[3, 4, 5, 6, 7] * 5, [9, 8, 7, 9, 8, 7] * 4], 8)
-    spots = [(s, 18) for s in seqs]  # inside the repetition: the copier drafts every second token
+    spots = [(s, len(s) - 3) for s in seqs]  # in the greedy continuation: its first token is the likeliest
     logits = torch.stack([teacher_forced_logits(ref.engine, s)[j] for s, j in spots])
     return [s for s, _ in spots], [j for _, j in spots], logits
 
@@ -56,9 +56,9 @@ def test_audit_url_refuses_bad_addresses_and_speculation_flags(tmp_path, capsys)
     base = ["audit", "--model", "smollm2-135m-instruct", "--prompts", str(prompts)]
     assert main([*base, "--url", "http://127.0.0.1:8000", "--spec-method", "ngram"]) == 2
     assert "leave --spec-method" in capsys.readouterr().err
-    assert main([*base, "--url", "ftp://example"]) == 1
+    assert main([*base, "--url", "ftp://example"]) == 2
     assert "not an http(s) address" in capsys.readouterr().err
-    assert main([*base, "--url", f"http://127.0.0.1:{free_port()}"]) == 1  # nothing listens: before any loading
+    assert main([*base, "--url", f"http://127.0.0.1:{free_port()}"]) == 2  # nothing listens: before any loading
     err = capsys.readouterr().err
     assert err.startswith("error: cannot list the models") and "Traceback" not in err
 
@@ -69,3 +69,34 @@ def test_a_server_that_drafts_nothing_passes_saying_so(tiny):
     with serve(llm, name="tiny") as live:
         report, spec = audit_served(ServedAPI(live.base_url), seqs, positions, logits, PARAMS, draws=200)
     assert report.passed and spec["verify_steps"] == 0 and "verified no drafts" in report.reason
+
+
+class _FakeServer:
+    """A server whose answers are scripted: `first` tokens, always the same second one."""
+
+    base = "http://fake"
+
+    def __init__(self, first: list[int], tokens_as_text: bool = False) -> None:
+        self.first, self.as_text, self.calls = first, tokens_as_text, 0
+
+    def model_name(self) -> str:
+        return "fake"
+
+    def post(self, path: str, body: dict) -> dict:
+        self.calls += 1
+        name = (lambda t: str(t)) if self.as_text else (lambda t: f"token_id:{t}")
+        first = self.first if self.calls % 8 == 0 else [5] * len(self.first)  # one call in 8 as scripted
+        return {"choices": [{"logprobs": {"tokens": [name(f), name(0), name(0)]}} for f in first]}
+
+
+def test_positions_with_too_few_answers_are_not_judged_and_text_tokens_are_refused():
+    from specserve.errors import ConfigError
+
+    seqs, positions, logits = [[1, 2, 3, 4]] * 2, [2, 2], torch.randn(2, 64)
+    # Another model: the continuation's token comes up in one answer of 128; its second token is always
+    # the same. 50 answers a position are too few to judge (they would pool into one chi-square cell).
+    report, spec = audit_served(_FakeServer([3] + [5] * 15), seqs, positions, logits, PARAMS, draws=800)
+    assert not report.passed and "in no position did 100 answers" in report.reason
+    assert spec["untested_positions"] == 2 and spec["requests"] == 2 * 8 * 50
+    with pytest.raises(ConfigError, match="return_tokens_as_token_ids"):
+        audit_served(_FakeServer([3] * 16, tokens_as_text=True), seqs, positions, logits, PARAMS, draws=800)

@@ -25,15 +25,18 @@ logger = logging.getLogger(__name__)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Join a Ray cluster at `address`, or start a private local one."""
+    """Join a Ray cluster at `address` (or $RAY_ADDRESS, Ray's own convention), or start a private
+    local one: never a cluster that `ray start` left running on this machine, which a bare
+    ray.init() would join (and then refuse num_cpus)."""
     import ray
 
     if ray.is_initialized():
         return
+    address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
                  configure_logging=False)
 
 

@@ -219,18 +219,21 @@ class ModelRunner:
         self.quantization = model_config.quantization
         self.logprobs_mode = model_config.logprobs_mode
         self.native_ops = False  # block-quantized weights run through specserve.kernels
+        self.float_linear_backend: str | None = None  # what float matrices run through (dense / onednn), if any do
         if self.quantization is not Quantization.NONE:
             if not quantization_usable(self.quantization, self.device):
                 raise ConfigError(f"--quantization {self.quantization} is not supported on {self.device} with this torch.")
             apply_quantization(self.model, self.quantization)
             self.linear_backend = self.quantization
             if self.quantization is Quantization.AUTO:  # float tensors of the file stay float: fastest float backend
-                apply_linear_backend(self.model, resolve_linear_backend(model_config.linear_backend, self.device, self.dtype))
+                self.float_linear_backend = resolve_linear_backend(model_config.linear_backend, self.device, self.dtype)
+                apply_linear_backend(self.model, self.float_linear_backend)
             if model_config.native_cpu:
                 enable_native_ops(self.model)
                 self.native_ops = True
         else:
             self.linear_backend = resolve_linear_backend(model_config.linear_backend, self.device, self.dtype)
+            self.float_linear_backend = self.linear_backend
             apply_linear_backend(self.model, self.linear_backend)
         # Blocks the pool hands out, then `reserved_blocks` outside it, from the same budget: a
         # layer-skip drafter's scratch for its draft tokens (reserved_block_ids), never the pool's.

@@ -263,13 +263,15 @@ def drained(q: queue.Queue, timeout_s: float) -> bool:
     return True
 
 
-def _delete(path: Path) -> None:
-    """Delete a block file if it is there and can be: a folder that turned read-only (or a file
-    another process holds) leaves it in place, never fails the step (it is verified when read)."""
+def _delete(path: Path) -> bool:
+    """Delete a block file if it is there and can be (True: it is gone): a folder that turned
+    read-only leaves it in place and never fails the step (a file is verified whenever it is read)."""
     try:
         path.unlink(missing_ok=True)
     except OSError as exc:
         logger.warning("KV disk tier: cannot delete %s (%s)", path, exc.strerror or exc)
+        return False
+    return True
 
 
 def _check_writable(directory: Path) -> None:
@@ -497,13 +499,14 @@ class DiskTier:
     def refuse(self, path: Path, block_hash: BlockHash, why: str) -> None:
         """Count a block file that failed verification and delete it: it is never served."""
         self.counters.corrupt += 1
-        logger.warning("KV disk tier: %s refused (%s); deleted, the prefix is recomputed", path.name, why)
         with self._lock:
             entry = self._index.get(block_hash.value)
         if entry is not None and entry.path == path:
-            self._remove(block_hash.value, entry)
+            gone = self._remove(block_hash.value, entry)
         else:
-            _delete(path)
+            gone = _delete(path)
+        logger.warning("KV disk tier: %s refused (%s); %s, the prefix is recomputed", path.name, why,
+                       "deleted" if gone else "left in place")
 
     def vanished(self, block_hash: BlockHash) -> None:
         """A block file another process removed or replaced after this one read its header: a
@@ -616,12 +619,12 @@ class DiskTier:
                 value, entry = next(iter(self._index.items()))
             self._remove(value, entry)
 
-    def _remove(self, value: int, entry: _DiskEntry) -> None:
+    def _remove(self, value: int, entry: _DiskEntry) -> bool:
         with self._lock:
             if self._index.get(value) is entry:
                 del self._index[value]
                 self.used_bytes -= entry.size
-        _delete(entry.path)
+        return _delete(entry.path)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued block is written; False on timeout."""

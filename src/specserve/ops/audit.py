@@ -214,12 +214,15 @@ class ServedAPI:
         req = urllib.request.Request(self.base + path, json.dumps(body).encode(), headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                return json.loads(r.read())
+                out = json.loads(r.read())
         except urllib.error.HTTPError as e:
             detail = e.read()[:300].decode("utf-8", "replace")
             raise ConfigError(f"{self.base}{path} answered {e.code}: {detail}") from None
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise ConfigError(f"cannot reach {self.base}{path}: {getattr(e, 'reason', e)}; is the server up?") from None
+        if not isinstance(out, dict):
+            raise ConfigError(f"{self.base}{path} answered with JSON that is not an object; is it OpenAI-compatible?")
+        return out
 
     def model_name(self) -> str:
         """The id the server serves under (its first model)."""
@@ -237,6 +240,7 @@ class ServedAPI:
 
 
 SERVED_N = 16  # samples per request (the server's `n` limit)
+SERVED_MIN = 100  # answers a position needs to be judged (fewer pool into one chi-square cell and test nothing)
 
 
 def audit_served(api: ServedAPI, sequences: Sequence[Sequence[int]], positions: Sequence[int],
@@ -255,7 +259,7 @@ def audit_served(api: ServedAPI, sequences: Sequence[Sequence[int]], positions: 
     model = api.model_name()
     sampling = {"temperature": params.temperature, "top_p": params.top_p, "min_p": params.min_p,
                 "top_k": params.top_k if params.top_k > 0 else -1}
-    spec = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "requests": 0}
+    spec = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "requests": 0, "untested_positions": 0}
     report = AuditReport("speculation")
     for k, (s, j) in enumerate(zip(sequences, positions)):
         counts = torch.zeros(q_all.shape[1], dtype=torch.float64)
@@ -267,8 +271,12 @@ def audit_served(api: ServedAPI, sequences: Sequence[Sequence[int]], positions: 
                     "speculative": True, "logprobs": 0, "return_tokens_as_token_ids": True, **sampling}
             out = api.post("/v1/completions", body)
             sent += 1
-            for c in out.get("choices", []):
-                ids = [int(t.removeprefix("token_id:")) for t in (c.get("logprobs") or {}).get("tokens", [])]
+            for c in out.get("choices") or [] if isinstance(out, dict) else []:
+                tokens = ((c.get("logprobs") or {}).get("tokens") or []) if isinstance(c, dict) else []
+                if not all(isinstance(t, str) and t.startswith("token_id:") and t[9:].isdigit() for t in tokens):
+                    raise ConfigError(f"{api.base} names tokens by their text ({tokens[:3]!r}), not by id: it does not "
+                                      "support return_tokens_as_token_ids (vLLM's), which this audit needs.")
+                ids = [int(t[9:]) for t in tokens]
                 if len(ids) == 3 and ids[0] == s[j] and 0 <= ids[1] < counts.shape[0]:
                     counts[ids[1]] += 1
                     matched += 1
@@ -277,10 +285,14 @@ def audit_served(api: ServedAPI, sequences: Sequence[Sequence[int]], positions: 
                 spec[key] += int(served.get(key) or 0)
         spec["requests"] += sent
         drafted, accepted = spec["draft_tokens"] - drafted, spec["accepted_tokens"] - accepted
-        if matched:  # (acceptance: of the draft tokens the server verified for this position's requests)
+        if matched >= min(SERVED_MIN, draws):  # (acceptance: of the draft tokens verified for this position's requests)
             report.positions.append(_against(counts, q_all[k], accepted / drafted if drafted else 0.0))
+        else:
+            spec["untested_positions"] += 1
     if not report.positions:
-        report.passed, report.reason = False, "the server never wrote the continuation's tokens: is it serving --model?"
+        report.passed, report.reason = False, (
+            f"in no position did {min(SERVED_MIN, draws)} answers begin with the continuation's own token "
+            f"({spec['untested_positions']} positions): is the server serving --model, with these sampling settings?")
         return report, spec
     report = _judge(report, alpha)
     if report.passed and not spec["verify_steps"]:  # what was audited, said where it is read

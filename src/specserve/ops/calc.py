@@ -652,15 +652,15 @@ def transfer_report(
             Figure(
                 "total_ms",
                 "transfer",
-                r.total_s * 1e3,
+                _finite(r.total_s * 1e3, "transfer time"),
                 "ms",
                 "bytes / bandwidth (all exposed without pipelining)",
                 ".1f",
             ),
             Figure(
-                "per_layer_ms", "per layer", r.per_layer_s * 1e3, "ms", "transfer / layers", ".2f"
+                "per_layer_ms", "per layer", _finite(r.per_layer_s * 1e3, "transfer time"), "ms", "transfer / layers", ".2f"
             ),
-            Figure("exposed_ms", "exposed, pipelined", r.exposed_s * 1e3, "ms", how, ".2f"),
+            Figure("exposed_ms", "exposed, pipelined", _finite(r.exposed_s * 1e3, "transfer time"), "ms", how, ".2f"),
             Figure(
                 "hidden_fraction",
                 "hidden, pipelined",
@@ -738,11 +738,11 @@ def roofline_report(
                 "weights * bits / 8 + batch * context * KV/token",
                 ".3f",
             ),
-            Figure("memory_ms", "memory time", r.memory_s * 1e3, "ms", "bytes / bandwidth", ".3f"),
+            Figure("memory_ms", "memory time", _finite(r.memory_s * 1e3, "memory time"), "ms", "bytes / bandwidth", ".3f"),
             Figure(
                 "compute_ms",
                 "compute time",
-                r.compute_s * 1e3,
+                _finite(r.compute_s * 1e3, "compute time"),
                 "ms",
                 "batch * (2 * weights + attention) / peak",
                 ".3f",

@@ -419,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
         if args.png:  # before the search: a plan that cannot be drawn is found out now
             from matplotlib.figure import Figure
 
-            output_file(args.png, "--png", (f".{e}" for e in Figure().canvas.get_supported_filetypes()))
+            args.png = str(output_file(args.png, "--png", (f".{e}" for e in Figure().canvas.get_supported_filetypes())))
         if not 0 < args.weight_bits <= 32:
             raise WorkloadError(f"--weight-bits must be in (0, 32] (e.g. 4.5 for Q4_K, 16 for bf16), got {args.weight_bits}.")
         options, notes, budget, seqs, source = _workers(args, plan)

@@ -771,12 +771,12 @@ def train_draft(cfg: TrainConfig) -> dict:
         raise ConfigError(f"{cfg.model} has no tokenizer; train-draft tokenizes a text corpus.")
     arch = engine.arch
     fp = target_fingerprints(arch, tok.fingerprint(), embedding_rows(engine.runner.model.model.embed_tokens, FINGERPRINT_ROWS))[0]
-    out = Path(cfg.out) if cfg.out else default_head_path(fp, cfg.method)
+    out = Path(cfg.out).expanduser() if cfg.out else default_head_path(fp, cfg.method)
     if cfg.method != "layerskip":  # (checked against the target before anything is written)
         layers = default_feature_layers(arch.num_layers) if cfg.feature_layers is None else tuple(cfg.feature_layers)
         engine.runner.feature_layers = layers
     # Features and conversations are the target's, shared by every method; checkpoints are per method.
-    work = Path(cfg.work_dir) if cfg.work_dir else cache_dir() / "train" / fp
+    work = Path(cfg.work_dir).expanduser() if cfg.work_dir else cache_dir() / "train" / fp
     work.mkdir(parents=True, exist_ok=True)
     state_path = work / f"state-{cfg.method}.pt"
     if cfg.fresh:  # what this command wrote there, not whatever else a --work-dir holds
