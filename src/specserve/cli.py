@@ -733,7 +733,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verifications per position (default 10,000; with --url, served draws, default 2,000)")
     p.add_argument("--url", default=None,
                    help="audit the sampler of this running server (e.g. http://127.0.0.1:8000), speculation as it "
-                        "serves, against --model computed here (a canary); the API key from $" + "SPECSERVE_API_KEY")
+                        "serves, against --model computed here (a canary); the API key from $" + API_KEY_ENV)
     p.add_argument("--alpha", type=float, default=1e-3, help="significance of the speculation audit")
     p.add_argument("--max-kl", type=float, default=0.1, help="largest mean KL (nats) a precision may show")
     p.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -655,9 +655,8 @@ class LLMEngine:
         ident: dict[str, object] = {
             "model": config.model.model, "quantization": config.model.quantization, "dtype": str(runner.dtype),
             # the products' kernels (dense and oneDNN float32 matmuls round differently: another KV)
-            "linear_backend": str(getattr(runner, "linear_backend", None)), "device": str(runner.device),
-            "float_backend": str(getattr(runner, "float_linear_backend", None)),
-            "native_ops": bool(getattr(runner, "native_ops", False)),
+            "linear_backend": str(runner.linear_backend), "float_backend": str(runner.float_linear_backend),
+            "native_ops": runner.native_ops, "device": str(runner.device),
             "kv_cache_dtype": cache.kv_cache_dtype, "block_size": cache.block_size, "layers": arch.num_layers,
             "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab": arch.vocab_size,
             "specserve": __version__, "python": list(sys.version_info[:2]),  # block hashes are Python's hash()

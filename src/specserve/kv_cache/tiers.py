@@ -275,18 +275,17 @@ def _delete(path: Path) -> bool:
 
 
 def _check_writable(directory: Path) -> None:
-    """Create the disk tier's directory and write a file in it, or raise a ConfigError that says
-    which directory and why: a tier that cannot write is found at start, not block by block."""
+    """Create the disk tier's directory, tried by writing first (files.output_dir), or raise a
+    ConfigError that says which directory and why: a tier that cannot write is found at start."""
     from specserve.errors import ConfigError
+    from specserve.files import output_dir
 
-    probe = directory / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
+        output_dir(directory, "--kv-disk-dir")
         directory.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(f"the KV disk tier cannot write to {directory} ({exc.strerror or exc}); give --kv-disk-dir a "
-                          "writable directory, or leave it out for no disk tier.") from None
+    except (ConfigError, OSError) as exc:
+        raise ConfigError(f"the KV disk tier cannot write to {directory} ({getattr(exc, 'strerror', None) or exc}); "
+                          "give --kv-disk-dir a writable directory, or leave it out for no disk tier.") from None
 
 
 def block_file_name(value: int) -> str:

@@ -203,7 +203,8 @@ class ServedAPI:
         self.base = url.rstrip("/").removesuffix("/v1")
         self.api_key, self.timeout_s = api_key, timeout_s
 
-    def post(self, path: str, body: dict) -> dict:
+    def post(self, path: str, body: dict | None = None) -> dict:
+        """The JSON object the server answers (a GET without a body), or a ConfigError saying why not."""
         import json
         import urllib.error
         import urllib.request
@@ -211,9 +212,10 @@ class ServedAPI:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.base + path, json.dumps(body).encode(), headers)
+        data = None if body is None else json.dumps(body).encode()
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+            with urllib.request.urlopen(urllib.request.Request(self.base + path, data, headers),
+                                        timeout=self.timeout_s) as r:
                 out = json.loads(r.read())
         except urllib.error.HTTPError as e:
             detail = e.read()[:300].decode("utf-8", "replace")
@@ -226,15 +228,9 @@ class ServedAPI:
 
     def model_name(self) -> str:
         """The id the server serves under (its first model)."""
-        import json
-        import urllib.request
-
-        req = urllib.request.Request(self.base + "/v1/models",
-                                     headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                return json.loads(r.read())["data"][0]["id"]
-        except Exception as e:  # noqa: BLE001 - any failure here means the address is not such a server
+            return str(self.post("/v1/models")["data"][0]["id"])
+        except (KeyError, IndexError, TypeError, ConfigError) as e:
             raise ConfigError(f"cannot list the models at {self.base}/v1/models ({e}); is --url an "
                               "OpenAI-compatible server?") from None
 
@@ -260,9 +256,10 @@ def audit_served(api: ServedAPI, sequences: Sequence[Sequence[int]], positions: 
     sampling = {"temperature": params.temperature, "top_p": params.top_p, "min_p": params.min_p,
                 "top_k": params.top_k if params.top_k > 0 else -1}
     spec = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "requests": 0, "untested_positions": 0}
+    need = min(SERVED_MIN, draws)
     report = AuditReport("speculation")
     for k, (s, j) in enumerate(zip(sequences, positions)):
-        counts = torch.zeros(q_all.shape[1], dtype=torch.float64)
+        counts = torch.zeros(q_all.shape[1], dtype=torch.float64)  # second tokens of the answers that match
         matched, sent, drafted, accepted = 0, 0, spec["draft_tokens"], spec["accepted_tokens"]
         while matched < draws and sent < 8 * -(-draws // SERVED_N):  # (first tokens of probability >= 1/8 fill it)
             # Three tokens, of which the second is counted: a draft is made only for tokens that may
@@ -271,7 +268,7 @@ def audit_served(api: ServedAPI, sequences: Sequence[Sequence[int]], positions: 
                     "speculative": True, "logprobs": 0, "return_tokens_as_token_ids": True, **sampling}
             out = api.post("/v1/completions", body)
             sent += 1
-            for c in out.get("choices") or [] if isinstance(out, dict) else []:
+            for c in out.get("choices") or []:
                 tokens = ((c.get("logprobs") or {}).get("tokens") or []) if isinstance(c, dict) else []
                 if not all(isinstance(t, str) and t.startswith("token_id:") and t[9:].isdigit() for t in tokens):
                     raise ConfigError(f"{api.base} names tokens by their text ({tokens[:3]!r}), not by id: it does not "
@@ -285,13 +282,13 @@ def audit_served(api: ServedAPI, sequences: Sequence[Sequence[int]], positions: 
                 spec[key] += int(served.get(key) or 0)
         spec["requests"] += sent
         drafted, accepted = spec["draft_tokens"] - drafted, spec["accepted_tokens"] - accepted
-        if matched >= min(SERVED_MIN, draws):  # (acceptance: of the draft tokens verified for this position's requests)
+        if matched >= need:  # (acceptance: of the draft tokens verified for this position's requests)
             report.positions.append(_against(counts, q_all[k], accepted / drafted if drafted else 0.0))
         else:
             spec["untested_positions"] += 1
     if not report.positions:
         report.passed, report.reason = False, (
-            f"in no position did {min(SERVED_MIN, draws)} answers begin with the continuation's own token "
+            f"in no position did {need} answers begin with the continuation's own token "
             f"({spec['untested_positions']} positions): is the server serving --model, with these sampling settings?")
         return report, spec
     report = _judge(report, alpha)

@@ -290,9 +290,8 @@ def search(plan: PlanInput, options: Sequence[WorkerOption], devices: int, specs
     from specserve.progress import bar
 
     trace = plan.workload.trace(plan.requests, seed)
-    runs = [(opt, devices // opt.devices, dep) for opt in options
-            for dep in deployments(devices // opt.devices, opt.cost.link_gb_s is not None, specs,
-                                   max_num_batched_tokens, max_num_seqs)]
+    runs = [(opt, n, dep) for opt in options for n in [devices // opt.devices]
+            for dep in deployments(n, opt.cost.link_gb_s is not None, specs, max_num_batched_tokens, max_num_seqs)]
     rows = []
     for opt, n, dep in bar(runs, desc=f"simulating {len(trace)} requests", unit="config"):  # (minutes on long answers)
         result = simulate(trace, dep, opt.cost, seed=seed)
