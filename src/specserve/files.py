@@ -76,12 +76,25 @@ _UMASK = _read_umask()
 def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """write(file) into a temporary file beside path, then rename it over path: a crash never
     leaves a half-written file under the final name, and a failed write leaves nothing."""
+
+    def write_named(name: str) -> None:
+        with open(name, "wb") as f:
+            write(f)
+
+    write_atomic_named(path, write_named)
+
+
+def write_atomic_named(path: Path, write: Callable[[str], object]) -> None:
+    """write_atomic for writers that take a file name (safetensors' save_file): write(name) fills
+    a temporary file beside path, which is then renamed over path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # as open() would have made it (mkstemp's file is 0600)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
+        try:
+            os.fchmod(fd, 0o666 & ~_UMASK)  # as open() would have made it (mkstemp's file is 0600)
+        finally:
+            os.close(fd)
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

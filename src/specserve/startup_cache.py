@@ -21,14 +21,13 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specserve.files import write_atomic
+from specserve.files import write_atomic, write_atomic_named
 
 logger = logging.getLogger(__name__)
 
@@ -149,15 +148,8 @@ class StartupCache:
         from safetensors.torch import save_file
 
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.kind}-", suffix=".tmp")
-            os.close(fd)
-            try:
-                save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-                os.replace(tmp, self.tensor_path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            blocks = {k: v.contiguous() for k, v in tensors.items()}
+            write_atomic_named(self.tensor_path, lambda name: save_file(blocks, name))
             # Tensor files are large (a 0.5B draft's 4-bit blocks: 250 MB): keep the newest few of a kind.
             older = sorted(self.path.parent.glob(f"{self.kind}-*.safetensors"), key=lambda p: p.stat().st_mtime)
             for stale in older[:-TENSOR_FILES_KEPT]:

@@ -249,3 +249,20 @@ def test_only_the_newest_tensor_files_of_a_kind_are_kept(cache_on):
     kept = {p.name for p in (cache_on / "profiles").glob("blobs-*.safetensors")}
     assert kept == {c.tensor_path.name for c in [caches[0], *caches[-sc.TENSOR_FILES_KEPT + 1:]]}
     assert torch.equal(caches[-1].load_tensors()["x"], torch.full((4,), sc.TENSOR_FILES_KEPT + 1))
+
+
+def test_a_tensor_file_that_fails_to_write_leaves_nothing(cache_on, monkeypatch):
+    import safetensors.torch
+
+    cache = StartupCache("blobs", {"n": 1})
+    cache.save_tensors({"x": torch.ones(4)})
+
+    def full_disk(tensors, name):  # noqa: ANN001, ANN202
+        with open(name, "wb") as f:
+            f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    cache.save_tensors({"x": torch.zeros(4)})  # logs, keeps the old file whole
+    assert [p.name for p in (cache_on / "profiles").iterdir()] == [cache.tensor_path.name]
+    assert torch.equal(cache.load_tensors()["x"], torch.ones(4))

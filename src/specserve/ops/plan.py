@@ -188,6 +188,13 @@ def parse_workload(data: Any, slo: Mapping[str, float] | None = None, source: st
     return PlanInput(Workload(rate, tuple(classes)), requests)
 
 
+def yaml_problem(e: Exception) -> str:
+    """A YAML parser's error in one line: where (1-based line and column) and what."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
+
+
 def load_workload(path: str | Path, slo: Mapping[str, float] | None = None) -> PlanInput:
     """Read and validate a workload YAML file."""
     import yaml
@@ -201,7 +208,7 @@ def load_workload(path: str | Path, slo: Mapping[str, float] | None = None) -> P
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise WorkloadError(f"{path} is not valid YAML: {e}") from None
+        raise WorkloadError(f"{path} is not valid YAML: {yaml_problem(e)}.") from None
     try:
         return parse_workload(data, slo, source=str(path))
     except WorkloadError as e:
