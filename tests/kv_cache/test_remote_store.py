@@ -46,6 +46,49 @@ def test_a_record_larger_than_the_store_is_logged_as_gone_so_senders_forget_it()
     assert store.changes("fp", version)[1] == [(big.value, False)]  # a sender's refresh drops it from its index
 
 
+class _Direct:
+    """A KVBlockStore called as its Ray actor handle is (`store.put.remote(...)`), in process;
+    `after_put` runs once a put is done, before the caller hears back."""
+
+    def __init__(self, store: KVBlockStore) -> None:
+        self.store = store
+        self.after_put = lambda: None
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        method = getattr(self.store, name)
+
+        def call(*args):  # noqa: ANN002, ANN202
+            out = method(*args)
+            if name == "put":
+                self.after_put()
+            return out
+
+        return type("Method", (), {"remote": staticmethod(call)})()
+
+
+def test_a_sender_never_keeps_a_record_the_store_refused_whenever_its_index_refreshes(monkeypatch):
+    """The store logs a record larger than itself as gone; the sender's refresher may read that
+    event before the sender hears its put is done, and the sender must not then add it back."""
+    from specserve.kv_cache.remote import RemoteTier
+    from specserve.kv_cache.tiers import TierCounters
+
+    monkeypatch.setattr(RemoteTier, "_call", staticmethod(lambda ref: ref))
+    small, big, later = _chain(3, start=300)
+    store = _Direct(KVBlockStore(len(_record(small, _payload(0))) + 64))
+    tier = RemoteTier(store, "fp", PAYLOAD, TierCounters(), refresh_s=3600)
+    try:
+        for refreshed_first in (True, False):
+            block = big if refreshed_first else later
+            store.after_put = tier.refresh if refreshed_first else (lambda: None)
+            tier._send([(block, torch.zeros(2 * PAYLOAD, dtype=torch.uint8))])
+            tier.refresh()
+            assert not tier.contains(block)
+        tier._send([(small, _payload(0))])
+        assert tier.contains(small) and len(tier) == 1
+    finally:
+        tier.close()
+
+
 @pytest.fixture(scope="module")
 def ray_store():
     """A private local Ray with the deployment's store actor."""

@@ -301,9 +301,13 @@ class RemoteTier:
         for block_hash, payload in blocks:
             data = memoryview(payload.contiguous().numpy()).cast("B")
             items.append((block_hash.value, block_prefix(self.fingerprint, block_hash, data, self.layer_bytes) + bytes(data)))
-        self._call(self.store.put.remote(self.fingerprint, items))
+        version = self._call(self.store.put.remote(self.fingerprint, items))
         with self._lock:
-            self._known.update(value for value, _ in items)
+            # Known at once, unless the refresher has already read the log past this put: then it
+            # applied the put's own events (a record too large for the store, one evicted at once)
+            # and adding them now would undo those.
+            if self._version < version:
+                self._known.update(value for value, _ in items)
         self.counters.remote.saved += len(items)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
