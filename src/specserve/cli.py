@@ -722,7 +722,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="audit speculation: model-free methods draft one-hot tokens; draft needs --draft-model")
     p.add_argument("--draft-model", default=None, help="draft model whose distribution proposes (auto: the bundled sibling)")
     p.add_argument("--precisions", default="",
-                   help="comma list, the first the reference, e.g. none,auto,int4: KL of each against the first")
+                   help="comma list, the first the reference, e.g. none,auto,int4: KL of each against the first "
+                        "(with --url, the first alone sets the reference's precision)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -733,7 +734,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verifications per position (default 10,000; with --url, served draws, default 2,000)")
     p.add_argument("--url", default=None,
                    help="audit the sampler of this running server (e.g. http://127.0.0.1:8000), speculation as it "
-                        "serves, against --model computed here (a canary); the API key from $" + API_KEY_ENV)
+                        "serves, against --model computed here in the precision the server names in /v1/models "
+                        "(a canary); the API key from $" + API_KEY_ENV)
     p.add_argument("--alpha", type=float, default=1e-3, help="significance of the speculation audit")
     p.add_argument("--max-kl", type=float, default=0.1, help="largest mean KL (nats) a precision may show")
     p.add_argument("--json", action="store_true", help="print the results as JSON")

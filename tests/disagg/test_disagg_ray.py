@@ -68,6 +68,8 @@ def test_disagg_greedy_equals_colocated_with_and_without_speculation(deployment,
     used = {o.metrics.extra["decode_worker"] for o in spec_outs + plain_outs}
     assert used == {"decode-0", "decode-1"}  # both decode workers took requests
     assert deployment.router.transfers and all(t["ok"] for t in deployment.router.transfers)
+    # What the server's /v1/models card names (audit --url computes its reference in it): the decode workers'
+    assert deployment.router.engine.precision == {"quantization": "none", "dtype": "float32", "kv_cache_dtype": "auto"}
     _integrity(deployment)
 
 

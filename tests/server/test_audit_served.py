@@ -100,3 +100,44 @@ def test_positions_with_too_few_answers_are_not_judged_and_text_tokens_are_refus
     assert spec["untested_positions"] == 2 and spec["requests"] == 2 * 8 * 50
     with pytest.raises(ConfigError, match="return_tokens_as_token_ids"):
         audit_served(_FakeServer([3] * 16, tokens_as_text=True), seqs, positions, logits, PARAMS, draws=800)
+
+
+def test_the_model_card_names_the_precision_and_the_served_audit_computes_its_reference_in_it(tiny, monkeypatch):
+    """A server sampling on int4 audited against this machine's `auto` would fail on the
+    precisions' KL alone (SmolLM2: mean KL 0.08 nats, against 0.006 for auto vs float32): the
+    reference is computed as the server's /v1/models card says, unless --precisions names one."""
+    import specserve
+    from specserve.errors import ConfigError
+    from specserve.ops import audit
+
+    llm = LLM("tiny", checkpoint=tiny, dtype="float32", profile_spec_costs=False, kv_cache_gib=0.02)
+    with serve(llm, name="tiny") as live:
+        card = ServedAPI(live.base_url).model_card()
+    assert card["precision"] == {"quantization": "none", "dtype": "float32", "kv_cache_dtype": "auto"}
+
+    built: list[dict] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(model, **kw):  # noqa: ANN001, ANN003, ANN202
+        built.append({k: v for k, v in kw.items() if k in audit.PRECISION_KEYS})
+        if kw.get("quantization") == "fp4":
+            raise ConfigError("Unknown quantization 'fp4'")
+        raise Stop
+
+    monkeypatch.setattr(specserve, "LLM", fake_llm)
+    said = {"quantization": "int4", "dtype": "float32", "kv_cache_dtype": "fp16"}
+    for card, precisions, expect in [
+        ({"id": "m", "precision": said}, [], said),  # the server's
+        ({"id": "m", "precision": said}, ["none"], {"quantization": "none"}),  # --precisions' first
+        ({"id": "m"}, [], {}),  # another server: this machine's defaults
+        ({"id": "m", "precision": {"quantization": 4}}, [], {}),  # a card it cannot read: the same
+    ]:
+        monkeypatch.setattr(ServedAPI, "model_card", lambda self, card=card: card)
+        with pytest.raises(Stop):
+            audit.run_audit("m", ["hi"], url="http://127.0.0.1:1", precisions=precisions)
+        assert built.pop() == expect
+    monkeypatch.setattr(ServedAPI, "model_card", lambda self: {"id": "m", "precision": {**said, "quantization": "fp4"}})
+    with pytest.raises(ConfigError, match="computes in quantization fp4.*give --precisions P"):
+        audit.run_audit("m", ["hi"], url="http://127.0.0.1:1")

@@ -123,7 +123,8 @@ def connect(model: str, actors: list[Any], *, transport: str = "auto", transfer_
                         draft_model="<decode workers>" if spec["method"] == "draft" else None),
         scheduler=SchedulerConfig(max_num_seqs=sum(w.info["max_num_seqs"] for w in decode)),
     )
-    frontend = DisaggFrontend(model, preparer, config, any(w.info["has_proposer"] for w in decode))
+    frontend = DisaggFrontend(model, preparer, config, any(w.info["has_proposer"] for w in decode),
+                              precision=decode[0].info.get("precision"))
     if metrics is not None:
         for w in workers:
             metrics.worker_alive.labels(w.role, w.name).set(1)

@@ -120,8 +120,10 @@ class _Job:
 class DisaggFrontend:
     """What the HTTP layer needs from an 'engine' in disaggregated mode: tokenizer, limits, config."""
 
-    def __init__(self, model_name: str, preparer: RequestPreparer, config: Any, has_proposer: bool) -> None:
+    def __init__(self, model_name: str, preparer: RequestPreparer, config: Any, has_proposer: bool,
+                 precision: dict[str, str] | None = None) -> None:
         self.model_name = model_name
+        self.precision = precision  # the decode workers' (LLMEngine.precision): they sample
         self.preparer = preparer
         self.tokenizer = preparer.tokenizer
         self.max_model_len = preparer.max_model_len

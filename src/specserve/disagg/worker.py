@@ -148,6 +148,7 @@ class WorkerCore:
             "spec": {"method": eng.config.spec.method, "policy": eng.config.spec.policy,
                      "num_spec_tokens": eng.config.spec.num_spec_tokens},
             "has_proposer": eng.can_speculate,
+            "precision": eng.precision,
             "drafts_for_decode": self.role == "prefill" and drafts_for_decode(eng),
             # The draft prompt KV this worker sends (prefill) or takes (decode); the router sends
             # it between two workers whose fingerprints agree.

@@ -1240,6 +1240,15 @@ class LLMEngine:
         return True
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def precision(self) -> dict[str, str]:
+        """The numbers this engine computes in, as settings that rebuild them elsewhere (the
+        resolved --quantization, --dtype and --kv-cache-dtype): what `audit --url` reads from
+        /v1/models to compute its reference the way the server computes."""
+        cfg = self.config
+        return {"quantization": str(cfg.model.quantization), "dtype": str(self.runner.dtype).removeprefix("torch."),
+                "kv_cache_dtype": str(cfg.cache.kv_cache_dtype)}
+
     def describe(self) -> dict[str, str]:
         """What is running, one line per aspect (the start-up summary of `specserve serve`)."""
         cfg, arch = self.config, self.arch

@@ -226,13 +226,35 @@ class ServedAPI:
             raise ConfigError(f"{self.base}{path} answered with JSON that is not an object; is it OpenAI-compatible?")
         return out
 
-    def model_name(self) -> str:
-        """The id the server serves under (its first model)."""
+    def model_card(self) -> dict:
+        """The server's first entry of /v1/models (with an `id`)."""
         try:
-            return str(self.post("/v1/models")["data"][0]["id"])
+            card = self.post("/v1/models")["data"][0]
+            str(card["id"])
+            return card
         except (KeyError, IndexError, TypeError, ConfigError) as e:
             raise ConfigError(f"cannot list the models at {self.base}/v1/models ({e}); is --url an "
                               "OpenAI-compatible server?") from None
+
+    def model_name(self) -> str:
+        """The id the server serves under (its first model)."""
+        return str(self.model_card()["id"])
+
+
+PRECISION_KEYS = ("quantization", "dtype", "kv_cache_dtype")  # LLM's arguments a specserve server's card names
+
+
+def served_precision(card: dict) -> dict[str, str] | None:
+    """The precision a specserve server's model card says it computes in, or None (another
+    server, or a card without one)."""
+    said = card.get("precision")
+    if not isinstance(said, dict) or not all(isinstance(said.get(k), str) for k in PRECISION_KEYS):
+        return None
+    return {k: said[k] for k in PRECISION_KEYS}
+
+
+def _precision_text(precision: dict[str, str]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in precision.items()) or "this machine's defaults"
 
 
 SERVED_N = 16  # samples per request (the server's `n` limit)
@@ -384,11 +406,18 @@ def run_audit(
 
     params = params or SamplingParams(temperature=1.0)
     api = ServedAPI(url, api_key) if url else None
-    if api is not None:
-        api.model_name()  # the server answers, before the reference loads
+    # A served audit's reference computes as the server says it does (a server on int4 sampled
+    # against this machine's `auto` would fail on the precisions' KL alone), unless told otherwise.
+    server_precision = served_precision(api.model_card()) if api is not None else None  # (it answers, first)
+    reference_precision = {"quantization": precisions[0]} if precisions else server_precision or {}
     rows: list[dict] = []
-    reference = LLM(model, quantization=precisions[0] if precisions else None, kv_cache_gib=0.25,
-                    profile_spec_costs=False)
+    try:
+        reference = LLM(model, **reference_precision, kv_cache_gib=0.25, profile_spec_costs=False)
+    except ConfigError as e:
+        if precisions or server_precision is None:
+            raise
+        raise ConfigError(f"the server at {api.base} computes in {_precision_text(server_precision)}, which the "
+                          f"reference cannot here ({e}); give --precisions P to choose the reference's.") from None
     seqs = continuations(reference.engine, prompts, continuation_tokens)
     # The last `positions` positions of each continuation: what the model generated itself.
     spots = [(s, range(max(1, len(s) - positions - 1), len(s) - 1)) for s in seqs]
@@ -409,8 +438,17 @@ def run_audit(
         at = [(s, i) for s, r in spots for i in r]
         rep, spec = audit_served(api, [s for s, _ in at], [i for _, i in at], torch.cat(ref_logits), params,
                                  draws=draws, alpha=alpha)
+        if not rep.passed and server_precision is not None and any(
+                server_precision[k] != str(v) for k, v in reference_precision.items()):
+            rep.reason += (f" (the reference ran in {_precision_text(reference_precision)}, the server in "
+                           f"{_precision_text(server_precision)}: the precisions differ too)")
+        elif not rep.passed and server_precision is None and not precisions:
+            rep.reason += (" (the server does not say what precision it computes in, so the reference ran in this "
+                           "machine's defaults: give --precisions P to match it)")
         rows.append({"audit": f"served sampler at {api.base}", **rep.summary(),
-                     **{f"served_{k}": v for k, v in spec.items()}})
+                     **{f"served_{k}": v for k, v in spec.items()},
+                     "reference_precision": _precision_text(reference_precision),
+                     "server_precision": _precision_text(server_precision) if server_precision else "not said"})
     for precision in precisions[1:]:
         cand = LLM(model, quantization=precision, kv_cache_gib=0.25, profile_spec_costs=False)
         cand_logits = [teacher_forced_logits(cand.engine, s)[list(r)] for s, r in spots]

@@ -172,7 +172,8 @@ class OpenAIServer:
 
     def model_card(self) -> ModelCard:
         """The card /v1/models lists and /v1/models/{model} returns."""
-        return ModelCard(id=self.model_name, max_model_len=self.engine.max_model_len)
+        return ModelCard(id=self.model_name, max_model_len=self.engine.max_model_len,
+                         precision=getattr(self.engine, "precision", None))
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and not self.serves(model):

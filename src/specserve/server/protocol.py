@@ -486,6 +486,9 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "specserve"
     max_model_len: int | None = None
+    # specserve's: the resolved quantization, dtype and kv_cache_dtype its tokens are computed in
+    # (`specserve audit --url` computes its reference the same way)
+    precision: dict[str, str] | None = None
 
 
 class ModelList(BaseModel):
