@@ -224,6 +224,53 @@ def test_abort_during_prefill_stops_the_prefill_worker_and_is_no_failure(caplog)
     assert not _our_channel_files()
 
 
+class _SlowQueueDecodeActor:
+    """A decode worker whose add_decode answers only when told, and which, like the real actor
+    (many threads), may run an abort sent meanwhile first: it records what its engine thread
+    would see, in order."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.seen: list[tuple[str, str]] = []
+        self.gate = asyncio.Event()
+
+        async def add(req) -> None:  # noqa: ANN001
+            await self.gate.wait()
+            self.seen.append(("decode", req.request_id))
+
+        self.add_decode = _Remote(lambda req, desc, chars: add(req))
+        self.abort = _Remote(lambda ids: self.seen.extend(("abort", i) for i in ids))
+
+
+def test_a_client_leaving_while_its_request_is_queued_leaves_nothing_running():
+    """The abort a router sends while its decode worker is still queuing the request can reach
+    the worker's engine thread before the request does; the router aborts again once the worker
+    has it and starts no prefill, so nothing decodes for a client that left."""
+    import asyncio
+
+    r = _router(num_prefill=1, num_decode=1)
+    pre_actor, dec_actor = _FakePrefillActor(), _SlowQueueDecodeActor()
+    r.prefill[0].actor, r.decode[0].actor = pre_actor, dec_actor
+    prepared = r.engine.prepare_request([1, 2, 3, 4, 5, 6, 7, 8] * 5, SamplingParams(max_tokens=4))
+    rid = prepared.request.request_id
+
+    async def scenario() -> None:
+        r._loop = asyncio.get_running_loop()
+        r.submit([prepared])
+        await asyncio.sleep(0.05)  # the router waits on add_decode
+        r.abort([rid])
+        dec_actor.gate.set()
+        await asyncio.sleep(0.1)
+
+    asyncio.run(scenario())
+    internal = f"{rid}#1"
+    assert dec_actor.seen[-1] == ("abort", internal) and ("decode", internal) in dec_actor.seen
+    assert pre_actor.priorities == []  # no prefill for it
+    assert not r._jobs and not r._by_internal and r.decode[0].reserved_blocks == 0
+    assert not _our_channel_files()
+
+
 class _RecordingDecodeActor:
     """Takes requests and keeps them (as a decode worker that has not stepped yet)."""
 

@@ -475,6 +475,8 @@ class DisaggRouter:
                             and not await self._stored(hashes))
             # No healthy prefill worker (all dead, restarting, or failed on this request): the
             # decode worker prefills the prompt itself.
+            if job.aborted:  # its client left while the store was asked
+                return
             pre = self.pick_prefill(hashes, m, bad_prefill) if need_prefill else None
             desc = None
             if pre is not None:
@@ -519,6 +521,15 @@ class DisaggRouter:
         except Exception as exc:  # noqa: BLE001 - a dead or broken decode worker
             dec.reserved_blocks -= blocks
             self._worker_failed(dec, exc)
+            return False
+        if job.aborted:
+            # Its client left while the worker queued it: the abort sent then may have reached the
+            # worker's engine thread first (the actor serves calls on many threads), and the request
+            # would decode to max_tokens for nobody. Sent again, it comes after the request; no prefill.
+            dec.reserved_blocks -= blocks
+            self._by_internal.pop(internal, None)
+            with contextlib.suppress(Exception):
+                dec.actor.abort.remote([internal])
             return False
         job.routed_at = time.perf_counter()
         if pre is None:
