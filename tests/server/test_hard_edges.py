@@ -697,6 +697,26 @@ def test_streamed_and_whole_responses_look_alike(edge):
     _assert_clean(edge)
 
 
+@pytest.mark.parametrize("form", ["ids", "lists of ids", "text"])
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_an_echoed_prompt_streams_as_it_answers_whole(edge, form, logprobs):
+    """echo with a token-id prompt: the stream echoed nothing where the whole answer echoed the
+    prompt's text."""
+    ids = edge.engine.tokenizer.encode("hello world, hello")
+    prompt = {"ids": ids, "lists of ids": [ids, ids[:3]], "text": "hello world, hello"}[form]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": logprobs}
+    whole = {c["index"]: c["text"] for c in _post(edge, "/v1/completions", body).json()["choices"]}
+    streamed: dict[int, str] = {}
+    with httpx.stream("POST", edge.base_url + "/v1/completions", content=json.dumps({**body, "stream": True}).encode(),
+                      headers={"content-type": "application/json", **AUTH}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert streamed == whole and all(whole.values())
+    _assert_clean(edge)
+
+
 def test_logprobs_of_masked_tokens_are_sent_as_finite_numbers(edge, tiny_tok_checkpoint):
     """With --logprobs-mode processed, a grammar that leaves fewer tokens than top_logprobs asks
     for gives the rest logprob -inf, which JSON cannot carry; they are sent as -9999 (vLLM's value),

@@ -158,3 +158,31 @@ def test_a_client_that_leaves_a_streamed_response_frees_its_request(smol_server)
     eng = smol_server.engine
     assert eng.check_integrity()
     assert all(b.ref_cnt == 0 for b in eng.kv_manager.pool.blocks)
+
+
+def test_a_streamed_response_carries_text_with_unicode_line_separators():
+    """The chat stream a Responses stream is written from holds its JSON unescaped: an answer with
+    U+2028, U+2029 or U+0085 in it (which str.splitlines() also splits at) must come through."""
+    import asyncio
+    import types
+
+    from specserve.server.app import OpenAIServer, _event
+
+    pieces = ["a\u2028b", "\u2029c\x85", "d\r\ne"]
+
+    async def chat_chunks():  # noqa: ANN202
+        for piece in pieces:
+            yield _event({"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
+        yield _event({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}) + "data: [DONE]\n\n"
+
+    async def collect() -> str:
+        chunks = chat_chunks()
+        resp = types.SimpleNamespace(body_iterator=chunks)
+        server = types.SimpleNamespace(model_name="m")
+        return "".join([s async for s in OpenAIServer._stream_response(server, resp, ResponsesRequest(input="hi"))])
+
+    sent = asyncio.run(collect())
+    events = [json.loads(line[6:]) for line in sent.split("\n") if line.startswith("data: ")]
+    assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == pieces
+    assert events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "".join(pieces)

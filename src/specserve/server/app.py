@@ -377,7 +377,8 @@ class OpenAIServer:
             if req.echo and not scored:  # the prompt at once; scored, it goes with its logprobs after prefill
                 for i, p in enumerate(prepared):
                     chunk = CompletionResponse(id=rid, created=created, model=self.model_name,
-                                               choices=[CompletionChoice(index=i, text=p.prompt or "")])
+                                               choices=[CompletionChoice(
+                                                   index=i, text=p.prompt or self._decode(p.request.prompt_token_ids))])
                     yield _event(chunk.model_dump())
             echoed: set[int] = set()
             runs: dict[int, _Offsets] = collections.defaultdict(_Offsets)  # text_offset per choice
@@ -545,7 +546,7 @@ class OpenAIServer:
         try:
             yield events.start()
             async for text in chunks:
-                for line in str(text).splitlines():
+                for line in str(text).split("\n"):  # (SSE's lines; splitlines() also splits at U+2028 in the JSON)
                     if line.startswith("data: ") and line != "data: [DONE]" and (out := events.feed(json.loads(line[6:]))):
                         yield out
             yield events.finish()
