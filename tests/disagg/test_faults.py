@@ -271,6 +271,81 @@ def test_a_client_leaving_while_its_request_is_queued_leaves_nothing_running():
     assert not _our_channel_files()
 
 
+def test_requests_wait_for_a_restarting_decode_worker_and_resume_on_it():
+    """A lone decode worker's crash: while it is restarted, its requests wait and then resume on
+    the fresh worker (they ended with finish_reason 'error' at once)."""
+    import asyncio
+
+    r = _router(num_prefill=1, num_decode=1)
+    first, fresh = _RecordingDecodeActor(), _RecordingDecodeActor()
+    r.decode[0].actor = first
+    prepared = r.engine.prepare_request([1, 2, 3], SamplingParams(max_tokens=4))
+    rid = prepared.request.request_id
+
+    async def scenario() -> None:
+        r._loop = asyncio.get_running_loop()
+        r.submit([prepared])
+        await asyncio.sleep(0.1)
+        dead = r.decode[0]
+        r._worker_failed(dead, RuntimeError("killed"))
+        dead.restarting = True  # (what a router given a restart function does)
+        await asyncio.sleep(0.3)
+        assert not r._jobs[rid].finished and r._jobs[rid].attempts == 1  # waiting; no try spent
+        r.decode[0] = WorkerHandle(fresh, _info("decode-0", "decode"))
+        dead.restarting = False
+        await asyncio.sleep(0.2)
+
+    asyncio.run(scenario())
+    assert [q.request_id for q in first.added] == [f"{rid}#1"] and [q.request_id for q in fresh.added] == [f"{rid}#2"]
+    assert not r._jobs[rid].finished
+
+
+class _DyingDecodeActor:
+    """A decode worker that dies once it has taken a request."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.added: list = []
+
+        async def add(req) -> None:  # noqa: ANN001
+            self.added.append(req)
+
+        async def poll(timeout: float) -> tuple[list, dict]:
+            await asyncio.sleep(timeout)
+            if self.added:
+                raise RuntimeError("the decode worker died")
+            return [], {}
+
+        self.add_decode = _Remote(lambda req, desc, chars: add(req))
+        self.poll = _Remote(poll)
+        self.abort = _Remote(lambda ids: None)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_no_worker_could_finish_is_a_503_with_the_reason(stream):
+    """The router's failures reach the client: a whole answer is a 503 naming the reason, a stream
+    ends with an error event (both were answers with finish_reason 'error' and no message)."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from specserve.server.app import OpenAIServer, build_app
+
+    r = _router(num_prefill=1, num_decode=1)
+    r.decode[0].actor = _DyingDecodeActor()
+    server = OpenAIServer(None, "m", router_factory=lambda metrics: r)
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "stream": stream}
+    with TestClient(build_app(server)) as client:
+        answer = client.post("/v1/completions", json=body)
+    if not stream:
+        assert answer.status_code == 503 and answer.headers["retry-after"]
+        assert "no decode worker is alive" in answer.json()["error"]["message"]
+    else:
+        events = [json.loads(line[6:]) for line in answer.text.split("\n") if line.startswith("data: {")]
+        assert "no decode worker is alive" in events[-1]["error"]["message"] and answer.text.endswith("[DONE]\n\n")
+
+
 class _RecordingDecodeActor:
     """Takes requests and keeps them (as a decode worker that has not stepped yet)."""
 

@@ -465,6 +465,12 @@ class DisaggRouter:
             m = len(tokens) - 1
             hashes = self._hashes(tokens[:m])
             dec, full_hit = self.pick_decode(hashes)
+            if dec is None and any(w.restarting for w in self.decode):
+                # Every decode worker is down and one is being restarted: wait for it (a try that
+                # never started counts as none), as a request arriving now would.
+                job.attempts -= 1
+                await self._decode_back(job)
+                continue
             if dec is None:
                 self._finish(job, "error", self._no_decode_message())
                 return
@@ -494,6 +500,12 @@ class DisaggRouter:
             if ok:
                 await job.changed.wait()
                 # Woken: finished, aborted, or lost (its decode worker died / its transfer failed).
+
+    async def _decode_back(self, job: _Job) -> None:
+        """Wait until a decode worker is alive, none is being restarted any more, or the job ended."""
+        while not (job.finished or job.aborted or any(w.alive for w in self.decode)
+                   or not any(w.restarting for w in self.decode)):
+            await asyncio.sleep(0.05)
 
     async def _start_attempt(
         self,

@@ -10,7 +10,7 @@ import html
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
@@ -307,8 +307,18 @@ class OpenAIServer:
                           f"{self.drain_timeout_s:g} s); retry it on another replica or after the restart.",
                           "service_unavailable", code="draining")
 
-    def _aborted_by_drain(self, finals: list[RequestOutput]) -> bool:
-        return self.draining and any(o.outputs[0].finish_reason == "abort" for o in finals)
+    def _failure(self, finals: Iterable[RequestOutput]) -> dict[str, Any] | None:
+        """The error body for answers the server could not finish, else None: cut short by a drain,
+        or ended by a failure the engine names (a disaggregated router's: no decode worker left,
+        workers that kept failing). Their partial output is no answer: the client should retry."""
+        finals = list(finals)
+        if self.draining and any(o.outputs[0].finish_reason == "abort" for o in finals):
+            return self._drain_error()
+        failed = next((o.error for o in finals if o.error), None)
+        if failed is None:
+            return None
+        return error_body(f"The server could not finish this request: {failed}.", "service_unavailable",
+                          code="worker_failed")
 
     # ------------------------------------------------------------------ completions
     async def completions(self, req: CompletionRequest, http: Request) -> Response:
@@ -410,8 +420,8 @@ class OpenAIServer:
                     finals[idx] = out
                 yield _event(CompletionResponse(id=rid, created=created, model=self.model_name,
                                                 choices=[choice]).model_dump())
-            if self._aborted_by_drain(list(finals.values())):
-                yield _event(self._drain_error())
+            if (failure := self._failure(finals.values())) is not None:
+                yield _event(failure)
             if include_usage:
                 usage = self._usage(prompt_lens, [finals[i] for i in sorted(finals)], prompt_only)
                 yield _event(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
@@ -595,8 +605,8 @@ class OpenAIServer:
                     yield chunk([ChatChunkChoice(index=idx, delta=DeltaMessage(),
                                                  finish_reason=calls.finish(_finish(c.finish_reason), made),
                                                  stop_reason=c.stop_reason)])
-            if self._aborted_by_drain(list(finals.values())):
-                yield _event(self._drain_error())
+            if (failure := self._failure(finals.values())) is not None:
+                yield _event(failure)
             if include_usage:
                 yield chunk([], self._usage(prompt_lens, [finals[i] for i in sorted(finals)]))
             yield "data: [DONE]\n\n"
@@ -643,8 +653,8 @@ class OpenAIServer:
                 raise APIError(503, str(exc), type_="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
             raise exc
         outs = [finals[i] for i in sorted(finals)]
-        if self._aborted_by_drain(outs):  # partial output is no answer: the client should retry
-            err = self._drain_error()["error"]
+        if (failure := self._failure(outs)) is not None:  # partial output is no answer
+            err = failure["error"]
             raise APIError(503, err["message"], type_=err["type"], code=err["code"],
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         return outs
