@@ -840,7 +840,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "ray"],
                    help="auto: shared memory between workers on one host, Ray's object store across hosts")
     d.add_argument("--transfer-timeout", type=float, default=60.0,
-                   help="seconds without KV progress before a transfer is abandoned and the request re-prefilled")
+                   help="seconds without KV progress before a transfer is abandoned and the request re-prefilled "
+                        "(before its first KV, + 50 ms per token of its prompt and of those queued ahead of it)")
     d.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
     d.add_argument("--local-prefill-tokens", type=int, default=32,
                    help="prompts shorter than this are prefilled on their decode worker (0: always use a prefill worker)")

@@ -169,6 +169,39 @@ def test_prefill_decode_pair_matches_colocated(pair, smollm_llm):
     assert _shm_files() <= before  # every channel file was removed
 
 
+def test_a_prefill_queued_behind_others_is_no_stall_but_one_that_never_comes_is(pair, smollm_llm):
+    """The decode side's --transfer-timeout (1 s here) counts from the first KV; before it, the
+    prefill may wait its turn behind the prompts queued ahead of it (they failed healthy
+    transfers whenever the queue took longer than the timeout). A prefill that never comes still
+    fails its request, once that allowance is spent."""
+    pre, dec = pair
+    tok, eos = smollm_llm.tokenizer, smollm_llm.engine.eos_token_ids
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    ids = tok.encode(PROMPTS[0])
+    m = len(ids) - 1
+    want = smollm_llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    def run(rid: str, queued: int, prefill_after_s: float | None):  # noqa: ANN202
+        desc = TransferDescriptor(new_transfer_id(), "shm", m, kv_layout_of(pre.engine), queued_tokens=queued)
+        dec.add_decode(Request(rid, ids, params, eos_token_ids=eos), desc)
+        t0 = time.time()
+        while prefill_after_s is not None and time.time() - t0 < prefill_after_s:  # queued on the prefill side
+            dec.poll(0.1)
+        if prefill_after_s is not None:
+            pre.prefill(rid, ids[:m], desc)
+        while time.time() - t0 < 60:
+            for o in dec.poll(0.1)[0]:
+                if o.finished and o.request_id == rid:
+                    return o, time.time() - t0
+        raise AssertionError("no output")
+
+    out, _ = run("queued", queued=100, prefill_after_s=2.5)  # allowance 1 + 0.05 * (m + 100) s
+    assert out.error is None and out.outputs[0].token_ids == want
+    out, took = run("never", queued=0, prefill_after_s=None)  # allowance 1 + 0.05 * m s
+    assert out.error is not None and "no KV arrived" in out.error and took < 1 + 0.05 * m + 5
+    assert dec.check_integrity() and dec.engine.kv_manager.num_free_blocks == dec.engine.kv_manager.num_blocks
+
+
 def test_resumed_request_continues_the_same_text(pair, smollm_llm):
     pre, dec = pair
     params = SamplingParams(max_tokens=24, temperature=0.0)

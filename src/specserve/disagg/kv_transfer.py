@@ -107,11 +107,25 @@ class TransferDescriptor:
     # The prompt's token after the m that travel (a feature drafter's KV slot m-1 pairs the
     # target's feature there with it: EAGLE, MTP); set on a draft channel's descriptor.
     next_token: int | None = None
+    # Prompt tokens queued on the prefill worker ahead of this one when the router sent it: its
+    # first KV may be that much later (`prefill_budget_s`).
+    queued_tokens: int = 0
 
     @property
     def shm_path(self) -> str:
         """The shared-memory file of an "shm" transfer."""
         return os.path.join(SHM_DIR, f"specserve-kv-{self.transfer_id}")
+
+
+PREFILL_S_PER_TOKEN = 0.05  # what a prompt token may take to prefill before a prefill counts as stalled
+
+
+def prefill_budget_s(timeout_s: float, desc: TransferDescriptor) -> float:
+    """How long a transfer's prefill may take before its first KV, its queue included:
+    --transfer-timeout plus an allowance per token of its prompt and of the prompts queued ahead of
+    it on its prefill worker (busy is not stalled). Once KV flows, --transfer-timeout without
+    progress is a stall."""
+    return timeout_s + PREFILL_S_PER_TOKEN * (desc.num_tokens + desc.queued_tokens)
 
 
 def gather_layer(kv: LayerKV, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -632,6 +646,7 @@ class _Incoming:
     num_tokens: int  # m
     block_size: int  # the decode engine's
     last_progress: float = field(default_factory=time.monotonic)
+    flowing: bool = False  # KV has arrived (before: the prefill may still be queued)
     loaded: list[int] = field(default_factory=list)  # per layer: tokens already in our pages
     slots: torch.Tensor | None = None  # cache slots of tokens [0, m), fixed once placed
     failed: str | None = None
@@ -737,12 +752,14 @@ class DecodeConnector:
             if inc.channel.status == STATUS_FAILED:
                 self._fail(rid, inc, "the prefill worker reported a failed transfer")
                 continue
-            if not inc.reserved:
-                continue  # no room yet; the KV waits in the channel
-            if self._load(inc, None) or inc.channel.all_written:
+            if not inc.reserved:  # no room yet; the KV waits in the channel (no stall of the sender's)
                 inc.last_progress = now
-            elif now - inc.last_progress > self.timeout_s:
-                self._fail(rid, inc, f"no KV arrived for {self.timeout_s:.0f} s")
+                continue
+            if self._load(inc, None) or inc.channel.all_written:
+                inc.last_progress, inc.flowing = now, True
+            elif now - inc.last_progress > (patience := self.timeout_s if inc.flowing
+                                            else prefill_budget_s(self.timeout_s, inc.desc)):
+                self._fail(rid, inc, f"no KV arrived for {patience:.0f} s")
         for rid, d in list(self.drafts.items()):
             self._pump_draft(rid, d, now)
 

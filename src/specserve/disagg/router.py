@@ -32,7 +32,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specserve.disagg.kv_transfer import ChannelFiles, KVLayout, TransferDescriptor, new_transfer_id
+from specserve.disagg.kv_transfer import (
+    ChannelFiles,
+    KVLayout,
+    TransferDescriptor,
+    new_transfer_id,
+    prefill_budget_s,
+)
 from specserve.disagg.worker import check_pairable
 from specserve.engine.engine import PreparedRequest, RequestPreparer
 from specserve.kv_cache.block_pool import hash_block_tokens
@@ -489,7 +495,8 @@ class DisaggRouter:
                 transport = self._transport_for(pre, dec)
                 receiver = dec.actor if transport == "ray" else None
                 desc = TransferDescriptor(new_transfer_id(), transport, m, self.layout, receiver=receiver,
-                                          draft=self._draft_descriptor(pre, dec, transport, tokens, m, receiver))
+                                          draft=self._draft_descriptor(pre, dec, transport, tokens, m, receiver),
+                                          queued_tokens=pre.pending_tokens)
                 self.channel_files.track(desc, pre.name, dec.name)
             try:
                 ok = await self._start_attempt(job, tokens, hashes, dec, pre, desc, bad_prefill)
@@ -550,7 +557,7 @@ class DisaggRouter:
             return True
         pre.pending_tokens += m
         job.prefill_worker = pre
-        budget = self.transfer_timeout_s + 0.05 * m
+        budget = prefill_budget_s(self.transfer_timeout_s, desc)
         try:
             ref = pre.actor.prefill.remote(internal, tokens[:m], desc, job.request.priority)
             st = await asyncio.wait_for(asyncio.wrap_future(ref.future()), budget)

@@ -31,6 +31,7 @@ from specserve.disagg.kv_transfer import (
     draft_kv_layout_of,
     kv_layout_of,
     open_receiver,
+    prefill_budget_s,
     travelling_drafter,
 )
 from specserve.engine.engine import LLMEngine, PreparedRequest, build_off_thread
@@ -200,13 +201,14 @@ class WorkerCore:
         holder: dict[str, Any] = {}
         t0 = time.perf_counter()
         self._commands.put(("prefill", (req, desc, done, holder)))
-        if not done.wait(self.transfer_timeout_s + 0.05 * len(token_ids)):
+        if not done.wait(prefill_budget_s(self.transfer_timeout_s, desc)):
             self.abort([request_id])
             raise KVTransferError(f"{self.name}: prefill of {request_id} did not finish in time")
         t = holder.get("transfer")
         if holder.get("error") or t is None:
             raise KVTransferError(f"{self.name}: {holder.get('error', 'prefill failed')}")
-        t.done.wait(self.transfer_timeout_s)
+        if not t.done.wait(self.transfer_timeout_s):
+            raise KVTransferError(f"{self.name}: the KV of {request_id} was not all sent in {self.transfer_timeout_s:g} s")
         if t.error:
             raise KVTransferError(f"{self.name}: {t.error}")
         return {
