@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specserve.errors import InvalidRequestError
 from specserve.models.chat import ChatError, render_chat
@@ -68,6 +70,26 @@ def test_streaming_holds_back_what_may_be_a_call_and_ends_as_the_whole_text_woul
     assert streamed + rest == (content or "")
     if text.startswith("```python"):  # an answer that cannot be a call streams at once
         assert CallStream(["get_weather"]).feed(text) == text
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want]
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.sampled_from(["\n", "  ", "\t", "Sure.", " done", "<", "<tool", "<tool_call>", "{", "x",
+                                        CALL, "<tool_call>{broken}</tool_call>", "\u2028"]), max_size=8),
+       cuts=st.lists(st.integers(1, 9), min_size=1, max_size=8))
+def test_streamed_content_and_calls_are_the_whole_texts_in_any_chunking(pieces, cuts):
+    """Whatever the output and however it arrives, streamed content plus finish() is what
+    parse_calls gives the whole text (whitespace beside calls alone was streamed as content)."""
+    text = "".join(pieces)
+    s = CallStream(["get_weather"])
+    streamed, at, k = [], 0, 0
+    while at < len(text):
+        step = cuts[k % len(cuts)]
+        streamed.append(s.feed(text[at : at + step]))
+        at, k = at + step, k + 1
+    rest, calls = s.finish()
+    content, want = parse_calls(text, ["get_weather"])
+    assert "".join(streamed) + rest == (content or "")
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want]
 
 

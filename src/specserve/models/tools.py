@@ -216,6 +216,7 @@ class CallStream:
         self.sent = 0  # characters of text already streamed as content
         self.held = False  # a <tool_call> opened, or the output may be one JSON call: nothing more streams
         self.opening = True  # nothing decided yet about a whole-output call
+        self.spoke = False  # content other than whitespace has been streamed
 
     def feed(self, delta: str) -> str:
         """The content that can go out now."""
@@ -233,14 +234,21 @@ class CallStream:
         at = self.text.find(TOOL_OPEN, self.sent)
         if at >= 0:
             self.held = True
-            out, self.sent = self.text[self.sent : at], at
-            return out
+            return self._send(at)
         safe = len(self.text)
         for k in range(min(len(TOOL_OPEN) - 1, len(self.text) - self.sent), 0, -1):
             if TOOL_OPEN.startswith(self.text[-k:]):
                 safe -= k
                 break
-        out, self.sent = self.text[self.sent : safe], safe
+        return self._send(safe)
+
+    def _send(self, end: int) -> str:
+        """The text up to end as content; whitespace before any other content waits (beside calls
+        alone it is no content: parse_calls' rule)."""
+        out = self.text[self.sent : end]
+        if not self.spoke and not out.strip():
+            return ""
+        self.spoke, self.sent = True, end
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
