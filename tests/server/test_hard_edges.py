@@ -717,6 +717,31 @@ def test_an_echoed_prompt_streams_as_it_answers_whole(edge, form, logprobs):
     _assert_clean(edge)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_model_step_that_fails_is_a_500_naming_the_error_and_the_server_goes_on(edge, monkeypatch, stream):
+    """A step whose forward raises fails the requests in it (the others go on): their clients get
+    a 500 with the exception, or a stream's error event, not a 200 with finish_reason 'error'."""
+    runner = edge.engine.runner
+    real, failed = runner.execute, []
+
+    def once(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("the kernel fell over")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(runner, "execute", once)
+    body = {"prompt": "hello hello", "max_tokens": 4, "temperature": 0, "stream": stream}
+    r = _post(edge, "/v1/completions", body)
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.split("\n") if line.startswith("data: {")]
+        assert "the kernel fell over" in events[-1]["error"]["message"] and r.text.endswith("[DONE]\n\n")
+    else:
+        assert r.status_code == 500 and "the kernel fell over" in r.json()["error"]["message"], r.text
+    assert _post(edge, "/v1/completions", {**body, "stream": False}).status_code == 200  # the next one is served
+    _assert_clean(edge)
+
+
 def test_logprobs_of_masked_tokens_are_sent_as_finite_numbers(edge, tiny_tok_checkpoint):
     """With --logprobs-mode processed, a grammar that leaves fewer tokens than top_logprobs asks
     for gives the rest logprob -inf, which JSON cannot carry; they are sent as -9999 (vLLM's value),

@@ -309,14 +309,17 @@ class OpenAIServer:
 
     def _failure(self, finals: Iterable[RequestOutput]) -> dict[str, Any] | None:
         """The error body for answers the server could not finish, else None: cut short by a drain,
-        or ended by a failure the engine names (a disaggregated router's: no decode worker left,
-        workers that kept failing). Their partial output is no answer: the client should retry."""
+        or ended by a failure the engine names. Their partial output is no answer. A disaggregated
+        router's (no decode worker left, workers that kept failing) is 'service_unavailable': retry;
+        a model step's exception 'server_error' (500)."""
         finals = list(finals)
         if self.draining and any(o.outputs[0].finish_reason == "abort" for o in finals):
             return self._drain_error()
         failed = next((o.error for o in finals if o.error), None)
         if failed is None:
             return None
+        if isinstance(self.async_engine, AsyncEngine):
+            return error_body(f"The model failed on this request: {failed}.", "server_error", code="model_error")
         return error_body(f"The server could not finish this request: {failed}.", "service_unavailable",
                           code="worker_failed")
 
@@ -655,6 +658,8 @@ class OpenAIServer:
         outs = [finals[i] for i in sorted(finals)]
         if (failure := self._failure(outs)) is not None:  # partial output is no answer
             err = failure["error"]
+            if err["type"] == "server_error":
+                raise APIError(500, err["message"], type_=err["type"], code=err["code"])
             raise APIError(503, err["message"], type_=err["type"], code=err["code"],
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         return outs
