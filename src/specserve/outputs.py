@@ -110,6 +110,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    # The error is the deployment's, not the request's (a disaggregated router that has no decode
+    # worker left, or whose workers kept failing it): the same request may succeed later (503).
+    retryable: bool = False
     # prompt_logprobs: per prompt token, its logprob under the model given the tokens before it
     # (None for the first), and the likeliest (id, logprob) pairs at that position.
     prompt_logprobs: list[float | None] | None = None

@@ -167,11 +167,13 @@ class _FakePrefillActor:
         self.aborted: list[str] = []
         self.pending: concurrent.futures.Future = concurrent.futures.Future()
         self.priorities: list[int] = []
+        self.descs: list[TransferDescriptor] = []
         self.prefill = _Remote(self._prefill)
         self.abort = _Remote(self._abort)
 
-    def _prefill(self, rid: str, tokens: list[int], desc: object, priority: int = 0) -> object:
+    def _prefill(self, rid: str, tokens: list[int], desc: TransferDescriptor, priority: int = 0) -> object:
         self.priorities.append(priority)
+        self.descs.append(desc)
         return type("Ref", (), {"future": lambda _: self.pending})()
 
     def _abort(self, ids: list[str]) -> None:
@@ -344,6 +346,38 @@ def test_a_request_no_worker_could_finish_is_a_503_with_the_reason(stream):
     else:
         events = [json.loads(line[6:]) for line in answer.text.split("\n") if line.startswith("data: {")]
         assert "no decode worker is alive" in events[-1]["error"]["message"] and answer.text.endswith("[DONE]\n\n")
+
+
+def test_prompts_arriving_together_spread_over_the_prefill_pool_and_know_their_queue():
+    """Four prompts submitted in one go: each is counted on its prefill worker before any await,
+    so they go two and two, and the second on each worker knows one prompt is queued ahead of it
+    (its transfer's patience grows by that: prefill_budget_s)."""
+    import asyncio
+
+    r = _router(num_prefill=2, num_decode=1)
+    pres = [_FakePrefillActor(), _FakePrefillActor()]
+    r.prefill[0].actor, r.prefill[1].actor = pres
+    r.decode[0].actor = dec = _RecordingDecodeActor()
+    real_add = dec.add_decode.remote
+
+    async def add_over_the_wire(req, desc, chars) -> None:  # noqa: ANN001
+        await asyncio.sleep(0.01)  # a Ray call answers later: the other prompts' tasks run meanwhile
+        await real_add(req, desc, chars)
+
+    dec.add_decode = _Remote(add_over_the_wire)
+    prepared = [r.engine.prepare_request([1 + i, 2, 3, 4, 5, 6, 7, 8] * 5, SamplingParams(max_tokens=4)) for i in range(4)]
+
+    async def scenario() -> None:
+        r._loop = asyncio.get_running_loop()
+        r.submit(prepared)
+        await asyncio.sleep(0.2)
+        r.abort([p.request.request_id for p in prepared])
+        await asyncio.sleep(0.1)
+
+    asyncio.run(scenario())
+    m = 39
+    assert [sorted(d.queued_tokens for d in a.descs) for a in pres] == [[0, m], [0, m]]
+    assert all(w.pending_tokens == 0 for w in r.prefill)
 
 
 class _RecordingDecodeActor:

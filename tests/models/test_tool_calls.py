@@ -58,7 +58,8 @@ def test_an_output_that_is_only_a_call_object_is_the_call():
 @pytest.mark.parametrize("text", [f"Sure: {CALL} done", "no call at all, just < and <tool and <tool_ca", CALL,
                                   "<tool_call>{broken}</tool_call> tail", "a <tool_call",
                                   '```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```',
-                                  '{"answer": 1}', "```python\nprint(1)\n```", "``", "  \n"])
+                                  '{"answer": 1}', "```python\nprint(1)\n```", "``", "  \n", f"\n{CALL}",
+                                  f"Sure.\n{CALL}\n"])
 def test_streaming_holds_back_what_may_be_a_call_and_ends_as_the_whole_text_would(text):
     """Fed one character at a time: no streamed piece holds a call's opening, and streamed content
     plus what finish() gives equals parse_calls over the whole text."""

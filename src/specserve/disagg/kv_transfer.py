@@ -682,6 +682,7 @@ class _DraftIncoming:
     channel: KVChannel
     stats: TransferStats
     last_progress: float = field(default_factory=time.monotonic)
+    flowing: bool = False  # draft KV has arrived (before: the prefill may still be queued)
     loaded: list[int] = field(default_factory=list)  # per draft layer: tokens in the draft's pages
     slots: torch.Tensor | None = None  # the draft cache's slots of tokens [0, m), once placed
     target_ready_at: float | None = None  # when the target's KV was complete (monotonic)
@@ -788,8 +789,8 @@ class DecodeConnector:
             drafter.prompt_kv_arrived(rid)
             return self._retire_draft(rid, "arrived")
         if moved:
-            d.last_progress = now
-        elif now - d.last_progress > self.timeout_s:
+            d.last_progress, d.flowing = now, True
+        elif now - d.last_progress > (self.timeout_s if d.flowing else prefill_budget_s(self.timeout_s, d.desc)):
             self._retire_draft(rid, "stalled")
         return None
 

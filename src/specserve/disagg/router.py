@@ -437,14 +437,14 @@ class DisaggRouter:
 
     @staticmethod
     def _draft_descriptor(pre: WorkerHandle, dec: WorkerHandle, transport: str, tokens: list[int],
-                          m: int, receiver: Any) -> TransferDescriptor | None:
+                          m: int, receiver: Any, queued: int = 0) -> TransferDescriptor | None:
         """The drafter's prompt KV travels too when both workers hold the same drafter (with the
         token after the m that travel: a feature drafter's last slot needs it)."""
         fp = dec.info.get("draft_kv")
         if fp is None or pre.info.get("draft_kv") != fp:
             return None
         return TransferDescriptor(new_transfer_id(), transport, m, KVLayout(**fp["layout"]), receiver=receiver,
-                                  next_token=tokens[m])
+                                  next_token=tokens[m], queued_tokens=queued)
 
     def _no_decode_message(self) -> str:
         restarting = [w.name for w in self.decode if w.restarting]
@@ -494,9 +494,12 @@ class DisaggRouter:
             if pre is not None:
                 transport = self._transport_for(pre, dec)
                 receiver = dec.actor if transport == "ray" else None
+                # Counted on its prefill worker at once (before any await), so prompts arriving
+                # together see each other queued ahead and spread over the prefill pool.
+                queued, pre.pending_tokens = pre.pending_tokens, pre.pending_tokens + m
                 desc = TransferDescriptor(new_transfer_id(), transport, m, self.layout, receiver=receiver,
-                                          draft=self._draft_descriptor(pre, dec, transport, tokens, m, receiver),
-                                          queued_tokens=pre.pending_tokens)
+                                          draft=self._draft_descriptor(pre, dec, transport, tokens, m, receiver, queued),
+                                          queued_tokens=queued)
                 self.channel_files.track(desc, pre.name, dec.name)
             try:
                 ok = await self._start_attempt(job, tokens, hashes, dec, pre, desc, bad_prefill)
@@ -504,6 +507,8 @@ class DisaggRouter:
                 # The prefill has ended: no one opens its channel by name again.
                 if desc is not None:
                     self.channel_files.release(desc)
+                if pre is not None:
+                    pre.pending_tokens -= m
             if ok:
                 await job.changed.wait()
                 # Woken: finished, aborted, or lost (its decode worker died / its transfer failed).
@@ -530,6 +535,8 @@ class DisaggRouter:
         m = len(tokens) - 1
         internal = f"{job.rid}#{job.attempts}"
         req = self._attempt_request(job, internal)
+        if job.internal_id is not None:  # an earlier attempt's (lost with its worker or transfer)
+            self._by_internal.pop(job.internal_id, None)
         job.internal_id, job.worker = internal, dec
         self._by_internal[internal] = job
         job.changed.clear()
@@ -555,9 +562,9 @@ class DisaggRouter:
             dec.reserved_blocks -= blocks
             self._index(hashes, dec.name)
             return True
-        pre.pending_tokens += m
         job.prefill_worker = pre
-        budget = prefill_budget_s(self.transfer_timeout_s, desc)
+        # The prefill (its queue included), then the rest of its KV sent: the worker's two waits.
+        budget = prefill_budget_s(self.transfer_timeout_s, desc) + self.transfer_timeout_s
         try:
             ref = pre.actor.prefill.remote(internal, tokens[:m], desc, job.request.priority)
             st = await asyncio.wait_for(asyncio.wrap_future(ref.future()), budget)
@@ -579,7 +586,6 @@ class DisaggRouter:
                 dec.actor.abort.remote([internal])
             return False
         finally:
-            pre.pending_tokens -= m
             dec.reserved_blocks -= blocks
             job.prefill_worker = None
         st["decode_worker"] = dec.name
@@ -779,7 +785,8 @@ class DisaggRouter:
         c = CompletionOutput(job.index, text, list(job.output_ids), finish_reason=reason,
                              delta_text=text[job.emitted_chars:], delta_token_ids=[])
         out = RequestOutput(job.rid, job.prompt, job.request.prompt_token_ids, [c], True,
-                            RequestMetrics(e2e_s=now - job.request.times.arrival), error=error)
+                            RequestMetrics(e2e_s=now - job.request.times.arrival), error=error,
+                            retryable=error is not None)
         self._close(job)
         if error:
             logger.error("%s: %s", job.rid, error)

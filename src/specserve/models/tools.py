@@ -253,8 +253,10 @@ class CallStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(the content not yet streamed, the calls) once the output is complete."""
-        content, calls = parse_calls(self.text[self.sent :], self.names)
-        return content or "", calls
+        # The whole text's content: whitespace after the last call is content beside what was
+        # streamed, though alone it would be none. What streamed is always its beginning.
+        content, calls = parse_calls(self.text, self.names)
+        return (content or "")[self.sent :], calls
 
 
 # ----------------------------------------------------------------------------- the prompt side

@@ -254,7 +254,7 @@ def served_precision(card: dict) -> dict[str, str] | None:
 
 
 def _precision_text(precision: dict[str, str]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in precision.items()) or "this machine's defaults"
+    return ", ".join(f"{k} {v}" for k, v in precision.items())
 
 
 SERVED_N = 16  # samples per request (the server's `n` limit)
@@ -438,16 +438,16 @@ def run_audit(
         at = [(s, i) for s, r in spots for i in r]
         rep, spec = audit_served(api, [s for s, _ in at], [i for _, i in at], torch.cat(ref_logits), params,
                                  draws=draws, alpha=alpha)
-        if not rep.passed and server_precision is not None and any(
-                server_precision[k] != str(v) for k, v in reference_precision.items()):
-            rep.reason += (f" (the reference ran in {_precision_text(reference_precision)}, the server in "
+        ran_in = reference.engine.precision  # as resolved here (what was asked for may be "auto")
+        if not rep.passed and server_precision is not None and ran_in != server_precision:
+            rep.reason += (f" (the reference ran in {_precision_text(ran_in)}, the server in "
                            f"{_precision_text(server_precision)}: the precisions differ too)")
         elif not rep.passed and server_precision is None and not precisions:
             rep.reason += (" (the server does not say what precision it computes in, so the reference ran in this "
-                           "machine's defaults: give --precisions P to match it)")
+                           f"machine's defaults, {_precision_text(ran_in)}: give --precisions P to match it)")
         rows.append({"audit": f"served sampler at {api.base}", **rep.summary(),
                      **{f"served_{k}": v for k, v in spec.items()},
-                     "reference_precision": _precision_text(reference_precision),
+                     "reference_precision": _precision_text(ran_in),
                      "server_precision": _precision_text(server_precision) if server_precision else "not said"})
     for precision in precisions[1:]:
         cand = LLM(model, quantization=precision, kv_cache_gib=0.25, profile_spec_costs=False)

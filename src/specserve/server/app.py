@@ -309,18 +309,18 @@ class OpenAIServer:
 
     def _failure(self, finals: Iterable[RequestOutput]) -> dict[str, Any] | None:
         """The error body for answers the server could not finish, else None: cut short by a drain,
-        or ended by a failure the engine names. Their partial output is no answer. A disaggregated
-        router's (no decode worker left, workers that kept failing) is 'service_unavailable': retry;
-        a model step's exception 'server_error' (500)."""
+        or ended by a failure the engine names. Their partial output is no answer. A retryable one
+        (a disaggregated router's: no decode worker left, workers that kept failing) is
+        'service_unavailable' (503); a model step's exception 'server_error' (500)."""
         finals = list(finals)
         if self.draining and any(o.outputs[0].finish_reason == "abort" for o in finals):
             return self._drain_error()
-        failed = next((o.error for o in finals if o.error), None)
+        failed = next((o for o in finals if o.error), None)
         if failed is None:
             return None
-        if isinstance(self.async_engine, AsyncEngine):
-            return error_body(f"The model failed on this request: {failed}.", "server_error", code="model_error")
-        return error_body(f"The server could not finish this request: {failed}.", "service_unavailable",
+        if not failed.retryable:
+            return error_body(f"The model failed on this request: {failed.error}.", "server_error", code="model_error")
+        return error_body(f"The server could not finish this request: {failed.error}.", "service_unavailable",
                           code="worker_failed")
 
     # ------------------------------------------------------------------ completions
