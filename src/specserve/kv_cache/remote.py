@@ -49,6 +49,7 @@ _LOG_LEN = 1 << 16  # index changes the store remembers; a reader further behind
 _BATCH = 32  # blocks per write call
 _WRITE_QUEUE = 4096
 _CALL_TIMEOUT_S = 10.0
+_START_TIMEOUT_S = 120.0  # a new store actor coming up
 
 
 class KVBlockStore:
@@ -174,6 +175,12 @@ def start_kv_store(capacity_bytes: int, name: str = STORE_NAME) -> Any:
     cls = ray.remote(num_cpus=0, max_concurrency=8)(KVBlockStore)
     handle = cls.options(name=name, get_if_exists=True).remote(capacity_bytes)
     _STARTED[name] = handle
+    # Up before anyone calls it with the tiers' short timeout: a new actor's process can take
+    # longer than that to start on a busy host (seen: > 10 s on 2 cores under a test run).
+    try:
+        ray.get(handle.stats.remote(), timeout=_START_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"the KV block store {name!r} did not start within {_START_TIMEOUT_S:g} s") from None
     return handle
 
 
