@@ -106,6 +106,16 @@ def test_worker_tier_counters_reach_metrics_as_they_grow_and_after_a_restart():
     assert value("specserve_worker_kv_tier_hit_blocks_total", tier="remote") == 9
 
 
+def test_prefill_time_is_counted_per_prefill_worker():
+    registry = CollectorRegistry()
+    metrics = DisaggMetrics(registry)
+    for worker, wall in (("prefill-0", 0.5), ("prefill-1", 0.25), ("prefill-1", 0.75)):
+        metrics.observe_prefill({"worker": worker, "wall_s": wall, "send_s": 0.01})
+    count = lambda w: registry.get_sample_value("specserve_prefill_seconds_count", {"worker": w})  # noqa: E731
+    assert (count("prefill-0"), count("prefill-1")) == (1, 2)
+    assert registry.get_sample_value("specserve_prefill_seconds_sum", {"worker": "prefill-1"}) == 1.0
+
+
 def test_health_tells_degraded_from_stopped_and_forgets_dead_workers():
     r = _router()
     registry = CollectorRegistry()
@@ -338,6 +348,8 @@ def test_a_request_no_worker_could_finish_is_a_503_with_the_reason(stream):
     r.decode[0].actor = _DyingDecodeActor()
     server = OpenAIServer(None, "m", router_factory=lambda metrics: r)
     body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     with TestClient(build_app(server)) as client:
         answer = client.post("/v1/completions", json=body)
     if not stream:
@@ -346,6 +358,8 @@ def test_a_request_no_worker_could_finish_is_a_503_with_the_reason(stream):
     else:
         events = [json.loads(line[6:]) for line in answer.text.split("\n") if line.startswith("data: {")]
         assert "no decode worker is alive" in events[-1]["error"]["message"] and answer.text.endswith("[DONE]\n\n")
+        # the error event ends it: no choice claims a finish ('error' is none of OpenAI's), no usage after it
+        assert not [c for e in events[:-1] for c in e.get("choices", []) if c.get("finish_reason")]
 
 
 def test_prompts_arriving_together_spread_over_the_prefill_pool_and_know_their_queue():

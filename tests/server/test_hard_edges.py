@@ -717,8 +717,9 @@ def test_an_echoed_prompt_streams_as_it_answers_whole(edge, form, logprobs):
     _assert_clean(edge)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_model_step_that_fails_is_a_500_naming_the_error_and_the_server_goes_on(edge, monkeypatch, stream):
+def test_a_model_step_that_fails_is_a_500_naming_the_error_and_the_server_goes_on(edge, monkeypatch, stream, path):
     """A step whose forward raises fails the requests in it (the others go on): their clients get
     a 500 with the exception, or a stream's error event, not a 200 with finish_reason 'error'."""
     runner = edge.engine.runner
@@ -731,14 +732,16 @@ def test_a_model_step_that_fails_is_a_500_naming_the_error_and_the_server_goes_o
         return real(*args, **kw)
 
     monkeypatch.setattr(runner, "execute", once)
-    body = {"prompt": "hello hello", "max_tokens": 4, "temperature": 0, "stream": stream}
-    r = _post(edge, "/v1/completions", body)
+    body = {"max_tokens": 4, "temperature": 0, "stream": stream,
+            **({"prompt": "hello hello"} if path == "/v1/completions" else {"messages": CHAT["messages"]})}
+    r = _post(edge, path, {**body, "stream_options": {"include_usage": True}} if stream else body)
     if stream:
         events = [json.loads(line[6:]) for line in r.text.split("\n") if line.startswith("data: {")]
         assert "the kernel fell over" in events[-1]["error"]["message"] and r.text.endswith("[DONE]\n\n")
+        assert not [c for e in events[:-1] for c in e.get("choices", []) if c.get("finish_reason")]
     else:
         assert r.status_code == 500 and "the kernel fell over" in r.json()["error"]["message"], r.text
-    assert _post(edge, "/v1/completions", {**body, "stream": False}).status_code == 200  # the next one is served
+    assert _post(edge, path, {**body, "stream": False}).status_code == 200  # the next one is served
     _assert_clean(edge)
 
 

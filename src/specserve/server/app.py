@@ -416,16 +416,17 @@ class OpenAIServer:
                     lp = self._completion_logprobs(c.delta_token_ids, _last(c.logprobs, n_new),
                                                    _last(c.top_logprobs, n_new), req.logprobs, run=runs[idx],
                                                    as_ids=req.return_tokens_as_token_ids)
+                ended = out.finished and not out.error  # (a failed one ends with the error event instead)
                 choice = CompletionChoice(index=idx, text=c.delta_text, logprobs=lp,
-                                          finish_reason=_finish(c.finish_reason) if out.finished else None,
-                                          stop_reason=c.stop_reason if out.finished else None)
+                                          finish_reason=_finish(c.finish_reason) if ended else None,
+                                          stop_reason=c.stop_reason if ended else None)
                 if out.finished:
                     finals[idx] = out
                 yield _event(CompletionResponse(id=rid, created=created, model=self.model_name,
                                                 choices=[choice]).model_dump())
             if (failure := self._failure(finals.values())) is not None:
                 yield _event(failure)
-            if include_usage:
+            if include_usage and not any(o.error for o in finals.values()):
                 usage = self._usage(prompt_lens, [finals[i] for i in sorted(finals)], prompt_only)
                 yield _event(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
                                                 usage=usage).model_dump())
@@ -599,6 +600,8 @@ class OpenAIServer:
                     yield chunk([ChatChunkChoice(index=idx, delta=DeltaMessage(content=text), logprobs=lp)])
                 if out.finished:
                     finals[idx] = out
+                    if out.error:  # it ends with the error event: no finish, no calls read from part of a text
+                        continue
                     rest, made = readers[idx].finish()
                     if rest:
                         yield chunk([ChatChunkChoice(index=idx, delta=DeltaMessage(content=rest))])
@@ -610,7 +613,7 @@ class OpenAIServer:
                                                  stop_reason=c.stop_reason)])
             if (failure := self._failure(finals.values())) is not None:
                 yield _event(failure)
-            if include_usage:
+            if include_usage and not any(o.error for o in finals.values()):
                 yield chunk([], self._usage(prompt_lens, [finals[i] for i in sorted(finals)]))
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:

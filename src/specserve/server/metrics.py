@@ -416,8 +416,8 @@ class DisaggMetrics:
                                           "Fraction of each transfer's decode-side load done while the prefill "
                                           "was still computing (layer streaming).",
                                           buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0), registry=r)
-        self.prefill_time = Histogram("specserve_prefill_seconds", "Prefill worker time per request (incl. sending).",
-                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("specserve_prefill_seconds", "Prefill worker time per request (incl. sending), "
+                                      "by prefill worker.", ["worker"], buckets=LATENCY_BUCKETS, registry=r)
         self.draft_transfers = Counter("specserve_draft_kv_transfers",
                                        "Draft-model prompt KV sent by prefill workers, by outcome on the decode "
                                        "worker (arrived; request ended first; failed, stalled, no room: its draft "
@@ -488,4 +488,4 @@ class DisaggMetrics:
     def observe_prefill(self, rec: dict) -> None:
         """One finished prefill, as reported by its prefill worker."""
         self.transfer_time.labels("send").observe(rec.get("send_s", 0.0))
-        self.prefill_time.observe(rec.get("wall_s", 0.0))
+        self.prefill_time.labels(str(rec.get("worker", ""))).observe(rec.get("wall_s", 0.0))
