@@ -758,11 +758,15 @@ class DecodeConnector:
                 continue
             if self._load(inc, None) or inc.channel.all_written:
                 inc.last_progress, inc.flowing = now, True
-            elif now - inc.last_progress > (patience := self.timeout_s if inc.flowing
-                                            else prefill_budget_s(self.timeout_s, inc.desc)):
+            elif now - inc.last_progress > (patience := self._patience(inc.flowing, inc.desc)):
                 self._fail(rid, inc, f"no KV arrived for {patience:.0f} s")
         for rid, d in list(self.drafts.items()):
             self._pump_draft(rid, d, now)
+
+    def _patience(self, flowing: bool, desc: TransferDescriptor) -> float:
+        """Seconds without progress before a transfer is given up: --transfer-timeout once its KV
+        flows, before that its prefill's budget (it may still be queued)."""
+        return self.timeout_s if flowing else prefill_budget_s(self.timeout_s, desc)
 
     def _pump_draft(self, rid: str, d: _DraftIncoming, now: float) -> None:
         """Place, copy in and hand over one request's draft KV; drop it when it cannot come."""
@@ -790,7 +794,7 @@ class DecodeConnector:
             return self._retire_draft(rid, "arrived")
         if moved:
             d.last_progress, d.flowing = now, True
-        elif now - d.last_progress > (self.timeout_s if d.flowing else prefill_budget_s(self.timeout_s, d.desc)):
+        elif now - d.last_progress > self._patience(d.flowing, d.desc):
             self._retire_draft(rid, "stalled")
         return None
 

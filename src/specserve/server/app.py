@@ -97,6 +97,10 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
 
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error JSON of it (what a stream's error event carries)."""
+        return error_body(self.message, self.type, self.param, self.code)
+
 
 def _error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                     code: str | int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -302,26 +306,24 @@ class OpenAIServer:
             raise APIError(503, str(e), type_="service_unavailable", code="draining",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e
 
-    def _drain_error(self) -> dict[str, Any]:
-        return error_body(f"The server shut down before this request finished (its drain timeout is "
-                          f"{self.drain_timeout_s:g} s); retry it on another replica or after the restart.",
-                          "service_unavailable", code="draining")
-
-    def _failure(self, finals: Iterable[RequestOutput]) -> dict[str, Any] | None:
-        """The error body for answers the server could not finish, else None: cut short by a drain,
-        or ended by a failure the engine names. Their partial output is no answer. A retryable one
-        (a disaggregated router's: no decode worker left, workers that kept failing) is
-        'service_unavailable' (503); a model step's exception 'server_error' (500)."""
+    def _failure(self, finals: Iterable[RequestOutput]) -> APIError | None:
+        """The error for answers the server could not finish, else None: cut short by a drain, or
+        ended by a failure the engine names. Their partial output is no answer. A retryable one (a
+        disaggregated router's: no decode worker left, workers that kept failing) is a 503 with
+        Retry-After, as a drain's; a model step's exception a 500."""
         finals = list(finals)
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
         if self.draining and any(o.outputs[0].finish_reason == "abort" for o in finals):
-            return self._drain_error()
+            return APIError(503, f"The server shut down before this request finished (its drain timeout is "
+                                 f"{self.drain_timeout_s:g} s); retry it on another replica or after the restart.",
+                            "service_unavailable", code="draining", headers=retry)
         failed = next((o for o in finals if o.error), None)
         if failed is None:
             return None
         if not failed.retryable:
-            return error_body(f"The model failed on this request: {failed.error}.", "server_error", code="model_error")
-        return error_body(f"The server could not finish this request: {failed.error}.", "service_unavailable",
-                          code="worker_failed")
+            return APIError(500, f"The model failed on this request: {failed.error}.", "server_error", code="model_error")
+        return APIError(503, f"The server could not finish this request: {failed.error}.", "service_unavailable",
+                        code="worker_failed", headers=retry)
 
     # ------------------------------------------------------------------ completions
     async def completions(self, req: CompletionRequest, http: Request) -> Response:
@@ -425,7 +427,7 @@ class OpenAIServer:
                 yield _event(CompletionResponse(id=rid, created=created, model=self.model_name,
                                                 choices=[choice]).model_dump())
             if (failure := self._failure(finals.values())) is not None:
-                yield _event(failure)
+                yield _event(failure.body())
             if include_usage and not any(o.error for o in finals.values()):
                 usage = self._usage(prompt_lens, [finals[i] for i in sorted(finals)], prompt_only)
                 yield _event(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
@@ -612,7 +614,7 @@ class OpenAIServer:
                                                  finish_reason=calls.finish(_finish(c.finish_reason), made),
                                                  stop_reason=c.stop_reason)])
             if (failure := self._failure(finals.values())) is not None:
-                yield _event(failure)
+                yield _event(failure.body())
             if include_usage and not any(o.error for o in finals.values()):
                 yield chunk([], self._usage(prompt_lens, [finals[i] for i in sorted(finals)]))
             yield "data: [DONE]\n\n"
@@ -660,11 +662,7 @@ class OpenAIServer:
             raise exc
         outs = [finals[i] for i in sorted(finals)]
         if (failure := self._failure(outs)) is not None:  # partial output is no answer
-            err = failure["error"]
-            if err["type"] == "server_error":
-                raise APIError(500, err["message"], type_=err["type"], code=err["code"])
-            raise APIError(503, err["message"], type_=err["type"], code=err["code"],
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise failure
         return outs
 
     def _tick(self, clock: TokenClock, new_ids: list[int]) -> None:
