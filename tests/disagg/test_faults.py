@@ -161,6 +161,31 @@ def test_health_tells_degraded_from_stopped_and_forgets_dead_workers():
         r.submit([])
 
 
+def test_a_worker_that_ran_long_enough_gets_its_restart_budget_back():
+    """Restarts stop a worker that keeps crashing, not the fourth crash of a long-lived server: a
+    worker whose budget is spent is restarted again once it ran restart_renew_s before dying."""
+    r = _router(num_decode=3)
+    r.restart = lambda name: None
+    spawned: list[str] = []
+
+    def spawn(coro):
+        spawned.append(coro.cr_frame.f_locals["dead"].name)
+        coro.close()
+
+    r._spawn = spawn
+    young, old, fresh = r.decode
+    young.restarts = old.restarts = r.max_restarts
+    young.started = time.monotonic() - r.restart_renew_s / 2
+    old.started = time.monotonic() - r.restart_renew_s - 1
+    r._worker_failed(young, RuntimeError("killed"))
+    r._worker_failed(old, RuntimeError("killed"))
+    r._worker_failed(fresh, RuntimeError("killed"))  # never restarted yet: restarted at once
+    assert spawned == ["decode-1", "decode-2"]
+    assert (young.restarts, old.restarts, fresh.restarts) == (r.max_restarts, 0, 0)
+    states = {w["name"]: w["state"] for w in r.health()["workers"]}
+    assert states == {"prefill-0": "alive", "decode-0": "dead", "decode-1": "restarting", "decode-2": "restarting"}
+
+
 class _Remote:
     """A Ray method stand-in: `.remote(...)` calls the function."""
 

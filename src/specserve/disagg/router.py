@@ -61,7 +61,8 @@ class WorkerHandle:
     pending_tokens: int = 0  # prefill: tokens the router sent and has not heard back about
     reserved_blocks: int = 0  # decode: blocks promised to requests not yet reported in stats
     num_failures: int = 0
-    restarts: int = 0  # fresh workers started in this worker's place so far
+    restarts: int = 0  # fresh workers started in this worker's place since its budget was last renewed
+    started: float = field(default_factory=time.monotonic)  # when this actor was handed to the router
     restarting: bool = False  # dead, and a replacement is being started
     cause: str | None = None  # why it died
 
@@ -167,6 +168,7 @@ class DisaggRouter:
         max_restarts: int = 3,
         restart_timeout_s: float = 300.0,
         heartbeat_s: float = 0.5,
+        restart_renew_s: float = 600.0,
     ) -> None:
         self.engine = frontend  # the name the HTTP layer uses
         self.prefill = [w for w in workers if w.role == "prefill"]
@@ -208,6 +210,10 @@ class DisaggRouter:
         self.restart = restart
         self.max_restarts = max_restarts
         self.restart_timeout_s = restart_timeout_s
+        # A worker that served this long before it died gets its full restart budget back (as
+        # Kubernetes resets a pod's crash back-off after ten minutes up): the budget stops a
+        # worker that keeps crashing, not the fourth unrelated crash in a server's life.
+        self.restart_renew_s = restart_renew_s
         self.heartbeat_s = heartbeat_s
         self.channel_files = ChannelFiles()
         self._jobs: dict[str, _Job] = {}
@@ -622,6 +628,10 @@ class DisaggRouter:
         self.channel_files.release_worker(w.name)
         if self.metrics is not None:
             self.metrics.worker_gone(w.role, w.name)
+        if w.restarts and time.monotonic() - w.started >= self.restart_renew_s:
+            logger.info("worker %s ran %.0f s since its last restart: its restart budget is renewed",
+                        w.name, time.monotonic() - w.started)
+            w.restarts = 0
         if self.restart is not None and self.accepting and w.restarts < self.max_restarts:
             w.restarting = True
             self._spawn(self._restart(w))
