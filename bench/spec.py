@@ -242,6 +242,9 @@ def section_trees(b: Bench) -> list[dict]:
                     "prompts_equal_to_plain": f"{a['same']}/{len(prompts)}",
                     "rate_guard_holds": a["holds"], "rate_guard_held_steps": a["held_steps"],
                     "rate_guard_plain_probes": a["probes"],
+                    # What the proposer drafted from (lookahead: its corpus, with or without the
+                    # model's own answers from build-corpus, which move its acceptance).
+                    "proposer_note": eng.proposer.describe() or None,
                 })
             plain = next(r for r in rows if r["method"] == method and r["prompt_set"] == set_name and r["mode"] == "plain")
             for r in rows[-len(TREE_MODES):]:
