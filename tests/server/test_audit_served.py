@@ -3,6 +3,8 @@ target's exact distribution computed here; a server whose verification is biased
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -141,3 +143,49 @@ def test_the_model_card_names_the_precision_and_the_served_audit_computes_its_re
     monkeypatch.setattr(ServedAPI, "model_card", lambda self: {"id": "m", "precision": {**said, "quantization": "fp4"}})
     with pytest.raises(ConfigError, match="computes in quantization fp4.*give --precisions P"):
         audit.run_audit("m", ["hi"], url="http://127.0.0.1:1")
+
+
+class _SamplingServer:
+    """A server that samples each answer's second token from `q` (its first is always `first`)."""
+
+    base = "http://fake"
+
+    def __init__(self, first: int, q: torch.Tensor) -> None:
+        self.first, self.q, self.gen = first, q, torch.Generator().manual_seed(3)
+
+    def model_name(self) -> str:
+        return "fake"
+
+    def post(self, path: str, body: dict) -> dict:
+        second = torch.multinomial(self.q, body["n"], replacement=True, generator=self.gen).tolist()
+        return {"choices": [{"logprobs": {"tokens": [f"token_id:{t}" for t in (self.first, x, 0)]}}
+                            for x in second]}
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=3),
+                                    SamplingParams(temperature=1.0, top_p=0.7),
+                                    SamplingParams(temperature=1.0, min_p=math.exp(-1 - 5e-5))],  # cut: 1 - 5e-5
+                         ids=["top_k", "top_p", "min_p"])
+def test_the_served_audit_lets_another_machine_cut_truncation_on_the_other_side_of_a_near_tie(params):
+    """Where the 3rd and 4th logits differ by 1e-4 (less than machine kinds' numerics do), a server
+    that keeps the 4th instead of the 3rd samples what the model says as well as the reference: the
+    served audit passes it; a server that also emits a token far outside the cut still fails."""
+    from specserve.ops.audit import processed
+
+    logits = torch.full((1, 64), -4.0)
+    logits[0, :4] = torch.tensor([2.0, 1.5, 1.0, 1.0 - 1e-4])
+    if params.top_p < 1.0:  # the mass before the 3rd token lands on top_p: the 3rd is the last kept
+        logits[0, :4] = torch.tensor([1.0, 0.0, -0.5, -0.5 - 1e-4])
+        params = SamplingParams(temperature=1.0, top_p=float(processed(logits, SamplingParams())[0, :2].sum()) + 1e-3)
+    q = processed(logits, params)[0]
+    swapped = logits.clone()
+    swapped[0, [2, 3]] = logits[0, [3, 2]]
+    q_other = processed(swapped, params)[0]
+    assert q[3] == 0 and q_other[3] > 0.05  # the other machine keeps the token the reference drops
+    seqs, positions = [[1, 2, 3, 4]], [2]
+    report, _ = audit_served(_SamplingServer(3, q_other), seqs, positions, logits, params, draws=2000)
+    assert report.passed, report.reason
+    wrong = q_other.clone()
+    wrong[40] = 0.02  # and a token well below every cut
+    report, _ = audit_served(_SamplingServer(3, wrong / wrong.sum()), seqs, positions, logits, params, draws=2000)
+    assert not report.passed and "probability 0" in report.reason

@@ -12,7 +12,9 @@ model's own greedy continuation), so every position is one the model really meet
   position, and a chi-square goodness-of-fit p-value; it fails when the smallest p-value,
   Bonferroni-corrected over positions, is below `alpha` (1e-3), or when a token of probability 0
   is emitted. Monte-Carlo noise alone leaves TV of order sqrt(support / draws); the p-value is
-  what separates noise from bias.
+  what separates noise from bias. Served (`audit_served`, a running server's sampler against a
+  reference computed here, maybe on another kind of machine), the tokens next to a truncation
+  cut count as one outcome (`truncation_boundary`).
 - **precision**: KL(q_reference || q_candidate) and TV per position between two engines (e.g.
   float32 vs `auto` vs `int4`) on the same tokens; it fails above `max_kl` (mean, nats).
 """
@@ -139,8 +141,13 @@ def audit_position(q: torch.Tensor, q_logits: torch.Tensor, drafts: list[DraftTr
     return _against(counts, q, sum(1 for r in results if r.accepted_nodes) / n)
 
 
-def _against(counts: torch.Tensor, q: torch.Tensor, acceptance: float) -> PositionAudit:
-    """Emitted-token counts ([V]) against the exact distribution q ([V])."""
+def _against(counts: torch.Tensor, q: torch.Tensor, acceptance: float, pool: torch.Tensor | None = None) -> PositionAudit:
+    """Emitted-token counts ([V]) against the exact distribution q ([V]); the tokens of `pool`
+    ([V] bool, if any) count as one outcome, their counts and their mass summed."""
+    if pool is not None and bool(pool.any()):
+        keep = ~pool
+        counts = torch.cat([counts[keep], counts[pool].sum().reshape(1)])
+        q = torch.cat([q[keep].double(), q[pool].double().sum().reshape(1)])
     emp = counts / counts.sum()
     exact = q.double()
     impossible = int(counts[exact == 0].sum())
@@ -257,6 +264,44 @@ def _precision_text(precision: dict[str, str]) -> str:
     return ", ".join(f"{k} {v}" for k, v in precision.items())
 
 
+# Where truncation cuts (top-k, top-p, min-p), another machine's numerics may keep a token the
+# reference drops and drop the one it keeps: logits agree across machine kinds to ~1e-3, not to the
+# bit. A served audit pools the tokens within this much of the cut (after temperature: logits, and
+# top-p's mass) into one outcome, so a swap there is neither "impossible" nor a failed fit.
+BOUNDARY_TOL = 1e-2
+
+
+def truncation_boundary(logits: torch.Tensor, q: torch.Tensor, params: SamplingParams,
+                        tol: float = BOUNDARY_TOL) -> torch.Tensor:  # [V] logits, [V] probs -> [V] bool
+    """The tokens on either side of where `params`' truncation cuts `logits` (q: what it keeps)
+    that a perturbation of `tol` (in temperature-scaled logits, or top-p's mass) could move across
+    the cut: those within `tol` of the lowest kept logit, and where top-p's mass before the last
+    kept or first dropped token lies within `tol` of top_p, that token and its near-ties. None
+    where nothing is truncated."""
+    top_k = params.effective_top_k
+    if params.is_greedy or not (top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0):
+        return torch.zeros_like(q, dtype=torch.bool)
+    kept = q > 0
+    scaled = logits.double() / params.temperature
+    edge = scaled[kept].min()
+    near = (scaled - edge).abs() <= tol
+    if params.top_p < 1.0:
+        # The mass top-p sees, through each rank: after min-p and top-k (vLLM's order).
+        order = scaled.argsort(descending=True)
+        ranked = scaled[order]
+        allowed = torch.ones_like(ranked, dtype=torch.bool)
+        if top_k > 0:
+            allowed[top_k:] = False
+        if params.min_p > 0.0:
+            allowed &= ranked >= ranked[0] + math.log(params.min_p)
+        mass = torch.softmax(ranked.masked_fill(~allowed, float("-inf")), dim=0).cumsum(0)
+        last = int(kept.sum()) - 1
+        for r in (last, last + 1):
+            if 0 < r < len(order) and abs(float(mass[r - 1]) - params.top_p) <= tol:
+                near |= (scaled - ranked[r]).abs() <= tol
+    return near
+
+
 SERVED_N = 16  # samples per request (the server's `n` limit)
 SERVED_MIN = 100  # answers a position needs to be judged (fewer pool into one chi-square cell and test nothing)
 
@@ -305,7 +350,8 @@ def audit_served(api: ServedAPI, sequences: Sequence[Sequence[int]], positions: 
         spec["requests"] += sent
         drafted, accepted = spec["draft_tokens"] - drafted, spec["accepted_tokens"] - accepted
         if matched >= need:  # (acceptance: of the draft tokens verified for this position's requests)
-            report.positions.append(_against(counts, q_all[k], accepted / drafted if drafted else 0.0))
+            pool = truncation_boundary(target_logits[k], q_all[k], params)
+            report.positions.append(_against(counts, q_all[k], accepted / drafted if drafted else 0.0, pool))
         else:
             spec["untested_positions"] += 1
     if not report.positions:
