@@ -643,7 +643,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 threads_per_worker=args.worker_threads, pin_cpus=args.pin_cpus, max_waiting=args.max_waiting,
                 local_prefill_tokens=args.local_prefill_tokens, role_engine_kwargs=role_engine_kwargs(args),
                 kv_layer_start=args.kv_layer_start, kv_store_gib=args.kv_store_gib,
-                metrics=DisaggMetrics(metrics.registry), on_output=metrics.on_finished,
+                metrics=DisaggMetrics(metrics.registry, metrics), on_output=metrics.on_finished,
             )
 
         server = OpenAIServer(None, name, max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,

@@ -24,7 +24,7 @@ from specserve.disagg.kv_transfer import (
 from specserve.disagg.router import DisaggFrontend, DisaggRouter, WorkerHandle
 from specserve.engine.engine import RequestPreparer
 from specserve.server.async_engine import EngineStoppedError
-from specserve.server.metrics import DisaggMetrics
+from specserve.server.metrics import DisaggMetrics, ServerMetrics
 
 MODEL = "smollm2-135m-instruct"
 # float32 like the colocated smollm_llm the outputs are compared with
@@ -104,6 +104,50 @@ def test_worker_tier_counters_reach_metrics_as_they_grow_and_after_a_restart():
     assert value("specserve_worker_kv_tier_hit_blocks_total", tier="remote") == 9
     metrics.observe_worker("decode", "decode-0", {})  # no tiers: nothing moves
     assert value("specserve_worker_kv_tier_hit_blocks_total", tier="remote") == 9
+
+
+def _totals(**figures) -> dict:
+    """A worker's engine totals (server.metrics.engine_totals) with the given figures, zero elsewhere."""
+    out = dict.fromkeys(("prompt_tokens", "generated_tokens", "preemptions", "num_drafts", "num_draft_tokens",
+                         "num_accepted_tokens", "draft_time_s", "verify_time_s", "decode_time_s", "guard_holds",
+                         "guard_probes", "running", "waiting", "kv_blocks", "kv_used_blocks", "prefix_queried_tokens",
+                         "prefix_hit_tokens", "drafter_bytes", "suffix_tokens", "layer_wise_loads",
+                         "failed_load_requeues"), 0)
+    out.update(spec_enabled=True, accepted_lengths=[0, 0, 0], drafted_per_position=[0, 0],
+               accepted_per_position=[0, 0], kv_tier=None)
+    return {**out, **figures}
+
+
+def test_a_disaggregated_server_fills_the_co_located_metrics_from_its_workers():
+    """Dashboards on the co-located names (tokens, speculation, running / waiting, KV usage) read
+    the deployment's figures under --disagg too: decode workers' answers and drafts summed (a
+    prefill worker's one-token requests are no answers), a restarted worker counted from zero."""
+    server = ServerMetrics("m")
+    metrics = DisaggMetrics(server.registry, server)
+    value = lambda name, **labels: server.registry.get_sample_value(name, {"model": "m", **labels})  # noqa: E731
+    metrics.observe_worker("prefill", "prefill-0", {"engine": _totals(prompt_tokens=900, generated_tokens=9,
+                                                                       waiting=2, running=1, kv_blocks=50,
+                                                                       prefix_queried_tokens=900,
+                                                                       prefix_hit_tokens=300)})
+    for name, gen in (("decode-0", 40), ("decode-1", 60)):
+        metrics.observe_worker("decode", name, {"engine": _totals(
+            prompt_tokens=450, generated_tokens=gen, num_drafts=10, num_draft_tokens=30, num_accepted_tokens=20,
+            accepted_lengths=[2, 3, 5], running=3, waiting=1, kv_blocks=100, kv_used_blocks=25,
+            prefix_queried_tokens=450)})
+    assert value("specserve_generation_tokens_total") == 100 and value("specserve_prompt_tokens_total") == 900
+    assert value("specserve_spec_draft_tokens_total") == 60 and value("specserve_spec_accepted_tokens_total") == 40
+    assert value("specserve_spec_accepted_length_count") == 20 and value("specserve_spec_accepted_length_sum") == 26
+    assert value("specserve_num_requests_running") == 6 and value("specserve_num_requests_waiting") == 2 + 3
+    assert value("specserve_kv_cache_usage_ratio") == 0.25 and value("specserve_speculation_enabled") == 1
+    assert value("specserve_prefix_cache_hit_rate") == 300 / 1800
+
+    metrics.worker_gone("decode", "decode-1")  # its replacement reports from zero: nothing is lost or doubled
+    metrics.observe_worker("decode", "decode-1", {"engine": _totals(generated_tokens=5, kv_blocks=100,
+                                                                     spec_enabled=False)})
+    metrics.observe_worker("decode", "decode-0", {"engine": _totals(generated_tokens=41, num_draft_tokens=30,
+                                                                     kv_blocks=100, spec_enabled=False)})
+    assert value("specserve_generation_tokens_total") == 106 and value("specserve_spec_draft_tokens_total") == 60
+    assert value("specserve_num_requests_running") == 0 and value("specserve_speculation_enabled") == 0
 
 
 def test_prefill_time_is_counted_per_prefill_worker():

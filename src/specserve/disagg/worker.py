@@ -40,6 +40,7 @@ from specserve.outputs import RequestOutput
 from specserve.request import Request
 from specserve.sampling_params import SamplingParams
 from specserve.server.async_engine import take_commands
+from specserve.server.metrics import engine_totals
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +183,7 @@ class WorkerCore:
             "error": self.error,  # why the engine loop stopped: the router replaces such a worker
             "evicted": self._take_evicted(),
             "kv_tier": tiers.stats() if (tiers := eng.kv_manager.tiers) is not None else None,
+            "engine": engine_totals(eng),  # the server's /metrics sums these over workers
         }
 
     def _take_evicted(self) -> list[int]:

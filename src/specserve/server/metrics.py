@@ -215,8 +215,8 @@ class ServerMetrics:
         self.baseline = PlainBaseline()
         # Per class: (drafted, accepted, decode tokens, decode seconds, plain seconds or None) per request.
         self._class_window: dict[str, collections.deque[tuple[int, int, int, float, float | None]]] = {}
-        self._last: dict[str, float] = {}
-        self._last_pos: dict[tuple[str, int], int] = {}
+        self._last: dict[str, float] = {}  # "<engine>:<figure>" -> the cumulative value counted so far
+        self._workers: dict[str, tuple[str, dict[str, Any]]] = {}  # disaggregated: name -> (role, last totals)
         self._lock = threading.Lock()
         # Rolling windows for the web page (/stats): recent requests and sampled engine gauges.
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_REQUESTS)
@@ -224,7 +224,7 @@ class ServerMetrics:
         self._sample: tuple[float, float, float, float] | None = None  # (time, generated, drafted, accepted)
 
     def _inc_to(self, key: str, counter: Counter, value: float, **labels: str) -> None:
-        """Advance a counter to a cumulative engine value."""
+        """Advance a counter to a cumulative engine value (key names the engine and the figure)."""
         prev = self._last.get(key, 0.0)
         if value > prev:
             counter.labels(model=self.model, **labels).inc(value - prev)
@@ -234,59 +234,95 @@ class ServerMetrics:
         """Refresh gauges and engine-side counters (called by the engine thread)."""
         with self._lock:
             m = self.model
-            usage = engine.kv_manager.usage()
-            self.running.labels(m).set(engine.scheduler.num_running)
-            self.waiting.labels(m).set(engine.scheduler.num_waiting)
-            self.kv_used.labels(m).set(usage.num_used_blocks)
-            self.kv_free.labels(m).set(usage.num_free_blocks)
-            self.kv_usage.labels(m).set(usage.num_used_blocks / max(usage.num_blocks, 1))
-            self._sample_series(engine, usage.num_used_blocks / max(usage.num_blocks, 1))
-            self.hit_rate.labels(m).set(usage.prefix_hit_rate)
-            self.spec_enabled.labels(m).set(1 if engine.speculation_enabled else 0)
-            self.drafter_bytes.labels(m).set(getattr(engine, "drafter_memory_bytes", 0))
-            self.suffix_tokens.labels(m).set(getattr(engine, "suffix_cache_tokens", 0))
+            totals = engine_totals(engine)
+            self._count("", totals, spec=True)
+            self._set_load([totals], [])
             self.baseline.observe(time.perf_counter(), sum(1 for r in engine.scheduler.running if r.is_decoding),
                                   engine.policy.target_time)
-            c = engine.spec_counters
-            self._inc_to("prompt", self.prompt_tokens, engine.num_prompt_tokens)
-            self._inc_to("gen", self.generation_tokens, engine.num_generated_tokens)
-            self._inc_to("preempt", self.preemptions, engine.scheduler.num_preemptions)
-            self._inc_to("drafts", self.drafts, c["num_drafts"])
-            self._inc_to("guard_holds", self.guard_holds, engine.policy.guard.num_held)
-            self._inc_to("guard_probes", self.guard_probes, engine.policy.guard.num_plain_probes)
-            self._inc_to("draft_tokens", self.draft_tokens, c["num_draft_tokens"])
             for batch, scale in engine.policy.draft_scales().items():
                 self.draft_scale.labels(m, str(batch)).set(scale)
-            self._inc_to("accepted", self.accepted_tokens, c["num_accepted_tokens"])
-            for phase, key in (("draft", "draft_time_s"), ("verify", "verify_time_s"), ("decode", "decode_time_s")):
-                self._inc_to(f"time_{phase}", self.spec_time, c[key], phase=phase)
-            for length, n in enumerate(engine.accepted_length_counts):
-                prev = self._last_pos.get(("len", length), 0)
-                for _ in range(n - prev):
-                    self.accepted_len.labels(m).observe(length)
-                self._last_pos[("len", length)] = n
-            for j, (d, a) in enumerate(zip(engine.drafted_per_position, engine.accepted_per_position)):
-                self._inc_to(f"dpos{j}", self.drafted_pos, d, position=str(j))
-                self._inc_to(f"apos{j}", self.accepted_pos, a, position=str(j))
-            tiers = getattr(engine.kv_manager, "tiers", None)
-            if tiers is not None:
-                st = tiers.stats()
-                self._inc_to("tier_corrupt", self.tier_corrupt, st["corrupt_blocks"])
-                self._inc_to("tier_layer_steps", self.tier_layer_steps, engine.runner.num_layer_wise_loads)
-                self._inc_to("tier_requeued", self.tier_requeued, engine.num_failed_load_requeues)
-                for tier in ("host", "disk", "remote"):
-                    if f"{tier}_hits" not in st:
-                        continue
-                    self._inc_to(f"tier_hits_{tier}", self.tier_hits, st[f"{tier}_hits"], tier=tier)
-                    self._inc_to(f"tier_bytes_{tier}", self.tier_hit_bytes, st[f"{tier}_hit_bytes"], tier=tier)
-                    self._inc_to(f"tier_load_{tier}", self.tier_load_s, st[f"{tier}_load_s"], tier=tier)
-                    self.tier_used.labels(m, tier).set(st[f"{tier}_used_bytes"])
 
-    def _sample_series(self, engine: LLMEngine, usage_ratio: float) -> None:
+    def on_worker(self, role: str, name: str, totals: dict[str, Any] | None) -> None:
+        """A disaggregated worker's totals (`engine_totals`, in its load report): the deployment's
+        figures under the co-located names. Tokens and speculation come from decode workers (a
+        prefill worker's one-token requests are no answers), preemptions and tiers from every
+        worker; running requests and KV blocks are the decode workers', waiting requests include
+        the prompts queued or in prefill on prefill workers. None: the worker is gone."""
+        with self._lock:
+            if totals is None:
+                self._workers.pop(name, None)
+                self._last = {k: v for k, v in self._last.items() if not k.startswith(f"{name}:")}
+                return
+            self._workers[name] = (role, totals)
+            self._count(f"{name}:", totals, spec=role == "decode")
+            self._set_load([t for r, t in self._workers.values() if r == "decode"],
+                           [t for r, t in self._workers.values() if r != "decode"])
+
+    def _count(self, src: str, t: dict[str, Any], spec: bool) -> None:
+        """Advance the counters from one engine's cumulative totals (src: which engine)."""
+        inc = lambda key, counter, **labels: self._inc_to(src + key, counter, t[key], **labels)  # noqa: E731
+        inc("preemptions", self.preemptions)
+        tiers = t.get("kv_tier")
+        if tiers is not None:
+            self._inc_to(src + "tier_corrupt", self.tier_corrupt, tiers["corrupt_blocks"])
+            inc("layer_wise_loads", self.tier_layer_steps)
+            inc("failed_load_requeues", self.tier_requeued)
+            for tier in ("host", "disk", "remote"):
+                if f"{tier}_hits" not in tiers:
+                    continue
+                self._inc_to(f"{src}tier_hits_{tier}", self.tier_hits, tiers[f"{tier}_hits"], tier=tier)
+                self._inc_to(f"{src}tier_bytes_{tier}", self.tier_hit_bytes, tiers[f"{tier}_hit_bytes"], tier=tier)
+                self._inc_to(f"{src}tier_load_{tier}", self.tier_load_s, tiers[f"{tier}_load_s"], tier=tier)
+        if not spec:
+            return
+        inc("prompt_tokens", self.prompt_tokens)
+        inc("generated_tokens", self.generation_tokens)
+        inc("num_drafts", self.drafts)
+        inc("guard_holds", self.guard_holds)
+        inc("guard_probes", self.guard_probes)
+        inc("num_draft_tokens", self.draft_tokens)
+        inc("num_accepted_tokens", self.accepted_tokens)
+        for phase in ("draft", "verify", "decode"):
+            inc(f"{phase}_time_s", self.spec_time, phase=phase)
+        for length, n in enumerate(t["accepted_lengths"]):
+            key = f"{src}len{length}"
+            for _ in range(int(n - self._last.get(key, 0))):
+                self.accepted_len.labels(self.model).observe(length)
+            self._last[key] = max(n, self._last.get(key, 0))
+        for j, (d, a) in enumerate(zip(t["drafted_per_position"], t["accepted_per_position"])):
+            self._inc_to(f"{src}dpos{j}", self.drafted_pos, d, position=str(j))
+            self._inc_to(f"{src}apos{j}", self.accepted_pos, a, position=str(j))
+
+    def _set_load(self, holders: list[dict[str, Any]], others: list[dict[str, Any]]) -> None:
+        """Gauges summed over engines: requests and KV of those that hold answers' KV (`holders`);
+        waiting requests add every request of the `others` (prefill workers: prompts not yet with
+        a decode worker); the prefix cache and the tiers' sizes over all of them."""
+        m = self.model
+        every = holders + others
+        total = lambda key, of=holders: sum(t[key] for t in of)  # noqa: E731
+        blocks, used = total("kv_blocks"), total("kv_used_blocks")
+        usage_ratio = used / max(blocks, 1)
+        self.running.labels(m).set(total("running"))
+        self.waiting.labels(m).set(total("waiting", every) + total("running", others))
+        self.kv_used.labels(m).set(used)
+        self.kv_free.labels(m).set(blocks - used)
+        self.kv_usage.labels(m).set(usage_ratio)
+        queried = total("prefix_queried_tokens", every)
+        self.hit_rate.labels(m).set(total("prefix_hit_tokens", every) / queried if queried else 0.0)
+        self.spec_enabled.labels(m).set(1 if any(t["spec_enabled"] for t in holders) else 0)
+        self.drafter_bytes.labels(m).set(total("drafter_bytes"))
+        self.suffix_tokens.labels(m).set(total("suffix_tokens"))
+        for tier in ("host", "disk", "remote"):
+            held = [t["kv_tier"][f"{tier}_used_bytes"] for t in every if f"{tier}_used_bytes" in (t.get("kv_tier") or {})]
+            if held:
+                self.tier_used.labels(m, tier).set(sum(held))
+        self._sample_series(holders, usage_ratio)
+
+    def _sample_series(self, holders: list[dict[str, Any]], usage_ratio: float) -> None:
         """Every SERIES_EVERY_S: tokens/s and acceptance since the last sample, KV usage, queue."""
         now = time.time()
-        c = engine.spec_counters
-        cur = (now, float(engine.num_generated_tokens), float(c["num_draft_tokens"]), float(c["num_accepted_tokens"]))
+        total = lambda key: float(sum(t[key] for t in holders))  # noqa: E731
+        cur = (now, total("generated_tokens"), total("num_draft_tokens"), total("num_accepted_tokens"))
         prev = self._sample
         if prev is not None and now - prev[0] < SERIES_EVERY_S:
             return
@@ -296,9 +332,9 @@ class ServerMetrics:
         dt = max(now - prev[0], 1e-9)
         drafted = cur[2] - prev[2]
         self.series.append({
-            "t": now, "tokens_per_s": (cur[1] - prev[1]) / dt, "kv_usage": usage_ratio,
-            "acceptance": (cur[3] - prev[3]) / drafted if drafted else None,
-            "running": engine.scheduler.num_running, "waiting": engine.scheduler.num_waiting,
+            "t": now, "tokens_per_s": max(cur[1] - prev[1], 0.0) / dt, "kv_usage": usage_ratio,
+            "acceptance": (cur[3] - prev[3]) / drafted if drafted > 0 else None,
+            "running": int(total("running")), "waiting": int(total("waiting")),
         })
 
     def snapshot(self) -> dict[str, Any]:
@@ -380,6 +416,36 @@ def _set_or_remove(gauge: Gauge, labels: dict[str, str], value: float | None) ->
             gauge.remove(*labels.values())
 
 
+def engine_totals(engine: LLMEngine) -> dict[str, Any]:
+    """An engine's cumulative counters and its load, as /metrics reads them: in the engine thread
+    (co-located, `ServerMetrics.on_step`) or from a disaggregated worker's load report
+    (`ServerMetrics.on_worker`, summed over workers). Plain numbers and lists: it crosses Ray."""
+    c = engine.spec_counters
+    usage = engine.kv_manager.usage()
+    prefix = engine.kv_manager.prefix_cache
+    tiers = engine.kv_manager.tiers
+    return {
+        "prompt_tokens": engine.num_prompt_tokens, "generated_tokens": engine.num_generated_tokens,
+        "preemptions": engine.scheduler.num_preemptions,
+        "num_drafts": c["num_drafts"], "num_draft_tokens": c["num_draft_tokens"],
+        "num_accepted_tokens": c["num_accepted_tokens"],
+        "draft_time_s": c["draft_time_s"], "verify_time_s": c["verify_time_s"], "decode_time_s": c["decode_time_s"],
+        "guard_holds": engine.policy.guard.num_held, "guard_probes": engine.policy.guard.num_plain_probes,
+        "accepted_lengths": list(engine.accepted_length_counts),
+        "drafted_per_position": list(engine.drafted_per_position),
+        "accepted_per_position": list(engine.accepted_per_position),
+        "running": engine.scheduler.num_running, "waiting": engine.scheduler.num_waiting,
+        "kv_blocks": usage.num_blocks, "kv_used_blocks": usage.num_used_blocks,
+        "prefix_queried_tokens": prefix.num_queried_tokens, "prefix_hit_tokens": prefix.num_hit_tokens,
+        "spec_enabled": bool(engine.speculation_enabled),
+        "drafter_bytes": getattr(engine, "drafter_memory_bytes", 0),
+        "suffix_tokens": getattr(engine, "suffix_cache_tokens", 0),
+        "layer_wise_loads": getattr(engine.runner, "num_layer_wise_loads", 0),
+        "failed_load_requeues": engine.num_failed_load_requeues,
+        "kv_tier": tiers.stats() if tiers is not None else None,
+    }
+
+
 class TokenClock:
     """Tracks the time of a stream's previous token event for inter-token latency."""
 
@@ -397,7 +463,9 @@ class TokenClock:
 class DisaggMetrics:
     """Per-role worker gauges and KV-transfer figures of a disaggregated server."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, server: ServerMetrics | None = None) -> None:
+        # The server's own metrics, which the workers' totals fill under the co-located names.
+        self.server = server
         r = registry
         wl = ["role", "worker"]
         self.worker_running = Gauge("specserve_worker_requests_running", "Requests running on a worker.", wl, registry=r)
@@ -440,6 +508,8 @@ class DisaggMetrics:
 
     def observe_worker(self, role: str, name: str, stats: dict) -> None:
         """A worker's load report."""
+        if self.server is not None and stats.get("engine") is not None:
+            self.server.on_worker(role, name, stats["engine"])
         self.worker_running.labels(role, name).set(stats.get("running", 0))
         self.worker_waiting.labels(role, name).set(stats.get("waiting", 0))
         self.worker_kv_free.labels(role, name).set(stats.get("kv_free_blocks", 0))
@@ -465,6 +535,8 @@ class DisaggMetrics:
 
     def worker_gone(self, role: str, name: str) -> None:
         """A worker died: drop its load gauges (they would stay frozen at its last report), mark it dead."""
+        if self.server is not None:
+            self.server.on_worker(role, name, None)  # its replacement counts from zero
         for gauge in (self.worker_running, self.worker_waiting, self.worker_kv_free, self.worker_kv_total):
             with contextlib.suppress(KeyError):  # never reported (prometheus_client < 0.21 raises)
                 gauge.remove(role, name)
