@@ -200,14 +200,21 @@ def _read_text_file(path: str, flag: str) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate for one or more prompts and print text or JSON lines."""
     from specserve import LLM, SamplingParams
+    from specserve.sampling_params import is_unicode
 
     prompts = list(args.prompt or [])
     if args.prompt_file:
         lines = _read_text_file(args.prompt_file, "--prompt-file").splitlines()
         prompts += [line.replace("\\n", "\n") for line in lines if line.strip()]
     if not prompts:
-        print("error: give at least one --prompt or a --prompt-file", file=sys.stderr)
+        given = f"--prompt-file {args.prompt_file} holds no prompt (every line is blank)" if args.prompt_file else ""
+        print(f"error: {given or 'give at least one --prompt or a --prompt-file'}", file=sys.stderr)
         return 2
+    for i, text in enumerate(args.prompt or []):
+        if not is_unicode(text):  # argv bytes that were not UTF-8 arrive as lone surrogates
+            print(f"error: --prompt {i + 1} is not valid UTF-8 text; write it to a file and pass --prompt-file.",
+                  file=sys.stderr)
+            return 2
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,

@@ -192,7 +192,7 @@ class LLM:
                     ids.append(rid)
                     submitted.append(rid)
                 groups.append(ids)
-        except Exception:
+        except BaseException:  # Ctrl-C among thousands of submissions too: none may run in a later call
             engine.abort_request(submitted)
             raise
         final: dict[str, RequestOutput] = {}
@@ -223,12 +223,12 @@ class LLM:
         ids} dicts, or a list of any of these."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]  # type: ignore[list-item]
-        if not isinstance(prompts, Sequence):
+        if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
             raise TypeError(f"prompts must be a string, token ids, a {{'prompt_token_ids': ids}} dict or a list of "
                             f"these, got {type(prompts).__name__}.")
         seq = list(prompts)
-        if seq and all(isinstance(t, int) and not isinstance(t, bool) for t in seq):
-            return [seq]  # a single prompt given as token ids
+        if seq and all(isinstance(t, int) for t in seq):
+            return [seq]  # a single prompt given as token ids (a bool among them is refused as one)
         out: list[Prompt] = []
         for i, p in enumerate(seq):
             if isinstance(p, dict):
@@ -236,7 +236,7 @@ class LLM:
                 if len(keys) != 1:
                     raise TypeError(f"prompt {i}: a dict prompt holds 'prompt' (text) or 'prompt_token_ids', got keys {sorted(p)}.")
                 p = p[keys.pop()]
-            if not isinstance(p, Sequence):  # text or token ids
+            if not isinstance(p, Sequence) or isinstance(p, (bytes, bytearray)):  # text or token ids
                 raise TypeError(f"prompt {i} must be a string or token ids, got {type(p).__name__}.")
             out.append(p)
         return out

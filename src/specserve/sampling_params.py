@@ -14,6 +14,7 @@ from specserve.errors import InvalidRequestError
 GREEDY_EPS = 1e-5
 MAX_TOP_K = 1 << 30  # larger values would overflow the int64 tensors; any k >= vocab means "off"
 MAX_SEED = (1 << 63) - 1
+MAX_N = 4096  # samples of one prompt in one call (each is a request: n = 2**40 queued until memory ran out)
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 MAX_LOGIT_BIAS = 100.0  # as OpenAI: -100 bans a token, +100 all but forces it
 
@@ -76,6 +77,8 @@ class StructuredOutput:
     @classmethod
     def choice(cls, options: Sequence[str]) -> StructuredOutput:
         """Exactly one of `options`."""
+        if isinstance(options, str):  # its characters would each become a choice
+            raise InvalidRequestError(f"choice takes a list of strings, got the string {options!r}; write [{options!r}].")
         opts = list(options)
         if not opts or not all(isinstance(o, str) and o for o in opts):
             raise InvalidRequestError("choice needs a non-empty list of non-empty strings.")
@@ -188,6 +191,11 @@ class SamplingParams:
         elif not isinstance(self.stop, (list, tuple)):
             raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}.", param="stop")
         self.stop = list(self.stop)
+        if self.stop_token_ids is None:  # vLLM's spelling of none
+            self.stop_token_ids = []
+        elif not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidRequestError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}.",
+                                      param="stop_token_ids")
         self.stop_token_ids = list(self.stop_token_ids)
         self._logprobs_as_vllm()
         self._validate()
@@ -234,13 +242,24 @@ class SamplingParams:
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or abs(self.seed) > MAX_SEED
         ):
             raise bad(f"seed must be an integer of at most 63 bits, got {self.seed!r}.")
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise bad(f"n must be an integer >= 1, got {self.n!r}.")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise bad(f"n must be an integer in [1, {MAX_N}], got {self.n!r}.")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):  # "no" is truthy: it would turn the flag on
+                raise bad(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            raise bad(f"speculative must be True, False or None (the server's policy), got {self.speculative!r}.")
         for s in self.stop:  # type: ignore[union-attr]
             if not isinstance(s, str) or not s:
                 raise bad(f"stop strings must be non-empty strings, got {s!r}.")
+            if not is_unicode(s):
+                raise bad(f"stop strings must be valid Unicode, got {s!r} (a lone surrogate: undecodable bytes?).")
         if self.reference_text is not None and not isinstance(self.reference_text, str):
             raise bad("reference_text must be a string.")
+        if self.reference_text is not None and not is_unicode(self.reference_text):
+            raise bad("reference_text must be valid Unicode text; it holds a lone surrogate (undecodable bytes?).")
+        if self.reference_token_ids is not None and not isinstance(self.reference_token_ids, (list, tuple)):
+            raise bad(f"reference_token_ids must be a list of token ids, got {self.reference_token_ids!r}.")
         if self.reference_token_ids is not None and not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.reference_token_ids
         ):
@@ -300,3 +319,13 @@ _FIELDS = frozenset(f.name for f in fields(SamplingParams))  # what an error's `
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def is_unicode(text: str) -> bool:
+    """False where `text` holds a lone surrogate (Python's stand-in for bytes that were not UTF-8,
+    or a JSON "\\ud800" escape): no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -102,6 +102,14 @@ def test_generate_refuses_unreadable_files_and_bad_engine_values_in_one_line(cap
                            (["--threads", "-1"], "num_threads must be >= 1")):
         code, _, err = _generate(capsys, *flags)
         assert code == 1 and message in err and "Traceback" not in err, (flags, err)
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n")
+    assert main(["generate", "--model", "smollm2-135m-instruct", "--prompt-file", str(blank)]) == 2
+    assert f"--prompt-file {blank} holds no prompt" in capsys.readouterr().err  # it said none was given
+    undecodable = b"abc\xffdef".decode("utf-8", "surrogateescape")  # what argv holds for bytes that are not UTF-8
+    assert main(["generate", "--model", "smollm2-135m-instruct", "--prompt", undecodable]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt 1 is not valid UTF-8" in err and "Traceback" not in err
 
 
 def test_generate_takes_a_positional_prompt_beside_model(capsys, tmp_path):

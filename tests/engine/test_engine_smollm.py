@@ -126,11 +126,22 @@ def test_logprobs_as_an_integer_means_vllms_top_k(smollm_llm: LLM):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(top_k=-5), dict(stop=[""])],
+    [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(top_k=-5), dict(stop=[""]),
+     dict(n=2**40), dict(ignore_eos="no"), dict(skip_special_tokens=None), dict(include_stop_str_in_output="no"),
+     dict(speculative="no"), dict(stop=["a\udcffb"]), dict(reference_text="a\ud800"), dict(stop_token_ids=5),
+     dict(reference_token_ids=5)],
 )
 def test_invalid_sampling_params(kwargs):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_take_vllms_none_for_stop_token_ids_and_refuse_a_string_of_choices():
+    from specserve.sampling_params import StructuredOutput
+
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == []
+    with pytest.raises(InvalidRequestError, match="got the string 'yes'"):  # its letters became the choices
+        StructuredOutput.choice("yes")
 
 
 def test_bad_requests_change_nothing(smollm_checkpoint):
@@ -151,7 +162,36 @@ def test_bad_requests_change_nothing(smollm_checkpoint):
         eng.add_request("Hi", SamplingParams(reference_token_ids=[1, 10**9]))
     with pytest.raises(RequestTooLongError):  # one bad request in a batch: none of them runs
         llm.generate([[1, 2, 3], list(range(1, 11))], [SamplingParams(max_tokens=8), SamplingParams(max_tokens=60)])
-    assert not eng.has_unfinished_requests() and eng.kv_manager.num_free_blocks == free
+    # A priority that is no integer failed in the scheduler's queue after the request was registered
+    # (one leaked per call); text with a lone surrogate failed in the tokenizer without naming it.
+    for priority in ([None, 1], ["x", 1], [float("nan"), 0], [True, 0]):
+        with pytest.raises(InvalidRequestError, match="priority must be an integer"):
+            llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=priority)
+    with pytest.raises(InvalidRequestError, match="not valid Unicode"):
+        llm.generate("a\ud800b", SamplingParams(max_tokens=2))
+    with pytest.raises(TypeError, match="got bytes"):  # read as the token ids of its byte values before
+        llm.generate(b"hello", SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="bytes"):
+        eng.add_request(bytearray(b"hi"))
+    with pytest.raises(InvalidRequestError, match="token ids must be integers"):  # named the bool, not 'prompt 0'
+        llm.generate([1, True], SamplingParams(max_tokens=2))
+    assert not eng.has_unfinished_requests() and not eng._states and eng.kv_manager.num_free_blocks == free
+    # Ctrl-C while a long generate() is still submitting: what it queued is dropped, not run by the next call.
+    real, calls = eng.add_request, []
+
+    def add_then_interrupt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    eng.add_request = add_then_interrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["Hi"] * 20, SamplingParams(max_tokens=2))
+    finally:
+        del eng.add_request
+    assert not eng.has_unfinished_requests() and not eng._states and eng.kv_manager.num_free_blocks == free
     # A good request afterwards still works, and aborting mid-way frees its blocks.
     rid = eng.add_request("Hello there", SamplingParams(max_tokens=50, ignore_eos=True))
     eng.step()
@@ -224,6 +264,8 @@ def test_chat_checks_messages_as_the_server_does(smollm_llm: LLM):
             smollm_llm.chat(messages, _greedy(8))
     with pytest.raises(ChatError, match="add_generation_prompt false"):
         smollm_llm.chat(conv, _greedy(8), continue_final_message=True)
+    with pytest.raises(ChatError, match="chat_template_kwargs must map"):  # 'int' object is not iterable
+        smollm_llm.chat(conv, _greedy(8), chat_template_kwargs=5)
     with pytest.raises(ChatError, match="may not set"):
         smollm_llm.chat(conv, _greedy(8), chat_template_kwargs={"messages": []})
     with pytest.raises(ValueError, match="2 prompts but 1 priorities"):

@@ -11,6 +11,7 @@ import gc
 import itertools
 import logging
 import math
+import numbers
 import statistics
 import threading
 import time
@@ -40,7 +41,7 @@ from specserve.progress import bar
 from specserve.request import Request, RequestStatus, ending_token_ids
 from specserve.sampling.grammar import GrammarCompiler
 from specserve.sampling.penalties import prune_banned
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import SamplingParams, is_unicode
 from specserve.spec.factory import (
     ProposerContext,
     build_proposer,
@@ -168,6 +169,10 @@ class RequestPreparer:
         (vLLM's convention) gives the request that whole room. Callers that size max_tokens
         themselves afterwards (the server, when a client leaves it out) pass check_max_tokens=False."""
         params = params or SamplingParams()
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise InvalidRequestError(f"priority must be an integer (lower is served first), got {priority!r}.",
+                                      param="priority")
+        priority = int(priority)
         prompt_text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
         if params.max_tokens is None:  # as many as fit: the request's whole room
@@ -239,7 +244,12 @@ class RequestPreparer:
                 raise InvalidRequestError(
                     "This model has no tokenizer; pass the prompt as a list of token ids."
                 )
+            if not is_unicode(prompt):
+                raise InvalidRequestError("The prompt is not valid Unicode text: it holds a lone surrogate "
+                                          "(bytes that were not UTF-8, or a \\ud800-style escape).")
             return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (bytes, bytearray)):  # not token ids: list(b"hi") would read as [104, 105]
+            raise InvalidRequestError("The prompt is bytes; decode it to text or pass token ids.")
         ids = list(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequestError("prompt token ids must be integers.")

@@ -121,6 +121,9 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, add_generat
     if tokenizer is None:
         raise ChatError("This model has no tokenizer, hence no chat template; send a prompt or token ids instead.")
     msgs = template_messages(messages)
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+        raise ChatError(f"chat_template_kwargs must map names to values, got {type(chat_template_kwargs).__name__}.",
+                        param="chat_template_kwargs")
     kwargs = dict(chat_template_kwargs or {})
     taken = sorted(set(kwargs) & _TEMPLATE_OWNED)
     if taken:
