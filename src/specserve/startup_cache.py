@@ -64,14 +64,16 @@ def code_identity(*files: str) -> str:
 
 
 def file_identity(path: object) -> dict[str, Any] | None:
-    """(real path, size, modification time) of a model file or directory; None where it is no
+    """(real path, size, modification and change times, inode) of a model file or directory; None where it is no
     file (a checkpoint built in memory): such a model is measured every time."""
     try:
         real = os.path.realpath(str(path))
         st = os.stat(real)
     except (OSError, TypeError, ValueError):
         return None
-    return {"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    # The inode and the change time too: a copy that keeps the modification time (cp -p, rsync,
+    # tar) or a rewrite in place that restores it would otherwise reuse what another file measured.
+    return {"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino, "ctime_ns": st.st_ctime_ns}
 
 
 class StartupCache:

@@ -266,3 +266,25 @@ def test_a_tensor_file_that_fails_to_write_leaves_nothing(cache_on, monkeypatch)
     cache.save_tensors({"x": torch.zeros(4)})  # logs, keeps the old file whole
     assert [p.name for p in (cache_on / "profiles").iterdir()] == [cache.tensor_path.name]
     assert torch.equal(cache.load_tensors()["x"], torch.ones(4))
+
+
+def test_a_model_file_rewritten_or_copied_with_its_old_times_is_another_identity(tmp_path):
+    """The identity was path, size and modification time: a file rewritten in place with the same
+    size and its old mtime restored (or a `cp -p` / rsync copy over it) reused the int4 blocks
+    requantized from the old content, and generated from them."""
+    import shutil
+
+    from specserve.startup_cache import file_identity
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"a" * 64)
+    before = file_identity(model)
+    st = os.stat(model)
+    model.write_bytes(b"b" * 64)  # same size, the old times put back
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert file_identity(model) != before
+    copy = tmp_path / "copy.gguf"
+    shutil.copy2(model, copy)  # keeps the modification time
+    replaced = file_identity(model)
+    os.replace(copy, model)
+    assert file_identity(model) != replaced

@@ -383,3 +383,78 @@ def test_directory_with_single_gguf(tmp_path):
     write_gguf_model(tmp_path / "second.gguf", "qwen2", _random_weights(arch, 4), TINY)
     with pytest.raises(ModelNotFoundError, match="several"):
         load_model_files(tmp_path)
+
+
+# --- damaged and inconsistent files (from a fuzz of ~190 of them) ----------------------------------
+
+
+def test_a_gguf_counting_more_blocks_than_it_holds_is_refused_at_once(tmp_path):
+    """block_count 10**9 in a small file built ten billion expected tensor names (memory until the
+    machine ran out); one short of the blocks held dropped a block, and failed deep in the runner."""
+    arch = _tiny_arch("qwen2", False)
+    for layers in (10**9, 1):
+        path = tmp_path / f"blocks{layers}.gguf"
+        write_gguf_model(path, "qwen2", _random_weights(arch, 0), {**TINY, "layers": layers})
+        with pytest.raises(CorruptModelError, match=f"counts {layers} blocks but the file holds blocks 0-1"):
+            load_model_files(path, load_tokenizer=False)
+
+
+def test_gguf_metadata_out_of_range_or_of_the_wrong_kind_is_corrupt(tmp_path):
+    arch = _tiny_arch("qwen2", False)
+    path = tmp_path / "kv0.gguf"
+    write_gguf_model(path, "qwen2", _random_weights(arch, 0), {**TINY, "kv_heads": 0})
+    with pytest.raises(CorruptModelError, match="num_kv_heads is 0"):  # ZeroDivisionError before
+        load_model_files(path, load_tokenizer=False)
+
+
+def test_a_gguf_tensor_that_runs_into_another_or_sits_off_alignment_is_corrupt(tmp_path):
+    """A damaged offset loaded and generated from the wrong bytes without a word."""
+    arch = _tiny_arch("qwen2", False)
+    good = tmp_path / "good.gguf"
+    write_gguf_model(good, "qwen2", _random_weights(arch, 0), TINY)
+    data = bytearray(good.read_bytes())
+    tensors = open_gguf(good).tensors
+    a, b = (next(t for t in tensors if t.name == n) for n in ("blk.0.ffn_down.weight", "blk.0.ffn_up.weight"))
+    base = min(t.data_offset for t in tensors)  # where tensor data starts: offsets are relative to it
+
+    def offset_field(name: str, n_dims: int) -> int:  # a tensor info's offset: after name, dims and type
+        return data.find(name.encode()) + len(name) + 4 + 8 * n_dims + 4
+
+    for label, rel, match in (("overlap", b.data_offset - base, "runs into"), ("misaligned", a.data_offset - base + 1,
+                                                                                 "not a multiple of")):
+        bad = bytearray(data)
+        bad[offset_field(a.name, 2) : offset_field(a.name, 2) + 8] = rel.to_bytes(8, "little")
+        path = tmp_path / f"{label}.gguf"
+        path.write_bytes(bad)
+        with pytest.raises(CorruptModelError, match=match):
+            load_model_files(path, load_tokenizer=False)
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    import os
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelNotFoundError, match="not a regular file"):
+        open_gguf(fifo)
+
+
+def test_hf_config_and_index_that_disagree_with_the_checkpoint_are_corrupt(tmp_path):
+    model = _tiny_hf_model("llama", True)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for change, match in (({"num_hidden_layers": 10**9}, "counts 1000000000 layers but the checkpoint holds layers 0-1"),
+                          ({"num_hidden_layers": 1}, "counts 1 layers"),  # the second layer was dropped silently
+                          ({"rms_norm_eps": "tiny"}, "does not describe a usable model"),
+                          ({"num_attention_heads": 0}, "does not describe a usable model"),
+                          ({"rope_scaling": ["x"]}, "does not describe a usable model")):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(CorruptModelError, match=match):
+            load_model_files(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    index = tmp_path / "model.safetensors.index.json"
+    for weight_map, match in ((["model.safetensors"], "weight_map must map"),
+                              ({"model.norm.weight": "../elsewhere/model.safetensors"}, "names shards outside")):
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(CorruptModelError, match=match):
+            load_model_files(tmp_path)

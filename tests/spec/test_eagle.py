@@ -341,6 +341,40 @@ def test_a_head_for_another_target_or_no_head_is_refused(tiny, tmp_path):
         LLM("tiny", dtype="float32", checkpoint=tiny, spec_method="eagle", draft_model=str(bad))
 
 
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_a_head_file_with_a_broken_card_or_token_ids_is_refused_by_name(tiny, tmp_path, method):
+    """Each of these was a KeyError / JSONDecodeError / IndexError / ZeroDivisionError traceback (or,
+    for Medusa's shapes, torch's RuntimeError) out of the engine's start."""
+    import json
+
+    from conftest import make_head_file
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    good = make_head_file(tiny, tmp_path / "good.safetensors", method=method)
+    with safe_open(str(good), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    card = json.loads(meta["card"])
+    size = "intermediate_size" if method == "eagle" else "num_heads"
+    first = next(k for k in tensors if k != "token_ids")
+    cases = {
+        "no-card": ({k: v for k, v in meta.items() if k != "card"}, tensors, "without a readable card"),
+        "card-json": ({**meta, "card": "{oops"}, tensors, "without a readable card"),
+        "card-list": ({**meta, "card": "[1]"}, tensors, "not a JSON object"),
+        "card-size": ({**meta, "card": json.dumps({**card, size: "many"})}, tensors, f"card's {size} is 'many'"),
+        "no-ids": (meta, {k: v for k, v in tensors.items() if k != "token_ids"}, "holds no token_ids"),
+        "empty-ids": (meta, {**tensors, "token_ids": torch.zeros(0, dtype=torch.int64)}, "non-empty list"),
+        "float-ids": (meta, {**tensors, "token_ids": tensors["token_ids"].float()}, "non-empty list"),
+        "far-ids": (meta, {**tensors, "token_ids": tensors["token_ids"] + 10**6}, "outside this target's vocabulary"),
+        "shape": (meta, {**tensors, first: tensors[first][:-1].contiguous()}, "does not hold"),
+    }
+    for name, (m, t, match) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        save_file(t, str(path), metadata=m)
+        with pytest.raises(ConfigError, match=match):
+            LLM("tiny", dtype="float32", checkpoint=tiny, spec_method=method, draft_model=str(path))
+
+
 def test_a_bfloat16_copy_of_the_target_finds_its_heads_and_legacy_heads_still_serve(tiny, tmp_path, monkeypatch):
     """The fingerprint is the same for the float32 target (the CPU's default) and a bfloat16 copy
     (a GPU's); a head that carries the older float16-rows fingerprint is accepted and its cache

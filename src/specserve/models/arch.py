@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -28,6 +29,15 @@ class ArchConfig:
     name: str = ""
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} is {value!r}; it must be a positive integer")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ValueError(f"{name} is {value!r}; it must be a finite positive number")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "

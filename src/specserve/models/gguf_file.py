@@ -64,6 +64,7 @@ class GGUFFile:
     """The metadata (`get_field`) and tensors of a GGUF file, mapped read-only."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
         self.data = np.memmap(path, mode="r").view(np.ndarray)  # a view keeps the mapping alive
         buf = memoryview(self.data)
         self._buf, self._size = buf, len(buf)

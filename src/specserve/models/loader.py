@@ -14,7 +14,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from specserve.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from specserve.errors import (
+    CorruptModelError,
+    ModelNotFoundError,
+    SpecServeError,
+    UnsupportedModelError,
+)
 from specserve.models.arch import ArchConfig
 from specserve.models.block_linear import EMBEDDING, PackedWeight, kernel_can_read, packed_from_gguf
 from specserve.models.gguf_file import GGUFFile
@@ -104,7 +109,7 @@ def load_model_metadata(path: str | os.PathLike[str]) -> tuple[ArchConfig, Token
         p = ggufs[0]
     reader = open_gguf(p)
     arch = arch_from_gguf(reader)
-    return arch, Tokenizer.from_gguf(reader, name=arch.name)
+    return arch, _gguf_tokenizer(reader, arch.name)
 
 
 # --- GGUF ---------------------------------------------------------------------------------------
@@ -113,6 +118,8 @@ def load_model_metadata(path: str | os.PathLike[str]) -> tuple[ArchConfig, Token
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """Parse a GGUF file's header, raising CorruptModelError for anything malformed or truncated."""
     p = Path(path)
+    if p.exists() and not p.is_file():  # a FIFO would block the open below forever
+        raise ModelNotFoundError(f"{p} is not a regular file; pass a GGUF model file or a HF model directory.")
     try:
         with p.open("rb") as f:
             magic = f.read(4)
@@ -139,6 +146,19 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
                 f"{p} is truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} but "
                 f"the file has {file_size}; download or re-convert it."
             )
+    # Tensors lie aligned and apart (GGUF writes each at a multiple of general.alignment): one
+    # that starts mid-alignment or inside another was damaged or mislabelled, and would load
+    # and compute from the wrong bytes.
+    align = int(_field(reader, "general.alignment", 32))
+    placed = sorted(reader.tensors, key=lambda t: t.data_offset)
+    for t, after in zip(placed, [*placed[1:], None]):
+        if t.data_offset % align:
+            raise CorruptModelError(f"{p}: tensor {t.name} starts at byte {t.data_offset}, not a multiple of the "
+                                    f"file's alignment {align}; the file is damaged, so download or re-convert it.")
+        if after is not None and t.data_offset + t.n_bytes > after.data_offset:
+            raise CorruptModelError(f"{p}: tensor {t.name} (bytes {t.data_offset}-{t.data_offset + t.n_bytes}) runs "
+                                    f"into {after.name} (from byte {after.data_offset}): its size or type is wrong; "
+                                    "the file is damaged, so download or re-convert it.")
     return reader
 
 
@@ -159,11 +179,32 @@ def _require_int(reader: GGUFFile, key: str) -> int:
             f"GGUF metadata key {key} is missing; the file is incomplete, so re-convert it with a "
             "current llama.cpp."
         )
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CorruptModelError(f"GGUF metadata key {key} is {value!r}, not an integer; re-convert the file.")
     return int(value)
 
 
 def arch_from_gguf(reader: GGUFFile) -> ArchConfig:
-    """Translate a GGUF's ``general.architecture`` and ``<arch>.*`` metadata into an ArchConfig."""
+    """Translate a GGUF's ``general.architecture`` and ``<arch>.*`` metadata into an ArchConfig;
+    metadata of the wrong kind or out of range is a CorruptModelError naming the file."""
+    try:
+        arch = _arch_from_gguf(reader)
+    except (ValueError, TypeError, ZeroDivisionError) as exc:
+        if isinstance(exc, SpecServeError):
+            raise
+        raise CorruptModelError(f"{reader.path}: its metadata does not describe a usable model ({exc}); "
+                                "re-convert the file.") from exc
+    # block_count against the blocks the file holds (a count of 10**9 in a small file built
+    # ten billion expected tensor names before anything said no).
+    blocks = {b for t in reader.tensors if (b := _block_of(t.name)) >= 0}
+    held = max(blocks) + 1 if blocks else 0
+    if arch.num_layers + nextn_layers(reader) != held:
+        raise CorruptModelError(f"{reader.path}: its metadata counts {arch.num_layers + nextn_layers(reader)} blocks "
+                                f"but the file holds blocks 0-{held - 1}; re-convert it.")
+    return arch
+
+
+def _arch_from_gguf(reader: GGUFFile) -> ArchConfig:
     source = str(_field(reader, "general.architecture", ""))
     key = _ARCH_ALIASES.get(source)
     if key is None:
@@ -221,6 +262,18 @@ def arch_from_gguf(reader: GGUFFile) -> ArchConfig:
         attention_bias=key == "qwen2",
         name=str(_field(reader, "general.name", "") or ""),
     )
+
+
+def _gguf_tokenizer(reader: GGUFFile, name: str) -> Tokenizer:
+    """The GGUF's tokenizer; metadata it cannot be built from (an EOS id that is text, merges of
+    tokens the vocabulary lacks) is a CorruptModelError naming the file."""
+    try:
+        return Tokenizer.from_gguf(reader, name=name)
+    except SpecServeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises bare Exceptions
+        raise CorruptModelError(f"{reader.path}: its tokenizer metadata is unusable ({type(exc).__name__}: "
+                                f"{str(exc)[:200]}); re-convert the file.") from exc
 
 
 def nextn_layers(reader: GGUFFile) -> int:
@@ -307,7 +360,7 @@ def load_gguf(
     p = Path(path)
     reader = open_gguf(p)
     arch = arch_from_gguf(reader)
-    tokenizer = Tokenizer.from_gguf(reader, name=arch.name) if load_tokenizer else None
+    tokenizer = _gguf_tokenizer(reader, arch.name) if load_tokenizer else None
 
     # The multi-token-prediction blocks after the decoder's (nextn_layers) are a drafter's, not
     # the network's: left for gguf_mtp_tensors.
@@ -487,6 +540,11 @@ def arch_from_hf_config(config: dict[str, Any], name: str = "") -> ArchConfig:
             f"config.json lacks the required field {exc.args[0]!r}; re-save the model with "
             "save_pretrained."
         ) from None
+    except SpecServeError:
+        raise
+    except (ValueError, TypeError, ZeroDivisionError, AttributeError) as exc:  # a field of the wrong kind or range
+        raise CorruptModelError(f"config.json does not describe a usable model ({exc}); re-save the model with "
+                                "save_pretrained.") from None
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -498,8 +556,17 @@ def _safetensors_files(path: Path) -> list[Path]:
             raise CorruptModelError(
                 f"Cannot read {index}: {exc}. Re-download or re-save the model."
             ) from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CorruptModelError(f"{index}: its weight_map must map tensor names to shard file names; "
+                                    "re-download or re-save the model.")
         files = [path / f for f in dict.fromkeys(weight_map.values())]
-        absent = [f.name for f in files if not f.is_file()]
+        # A shard is a file of the model's own directory, by its name: not resolved, since the
+        # Hugging Face cache links each shard to a blob elsewhere.
+        outside = [str(f) for f in files if not Path(os.path.normpath(f)).is_relative_to(os.path.normpath(path))
+                   or Path(os.path.normpath(f)) == Path(os.path.normpath(path))]
+        if outside:
+            raise CorruptModelError(f"{index} names shards outside {path} ({', '.join(outside[:3])}); re-save the model.")
+        absent = [str(f.relative_to(path)) for f in files if not f.is_file()]
         if absent:
             raise CorruptModelError(
                 f"{index} lists shards that are missing ({', '.join(absent)}); finish the download "
@@ -629,8 +696,19 @@ def expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
 def _check_shapes(arch: ArchConfig, shapes: dict[str, tuple[int, ...]], source: Path) -> None:
-    """Refuse checkpoints with missing or mis-shaped tensors (extra tensors are allowed here)."""
+    """Refuse checkpoints with missing or mis-shaped tensors (extra tensors are allowed here, but
+    not decoder layers beyond the config's count: those were dropped silently; multi-token-
+    prediction layers after them, with their eh_proj, are a drafter's)."""
+    layers = {int(m.group(1)) for n in shapes if (m := _HF_LAYER.match(n))}
+    layers -= {int(m.group(1)) for n in shapes if n.endswith("eh_proj.weight") and (m := _HF_LAYER.match(n))}  # MTP
+    held = max(layers) + 1 if layers else 0
+    if held != arch.num_layers:  # before naming every tensor of 10**9 layers
+        raise CorruptModelError(f"{source}: its config counts {arch.num_layers} layers but the checkpoint holds "
+                                f"layers 0-{held - 1}; the checkpoint and its config disagree, so re-convert it.")
     wanted = expected_shapes(arch)
     missing = [n for n in wanted if n not in shapes]
     if missing:

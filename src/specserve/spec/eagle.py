@@ -373,7 +373,38 @@ def load_head_file(path: str | Path, method: str = "eagle") -> tuple[dict[str, t
         if any(k.endswith("eh_proj.weight") for k in tensors):  # a checkpoint's own MTP module
             return tensors, {"method": "mtp", "imported": True}
         raise ConfigError(f"{path} is not a specserve drafter head (format {meta.get('format')!r}).")
-    return tensors, json.loads(meta["card"])
+    try:
+        card = json.loads(meta["card"])
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"{path} is a drafter head without a readable card ({type(exc).__name__}: {exc}); "
+                          "train it again with `specserve train-draft`.") from None
+    if not isinstance(card, dict):
+        raise ConfigError(f"{path}: its card is {type(card).__name__}, not a JSON object; train it again.")
+    return tensors, card
+
+
+def head_token_ids(path: str | Path, tensors: dict[str, torch.Tensor], vocab_size: int) -> torch.Tensor:
+    """A head file's `token_ids` (the target's LM-head rows it drafts over), taken out of
+    `tensors`: distinct ids in [0, vocab_size), refused by name otherwise (an id past the
+    vocabulary failed as an IndexError inside the LM head, an empty list as a ZeroDivisionError)."""
+    ids = tensors.pop("token_ids", None)
+    if ids is None:
+        raise ConfigError(f"{path} holds no token_ids (the LM-head rows it drafts over); train it again.")
+    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ConfigError(f"{path}: token_ids must be a non-empty list of integer ids, got {ids.dtype} of shape "
+                          f"{tuple(ids.shape)}; train it again.")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ConfigError(f"{path}: token_ids holds ids outside this target's vocabulary [0, {vocab_size}); "
+                          "it was trained for another model.")
+    return ids.long()
+
+
+def card_size(path: str | Path, card: dict, key: str) -> int:
+    """A positive integer a head's card must give (intermediate_size, num_heads), refused by name."""
+    value = card.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{path}: its card's {key} is {value!r}, not a positive integer; train it again.")
+    return value
 
 
 def _is_gguf(path: Path) -> bool:
@@ -888,8 +919,9 @@ def build_eagle(path: str | Path, target_runner: object, target_fp: str | tuple[
         card = {**card, "intermediate_size": inter or target_runner.arch.intermediate_size}
         token_ids = default_ids if default_ids is not None else torch.arange(target_runner.arch.vocab_size)
     else:
-        token_ids = tensors.pop("token_ids")
-    arch = head_arch(target_runner.arch, int(card["intermediate_size"]))
+        token_ids = head_token_ids(path, tensors, target_runner.arch.vocab_size)
+    arch = head_arch(target_runner.arch, card["intermediate_size"] if card.get("imported")
+                     else card_size(path, card, "intermediate_size"))
     with unset_weights(target_runner.device):
         head = MTPModule(arch) if method == "mtp" else EagleHead(arch, card.get("feature_layers", ()))
     try:

@@ -246,21 +246,30 @@ def build_layerskip(runner: object, block_ids_of: Callable[[str], list[int]], nu
     """The layer-skip drafter: an exit file (train-draft --method layerskip) fixes the layer and
     the head's vocabulary; without one, the target's final norm at layer num_layers (default:
     three quarters of the target's layers)."""
-    from specserve.spec.eagle import load_head_for, quantize_linears, restricted_lm_head
+    from specserve.spec.eagle import (
+        card_size,
+        head_token_ids,
+        load_head_for,
+        quantize_linears,
+        restricted_lm_head,
+    )
 
     exit_head, card = None, {}
     total = runner.arch.num_layers
     if path is not None:
         tensors, card = load_head_for(path, "layerskip", target_fp)
-        layer = int(card["num_layers"])
+        layer = card_size(path, card, "num_layers")
         if num_layers is not None and num_layers != layer:
             raise ConfigError(f"The exit {path} was fitted at layer {layer}; --draft-num-layers {num_layers} asks for "
                               f"another. Drop the flag, or fit one there: `specserve train-draft --method layerskip "
                               f"--layers {num_layers}`.")
         num_layers = layer
-        token_ids = tensors.pop("token_ids")
+        token_ids = head_token_ids(path, tensors, runner.arch.vocab_size)
         exit_head = ExitHead(runner.arch.hidden_size)
-        exit_head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+        try:
+            exit_head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+        except RuntimeError as exc:  # missing / extra / misshapen tensors, as build_eagle says
+            raise ConfigError(f"{path} does not hold a layer-skip exit for this target: {str(exc)[:300]}") from exc
         exit_head.eval().to(runner.device)
         if quantize:
             from specserve.models.block_linear import enable_native_ops

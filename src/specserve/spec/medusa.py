@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.errors import ConfigError
 from specserve.models.linear import storage_bytes
 from specserve.request import Request
 from specserve.spec.draft_model import (
@@ -172,12 +173,21 @@ def build_medusa(path: str | Path, target_runner: object, target_fp: str | tuple
                  quantize: bool) -> MedusaProposer:
     """Load a Medusa head file for the target behind `target_runner` (Q8_0 blocks when it runs the
     native kernels)."""
-    from specserve.spec.eagle import load_head_for, quantize_linears, restricted_lm_head
+    from specserve.spec.eagle import (
+        card_size,
+        head_token_ids,
+        load_head_for,
+        quantize_linears,
+        restricted_lm_head,
+    )
 
     tensors, card = load_head_for(path, "medusa", target_fp)
-    token_ids = tensors.pop("token_ids")
-    heads = MedusaHeads(target_runner.arch.hidden_size, int(card["num_heads"]))
-    heads.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    token_ids = head_token_ids(path, tensors, target_runner.arch.vocab_size)
+    heads = MedusaHeads(target_runner.arch.hidden_size, card_size(path, card, "num_heads"))
+    try:
+        heads.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    except RuntimeError as exc:  # missing / extra / misshapen tensors, as build_eagle says
+        raise ConfigError(f"{path} does not hold Medusa heads for this target: {str(exc)[:300]}") from exc
     heads.to(target_runner.device)
     if quantize:
         quantize_linears(list(heads.heads))
