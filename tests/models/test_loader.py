@@ -452,6 +452,15 @@ def test_hf_config_and_index_that_disagree_with_the_checkpoint_are_corrupt(tmp_p
         with pytest.raises(CorruptModelError, match=match):
             load_model_files(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp_path / "model.safetensors"
+    saved = load_file(str(weights))
+    save_file({**saved, "model.norm.weight": saved["model.norm.weight"].to(torch.int32)}, str(tmp_path / "int.st"))
+    (tmp_path / "int.st").replace(weights)  # a norm relabelled I32 loaded its integers as values
+    with pytest.raises(CorruptModelError, match=r"stored as integers \(model.norm.weight \(torch.int32\)"):
+        load_model_files(tmp_path)
+    save_file(saved, str(weights))
     index = tmp_path / "model.safetensors.index.json"
     for weight_map, match in ((["model.safetensors"], "weight_map must map"),
                               ({"model.norm.weight": "../elsewhere/model.safetensors"}, "names shards outside")):

@@ -593,12 +593,16 @@ def load_hf_dir(path: str | os.PathLike[str], *, load_tokenizer: bool = True) ->
     p = Path(path)
     arch = arch_from_hf_config(_read_config(p), name=p.name)
     weights: dict[str, torch.Tensor] = {}
+    integral: dict[str, torch.dtype] = {}  # tensors stored as integers: no weight of this network is
     for file in _safetensors_files(p):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                     name = key if key.startswith(("model.", "lm_head.")) else f"model.{key}"
-                    weights[name] = f.get_tensor(key).to(torch.float32).contiguous()
+                    t = f.get_tensor(key)
+                    if not t.is_floating_point():
+                        integral[name] = t.dtype
+                    weights[name] = t.to(torch.float32).contiguous()
         except (SafetensorError, OSError, ValueError) as exc:
             raise CorruptModelError(
                 f"Cannot read {file}: {exc}. The file is damaged; re-download or re-save the model."
@@ -607,6 +611,9 @@ def load_hf_dir(path: str | os.PathLike[str], *, load_tokenizer: bool = True) ->
         weights.pop("lm_head.weight", None)
     _check_shapes(arch, {n: tuple(t.shape) for n, t in weights.items()}, p)
     wanted = expected_shapes(arch)
+    if bad := [f"{n} ({integral[n]})" for n in wanted if n in integral]:  # their integers read as values
+        raise CorruptModelError(f"{p}: weights stored as integers ({', '.join(bad[:3])}), not floats; the checkpoint "
+                                "is damaged or quantized in a form specserve does not read, so re-save it.")
     # DeepSeek-V3-style MTP layers after the decoder's (hf_mtp_prefix): not part of the network.
     mtp_layers = len({n.removesuffix("eh_proj.weight") for n in weights if n.endswith("eh_proj.weight")})
     for extra in [n for n in weights if n not in wanted]:
