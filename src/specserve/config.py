@@ -171,6 +171,9 @@ def check_field_types(config: object) -> None:
             raise ConfigError(f"{f.name} must be {want}{' (or None)' if 'None' in kinds else ''}, got {value!r}.")
 
 
+LINEAR_BACKEND_NAMES = ("auto", "dense", "onednn")  # specserve.models.linear.LINEAR_BACKENDS and auto
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to run and how to hold it in memory."""
@@ -207,6 +210,8 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+        if self.linear_backend not in LINEAR_BACKEND_NAMES:  # before the model loads, not after
+            raise ConfigError(f"Unknown linear_backend {self.linear_backend!r}; use one of {', '.join(LINEAR_BACKEND_NAMES)}.")
         if self.quantization is not None:  # frozen: the enum from here on
             object.__setattr__(self, "quantization", Quantization.parse(self.quantization))
         mode = LOGPROBS_MODE_ALIASES.get(self.logprobs_mode, self.logprobs_mode)

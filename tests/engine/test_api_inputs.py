@@ -17,6 +17,7 @@ from specserve.errors import ConfigError, InvalidRequestError
     (lambda: SpecConfig(method="ngram", draft_p_min=float("nan")), "draft_p_min must be a finite number"),
     (lambda: SchedulerConfig(max_num_seqs=2.5), "max_num_seqs must be an integer"),
     (lambda: ModelConfig("m", max_model_len=100.5), "max_model_len must be an integer (or None)"),
+    (lambda: ModelConfig("m", linear_backend="bogus"), "Unknown linear_backend 'bogus'"),  # was raised after loading
     (lambda: EngineConfig(ModelConfig("m"), num_threads=0), "num_threads must be >= 1"),
     (lambda: EngineConfig(ModelConfig("m"), num_threads="two"), "num_threads must be an integer"),
 ])
@@ -61,3 +62,10 @@ def test_sampling_params_of_the_wrong_kind_are_request_errors(smollm_checkpoint)
     assert len(out[0].outputs[0].token_ids) == 2
     eng = llm.engine
     assert eng.check_integrity() and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+
+
+def test_the_config_names_every_linear_backend_the_models_have():
+    from specserve.config import LINEAR_BACKEND_NAMES
+    from specserve.models.linear import LINEAR_BACKENDS
+
+    assert ("auto", *LINEAR_BACKENDS) == LINEAR_BACKEND_NAMES
