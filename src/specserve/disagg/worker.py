@@ -169,6 +169,7 @@ class WorkerCore:
         """Load figures the router routes by."""
         eng = self.engine
         sched = eng.scheduler
+        totals = engine_totals(eng)  # the server's /metrics sums these over workers
         return {
             "name": self.name,
             "role": self.role,
@@ -182,8 +183,8 @@ class WorkerCore:
             "alive": self.error is None and self._thread.is_alive(),
             "error": self.error,  # why the engine loop stopped: the router replaces such a worker
             "evicted": self._take_evicted(),
-            "kv_tier": tiers.stats() if (tiers := eng.kv_manager.tiers) is not None else None,
-            "engine": engine_totals(eng),  # the server's /metrics sums these over workers
+            "kv_tier": totals["kv_tier"],  # (read once: the tiers' stats take their locks)
+            "engine": totals,
         }
 
     def _take_evicted(self) -> list[int]:
