@@ -87,6 +87,30 @@ def test_each_row_is_independent_of_the_batch(qtype, rows):
         assert torch.equal(lin(x[a:b]), full[a:b]), (a, b)
 
 
+@pytest.mark.parametrize("qtype", [12, 14])
+def test_paired_group_passes_equal_one_group_passes(qtype):
+    """An AVX2 build without VNNI runs passes of 8 or more activation rows over two 8-row Q4_K /
+    Q6_K groups at once (each broadcast activation shared); every result is bit-identical to the
+    one-group passes', for group counts even and odd (a last group alone) and any row count."""
+    k = kernels()
+    if not k.has_avx2() or k.has_vnni():
+        pytest.skip("paired passes are the AVX2 (no VNNI) kernels' (test_vnni_kernels_are_bit_identical_to_the_avx2_ones covers them there)")
+    assert k.pair_min_rows() == 8
+    before = k.pair_min_rows()
+    try:
+        for rows in (8, 24, 48, 136):
+            lin = BlockQuantLinear(random_blocks(qtype, rows=rows, cols=1024, seed=rows), torch.randn(rows))
+            x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(rows)) * 2
+            k.set_pair_min_rows(0)
+            alone = [lin(x[:m]) for m in (1, 2, 3, 5, 9, 16, 17, 33, 40)]
+            assert k.set_pair_min_rows(2) == 0  # from 2 rows, to cover every pass size
+            for m, ref in zip((1, 2, 3, 5, 9, 16, 17, 33, 40), alone):
+                assert torch.equal(lin(x[:m]), ref), (rows, m)
+            assert torch.equal(lin(x)[7:8], lin(x[7:8]))  # a row inside a paired pass == the row alone (one group)
+    finally:
+        k.set_pair_min_rows(before)
+
+
 @pytest.mark.parametrize("rows", [8, 24, 40, 136, 1000, 4104])
 def test_every_tile_runs_once_whatever_the_thread_count(rows):
     """The threads split a product's 16-row tiles into owned shares and steal each other's last

@@ -588,6 +588,38 @@ inline void write_groups(float* out, const float* accs, int G, int64_t stride, i
     for (int g = 0; g < G; ++g) std::memcpy(out + (m * G + g) * 8, accs + g * stride + 8 * m, sizeof(float) * 8);
 }
 
+// The end of a Q4_K x8 block for M activation rows: the mins (sum over sub-blocks of min * the sum
+// of x over the sub-block) and the block's float step into acc (8 floats a row).
+inline void q4_k_x8_block_end(const uint8_t* blk, const int32_t* sumi, float* acc, const Acts* a, int64_t b, int M) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+  __m256i mins[4];
+  for (int p = 0; p < 4; ++p) mins[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * p)));
+  for (int m = 0; m < M; ++m) {
+    __m256i summ = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      int32_t pair;
+      std::memcpy(&pair, a[m].s32 + b * 8 + 2 * p, 4);
+      summ = _mm256_add_epi32(summ, _mm256_madd_epi16(mins[p], _mm256_set1_epi32(pair)));
+    }
+    const __m256 dx = _mm256_set1_ps(a[m].d[b]);
+    const __m256i si = _mm256_load_si256(reinterpret_cast<const __m256i*>(sumi + 8 * m));
+    __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(d, dx), _mm256_load_ps(acc + 8 * m));
+    r = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_mul_ps(dmin, dx), r);
+    _mm256_store_ps(acc + 8 * m, r);
+  }
+}
+
+// Q6_K's: acc += d * dx * sumi.
+inline void q6_k_x8_block_end(const uint8_t* blk, const int32_t* sumi, float* acc, const Acts* a, int64_t b, int M) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  for (int m = 0; m < M; ++m) {
+    const __m256i si = _mm256_load_si256(reinterpret_cast<const __m256i*>(sumi + 8 * m));
+    _mm256_store_ps(acc + 8 * m, _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])),
+                                                 _mm256_load_ps(acc + 8 * m)));
+  }
+}
+
 template <int MT, int G>
 void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
@@ -647,27 +679,82 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
 #endif
       }
     }
-    // mins: sum over sub-blocks of min * (sum of x over the sub-block), then the block's float step
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-    __m256i mins[4];
-    for (int p = 0; p < 4; ++p) mins[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * p)));
-    for (int m = 0; m < M; ++m) {
-      __m256i summ = _mm256_setzero_si256();
-      for (int p = 0; p < 4; ++p) {
-        int32_t pair;
-        std::memcpy(&pair, a[m].s32 + b * 8 + 2 * p, 4);
-        summ = _mm256_add_epi32(summ, _mm256_madd_epi16(mins[p], _mm256_set1_epi32(pair)));
-      }
-      const __m256 dx = _mm256_set1_ps(a[m].d[b]);
-      const __m256i si = _mm256_load_si256(reinterpret_cast<const __m256i*>(sumi + 8 * m));
-      __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(d, dx), _mm256_load_ps(acc + 8 * m));
-      r = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_mul_ps(dmin, dx), r);
-      _mm256_store_ps(acc + 8 * m, r);
-    }
+    q4_k_x8_block_end(blk, sumi, acc, a, b, M);
   }
   write_groups(out, accs[0], G, kRows * 8, M);
 }
+
+#if SPECSERVE_AVX2 && !SPECSERVE_VNNI
+// Two 8-row Q4_K groups at once (blocks `gap` bytes apart), AVX2 without VNNI: each activation
+// broadcast feeds both groups' multiply-adds. A Zen 3 core (AVX2 only; family 25 model 1) issues
+// at most four vector operations a cycle and, with the broadcast a vector load and a shuffle-pipe
+// operation each, the one-group pass spends 26 of them on every row's sub-block (8 broadcasts, 8
+// maddubs, 8 int16 adds, the scale's madd and the int32 add): llvm-mca puts it at 6.6 cycles,
+// measured ~8. Shared, a group's sub-block costs 4 broadcasts and, the 16 unpacked registers of
+// two groups being more than AVX2 has, a madd and an add more (each sub-block goes in two halves
+// of 16 values, each half's int16 sum scaled on its own): 5.4 cycles by llvm-mca. Each half sum
+// is at most 4 * 2 * 15 * 127, so the int32 sums are the ones the one-group pass makes (bit-identical).
+template <int MT>
+void dot_q4_k_x8_pair(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
+  constexpr int kRows = MT > 0 ? MT : kPassRows;
+  const int M = MT > 0 ? MT : M_;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  alignas(32) float accs[2][kRows * 8];
+  alignas(32) int32_t sums[2][kRows * 8];
+  // Through an opaque pointer: GCC otherwise splits the array into a copy it stores each sum to
+  // as well (two stores per row and half where one is needed).
+  int32_t (*sumi)[kRows * 8] = sums;
+  asm("" : "+r"(sumi));
+  zero_groups(accs[0], 2, kRows * 8, M);
+  const int64_t ahead = prefetch_distance(M);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk0 = grp + b * step;
+    const uint8_t* blk1 = blk0 + gap;
+    std::memset(sumi[0], 0, sizeof(int32_t) * 8 * M);
+    std::memset(sumi[1], 0, sizeof(int32_t) * 8 * M);
+    for (int j = 0; j < 8; ++j) {
+      prefetch_lines(slice_lines(blk0, 1184, ahead, j, 8));
+      prefetch_lines(slice_lines(blk1, 1184, ahead, j, 8));
+      const uint8_t* sub0 = blk0 + 96 + 136 * j;
+      const uint8_t* sub1 = blk1 + 96 + 136 * j;
+      const __m256i t0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub0)));
+      const __m256i t1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub1)));
+      const __m256i sc0 = _mm256_or_si256(t0, _mm256_slli_epi32(t0, 16));  // scale of row r in both int16 halves
+      const __m256i sc1 = _mm256_or_si256(t1, _mm256_slli_epi32(t1, 16));
+      const int64_t off = b * 256 + 32 * j;
+      for (int h = 0; h < 2; ++h) {
+        // w[2i + g]: low nibbles of quarter 2h + i of group g (values 8i + k of the half), w[4 + 2i + g]: high (8i + 4 + k)
+        __m256i w[8];
+        for (int i = 0; i < 2; ++i) {
+          const __m256i p0 = load32(sub0 + 8 + 32 * (2 * h + i));
+          const __m256i p1 = load32(sub1 + 8 + 32 * (2 * h + i));
+          w[2 * i] = _mm256_and_si256(p0, low);
+          w[2 * i + 1] = _mm256_and_si256(p1, low);
+          w[4 + 2 * i] = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low);
+          w[4 + 2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(p1, 4), low);
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x = a[m].q + off + 16 * h;
+          __m256i xa = bcast4(x), xb = bcast4(x + 4);
+          __m256i q0 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], xa), _mm256_maddubs_epi16(w[4], xb));
+          __m256i q1 = _mm256_add_epi16(_mm256_maddubs_epi16(w[1], xa), _mm256_maddubs_epi16(w[5], xb));
+          xa = bcast4(x + 8), xb = bcast4(x + 12);
+          q0 = _mm256_add_epi16(q0, _mm256_add_epi16(_mm256_maddubs_epi16(w[2], xa), _mm256_maddubs_epi16(w[6], xb)));
+          q1 = _mm256_add_epi16(q1, _mm256_add_epi16(_mm256_maddubs_epi16(w[3], xa), _mm256_maddubs_epi16(w[7], xb)));
+          __m256i* s0 = reinterpret_cast<__m256i*>(sumi[0] + 8 * m);
+          __m256i* s1 = reinterpret_cast<__m256i*>(sumi[1] + 8 * m);
+          *s0 = _mm256_add_epi32(*s0, _mm256_madd_epi16(q0, sc0));
+          *s1 = _mm256_add_epi32(*s1, _mm256_madd_epi16(q1, sc1));
+        }
+      }
+    }
+    q4_k_x8_block_end(blk0, sumi[0], accs[0], a, b, M);
+    q4_k_x8_block_end(blk1, sumi[1], accs[1], a, b, M);
+  }
+  write_groups(out, accs[0], 2, kRows * 8, M);
+}
+#endif
 
 template <int MT, int G>
 void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
@@ -703,7 +790,7 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
       const __m256i sc_a = _mm256_shuffle_epi8(sc16, even);  // each row's scale in both int16 halves
       const __m256i sc_b = _mm256_shuffle_epi8(sc16, odd);
 #endif
-      __m256i v[8];  // v[2i + h]: values 8i + 4h + k of each row
+      __m256i v[8];  // v[4h + k]: values 16h + 4k + i (i = 0..3) of each row
       for (int h = 0; h < 2; ++h) {
         const __m256i H = load32(qh + 32 * h);
         const __m256i L0 = load32(ql + 64 * h);
@@ -751,15 +838,90 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
 #endif
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    for (int m = 0; m < M; ++m) {
-      const __m256i si = _mm256_load_si256(reinterpret_cast<const __m256i*>(sumi + 8 * m));
-      _mm256_store_ps(acc + 8 * m, _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])),
-                                                   _mm256_load_ps(acc + 8 * m)));
-    }
+    q6_k_x8_block_end(blk, sumi, acc, a, b, M);
   }
   write_groups(out, accs[0], G, kRows * 8, M);
 }
+
+#if SPECSERVE_AVX2 && !SPECSERVE_VNNI
+// Two 8-row Q6_K groups at once, as dot_q4_k_x8_pair: each chunk's two 16-value halves in turn,
+// the four activation broadcasts of a half (and the pair of 16-value sums for the offset) shared
+// by both groups; each group gets the int32 sums dot_q6_k_x8 makes (added in another order,
+// which changes nothing in integers), so the results are bit-identical.
+template <int MT>
+void dot_q6_k_x8_pair(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
+  constexpr int kRows = MT > 0 ? MT : kPassRows;
+  const int M = MT > 0 ? MT : M_;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i top = _mm256_set1_epi8(0x30);
+  const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+  const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
+                                       2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+  alignas(32) float accs[2][kRows * 8];
+  alignas(32) int32_t sums[2][kRows * 8];
+  int32_t (*sumi)[kRows * 8] = sums;  // opaque, as in dot_q4_k_x8_pair
+  asm("" : "+r"(sumi));
+  zero_groups(accs[0], 2, kRows * 8, M);
+  const int64_t ahead = prefetch_distance(M);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk[2] = {grp + b * step, grp + b * step + gap};
+    std::memset(sumi[0], 0, sizeof(int32_t) * 8 * M);
+    std::memset(sumi[1], 0, sizeof(int32_t) * 8 * M);
+    for (int c = 0; c < 8; ++c) {
+      prefetch_lines(slice_lines(blk[0], 1680, ahead, c, 8));
+      prefetch_lines(slice_lines(blk[1], 1680, ahead, c, 8));
+      const uint8_t* chunk[2] = {blk[0] + 16 + 208 * c, blk[1] + 16 + 208 * c};
+      const __m256i sc16_0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk[0])));
+      const __m256i sc16_1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk[1])));
+      const int64_t off = b * 256 + 32 * c;
+      // value = q - 32: subtract 32 * scale * sum(x) per 16-value group, first
+#pragma GCC unroll 16
+      for (int m = 0; m < M; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, a[m].s16 + b * 16 + 2 * c, 4);
+        const __m256i xs = _mm256_set1_epi32(pair);
+        __m256i* s0 = reinterpret_cast<__m256i*>(sumi[0] + 8 * m);
+        __m256i* s1 = reinterpret_cast<__m256i*>(sumi[1] + 8 * m);
+        *s0 = _mm256_sub_epi32(*s0, _mm256_slli_epi32(_mm256_madd_epi16(sc16_0, xs), 5));
+        *s1 = _mm256_sub_epi32(*s1, _mm256_slli_epi32(_mm256_madd_epi16(sc16_1, xs), 5));
+      }
+      for (int g = 0; g < 2; ++g) {  // 16-value group 2c + g: values 16g .. 16g + 15
+        const __m256i sg0 = _mm256_shuffle_epi8(sc16_0, g == 0 ? even : odd);  // each row's scale in both int16 halves
+        const __m256i sg1 = _mm256_shuffle_epi8(sc16_1, g == 0 ? even : odd);
+        __m256i v[8];  // v[2k + e]: values 16g + 4k + i of group e's rows
+        for (int e = 0; e < 2; ++e) {
+          const __m256i H = load32(chunk[e] + 144 + 32 * g);
+          const __m256i L0 = load32(chunk[e] + 16 + 64 * g);
+          const __m256i L1 = load32(chunk[e] + 16 + 64 * g + 32);
+          v[e] = _mm256_or_si256(_mm256_and_si256(L0, low), _mm256_and_si256(_mm256_slli_epi16(H, 4), top));
+          v[2 + e] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), low), _mm256_and_si256(_mm256_slli_epi16(H, 2), top));
+          v[4 + e] = _mm256_or_si256(_mm256_and_si256(L1, low), _mm256_and_si256(H, top));
+          v[6 + e] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), low), _mm256_and_si256(_mm256_srli_epi16(H, 2), top));
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x = a[m].q + off + 16 * g;
+          __m256i* s0 = reinterpret_cast<__m256i*>(sumi[0] + 8 * m);
+          __m256i* s1 = reinterpret_cast<__m256i*>(sumi[1] + 8 * m);
+          // Each int16 pair sum scaled and added as soon as it is made (integer sums: the order
+          // changes nothing), so that few registers are live beside the eight of weights.
+          __m256i xa = bcast4(x), xb = bcast4(x + 4);
+          __m256i r0 = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(v[0], xa), _mm256_maddubs_epi16(v[2], xb)), sg0);
+          __m256i r1 = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(v[1], xa), _mm256_maddubs_epi16(v[3], xb)), sg1);
+          xa = bcast4(x + 8), xb = bcast4(x + 12);
+          r0 = _mm256_add_epi32(r0, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(v[4], xa), _mm256_maddubs_epi16(v[6], xb)), sg0));
+          r1 = _mm256_add_epi32(r1, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(v[5], xa), _mm256_maddubs_epi16(v[7], xb)), sg1));
+          *s0 = _mm256_add_epi32(*s0, r0);
+          *s1 = _mm256_add_epi32(*s1, r1);
+        }
+      }
+    }
+    for (int g = 0; g < 2; ++g) q6_k_x8_block_end(blk[g], sumi[g], accs[g], a, b, M);
+  }
+  write_groups(out, accs[0], 2, kRows * 8, M);
+}
+#endif
 
 template <int MT, int G>
 void dot_q8_0_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
@@ -1450,8 +1612,16 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t qa, QuantizedAc
 template <int MT, int G>
 void dot_x8_t(int64_t qtype, const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M, float* out) {
   switch (qtype) {
-    case kQ4_K_X8: return dot_q4_k_x8<MT, G>(grp, gap, step, nb, a, M, out);
-    case kQ6_K_X8: return dot_q6_k_x8<MT, G>(grp, gap, step, nb, a, M, out);
+    case kQ4_K_X8:
+#if !SPECSERVE_VNNI
+      if constexpr (G == 2) return dot_q4_k_x8_pair<MT>(grp, gap, step, nb, a, M, out);
+#endif
+      return dot_q4_k_x8<MT, G>(grp, gap, step, nb, a, M, out);
+    case kQ6_K_X8:
+#if !SPECSERVE_VNNI
+      if constexpr (G == 2) return dot_q6_k_x8_pair<MT>(grp, gap, step, nb, a, M, out);
+#endif
+      return dot_q6_k_x8<MT, G>(grp, gap, step, nb, a, M, out);
     case kQ8_0_X8: return dot_q8_0_x8<MT, G>(grp, gap, step, nb, a, M, out);
     case kQ4_0_X8: return dot_q4_q5_x8<MT, G, kQ4_0_X8>(grp, gap, step, nb, a, M, out);
     case kQ4_1_X8: return dot_q4_q5_x8<MT, G, kQ4_1_X8>(grp, gap, step, nb, a, M, out);
@@ -1526,6 +1696,24 @@ void dot_x16(int64_t qtype, const uint8_t* grp, int64_t nb, const Acts* a, int M
 std::atomic<int> g_wide_min_rows{5};
 #endif
 
+#if SPECSERVE_AVX2
+// Activation rows from which an AVX2 build (no VNNI) takes two 8-row Q4_K or Q6_K groups per pass
+// (dot_q4_k_x8_pair, dot_q6_k_x8_pair; 0: never). On a 2-vCPU Zen 3 EPYC (AVX2 only), one
+// thread, 2048 x 1536 products from the last-level cache, paired over one-group passes: Q4_K 1.00
+// / 1.05 / 0.92 / 0.91 / 1.01 / 0.99 / 1.13 / 1.10 / 1.17 / 1.20x at 1 / 2 / 3 / 4 / 5 / 6 / 8 /
+// 9 / 16 / 32 rows, Q6_K 1.00 / 0.91 / 0.91 / 0.90 / 1.01 / 1.04 / 1.09 / 1.04 / 1.26 / 1.33x
+// (1-4 rows: the one-group kernels keep their sums in registers). The Qwen2.5-Coder-1.5B's
+// products of a 5-token forward, both threads, streamed from memory, lost 6% paired (30 rounds
+// alternating), those of 9 tokens gained 1-3%, of 17 and 33 tokens 7-17%: so from 8 rows.
+// set_pair_min_rows changes it.
+std::atomic<int> g_pair_min_rows{SPECSERVE_VNNI ? 0 : 8};
+
+inline bool pair_pass(int64_t qtype, int rows) {
+  const int from = g_pair_min_rows.load(std::memory_order_relaxed);
+  return !SPECSERVE_VNNI && (qtype == kQ4_K_X8 || qtype == kQ6_K_X8) && from > 0 && rows >= from;
+}
+#endif
+
 // Dot products of rows [n0, n1) of `seg` with M activation rows; emit(m, n, value) receives every
 // result. Interleaved layouts take passes of up to kPassRows activation rows over each 8-row
 // group, or both groups of a paired row (n0 and n1 are then multiples of 8, or of 16 for paired
@@ -1537,9 +1725,9 @@ void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, i
   // A tile's results out[i * R + r] (activation rows m.., weight rows n..) to emit, activation row
   // by activation row: each row's R results are one contiguous run of the output, where M runs a
   // power-of-two stride apart share an L1 set (column by column: -30% at M = 16, N = 4096).
-  const auto emit_tile = [&](const float* out, int64_t m, int64_t mt, int64_t n) {
+  const auto emit_tile = [&](const float* out, int64_t m, int64_t mt, int64_t n, int64_t rows) {
     for (int64_t i = 0; i < mt; ++i)
-      for (int64_t r = 0; r < R; ++r) emit(m + i, n + r, out[i * R + r] + (seg.bias ? seg.bias[n + r] : 0.f));
+      for (int64_t r = 0; r < rows; ++r) emit(m + i, n + r, out[i * rows + r] + (seg.bias ? seg.bias[n + r] : 0.f));
   };
 #if SPECSERVE_AVX2
   if (R == 8 || R == 16) {
@@ -1552,6 +1740,12 @@ void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, i
       for (int64_t n = n0; n < n1; n += R) {
         const uint8_t* grp = seg.w + (n / R) * seg.row_bytes;
         if (R == 8) {
+          if (n + 16 <= n1 && pair_pass(q8, mt)) {  // two groups, stored one after the other
+            dot_x8_g<2>(q8, grp, seg.row_bytes, B, seg.nb, acts + m, mt, out);
+            emit_tile(out, m, mt, n, 16);
+            n += 8;
+            continue;
+          }
           dot_x8_g<1>(q8, grp, 0, B, seg.nb, acts + m, mt, out);
         } else {
 #if SPECSERVE_AMX
@@ -1566,7 +1760,7 @@ void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, i
 #endif
             dot_x8_g<2>(q8, grp, B, 2 * B, seg.nb, acts + m, mt, out);
         }
-        emit_tile(out, m, mt, n);
+        emit_tile(out, m, mt, n, R);
       }
     }
     return;
@@ -1583,7 +1777,7 @@ void segment_rows(const Segment& seg, const Acts* acts, int64_t M, int64_t n0, i
         case 2: dot_rows<2>(seg.qtype, row, seg.nb, acts + m, out); break;
         default: dot_rows<1>(seg.qtype, row, seg.nb, acts + m, out); break;
       }
-      emit_tile(out, m, mt, n);
+      emit_tile(out, m, mt, n, R);
     }
   }
 }
@@ -3969,6 +4163,25 @@ int64_t set_wide_min_rows(int64_t rows) {
 }
 bool has_vnni() { return SPECSERVE_VNNI != 0; }
 
+// Activation rows from which an AVX2 build without VNNI takes two Q4_K groups per pass (0: never,
+// and always 0 where the build has VNNI); set_pair_min_rows returns the previous value.
+int64_t pair_min_rows() {
+#if SPECSERVE_AVX2
+  return g_pair_min_rows.load();
+#else
+  return 0;
+#endif
+}
+
+int64_t set_pair_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "paired passes start at zero (never) or more activation rows, got ", rows);
+#if SPECSERVE_AVX2 && !SPECSERVE_VNNI
+  return g_pair_min_rows.exchange(static_cast<int>(std::min<int64_t>(rows, kPassRows + 1)));
+#else
+  return 0;
+#endif
+}
+
 // Whether passes can take the AMX tiles (compiled in and granted by the kernel), and the
 // activation rows from which they do (0: never); set_amx_min_rows returns the previous value.
 bool has_amx() {
@@ -4046,6 +4259,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wide_min_rows", &wide_min_rows, "activation rows from which passes go 512 bits wide (0: no AVX-512 path)");
   m.def("set_wide_min_rows", &set_wide_min_rows, "activation rows from which passes go 512 bits wide; returns the old value",
         py::arg("rows"));
+  m.def("pair_min_rows", &pair_min_rows, "activation rows from which AVX2 passes take two Q4_K groups at once (0: never)");
+  m.def("set_pair_min_rows", &set_pair_min_rows,
+        "activation rows from which AVX2 passes take two Q4_K groups at once (0: never); returns the old value", py::arg("rows"));
   m.def("set_prefetch_distance", &set_prefetch_distance,
         "software prefetch distance in bytes (0: off) of one-row passes, or of multi-row ones; returns the old one",
         py::arg("bytes"), py::arg("multi_row") = false);
