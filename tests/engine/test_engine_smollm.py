@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.errors import InvalidRequestError, PromptTooLongError, RequestTooLongError
+from specserve.errors import (
+    ConfigError,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestTooLongError,
+)
 
 PROMPTS = [
     "Hi",
@@ -145,6 +150,8 @@ def test_sampling_params_take_vllms_none_for_stop_token_ids_and_refuse_a_string_
 
 
 def test_bad_requests_change_nothing(smollm_checkpoint):
+    with pytest.raises(ConfigError, match="exceeds the model's context length 8192"):  # configuration, not a request
+        LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, max_model_len=10**9)
     llm = LLM("smollm2", dtype="float32", checkpoint=smollm_checkpoint, max_model_len=64)
     eng = llm.engine
     free = eng.kv_manager.num_free_blocks

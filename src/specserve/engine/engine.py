@@ -27,6 +27,7 @@ from specserve.defaults import resolve_defaults
 from specserve.engine.runner import ModelRunner, StepConnector, kv_bytes_per_token
 from specserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from specserve.errors import (
+    ConfigError,
     InvalidRequestError,
     PromptTooLongError,
     RequestTooLongError,
@@ -706,8 +707,8 @@ class LLMEngine:
         want = config.model.max_model_len
         if want is None:
             return min(native, DEFAULT_MAX_MODEL_LEN_CAP)
-        if want > native:
-            raise InvalidRequestError(
+        if want > native:  # the engine's configuration, not a request: a ConfigError as the others
+            raise ConfigError(
                 f"max_model_len={want} exceeds the model's context length {native}; "
                 f"use --max-model-len {native} or less."
             )
