@@ -467,3 +467,8 @@ def test_hf_config_and_index_that_disagree_with_the_checkpoint_are_corrupt(tmp_p
         index.write_text(json.dumps({"weight_map": weight_map}))
         with pytest.raises(CorruptModelError, match=match):
             load_model_files(tmp_path)
+    index.unlink()
+    weights.rename(tmp_path / "weights.bin")
+    weights.mkdir()  # a directory where the weights file belongs: named, not opened as weights
+    with pytest.raises(CorruptModelError, match=r"model.safetensors should be a safetensors file, and is not one"):
+        load_model_files(tmp_path)
