@@ -95,8 +95,8 @@ def test_paired_group_passes_equal_one_group_passes(qtype):
     k = kernels()
     if not k.has_avx2() or k.has_vnni():
         pytest.skip("paired passes are the AVX2 (no VNNI) kernels' (test_vnni_kernels_are_bit_identical_to_the_avx2_ones covers them there)")
-    assert k.pair_min_rows() == 8
     before = k.pair_min_rows()
+    assert before in (0, 8)  # 8 on AMD cores, 0 (off by default) on others
     try:
         for rows in (8, 24, 48, 136):
             lin = BlockQuantLinear(random_blocks(qtype, rows=rows, cols=1024, seed=rows), torch.randn(rows))

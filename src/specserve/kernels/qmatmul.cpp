@@ -40,6 +40,7 @@
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#include <cpuid.h>
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #define SPECSERVE_AVX2 1
@@ -1705,8 +1706,24 @@ std::atomic<int> g_wide_min_rows{5};
 // (1-4 rows: the one-group kernels keep their sums in registers). The Qwen2.5-Coder-1.5B's
 // products of a 5-token forward, both threads, streamed from memory, lost 6% paired (30 rounds
 // alternating), those of 9 tokens gained 1-3%, of 17 and 33 tokens 7-17%: so from 8 rows.
+// Only AMD cores by default: there a broadcast from memory also takes a vector pipe, which the
+// pairing saves; on Intel cores it is a load alone, and the pairing's extra multiply-add and add
+// per group and sub-block would be the only change (not measured: no AVX2-only Intel machine here).
 // set_pair_min_rows changes it.
-std::atomic<int> g_pair_min_rows{SPECSERVE_VNNI ? 0 : 8};
+bool amd_cpu() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  char vendor[13] = {};
+  std::memcpy(vendor, &b, 4);
+  std::memcpy(vendor + 4, &d, 4);
+  std::memcpy(vendor + 8, &c, 4);
+  return std::strcmp(vendor, "AuthenticAMD") == 0 || std::strcmp(vendor, "HygonGenuine") == 0;
+#else
+  return false;
+#endif
+}
+std::atomic<int> g_pair_min_rows{SPECSERVE_VNNI || !amd_cpu() ? 0 : 8};
 
 inline bool pair_pass(int64_t qtype, int rows) {
   const int from = g_pair_min_rows.load(std::memory_order_relaxed);
