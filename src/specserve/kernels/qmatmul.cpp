@@ -589,6 +589,39 @@ inline void write_groups(float* out, const float* accs, int G, int64_t stride, i
     for (int g = 0; g < G; ++g) std::memcpy(out + (m * G + g) * 8, accs + g * stride + 8 * m, sizeof(float) * 8);
 }
 
+// A Q4_K x8 sub-block's 8 six-bit scales (one a row, at sub), each in both int16 halves of its row's lane.
+inline __m256i q4_k_x8_scales(const uint8_t* sub) {
+  const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub)));
+  return _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));
+}
+
+// A Q6_K x8 chunk's 16 int8 scales widened (scale[r][e] for 16-value groups 2c + e), and each
+// row's scale of group e in both int16 halves of its lane.
+inline __m256i q6_k_x8_scales(const uint8_t* chunk) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
+}
+inline __m256i q6_k_x8_scale_of(__m256i sc16, int e) {
+  const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+  const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
+                                       2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+  return _mm256_shuffle_epi8(sc16, e == 0 ? even : odd);
+}
+
+// Half h of a Q6_K x8 chunk unpacked: v[k * stride] holds values 16h + 4k + i (i = 0..3) of each
+// row, 0..63 (ql's low 4 bits with qh's top 2).
+inline void q6_k_x8_values(const uint8_t* chunk, int h, __m256i* v, int stride) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i top = _mm256_set1_epi8(0x30);
+  const __m256i H = load32(chunk + 144 + 32 * h);
+  const __m256i L0 = load32(chunk + 16 + 64 * h);
+  const __m256i L1 = load32(chunk + 16 + 64 * h + 32);
+  v[0] = _mm256_or_si256(_mm256_and_si256(L0, low), _mm256_and_si256(_mm256_slli_epi16(H, 4), top));
+  v[stride] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), low), _mm256_and_si256(_mm256_slli_epi16(H, 2), top));
+  v[2 * stride] = _mm256_or_si256(_mm256_and_si256(L1, low), _mm256_and_si256(H, top));
+  v[3 * stride] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), low), _mm256_and_si256(_mm256_srli_epi16(H, 2), top));
+}
+
 // The end of a Q4_K x8 block for M activation rows: the mins (sum over sub-blocks of min * the sum
 // of x over the sub-block) and the block's float step into acc (8 floats a row).
 inline void q4_k_x8_block_end(const uint8_t* blk, const int32_t* sumi, float* acc, const Acts* a, int64_t b, int M) {
@@ -639,9 +672,10 @@ void dot_q4_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
       const SliceLines pf = slice_lines(blk, 1184, ahead, j, 8);
       if (M > 1) prefetch_lines(pf);  // several rows: the whole slice before the loads
       const uint8_t* sub = blk + 96 + 136 * j;
+#if SPECSERVE_VNNI
       const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub)));
-#if !SPECSERVE_VNNI
-      const __m256i sc = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));  // scale of row r in both int16 halves
+#else
+      const __m256i sc = q4_k_x8_scales(sub);
 #endif
       __m256i lo[4], hi[4];
       for (int i = 0; i < 4; ++i) {
@@ -718,10 +752,7 @@ void dot_q4_k_x8_pair(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb,
       prefetch_lines(slice_lines(blk1, 1184, ahead, j, 8));
       const uint8_t* sub0 = blk0 + 96 + 136 * j;
       const uint8_t* sub1 = blk1 + 96 + 136 * j;
-      const __m256i t0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub0)));
-      const __m256i t1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub1)));
-      const __m256i sc0 = _mm256_or_si256(t0, _mm256_slli_epi32(t0, 16));  // scale of row r in both int16 halves
-      const __m256i sc1 = _mm256_or_si256(t1, _mm256_slli_epi32(t1, 16));
+      const __m256i sc0 = q4_k_x8_scales(sub0), sc1 = q4_k_x8_scales(sub1);
       const int64_t off = b * 256 + 32 * j;
       for (int h = 0; h < 2; ++h) {
         // w[2i + g]: low nibbles of quarter 2h + i of group g (values 8i + k of the half), w[4 + 2i + g]: high (8i + 4 + k)
@@ -750,6 +781,10 @@ void dot_q4_k_x8_pair(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb,
         }
       }
     }
+    // The block's end reads the sums back from memory: told nothing of them, GCC kept a second
+    // copy of every sum on the stack across the row loop to spare those loads (llvm-mca: the
+    // 9-row loop 48.5 -> 60.5 cycles).
+    asm volatile("" ::: "memory");
     q4_k_x8_block_end(blk0, sumi[0], accs[0], a, b, M);
     q4_k_x8_block_end(blk1, sumi[1], accs[1], a, b, M);
   }
@@ -761,12 +796,6 @@ template <int MT, int G>
 void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i top = _mm256_set1_epi8(0x30);
-  const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
-                                        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
-  const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
-                                       2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
   alignas(32) float accs[G][kRows * 8];
   alignas(32) int32_t sumi[kRows * 8];
   zero_groups(accs[0], G, kRows * 8, M);
@@ -780,29 +809,16 @@ void dot_q6_k_x8(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, cons
       const SliceLines pf = slice_lines(blk, 1680, ahead, c, 8);
       if (M > 1) prefetch_lines(pf);  // several rows: the whole slice before the loads
       const uint8_t* chunk = blk + 16 + 208 * c;
-      const uint8_t* ql = chunk + 16;
-      const uint8_t* qh = chunk + 144;
-      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
+      const __m256i sc16 = q6_k_x8_scales(chunk);
 #if SPECSERVE_VNNI
       // Each row's scale as the int16 pair (scale, 0): vpdpwssd then adds scale * (low half).
-      const __m256i sc_a = _mm256_srli_epi32(_mm256_shuffle_epi8(sc16, even), 16);
-      const __m256i sc_b = _mm256_srli_epi32(_mm256_shuffle_epi8(sc16, odd), 16);
+      const __m256i sc_a = _mm256_srli_epi32(q6_k_x8_scale_of(sc16, 0), 16);
+      const __m256i sc_b = _mm256_srli_epi32(q6_k_x8_scale_of(sc16, 1), 16);
 #else
-      const __m256i sc_a = _mm256_shuffle_epi8(sc16, even);  // each row's scale in both int16 halves
-      const __m256i sc_b = _mm256_shuffle_epi8(sc16, odd);
+      const __m256i sc_a = q6_k_x8_scale_of(sc16, 0), sc_b = q6_k_x8_scale_of(sc16, 1);
 #endif
       __m256i v[8];  // v[4h + k]: values 16h + 4k + i (i = 0..3) of each row
-      for (int h = 0; h < 2; ++h) {
-        const __m256i H = load32(qh + 32 * h);
-        const __m256i L0 = load32(ql + 64 * h);
-        const __m256i L1 = load32(ql + 64 * h + 32);
-        v[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(L0, low), _mm256_and_si256(_mm256_slli_epi16(H, 4), top));
-        v[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), low),
-                                       _mm256_and_si256(_mm256_slli_epi16(H, 2), top));
-        v[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(L1, low), _mm256_and_si256(H, top));
-        v[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), low),
-                                       _mm256_and_si256(_mm256_srli_epi16(H, 2), top));
-      }
+      for (int h = 0; h < 2; ++h) q6_k_x8_values(chunk, h, v + 4 * h, 1);
       const int64_t off = b * 256 + 32 * c;
 #pragma GCC unroll 16
       for (int m = 0; m < M; ++m) {
@@ -853,12 +869,6 @@ template <int MT>
 void dot_q6_k_x8_pair(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb, const Acts* a, int M_, float* out) {
   constexpr int kRows = MT > 0 ? MT : kPassRows;
   const int M = MT > 0 ? MT : M_;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i top = _mm256_set1_epi8(0x30);
-  const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
-                                        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
-  const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
-                                       2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
   alignas(32) float accs[2][kRows * 8];
   alignas(32) int32_t sums[2][kRows * 8];
   int32_t (*sumi)[kRows * 8] = sums;  // opaque, as in dot_q4_k_x8_pair
@@ -873,8 +883,7 @@ void dot_q6_k_x8_pair(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb,
       prefetch_lines(slice_lines(blk[0], 1680, ahead, c, 8));
       prefetch_lines(slice_lines(blk[1], 1680, ahead, c, 8));
       const uint8_t* chunk[2] = {blk[0] + 16 + 208 * c, blk[1] + 16 + 208 * c};
-      const __m256i sc16_0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk[0])));
-      const __m256i sc16_1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk[1])));
+      const __m256i sc16_0 = q6_k_x8_scales(chunk[0]), sc16_1 = q6_k_x8_scales(chunk[1]);
       const int64_t off = b * 256 + 32 * c;
       // value = q - 32: subtract 32 * scale * sum(x) per 16-value group, first
 #pragma GCC unroll 16
@@ -888,18 +897,9 @@ void dot_q6_k_x8_pair(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb,
         *s1 = _mm256_sub_epi32(*s1, _mm256_slli_epi32(_mm256_madd_epi16(sc16_1, xs), 5));
       }
       for (int g = 0; g < 2; ++g) {  // 16-value group 2c + g: values 16g .. 16g + 15
-        const __m256i sg0 = _mm256_shuffle_epi8(sc16_0, g == 0 ? even : odd);  // each row's scale in both int16 halves
-        const __m256i sg1 = _mm256_shuffle_epi8(sc16_1, g == 0 ? even : odd);
+        const __m256i sg0 = q6_k_x8_scale_of(sc16_0, g), sg1 = q6_k_x8_scale_of(sc16_1, g);
         __m256i v[8];  // v[2k + e]: values 16g + 4k + i of group e's rows
-        for (int e = 0; e < 2; ++e) {
-          const __m256i H = load32(chunk[e] + 144 + 32 * g);
-          const __m256i L0 = load32(chunk[e] + 16 + 64 * g);
-          const __m256i L1 = load32(chunk[e] + 16 + 64 * g + 32);
-          v[e] = _mm256_or_si256(_mm256_and_si256(L0, low), _mm256_and_si256(_mm256_slli_epi16(H, 4), top));
-          v[2 + e] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), low), _mm256_and_si256(_mm256_slli_epi16(H, 2), top));
-          v[4 + e] = _mm256_or_si256(_mm256_and_si256(L1, low), _mm256_and_si256(H, top));
-          v[6 + e] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), low), _mm256_and_si256(_mm256_srli_epi16(H, 2), top));
-        }
+        for (int e = 0; e < 2; ++e) q6_k_x8_values(chunk[e], g, v + e, 2);
 #pragma GCC unroll 16
         for (int m = 0; m < M; ++m) {
           const int8_t* x = a[m].q + off + 16 * g;
@@ -918,6 +918,7 @@ void dot_q6_k_x8_pair(const uint8_t* grp, int64_t gap, int64_t step, int64_t nb,
         }
       }
     }
+    asm volatile("" ::: "memory");  // as in dot_q4_k_x8_pair
     for (int g = 0; g < 2; ++g) q6_k_x8_block_end(blk[g], sumi[g], accs[g], a, b, M);
   }
   write_groups(out, accs[0], 2, kRows * 8, M);

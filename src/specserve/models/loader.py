@@ -576,12 +576,11 @@ def _safetensors_files(path: Path) -> list[Path]:
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
-    entries = sorted(path.glob("*.safetensors"))
-    not_files = [f.name for f in entries if not f.is_file()]  # a directory (or a broken link) named like weights
+    files = sorted(path.glob("*.safetensors"))
+    not_files = [f.name for f in files if not f.is_file()]  # a directory (or a broken link) named like weights
     if not_files:
         raise CorruptModelError(f"{path}: {', '.join(not_files[:3])} should be a safetensors file, and is not one "
                                 "(a directory or a broken link); re-download or re-save the model.")
-    files = entries
     if not files:
         raise ModelNotFoundError(
             f"{path} has config.json but no *.safetensors weights; download the safetensors files "
